@@ -1,0 +1,78 @@
+"""``unmask generate MODEL --prompt TEXT``: one generation from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(sub, name):
+    p = sub.add_parser(name, help="generate text with a diffusion LM",
+                       description="Generate with block-wise iterative unmasking.")
+    p.add_argument("model", help="checkpoint directory (or hub id)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=None, help="total denoising steps (default: one token per step)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--remasking", default="low_confidence",
+                   help="low_confidence | margin | entropy | random")
+    p.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--cfg-scale", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--suffix", default=None, help="text after the generated region (infilling)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable, at most 4)")
+    p.add_argument("--cache", default="auto", help="auto | none | prefix | dual")
+    p.add_argument("--family", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--show-steps", action="store_true", help="print the canvas after every step (masks as _)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from unmask.cli.main import UsageError
+    from unmask.engine import CheckpointError, ParamError, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size,
+                                remasking=args.remasking, threshold=args.threshold, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale, seed=args.seed,
+                                suffix=args.suffix, stop=args.stop, cache=args.cache)
+    except ParamError as exc:
+        raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
+    from unmask.engine.detokenize import TokenTexts
+    from unmask.engine.llm import LLM
+
+    try:
+        llm = LLM(args.model, family=args.family, device=args.device, dtype=args.dtype, max_batch_size=1)
+        prompt_ids = (llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
+                      else llm.encode(args.prompt))
+        seq = llm.make_sequences(prompt_ids, params, "cli")[0]
+    except (CheckpointError, ParamError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    from unmask.engine.scheduler import Scheduler
+
+    texts = TokenTexts(llm.tokenizer)
+    sched = Scheduler(llm.denoiser, max_batch_size=1)
+    sched.add(seq)
+    t0 = time.perf_counter()
+    while sched.has_work():
+        for ev in sched.step():
+            if args.show_steps:
+                canvas = "".join("_" if t is None else texts(t) for t in ev.canvas)
+                print(f"[block {ev.block} step {ev.step} nfe {ev.nfe}] {canvas}", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - t0
+    out = llm.output_of(seq).outputs[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "steps": out.steps, "nfe": out.nfe, "seconds": round(seconds, 4),
+                          "tokens_per_second": round(len(out.token_ids) / seconds, 3) if seconds else None}))
+    else:
+        print(out.text)
+    return 0

@@ -1,0 +1,56 @@
+"""``unmask`` command line: one sub-command per module in this package (``generate``, ``convert``, ``serve``,
+``train``, ``export``, ``distill-data``, ``eval``, ``recipe``). Heavy imports happen inside each command, so
+``unmask --help`` is instant. Bad values exit with status 2 and a one-line reason."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command name -> module in unmask.cli exposing register(subparsers) and run(args) -> int
+COMMANDS = {
+    "generate": "generate",
+    "convert": "convert",
+    "serve": "serve",
+    "train": "train",
+    "export": "export",
+    "distill-data": "distill",
+    "eval": "evaluate",
+    "recipe": "recipe",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unmask", description="Diffusion LM inference server and A2D training")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"unmask.cli.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"unmask.cli.{module}":
+                continue
+            raise
+        p = mod.register(sub, name)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UsageError as exc:
+        print(f"unmask {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class UsageError(Exception):
+    """A bad command-line value or input file: printed as one line, exit status 2."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The diffusion-specific description of a checkpoint: the ``dllm`` section of ``config.json``.
+
+Every family adapter (``unmask.engine.families``) produces a :class:`DllmConfig`; the denoiser, the server and
+the trainer read only this object, never family-specific fields. See DESIGN.md sections 3, 6 and 10.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTENTION_MODES = ("bidirectional", "prefix_causal", "block_causal")
+FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar")
+BLOCK_ALIGNMENTS = ("generation", "absolute")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or its ``config.json`` is missing something or holds an invalid value.
+
+    The message always names the file (and the field) at fault.
+    """
+
+
+@dataclass
+class DllmConfig:
+    """Diffusion settings of one checkpoint.
+
+    Attributes:
+        family: one of ``FAMILIES``.
+        mask_token_id: id of the ``[MASK]`` noise token (from the checkpoint, never hard-coded in the engine).
+        attention: ``bidirectional`` | ``prefix_causal`` | ``block_causal`` (DESIGN.md section 2).
+        block_size: block size the checkpoint was trained with; the default for requests.
+        logit_shift: True when the logits for position j are read from output j-1 (AR-initialised models).
+        eos_token_ids: ids that end generation (EOS and end-of-turn), in order of preference.
+        pad_token_id: id used for padding rows in a batch (never generated); may equal an EOS id.
+        block_alignment: ``generation`` = blocks start at the first generated position (bidirectional and
+            prefix-causal models); ``absolute`` = blocks aligned to position 0 as the family was trained
+            (SDAR, Fast-dLLM v2): the prompt's last partial block is completed first (DESIGN.md section 10).
+        fixed_block_size: True when requests may not choose another block size (block-causal families).
+        sub_block_size: Fast-dLLM v2's per-request decoding window inside a block (None elsewhere).
+        default_sampling: default request fields (e.g. ``{"temperature": 0.0}``).
+        suppress_token_ids: extra ids that are never generated (besides mask and pad).
+    """
+
+    family: str
+    mask_token_id: int
+    attention: str
+    block_size: int
+    logit_shift: bool
+    eos_token_ids: list[int]
+    pad_token_id: int | None = None
+    block_alignment: str = "generation"
+    fixed_block_size: bool = False
+    sub_block_size: int | None = None
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    suppress_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "config.json:dllm") -> None:
+        """Raise :class:`CheckpointError` naming the field when a value is out of range."""
+        if self.family not in FAMILIES:
+            raise CheckpointError(f"{where}.family: {self.family!r} is not one of {FAMILIES}")
+        if self.attention not in ATTENTION_MODES:
+            raise CheckpointError(f"{where}.attention: {self.attention!r} is not one of {ATTENTION_MODES}")
+        if self.block_alignment not in BLOCK_ALIGNMENTS:
+            raise CheckpointError(f"{where}.block_alignment: {self.block_alignment!r} is not one of {BLOCK_ALIGNMENTS}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise CheckpointError(f"{where}.block_size: must be a positive integer, got {self.block_size!r}")
+        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            raise CheckpointError(f"{where}.mask_token_id: must be a non-negative integer, got {self.mask_token_id!r}")
+        if not self.eos_token_ids:
+            raise CheckpointError(f"{where}.eos_token_ids: at least one EOS id is required")
+
+    @property
+    def never_generate_ids(self) -> list[int]:
+        """Ids that get logit -inf before sampling: mask, pad (unless it is an EOS), and suppressed ids."""
+        ids = {self.mask_token_id, *self.suppress_token_ids}
+        if self.pad_token_id is not None and self.pad_token_id not in self.eos_token_ids:
+            ids.add(self.pad_token_id)
+        return sorted(ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict for the ``dllm`` section of ``config.json``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config.json:dllm") -> "DllmConfig":
+        """Build from the ``dllm`` section; unknown keys are an error naming them.
+
+        Raises:
+            CheckpointError: a required key is missing, a key is unknown, or a value is invalid.
+        """
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: must be an object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise CheckpointError(f"{where}: unknown field(s) {unknown}")
+        required = ("family", "mask_token_id", "attention", "block_size", "logit_shift", "eos_token_ids")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise CheckpointError(f"{where}: missing field(s) {missing}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # pragma: no cover - defensive
+            raise CheckpointError(f"{where}: {exc}") from exc

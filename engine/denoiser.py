@@ -1,0 +1,134 @@
+"""One batched denoising step over many sequences (DESIGN.md section 4, steps 1-8).
+
+Each sequence contributes one row per lane (two under CFG). Rows are right-padded to the longest chunk; the keys
+of a row are its lane's cached KV (padded to the longest cache) followed by its chunk. The boolean mask comes from
+the shared builder (``unmask.engine.attention``), so padding never changes a row's result: a row decodes the same
+tokens alone or in any batch (batch invariance, DESIGN.md section 10).
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import build_attention_mask
+from .kv_cache import BatchKV
+from .model import LoadedModel
+from .sampler import classifier_free_guidance, sample_candidates
+from .sequence import LaneInput, Sequence, StepEvent
+
+
+class Denoiser:
+    """Runs steps for a list of sequences on one model.
+
+    Args:
+        model: the loaded model.
+    """
+
+    def __init__(self, model: LoadedModel):
+        self.model = model
+        self.device = model.device
+        self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
+        self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        """Run one denoising step for every sequence in ``seqs`` (none may be finished).
+
+        Returns:
+            one :class:`StepEvent` per sequence, in order.
+        """
+        if not seqs:
+            return []
+        rows: list[tuple[Sequence, int, LaneInput]] = []
+        for seq in seqs:
+            for li, lane_in in enumerate(seq.lane_inputs()):
+                rows.append((seq, li, lane_in))
+        logits_by_row = self._forward(rows)
+        events = []
+        r = 0
+        for seq in seqs:
+            n_lanes = len(seq.lanes)
+            seq.nfe += n_lanes
+            cond = logits_by_row[r]
+            if n_lanes == 2:
+                cond = classifier_free_guidance(cond, logits_by_row[r + 1], seq.params.cfg_scale)
+            r += n_lanes
+            masked = seq.masked_positions()
+            cands = sample_candidates(
+                cond, seq.params, seq.generator, forbidden_ids=self.forbidden,
+                forbidden_rows=seq.min_tokens_rows(masked), row_forbidden_ids=seq.min_tokens_ids.to(self.device),
+                context_ids=seq.context_ids() if _has_penalty(seq) else None,
+            )
+            events.append(seq.apply(cands, masked))
+        return events
+
+    def _forward(self, rows: list[tuple[Sequence, int, LaneInput]]) -> list[torch.Tensor]:
+        """Batched forward; commits KV into lane caches; returns ``[N_r, V]`` logits per row (needed outputs)."""
+        dev = self.device
+        B = len(rows)
+        Q = max(int(inp.chunk.numel()) for _, _, inp in rows)
+        input_ids = torch.zeros(B, Q, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, Q, dtype=torch.long, device=dev)
+        grp = torch.full((B, Q), -2, dtype=torch.long, device=dev)
+        start = torch.zeros(B, Q, dtype=torch.long, device=dev)
+        committed = torch.zeros(B, Q, dtype=torch.bool, device=dev)
+        valid = torch.zeros(B, Q, dtype=torch.bool, device=dev)
+        lanes = []
+        for b, (seq, li, inp) in enumerate(rows):
+            n = int(inp.chunk.numel())
+            input_ids[b, :n] = inp.tokens
+            pos[b, :n] = inp.chunk
+            grp[b, :n] = inp.grp
+            start[b, :n] = inp.start
+            committed[b, :n] = inp.committed
+            valid[b, :n] = True
+            lane_cache = seq.lanes[li].cache
+            if inp.replace_cache:
+                lane_cache.clear()
+            lanes.append(lane_cache)
+        kv = BatchKV(lanes, dev)
+        c_pos, c_grp, c_valid = kv.key_meta()
+        mask = build_attention_mask(
+            q_pos=pos, q_grp=grp, q_start=start, q_valid=valid,
+            k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
+            k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
+        )
+        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv)
+        self.forwards += 1
+
+        # gather the needed outputs (and carries) in one LM-head call
+        gather_rows, gather_cols, spans = [], [], []
+        for b, (seq, li, inp) in enumerate(rows):
+            idx = inp.needed[inp.needed >= 0]
+            extra = [inp.carry_index] if inp.carry_index >= 0 else []
+            cols = torch.cat([idx, torch.tensor(extra, dtype=torch.long, device=dev)])
+            spans.append((len(gather_cols), int(idx.numel()), len(extra)))
+            gather_cols.extend(cols.tolist())
+            gather_rows.extend([b] * int(cols.numel()))
+        flat = hidden[torch.tensor(gather_rows, dtype=torch.long, device=dev),
+                      torch.tensor(gather_cols, dtype=torch.long, device=dev)]
+        logits = self.model.logits(flat)
+
+        out = []
+        for b, (seq, li, inp) in enumerate(rows):
+            off, n_needed, n_extra = spans[b]
+            lane_cache = seq.lanes[li].cache
+            got = logits[off: off + n_needed]
+            if bool((inp.needed < 0).any()):
+                row_logits = torch.empty(inp.needed.numel(), got.shape[-1], dtype=got.dtype, device=dev)
+                row_logits[inp.needed >= 0] = got
+                row_logits[inp.needed < 0] = lane_cache.carry_logits
+            else:
+                row_logits = got
+            out.append(row_logits)
+            if inp.commit.numel():
+                keys, values = kv.new_kv(b, inp.commit)
+                lane_cache.append(keys, values, inp.chunk[inp.commit], inp.grp[inp.commit])
+            if n_extra:
+                lane_cache.carry_logits = logits[off + n_needed]
+                lane_cache.carry_position = int(inp.chunk[inp.carry_index])
+        return out
+
+
+def _has_penalty(seq: Sequence) -> bool:
+    p = seq.params
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0

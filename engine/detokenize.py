@@ -1,0 +1,56 @@
+"""Token ids -> text for outputs and streams: stop strings, UTF-8-safe prefixes, per-token display text."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """Text of ``ids`` with special tokens (EOS, mask) skipped and no clean-up of spaces."""
+    if not ids:
+        return ""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def find_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
+    """Earliest occurrence of any stop string: ``(index, stop)``, or ``(-1, None)``."""
+    best, which = -1, None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best < 0 or i < best):
+            best, which = i, s
+    return best, which
+
+
+def stream_safe(text: str, stops: list[str]) -> str:
+    """The part of a still-growing ``text`` that can be shown now.
+
+    Holds back a trailing U+FFFD (a multi-byte character split across tokens) and the longest tail that is a
+    prefix of a stop string (so that no stop-string prefix ever leaks into a stream).
+    """
+    end = len(text)
+    while end > 0 and text[end - 1] == REPLACEMENT_CHAR:
+        end -= 1
+    text = text[:end]
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return text[: len(text) - hold]
+
+
+class TokenTexts:
+    """Cached display text of single tokens (for the denoising canvas and the revealed list)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._text = lru_cache(maxsize=65536)(self._one)
+
+    def _one(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def __call__(self, token_id: int) -> str:
+        return self._text(int(token_id))

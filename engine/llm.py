@@ -1,0 +1,121 @@
+"""Offline Python API in vLLM's style: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from .denoiser import Denoiser
+from .model import LoadedModel, load_model
+from .outputs import RequestOutput, completion_from
+from .params import ParamError, SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, StepEvent
+
+_ids = itertools.count()
+
+
+class LLM:
+    """A diffusion LM with continuous batching, for scripts and tests.
+
+    Args:
+        model: checkpoint directory / hub id, or an already :class:`LoadedModel`.
+        family: force a family (default: detect). device/dtype: ``auto`` or explicit.
+        max_batch_size: sequences decoded together.
+
+    Example::
+
+        llm = LLM("runs/smollm2-a2d")
+        out = llm.generate("Name three colours.", SamplingParams(max_tokens=32, temperature=0))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
+                 dtype: str = "auto", max_batch_size: int = 16):
+        self.model = model if isinstance(model, LoadedModel) else load_model(model, family, device, dtype)
+        self.denoiser = Denoiser(self.model)
+        self.max_batch_size = max_batch_size
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (a string is tokenised with the tokenizer's special tokens, e.g. BOS)."""
+        if isinstance(prompt, list):
+            return list(prompt)
+        return list(self.tokenizer(prompt).input_ids)
+
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
+        """Token ids of a chat rendered by the model's chat template with the generation prompt.
+
+        Raises:
+            ParamError: the tokenizer has no chat template and none was given.
+        """
+        tok = self.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ParamError("messages", "this model has no chat template; pass --chat-template or use completions")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       chat_template=chat_template)
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    def make_sequences(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1
+                       ) -> list[Sequence]:
+        """Sequences for one request: ``n`` choices with seeds seed, seed+1, ... (DESIGN.md section 10)."""
+        resolved = params.with_defaults(self.model.dllm.default_sampling)
+        return [Sequence(request_id, prompt_ids, replace(resolved, seed=resolved.seed + i), self.model.dllm,
+                         self.tokenizer, self.model.max_context, self.model.device) for i in range(n)]
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None,
+                 n: int = 1) -> list[RequestOutput]:
+        """Generate for one or many prompts (strings or token-id lists), batched. Returns one
+        :class:`RequestOutput` per prompt, in order.
+
+        Raises:
+            ParamError: invalid parameters for this model (names the field).
+        """
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sched = Scheduler(self.denoiser, max_batch_size=self.max_batch_size)
+        outputs: dict[str, RequestOutput] = {}
+        seqs: dict[str, list[Sequence]] = {}
+        t0 = time.time()
+        for prompt in prompts:
+            rid = f"gen-{next(_ids)}"
+            ids = self.encode(prompt)
+            seqs[rid] = self.make_sequences(ids, params, rid, n)
+            outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
+            for s in seqs[rid]:
+                sched.waiting.append(s)
+        while sched.has_work():
+            sched.step()
+        for rid, out in outputs.items():
+            out.outputs = [completion_from(s, i) for i, s in enumerate(seqs[rid])]
+            out.seconds = max((s.finish_time or time.time()) for s in seqs[rid]) - t0
+            firsts = [s.first_token_time for s in seqs[rid] if s.first_token_time]
+            out.time_to_first_token = (min(firsts) - t0) if firsts else None
+        return list(outputs.values())
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             chat_template: str | None = None) -> RequestOutput:
+        """Generate one answer to a chat (``[{"role", "content"}, ...]``)."""
+        return self.generate([self.apply_chat_template(messages, chat_template)], params)[0]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StepEvent]:
+        """Yield a :class:`StepEvent` per denoising step of one prompt; the last has ``finished=True``."""
+        params = params or SamplingParams()
+        seq = self.make_sequences(self.encode(prompt), params, f"stream-{next(_ids)}")[0]
+        sched = Scheduler(self.denoiser, max_batch_size=1)
+        sched.waiting.append(seq)
+        while sched.has_work():
+            yield from sched.step()
+
+    def output_of(self, seq: Sequence) -> RequestOutput:
+        """RequestOutput of a single finished sequence."""
+        return RequestOutput(seq.request_id, None, seq.prompt_ids, [completion_from(seq)],
+                             seconds=(seq.finish_time or time.time()) - seq.created,
+                             time_to_first_token=(seq.first_token_time - seq.created) if seq.first_token_time else None)

@@ -1,0 +1,149 @@
+"""A loaded diffusion model: the transformers module, its tokenizer and its :class:`DllmConfig`.
+
+``load_model`` detects the family (``config.json`` ``dllm.family``; foreign checkpoints by ``architectures`` /
+``model_type``; ``family=`` overrides) and hands over to the family adapter in ``unmask.engine.families``.
+The denoiser only calls :meth:`LoadedModel.hidden_states` and :meth:`LoadedModel.logits`.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import CheckpointError, DllmConfig
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``auto`` -> CUDA when available, else CPU. Raises ``ValueError`` for an unknown device string."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device: {exc}") from exc
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on CUDA with bf16 support, float16 on other CUDA, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the denoiser.
+
+    Attributes:
+        model: a transformers causal-LM module (``.base_model`` -> decoder stack, output embeddings -> LM head),
+            loaded with ``attn_implementation="sdpa"`` so that boolean 4-D masks take effect.
+        tokenizer: its tokenizer (chat template included when the checkpoint has one).
+        dllm: the diffusion settings.
+        path: where it was loaded from.
+        device, dtype: where the weights live.
+        max_context: the longest canvas (prompt + generation + suffix) the model accepts, in tokens.
+    """
+
+    model: Any
+    tokenizer: Any
+    dllm: DllmConfig
+    path: str
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+
+    def __post_init__(self) -> None:
+        self.model.eval()
+        self._decoder = self.model.base_model
+        self._head = self.model.get_output_embeddings()
+        params = inspect.signature(self._decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (logits width)."""
+        return int(self._head.weight.shape[0])
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      cache=None) -> torch.Tensor:
+        """Last hidden states ``[B, Q, H]`` for ``input_ids``/``position_ids`` ``[B, Q]`` int64 and a boolean mask
+        ``[B, 1, Q, C + Q]`` (C = cached keys in ``cache``, a :class:`~unmask.engine.kv_cache.BatchKV`)."""
+        kwargs = {self._cache_kw: cache, "use_cache": False}
+        out = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
+        return self._head(hidden).float()
+
+
+def read_config(path: str | Path) -> dict:
+    """``config.json`` of a checkpoint directory as a dict.
+
+    Raises:
+        CheckpointError: the directory or file is missing, or the JSON is invalid (with line and column).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory with config.json)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing (expected a Hugging Face checkpoint directory)")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local directory as is; an ``org/name`` hub id through huggingface_hub (uses the local cache offline).
+
+    Raises:
+        CheckpointError: neither a directory nor a resolvable hub id.
+    """
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(name_or_path))
+        except Exception as exc:  # network or cache miss
+            raise CheckpointError(f"{name_or_path}: not a local directory and not downloadable from the hub ({exc})") from exc
+    raise CheckpointError(f"{name_or_path}: no such directory")
+
+
+def load_model(name_or_path: str | os.PathLike, family: str | None = None, device: str = "auto",
+               dtype: str = "auto") -> LoadedModel:
+    """Load any supported dLLM checkpoint.
+
+    Args:
+        name_or_path: a checkpoint directory, or a hub id where a network (or the local hub cache) exists.
+        family: force a family (``a2d``, ``llada``, ``dream``, ``fast_dllm_v2``, ``sdar``); default: detect.
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``. dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
+
+    Raises:
+        CheckpointError: the directory is not a checkpoint of a known family (the message says what was expected).
+    """
+    from .families import detect_family, get_family
+
+    path = resolve_model_path(str(name_or_path))
+    config = read_config(path)
+    name = family or detect_family(config, path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    return get_family(name).load(path, config, dev, dt)

@@ -1,0 +1,138 @@
+"""Per-request sampling parameters, in the style of vLLM's ``SamplingParams`` (DESIGN.md sections 4 and 10)."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random")
+CACHE_MODES = ("auto", "none", "prefix", "dual")
+
+
+class ParamError(ValueError):
+    """An invalid request parameter; ``field`` names it (the server turns this into a 400 with ``param``)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.reason = message
+
+
+def _check_number(name: str, value, lo=None, hi=None, integer=False, lo_open=False):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParamError(name, f"must be a number, got {type(value).__name__}")
+    if integer and not float(value).is_integer():
+        raise ParamError(name, f"must be an integer, got {value!r}")
+    if not math.isfinite(value):
+        raise ParamError(name, f"must be finite, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ParamError(name, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ParamError(name, f"must be <= {hi}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    Attributes:
+        max_tokens: most tokens returned (the generation region is rounded up to whole blocks; the extra
+            positions are decoded but never returned). Default 256.
+        temperature: 0 = argmax; > 0 = Gumbel-max sampling with float64 noise. ``None`` = checkpoint default
+            (``dllm.default_sampling.temperature``), else 1.0.
+        top_k: keep the k most likely tokens (0 = off). top_p: nucleus filter (1.0 = off).
+        steps: total denoising steps for the whole generation (LLaDA's ``steps``), split over the blocks as evenly
+            as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step.
+        block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``.
+        remasking: which masked positions are revealed first: ``low_confidence`` | ``margin`` | ``entropy`` |
+            ``random`` (LLaDA / Dream names).
+        threshold: when set, threshold decoding (Fast-dLLM): reveal every position whose candidate probability
+            is >= threshold, and always at least the best one; ``steps`` is then ignored.
+        cfg_scale: classifier-free guidance scale s (LLaDA): ``l = l_u + (1 + s)(l_c - l_u)``; 0 = off.
+        seed: seed of the request's own ``torch.Generator``; ``None`` = random.
+        stop: stop strings (at most 4, non-empty). stop_token_ids: extra ids that end generation like EOS.
+        presence_penalty, frequency_penalty: OpenAI penalties over prompt + revealed tokens, in [-2, 2].
+        repetition_penalty: vLLM/CTRL penalty (> 0; 1 = off) over prompt + revealed tokens.
+        min_tokens: EOS and stop ids are forbidden at the first ``min_tokens`` generated positions.
+        ignore_eos: EOS does not end generation (vLLM); finish_reason is then ``length``.
+        suffix: text after the generated region (infilling; bidirectional models only).
+        constraints: fixed tokens ``{generated position: token id}`` (infilling; bidirectional models only).
+        cache: ``auto`` | ``none`` | ``prefix`` | ``dual`` (KV-cache policy; see ``unmask.engine.kv_cache``).
+        logprobs: record the log-probability each token had at the step it was revealed.
+
+    Raises:
+        ParamError: from :meth:`validate`, naming the field.
+    """
+
+    max_tokens: int = 256
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    steps: int | None = None
+    block_size: int | None = None
+    remasking: str = "low_confidence"
+    threshold: float | None = None
+    cfg_scale: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    suffix: str | list[int] | None = None
+    constraints: dict[int, int] = field(default_factory=dict)
+    cache: str = "auto"
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raise :class:`ParamError` naming the first bad one."""
+        _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
+        _check_number("temperature", self.temperature, lo=0, hi=100)
+        _check_number("top_k", self.top_k, lo=0, integer=True)
+        _check_number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
+        _check_number("steps", self.steps, lo=1, integer=True)
+        _check_number("block_size", self.block_size, lo=1, integer=True)
+        _check_number("threshold", self.threshold, lo=0, hi=1)
+        _check_number("cfg_scale", self.cfg_scale, lo=0, hi=100)
+        _check_number("seed", self.seed, lo=0, hi=2**63 - 1, integer=True)
+        _check_number("presence_penalty", self.presence_penalty, lo=-2, hi=2)
+        _check_number("frequency_penalty", self.frequency_penalty, lo=-2, hi=2)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0, hi=100, lo_open=True)
+        _check_number("min_tokens", self.min_tokens, lo=0, integer=True)
+        if self.remasking not in REMASKING_STRATEGIES:
+            raise ParamError("remasking", f"must be one of {list(REMASKING_STRATEGIES)}, got {self.remasking!r}")
+        if self.cache not in CACHE_MODES:
+            raise ParamError("cache", f"must be one of {list(CACHE_MODES)}, got {self.cache!r}")
+        if not isinstance(self.stop, list) or len(self.stop) > 4:
+            raise ParamError("stop", "must be a string or a list of at most 4 strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ParamError("stop", "stop strings must be non-empty strings")
+        for t in self.stop_token_ids:
+            _check_number("stop_token_ids", t, lo=0, integer=True)
+        if self.min_tokens and self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not isinstance(self.constraints, dict):
+            raise ParamError("constraints", "must be a mapping {generated position: token id}")
+        for pos, tok in self.constraints.items():
+            _check_number("constraints", pos, lo=0, hi=self.max_tokens - 1, integer=True)
+            _check_number("constraints", tok, lo=0, integer=True)
+        if self.suffix is not None and not isinstance(self.suffix, (str, list)):
+            raise ParamError("suffix", "must be a string or a list of token ids")
+
+    def with_defaults(self, default_sampling: dict | None = None) -> "SamplingParams":
+        """A copy with ``temperature`` and ``seed`` resolved (checkpoint default, random seed)."""
+        temperature = self.temperature
+        if temperature is None:
+            temperature = float((default_sampling or {}).get("temperature", 1.0))
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
+        return replace(self, temperature=temperature, seed=seed)

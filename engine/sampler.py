@@ -1,0 +1,176 @@
+"""Logits -> candidate tokens and confidences for the masked positions of one request (DESIGN.md section 4).
+
+Everything here works on one request at a time (``[N, V]`` logits of its N masked positions in the active block),
+with the request's own ``torch.Generator``: a row's result never depends on the other rows of the batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Candidates:
+    """Sampler output for N masked positions.
+
+    Attributes:
+        tokens: ``[N]`` int64 candidate token per position.
+        probability: ``[N]`` float64 probability of the candidate under the softmax of the final logits at
+            temperature 1 (the quantity compared with the threshold, DESIGN.md section 10).
+        score: ``[N]`` float64 ordering score of the remasking strategy (higher = revealed first).
+        logprob: ``[N]`` float32 log-probability of the candidate (reported as ``logprobs``).
+    """
+
+    tokens: torch.Tensor
+    probability: torch.Tensor
+    score: torch.Tensor
+    logprob: torch.Tensor
+
+
+def classifier_free_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """LLaDA's CFG: ``uncond + (1 + scale) * (cond - uncond)``; shapes ``[N, V]``, any float dtype."""
+    return uncond + (1.0 + scale) * (cond - uncond)
+
+
+def apply_penalties(logits: torch.Tensor, context_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Presence/frequency (OpenAI) and repetition (CTRL, as vLLM) penalties, in place.
+
+    Args:
+        logits: ``[N, V]`` float logits.
+        context_ids: ``[T]`` int64 prompt + revealed token ids (the tokens the penalties count).
+    """
+    if params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1.0:
+        return logits
+    V = logits.shape[-1]
+    ids = context_ids[(context_ids >= 0) & (context_ids < V)]
+    counts = torch.bincount(ids, minlength=V).to(logits.dtype)
+    present = counts > 0
+    if params.repetition_penalty != 1.0:
+        rp = params.repetition_penalty
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(present[None, :], penalised, logits)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts[None, :]
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * present.to(logits.dtype)[None, :]
+    return logits
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. ``[N, V]`` -> ``[N, V]``.
+
+    top-p keeps the smallest set of most likely tokens whose probability sums to >= top_p (Holtzman et al. 2020),
+    always at least one token.
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits.float(), dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = cum_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, NEG_INF)
+    return logits
+
+
+def sample_candidates(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    forbidden_ids: torch.Tensor | None = None,
+    forbidden_rows: torch.Tensor | None = None,
+    row_forbidden_ids: torch.Tensor | None = None,
+    context_ids: torch.Tensor | None = None,
+) -> Candidates:
+    """Choose a candidate token per masked position and score it.
+
+    Args:
+        logits: ``[N, V]`` logits (after logit shift and CFG) of the N masked positions of the active block.
+        params: the request's parameters (``temperature`` already resolved, not None).
+        generator: the request's generator; Gumbel noise is float64 uniform from it (LLaDA ``add_gumbel_noise``).
+        forbidden_ids: ``[F]`` ids that are never generated (mask, pad): logit -inf everywhere.
+        forbidden_rows: ``[N]`` bool, rows where ``row_forbidden_ids`` (EOS/stop ids under ``min_tokens``) are
+            also forbidden.
+        context_ids: ``[T]`` prompt + revealed ids for the penalties.
+
+    Returns:
+        :class:`Candidates`. Candidate: temperature 0 -> argmax; else ``argmax(l / T + g)`` with g standard
+        Gumbel (equal to LLaDA's ``argmax(exp(l) / (-log u)^T)``). Scores by ``params.remasking``:
+        ``low_confidence`` = p(candidate); ``margin`` = p1 - p2 (Dream); ``entropy`` = -H(p) (Dream);
+        ``random`` = uniform from the generator (LLaDA).
+    """
+    logits = logits.float()
+    if forbidden_ids is not None and forbidden_ids.numel():
+        logits[:, forbidden_ids] = NEG_INF
+    if forbidden_rows is not None and row_forbidden_ids is not None and bool(forbidden_rows.any()):
+        rows = forbidden_rows.nonzero(as_tuple=True)[0]
+        sub = logits[rows]
+        sub[:, row_forbidden_ids] = NEG_INF
+        logits[rows] = sub
+    if context_ids is not None:
+        logits = apply_penalties(logits, context_ids, params)
+    logits = filter_top_k_top_p(logits, params.top_k, params.top_p)
+
+    temperature = float(params.temperature or 0.0)
+    if temperature == 0.0:
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        l64 = logits.to(torch.float64)
+        u = torch.rand(l64.shape, dtype=torch.float64, generator=generator, device="cpu").to(l64.device)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        tokens = torch.argmax(l64 / temperature + gumbel, dim=-1)
+
+    log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    cand_logp = log_probs.gather(-1, tokens[:, None])[:, 0]
+    probability = cand_logp.exp()
+    strategy = params.remasking
+    if strategy == "low_confidence":
+        score = probability
+    elif strategy == "margin":
+        top2 = torch.topk(log_probs, 2, dim=-1).values.exp()
+        score = top2[:, 0] - top2[:, 1]
+    elif strategy == "entropy":
+        p = log_probs.exp()
+        score = torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim=-1)
+    elif strategy == "random":
+        score = torch.rand(tokens.shape, dtype=torch.float64, generator=generator, device="cpu").to(tokens.device)
+    else:  # pragma: no cover - validated in SamplingParams
+        raise ValueError(f"remasking: unknown strategy {strategy!r}")
+    return Candidates(tokens=tokens, probability=probability, score=score, logprob=cand_logp.float())
+
+
+def reveal_count(masked_left: int, steps_left: int) -> int:
+    """Quota-mode reveal count ``k = ceil(m / r)``, recomputed every step (LLaDA ``get_num_transfer_tokens``
+    gives the same counts when the block's masks divide evenly). ``steps_left <= 0`` reveals everything."""
+    if masked_left <= 0:
+        return 0
+    if steps_left <= 1:
+        return masked_left
+    return math.ceil(masked_left / steps_left)
+
+
+def select_reveals(cands: Candidates, quota: int | None, threshold: float | None) -> torch.Tensor:
+    """Indices (into the N candidates) to reveal this step.
+
+    Quota mode: the ``quota`` highest scores. Threshold mode: every candidate whose probability is >= threshold,
+    plus the highest score (at least one per step, Fast-dLLM). Returns a ``[k]`` int64 tensor, k >= 1 when N >= 1.
+    """
+    n = cands.tokens.shape[0]
+    if n == 0:
+        return torch.empty(0, dtype=torch.long)
+    best = torch.argmax(cands.score)
+    if threshold is not None:
+        chosen = cands.probability >= threshold
+        chosen[best] = True
+        return chosen.nonzero(as_tuple=True)[0]
+    k = max(1, min(int(quota or 1), n))
+    return torch.topk(cands.score, k).indices

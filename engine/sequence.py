@@ -1,0 +1,396 @@
+"""One generation in flight: its canvas, blocks, step budget, lanes and the reveal/finish rules.
+
+Layout of the canvas (DESIGN.md section 4): ``prompt (P) | generation region (G masks) | suffix (S)``, with G =
+``max_tokens`` rounded up to whole blocks (for absolute alignment: up to the next multiple of ``block_size`` from
+position 0, so that the prompt's last partial block is completed first). Positions past ``max_tokens`` are decoded
+but never returned.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import canvas_groups
+from .config import DllmConfig
+from .detokenize import decode, find_stop, stream_safe
+from .kv_cache import LaneCache
+from .params import ParamError, SamplingParams
+from .sampler import Candidates, reveal_count, select_reveals
+
+
+def split_steps(total_steps: int, num_blocks: int) -> list[int]:
+    """LLaDA's step budget split over blocks: as even as possible, remainder to the earliest blocks, at least one
+    step per block (no divisibility requirement). ``split_steps(10, 4) == [3, 3, 2, 2]``."""
+    if num_blocks <= 0:
+        return []
+    total_steps = max(total_steps, num_blocks)
+    base, rem = divmod(total_steps, num_blocks)
+    return [base + (1 if i < rem else 0) for i in range(num_blocks)]
+
+
+@dataclass
+class Revealed:
+    """A token revealed in one step. ``position`` counts from the first generated position."""
+
+    position: int
+    token_id: int
+    confidence: float
+    logprob: float
+
+
+@dataclass
+class StepEvent:
+    """What one denoising step did to one request (DESIGN.md section 4, step 8).
+
+    Attributes:
+        request_id: the request. block: block index. step: denoising step of the request, from 0, across blocks.
+        nfe: model forwards the request has taken part in so far (CFG counts twice).
+        revealed: tokens revealed in this step.
+        canvas: ``[max_tokens]`` token id per generated position, ``None`` where still masked.
+        text: the final, stream-safe text so far (UTF-8 complete, no stop-string prefix); grows monotonically.
+        finished: True on the request's last event; then ``finish_reason`` is ``stop`` | ``length`` | ``abort``.
+    """
+
+    request_id: str
+    block: int
+    step: int
+    nfe: int
+    revealed: list[Revealed]
+    canvas: list[int | None]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class LaneInput:
+    """What one lane forwards in one step.
+
+    ``chunk`` = canvas positions forwarded (``[Q]`` int64, ascending); ``grp``/``start``/``committed`` their
+    attention metadata; ``needed`` = chunk indices whose outputs are read (or -1 = use the lane's carry logits);
+    ``commit`` = chunk indices whose KV is appended to the lane cache after the forward; ``replace_cache`` = drop
+    the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last committed token, whose
+    output becomes the carry.
+    """
+
+    tokens: torch.Tensor
+    chunk: torch.Tensor
+    grp: torch.Tensor
+    start: torch.Tensor
+    committed: torch.Tensor
+    needed: torch.Tensor
+    commit: torch.Tensor
+    replace_cache: bool = False
+    carry_index: int = -1
+
+
+@dataclass
+class Lane:
+    """A canvas variant of a sequence: ``cond`` (the canvas) or ``uncond`` (prompt masked, for CFG)."""
+
+    kind: str
+    cache: LaneCache = field(default_factory=LaneCache)
+
+
+class Sequence:
+    """State of one generation.
+
+    Args:
+        request_id: id used in events.
+        prompt_ids: prompt token ids (already templated).
+        params: resolved parameters (``with_defaults`` applied: temperature and seed set).
+        dllm: the model's diffusion settings.
+        tokenizer: for suffix tokenisation, stop strings and text.
+        max_context: the model's context length in tokens.
+
+    Raises:
+        ParamError: a parameter that this model cannot honour (block size of a block-causal family, infilling on a
+            causal model, canvas longer than the context, a constraint outside the region...).
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, dllm: DllmConfig,
+                 tokenizer, max_context: int, device: torch.device | str = "cpu"):
+        if not prompt_ids:
+            raise ParamError("prompt", "must contain at least one token")
+        self.request_id = request_id
+        self.params = params
+        self.dllm = dllm
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.prompt_ids = list(prompt_ids)
+        P = self.prompt_len = len(prompt_ids)
+
+        bs = params.block_size or dllm.block_size
+        if dllm.fixed_block_size and params.block_size not in (None, dllm.block_size):
+            raise ParamError("block_size", f"this {dllm.family} model decodes with its trained block size "
+                                           f"{dllm.block_size} only, got {params.block_size}")
+        self.block_size = bs
+        causal = dllm.attention != "bidirectional"
+        suffix_ids: list[int] = []
+        if params.suffix is not None and params.suffix != "" and params.suffix != []:
+            if causal:
+                raise ParamError("suffix", f"infilling needs a bidirectional model; this model's attention is "
+                                           f"{dllm.attention}")
+            suffix_ids = (list(params.suffix) if isinstance(params.suffix, list)
+                          else tokenizer.encode(params.suffix, add_special_tokens=False))
+        if params.constraints and causal:
+            raise ParamError("constraints", f"fixed-position constraints need a bidirectional model; this model's "
+                                            f"attention is {dllm.attention}")
+
+        self.origin = 0 if dllm.block_alignment == "absolute" else P
+        gen_end = self.origin + math.ceil((P + params.max_tokens - self.origin) / bs) * bs
+        self.gen_len = gen_end - P
+        self.max_tokens = params.max_tokens
+        self.suffix_len = len(suffix_ids)
+        L = self.length = P + self.gen_len + self.suffix_len
+        if L > max_context:
+            raise ParamError("max_tokens", f"prompt ({P} tokens) + generation region ({self.gen_len} tokens"
+                                           f"{', rounded up to whole blocks' if self.gen_len != params.max_tokens else ''})"
+                                           f"{f' + suffix ({self.suffix_len})' if self.suffix_len else ''} = {L} "
+                                           f"exceeds the model's context of {max_context} tokens")
+        mask_id = dllm.mask_token_id
+        canvas = torch.full((L,), mask_id, dtype=torch.long)
+        canvas[:P] = torch.tensor(prompt_ids, dtype=torch.long)
+        if suffix_ids:
+            canvas[P + self.gen_len:] = torch.tensor(suffix_ids, dtype=torch.long)
+        for pos, tok in params.constraints.items():
+            canvas[P + int(pos)] = int(tok)
+        self.canvas = canvas.to(self.device)
+        self.logprobs = torch.zeros(self.gen_len, dtype=torch.float32)
+
+        first_block_start = self.origin + ((P - self.origin) // bs) * bs
+        self.blocks = [(s, s + bs) for s in range(first_block_start, gen_end, bs)]
+        self.threshold = params.threshold
+        total_masks = int((self.canvas[P:P + self.gen_len] == mask_id).sum())
+        self.block_steps = split_steps(params.steps or total_masks, len(self.blocks))
+
+        self.cache_mode = self._resolve_cache(params.cache)
+        self.lanes = [Lane("cond")] + ([Lane("uncond")] if params.cfg_scale > 0 else [])
+        self.generator = torch.Generator(device="cpu").manual_seed(int(params.seed or 0))
+        eos = [] if params.ignore_eos else list(dllm.eos_token_ids)
+        self.eos_ids = set(eos) | set(params.stop_token_ids)
+        self.min_tokens_ids = torch.tensor(sorted(set(dllm.eos_token_ids) | set(params.stop_token_ids)),
+                                           dtype=torch.long)
+
+        self.block_idx = 0
+        self.step_in_block = 0
+        self.step = 0
+        self.nfe = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.stream_text = ""
+        self.created = time.time()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.blocks_done_steps: list[int] = []
+        self._skip_empty_blocks()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _resolve_cache(self, mode: str) -> str:
+        causal = self.dllm.attention != "bidirectional"
+        if mode == "auto":
+            return "exact" if causal else "none"
+        if mode == "none":
+            return "none"
+        if causal:  # prefix/dual on a causal model: the exact cache is already a prefix cache
+            return "exact"
+        return mode  # prefix | dual on a bidirectional model (approximate, opt-in)
+
+    def _block_masked(self, b: int) -> torch.Tensor:
+        """Canvas positions of block b that are generation positions and still masked."""
+        s, e = self.blocks[b]
+        s = max(s, self.prompt_len)
+        pos = torch.arange(s, e, device=self.device)
+        return pos[self.canvas[s:e] == self.dllm.mask_token_id]
+
+    def _skip_empty_blocks(self) -> None:
+        while self.block_idx < len(self.blocks) and self._block_masked(self.block_idx).numel() == 0:
+            self.block_idx += 1
+            self.step_in_block = 0
+        self._check_finished()
+
+    @property
+    def active(self) -> tuple[int, int]:
+        """The active group ``[start, end)`` (the current block; with absolute alignment it may start inside
+        the prompt)."""
+        return self.blocks[self.block_idx]
+
+    # ------------------------------------------------------------------ one step: inputs
+    def lane_inputs(self) -> list[LaneInput]:
+        """What each lane forwards in the next step (see :class:`LaneInput`)."""
+        a, e = self.active
+        L = self.length
+        masked = self._block_masked(self.block_idx)
+        grp, start, committed = canvas_groups(L, self.dllm.attention, a, a, e, self.block_size, self.origin,
+                                              device=self.device)
+        out_pos = masked - 1 if self.dllm.logit_shift else masked
+        mode = self.cache_mode
+        causal = self.dllm.attention != "bidirectional"
+        inputs = []
+        for lane in self.lanes:
+            tokens = self.canvas
+            if lane.kind == "uncond":
+                tokens = self.canvas.clone()
+                tokens[: self.prompt_len] = self.dllm.mask_token_id
+            c = lane.cache.length
+            replace = False
+            if mode == "none":
+                lo, hi = 0, (e if causal else L)
+                commit_pos = torch.empty(0, dtype=torch.long, device=self.device)
+            elif mode == "exact":
+                lo, hi = c, e
+                commit_pos = torch.arange(c, a, device=self.device)
+            elif self.step_in_block == 0:  # prefix / dual refresh: full forward, cache around the block
+                lo, hi, replace = 0, L, True
+                commit_pos = torch.arange(0, a, device=self.device)
+                if mode == "dual":
+                    commit_pos = torch.cat([commit_pos, torch.arange(e, L, device=self.device)])
+            else:
+                lo = a
+                hi = L if mode == "prefix" else e
+                commit_pos = torch.empty(0, dtype=torch.long, device=self.device)
+            chunk = torch.arange(lo, hi, device=self.device)
+            needed = torch.where(out_pos >= lo, out_pos - lo, torch.full_like(out_pos, -1))
+            if bool((needed < 0).any()) and lane.cache.carry_position != int(a - 1):
+                raise RuntimeError(f"{self.request_id}: missing carry logits for position {a - 1}")  # pragma: no cover
+            carry_index = (a - 1 - lo) if (self.dllm.logit_shift and lo <= a - 1 < hi and mode != "none") else -1
+            inputs.append(LaneInput(tokens=tokens[lo:hi], chunk=chunk, grp=grp[lo:hi], start=start[lo:hi],
+                                    committed=committed[lo:hi], needed=needed, commit=commit_pos - lo,
+                                    replace_cache=replace, carry_index=carry_index))
+        return inputs
+
+    # ------------------------------------------------------------------ one step: reveal
+    def masked_positions(self) -> torch.Tensor:
+        """Canvas positions being predicted this step (the masked positions of the active block)."""
+        return self._block_masked(self.block_idx)
+
+    def context_ids(self) -> torch.Tensor:
+        """Prompt + revealed generated ids (for penalties)."""
+        region = self.canvas[: self.prompt_len + self.gen_len]
+        return region[region != self.dllm.mask_token_id]
+
+    def min_tokens_rows(self, masked: torch.Tensor) -> torch.Tensor | None:
+        """``[N]`` bool: masked positions where EOS/stop ids are forbidden by ``min_tokens``."""
+        if not self.params.min_tokens:
+            return None
+        return (masked - self.prompt_len) < self.params.min_tokens
+
+    def apply(self, cands: Candidates, masked: torch.Tensor) -> StepEvent:
+        """Reveal the chosen candidates, advance the block/step counters, check EOS/stop/length.
+
+        Args:
+            cands: candidates for ``masked`` (``[N]`` canvas positions, the active block's masks).
+        Returns:
+            the step's :class:`StepEvent`.
+        """
+        steps_left = self.block_steps[self.block_idx] - self.step_in_block
+        quota = None if self.threshold is not None else reveal_count(int(masked.numel()), steps_left)
+        chosen = select_reveals(cands, quota, self.threshold)
+        positions = masked[chosen]
+        tokens = cands.tokens[chosen]
+        self.canvas[positions] = tokens.to(self.canvas.device)
+        rel = (positions - self.prompt_len).cpu()
+        self.logprobs[rel] = cands.logprob[chosen].cpu()
+        revealed = [Revealed(int(p), int(t), float(c), float(lp)) for p, t, c, lp in
+                    zip(rel.tolist(), tokens.tolist(), cands.probability[chosen].tolist(),
+                        cands.logprob[chosen].tolist())]
+        block = self.block_idx
+        step = self.step
+        self.step += 1
+        self.step_in_block += 1
+        if self._block_masked(self.block_idx).numel() == 0:
+            self.blocks_done_steps.append(self.step_in_block)
+            self.block_idx += 1
+            self.step_in_block = 0
+            self._skip_empty_blocks()
+        else:
+            self._check_finished()
+        return StepEvent(request_id=self.request_id, block=block, step=step, nfe=self.nfe, revealed=revealed,
+                         canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
+                         finish_reason=self.finish_reason)
+
+    def canvas_view(self) -> list[int | None]:
+        """The first ``max_tokens`` generated positions: token id or ``None`` where masked."""
+        region = self.canvas[self.prompt_len: self.prompt_len + self.max_tokens].tolist()
+        m = self.dllm.mask_token_id
+        return [None if t == m else t for t in region]
+
+    def _check_finished(self) -> None:
+        """EOS (every earlier position revealed), stop strings on the revealed prefix, ``max_tokens``."""
+        if self.finished:
+            return
+        region = self.canvas[self.prompt_len: self.prompt_len + self.max_tokens].tolist()
+        m = self.dllm.mask_token_id
+        prefix = []
+        eos_hit = False
+        for t in region:
+            if t == m:
+                break
+            prefix.append(t)
+            if t in self.eos_ids:
+                eos_hit = True
+                break
+        complete = eos_hit or len(prefix) == self.max_tokens or self.block_idx >= len(self.blocks)
+        text_ids = prefix[:-1] if eos_hit else prefix
+        text = decode(self.tokenizer, text_ids)
+        stops = self.params.stop
+        idx, which = find_stop(text, stops) if stops else (-1, None)
+        if idx >= 0:
+            # fewest tokens whose text contains the stop string
+            n = len(text_ids)
+            for k in range(1, len(text_ids) + 1):
+                if find_stop(decode(self.tokenizer, text_ids[:k]), [which])[0] >= 0:
+                    n = k
+                    break
+            self._finish("stop", text_ids[:n], text[:idx])
+            return
+        if complete:
+            self._finish("stop" if eos_hit else "length", prefix, text)
+            return
+        safe = stream_safe(text, stops)
+        if len(safe) > len(self.stream_text) and safe.startswith(self.stream_text):
+            self.stream_text = safe
+            if self.first_token_time is None:
+                self.first_token_time = time.time()
+
+    def _finish(self, reason: str, ids: list[int], text: str) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        self.output_ids = list(ids)
+        self.text = text
+        if len(text) > len(self.stream_text):
+            if self.first_token_time is None and text:
+                self.first_token_time = time.time()
+        self.stream_text = text
+        self.finish_time = time.time()
+
+    def final_event(self) -> StepEvent:
+        """The last event of a sequence that finished without a further step."""
+        return StepEvent(request_id=self.request_id, block=self.block_idx, step=self.step, nfe=self.nfe,
+                         revealed=[], canvas=self.canvas_view(), text=self.stream_text, finished=True,
+                         finish_reason=self.finish_reason)
+
+    def abort(self) -> StepEvent:
+        """Cancel: mark finished with ``abort`` and free the lane caches."""
+        self.finished = True
+        self.finish_reason = "abort"
+        self.finish_time = time.time()
+        for lane in self.lanes:
+            lane.cache.clear()
+        return StepEvent(request_id=self.request_id, block=self.block_idx, step=self.step, nfe=self.nfe,
+                         revealed=[], canvas=self.canvas_view(), text=self.stream_text, finished=True,
+                         finish_reason="abort")
+
+    def release(self) -> None:
+        """Free cached KV (called when the sequence leaves the batch)."""
+        for lane in self.lanes:
+            lane.cache.clear()
+
+    def cache_bytes(self) -> int:
+        """Bytes of KV held by this sequence's lanes."""
+        return sum(lane.cache.nbytes() for lane in self.lanes)
