@@ -1,0 +1,77 @@
+"""Writing servable checkpoints atomically (DESIGN.md sections 6 and 10).
+
+A servable checkpoint is a Hugging Face directory (safetensors weights, ``config.json`` with a ``dllm`` section,
+tokenizer with its chat template). Everything is written into ``<out>.tmp-<pid>`` first and renamed into place,
+so a crash never leaves a half-written checkpoint under the final name. ``out`` must not exist or be empty.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .config import DllmConfig
+
+
+class CheckpointWriteError(RuntimeError):
+    """The output path exists and is not empty, or the write failed (the partial temporary is removed)."""
+
+
+def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig, overwrite: bool = False,
+                     extra_files: dict[str, bytes | str] | None = None) -> Path:
+    """Save ``model`` + ``tokenizer`` with ``dllm`` merged into ``config.json``, atomically.
+
+    Args:
+        out: final directory. It must not exist (or be empty) unless ``overwrite``.
+        model: a transformers ``PreTrainedModel`` (plain or bitsandbytes-quantized).
+        tokenizer: its tokenizer (saved with the chat template).
+        dllm: the diffusion settings, written as the ``dllm`` section.
+        extra_files: more files to place in the directory (name -> content).
+
+    Returns:
+        the final path.
+
+    Raises:
+        CheckpointWriteError: ``out`` is a non-empty directory (and not ``overwrite``), or saving failed.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CheckpointWriteError(f"{out}: exists and is not empty; choose a new directory")
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        model.config.dllm = dllm.to_dict()
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        cfg_path = tmp / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["dllm"] = dllm.to_dict()
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        for name, content in (extra_files or {}).items():
+            mode = "wb" if isinstance(content, bytes) else "w"
+            with open(tmp / name, mode) as fh:
+                fh.write(content)
+        _fsync_tree(tmp)
+        if out.exists():
+            old = out.parent / f"{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, CheckpointWriteError):
+            raise
+        raise CheckpointWriteError(f"{out}: write failed ({exc})") from exc
+    return out
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
