@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from unmask.cli import UsageError  # noqa: F401  (re-exported: unmask.cli.main.UsageError)
+
 # sub-command name -> module in unmask.cli exposing register(subparsers) and run(args) -> int
 COMMANDS = {
     "generate": "generate",
@@ -46,10 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"unmask {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-class UsageError(Exception):
-    """A bad command-line value or input file: printed as one line, exit status 2."""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,346 @@
+"""Decoding rules of the engine (DESIGN.md sections 4 and 10) on tiny random models."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tiny import loaded
+from unmask.engine import LLM, ParamError, SamplingParams
+from unmask.engine.sampler import filter_top_k_top_p, reveal_count, sample_candidates
+from unmask.engine.sequence import Sequence, split_steps
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. One two", "Paris"]
+
+
+@pytest.fixture(scope="module")
+def llms():
+    return {att: LLM(loaded(attention=att)) for att in ("prefix_causal", "block_causal", "bidirectional")}
+
+
+def _events(llm, prompt, params):
+    return list(llm.stream(prompt, params))
+
+
+# ---------------------------------------------------------------- step budget and reveal counts
+def test_split_steps_even_remainder_first_and_at_least_one():
+    assert split_steps(10, 4) == [3, 3, 2, 2]
+    assert split_steps(8, 2) == [4, 4]
+    assert split_steps(2, 5) == [1, 1, 1, 1, 1]  # steps < blocks: one step per block
+    assert sum(split_steps(257, 8)) == 257
+
+
+def test_reveal_count_recomputed_matches_llada_schedule():
+    # LLaDA get_num_transfer_tokens for 10 masks over 4 steps: [3, 3, 2, 2]
+    m, counts = 10, []
+    for r in range(4, 0, -1):
+        k = reveal_count(m, r)
+        counts.append(k)
+        m -= k
+    assert counts == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("max_tokens,steps,block", [(12, 5, 4), (10, 3, 4), (9, 20, 4), (16, 16, 8)])
+def test_reveals_per_block_sum_to_block_masks(llms, max_tokens, steps, block):
+    p = SamplingParams(max_tokens=max_tokens, steps=steps, block_size=block, temperature=0, ignore_eos=True)
+    evs = _events(llms["bidirectional"], PROMPTS[0], p)
+    seq_len = -(-max_tokens // block) * block
+    per_block: dict[int, int] = {}
+    for ev in evs:
+        per_block[ev.block] = per_block.get(ev.block, 0) + len(ev.revealed)
+    assert sum(per_block.values()) == seq_len
+    assert all(v == block for v in per_block.values())
+    # each block took exactly its share of the step budget
+    steps_per_block: dict[int, int] = {}
+    for ev in evs:
+        steps_per_block[ev.block] = steps_per_block.get(ev.block, 0) + 1
+    # (a block never spends more steps than it has masks: LLaDA would run forwards that reveal nothing)
+    assert list(steps_per_block.values()) == [min(s, block) for s in split_steps(steps, seq_len // block)]
+
+
+def test_one_token_per_step_when_steps_cover_positions(llms):
+    p = SamplingParams(max_tokens=8, block_size=4, temperature=0, ignore_eos=True)  # default steps
+    evs = _events(llms["prefix_causal"], PROMPTS[1], p)
+    assert all(len(ev.revealed) == 1 for ev in evs)
+    assert [ev.step for ev in evs] == list(range(8))
+
+
+def test_threshold_one_reveals_exactly_one_per_step(llms):
+    p = SamplingParams(max_tokens=8, block_size=4, temperature=0, threshold=1.0, ignore_eos=True)
+    evs = _events(llms["bidirectional"], PROMPTS[0], p)
+    assert len(evs) == 8 and all(len(ev.revealed) == 1 for ev in evs)
+
+
+def test_threshold_low_reveals_many_and_block_always_completes(llms):
+    p = SamplingParams(max_tokens=8, block_size=4, temperature=0, threshold=0.0, ignore_eos=True, steps=1)
+    evs = _events(llms["bidirectional"], PROMPTS[0], p)
+    assert len(evs) == 2 and all(len(ev.revealed) == 4 for ev in evs)  # steps ignored in threshold mode
+
+
+# ---------------------------------------------------------------- determinism and batching
+def test_same_seed_same_output_different_seed_differs(llms):
+    llm = llms["bidirectional"]
+    a = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True))
+    b = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True))
+    c = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=1.0, seed=2, ignore_eos=True))
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert a[0].outputs[0].token_ids != c[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("attention", ["prefix_causal", "block_causal", "bidirectional"])
+@pytest.mark.parametrize("cache", ["none", "auto"])
+def test_batch_invariance(llms, attention, cache):
+    """Each row of a batch of different prompt lengths and parameters equals generating it alone."""
+    llm = llms[attention]
+    params = [SamplingParams(max_tokens=10, temperature=0.8, seed=3, cache=cache, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0, block_size=2, cache=cache, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, top_k=5, seed=9, threshold=0.3, cache=cache,
+                             cfg_scale=0.5 if attention == "bidirectional" else 0.0, ignore_eos=True)]
+    alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(PROMPTS, params)]
+    seqs = []
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        seqs += llm.make_sequences(llm.encode(p), sp, f"r{i}")
+    from unmask.engine.scheduler import Scheduler
+
+    sched = Scheduler(llm.denoiser, max_batch_size=8)
+    for s in seqs:
+        sched.add(s)
+    while sched.has_work():
+        sched.step()
+    assert [s.output_ids for s in seqs] == alone
+
+
+@pytest.mark.parametrize("attention", ["prefix_causal", "block_causal"])
+def test_exact_cache_equals_no_cache(llms, attention):
+    llm = llms[attention]
+    for block in (1, 3, 4):
+        for prompt in PROMPTS:
+            outs = [llm.generate(prompt, SamplingParams(max_tokens=11, temperature=0, block_size=block, cache=c,
+                                                        ignore_eos=True))[0].outputs[0]
+                    for c in ("none", "auto")]
+            assert outs[0].token_ids == outs[1].token_ids, (block, prompt)
+
+
+def test_request_joining_mid_flight_gets_same_tokens(llms):
+    llm = llms["prefix_causal"]
+    from unmask.engine.scheduler import Scheduler
+
+    sp = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], sp)[0].outputs[0].token_ids
+    first = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), "a")[0]
+    late = llm.make_sequences(llm.encode(PROMPTS[1]), sp, "b")[0]
+    sched = Scheduler(llm.denoiser, max_batch_size=4)
+    sched.add(first)
+    for _ in range(5):
+        sched.step()
+    sched.add(late)
+    while sched.has_work():
+        sched.step()
+    assert late.output_ids == alone
+
+
+def test_abort_frees_slot_and_cache(llms):
+    llm = llms["prefix_causal"]
+    from unmask.engine.scheduler import Scheduler
+
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=32, ignore_eos=True), "x")[0]
+    sched = Scheduler(llm.denoiser)
+    sched.add(seq)
+    sched.step()
+    assert seq.cache_bytes() > 0
+    evs = sched.abort("x")
+    assert evs and evs[0].finish_reason == "abort"
+    assert not sched.running and seq.cache_bytes() == 0
+
+
+# ---------------------------------------------------------------- outputs, EOS, stop, lengths
+def test_never_mask_token_and_length_never_past_max_tokens(llms):
+    for att, llm in llms.items():
+        for mt in (1, 5, 9):
+            out = llm.generate(PROMPTS, SamplingParams(max_tokens=mt, block_size=4, temperature=1.0, seed=0))
+            for o in out:
+                ids = o.outputs[0].token_ids
+                assert len(ids) <= mt
+                assert llm.model.dllm.mask_token_id not in ids
+                if o.outputs[0].finish_reason == "length":
+                    assert len(ids) == mt
+
+
+def test_forbidden_ids_never_sampled_even_when_favoured():
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 50.0  # the mask id dominates
+    sp = SamplingParams(temperature=1.0, seed=0).with_defaults()
+    c = sample_candidates(logits, sp, torch.Generator().manual_seed(0), forbidden_ids=torch.tensor([7]))
+    assert 7 not in c.tokens.tolist()
+
+
+def test_top_p_keeps_smallest_nucleus_and_top_k():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(filter_top_k_top_p(logits.clone(), 0, 0.7))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_top_k_top_p(logits.clone(), 1, 1.0))
+    assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_eos_ends_request_and_is_counted_not_rendered():
+    m = loaded(attention="prefix_causal")
+    eos = m.dllm.eos_token_ids[0]
+    with torch.no_grad():  # make EOS overwhelmingly likely after a few tokens
+        m.model.lm_head.weight[eos] = m.model.lm_head.weight.mean(0) * 0 + 0.0
+        m.model.lm_head.bias = None
+    llm = LLM(m)
+    sp = SamplingParams(max_tokens=12, temperature=0, constraints={})
+    out = llm.generate(PROMPTS[0], sp)[0].outputs[0]
+    if eos in out.token_ids:
+        assert out.token_ids[-1] == eos and out.finish_reason == "stop"
+        assert out.token_ids.count(eos) == 1
+    # min_tokens forbids EOS at the first positions, ignore_eos never stops on it
+    out2 = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert out2.finish_reason == "length" and len(out2.token_ids) == 12
+
+
+def test_min_tokens_forbids_eos_early():
+    m = loaded(attention="bidirectional")
+    eos = m.dllm.eos_token_ids
+    with torch.no_grad():
+        for e in eos:
+            m.model.lm_head.weight[e] = m.model.lm_head.weight[e] * 0 + 1.0  # EOS strongly preferred
+    llm = LLM(m)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    out_min = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, min_tokens=5))[0].outputs[0]
+    assert len(out_min.token_ids) >= 5 and not (set(out_min.token_ids[:5]) & set(eos))
+    assert len(out.token_ids) <= len(out_min.token_ids)
+
+
+def test_stop_string_truncates_and_reports_stop(llms):
+    llm = llms["prefix_causal"]
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert len(full.text) > 4
+    stop = full.text[3:5]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    o = out.outputs[0]
+    assert o.finish_reason == "stop" and stop not in o.text and full.text.startswith(o.text)
+    assert o.text == full.text[: full.text.find(stop)]
+    # streamed text never contains a stop-string prefix beyond the final text
+    for ev in llm.stream(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop])):
+        assert o.text.startswith(ev.text)
+
+
+def test_stream_events_one_per_step_monotone_text(llms):
+    llm = llms["bidirectional"]
+    evs = _events(llm, PROMPTS[2], SamplingParams(max_tokens=8, block_size=4, temperature=0, cfg_scale=1.0,
+                                                   ignore_eos=True))
+    assert [e.step for e in evs] == list(range(len(evs)))
+    assert [e.nfe for e in evs] == [2 * (i + 1) for i in range(len(evs))]  # CFG: two forwards per step
+    assert evs[-1].finished and not any(e.finished for e in evs[:-1])
+    for a, b in zip(evs, evs[1:]):
+        assert b.text.startswith(a.text)
+        assert sum(t is None for t in b.canvas) <= sum(t is None for t in a.canvas)
+    assert all(t is not None for t in evs[-1].canvas)
+
+
+def test_cfg_zero_is_one_forward_per_step(llms):
+    evs = _events(llms["bidirectional"], PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert [e.nfe for e in evs] == [1, 2, 3, 4]
+
+
+def test_penalties_change_output_and_reduce_repeats(llms):
+    llm = llms["prefix_causal"]
+    base = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
+    pen = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                  repetition_penalty=3.0, frequency_penalty=2.0))[0].outputs[0]
+    assert len(set(pen.token_ids)) >= len(set(base.token_ids))
+
+
+# ---------------------------------------------------------------- infilling and block alignment
+def test_suffix_infilling_bidirectional_and_rejected_for_causal(llms):
+    llm = llms["bidirectional"]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, suffix=" the end", ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    with pytest.raises(ParamError, match="suffix"):
+        llms["prefix_causal"].generate(PROMPTS[0], SamplingParams(max_tokens=6, suffix="x"))
+    with pytest.raises(ParamError, match="constraints"):
+        llms["block_causal"].generate(PROMPTS[0], SamplingParams(max_tokens=6, constraints={0: 5}))
+
+
+def test_constraints_fix_tokens(llms):
+    llm = llms["bidirectional"]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, constraints={0: 42, 3: 43},
+                                                  ignore_eos=True))[0].outputs[0]
+    assert out.token_ids[0] == 42 and out.token_ids[3] == 43
+
+
+def test_absolute_block_alignment_completes_prompt_block_first():
+    m = loaded(attention="block_causal", block_size=4, block_alignment="absolute", fixed_block_size=True)
+    llm = LLM(m)
+    ids = llm.encode(PROMPTS[0])
+    seq = llm.make_sequences(ids, SamplingParams(max_tokens=5), "a")[0]
+    P = len(ids)
+    assert seq.blocks[0][0] == (P // 4) * 4 and (P + seq.gen_len) % 4 == 0 and seq.gen_len >= 5
+    with pytest.raises(ParamError, match="block_size"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, block_size=8))
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5
+
+
+def test_context_overflow_names_both_numbers(llms):
+    with pytest.raises(ParamError, match="exceeds the model's context of 512"):
+        llms["prefix_causal"].generate(PROMPTS[0], SamplingParams(max_tokens=600))
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2),
+                                         ("steps", 0), ("threshold", 1.5), ("remasking", "best"),
+                                         ("cfg_scale", float("nan")), ("stop", ["a", "b", "c", "d", "e"]),
+                                         ("stop", [""]), ("cache", "full"), ("repetition_penalty", 0)])
+def test_bad_params_name_the_field(field, value):
+    with pytest.raises(ParamError) as exc:
+        SamplingParams(**{field: value})
+    assert exc.value.field == field
+
+
+def test_attention_masks_take_effect():
+    """Bidirectional rows see later tokens; prefix-causal committed rows do not (DESIGN.md section 10)."""
+    from unmask.engine.attention import build_attention_mask, canvas_groups
+
+    m = loaded()
+    x = torch.tensor([[5, 9, 17, 33, 40, 41]])
+    y = x.clone()
+    y[0, -1] = 77
+    pos = torch.arange(6)[None]
+
+    def logits(ids, att):
+        g, s, c = canvas_groups(6, att, committed_until=4, active_start=4, active_end=6, block_size=2,
+                                block_origin=4)
+        v = torch.ones(1, 6, dtype=torch.bool)
+        mask = build_attention_mask(pos, g[None], s[None], v, pos, g[None], c[None], v)
+        with torch.no_grad():
+            return m.logits(m.hidden_states(ids, pos, mask)[0])
+
+    for att, changes_early in (("bidirectional", True), ("prefix_causal", False)):
+        a, b = logits(x, att), logits(y, att)
+        assert (not torch.allclose(a[0], b[0], atol=1e-5)) == changes_early, att
+        assert not torch.allclose(a[4], b[4], atol=1e-5)  # the active block is bidirectional in both
+
+
+# ---------------------------------------------------------------- command line
+def test_cli_generate_json_and_bad_value(tmp_path):
+    from unmask.engine.checkpoint import write_checkpoint
+
+    m = loaded()
+    write_checkpoint(tmp_path / "ckpt", m.model, m.tokenizer, m.dllm)
+    cmd = [sys.executable, "-m", "unmask.cli.main", "generate", str(tmp_path / "ckpt"), "--prompt", "Hello",
+           "--max-tokens", "6", "--json", "--show-steps"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert set(obj) == {"text", "token_ids", "finish_reason", "steps", "nfe", "seconds", "tokens_per_second"}
+    assert obj["steps"] >= 1 and obj["nfe"] >= obj["steps"]
+    assert "[block 0 step 0" in r.stderr
+    bad = subprocess.run(cmd[:-2] + ["--top-p", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "top-p" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    missing = subprocess.run([sys.executable, "-m", "unmask.cli.main", "generate", str(tmp_path / "nope"),
+                              "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "nope" in missing.stderr
