@@ -1,0 +1,87 @@
+"""Loading checkpoints: local directories, hub ids through the local hub cache, clear errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiny import loaded
+from unmask.engine import CheckpointError, LLM, SamplingParams
+from unmask.engine.checkpoint import CheckpointWriteError, write_checkpoint
+from unmask.engine.model import load_model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    m = loaded(attention="prefix_causal")
+    out = tmp_path_factory.mktemp("ck") / "a2d"
+    write_checkpoint(out, m.model, m.tokenizer, m.dllm)
+    return out, m
+
+
+def test_a2d_round_trip_same_logits_and_tokens(ckpt):
+    out, m = ckpt
+    re = load_model(out)
+    assert re.dllm == m.dllm
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert LLM(re).generate("Hello", sp)[0].outputs[0].token_ids == LLM(m).generate("Hello", sp)[0].outputs[0].token_ids
+
+
+def test_hub_id_resolves_from_local_cache(ckpt, tmp_path):
+    """`org/name` goes through huggingface_hub; offline it is served from the local hub cache."""
+    out, _ = ckpt
+    code = f"""
+import os, shutil, pathlib
+cache = pathlib.Path({str(tmp_path)!r}) / "hub"
+snap = cache / "models--tiny-org--tiny-a2d" / "snapshots" / ("0" * 40)
+snap.parent.mkdir(parents=True)
+shutil.copytree({str(out)!r}, snap)
+(cache / "models--tiny-org--tiny-a2d" / "refs").mkdir()
+(cache / "models--tiny-org--tiny-a2d" / "refs" / "main").write_text("0" * 40)
+os.environ["HF_HUB_CACHE"] = str(cache)
+os.environ["HF_HUB_OFFLINE"] = "1"
+from unmask.engine.model import load_model
+m = load_model("tiny-org/tiny-a2d")
+print(m.dllm.family, m.path)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("a2d ") and "snapshots" in r.stdout
+
+
+def test_errors_name_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_model(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_model(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"a": 1,\n "b": }')
+    with pytest.raises(CheckpointError, match=r"config.json:2:\d+: invalid JSON"):
+        load_model(bad)
+    ar = tmp_path / "ar"
+    ar.mkdir()
+    (ar / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="unmask convert"):
+        load_model(ar)
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({"dllm": {"family": "a2d", "mask_token_id": 1,
+                                                            "attention": "sideways", "block_size": 4,
+                                                            "logit_shift": True, "eos_token_ids": [0]}}))
+    with pytest.raises(CheckpointError, match="attention"):
+        load_model(wrong)
+
+
+def test_write_checkpoint_never_over_non_empty_dir(ckpt, tmp_path):
+    _, m = ckpt
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "keep.txt").write_text("x")
+    with pytest.raises(CheckpointWriteError, match="not empty"):
+        write_checkpoint(target, m.model, m.tokenizer, m.dllm)
+    assert (target / "keep.txt").read_text() == "x"
+    assert not list(tmp_path.glob("t.tmp-*"))
