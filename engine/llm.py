@@ -16,6 +16,55 @@ from .sequence import Sequence, StepEvent
 _ids = itertools.count()
 
 
+def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+    """Token ids of a prompt: a string is tokenised with the tokenizer's special tokens (e.g. BOS); a list of ids
+    is returned as a copy."""
+    if isinstance(prompt, list):
+        return list(prompt)
+    return list(tokenizer(prompt).input_ids)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], chat_template: str | None = None) -> list[int]:
+    """Token ids of a chat (``[{"role", "content"}, ...]``) rendered by the model's chat template (or
+    ``chat_template``, a Jinja string) with the generation prompt; the rendered text is tokenised without adding
+    special tokens again (the template writes them).
+
+    Raises:
+        ParamError: (field ``messages``) the tokenizer has no chat template and none was given.
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ParamError("messages", "this model has no chat template; pass --chat-template or use completions")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         chat_template=chat_template)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                   n: int = 1, choice_ids: bool = False) -> list[Sequence]:
+    """The sequences of one request: ``n`` choices with seeds seed, seed+1, ... (DESIGN.md section 10).
+
+    Shared by :class:`LLM` and :class:`~unmask.engine.async_engine.AsyncEngine` so that both decode a request
+    identically.
+
+    Args:
+        model: the loaded model (its ``dllm.default_sampling`` resolves ``temperature``; a missing seed is drawn
+            at random once per request).
+        prompt_ids: prompt token ids. params: the request's parameters. request_id: id put on the events.
+        n: number of choices (>= 1).
+        choice_ids: give choice i the id ``f"{request_id}-{i}"`` instead of ``request_id`` (so that events of
+            different choices can be told apart).
+
+    Raises:
+        ParamError: ``n`` is not a positive integer, or a parameter this model cannot honour (names the field).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ParamError("n", f"must be a positive integer, got {n!r}")
+    resolved = params.with_defaults(model.dllm.default_sampling)
+    return [Sequence(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
+                     replace(resolved, seed=resolved.seed + i), model.dllm, model.tokenizer, model.max_context,
+                     model.device) for i in range(n)]
+
+
 class LLM:
     """A diffusion LM with continuous batching, for scripts and tests.
 
@@ -43,30 +92,17 @@ class LLM:
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (a string is tokenised with the tokenizer's special tokens, e.g. BOS)."""
-        if isinstance(prompt, list):
-            return list(prompt)
-        return list(self.tokenizer(prompt).input_ids)
+        """Token ids of a prompt (see :func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
-        """Token ids of a chat rendered by the model's chat template with the generation prompt.
-
-        Raises:
-            ParamError: the tokenizer has no chat template and none was given.
-        """
-        tok = self.tokenizer
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ParamError("messages", "this model has no chat template; pass --chat-template or use completions")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                       chat_template=chat_template)
-        return list(tok(text, add_special_tokens=False).input_ids)
+        """Token ids of a chat rendered with the generation prompt (see :func:`chat_prompt_ids`)."""
+        return chat_prompt_ids(self.tokenizer, messages, chat_template)
 
     def make_sequences(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1
                        ) -> list[Sequence]:
-        """Sequences for one request: ``n`` choices with seeds seed, seed+1, ... (DESIGN.md section 10)."""
-        resolved = params.with_defaults(self.model.dllm.default_sampling)
-        return [Sequence(request_id, prompt_ids, replace(resolved, seed=resolved.seed + i), self.model.dllm,
-                         self.tokenizer, self.model.max_context, self.model.device) for i in range(n)]
+        """Sequences for one request (see :func:`make_sequences`)."""
+        return make_sequences(self.model, prompt_ids, params, request_id, n)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None,

@@ -1,0 +1,383 @@
+"""The engine the server talks to: one background thread owns the model and the scheduler; asyncio code submits
+requests and consumes their :class:`~unmask.engine.sequence.StepEvent` streams (DESIGN.md sections 1 and 4,
+"Scheduling").
+
+Threading model:
+
+* The **engine thread** is the only code that touches the :class:`~unmask.engine.scheduler.Scheduler`, the
+  sequences' canvases and the model. It sleeps on a condition variable while there is no work, otherwise it
+  moves newly submitted sequences into the scheduler, applies pending aborts, and runs one step.
+* The **event loop** side calls :meth:`AsyncEngine.submit` (validation, building the sequences, admission checks:
+  all synchronous, so errors surface as exceptions at the call) and iterates the returned
+  :class:`RequestStream`. Events cross threads with ``loop.call_soon_threadsafe(queue.put_nowait, ...)`` into one
+  ``asyncio.Queue`` per request.
+* :meth:`AsyncEngine.abort` only records the request id; the engine thread applies it before its next step, so a
+  cancelled request takes part in at most the one step that was already running (its slot and KV cache are freed
+  then).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from .denoiser import Denoiser
+from .llm import make_sequences
+from .model import LoadedModel
+from .params import ParamError, SamplingParams
+from .scheduler import CacheFull, QueueFull, Scheduler
+from .sequence import Sequence, StepEvent
+
+__all__ = ["AsyncEngine", "RequestStream", "EngineError", "EngineClosed", "QueueFull", "CacheFull", "ParamError"]
+
+log = logging.getLogger("unmask.engine")
+_END = object()
+_auto_ids = itertools.count()
+
+
+class EngineError(RuntimeError):
+    """A genuine fault inside the engine thread (e.g. a model forward raised); the request was dropped."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shut down (or its thread died) and accepts no more requests."""
+
+
+class RequestStream(AsyncIterator[StepEvent]):
+    """The events of one submitted request, as an async iterator (returned by :meth:`AsyncEngine.submit`).
+
+    Every :class:`StepEvent` of every choice is yielded in the order the engine produced them; the iterator ends
+    after the last choice's ``finished`` event. :meth:`index_of` gives an event's choice index.
+
+    Attributes:
+        request_id: the id given to :meth:`AsyncEngine.submit`.
+        sequences: one :class:`Sequence` per choice (index = choice index). After a choice's finished event its
+            ``output_ids``, ``text``, ``finish_reason``, ``nfe``, ``step``, ``logprobs`` and
+            ``blocks_done_steps`` are final.
+        submitted: wall time (``time.time()``, seconds) of the submit.
+        first_step_time: wall time at which the engine started the request's first step (None before); queue
+            time = ``first_step_time - submitted``.
+
+    Raises (while iterating):
+        EngineError: the engine failed while running this request.
+        EngineClosed: the engine shut down before the request finished.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, sequences: list[Sequence],
+                 loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.sequences = sequences
+        self.submitted = time.time()
+        self.first_step_time: float | None = None
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._index = {seq.request_id: i for i, seq in enumerate(sequences)}
+        self._open = len(sequences)  # choices not finished yet (engine thread only)
+        self._closed = False
+
+    # ------------------------------------------------------------------ consumer side
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StepEvent:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self._closed = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._closed = True
+            raise item
+        return item
+
+    def index_of(self, event: StepEvent) -> int:
+        """Choice index (0..n-1) of one of this request's events."""
+        return self._index[event.request_id]
+
+    @property
+    def finished(self) -> bool:
+        """True when every choice has finished (stop, length or abort)."""
+        return all(s.finished for s in self.sequences)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds between submit and the request's first step (None while still waiting)."""
+        return None if self.first_step_time is None else max(0.0, self.first_step_time - self.submitted)
+
+    def abort(self) -> None:
+        """Cancel the request (same as ``engine.abort(request_id)``)."""
+        self._engine.abort(self.request_id)
+
+    # ------------------------------------------------------------------ engine-thread side
+    def _put(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    """Continuous-batching engine for asyncio servers.
+
+    Args:
+        loaded_model: the :class:`LoadedModel` to serve.
+        max_batch_size: most sequences decoded together in one step.
+        max_queue: most sequences waiting for a batch slot; a submit beyond it raises :class:`QueueFull`
+            (HTTP 429). A request with ``n`` choices counts ``n``.
+        max_cached_tokens: KV budget in canvas tokens (see :class:`Scheduler`); a request that can never fit raises
+            :class:`CacheFull` (HTTP 503). ``None`` = unlimited.
+
+    Counters (read from any thread; updated by the engine thread after every step):
+        ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished
+        requests. ``nfe``: batched model forwards run by the engine (engine-level NFE; a request's own NFE is
+        ``Sequence.nfe``). ``steps``: scheduler steps run.
+
+    Example::
+
+        engine = AsyncEngine(load_model("ckpt"))
+        stream = engine.submit(prompt_ids, SamplingParams(max_tokens=32, seed=0), "req-1")
+        async for event in stream:
+            print(event.text)
+        engine.shutdown()
+    """
+
+    def __init__(self, loaded_model: LoadedModel, max_batch_size: int = 16, max_queue: int = 256,
+                 max_cached_tokens: int | None = None):
+        if max_queue < 1:
+            raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
+        self.model = loaded_model
+        self.denoiser = Denoiser(loaded_model)
+        self.scheduler = Scheduler(self.denoiser, max_batch_size=max_batch_size, max_queue=max_queue,
+                                   max_cached_tokens=max_cached_tokens)
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.max_cached_tokens = max_cached_tokens
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[RequestStream, list[Sequence]]] = []  # guarded by _cond
+        self._aborts: set[str] = set()  # guarded by _cond
+        self._queued_seqs = 0  # sequences in _inbox + scheduler.waiting; guarded by _cond
+        self._requests: dict[str, RequestStream] = {}  # guarded by _cond (written by both sides)
+        self._owner: dict[str, RequestStream] = {}  # sequence id -> request; engine thread only
+        self._stopping = False
+        self.num_running = 0
+        self.num_waiting = 0
+        self.steps = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="unmask-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API (event-loop side)
+    @property
+    def nfe(self) -> int:
+        """Batched model forwards run so far (engine-level NFE)."""
+        return self.denoiser.forwards
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine thread runs and accepts requests."""
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, n: int = 1,
+               fit_max_tokens: bool = False) -> RequestStream:
+        """Queue one request (``n`` choices with seeds seed, seed+1, ...) and return its event stream.
+
+        Must be called from a running event loop (the stream's events are delivered to it).
+
+        Args:
+            prompt_ids: prompt token ids (already templated).
+            params: sampling parameters (``temperature``/``seed`` ``None`` = checkpoint default / random).
+            request_id: unique id (default: generated). n: number of choices.
+            fit_max_tokens: ``params.max_tokens`` is a default rather than the client's value: lower it until the
+                canvas fits the model's context (DESIGN.md section 10: "lowered to the remaining context when
+                unset").
+
+        Raises:
+            ParamError: invalid or unsatisfiable parameters (names the field; e.g. ``max_tokens`` when prompt +
+                generation region exceed the context, with both numbers).
+            QueueFull: ``max_queue`` sequences are already waiting (retry later).
+            CacheFull: the request alone exceeds the KV budget.
+            EngineClosed: the engine is shut down or its thread died.
+        """
+        loop = asyncio.get_running_loop()
+        if not self.alive:
+            raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
+        request_id = request_id or f"req-{next(_auto_ids)}"
+        seqs = self._build(list(prompt_ids), params, request_id, n, fit_max_tokens)
+        need = seqs[0].length * len(seqs[0].lanes)
+        if self.max_cached_tokens is not None and need > self.max_cached_tokens:
+            raise CacheFull(f"request needs {need} cached tokens; the engine's KV budget is {self.max_cached_tokens}")
+        stream = RequestStream(self, request_id, seqs, loop)
+        with self._cond:
+            if request_id in self._requests:
+                raise ParamError("request_id", f"{request_id!r} is already in flight")
+            if self._queued_seqs + len(seqs) > self.max_queue:
+                raise QueueFull(f"waiting queue is full ({self._queued_seqs} of {self.max_queue} sequences waiting)")
+            self._queued_seqs += len(seqs)
+            self._requests[request_id] = stream
+            self._inbox.append((stream, seqs))
+            self.num_waiting += 1
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (waiting or running). Safe to call from any thread, twice, or after it finished.
+        The engine thread drops it before its next step and frees its batch slot and KV cache; the stream then
+        yields a final event per unfinished choice with ``finish_reason="abort"``."""
+        with self._cond:
+            if request_id in self._requests:
+                self._aborts.add(request_id)
+                self._cond.notify()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine thread after its current step; unfinished requests get :class:`EngineClosed`."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def stats(self) -> dict:
+        """Counters as a dict: running/waiting requests, engine NFE, steps (for /health and logs)."""
+        return {"running": self.num_running, "waiting": self.num_waiting, "nfe": self.nfe, "steps": self.steps}
+
+    # ------------------------------------------------------------------ helpers
+    def _build(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int,
+               fit: bool) -> list[Sequence]:
+        if not fit:
+            return make_sequences(self.model, prompt_ids, params, request_id, n, choice_ids=True)
+        # lower max_tokens to what fits: the generation region is rounded up to whole blocks, so at most
+        # block_size - 1 further reductions after the first guess
+        ctx = self.model.max_context
+        m = min(params.max_tokens, ctx - len(prompt_ids))
+        last: ParamError | None = None
+        while m >= 1:
+            try:
+                return make_sequences(self.model, prompt_ids, replace(params, max_tokens=m,
+                                                                      min_tokens=min(params.min_tokens, m)),
+                                      request_id, n, choice_ids=True)
+            except ParamError as exc:
+                if exc.field != "max_tokens":
+                    raise
+                last = exc
+                m -= 1
+        raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; the model's context of {ctx} tokens "
+                                   f"leaves no room to generate" + (f" ({last.reason})" if last else ""))
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        sched = self.scheduler
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._inbox or self._aborts or sched.has_work()):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    new, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, set()
+                for stream, seqs in new:
+                    for seq in seqs:
+                        self._owner[seq.request_id] = stream
+                        sched.waiting.append(seq)  # admission was checked at submit
+                for rid in aborts:
+                    self._abort_now(rid)
+                if not sched.has_work():
+                    self._update_counters()
+                    continue
+                t_step = time.time()
+                try:
+                    events = sched.step()
+                except Exception as exc:  # a genuine fault: fail the requests in the batch, keep serving
+                    log.exception("engine step failed")
+                    self._fail_running(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                    self._update_counters()
+                    continue
+                self.steps += 1
+                puts = self._deliver(events, t_step)
+                self._update_counters()  # before the consumers hear of it: a finished stream sees settled counters
+                self._flush(puts)
+        except BaseException as exc:  # pragma: no cover - the thread itself died
+            self.error = exc
+            log.exception("engine thread died")
+        finally:
+            self._close_all()
+
+    def _deliver(self, events: list[StepEvent], t_step: float) -> list[tuple[RequestStream, object]]:
+        """Bookkeeping for a step's events; returns the (stream, item) pairs to send with :meth:`_flush`."""
+        puts: list[tuple[RequestStream, object]] = []
+        for ev in events:
+            stream = self._owner.get(ev.request_id)
+            if stream is None:  # pragma: no cover - defensive
+                continue
+            if stream.first_step_time is None:
+                stream.first_step_time = t_step
+            puts.append((stream, ev))
+            if ev.finished:
+                del self._owner[ev.request_id]
+                stream._open -= 1
+                if stream._open == 0:
+                    puts.append((stream, _END))
+                    with self._cond:
+                        self._requests.pop(stream.request_id, None)
+        return puts
+
+    @staticmethod
+    def _flush(puts: list[tuple[RequestStream, object]]) -> None:
+        for stream, item in puts:
+            stream._put(item)
+
+    def _abort_now(self, request_id: str) -> None:
+        stream = self._requests.get(request_id)
+        if stream is None:
+            return
+        events = []
+        for seq in stream.sequences:
+            if not seq.finished and seq.request_id in self._owner:
+                events.extend(self.scheduler.abort(seq.request_id))
+        puts = self._deliver(events, time.time())
+        self._update_counters()
+        self._flush(puts)
+
+    def _fail_running(self, error: BaseException) -> None:
+        failed = []
+        for stream in {self._owner[s.request_id] for s in self.scheduler.running if s.request_id in self._owner}:
+            for seq in stream.sequences:
+                if seq.request_id in self._owner:
+                    self.scheduler.abort(seq.request_id)
+                    del self._owner[seq.request_id]
+            failed.append(stream)
+            with self._cond:
+                self._requests.pop(stream.request_id, None)
+        self._update_counters()
+        for stream in failed:
+            stream._put(error)
+
+    def _update_counters(self) -> None:
+        running_ids = {self._owner[s.request_id].request_id for s in self.scheduler.running
+                       if s.request_id in self._owner}
+        with self._cond:
+            self._queued_seqs = len(self.scheduler.waiting) + sum(len(seqs) for _, seqs in self._inbox)
+            self.num_running = len(running_ids)
+            self.num_waiting = len(self._requests) - len(running_ids & self._requests.keys())
+
+    def _close_all(self) -> None:
+        closed = EngineClosed("the engine shut down before the request finished")
+        with self._cond:
+            streams = list(self._requests.values())
+            self._requests.clear()
+            self._inbox.clear()
+            self._stopping = True
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            seq.release()
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self._owner.clear()
+        for stream in streams:
+            stream._put(closed)
+        self.num_running = self.num_waiting = 0

@@ -1,0 +1,222 @@
+"""AsyncEngine: one engine thread, asyncio consumers; batch-invariant results, aborts, admission errors."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tiny import loaded
+from unmask.engine.async_engine import AsyncEngine, CacheFull, EngineClosed, EngineError, QueueFull
+from unmask.engine.llm import LLM
+from unmask.engine.params import ParamError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return loaded(block_size=4)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(stream):
+    events = [ev async for ev in stream]
+    return events
+
+
+def test_concurrent_requests_equal_llm_generate_alone(model):
+    prompts = ["The quick brown fox", "Diffusion language models", "One two three", "Grüße aus"]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, seed=1),
+              SamplingParams(max_tokens=7, temperature=0.9, seed=7, block_size=3),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=3, steps=6, remasking="margin"),
+              SamplingParams(max_tokens=8, temperature=0.7, seed=11, threshold=0.5, logprobs=True)]
+    llm = LLM(model, max_batch_size=1)
+    alone = []
+    for p, sp in zip(prompts, params):
+        out = llm.generate(p, sp, n=2)[0]
+        alone.append([(o.token_ids, o.text, o.finish_reason, o.nfe, o.steps, o.logprobs) for o in out.outputs])
+
+    async def main():
+        engine = AsyncEngine(model, max_batch_size=8)
+        try:
+            streams = [engine.submit(llm.encode(p), sp, f"r{i}", n=2) for i, (p, sp) in enumerate(zip(prompts, params))]
+            all_events = await asyncio.gather(*(collect(s) for s in streams))
+            return streams, all_events, engine.stats()
+        finally:
+            engine.shutdown()
+
+    streams, all_events, stats = run(main())
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    for stream, events, want in zip(streams, all_events, alone):
+        got = []
+        for i, seq in enumerate(stream.sequences):
+            lp = seq.logprobs[: len(seq.output_ids)].tolist() if seq.params.logprobs else None
+            got.append((seq.output_ids, seq.text, seq.finish_reason, seq.nfe, seq.step, lp))
+            if lp is not None:  # batched float32 arithmetic: equal tokens, log-probabilities equal to 1e-4
+                assert lp == pytest.approx(want[i][5], abs=1e-4)
+                got[-1] = got[-1][:5] + (want[i][5],)
+            mine = [ev for ev in events if stream.index_of(ev) == i]
+            assert mine[-1].finished and not any(ev.finished for ev in mine[:-1])
+            assert mine[-1].text == seq.text
+            texts = [ev.text for ev in mine]
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "stream text must only grow"
+            assert [ev.step for ev in mine if ev.revealed] == list(range(len([ev for ev in mine if ev.revealed])))
+        assert got == want
+        assert stream.finished and stream.queue_time is not None
+
+
+def test_abort_frees_slot_and_stops_spending_steps(model):
+    async def main():
+        engine = AsyncEngine(model, max_batch_size=1, max_queue=4)
+        try:
+            long = engine.submit([5, 6, 7], SamplingParams(max_tokens=400, temperature=0, seed=0, ignore_eos=True),
+                                 "long")
+            seen = 0
+            async for ev in long:
+                seen += 1
+                if seen == 3:
+                    break
+            assert engine.num_running == 1
+            nfe_at_abort = engine.nfe
+            long.abort()
+            rest = [ev async for ev in long]
+            assert rest[-1].finished and rest[-1].finish_reason == "abort"
+            nfe_after = engine.nfe
+            assert nfe_after - nfe_at_abort <= 1 + len(rest)  # steps already queued to us + the one in flight
+            await asyncio.sleep(0.2)
+            # at most the step that was in flight when the abort arrived
+            assert engine.nfe == nfe_after
+            assert engine.num_running == 0 and not engine.scheduler.running and not engine.scheduler.waiting
+            assert long.sequences[0].cache_bytes() == 0
+            # the freed slot serves the next request (max_batch_size=1)
+            short = engine.submit([5, 6, 7], SamplingParams(max_tokens=6, temperature=0, seed=0), "short")
+            evs = await asyncio.wait_for(collect(short), 30)
+            assert evs[-1].finished and evs[-1].finish_reason in ("stop", "length")
+            engine.abort("short")  # after finishing: a no-op
+            engine.abort("never-submitted")
+            return seen
+        finally:
+            engine.shutdown()
+
+    assert run(main()) == 3
+
+
+def test_abort_while_waiting(model):
+    async def main():
+        engine = AsyncEngine(model, max_batch_size=1)
+        try:
+            a = engine.submit([5, 6], SamplingParams(max_tokens=200, temperature=0, seed=0, ignore_eos=True), "a")
+            await a.__anext__()
+            b = engine.submit([5, 6], SamplingParams(max_tokens=8, temperature=0, seed=0), "b", n=2)
+            b.abort()
+            evs = await asyncio.wait_for(collect(b), 30)
+            assert [ev.finish_reason for ev in evs] == ["abort", "abort"]
+            assert all(s.step == 0 for s in b.sequences)
+            a.abort()
+            await collect(a)
+            for _ in range(50):
+                if engine.num_running == 0 and engine.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+        finally:
+            engine.shutdown()
+
+    run(main())
+
+
+def test_submit_errors_are_synchronous(model):
+    async def main():
+        engine = AsyncEngine(model, max_batch_size=1, max_queue=1, max_cached_tokens=100)
+        try:
+            with pytest.raises(ParamError) as e:
+                engine.submit([5] * 10, SamplingParams(max_tokens=600), "x")
+            assert e.value.field == "max_tokens" and "512" in str(e.value) and "10 tokens" in str(e.value)
+            with pytest.raises(ParamError) as e:
+                engine.submit([], SamplingParams(max_tokens=4), "x")
+            assert e.value.field == "prompt"
+            with pytest.raises(ParamError) as e:
+                engine.submit([5], SamplingParams(max_tokens=4), "x", n=0)
+            assert e.value.field == "n"
+            with pytest.raises(CacheFull):
+                engine.submit([5] * 90, SamplingParams(max_tokens=20), "x")
+            a = engine.submit([5, 6], SamplingParams(max_tokens=80, temperature=0, seed=0, ignore_eos=True), "a")
+            await a.__anext__()  # a is running: the queue is empty again
+            b = engine.submit([5, 6], SamplingParams(max_tokens=4, temperature=0, seed=0), "b")
+            with pytest.raises(QueueFull):
+                engine.submit([5, 6], SamplingParams(max_tokens=4, temperature=0, seed=0), "c")
+            with pytest.raises(ParamError):
+                engine.submit([5, 6], SamplingParams(max_tokens=4), "b")  # duplicate id in flight
+            a.abort()
+            await collect(a)
+            evs = await asyncio.wait_for(collect(b), 30)
+            assert evs[-1].finish_reason in ("stop", "length")
+        finally:
+            engine.shutdown()
+
+    run(main())
+
+
+def test_fit_max_tokens_lowers_default_to_context(model):
+    async def main():
+        engine = AsyncEngine(model)
+        try:
+            # 507-token prompt, context 512, block 4: 5 would round up to 8 positions -> lowered to 4
+            s = engine.submit([5] * 507, SamplingParams(max_tokens=256, temperature=0, seed=0, ignore_eos=True),
+                              "fit", fit_max_tokens=True)
+            assert s.sequences[0].max_tokens == 4
+            await collect(s)
+            assert len(s.sequences[0].output_ids) == 4
+            with pytest.raises(ParamError) as e:
+                engine.submit([5] * 512, SamplingParams(max_tokens=256), "full", fit_max_tokens=True)
+            assert e.value.field == "prompt" and "512" in str(e.value)
+        finally:
+            engine.shutdown()
+
+    run(main())
+
+
+def test_engine_fault_fails_request_then_serves(model, monkeypatch):
+    async def main():
+        engine = AsyncEngine(model)
+        try:
+            real = engine.denoiser.step
+            calls = {"n": 0}
+
+            def broken(seqs):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("boom")
+                return real(seqs)
+
+            monkeypatch.setattr(engine.denoiser, "step", broken)
+            s = engine.submit([5, 6], SamplingParams(max_tokens=20, temperature=0, seed=0, ignore_eos=True), "f")
+            with pytest.raises(EngineError, match="boom"):
+                await asyncio.wait_for(collect(s), 30)
+            assert not engine.scheduler.running
+            ok = engine.submit([5, 6], SamplingParams(max_tokens=4, temperature=0, seed=0), "ok")
+            evs = await asyncio.wait_for(collect(ok), 30)
+            assert evs[-1].finished
+        finally:
+            engine.shutdown()
+
+    run(main())
+
+
+def test_shutdown_closes_open_streams(model):
+    async def main():
+        engine = AsyncEngine(model, max_batch_size=1)
+        s = engine.submit([5, 6], SamplingParams(max_tokens=400, temperature=0, seed=0, ignore_eos=True), "s")
+        await s.__anext__()
+        t0 = time.time()
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        assert time.time() - t0 < 10
+        with pytest.raises(EngineClosed):
+            await asyncio.wait_for(collect(s), 10)
+        assert not engine.alive
+        with pytest.raises(EngineClosed):
+            engine.submit([5], SamplingParams(max_tokens=2), "late")
+
+    run(main())
