@@ -1,0 +1,32 @@
+"""``unmask export SRC OUT --quantization nf4|int8|none``: a servable (quantized) checkpoint from a training run."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub, name):
+    p = sub.add_parser(name, help="export a trained checkpoint (merged, optionally quantized with bitsandbytes)",
+                       description="Write a servable checkpoint from a checkpoint directory or a training OUT "
+                                   "(its latest), quantized with bitsandbytes NF4 / int8 or not at all.")
+    p.add_argument("src", help="checkpoint directory, or a training output directory (uses its latest)")
+    p.add_argument("out", help="new output directory")
+    p.add_argument("--quantization", default="nf4", choices=["nf4", "int8", "none"])
+    p.add_argument("--device", default="cpu", help="cpu | cuda (where to quantize)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (non-quantized tensors)")
+    p.add_argument("--no-verify", action="store_true", help="skip the reload-and-compare-logits check")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from unmask.cli.main import UsageError
+    from unmask.engine.config import CheckpointError
+    from unmask.training.export import ExportError, export
+
+    try:
+        res = export(args.src, args.out, args.quantization, device=args.device, dtype=args.dtype,
+                     verify=not args.no_verify)
+    except (ExportError, CheckpointError) as exc:
+        raise UsageError(str(exc)) from exc
+    print(json.dumps(res))
+    return 0

@@ -1,0 +1,69 @@
+"""``unmask train --model DIR --data FILE --out DIR``: masked-diffusion fine-tuning of an a2d checkpoint.
+
+Runs in one CPU process by default; ``accelerate launch`` / ``torchrun`` run the same command with DDP. See
+``unmask.training.trainer`` for the output layout (checkpoints, ``latest``, metrics CSV, loss PNG).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub, name):
+    p = sub.add_parser(name, help="fine-tune an a2d checkpoint with a masked-diffusion objective",
+                       description="Masked-diffusion fine-tuning (MDLM / block diffusion) of an a2d checkpoint.")
+    p.add_argument("--model", required=True, help="a2d checkpoint directory (`unmask convert` output)")
+    p.add_argument("--data", required=True, help="JSONL: `messages` chats or `prompt`/`completion` (distill-data)")
+    p.add_argument("--out", required=True, help="output directory (checkpoint-<step>/, latest, metrics.csv, loss.png)")
+    p.add_argument("--objective", default="block", choices=["mdlm", "block"],
+                   help="mdlm: one t per sequence (bidirectional); block: every block in one forward (default)")
+    p.add_argument("--trainable", default="full", choices=["full", "freeze_ffn", "qk_only", "lora", "qlora"])
+    p.add_argument("--block-size", type=int, default=None, help="training block size (default: the checkpoint's)")
+    p.add_argument("--complementary", action="store_true", help="also train the complementary mask of each block")
+    p.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch per process")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=256, help="maximum tokens per example (longer ones truncated)")
+    p.add_argument("--max-steps", type=int, default=100)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop (and save) after this many minutes")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-data", default=None, help="held-out JSONL for evaluation")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--warmup", type=int, default=0, help="warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 = no clipping")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--teacher", default=None, help="AR parent (HF dir or GGUF) for --teacher-kl, run in-process")
+    p.add_argument("--teacher-kl", type=float, default=0.0, help="weight W of KL(parent || model) at masked tokens")
+    p.add_argument("--no-ce", action="store_true", help="KL term only (needs --teacher-kl)")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names")
+    p.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"])
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from unmask.cli.main import UsageError
+    from unmask.training.trainer import TrainConfig, TrainError, train
+
+    cfg = TrainConfig(
+        model=args.model, data=args.data, out=args.out, objective=args.objective, trainable=args.trainable,
+        block_size=args.block_size, complementary=args.complementary, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, seq_len=args.seq_len, max_steps=args.max_steps, max_minutes=args.max_minutes,
+        eval_every=args.eval_every, eval_data=args.eval_data, save_every=args.save_every, seed=args.seed,
+        resume=args.resume, lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        gradient_checkpointing=args.gradient_checkpointing, teacher=args.teacher, teacher_kl=args.teacher_kl,
+        no_ce=args.no_ce, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
+        mixed_precision=args.mixed_precision, progress=not args.no_progress)
+    try:
+        out = train(cfg)
+    except TrainError as exc:
+        raise UsageError(str(exc)) from exc
+    print(f"unmask train: done; latest checkpoint in {out}/latest")
+    return 0

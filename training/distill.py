@@ -1,0 +1,221 @@
+"""Self-distillation data: the AR parent answers a prompt file (the seed's "compute the targets from the teacher").
+
+``distill(teacher, prompts, out)`` loads the parent (a Hugging Face directory, or a GGUF file / a directory holding
+one, de-quantised by transformers), generates greedy answers in batches (left padding) with a tqdm bar, and
+appends one JSON line per prompt to ``out``::
+
+    {"prompt": str | null, "messages": [...] (chat prompts), "completion": str, "completion_ids": [int, ...],
+     "finished": bool, "teacher": {"top_k": K, "ids": [[K]...], "logprobs": [[K]...]} (with top_k_dist)}
+
+``completion_ids`` are the generated ids up to and including the first EOS/end-of-turn (``finished`` False when
+``max_new_tokens`` ran out first); ``teacher`` holds, for every completion token, the parent's top-k next-token
+distribution it was generated from (log-probabilities of the raw logits) - soft targets for ``--teacher-kl``.
+Lines are flushed after every batch; a rerun skips prompts already in ``out``, so an interrupted run resumes.
+
+The prompt file is JSONL (``{"prompt": str}`` or ``{"messages": [...]}`` without the final answer) or plain text
+(one prompt per line). Chat prompts are rendered with the parent's chat template (generation prompt added).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .data import DataError, eos_ids_of
+
+
+def _find_gguf(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) == 1:
+            return files[0]
+        if len(files) > 1:
+            raise DataError(f"{path}: holds {len(files)} .gguf files; name one")
+    return None
+
+
+def load_parent(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load an AR parent: ``(model, tokenizer)`` in eval mode with sdpa attention.
+
+    Args:
+        path: a Hugging Face causal-LM directory (an a2d checkpoint also works: run causally it is its parent),
+            a ``.gguf`` file, or a directory with exactly one ``.gguf`` file (transformers ``gguf_file``).
+
+    Raises:
+        DataError: the path does not exist or holds no loadable model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"{p}: no such file or directory (teacher)")
+    gguf = _find_gguf(p)
+    try:
+        if gguf is not None:
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
+                                                         attn_implementation="sdpa")
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation="sdpa")
+            tok = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError, KeyError) as exc:
+        raise DataError(f"{p}: cannot load the teacher model ({exc})") from exc
+    model.to(device).eval()
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    return model, tok
+
+
+def read_prompts(path: str | os.PathLike) -> list[dict]:
+    """Prompts as ``[{"prompt": str} | {"messages": [...]}]`` with a ``key`` (the JSON used to skip done ones).
+
+    Raises:
+        DataError: missing/empty file, invalid JSON or fields (``file:line: reason``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file (prompts)")
+    out = []
+    jsonl = path.suffix in (".jsonl", ".json")
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            if not jsonl:
+                item = {"prompt": line.rstrip("\n")}
+            else:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+                if not isinstance(obj, dict):
+                    raise DataError(f"{where}: expected a JSON object")
+                if isinstance(obj.get("messages"), list) and obj["messages"]:
+                    msgs = obj["messages"]
+                    for i, m in enumerate(msgs):
+                        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                                not isinstance(m.get("content"), str):
+                            raise DataError(f"{where}: messages[{i}] must have string role and content")
+                    item = {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+                elif isinstance(obj.get("prompt"), str):
+                    item = {"prompt": obj["prompt"]}
+                else:
+                    raise DataError(f"{where}: expected `prompt` (string) or `messages` (non-empty list)")
+            item["key"] = json.dumps(item.get("messages", item.get("prompt")), ensure_ascii=False, sort_keys=True)
+            out.append(item)
+    if not out:
+        raise DataError(f"{path}: no prompts")
+    return out
+
+
+def done_keys(out: Path) -> set[str]:
+    """Keys of prompts already answered in ``out`` (a truncated last line from a kill is ignored and rewritten)."""
+    keys = set()
+    if not out.is_file():
+        return keys
+    good = 0
+    with open(out, "rb") as fh:
+        data = fh.read()
+    for raw in data.splitlines(keepends=True):
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            break
+        if not raw.endswith(b"\n"):
+            break
+        good += len(raw)
+        key = obj["messages"][:-1] if isinstance(obj.get("messages"), list) else obj.get("prompt")
+        keys.add(json.dumps(key, ensure_ascii=False, sort_keys=True))
+    if good != len(data):  # drop a partial trailing line
+        with open(out, "r+b") as fh:
+            fh.truncate(good)
+    return keys
+
+
+def _prompt_text(tok, item: dict) -> str:
+    msgs = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
+    if not getattr(tok, "chat_template", None):
+        raise DataError("teacher: the tokenizer has no chat template")
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+@torch.no_grad()
+def generate_batch(model, tok, items: list[dict], max_new_tokens: int, top_k_dist: int = 0) -> list[dict]:
+    """Greedy answers for ``items`` (left-padded batch). Returns the output records (see the module docstring)."""
+    texts = [_prompt_text(tok, it) for it in items]
+    pad_side = tok.padding_side
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    tok.padding_side = pad_side
+    eos = sorted(eos_ids_of(tok))
+    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                         pad_token_id=tok.pad_token_id, return_dict_in_generate=True,
+                         output_logits=bool(top_k_dist), temperature=None, top_p=None, top_k=None)
+    gen = out.sequences[:, enc["input_ids"].shape[1]:].cpu()
+    records = []
+    for b, it in enumerate(items):
+        ids = gen[b].tolist()
+        finished = False
+        for j, t in enumerate(ids):
+            if t in eos:
+                ids = ids[: j + 1]
+                finished = True
+                break
+        rec = {"prompt": it.get("prompt"), "completion": tok.decode(ids, skip_special_tokens=True),
+               "completion_ids": ids, "finished": finished}
+        if "messages" in it:
+            rec["messages"] = it["messages"] + [{"role": "assistant", "content": rec["completion"]}]
+        if top_k_dist:
+            t_ids, t_lps = [], []
+            for j in range(len(ids)):
+                lp = torch.log_softmax(out.logits[j][b].float().cpu(), -1)
+                v, i = lp.topk(top_k_dist)
+                t_ids.append(i.tolist())
+                t_lps.append([round(float(x), 5) for x in v])
+            rec["teacher"] = {"top_k": top_k_dist, "ids": t_ids, "logprobs": t_lps}
+        records.append(rec)
+    return records
+
+
+def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | os.PathLike, max_new_tokens: int = 128,
+            batch_size: int = 8, top_k_dist: int = 0, device: str = "cpu", progress: bool = True) -> dict:
+    """Answer every prompt not yet in ``out`` with the parent and append the records (resumable).
+
+    Returns:
+        ``{"total", "skipped", "written"}`` counts.
+
+    Raises:
+        DataError: bad prompt file or teacher path. ValueError: non-positive sizes.
+    """
+    if max_new_tokens < 1 or batch_size < 1 or top_k_dist < 0:
+        raise ValueError("max-new-tokens and batch-size must be >= 1, top-k-dist >= 0")
+    items = read_prompts(prompts)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = done_keys(out)
+    todo = [it for it in items if it["key"] not in done]
+    stats = {"total": len(items), "skipped": len(items) - len(todo), "written": 0}
+    if not todo:
+        return stats
+    model, tok = load_parent(teacher, device=device)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(items), initial=stats["skipped"], desc="distill", unit="prompt", disable=not progress)
+    with open(out, "a", encoding="utf-8") as fh:
+        for i in range(0, len(todo), batch_size):
+            chunk = todo[i: i + batch_size]
+            for rec in generate_batch(model, tok, chunk, max_new_tokens, top_k_dist):
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            stats["written"] += len(chunk)
+            bar.update(len(chunk))
+    bar.close()
+    return stats

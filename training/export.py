@@ -1,0 +1,168 @@
+"""Export a trained checkpoint as a servable (optionally bitsandbytes-quantized) checkpoint (DESIGN.md sections 6, 10).
+
+``export(src, out, quantization)``: ``src`` is a servable directory or a training ``OUT`` (its ``latest``
+checkpoint). Training checkpoints already hold the LoRA adapters merged into the full-precision base (never into
+dequantized NF4 weights, DESIGN.md section 10), so export loads full-precision weights, quantizes them with
+bitsandbytes (``nf4`` = 4-bit NormalFloat with float32 compute on CPU / bf16 on CUDA, ``int8`` = LLM.int8(),
+``none`` = plain copy in ``dtype``) and writes the result with ``write_checkpoint`` (atomic; the
+``quantization_config`` goes into ``config.json``).
+
+The bitsandbytes 0.50 trap: on CPUs with AVX512-BF16 the first CPU forward of a 4-bit module repacks its weights in
+place, and saving or moving the module afterwards writes different weights. Export therefore quantizes into a
+fresh model straight from the full-precision files, guards it with a forward hook, and refuses to write a model that
+has run a forward (:class:`ExportError`). Only after the files are written does it run its own forward (the
+"exporter's logits") and compare them with a reload of the written checkpoint (``verify``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+QUANTIZATIONS = ("none", "nf4", "int8")
+
+
+class ExportError(RuntimeError):
+    """Bad source/output, or a quantized model that ran a forward was about to be written."""
+
+
+def resolve_source(src: str | os.PathLike) -> Path:
+    """A servable directory as is; a training OUT (with ``latest``) -> its latest checkpoint.
+
+    Raises:
+        ExportError: neither.
+    """
+    p = Path(src)
+    if (p / "latest").is_file():
+        from .trainer import TrainError, resolve_latest
+
+        try:
+            return resolve_latest(p)
+        except TrainError as exc:
+            raise ExportError(str(exc)) from exc
+    if (p / "config.json").is_file():
+        return p
+    raise ExportError(f"{p}: neither a checkpoint directory (config.json) nor a training output (latest)")
+
+
+def quantization_config(quantization: str, device: torch.device):
+    """The transformers ``BitsAndBytesConfig`` for ``nf4`` / ``int8`` (None for ``none``)."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "nf4":
+        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def _guard(model) -> None:
+    """Flag ``model._unmask_ran_forward`` on its first forward (the repack trap makes such a module unsafe to save)."""
+    model._unmask_ran_forward = False
+
+    def hook(module, args, kwargs):
+        module._unmask_ran_forward = True
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def load_quantized_fresh(src: Path, quantization: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """Quantize the full-precision weights of ``src`` into a fresh model that has never run a forward (guarded)."""
+    from transformers import AutoModelForCausalLM
+
+    qc = quantization_config(quantization, device)
+    if qc is None:
+        model = AutoModelForCausalLM.from_pretrained(str(src), attn_implementation="sdpa", dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(src), attn_implementation="sdpa", dtype=dtype,
+                                                     quantization_config=qc, device_map={"": str(device)})
+    model.eval()
+    _guard(model)
+    return model
+
+
+def probe_ids(tokenizer, n: int = 16) -> torch.Tensor:
+    """A fixed ``[1, n]`` probe input for the logits comparison."""
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. 1 2 3", add_special_tokens=False).input_ids
+    ids = (ids * (n // max(len(ids), 1) + 1))[:n]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "nf4", device: str = "cpu",
+           dtype: str = "float32", verify: bool = True, overwrite: bool = False) -> dict:
+    """Write ``out``: the checkpoint of ``src`` quantized with ``quantization``.
+
+    Args:
+        src: servable directory or training OUT. out: new directory (must not exist or be empty).
+        quantization: ``none`` | ``nf4`` | ``int8``. device: where to quantize (``cpu`` or ``cuda``).
+        dtype: dtype of the non-quantized tensors (``float32`` | ``bfloat16`` | ``float16``).
+        verify: after writing, compare the exporter's logits with a reload of ``out`` (max abs difference).
+
+    Returns:
+        ``{"out", "source", "quantization", "max_abs_logit_diff"}`` (the diff is None without ``verify``).
+
+    Raises:
+        ExportError: bad arguments/source, a quantized source, or a reload whose logits differ from the
+            exporter's by more than 1e-4.
+    """
+    from unmask.engine.config import DllmConfig
+    from unmask.engine.families.common import load_tokenizer
+    from unmask.engine.model import read_config, resolve_dtype
+
+    if quantization not in QUANTIZATIONS:
+        raise ExportError(f"--quantization: {quantization!r} is not one of {QUANTIZATIONS}")
+    dev = torch.device(device)
+    if quantization != "none" and dev.type not in ("cpu", "cuda"):
+        raise ExportError(f"--device: bitsandbytes quantization runs on cpu or cuda, got {device}")
+    try:
+        dt = resolve_dtype(dtype, dev)
+    except ValueError as exc:
+        raise ExportError(f"--dtype: {exc}") from exc
+    srcp = resolve_source(src)
+    cfg = read_config(srcp)
+    if isinstance(cfg.get("quantization_config"), dict):
+        raise ExportError(f"{srcp}: is already quantized; export from the full-precision checkpoint")
+    if not isinstance(cfg.get("dllm"), dict):
+        raise ExportError(f"{srcp / 'config.json'}: no `dllm` section (not an a2d checkpoint)")
+    outp = Path(out)
+    if outp.exists() and any(outp.iterdir()) and not overwrite:
+        raise ExportError(f"{outp}: exists and is not empty; choose a new directory")
+    dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")
+    tok = load_tokenizer(srcp)
+    model = load_quantized_fresh(srcp, quantization, dev, dt)
+    write_quantized(outp, model, tok, dllm, overwrite=overwrite)
+    diff = None
+    if verify:
+        diff = verify_export(model, outp, dev, dt, tok)
+        if diff > 1e-4:
+            raise ExportError(f"{outp}: reloaded logits differ from the exporter's by {diff:.3g} (> 1e-4)")
+    return {"out": str(outp), "source": str(srcp), "quantization": quantization, "max_abs_logit_diff": diff}
+
+
+def write_quantized(out: Path, model, tokenizer, dllm, overwrite: bool = False) -> Path:
+    """``write_checkpoint`` for a model built by :func:`load_quantized_fresh`.
+
+    Raises:
+        ExportError: the model has run a forward (bitsandbytes may have repacked its 4-bit weights in place).
+    """
+    from unmask.engine.checkpoint import write_checkpoint
+
+    if getattr(model, "_unmask_ran_forward", True):
+        raise ExportError("refusing to write a model that has run a forward (or was not built by "
+                          "load_quantized_fresh): bitsandbytes may have repacked its weights; quantize afresh")
+    return write_checkpoint(out, model, tokenizer, dllm, overwrite=overwrite)
+
+
+@torch.no_grad()
+def verify_export(model, out: Path, device: torch.device, dtype: torch.dtype, tokenizer) -> float:
+    """Max abs difference between the exporter's logits on a probe and those of ``out`` reloaded by the engine."""
+    from unmask.engine.model import load_model
+
+    ids = probe_ids(tokenizer)
+    mine = model(input_ids=ids.to(model.device)).logits.float().cpu()
+    lm = load_model(out, device=str(device), dtype=str(dtype).replace("torch.", ""))
+    theirs = lm.model(input_ids=ids.to(lm.device)).logits.float().cpu()
+    del lm
+    return float((mine - theirs).abs().max())

@@ -1,0 +1,413 @@
+"""Masked-diffusion training objectives built on the engine's one attention-mask builder.
+
+Objectives (DESIGN.md section 7, issue 4):
+
+* ``mdlm`` on a ``bidirectional`` checkpoint: per sequence ``t ~ U(eps, 1)``, each answer token replaced by the
+  mask token with probability ``t``, one forward over the whole (bidirectional) sequence;
+  ``L = sum_masked CE / t / N_answer`` (the seed's formula: ``(ce[mask] / p_mask[mask]).sum() / n_valid``, with
+  ``n_valid`` the answer tokens of the micro-batch).
+  On a ``prefix_causal`` / ``block_causal`` checkpoint ``mdlm`` is the block layout below with one block per
+  answer turn and one ``t`` per sequence (decoding with ``block_size = gen_length``).
+* ``block`` (``prefix_causal`` / ``block_causal`` checkpoints): every block of every answer in ONE forward. The
+  row holds a clean copy of the sequence (committed context, attention as the engine gives committed tokens)
+  followed by a noisy copy of every answer block (``t`` per block). A noisy block is a non-committed attention
+  group that sees the committed clean tokens before its start and nothing else - exactly the mask the engine's
+  denoiser builds when that block is the active block (``unmask.engine.attention``: ``allowed(q, k) = valid_k and
+  (grp_k == grp_q or (committed_k and pos_k < start_q))``). Blocks are aligned as the engine aligns them:
+  ``generation`` alignment = blocks start at each answer's first token; ``absolute`` = multiples of
+  ``block_size`` from position 0. ``complementary=True`` adds a second noisy copy of each block masking exactly
+  the positions the first left visible (mask rate ``1 - t``), each copy weighted by ``1/p_mask`` and the loss
+  divided by the number of copies.
+* Logit shift (``dllm.logit_shift``): the loss of answer position ``j`` sits at output ``j - 1``; for the first
+  position of a noisy block that output is the clean copy's (the committed token before the block: the engine's
+  "carry" logits), elsewhere the noisy copy's own. Without logit shift, output ``j`` of the noisy copy.
+* Teacher KL (``teacher_kl = W``): adds ``W * sum_masked KL(p_parent || p_student) / t / N_answer`` where
+  ``p_parent`` is the AR parent's next-token distribution for that answer token (parent output ``j - 1`` on the
+  clean sequence, run in-process, or the top-k stored by distill-data, renormalised over its k ids).
+  ``ce=False`` keeps only the KL term.
+
+Prompt tokens are never labels; only answer positions are ever masked or scored.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from unmask.engine.attention import build_attention_mask, canvas_groups
+from unmask.engine.config import DllmConfig
+
+from .data import Batch
+
+OBJECTIVES = ("mdlm", "block")
+
+
+@dataclass
+class NoisyBlock:
+    """One noisy copy of one block.
+
+    Attributes:
+        row: batch row. start, end: the attention group ``[start, end)`` (canvas positions; with absolute
+            alignment ``start`` may lie in the prompt). span_start: first answer position of the block's turn.
+        t: mask probability this copy was drawn with (the loss weight is ``1/t``).
+        masked: canvas positions replaced by the mask token (answer positions only).
+        copy: 0 for the first copy, 1 for the complementary copy.
+    """
+
+    row: int
+    start: int
+    end: int
+    span_start: int
+    t: float
+    masked: list[int]
+    copy: int = 0
+
+
+@dataclass
+class Noise:
+    """The noise of one micro-batch: which copies exist and what they mask.
+
+    ``rows_t``/``rows_masked`` are used by the single-copy bidirectional ``mdlm`` layout (``[B]`` t and masked
+    positions per row); ``blocks`` by the block layout. ``copies``: 1, or 2 with complementary masks.
+    """
+
+    blocks: list[NoisyBlock] = field(default_factory=list)
+    rows_t: list[float] = field(default_factory=list)
+    rows_masked: list[list[int]] = field(default_factory=list)
+    copies: int = 1
+
+
+@dataclass
+class Layout:
+    """Inputs of one training forward and where its losses are read.
+
+    Attributes:
+        input_ids, position_ids: ``[B, T]`` int64. attention_mask: ``[B, 1, T, T]`` bool (True = may attend).
+        valid: ``[B, T]`` bool (False = padding).
+        src_row, src_col: ``[N]`` int64 output (row, column) whose logits predict each scored token.
+        labels: ``[N]`` int64 clean token ids. label_row, label_pos: ``[N]`` (row, canvas position) of each scored
+            token (to look up teacher distributions). inv_t: ``[N]`` float32 ``1/t`` weights.
+        norm: the divisor ``N_answer * copies`` (answer tokens of the micro-batch).
+        block_offsets: ``[(row, start, end, offset)]`` where each noisy copy sits along the T axis.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    valid: torch.Tensor
+    src_row: torch.Tensor
+    src_col: torch.Tensor
+    labels: torch.Tensor
+    label_row: torch.Tensor
+    label_pos: torch.Tensor
+    inv_t: torch.Tensor
+    norm: float
+    block_offsets: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens forwarded (valid entries of ``input_ids``), for tokens/s."""
+        return int(self.valid.sum())
+
+    def to(self, device) -> "Layout":
+        for name in ("input_ids", "position_ids", "attention_mask", "valid", "src_row", "src_col", "labels",
+                     "label_row", "label_pos", "inv_t"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- blocks and groups
+def answer_blocks(spans: list[tuple[int, int]], block_size: int | None, alignment: str = "generation"
+                  ) -> list[tuple[int, int, int]]:
+    """Blocks ``(start, end, span_start)`` covering the answer spans, as the engine lays them out.
+
+    ``generation``: blocks start at each span's first token (DESIGN.md section 10); ``absolute``: blocks are the
+    multiples of ``block_size`` from position 0 that intersect the span (the first may start in the prompt).
+    The last block of a span ends at the span's end (its EOS). ``block_size=None``: one block per span.
+    """
+    out = []
+    for s, e in spans:
+        if block_size is None:
+            out.append((s, e, s))
+            continue
+        a = s if alignment == "generation" else (s // block_size) * block_size
+        while a < e:
+            out.append((a, min(a + block_size, e), s))
+            a += block_size
+    return out
+
+
+def clean_groups(length: int, spans: list[tuple[int, int]], dllm: DllmConfig, block_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention groups ``(grp, start)`` (``[L]`` int64) of the clean, fully committed copy of a sequence.
+
+    ``prefix_causal``: every token its own group (strictly causal - the parent's attention). ``block_causal``:
+    the answer positions grouped into blocks as decoding commits them (per answer turn for ``generation``
+    alignment; from position 0 for ``absolute``, via :func:`unmask.engine.attention.canvas_groups`); other tokens
+    causal. ``bidirectional``: one group.
+    """
+    if dllm.attention == "block_causal" and dllm.block_alignment == "absolute":
+        grp, start, _ = canvas_groups(length, "block_causal", length, length, length, block_size, 0)
+        return grp, start
+    if dllm.attention == "bidirectional":
+        return torch.zeros(length, dtype=torch.long), torch.zeros(length, dtype=torch.long)
+    pos = torch.arange(length)
+    grp, start = pos.clone(), pos.clone()
+    if dllm.attention == "block_causal":
+        nxt = length
+        for s, e in spans:
+            for a in range(s, e, block_size):
+                b = min(a + block_size, e)
+                grp[a:b] = nxt
+                start[a:b] = a
+                nxt += 1
+    return grp, start
+
+
+# ---------------------------------------------------------------------------------------------- noise
+def _draw_t(generator: torch.Generator, eps: float, hi: float = 1.0) -> float:
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    return eps + (hi - eps) * u
+
+
+def draw_noise(batch: Batch, dllm: DllmConfig, objective: str, generator: torch.Generator, block_size: int | None = None,
+               eps: float = 1e-3, complementary: bool = False, fixed_t: float | None = None) -> Noise:
+    """Draw the noise of one micro-batch from ``generator`` (CPU ``torch.Generator``; its state makes resume exact).
+
+    Args:
+        batch: the micro-batch. dllm: the checkpoint's settings (attention, alignment, block size).
+        objective: ``mdlm`` | ``block``.
+        block_size: training block size (default ``dllm.block_size``).
+        eps: lower bound of ``t`` (``t ~ U(eps, 1)``; ``U(eps, 1 - eps)`` with complementary masks).
+        complementary: add the complementary copy of each block (``block`` only).
+        fixed_t: use this ``t`` everywhere (held-out evaluation on a t grid).
+
+    Raises:
+        ValueError: unknown objective; ``block`` on a bidirectional checkpoint.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: {objective!r} is not one of {OBJECTIVES}")
+    bs = block_size or dllm.block_size
+    noise = Noise(copies=2 if complementary else 1)
+    hi = 1.0 - eps if complementary else 1.0
+    if dllm.attention == "bidirectional":
+        if objective == "block":
+            raise ValueError("objective: `block` needs a prefix_causal or block_causal checkpoint; this one is "
+                             "bidirectional (use `mdlm`)")
+        for b in range(batch.input_ids.shape[0]):
+            t = fixed_t if fixed_t is not None else _draw_t(generator, eps)
+            pos = batch.answer[b].nonzero().flatten()
+            r = torch.rand(pos.numel(), generator=generator, dtype=torch.float64)
+            noise.rows_t.append(t)
+            noise.rows_masked.append(pos[r < t].tolist())
+        noise.copies = 1
+        return noise
+    for b in range(batch.input_ids.shape[0]):
+        row_t = None
+        if objective == "mdlm":
+            row_t = fixed_t if fixed_t is not None else _draw_t(generator, eps, hi)
+        blocks = answer_blocks(batch.spans[b], None if objective == "mdlm" else bs, dllm.block_alignment)
+        for a, e, s in blocks:
+            t = row_t if row_t is not None else (fixed_t if fixed_t is not None else _draw_t(generator, eps, hi))
+            lo = max(a, s)
+            pos = torch.arange(lo, e)
+            r = torch.rand(pos.numel(), generator=generator, dtype=torch.float64)
+            m = r < t
+            noise.blocks.append(NoisyBlock(b, a, e, s, t, pos[m].tolist(), 0))
+            if complementary:
+                noise.blocks.append(NoisyBlock(b, a, e, s, 1.0 - t, pos[~m].tolist(), 1))
+    return noise
+
+
+# ---------------------------------------------------------------------------------------------- layout
+def build_layout(batch: Batch, dllm: DllmConfig, noise: Noise, block_size: int | None = None) -> Layout:
+    """Inputs, the shared-builder attention mask and the scoring indices for ``noise`` on ``batch``.
+
+    See the module docstring for the layout; the mask comes from
+    :func:`unmask.engine.attention.build_attention_mask` (keys = queries).
+    """
+    mask_id = dllm.mask_token_id
+    B, L = batch.input_ids.shape
+    bs = block_size or dllm.block_size
+    shift = bool(dllm.logit_shift)
+    rows_ids, rows_pos, rows_grp, rows_start, rows_com = [], [], [], [], []
+    src_row, src_col, labels, lab_row, lab_pos, inv_t = [], [], [], [], [], []
+    offsets = []
+    n_answer = int(batch.answer.sum())
+    for b in range(B):
+        n = int(batch.valid[b].sum())
+        ids = batch.input_ids[b, :n]
+        if dllm.attention == "bidirectional":
+            noisy = ids.clone()
+            masked = noise.rows_masked[b]
+            if masked:
+                noisy[masked] = mask_id
+            rows_ids.append(noisy)
+            rows_pos.append(torch.arange(n))
+            rows_grp.append(torch.zeros(n, dtype=torch.long))
+            rows_start.append(torch.zeros(n, dtype=torch.long))
+            rows_com.append(torch.zeros(n, dtype=torch.bool))
+            for p in masked:
+                src = p - 1 if shift else p
+                if src < 0:
+                    continue
+                src_row.append(b), src_col.append(src), labels.append(int(ids[p])), lab_row.append(b)
+                lab_pos.append(p), inv_t.append(1.0 / noise.rows_t[b])
+            continue
+        grp, start = clean_groups(n, batch.spans[b], dllm, bs)
+        parts_ids, parts_pos, parts_grp, parts_start, parts_com = [ids], [torch.arange(n)], [grp], [start], \
+            [torch.ones(n, dtype=torch.bool)]
+        off = n
+        gid = 3 * n + 3
+        for blk in (x for x in noise.blocks if x.row == b):
+            a, e = blk.start, blk.end
+            noisy = ids[a:e].clone()
+            if blk.masked:
+                noisy[torch.tensor(blk.masked) - a] = mask_id
+            parts_ids.append(noisy)
+            parts_pos.append(torch.arange(a, e))
+            parts_grp.append(torch.full((e - a,), gid, dtype=torch.long))
+            parts_start.append(torch.full((e - a,), a, dtype=torch.long))
+            parts_com.append(torch.zeros(e - a, dtype=torch.bool))
+            offsets.append((b, a, e, off))
+            for p in blk.masked:
+                if shift:
+                    src = (a - 1) if p == a else off + (p - 1 - a)
+                else:
+                    src = off + (p - a)
+                if src < 0:
+                    continue
+                src_row.append(b), src_col.append(src), labels.append(int(ids[p])), lab_row.append(b)
+                lab_pos.append(p), inv_t.append(1.0 / blk.t)
+            off += e - a
+            gid += 1
+        rows_ids.append(torch.cat(parts_ids))
+        rows_pos.append(torch.cat(parts_pos))
+        rows_grp.append(torch.cat(parts_grp))
+        rows_start.append(torch.cat(parts_start))
+        rows_com.append(torch.cat(parts_com))
+    T = max(int(x.numel()) for x in rows_ids)
+    pad = dllm.pad_token_id if dllm.pad_token_id is not None else dllm.eos_token_ids[0]
+    input_ids = torch.full((B, T), pad, dtype=torch.long)
+    position_ids = torch.zeros(B, T, dtype=torch.long)
+    grp = torch.full((B, T), -2, dtype=torch.long)
+    start = torch.zeros(B, T, dtype=torch.long)
+    com = torch.zeros(B, T, dtype=torch.bool)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        n = int(rows_ids[b].numel())
+        input_ids[b, :n], position_ids[b, :n] = rows_ids[b], rows_pos[b]
+        grp[b, :n], start[b, :n], com[b, :n] = rows_grp[b], rows_start[b], rows_com[b]
+        valid[b, :n] = True
+    mask = build_attention_mask(position_ids, grp, start, valid, position_ids, grp, com, valid)
+
+    def t64(x):
+        return torch.tensor(x, dtype=torch.long)
+
+    return Layout(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, valid=valid,
+                  src_row=t64(src_row), src_col=t64(src_col), labels=t64(labels), label_row=t64(lab_row),
+                  label_pos=t64(lab_pos), inv_t=torch.tensor(inv_t, dtype=torch.float32),
+                  norm=float(max(n_answer, 1) * noise.copies), block_offsets=offsets)
+
+
+# ---------------------------------------------------------------------------------------------- losses
+@dataclass
+class LossParts:
+    """``loss`` (the value to backpropagate, a scalar tensor) and its parts as floats, plus accuracy counts."""
+
+    loss: torch.Tensor
+    ce: float
+    kl: float
+    n_scored: int
+    n_correct: int
+
+
+def kl_to_teacher(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor,
+                  teacher_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token ``KL(p_teacher || p_student)``, ``[N]`` float32.
+
+    Args:
+        student_logits: ``[N, V_s]`` student logits.
+        teacher_logprobs: ``[N, K]`` log-probabilities of the parent: its full next-token distribution
+            (``K = V_t <= V_s``, ids ``0..V_t-1``) when ``teacher_ids`` is None, else the stored top-k
+            (renormalised over the k ids; ``-inf`` entries are ignored).
+        teacher_ids: ``[N, K]`` int64 ids of the top-k entries, or None.
+    """
+    logq = F.log_softmax(student_logits.float(), dim=-1)
+    t = teacher_logprobs.float()
+    t = torch.where(torch.isfinite(t), t, torch.full_like(t, -1e4))  # absent entries: probability 0, never NaN
+    logp = torch.log_softmax(t, dim=-1)  # renormalise (a no-op for a full distribution)
+    if teacher_ids is None:
+        logq = logq[:, : logp.shape[-1]]
+    else:
+        logq = logq.gather(1, teacher_ids)
+    p = logp.exp()
+    terms = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+    return terms.sum(-1)
+
+
+def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0, ce: bool = True,
+                   teacher_logprobs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
+                   teacher_present: torch.Tensor | None = None) -> LossParts:
+    """The masked-diffusion loss from the gathered logits of the scored tokens.
+
+    Args:
+        logits: ``[N, V]`` logits at ``(layout.src_row, layout.src_col)``.
+        layout: from :func:`build_layout` (labels, ``1/t`` weights, the ``N_answer * copies`` divisor).
+        teacher_kl: weight W of the KL term (0 = none). ce: include the cross-entropy term.
+        teacher_logprobs, teacher_ids: ``[N, K]`` parent distributions for the scored tokens (see
+            :func:`kl_to_teacher`); teacher_present: ``[N]`` bool, False where no distribution is stored.
+
+    Returns:
+        :class:`LossParts`; ``loss = [CE] + W * KL`` with each term ``sum_scored(term / t) / norm``.
+
+    Raises:
+        ValueError: ``teacher_kl > 0`` without teacher distributions, or neither term enabled.
+    """
+    if not ce and teacher_kl <= 0:
+        raise ValueError("no-ce: a KL weight (--teacher-kl > 0) is required when the CE term is off")
+    w = layout.inv_t.to(logits.device)
+    total = logits.new_zeros((), dtype=torch.float32)
+    ce_val = kl_val = 0.0
+    labels = layout.labels.to(logits.device)
+    if logits.shape[0]:
+        ce_tok = F.cross_entropy(logits.float(), labels, reduction="none")
+        ce_term = (ce_tok * w).sum() / layout.norm
+        ce_val = float(ce_term.detach())
+        if ce:
+            total = total + ce_term
+        if teacher_kl > 0:
+            if teacher_logprobs is None:
+                raise ValueError("teacher-kl: no teacher distributions (give --teacher or distill-data top-k)")
+            kl_tok = kl_to_teacher(logits, teacher_logprobs.to(logits.device),
+                                   None if teacher_ids is None else teacher_ids.to(logits.device))
+            if teacher_present is not None:
+                kl_tok = torch.where(teacher_present.to(logits.device), kl_tok, torch.zeros_like(kl_tok))
+            kl_term = (kl_tok * w).sum() / layout.norm
+            kl_val = float(kl_term.detach())
+            total = total + teacher_kl * kl_term
+        correct = int((logits.argmax(-1) == labels).sum())
+    else:
+        total = total + logits.sum() * 0.0
+        correct = 0
+    return LossParts(loss=total, ce=ce_val, kl=kl_val, n_scored=int(logits.shape[0]), n_correct=correct)
+
+
+def stored_teacher(batch: Batch, layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The distill-data top-k rows for the scored tokens: ``([N, K] logprobs, [N, K] ids, [N] present)``."""
+    if batch.teacher_ids is None:
+        return None
+    r, p = layout.label_row, layout.label_pos
+    return batch.teacher_logprobs[r, p], batch.teacher_ids[r, p], batch.has_teacher[r, p]
+
+
+def eval_t_grid(n: int = 5) -> list[float]:
+    """The fixed ``t`` grid of held-out evaluation: midpoints ``(i + 0.5) / n`` (an ELBO estimate by the midpoint
+    rule over ``t``)."""
+    return [(i + 0.5) / n for i in range(n)]
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)

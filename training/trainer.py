@@ -1,0 +1,528 @@
+"""The A2D fine-tuning loop (DESIGN.md sections 7 and 10, issue 4).
+
+Built on accelerate: one CPU process by default; the same call under ``accelerate launch`` / ``torchrun`` runs DDP
+(gloo on CPU, NCCL on GPU), bf16 autocast on GPU. Each optimizer step consumes ``batch_size * grad_accum *
+world_size`` examples from a deterministic stream (an epoch-seeded permutation of the data), and the noise of
+micro-batch ``m`` of rank ``r`` at step ``s`` is drawn from a generator seeded by ``(seed, s, m, r)`` - so the data
+position *is* the step, and ``--resume`` continues with identical data, noise, optimizer and scheduler state.
+
+Output directory ``OUT``:
+
+* ``checkpoint-<step>/``: servable checkpoints (``unmask.engine.checkpoint.write_checkpoint``: written under a
+  temporary name and renamed, never over a non-empty directory) + ``training_state.pt`` (optimizer, scheduler,
+  RNG, step, LoRA adapters, the run's settings);
+* ``latest``: a small file naming the newest complete checkpoint, replaced atomically (``os.replace``) after the
+  checkpoint is in place - a kill at any moment leaves ``latest`` pointing at a loadable checkpoint;
+* ``metrics.csv`` (one row per step; eval columns on eval steps) and ``loss.png`` (matplotlib Agg).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .data import Batch, Dataset, collate, eos_ids_of, load_dataset
+from .losses import OBJECTIVES, build_layout, diffusion_loss, draw_noise, eval_t_grid, stored_teacher
+from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
+
+SCHEDULES = ("cosine", "linear", "constant")
+METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "lr", "grad_norm", "tokens", "tokens_per_s",
+                 "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc"]
+
+
+class TrainError(ValueError):
+    """A bad training setting or input (the message names the option or file)."""
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one run (the ``unmask train`` options; see ``unmask train --help``).
+
+    Sizes are per process: ``batch_size`` examples per micro-batch, ``grad_accum`` micro-batches per optimizer
+    step. ``seq_len`` in tokens. ``lr`` peak learning rate; ``warmup`` steps. ``max_minutes`` wall-clock budget
+    (0 = none). ``eps``: lower bound of the mask rate ``t``. ``halt_after``: stop this process after that many
+    steps without a final save (simulates an interruption in tests).
+    """
+
+    model: str
+    data: str
+    out: str
+    objective: str = "block"
+    trainable: str = "full"
+    block_size: int | None = None
+    complementary: bool = False
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 256
+    max_steps: int = 100
+    max_minutes: float = 0.0
+    eval_every: int = 0
+    eval_data: str | None = None
+    eval_t_points: int = 5
+    save_every: int = 0
+    seed: int = 0
+    resume: bool = False
+    lr: float = 5e-5
+    lr_schedule: str = "cosine"
+    warmup: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False
+    teacher: str | None = None
+    teacher_kl: float = 0.0
+    no_ce: bool = False
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: list[str] | None = None
+    eps: float = 1e-3
+    mixed_precision: str = "auto"
+    progress: bool = True
+    halt_after: int | None = None
+
+    def validate(self) -> None:
+        """Raise :class:`TrainError` naming the option for an invalid value."""
+        if self.objective not in OBJECTIVES:
+            raise TrainError(f"--objective: {self.objective!r} is not one of {OBJECTIVES}")
+        if self.trainable not in SCOPES:
+            raise TrainError(f"--trainable: {self.trainable!r} is not one of {SCOPES}")
+        if self.lr_schedule not in SCHEDULES:
+            raise TrainError(f"--lr-schedule: {self.lr_schedule!r} is not one of {SCHEDULES}")
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_t_points"):
+            if getattr(self, name) < 1:
+                raise TrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise TrainError(f"--seq-len: must be >= 2, got {self.seq_len}")
+        if self.block_size is not None and self.block_size < 1:
+            raise TrainError(f"--block-size: must be >= 1, got {self.block_size}")
+        for name in ("max_minutes", "eval_every", "save_every", "warmup", "weight_decay", "max_grad_norm",
+                     "teacher_kl"):
+            if getattr(self, name) < 0:
+                raise TrainError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise TrainError(f"--lr: must be > 0, got {self.lr}")
+        if not 0 < self.eps < 0.5:
+            raise TrainError(f"eps: must be in (0, 0.5), got {self.eps}")
+        if self.no_ce and self.teacher_kl <= 0:
+            raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
+        if self.eval_every and not self.eval_data:
+            raise TrainError("--eval-every: needs --eval-data FILE (held-out prompts)")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise TrainError(f"--mixed-precision: {self.mixed_precision!r} is not one of auto, no, bf16, fp16")
+
+
+class DiffusionForward(torch.nn.Module):
+    """The module accelerate/DDP wraps: decoder forward with the training mask, LM head only on scored outputs.
+
+    ``forward(input_ids [B,T], position_ids [B,T], attention_mask [B,1,T,T] bool, src_row [N], src_col [N])
+    -> [N, V]`` float32 logits.
+    """
+
+    def __init__(self, tm: TrainModel):
+        super().__init__()
+        self.lm = tm.model
+        self._tm = [tm]
+
+    def forward(self, input_ids, position_ids, attention_mask, src_row, src_col):
+        base = self._tm[0].base
+        out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                 use_cache=False)
+        hidden = out.last_hidden_state[src_row, src_col]
+        return base.get_output_embeddings()(hidden).float()
+
+
+class Teacher:
+    """The AR parent run in-process: its next-token log-probabilities for scored answer tokens."""
+
+    def __init__(self, path: str, device, student_vocab: int):
+        from .distill import load_parent
+
+        self.model, _ = load_parent(path, device=device)
+        v = self.model.get_output_embeddings().weight.shape[0]
+        if v > student_vocab:
+            raise TrainError(f"--teacher: its vocabulary ({v}) is larger than the student's ({student_vocab}); "
+                             "the teacher must be the AR parent of this checkpoint")
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, label_row: torch.Tensor, label_pos: torch.Tensor) -> torch.Tensor:
+        """``[N, V_t]`` float32 log-probabilities of the parent's output at ``label_pos - 1`` (causal, clean)."""
+        dev = self.model.device
+        out = self.model(input_ids=batch.input_ids.to(dev), attention_mask=batch.valid.long().to(dev),
+                         use_cache=False)
+        return torch.log_softmax(out.logits[label_row.to(dev), (label_pos - 1).to(dev)].float(), -1)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _seed_of(*parts: int) -> int:
+    h = hashlib.sha256(",".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def example_indices(n: int, seed: int, start: int, count: int) -> list[int]:
+    """Indices ``start .. start+count-1`` of the endless example stream (epoch ``e`` = permutation seeded by
+    ``(seed, e)``)."""
+    out, cache = [], {}
+    for i in range(start, start + count):
+        e, j = divmod(i, n)
+        if e not in cache:
+            g = torch.Generator().manual_seed(_seed_of(seed, e, 17))
+            cache[e] = torch.randperm(n, generator=g).tolist()
+        out.append(cache[e][j])
+    return out
+
+
+def make_scheduler(optimizer, name: str, warmup: int, total: int):
+    """Learning-rate schedule (transformers ``get_scheduler``: cosine / linear decay to 0, or constant after
+    linear warmup)."""
+    from transformers import get_scheduler
+
+    kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[name]
+    return get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+
+
+def resolve_latest(out: str | Path) -> Path | None:
+    """``OUT/<name in OUT/latest>``, or None when there is no ``latest`` file."""
+    out = Path(out)
+    f = out / "latest"
+    if not f.is_file():
+        return None
+    name = f.read_text().strip()
+    if not name or "/" in name:
+        raise TrainError(f"{f}: does not name a checkpoint directory")
+    ckpt = out / name
+    if not (ckpt / "config.json").is_file():
+        raise TrainError(f"{f}: points at {ckpt}, which is not a checkpoint")
+    return ckpt
+
+
+def _write_latest(out: Path, name: str) -> None:
+    tmp = out / f"latest.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out / "latest")
+    with contextlib.suppress(OSError):  # make the rename durable
+        fd = os.open(out, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def plot_metrics(csv_path: Path, png_path: Path) -> None:
+    """Loss curve (train loss per step, eval loss where measured) as a PNG (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(csv_path)))
+    if not rows:
+        return
+    steps = [int(r["step"]) for r in rows]
+    loss = [float(r["loss"]) for r in rows]
+    ev = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r.get("eval_loss")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, loss, label="train loss", lw=1)
+    if ev:
+        ax.plot([s for s, _ in ev], [v for _, v in ev], "o-", label="eval loss (t grid)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("masked-diffusion loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path.with_name(png_path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    """One training run. ``Trainer(cfg).train()`` returns the output directory.
+
+    Raises:
+        TrainError: bad settings or inputs (names the option / file).
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        cfg.validate()
+        self.cfg = cfg
+        from accelerate import Accelerator
+
+        cuda = torch.cuda.is_available()
+        mp = cfg.mixed_precision
+        if mp == "auto":
+            mp = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "no"
+        self.acc = Accelerator(mixed_precision=mp, cpu=not cuda)
+        self.out = Path(cfg.out)
+
+    # .................................................................. setup
+    def _load(self) -> None:
+        cfg, acc = self.cfg, self.acc
+        from unmask.engine.config import CheckpointError
+
+        from .data import DataError
+
+        self.resume_from = resolve_latest(self.out) if cfg.resume else None
+        if cfg.resume and self.resume_from is None and acc.is_main_process:
+            print(f"unmask train: --resume: no {self.out / 'latest'} yet; starting from step 0")
+        if not cfg.resume and self.out.exists() and any(self.out.glob("checkpoint-*")):
+            raise TrainError(f"--out: {self.out} already holds checkpoints; use --resume or a new directory")
+        state = None
+        src = cfg.model
+        if self.resume_from is not None:
+            state = torch.load(self.resume_from / "training_state.pt", map_location="cpu", weights_only=False)
+            saved = state["config"]
+            for key in ("objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
+                        "complementary", "lora_r", "lora_alpha", "lora_targets", "max_steps", "lr_schedule",
+                        "warmup"):
+                if saved.get(key) != getattr(cfg, key):
+                    raise TrainError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)!r} differs from the "
+                                     f"run being resumed ({saved.get(key)!r})")
+            if cfg.trainable not in ("lora", "qlora"):
+                src = str(self.resume_from)  # its weights are the trained parameters, bit for bit
+        try:
+            self.tm = prepare_model(src, cfg.trainable, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets,
+                                    device=acc.device, gradient_checkpointing=cfg.gradient_checkpointing)
+        except (CheckpointError, ValueError, OSError) as exc:
+            raise TrainError(f"--model: {exc}") from exc
+        self.tm.path = cfg.model  # LoRA merges into the original full-precision base
+        if state is not None and state.get("trainable"):
+            load_trainable_state(self.tm, state["trainable"])
+        dllm = self.tm.dllm
+        if cfg.objective == "block" and dllm.attention == "bidirectional":
+            raise TrainError("--objective block: needs a prefix_causal or block_causal checkpoint; this one is "
+                             "bidirectional (use --objective mdlm)")
+        if dllm.fixed_block_size and cfg.block_size not in (None, dllm.block_size):
+            raise TrainError(f"--block-size: this checkpoint decodes with block size {dllm.block_size} only")
+        self.block_size = cfg.block_size or dllm.block_size
+        eos = eos_ids_of(self.tm.tokenizer, dllm.eos_token_ids)
+        try:
+            self.data = load_dataset(cfg.data, self.tm.tokenizer, cfg.seq_len, eos)
+            self.eval_data = load_dataset(cfg.eval_data, self.tm.tokenizer, cfg.seq_len, eos) if cfg.eval_data else None
+        except DataError as exc:
+            raise TrainError(str(exc)) from exc
+        self.pad_id = dllm.pad_token_id if dllm.pad_token_id is not None else dllm.eos_token_ids[0]
+        self.teacher = None
+        if cfg.teacher_kl > 0:
+            if cfg.teacher:
+                self.teacher = Teacher(cfg.teacher, acc.device, self.tm.base.get_output_embeddings().weight.shape[0])
+            elif not self.data.teacher_top_k:
+                raise TrainError("--teacher-kl: needs --teacher MODEL or distill-data lines with `teacher` top-k "
+                                 "distributions (unmask distill-data --top-k-dist K)")
+        groups = self.tm.param_groups(cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
+        self.scheduler = make_scheduler(self.optimizer, cfg.lr_schedule, cfg.warmup, cfg.max_steps)
+        self.step = 0
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"])
+            self.step = int(state["step"])
+        self.forward = DiffusionForward(self.tm)
+        self.forward, self.optimizer = self.acc.prepare(self.forward, self.optimizer)
+
+    # .................................................................. one micro-batch
+    def _micro_batch(self, ds: Dataset, indices: list[int]) -> Batch:
+        return collate([ds.examples[i] for i in indices], self.pad_id, ds.teacher_top_k)
+
+    def _loss(self, module, batch: Batch, generator: torch.Generator, fixed_t: float | None = None):
+        cfg, dllm = self.cfg, self.tm.dllm
+        noise = draw_noise(batch, dllm, cfg.objective, generator, self.block_size, cfg.eps, cfg.complementary,
+                           fixed_t=fixed_t)
+        layout = build_layout(batch, dllm, noise, self.block_size).to(self.acc.device)
+        with self.acc.autocast():
+            logits = module(layout.input_ids, layout.position_ids, layout.attention_mask, layout.src_row,
+                            layout.src_col)
+        t_lp = t_ids = present = None
+        if cfg.teacher_kl > 0 and fixed_t is None:
+            if self.teacher is not None:
+                t_lp = self.teacher.logprobs(batch, layout.label_row, layout.label_pos)
+            else:
+                st = stored_teacher(batch, layout)
+                if st is not None:
+                    t_lp, t_ids, present = st
+        parts = diffusion_loss(logits, layout, teacher_kl=cfg.teacher_kl if fixed_t is None else 0.0,
+                               ce=not cfg.no_ce or fixed_t is not None, teacher_logprobs=t_lp, teacher_ids=t_ids,
+                               teacher_present=present)
+        return parts, layout
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Held-out masked-diffusion loss averaged over the fixed ``t`` grid (an ELBO estimate: CE/t per answer
+        token) and masked-token accuracy, with a fixed noise seed (comparable across steps)."""
+        module = self.acc.unwrap_model(self.forward)
+        was = module.training
+        module.eval()
+        losses, correct, scored = [], 0, 0
+        ds = self.eval_data
+        bs = self.cfg.batch_size
+        for ti, t in enumerate(eval_t_grid(self.cfg.eval_t_points)):
+            tot, norm = 0.0, 0.0
+            for k in range(0, len(ds), bs):
+                batch = self._micro_batch(ds, list(range(k, min(k + bs, len(ds)))))
+                g = torch.Generator().manual_seed(_seed_of(self.cfg.seed, 99, ti, k))
+                parts, layout = self._loss(module, batch, g, fixed_t=t)
+                tot += parts.ce * layout.norm
+                norm += layout.norm
+                correct += parts.n_correct
+                scored += parts.n_scored
+            losses.append(tot / max(norm, 1.0))
+        module.train(was)
+        return sum(losses) / len(losses), correct / max(scored, 1)
+
+    # .................................................................. saving
+    def save(self) -> Path | None:
+        """Write ``OUT/checkpoint-<step>`` (servable + training state) and point ``OUT/latest`` at it."""
+        acc = self.acc
+        acc.wait_for_everyone()
+        path = self.out / f"checkpoint-{self.step}"
+        if acc.is_main_process:
+            from unmask.engine.checkpoint import write_checkpoint
+
+            if path.exists() and any(path.iterdir()):
+                if resolve_latest(self.out) == path:
+                    return path  # resumed at this very step: nothing new to save
+                raise TrainError(f"{path}: exists and is not empty; refusing to overwrite")
+            buf = io.BytesIO()
+            torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                        "trainable": trainable_state(self.tm), "config": dataclasses.asdict(self.cfg),
+                        "world_size": acc.num_processes}, buf)
+            model = merged_full_precision(self.tm)
+            write_checkpoint(path, model, self.tm.tokenizer, self.tm.dllm,
+                             extra_files={"training_state.pt": buf.getvalue()})
+            _write_latest(self.out, path.name)
+            if self.metrics_path.is_file():
+                with contextlib.suppress(Exception):
+                    plot_metrics(self.metrics_path, self.out / "loss.png")
+        acc.wait_for_everyone()
+        return path
+
+    def _open_metrics(self) -> None:
+        self.metrics_path = self.out / "metrics.csv"
+        if not self.acc.is_main_process:
+            return
+        rows = []
+        if self.metrics_path.is_file() and self.step > 0:
+            rows = [r for r in csv.DictReader(open(self.metrics_path)) if int(r["step"]) <= self.step]
+        with open(self.metrics_path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=METRIC_FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+
+    def _log(self, row: dict) -> None:
+        if not self.acc.is_main_process:
+            return
+        with open(self.metrics_path, "a", newline="") as fh:
+            csv.DictWriter(fh, fieldnames=METRIC_FIELDS).writerow({k: row.get(k, "") for k in METRIC_FIELDS})
+
+    # .................................................................. loop
+    def train(self) -> Path:
+        cfg, acc = self.cfg, self.acc
+        if acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+        acc.wait_for_everyone()
+        self._load()
+        self._open_metrics()
+        world, rank = acc.num_processes, acc.process_index
+        per_step = cfg.batch_size * cfg.grad_accum * world
+        n = len(self.data)
+        params = [p for p in self.tm.model.parameters() if p.requires_grad]
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (cfg.progress and acc.is_main_process))
+        t_start = time.perf_counter()
+        steps_here = 0
+        halted = False
+        while self.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            stream = example_indices(n, cfg.seed, self.step * per_step, per_step)
+            loss_sum = ce_sum = kl_sum = 0.0
+            tokens = fwd_tokens = 0
+            for m in range(cfg.grad_accum):
+                lo = (m * world + rank) * cfg.batch_size
+                batch = self._micro_batch(self.data, stream[lo: lo + cfg.batch_size])
+                g = torch.Generator().manual_seed(_seed_of(cfg.seed, self.step, m, rank))
+                sync = m == cfg.grad_accum - 1
+                ctx = contextlib.nullcontext() if sync else acc.no_sync(self.forward)
+                with ctx:
+                    parts, layout = self._loss(self.forward, batch, g)
+                    acc.backward(parts.loss / cfg.grad_accum)
+                loss_sum += float(parts.loss.detach())
+                ce_sum += parts.ce
+                kl_sum += parts.kl
+                tokens += batch.n_tokens
+                fwd_tokens += layout.n_tokens
+            grad_norm = float("nan")
+            if cfg.max_grad_norm > 0:
+                grad_norm = float(acc.clip_grad_norm_(params, cfg.max_grad_norm))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            steps_here += 1
+            stats = torch.tensor([loss_sum, ce_sum, kl_sum, tokens, fwd_tokens], dtype=torch.float64,
+                                 device=acc.device)
+            stats = acc.reduce(stats, reduction="sum") if world > 1 else stats
+            dt = time.perf_counter() - t0
+            ga_w = cfg.grad_accum * world
+            row = {"step": self.step, "epoch": round(self.step * per_step / n, 4),
+                   "loss": round(float(stats[0]) / ga_w, 6), "ce": round(float(stats[1]) / ga_w, 6),
+                   "kl": round(float(stats[2]) / ga_w, 6), "lr": self.scheduler.get_last_lr()[0],
+                   "grad_norm": round(grad_norm, 6), "tokens": int(stats[3]),
+                   "tokens_per_s": round(float(stats[3]) / dt, 2), "forward_tokens_per_s": round(float(stats[4]) / dt, 2),
+                   "elapsed_s": round(time.perf_counter() - t_start, 3)}
+            if cfg.eval_every and self.eval_data is not None and (self.step % cfg.eval_every == 0
+                                                                  or self.step == cfg.max_steps):
+                el, ea = self.evaluate()
+                row["eval_loss"], row["eval_acc"] = round(el, 6), round(ea, 6)
+            self._log(row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+            if not math.isfinite(row["loss"]):
+                raise TrainError(f"step {self.step}: the loss is not finite ({row['loss']}); lower --lr")
+            out_of_time = cfg.max_minutes > 0 and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes
+            if world > 1:
+                flag = torch.tensor([1.0 if out_of_time else 0.0], device=acc.device)
+                out_of_time = bool(acc.reduce(flag, reduction="sum") > 0)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                self.save()
+            if cfg.halt_after is not None and steps_here >= cfg.halt_after:
+                halted = True
+                break
+            if out_of_time:
+                break
+        bar.close()
+        if not halted:
+            self.save()
+        if acc.is_main_process and self.metrics_path.is_file():
+            with contextlib.suppress(Exception):
+                plot_metrics(self.metrics_path, self.out / "loss.png")
+        acc.wait_for_everyone()
+        return self.out
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run training (see :class:`Trainer`); returns ``cfg.out``."""
+    return Trainer(cfg).train()
+
+
+def config_from_json(path: str | Path) -> TrainConfig:
+    """A :class:`TrainConfig` from a JSON object of its fields (for scripted runs)."""
+    data = json.loads(Path(path).read_text())
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise TrainError(f"{path}: unknown field(s) {unknown}")
+    return TrainConfig(**data)
