@@ -1,0 +1,155 @@
+"""``unmask serve [MODEL]``: the OpenAI-compatible HTTP server (uvicorn; graceful shutdown on SIGTERM/SIGINT).
+
+With no MODEL it serves the default model: a trained A2D SmolLM2 checkpoint when
+``unmask.training.realmodel.default_trained_dir()`` finds one, otherwise the untrained A2D conversion of
+SmolLM2-135M-Instruct (``ensure_default_converted()``) with a default ``block_size`` of 1, which through the logit
+shift and prefix-causal attention decodes exactly like the AR parent. The log says which one is served.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("unmask.server")
+
+
+def register(sub, name):
+    p = sub.add_parser(name, help="serve a diffusion LM over an OpenAI-compatible HTTP API",
+                       description="OpenAI-compatible server (completions, chat completions, SSE streaming of every "
+                                   "denoising step, Prometheus /metrics).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or hub id (default: the A2D SmolLM2 default model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
+    p.add_argument("--api-key", default=os.environ.get("UNMASK_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $UNMASK_API_KEY, else none)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together in one step")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
+    p.add_argument("--max-model-len", type=int, default=None, help="lower the context length (tokens)")
+    p.add_argument("--max-cached-tokens", type=int, default=None,
+                   help="KV budget in canvas tokens over the running batch (default: unlimited)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens when a request sends none (lowered to the remaining context)")
+    p.add_argument("--request-timeout", type=float, default=None, help="abort requests after this many seconds")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
+    p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--family", default=None, help="force the model family (default: detect)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="default block size for requests that send none (default: the checkpoint's)")
+    p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
+                   help="default KV-cache policy for requests that send none")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def default_model() -> tuple[str, int | None, str]:
+    """``(checkpoint directory, default block size or None, description)`` of the default model.
+
+    Raises:
+        UsageError: the training package's real-model helpers are missing or cannot produce the model (the message
+            says what is missing).
+    """
+    from unmask.cli.main import UsageError
+
+    try:
+        from unmask.training import realmodel
+    except ImportError as exc:
+        raise UsageError(f"no MODEL given and the default model is unavailable: unmask.training.realmodel cannot "
+                         f"be imported ({exc}); pass a checkpoint directory") from exc
+    trained = getattr(realmodel, "default_trained_dir", None)
+    if trained is not None:
+        path = trained()
+        if path and (Path(path) / "config.json").is_file():
+            return str(path), None, f"the trained default A2D checkpoint {path}"
+    convert = getattr(realmodel, "ensure_default_converted", None)
+    if convert is None:
+        raise UsageError("no MODEL given and unmask.training.realmodel has no ensure_default_converted(); "
+                         "pass a checkpoint directory")
+    try:
+        path = convert()
+    except Exception as exc:
+        raise UsageError(f"no MODEL given and the default model could not be prepared: {exc}") from exc
+    return (str(path), 1, f"the UNTRAINED A2D conversion of SmolLM2-135M-Instruct at {path} with default block_size=1 "
+                          f"(exact AR decoding through the logit shift; no trained diffusion checkpoint found)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from unmask.cli.main import UsageError
+
+    for name in ("max_batch_size", "max_queue", "default_max_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    for name in ("max_model_len", "max_cached_tokens", "block_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise UsageError(f"--request-timeout: must be > 0 seconds, got {args.request_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port: must be in 0..65535, got {args.port}")
+    chat_template = None
+    if args.chat_template:
+        try:
+            chat_template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            raise UsageError(f"--chat-template: cannot read {args.chat_template}: {exc.strerror}") from exc
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("unmask").setLevel(args.log_level.upper())
+
+    model_path, default_block, what = args.model, None, None
+    if model_path is None:
+        model_path, default_block, what = default_model()
+    import uvicorn
+
+    from unmask.engine import CheckpointError
+    from unmask.engine.async_engine import AsyncEngine
+    from unmask.engine.model import load_model
+    from unmask.server.app import build_app
+
+    try:
+        loaded = load_model(model_path, args.family, args.device, args.dtype)
+    except (CheckpointError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    if args.max_model_len is not None:
+        if args.max_model_len > loaded.max_context:
+            raise UsageError(f"--max-model-len: {args.max_model_len} exceeds the model's context of "
+                             f"{loaded.max_context} tokens")
+        loaded.max_context = args.max_model_len
+    block = args.block_size or default_block
+    if block is not None:
+        if loaded.dllm.fixed_block_size and block != loaded.dllm.block_size:
+            raise UsageError(f"--block-size: this {loaded.dllm.family} model decodes with its trained block size "
+                             f"{loaded.dllm.block_size} only")
+        loaded.dllm.block_size = block
+    name = args.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
+    engine = AsyncEngine(loaded, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                         max_cached_tokens=args.max_cached_tokens)
+    app = build_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens,
+                    request_timeout=args.request_timeout, chat_template=chat_template,
+                    cors_origins=args.cors_origins, default_cache=args.cache)
+    d = loaded.dllm
+    log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s dtype=%s "
+             "on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size, d.logit_shift,
+             loaded.max_context, loaded.device, str(loaded.dtype).replace("torch.", ""), args.host, args.port,
+             " (API key required)" if args.api_key else "")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=10, lifespan="on")
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from unmask.cli.main import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

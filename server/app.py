@@ -1,0 +1,317 @@
+"""The FastAPI app: OpenAI-compatible routes over an :class:`~unmask.engine.async_engine.AsyncEngine`.
+
+``build_app(engine, model_name, ...)`` returns a new app each call (own Prometheus registry, own state), so tests
+and embedders can build several in one process. Routes (DESIGN.md section 5):
+
+* ``GET /v1/models``, ``GET /v1/models/{id}`` (404 for an unknown id)
+* ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``)
+* ``GET /health`` (engine counters; 503 when the engine is down), ``GET /metrics`` (Prometheus text, no redirect)
+
+The server depends on the engine only (never on ``unmask.training``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+
+from unmask.engine.async_engine import AsyncEngine
+from unmask.engine.detokenize import TokenTexts
+from unmask.engine.llm import chat_prompt_ids, encode_prompt
+from unmask.engine.params import CACHE_MODES, ParamError
+
+from . import protocol as P
+from .errors import APIError, from_exception, install_handlers
+from .metrics import Metrics
+from .streaming import Run, collect, sse_events
+
+log = logging.getLogger("unmask.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine, the served name and the server's limits."""
+
+    engine: AsyncEngine
+    model_name: str
+    metrics: Metrics
+    default_max_tokens: int = 256
+    request_timeout: float | None = None
+    chat_template: str | None = None
+    default_cache: str = "auto"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.tokenizer = self.engine.model.tokenizer
+        self.token_text = TokenTexts(self.tokenizer)
+        self.vocab_size = self.engine.model.vocab_size
+        self.max_context = self.engine.model.max_context
+
+
+class GuardMiddleware:
+    """Pure ASGI checks before routing (so they never depend on body parsing): API key on ``/v1/*`` (401),
+    body size (413, Content-Length or counted bytes) and JSON content type on POST (415).
+
+    The body is read here and replayed to the app; after it, ``receive`` passes through, so a route can still wait
+    for ``http.disconnect``."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key is not None and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await err.response()(scope, receive, send)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await APIError(400, f"invalid Content-Length header {length!r}",
+                                      code="invalid_request").response()(scope, receive, send)
+            if int(length) > self.max_body_bytes:
+                await self._drain(receive, 16 * self.max_body_bytes)
+                return await self._too_large(int(length))(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await self._drain(receive, 16 * self.max_body_bytes)
+                return await self._too_large(size)(scope, receive, send)
+            chunks.append(body)
+            more = message.get("more_body", False)
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            err = APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                           param="Content-Type", code="unsupported_media_type")
+            return await err.response()(scope, receive, send)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, size: int):
+        return APIError(413, f"request body of {size} bytes exceeds the server's limit of {self.max_body_bytes} "
+                             f"bytes", code="request_too_large").response()
+
+    @staticmethod
+    async def _drain(receive, limit: int) -> None:
+        """Read and drop the rest of the body (up to ``limit`` bytes) so that the client sees the response."""
+        seen = 0
+        while seen <= limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+
+def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
+              request_timeout: float | None = None, chat_template: str | None = None,
+              cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              default_cache: str = "auto", shutdown_engine: bool = True) -> FastAPI:
+    """Create the OpenAI-compatible app.
+
+    Args:
+        engine: the running engine (its model's tokenizer, vocabulary and context are used for validation).
+        model_name: the id clients send as ``model`` and that ``/v1/models`` lists.
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (else 401).
+        default_max_tokens: ``max_tokens`` when the client sends none (lowered to the remaining context).
+        request_timeout: seconds after which a request is aborted (503 / a stream error event); None = no limit.
+        chat_template: a Jinja chat template that overrides the tokenizer's.
+        cors_origins: origins allowed by CORS (``["*"]`` for any); None/empty = no CORS headers.
+        max_body_bytes: largest accepted request body (413 beyond).
+        default_cache: KV-cache policy for requests that send no ``cache`` (``auto`` | ``none`` | ``prefix`` |
+            ``dual``).
+        shutdown_engine: stop the engine thread when the app's lifespan ends.
+
+    Raises:
+        ValueError: ``default_max_tokens`` < 1 or ``request_timeout`` <= 0.
+    """
+    if default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout}")
+    if default_cache not in CACHE_MODES:
+        raise ValueError(f"default_cache: must be one of {list(CACHE_MODES)}, got {default_cache!r}")
+    metrics = Metrics(model_name, engine)
+    state = ServerState(engine=engine, model_name=model_name, metrics=metrics, default_max_tokens=default_max_tokens,
+                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if shutdown_engine:
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+    app = FastAPI(title="unmask", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for diffusion language models. Errors use the OpenAI error "
+                              "body; streamed responses are server-sent events ending with `data: [DONE]`.")
+    app.state.unmask = state
+    install_handlers(app)
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": state.created, "owned_by": "unmask",
+                "max_model_len": state.max_context}
+
+    @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
+    async def list_models():
+        """The served model."""
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=_ERRORS)
+    async def get_model(model_id: str):
+        """One model by id (404 for an unknown id)."""
+        if model_id != model_name:
+            raise _unknown_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions", response_model=P.CompletionResponse, responses={
+        **_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"}})
+    async def completions(body: P.CompletionRequest, request: Request):
+        """OpenAI completions (``prompt``: string, strings, token ids, or lists of token ids)."""
+        arrival = time.time()
+        _check_model(body.model, model_name)
+        prompts = []
+        for prompt in body.prompts():
+            ids = encode_prompt(state.tokenizer, prompt)
+            if isinstance(prompt, list):
+                bad = [t for t in ids if t >= state.vocab_size]
+                if bad:
+                    raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (size "
+                                        f"{state.vocab_size})", param="prompt", code="invalid_value")
+            prompts.append(ids)
+        return await _serve(state, "completion", body, prompts, arrival, request,
+                            logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={
+        **_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"}})
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
+        arrival = time.time()
+        _check_model(body.model, model_name)
+        try:
+            ids = chat_prompt_ids(state.tokenizer, [m.as_template_dict() for m in body.messages], state.chat_template)
+        except ParamError:
+            raise
+        except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
+            raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
+                           param="messages", code="invalid_value") from exc
+        return await _serve(state, "chat", body, [ids], arrival, request, logprobs=body.logprobs,
+                            top_logprobs=body.top_logprobs or 0)
+
+    @app.get("/health")
+    async def health():
+        """``{"status": "ok", "running", "waiting", "nfe", "steps"}`` (``nfe`` = engine-level forwards);
+        503 when the engine thread is not running."""
+        body = {"status": "ok" if engine.alive else "unavailable", "model": model_name, **engine.stats()}
+        return JSONResponse(body, status_code=200 if engine.alive else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        data, ctype = metrics.render()
+        return Response(data, media_type=ctype)
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+                if "model" in props:  # the schema names the one model this server has
+                    props["model"]["enum"] = [model_name]
+            for path in ("/v1/models/{model_id}",):
+                op = schema.get("paths", {}).get(path, {}).get("get", {})
+                for prm in op.get("parameters", []):
+                    if prm.get("name") == "model_id":
+                        prm["schema"]["enum"] = [model_name]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app
+
+
+def _unknown_model(name: str) -> APIError:
+    return APIError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
+
+
+def _check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise _unknown_model(requested)
+
+
+async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], arrival: float, request: Request,
+                 logprobs: bool, top_logprobs: int):
+    """Submit one engine request per prompt and answer with JSON or SSE."""
+    engine = state.engine
+    explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    max_tokens = explicit if explicit is not None else state.default_max_tokens
+    params = body.sampling_params(max_tokens, logprobs)  # ParamError -> 400
+    if "cache" not in body.model_fields_set:
+        params.cache = state.default_cache
+    if len(prompts) * body.n > engine.max_queue:
+        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's queue of "
+                            f"{engine.max_queue} sequences", param="n", code="invalid_value")
+    response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
+    streams = []
+    try:
+        for p, ids in enumerate(prompts):
+            streams.append(engine.submit(ids, params, f"{response_id}-{p}", n=body.n,
+                                         fit_max_tokens=explicit is None))
+    except Exception as exc:
+        for s in streams:
+            s.abort()
+        err = from_exception(exc)
+        if err.code in ("queue_full", "cache_full"):
+            state.metrics.record_failure(err.code)
+        raise err from exc
+    run = Run(state, kind, response_id, int(arrival), prompts, streams, body.n, arrival, logprobs=logprobs,
+              top_logprobs=top_logprobs)
+    if body.stream:
+        return EventSourceResponse(sse_events(run, body.include_usage, body.include_denoising,
+                                              state.request_timeout),
+                                   ping=15, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    result = await collect(run, request, state.request_timeout)
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(result)

@@ -1,0 +1,159 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status.
+
+Status codes (DESIGN.md section 5, issue 3):
+
+======  ==========================================================================================
+400     invalid JSON or field value (``param`` names the field), unsupported field, prompt + max_tokens
+        beyond the context (the message gives both numbers)
+401     missing or wrong API key when the server has one (``Authorization: Bearer KEY``)
+404     unknown model id or route
+405     wrong method on a known route
+413     request body larger than the server's limit
+415     request body that is not ``application/json``
+429     waiting queue full (``Retry-After`` header, seconds)
+503     KV budget cannot hold the request, request timeout, or the engine is shutting down
+        (``Retry-After``)
+500     genuine server faults only
+======  ==========================================================================================
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from unmask.engine.async_engine import CacheFull, EngineClosed, EngineError, QueueFull
+from unmask.engine.params import ParamError
+
+log = logging.getLogger("unmask.server")
+
+_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                   405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                   429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+RETRY_AFTER_SECONDS = 1
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body.
+
+    Args:
+        status: HTTP status. message: human-readable reason (names the field where there is one).
+        param: the offending request field (dotted path), or None. code: a short machine-readable code.
+        headers: extra response headers (e.g. ``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        """The OpenAI error body as a dict."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map engine exceptions (and APIError itself) to an :class:`APIError`; anything else is a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ParamError):
+        return APIError(400, str(exc), param=exc.field, code="invalid_value")
+    if isinstance(exc, QueueFull):
+        return APIError(429, f"server busy: {exc}; retry later", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, CacheFull):
+        return APIError(503, f"{exc}; retry later or send a shorter request", code="cache_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, EngineClosed):
+        return APIError(503, f"{exc}", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, (TimeoutError,)):
+        return APIError(503, f"request timed out{': ' + str(exc) if str(exc) else ''}", code="timeout",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), code="engine_error", type="server_error")
+    return APIError(500, "internal server error", code="internal_error", type="server_error")
+
+
+# pydantic puts union-member and validator tags into ``loc``; they are not request fields
+_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*|constrained-.*"
+                  r"|[A-Z]\w*(\[.*\])?|json-or-python\[.*\]|tagged-union\[.*\]|union\[.*\])$")
+
+
+def param_path(loc: tuple) -> str | None:
+    """``("body", "messages", 0, "content", "str")`` -> ``"messages.0.content"``."""
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and _TAG.match(p))] if loc and loc[0] == "body" \
+        else [str(p) for p in loc if not (isinstance(p, str) and _TAG.match(p))]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first meaningful pydantic error as a 400 that names the field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request", code="invalid_request")
+    # a custom error (unsupported field, cross-field rule) is more specific than union noise
+    err = next((e for e in errors if e.get("type") in ("unsupported_field", "invalid_field")), None)
+    if err is not None:
+        ctx = err.get("ctx") or {}
+        field = ctx.get("field")
+        code = "unsupported_field" if err["type"] == "unsupported_field" else "invalid_value"
+        return APIError(400, f"{field}: {ctx.get('why')}", param=field, code=code)
+    err = errors[0]
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        ctx = err.get("ctx") or {}
+        return APIError(400, f"invalid JSON body: {ctx.get('error', err.get('msg'))}", code="invalid_json")
+    loc = tuple(err.get("loc", ()))
+    if kind == "missing" and loc == ("body",):
+        return APIError(400, "a JSON object body is required", code="invalid_request")
+    param = param_path(loc)
+    if kind == "extra_forbidden":
+        return APIError(400, f"{param}: unknown field (not part of this API)", param=param, code="unknown_field")
+    if param is None:
+        return APIError(400, f"request body: {err.get('msg')}", code="invalid_request")
+    msg = err.get("msg", "invalid value")
+    if kind == "missing":
+        msg = "required field is missing"
+    return APIError(400, f"{param}: {msg}", param=param, code="invalid_value")
+
+
+def install_handlers(app) -> None:
+    """Register the exception handlers that turn every failure into an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(ParamError)
+    async def _param(request: Request, exc: ParamError):
+        return from_exception(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
+                                                          f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception):
+        err = from_exception(exc)
+        if err.status >= 500:
+            log.error("request %s %s failed", request.method, request.url.path, exc_info=exc)
+        return err.response()

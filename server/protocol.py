@@ -1,0 +1,323 @@
+"""Request and response models of the OpenAI-compatible API (DESIGN.md sections 5 and 10).
+
+Requests follow the OpenAI API (``/v1/completions``, ``/v1/chat/completions``) with our diffusion knobs as extra
+top-level fields, the way vLLM adds its extras. Validation is strict so that the published OpenAPI schema says
+exactly what is accepted: no type coercion (``"0.5"`` is not a number, ``1`` is not a boolean), NaN/inf rejected,
+ranges and enums in the schema, unknown fields rejected (``additionalProperties: false``). Fields of the OpenAI API
+that this server does not implement (tools, function calling, non-text ``response_format``, ``logit_bias``, ...)
+are rejected with a 400 that names the field rather than ignored.
+
+``logprobs``: a diffusion model reveals tokens in any order; the log-probability reported for a token is the one it
+had (under the final logits of that step, after penalties and top-k/top-p, at temperature 1) at the step it was
+revealed. Only that token is recorded, so ``top_logprobs``/``logprobs`` may ask for at most 1 alternative (the
+token itself).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from unmask.engine.params import CACHE_MODES, REMASKING_STRATEGIES, SamplingParams
+
+MAX_SEED = 2**63 - 1
+MAX_N = 16
+MAX_PROMPTS = 32
+
+# OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored)
+UNSUPPORTED_FIELDS = {
+    "tools": "tool calling is not supported by this server",
+    "tool_choice": "tool calling is not supported by this server",
+    "parallel_tool_calls": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "audio": "audio output is not supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "reasoning_effort": "reasoning effort is not supported by this server",
+    "store": "stored completions are not supported by this server",
+    "metadata": "stored completions (metadata) are not supported by this server",
+    "service_tier": "service tiers are not supported by this server",
+    "modalities": "only text output is supported by this server",
+    "echo": "echo is not supported by this server",
+    "verbosity": "verbosity control is not supported by this server",
+}
+
+RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
+CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` (OpenAI) adds a final chunk with ``choices: []`` and the usage;
+    ``include_denoising`` (ours) streams every denoising step (DESIGN.md section 10)."""
+
+    include_usage: bool = False
+    include_denoising: bool = False
+
+
+class ResponseFormat(_Strict):
+    """Only ``{"type": "text"}`` is supported (no JSON mode / structured outputs)."""
+
+    type: Literal["text"]
+
+
+class _Common(_Strict):
+    """Fields shared by completions and chat completions (OpenAI + our diffusion extras)."""
+
+    model: str = Field(min_length=1, max_length=512, description="a model id from GET /v1/models")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: the server's "
+                                   "--default-max-tokens, lowered to the remaining context")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = argmax; default from the checkpoint")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N, description="choices; choice i uses seed + i")
+    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = Field(
+        None, description="a string or at most 4 non-empty strings; text is cut before the first one")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=512, description="accepted, recorded nowhere (OpenAI end-user id)")
+    safety_identifier: str | None = Field(None, max_length=512, description="accepted like user; no effect")
+    prompt_cache_key: str | None = Field(None, max_length=512, description="accepted; the KV cache is per request")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}")
+    # --- diffusion extras (DESIGN.md section 5) ---
+    steps: int | None = Field(None, ge=1, le=1_000_000,
+                              description="total denoising steps (LLaDA), split over the blocks; default max_tokens")
+    block_size: int | None = Field(None, ge=1, le=65536, description="block length; default from the checkpoint")
+    remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed")
+    threshold: float | None = Field(None, ge=0, le=1,
+                                    description="confidence-threshold parallel decoding (steps is then ignored)")
+    cfg_scale: float = Field(0.0, ge=0, le=100, description="classifier-free guidance scale; 0 = off")
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    repetition_penalty: float = Field(1.0, gt=0, le=100, description="vLLM's repetition penalty; 1 = off")
+    min_tokens: int = Field(0, ge=0, description="EOS/stop tokens forbidden before this many tokens")
+    ignore_eos: bool = False
+    cache: CacheName = Field("auto", description="KV-cache policy: auto | none | prefix | dual")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in UNSUPPORTED_FIELDS.items():
+                if name in data and data[name] not in (None, False, [], {}):
+                    raise PydanticCustomError("unsupported_field", "{field}: {why}", {"field": name, "why": why})
+                data = {k: v for k, v in data.items() if k != name} if name in data else data
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise PydanticCustomError("unsupported_field", "{field}: {why}",
+                                      {"field": "logit_bias", "why": "logit_bias is not supported by this server"})
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("invalid_field", "{field}: {why}",
+                                      {"field": "stream_options", "why": "only allowed when stream is true"})
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        """The engine's :class:`SamplingParams` (raises ``ParamError`` naming the field)."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
+            steps=self.steps, block_size=self.block_size, remasking=self.remasking, threshold=self.threshold,
+            cfg_scale=self.cfg_scale, seed=self.seed, stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []), presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache=self.cache, logprobs=logprobs,
+            suffix=getattr(self, "suffix", None))
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_denoising(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_denoising)
+
+
+Prompt = (Annotated[str, Field(min_length=1)]
+          | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+          | Annotated[list[TokenId], Field(min_length=1)]
+          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)])
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions`` (OpenAI legacy completions)."""
+
+    prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of those")
+    suffix: str | None = Field(None, description="text after the generated region (infilling; bidirectional "
+                                                 "models only)")
+    logprobs: int | None = Field(None, ge=0, le=1, description="log-probability of each token at the step it was "
+                                 "revealed (only the revealed token is recorded, so at most 1)")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (one entry per prompt)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise PydanticCustomError("invalid_field", "{field}: {why}",
+                                      {"field": "best_of", "why": f"only best_of == n is supported, got best_of="
+                                                                  f"{self.best_of} and n={self.n}"})
+        return self
+
+
+class TextPart(_Strict):
+    """A text content part of a chat message (``{"type": "text", "text": ...}``); other part types are rejected."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message; ``content`` is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    name: str | None = Field(None, max_length=256)
+
+    def as_template_dict(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        d = {"role": self.role, "content": content}
+        if self.name:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens (takes precedence)")
+    logprobs: bool = Field(False, description="log-probability of each token at the step it was revealed")
+    top_logprobs: int | None = Field(None, ge=0, le=1, description="only the revealed token is recorded (<= 1)")
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("invalid_field", "{field}: {why}",
+                                      {"field": "top_logprobs", "why": "requires logprobs to be true"})
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    """Token counts (``prompt_tokens + completion_tokens == total_tokens``); completion tokens count up to and
+    including the first EOS. Extras: ``nfe`` (model forwards of all choices, CFG counts twice) and
+    ``denoising_steps``."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    nfe: int = 0
+    denoising_steps: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "unmask"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI error body."""
+
+    error: ErrorDetail

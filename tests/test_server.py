@@ -1,0 +1,543 @@
+"""The OpenAI-compatible server against a real uvicorn process (``unmask serve``) on a tiny a2d checkpoint.
+
+One server process per module. It requires an API key, has 8 batch slots and a queue of 16 sequences.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+KEY = "sk-test-unmask"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"
+C, CH = "/v1/completions", "/v1/chat/completions"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tiny import loaded
+    from unmask.engine.checkpoint import write_checkpoint
+
+    m = loaded(block_size=4)
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-a2d", m.model, m.tokenizer, m.dllm)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("log") / "server.log"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", str(checkpoint), "--port", str(port),
+                                 "--served-model-name", MODEL, "--api-key", KEY, "--max-batch-size", "8",
+                                 "--max-queue", "16", "--default-max-tokens", "16"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+    yield {"url": base, "log": log_path, "proc": proc}
+    proc.send_signal(signal.SIGTERM)  # graceful shutdown
+    try:
+        rc = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("server did not stop within 30 s of SIGTERM")
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown
+    assert rc in (0, -signal.SIGTERM), log_path.read_text()[-3000:]
+    assert "Application shutdown complete" in log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server["url"], headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def health(http) -> dict:
+    return http.get("/health").json()
+
+
+def sse(http, path, body) -> tuple[httpx.Response, list]:
+    """POST a streaming request; return the response and the parsed data payloads ('[DONE]' kept as a string)."""
+    out = []
+    with http.stream("POST", path, json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                out.append(data if data == "[DONE]" else json.loads(data))
+            else:
+                assert line == "" or line.startswith(":"), line
+    return r, out
+
+
+def scrape(http) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- basics
+def test_models_health_metrics_routes(http, server):
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    assert r.json()["object"] == "list" and r.json()["data"][0]["id"] == MODEL
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    r = http.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    h = health(http)
+    assert h["status"] == "ok" and h["running"] == 0
+    r = httpx.get(f"{server['url']}/metrics", follow_redirects=False)  # no auth, no redirect
+    assert r.status_code == 200 and "unmask:num_requests_running" in r.text
+    schema = http.get("/openapi.json").json()
+    req = schema["components"]["schemas"]["ChatCompletionRequest"]
+    assert req["additionalProperties"] is False and req["properties"]["model"]["enum"] == [MODEL]
+    assert req["properties"]["temperature"]["anyOf"][0]["maximum"] == 2
+    assert set(req["properties"]["remasking"]["enum"]) == {"low_confidence", "margin", "entropy", "random"}
+
+
+# ---------------------------------------------------------------------------------------------- openai SDK
+def test_openai_sdk_sync(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    comp = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0, seed=1)
+    assert comp.object == "text_completion" and comp.choices[0].finish_reason in ("stop", "length")
+    assert comp.usage.prompt_tokens + comp.usage.completion_tokens == comp.usage.total_tokens
+    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                            seed=1, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == comp.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == comp.usage.completion_tokens
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+                                          seed=3, n=2, extra_body={"steps": 4, "remasking": "margin"})
+    assert chat.object == "chat.completion" and [c.index for c in chat.choices] == [0, 1]
+    assert all(c.message.role == "assistant" for c in chat.choices)
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=8, seed=3, n=2, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"steps": 4, "remasking": "margin"})
+    texts, usage = ["", ""], None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in chat.choices]
+    assert usage.completion_tokens == chat.usage.completion_tokens
+    lp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                        temperature=0, logprobs=True, top_logprobs=1)
+    content = lp.choices[0].logprobs.content
+    assert content and all(e.logprob <= 0 and e.top_logprobs[0].token == e.token for e in content)
+
+
+def test_openai_sdk_async_concurrent_results_do_not_cross(server):
+    import openai
+
+    prompts = [("The quick brown fox", 0.0, 1), ("One two three", 1.0, 2), ("Diffusion", 0.8, 3),
+               ("Paris is", 1.2, 4), ("def add(a, b):", 0.5, 5), ("Grüße", 1.0, 6)]
+    sync = openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+    alone = [sync.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=t, seed=s).choices[0].text
+             for p, t, s in prompts]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+
+        async def one(p, t, s, stream):
+            if not stream:
+                r = await client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=t, seed=s)
+                return r.choices[0].text
+            text = ""
+            async for chunk in await client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=t,
+                                                               seed=s, stream=True):
+                text += "".join(c.text for c in chunk.choices)
+            return text
+
+        together = await asyncio.gather(*(one(p, t, s, i % 2 == 1) for i, (p, t, s) in enumerate(prompts)))
+        chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=5, seed=9)
+        chat_text = ""
+        async for chunk in await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, seed=9, stream=True,
+                stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                chat_text += c.delta.content or ""
+        await client.close()
+        return together, chat.choices[0].message.content, chat_text
+
+    together, chat_text, streamed_chat = asyncio.run(main())
+    assert together == alone
+    assert streamed_chat == chat_text
+
+
+# ---------------------------------------------------------------------------------------------- SSE invariants
+def _check_stream(payloads, n, chat=True):
+    assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+    chunks = payloads[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert all(isinstance(c["created"], int) for c in chunks)
+    texts, finished, role_seen = [""] * n, [False] * n, [False] * n
+    denoise = {i: [] for i in range(n)}
+    usage = None
+    for c in chunks:
+        if not c["choices"]:
+            assert usage is None and c.get("usage")
+            usage = c["usage"]
+            continue
+        assert usage is None, "the usage chunk comes last"
+        (ch,) = c["choices"]
+        i = ch["index"]
+        assert not finished[i], "nothing after a choice's finish_reason"
+        if chat:
+            if not role_seen[i]:
+                assert ch["delta"].get("role") == "assistant", "first chat delta carries the role"
+                role_seen[i] = True
+            else:
+                assert "role" not in ch["delta"]
+            texts[i] += ch["delta"].get("content") or ""
+        else:
+            texts[i] += ch["text"]
+        if "denoising" in c:
+            assert (ch["delta"] == {} if chat else ch["text"] == "") and ch["finish_reason"] is None
+            denoise[i].append(c["denoising"])
+        if ch["finish_reason"] is not None:
+            finished[i] = True
+    assert all(finished)
+    return texts, denoise, usage
+
+
+def test_sse_invariants_and_denoising_events(http):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 12, "seed": 5,
+            "n": 2, "stream": True, "steps": 8, "block_size": 4,
+            "stream_options": {"include_usage": True, "include_denoising": True}}
+    r, payloads = sse(http, CH, body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["cache-control"] == "no-cache"
+    texts, denoise, usage = _check_stream(payloads, 2)
+    plain = http.post(CH, json={**body, "stream": False, "stream_options": None}).json()
+    assert texts == [c["message"]["content"] for c in plain["choices"]]
+    assert usage == plain["usage"]
+    last_nfe = 0
+    for i, events in denoise.items():
+        assert [e["step"] for e in events] == list(range(len(events))), "one denoising event per step"
+        nfes = [e["nfe"] for e in events]
+        assert nfes == sorted(set(nfes)) and nfes[0] >= 1
+        last_nfe += nfes[-1]
+        assert all(e["index"] == i for e in events)
+        blocks = [e["block"] for e in events]
+        assert blocks == sorted(blocks)
+        prev = [None] * 12
+        for e in events:
+            assert len(e["canvas"]) == 12 and e["revealed"]
+            for rv in e["revealed"]:
+                assert prev[rv["position"]] is None and e["canvas"][rv["position"]] == rv["text"]
+                assert 0 <= rv["confidence"] <= 1 and isinstance(rv["token_id"], int)
+            assert sum(x is not None for x in e["canvas"]) == sum(x is not None for x in prev) + len(e["revealed"])
+            prev = e["canvas"]
+    assert usage["nfe"] == last_nfe
+    assert usage["denoising_steps"] == sum(len(v) for v in denoise.values())
+
+
+def test_completion_stream_shape(http):
+    r, payloads = sse(http, C, {"model": MODEL, "prompt": ["One two", "Paris"], "max_tokens": 6, "seed": 2,
+                                "stream": True, "n": 2})
+    assert r.status_code == 200
+    texts, _, usage = _check_stream(payloads, 4, chat=False)
+    assert usage is None and all(c["object"] == "text_completion" for c in payloads[:-1])
+    plain = http.post(C, json={"model": MODEL, "prompt": ["One two", "Paris"], "max_tokens": 6, "seed": 2,
+                               "n": 2}).json()
+    assert texts == [c["text"] for c in plain["choices"]]
+
+
+def test_joined_deltas_equal_plain_text_multibyte_and_stop(http):
+    seen_non_ascii = False
+    for seed in range(6):
+        base = {"model": MODEL, "prompt": "Grüße aus München — 東京", "max_tokens": 24, "seed": seed,
+                "temperature": 1.5, "block_size": 8, "steps": 12}
+        plain = http.post(C, json=base).json()["choices"][0]["text"]
+        _, payloads = sse(http, C, {**base, "stream": True})
+        texts, _, _ = _check_stream(payloads, 1, chat=False)
+        assert texts[0] == plain
+        # every intermediate prefix was final: never a U+FFFD from a split character
+        acc = ""
+        for c in payloads[:-1]:
+            acc += c["choices"][0]["text"]
+            assert plain.startswith(acc)
+        seen_non_ascii |= any(ord(ch) > 127 and ch != "\ufffd" for ch in plain)
+        if len(plain) >= 6:  # a stop string from the middle of the text: cut before it, no prefix leaks
+            stop = plain[len(plain) // 2: len(plain) // 2 + 2]
+            cut = plain[: plain.find(stop)]
+            stopped = http.post(C, json={**base, "stop": [stop, "zzzz"]}).json()["choices"][0]
+            assert stopped["text"] == cut and stopped["finish_reason"] == "stop"
+            _, payloads = sse(http, C, {**base, "stop": [stop, "zzzz"], "stream": True})
+            texts, _, _ = _check_stream(payloads, 1, chat=False)
+            assert texts[0] == cut
+    assert seen_non_ascii, "the test prompts must exercise multi-byte characters"
+
+
+# ---------------------------------------------------------------------------------------------- errors
+GOOD_C = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+GOOD_CH = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def _c(**kw):
+    return {**GOOD_C, **kw}
+
+
+def _ch(**kw):
+    return {**GOOD_CH, **kw}
+
+
+BAD = [
+    # (name, method, path, kwargs for httpx, status, param or message fragment)
+    ("no api key", "POST", C, {"json": GOOD_C, "headers": {"Authorization": ""}}, 401, None),
+    ("wrong api key", "POST", C, {"json": GOOD_C, "headers": {"Authorization": "Bearer nope"}}, 401, None),
+    ("unknown model", "POST", C, {"json": _c(model="gpt-9")}, 404, "model"),
+    ("unknown model id", "GET", "/v1/models/gpt-9", {}, 404, None),
+    ("unknown route", "GET", "/v1/nothing", {}, 404, None),
+    ("wrong method", "GET", C, {}, 405, None),
+    ("bad json", "POST", C, {"content": b'{"model": "tiny", ', "headers": {"Content-Type": "application/json"}},
+     400, "invalid JSON"),
+    ("wrong content type", "POST", C, {"content": json.dumps(GOOD_C), "headers": {"Content-Type": "text/plain"}},
+     415, "Content-Type"),
+    ("json array body", "POST", C, {"json": [GOOD_C]}, 400, None),
+    ("missing prompt", "POST", C, {"json": {"model": MODEL}}, 400, "prompt"),
+    ("missing messages", "POST", CH, {"json": {"model": MODEL}}, 400, "messages"),
+    ("empty prompt", "POST", C, {"json": _c(prompt="")}, 400, "prompt"),
+    ("empty prompt list", "POST", C, {"json": _c(prompt=[])}, 400, "prompt"),
+    ("empty token list", "POST", C, {"json": _c(prompt=[[]])}, 400, "prompt"),
+    ("token id out of vocab", "POST", C, {"json": _c(prompt=[10 ** 6])}, 400, "prompt"),
+    ("empty messages", "POST", CH, {"json": _ch(messages=[])}, 400, "messages"),
+    ("temperature as string", "POST", C, {"json": _c(temperature="0.5")}, 400, "temperature"),
+    ("temperature negative", "POST", C, {"json": _c(temperature=-1)}, 400, "temperature"),
+    ("temperature too high", "POST", CH, {"json": _ch(temperature=3)}, 400, "temperature"),
+    ("temperature NaN", "POST", C, {"content": json.dumps(GOOD_C)[:-1] + ', "temperature": NaN}',
+                                    "headers": {"Content-Type": "application/json"}}, 400, "temperature"),
+    ("top_p zero", "POST", C, {"json": _c(top_p=0)}, 400, "top_p"),
+    ("top_p above one", "POST", C, {"json": _c(top_p=1.5)}, 400, "top_p"),
+    ("max_tokens zero", "POST", C, {"json": _c(max_tokens=0)}, 400, "max_tokens"),
+    ("max_tokens float", "POST", C, {"json": _c(max_tokens=1.5)}, 400, "max_tokens"),
+    ("max_tokens beyond context", "POST", C, {"json": _c(max_tokens=100000)}, 400, "max_tokens"),
+    ("max_completion_tokens zero", "POST", CH, {"json": _ch(max_completion_tokens=0)}, 400,
+     "max_completion_tokens"),
+    ("n zero", "POST", C, {"json": _c(n=0)}, 400, "n"),
+    ("n too large", "POST", C, {"json": _c(n=17)}, 400, "n"),
+    ("five stop strings", "POST", C, {"json": _c(stop=["a", "b", "c", "d", "e"])}, 400, "stop"),
+    ("empty stop string", "POST", C, {"json": _c(stop=[""])}, 400, "stop"),
+    ("negative seed", "POST", C, {"json": _c(seed=-1)}, 400, "seed"),
+    ("unknown remasking", "POST", C, {"json": _c(remasking="bogus")}, 400, "remasking"),
+    ("unknown cache", "POST", C, {"json": _c(cache="bogus")}, 400, "cache"),
+    ("threshold above one", "POST", C, {"json": _c(threshold=2)}, 400, "threshold"),
+    ("block_size zero", "POST", C, {"json": _c(block_size=0)}, 400, "block_size"),
+    ("steps zero", "POST", C, {"json": _c(steps=0)}, 400, "steps"),
+    ("frequency_penalty too high", "POST", C, {"json": _c(frequency_penalty=3)}, 400, "frequency_penalty"),
+    ("stream as string", "POST", C, {"json": _c(stream="yes")}, 400, "stream"),
+    ("ignore_eos as int", "POST", C, {"json": _c(ignore_eos=1)}, 400, "ignore_eos"),
+    ("unknown field", "POST", C, {"json": _c(foo=1)}, 400, "foo"),
+    ("tools", "POST", CH, {"json": _ch(tools=[{"type": "function", "function": {"name": "f"}}])}, 400, "tools"),
+    ("logit_bias", "POST", CH, {"json": _ch(logit_bias={"5": 10})}, 400, "logit_bias"),
+    ("response_format json", "POST", CH, {"json": _ch(response_format={"type": "json_object"})}, 400,
+     "response_format"),
+    ("unknown role", "POST", CH, {"json": _ch(messages=[{"role": "robot", "content": "x"}])}, 400, "messages.0.role"),
+    ("image content part", "POST", CH, {"json": _ch(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}])}, 400, "messages.0.content"),
+    ("stream_options without stream", "POST", CH, {"json": _ch(stream_options={"include_usage": True})}, 400,
+     "stream_options"),
+    ("min_tokens above max_tokens", "POST", C, {"json": _c(min_tokens=9)}, 400, "min_tokens"),
+    ("suffix on a causal model", "POST", C, {"json": _c(suffix="end")}, 400, "suffix"),
+    ("top_logprobs too many", "POST", CH, {"json": _ch(logprobs=True, top_logprobs=5)}, 400, "top_logprobs"),
+    ("best_of unlike n", "POST", C, {"json": _c(best_of=3)}, 400, "best_of"),
+    ("oversized body", "POST", C, {"json": _c(prompt="x" * (5 * 1024 * 1024))}, 413, None),
+]
+
+
+def test_bad_requests_get_documented_4xx_then_a_good_request_succeeds(http):
+    assert len(BAD) >= 30
+    for name, method, path, kwargs, status, param in BAD:
+        r = http.request(method, path, **kwargs)
+        assert r.status_code == status, (name, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], name
+        if param is not None:
+            assert param in err["message"] or err["param"] == param, (name, err)
+        if status == 401:
+            assert r.headers.get("www-authenticate") == "Bearer"
+    r = http.post(C, json=_c(max_tokens=100000))
+    assert "512" in r.json()["error"]["message"], "both numbers of the context overflow are named"
+    ok = http.post(CH, json=GOOD_CH)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert health(http)["running"] == 0
+
+
+def test_queue_full_is_429_with_retry_after(http):
+    # 16 long choices: 8 run, 8 wait -> a further 16 would overflow the queue of 16
+    body = {"model": MODEL, "prompt": "One", "max_tokens": 300, "n": 16, "seed": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_denoising": True}}
+    with http.stream("POST", C, json=body) as r:
+        lines = r.iter_lines()  # keep the iterator: closing it would close the connection (a disconnect)
+        for line in lines:
+            if '"denoising"' in line:
+                break
+        full = http.post(C, json=_c(n=16))
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["code"] == "queue_full"
+    _wait_idle(http)
+    assert http.post(C, json=GOOD_C).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- disconnects
+def _wait_idle(http, timeout=15.0) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        h = health(http)
+        if h["running"] == 0 and h["waiting"] == 0:
+            return h
+        time.sleep(0.05)
+    pytest.fail(f"engine still busy: {health(http)}")
+
+
+def _assert_nfe_stops(http):
+    before = _wait_idle(http)["nfe"]
+    time.sleep(0.5)
+    assert health(http)["nfe"] == before, "the engine kept spending forwards on a cancelled request"
+
+
+def test_streaming_disconnect_aborts_the_request(http, server):
+    before = scrape(http)
+    body = {"model": MODEL, "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0, "stream": True,
+            "stream_options": {"include_denoising": True}}
+    with httpx.Client(base_url=server["url"], headers=AUTH, timeout=60) as client:
+        with client.stream("POST", C, json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 5:
+                    break
+            assert health(http)["running"] == 1
+    _assert_nfe_stops(http)
+    after = scrape(http)
+    key = ("unmask:request_failure_total", (("reason", "abort"),))
+    assert after[key] == before[key] + 1
+
+
+def test_non_streaming_disconnect_aborts_the_request(http, server):
+    body = {"model": MODEL, "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["url"] + C, json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
+    _assert_nfe_stops(http)
+
+
+# ---------------------------------------------------------------------------------------------- metrics and logs
+def test_metrics_deltas_equal_usage(http):
+    before = scrape(http)
+    usages, choices = [], 0
+    for body in (_c(max_tokens=7, seed=1, n=2), _ch(max_tokens=9, seed=2, steps=3)):
+        r = http.post(C if "prompt" in body else CH, json=body).json()
+        usages.append(r["usage"])
+        choices += len(r["choices"])
+    _, payloads = sse(http, CH, _ch(max_tokens=6, seed=3, stream=True, stream_options={"include_usage": True}))
+    usages.append(payloads[-2]["usage"])
+    choices += 1
+    after = scrape(http)
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert delta("unmask:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("unmask:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("unmask:nfe_total") == sum(u["nfe"] for u in usages)
+    assert delta("unmask:denoising_steps_total") == sum(u["denoising_steps"] for u in usages)
+    assert (delta("unmask:request_success_total", (("finished_reason", "stop"),))
+            + delta("unmask:request_success_total", (("finished_reason", "length"),))) == choices
+    assert delta("unmask:e2e_request_latency_seconds_count") == 3
+    assert delta("unmask:time_to_first_token_seconds_count") <= 3
+    assert delta("unmask:request_queue_time_seconds_count") == 3
+    assert delta("unmask:tokens_per_forward_count") == choices
+    assert after[("unmask:num_requests_running", ())] == 0
+
+
+def test_one_log_line_per_request(http, server):
+    r = http.post(C, json=_c(seed=11)).json()
+    time.sleep(0.1)
+    lines = [ln for ln in server["log"].read_text().splitlines() if r["id"] in ln]
+    assert len(lines) == 1, lines
+    m = re.search(r"status=200 prompt_tokens=(\d+) completion_tokens=(\d+) nfe=(\d+) tpf=([\d.]+) steps=\d+ "
+                  r"seconds=([\d.]+)", lines[0])
+    assert m and int(m.group(2)) == r["usage"]["completion_tokens"] and int(m.group(3)) == r["usage"]["nfe"]
+    assert math.isclose(float(m.group(4)), r["usage"]["completion_tokens"] / r["usage"]["nfe"], abs_tol=0.01)
+
+
+# ---------------------------------------------------------------------------------------------- fuzzing
+def test_schemathesis_finds_no_server_errors(server, http):
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+
+    schema = schemathesis.openapi.from_url(server["url"] + "/openapi.json")
+    failures, calls = [], 0
+    statuses: dict[tuple[str, str, int], int] = {}
+    t0 = time.time()
+    for result in schema.get_all_operations():
+        op = result.ok()
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            @settings(max_examples=12 if op.method.upper() == "POST" else 5, deadline=None, database=None,
+                      phases=[Phase.generate], suppress_health_check=list(HealthCheck), derandomize=True)
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case):
+                nonlocal calls
+                calls += 1
+                if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
+                    case.body["max_tokens"] = min(case.body["max_tokens"], 64)  # keep the run short
+                response = case.call(base_url=server["url"], headers=AUTH, timeout=60)
+                key = (op.path, mode.value, response.status_code)
+                statuses[key] = statuses.get(key, 0) + 1
+                if response.status_code >= 500:
+                    failures.append((response.status_code, case.as_curl_command(), response.text[:300]))
+
+            try:
+                check()
+            except Unsatisfiable:  # no invalid input exists for an operation without parameters (GET /v1/models)
+                assert mode == schemathesis.GenerationMode.NEGATIVE and not op.body and not op.path_parameters
+    print(sorted(statuses.items()))
+    assert calls >= 40
+    assert not failures, failures[:3]
+    # the fuzzing reached generation: valid generated requests succeeded, invalid ones were 4xx
+    for path in (C, CH):
+        assert statuses.get((path, "positive", 200), 0) >= 1, statuses
+    assert time.time() - t0 < 120
+    assert http.post(C, json=GOOD_C).status_code == 200
