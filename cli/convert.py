@@ -1,0 +1,62 @@
+"""``unmask convert SRC OUT``: turn an autoregressive checkpoint (HF directory or GGUF) into an ``a2d`` diffusion
+checkpoint (DESIGN.md section 7; rules in :mod:`unmask.training.convert`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+ATTENTION_CHOICES = ("bidirectional", "block_causal", "prefix_causal")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+def register(sub, name):
+    p = sub.add_parser(name, help="convert an AR checkpoint (HF directory or GGUF) into an a2d diffusion checkpoint",
+                       description="Add a mask token, set attention mode / block size / logit shift, and write a "
+                                   "servable a2d checkpoint.")
+    p.add_argument("src", metavar="SRC", help="HF causal-LM directory, a directory holding a .gguf file, or a .gguf file")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
+    p.add_argument("--gguf-file", default=None, metavar="NAME", help="GGUF file name inside SRC")
+    p.add_argument("--attention", default="prefix_causal", metavar="MODE",
+                   help="bidirectional | block_causal | prefix_causal (default; recommended for AR parents)")
+    p.add_argument("--block-size", default="4", metavar="N", help="default block size written to the checkpoint")
+    p.add_argument("--logit-shift", action=argparse.BooleanOptionalAction, default=True,
+                   help="read position j's logits from output j-1 (AR parents; default on)")
+    p.add_argument("--mask-token", default="<|mask|>", help="text of the mask token to reuse or add")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from unmask.cli.main import UsageError
+
+    if args.attention not in ATTENTION_CHOICES:
+        raise UsageError(f"--attention: {args.attention!r} is not one of {' | '.join(ATTENTION_CHOICES)}")
+    try:
+        block_size = int(args.block_size)
+    except ValueError:
+        raise UsageError(f"--block-size: must be a positive integer, got {args.block_size!r}") from None
+    if block_size < 1:
+        raise UsageError(f"--block-size: must be a positive integer, got {block_size}")
+    if args.dtype not in DTYPE_CHOICES:
+        raise UsageError(f"--dtype: {args.dtype!r} is not one of {' | '.join(DTYPE_CHOICES)}")
+    if not args.mask_token:
+        raise UsageError("--mask-token: must not be empty")
+
+    from unmask.engine.checkpoint import CheckpointWriteError
+    from unmask.training.convert import ConversionError, convert_checkpoint
+
+    t0 = time.perf_counter()
+    try:
+        out = convert_checkpoint(args.src, args.out, attention=args.attention, block_size=block_size,
+                                 logit_shift=args.logit_shift, gguf_file=args.gguf_file, mask_token=args.mask_token,
+                                 dtype=args.dtype)
+    except (ConversionError, CheckpointWriteError) as exc:
+        raise UsageError(str(exc).splitlines()[0]) from exc
+    from unmask.engine.model import read_config
+
+    d = read_config(out)["dllm"]
+    print(f"wrote {out} (a2d, attention={d['attention']}, block_size={d['block_size']}, "
+          f"logit_shift={d['logit_shift']}, mask_token_id={d['mask_token_id']}, eos={d['eos_token_ids']}) "
+          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return 0
