@@ -290,6 +290,7 @@ class Trainer:
                                      f"run being resumed ({saved.get(key)!r})")
             if cfg.trainable not in ("lora", "qlora"):
                 src = str(self.resume_from)  # its weights are the trained parameters, bit for bit
+        torch.manual_seed(_seed_of(cfg.seed, 3))  # LoRA initialisation (peft draws from the global RNG)
         try:
             self.tm = prepare_model(src, cfg.trainable, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets,
                                     device=acc.device, gradient_checkpointing=cfg.gradient_checkpointing)
@@ -431,6 +432,11 @@ class Trainer:
         cfg, acc = self.cfg, self.acc
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
+            import shutil
+
+            for stale in [*self.out.glob("checkpoint-*.tmp-*"), *self.out.glob("latest.tmp-*")]:
+                # left by a killed run: never referenced by `latest`
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         acc.wait_for_everyone()
         self._load()
         self._open_metrics()

@@ -1,0 +1,194 @@
+"""Trainer end to end on a tiny a2d checkpoint: every objective x trainable scope -> export -> the engine generates;
+frozen parameters unchanged and the mask row trained; exact resume; kill -9 during a checkpoint write; DDP."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tiny
+from unmask.engine.checkpoint import write_checkpoint
+from unmask.engine.llm import LLM
+from unmask.engine.model import load_model
+from unmask.engine.params import SamplingParams
+from unmask.training.export import export
+from unmask.training.trainer import TrainConfig, TrainError, resolve_latest, train
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = [
+    {"prompt": "What is two plus two?", "completion": "Two plus two is four."},
+    {"prompt": "Name a quick animal.", "completion": "The quick brown fox."},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                  {"role": "user", "content": "Count"}, {"role": "assistant", "content": "One two three"}]},
+    {"prompt": "Capital of France?", "completion": "Paris is the capital of France."},
+]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    lm = tiny.loaded()
+    write_checkpoint(d / "src", lm.model, lm.tokenizer, lm.dllm)
+    with open(d / "data.jsonl", "w") as fh:
+        for x in DATA:
+            fh.write(json.dumps(x) + "\n")
+    return d
+
+
+def _cfg(workdir, out, **kw):
+    base = dict(model=str(workdir / "src"), data=str(workdir / "data.jsonl"), out=str(out), batch_size=2,
+                max_steps=2, seq_len=64, lr=1e-2, progress=False, seed=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _weights(d):
+    return load_file(str(Path(d) / "model.safetensors"))
+
+
+MATRIX = [(o, s) for o in ("block", "mdlm") for s in ("full", "freeze_ffn", "qk_only", "lora", "qlora")]
+QUANT = {"full": "none", "freeze_ffn": "nf4", "qk_only": "int8", "lora": "nf4", "qlora": "int8"}
+
+
+@pytest.mark.parametrize("objective, scope", MATRIX)
+def test_train_scope_export_generate(workdir, tmp_path, objective, scope):
+    out = tmp_path / "run"
+    extra = {"eval_every": 2, "eval_data": str(workdir / "data.jsonl"), "eval_t_points": 2} if scope == "full" else {}
+    train(_cfg(workdir, out, objective=objective, trainable=scope, **extra))
+    ckpt = resolve_latest(out)
+    assert ckpt.name == "checkpoint-2" and (ckpt / "training_state.pt").is_file()
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [1, 2] and float(rows[-1]["tokens_per_s"]) > 0
+    if extra:
+        assert rows[-1]["eval_loss"] and 0 <= float(rows[-1]["eval_acc"]) <= 1
+    assert (out / "loss.png").stat().st_size > 0
+
+    src, new = _weights(workdir / "src"), _weights(ckpt)
+    mask_id = load_model(workdir / "src", device="cpu").dllm.mask_token_id
+    assert set(src) == set(new)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert not torch.equal(src[name][mask_id], new[name][mask_id]), f"{name}: mask row not trained"
+    changed = {n for n in src if not torch.equal(src[n], new[n])}
+    if scope == "freeze_ffn":
+        assert not any(".mlp." in n for n in changed) and any("self_attn" in n for n in changed)
+    if scope in ("qk_only", "lora", "qlora"):
+        allowed = ("q_proj", "k_proj") if scope == "qk_only" else ("q_proj", "k_proj", "v_proj", "o_proj")
+        rows_only = {"model.embed_tokens.weight", "lm_head.weight"}
+        assert all(any(a in n for a in allowed) or n in rows_only for n in changed), sorted(changed)
+        assert any("q_proj" in n for n in changed) and any("k_proj" in n for n in changed)
+        for name in rows_only:  # every other row bit-identical
+            keep = torch.ones(src[name].shape[0], dtype=torch.bool)
+            keep[mask_id] = False
+            assert torch.equal(src[name][keep], new[name][keep])
+    if scope == "full":
+        assert any(".mlp." in n for n in changed)
+
+    q = QUANT[scope] if objective == "block" else {"none": "nf4", "nf4": "int8", "int8": "none"}[QUANT[scope]]
+    res = export(out, tmp_path / "exp", quantization=q)
+    assert res["max_abs_logit_diff"] == 0.0
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert ("quantization_config" in cfg) == (q != "none") and cfg["dllm"]["family"] == "a2d"
+    llm = LLM(str(tmp_path / "exp"), device="cpu")
+    o = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0]
+    assert 1 <= len(o.token_ids) <= 4
+
+
+@pytest.mark.parametrize("scope", ["full", "lora"])
+def test_resume_is_exact(workdir, tmp_path, scope):
+    kw = dict(trainable=scope, max_steps=4, save_every=2, objective="block", complementary=True, grad_accum=2,
+              batch_size=1, lr_schedule="cosine", warmup=1, weight_decay=0.1)
+    train(_cfg(workdir, tmp_path / "straight", **kw))
+    train(_cfg(workdir, tmp_path / "resumed", halt_after=2, **kw))  # interrupted after step 2
+    assert resolve_latest(tmp_path / "resumed").name == "checkpoint-2"
+    assert not (tmp_path / "resumed" / "checkpoint-4").exists()
+    train(_cfg(workdir, tmp_path / "resumed", resume=True, **kw))
+    a, b = _weights(tmp_path / "straight" / "checkpoint-4"), _weights(tmp_path / "resumed" / "checkpoint-4")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], _weights(workdir / "src")[n]) for n in a)
+    la = [r["loss"] for r in csv.DictReader(open(tmp_path / "straight" / "metrics.csv"))]
+    lb = [r["loss"] for r in csv.DictReader(open(tmp_path / "resumed" / "metrics.csv"))]
+    assert la == lb and len(la) == 4
+    with pytest.raises(TrainError, match="--lr-schedule"):
+        train(_cfg(workdir, tmp_path / "resumed", resume=True, **{**kw, "lr_schedule": "linear"}))
+    with pytest.raises(TrainError, match="already holds checkpoints"):
+        train(_cfg(workdir, tmp_path / "resumed", **kw))
+
+
+def test_teacher_kl_in_process(workdir, tmp_path):
+    # the a2d source run causally is its own AR parent; KL only (--no-ce)
+    out = tmp_path / "kl"
+    train(_cfg(workdir, out, teacher=str(workdir / "src"), teacher_kl=1.0, no_ce=True))
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert all(float(r["kl"]) > 0 and float(r["loss"]) == pytest.approx(float(r["kl"]), rel=1e-4) for r in rows)
+    with pytest.raises(TrainError, match="--teacher-kl"):
+        train(_cfg(workdir, tmp_path / "kl2", teacher_kl=1.0))
+
+
+_KILL_SCRIPT = """
+import sys, time
+import unmask.engine.checkpoint as ck
+orig = ck._fsync_tree
+def slow(root):
+    orig(root)
+    if root.name.startswith("checkpoint-2"):
+        time.sleep(60)
+ck._fsync_tree = slow
+from unmask.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kill_during_checkpoint_write_leaves_latest_loadable(workdir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", _KILL_SCRIPT, "train", "--model", str(workdir / "src"), "--data",
+           str(workdir / "data.jsonl"), "--out", str(out), "--batch-size", "2", "--max-steps", "3", "--save-every",
+           "1", "--seq-len", "64", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if any(p.name.startswith("checkpoint-2.tmp") for p in out.glob("checkpoint-2*")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.2)  # in the middle of the write (files there, not yet renamed)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (out / "checkpoint-2").exists()
+    ckpt = resolve_latest(out)
+    assert ckpt.name == "checkpoint-1"
+    lm = load_model(ckpt, device="cpu")
+    assert lm.dllm.family == "a2d"
+    train(_cfg(workdir, out, max_steps=3, save_every=1, resume=True, lr=5e-5, seed=0))
+    assert resolve_latest(out).name == "checkpoint-3"
+    assert not list(out.glob("*.tmp*"))
+
+
+@pytest.mark.slow
+def test_ddp_two_process_gloo(workdir, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           "-m", "unmask.cli.main", "train", "--model", str(workdir / "src"), "--data", str(workdir / "data.jsonl"),
+           "--out", str(out), "--batch-size", "1", "--max-steps", "2", "--seq-len", "64", "--no-progress",
+           "--trainable", "lora", "--lr", "1e-2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = resolve_latest(out)
+    state = torch.load(ckpt / "training_state.pt", weights_only=False)
+    assert state["world_size"] == 2 and state["step"] == 2
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(rows) == 2 and int(rows[0]["tokens"]) > 0
+    LLM(str(ckpt), device="cpu").generate("Hi", SamplingParams(max_tokens=2, temperature=0.0))
