@@ -128,3 +128,72 @@ def test_load_prompts_errors(tmp_path):
     bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n')
     with pytest.raises(ValueError, match="duplicated id"):
         P.load_prompts(bad)
+
+
+# ------------------------------------------------------------------------------ the recipe (training/recipes/smollm2.py)
+def test_training_minutes_used_sums_process_segments(tmp_path):
+    from unmask.training.recipes.smollm2 import training_minutes_used
+
+    csv = tmp_path / "metrics.csv"
+    assert training_minutes_used(csv) == 0.0
+    # two processes: 0..120 s, then a resumed one 0..60 s
+    rows = ["step,elapsed_s", "1,30", "2,60", "3,120", "4,20", "5,60"]
+    csv.write_text("\n".join(rows) + "\n")
+    assert training_minutes_used(csv) == pytest.approx(3.0)
+
+
+def test_recipe_options_and_state_lock(tmp_path):
+    from unmask.training.recipes.smollm2 import Recipe, RecipeConfig, RecipeError
+
+    for bad in (dict(block_size=0), dict(budget_minutes=0), dict(quantize="fp8"), dict(teacher_kl=1, top_k_dist=0),
+                dict(lr=0)):
+        with pytest.raises(RecipeError, match="--"):
+            RecipeConfig(work=str(tmp_path), **bad).validate()
+    r = Recipe(RecipeConfig(work=str(tmp_path / "w"), out=str(tmp_path / "o"), prompts_limit=50), log=lambda m: None)
+    r.stage_prompts()
+    rows = P.load_prompts(r.prompts_file)
+    assert [x["prompt"] for x in rows] == [x["prompt"] for x in P.build_train()[:50]]
+    r._save_state()
+    with pytest.raises(RecipeError, match="--block-size"):
+        Recipe(RecipeConfig(work=str(tmp_path / "w"), block_size=8, prompts_limit=50), log=lambda m: None)
+    with pytest.raises(RecipeError, match="--parent"):
+        Recipe(RecipeConfig(work=str(tmp_path / "w2"), parent=str(tmp_path / "nope")), log=lambda m: None).parent_path()
+
+
+def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
+    """convert -> prompts -> distill -> train (3 steps) -> export, then a rerun that finds every stage done."""
+    from tiny import make_llama, make_tokenizer
+
+    from unmask.training.realmodel import is_checkpoint
+    from unmask.training.recipes.smollm2 import Recipe, RecipeConfig, RecipeError, trained_fp32_checkpoint
+
+    tok = make_tokenizer(320)
+    parent = tmp_path / "parent"
+    make_llama(len(tok), seed=2).save_pretrained(str(parent))
+    tok.save_pretrained(str(parent))
+    cfg = RecipeConfig(work=str(tmp_path / "work"), out=str(tmp_path / "trained"), parent=str(parent),
+                       prompts_limit=6, distill_max_tokens=6, distill_batch=3, top_k_dist=4, max_steps=3,
+                       budget_minutes=5, batch_size=2, seq_len=64, save_every=0, warmup=0)
+    logs: list[str] = []
+    try:
+        import unmask.training.export  # noqa: F401
+        have_export = True
+    except ImportError:
+        have_export = False
+    recipe = Recipe(cfg, log=logs.append)
+    if have_export:
+        recipe.run()
+        assert is_checkpoint(tmp_path / "trained")
+    else:
+        with pytest.raises(RecipeError, match="export"):
+            recipe.run()
+    ck = trained_fp32_checkpoint(tmp_path / "work")
+    assert ck is not None and ck.name == "checkpoint-3"
+    assert is_checkpoint(tmp_path / "work" / "converted")
+    assert len((tmp_path / "work" / "distill.jsonl").read_text().splitlines()) == 6
+    assert any(line.startswith("[recipe 4/5 train]") for line in logs)
+    # rerun: everything up to train is found done
+    logs.clear()
+    Recipe(cfg, log=logs.append).run(until="train")
+    assert any("[recipe 1/5 convert] done" in line for line in logs)
+    assert any("[recipe 4/5 train] done" in line for line in logs)

@@ -100,3 +100,80 @@ def test_continuation_nll_matches_manual_sum():
         qm.continuation_nll(model, prompt, [999])
     with pytest.raises(ValueError, match="prompt_ids"):
         qm.continuation_nll(model, [], [1])
+
+
+# ------------------------------------------------------------------------------ the harness, end to end (tiny)
+def _tiny_eval_data(root: Path) -> Path:
+    import json
+
+    data = root / "data"
+    data.mkdir()
+    rows = [{"id": "eval-0000", "template": "eval.t.a", "category": "arithmetic", "prompt": "one two three",
+             "answer": "4"},
+            {"id": "eval-0001", "template": "eval.t.b", "category": "writing", "prompt": "The quick brown fox"},
+            {"id": "eval-0002", "template": "eval.t.a", "category": "arithmetic", "prompt": "What is the capital?",
+             "answer": "Paris"},
+            {"id": "eval-0003", "template": "eval.t.c", "category": "writing", "prompt": "Diffusion models"}]
+    (data / "eval_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids = [r["id"] for r in rows]
+    (data / "eval_grid_ids.json").write_text(json.dumps({"ids": ids, "quick_ids": ids[:3]}))
+    return data
+
+
+def test_harness_end_to_end_on_tiny_models(tmp_path):
+    """Parent (tiny HF Llama) + its prefix-causal conversion: block 1 reproduces the parent token for token, the
+    metrics are consistent, and the JSON / Markdown / PNG / samples files are written."""
+    import argparse
+    import json
+
+    from tiny import make_llama, make_tokenizer
+
+    import eval_quality as ev
+    from unmask.training.convert import convert_checkpoint
+
+    tok = make_tokenizer(320)
+    parent_dir = tmp_path / "parent"
+    make_llama(len(tok), seed=1).save_pretrained(str(parent_dir))
+    tok.save_pretrained(str(parent_dir))
+    conv = convert_checkpoint(parent_dir, tmp_path / "conv", attention="prefix_causal", block_size=1,
+                              logit_shift=True)
+    data = _tiny_eval_data(tmp_path)
+    p = ev.add_arguments(argparse.ArgumentParser())
+    a = p.parse_args(["--parent", str(parent_dir), "--no-defaults", "--model", f"conv={conv}", "--out",
+                      str(tmp_path / "res"), "--data", str(data), "--grid", "b1-s12", "b4-s6", "--max-tokens", "12",
+                      "--speed-prompts", "1", "--grid-prompts", "3", "--full-settings", "b4-t0.9",
+                      "--batch-size", "2"])
+    logs: list[str] = []
+    result = ev.run_eval(a, log=logs.append)
+    runs = {(r["model"], r["subset"], r["setting"]): r for r in result["runs"]}
+    assert set(runs) == {("parent", "grid", "ar-greedy"), ("parent", "full", "ar-greedy"),
+                         ("conv", "grid", "b1-s12"), ("conv", "grid", "b4-s6"), ("conv", "full", "b4-t0.9")}
+    par, b1, b4 = runs[("parent", "grid", "ar-greedy")], runs[("conv", "grid", "b1-s12")], runs[("conv", "grid", "b4-s6")]
+    assert par["n"] == b1["n"] == 3 and runs[("conv", "full", "b4-t0.9")]["n"] == 4
+    assert b1["same_as_parent"] == 1.0 and b1["token_f1_vs_parent"] == 1.0
+    assert b1["gen_ppl"] == pytest.approx(par["gen_ppl"], rel=1e-4)
+    assert par["tpf"] == 1.0 and par["token_f1_vs_parent"] == 1.0
+    assert b4["tpf"] > b1["tpf"] - 1e-9          # 2 tokens per step vs one
+    assert b1["n_checkable"] == 2 and b1["tokens_per_s_b1"] > 0 and b1["ttft_s_b1"] > 0
+    out = tmp_path / "res"
+    saved = json.loads((out / "eval_quality.json").read_text())
+    assert saved["meta"]["finished"] and len(saved["runs"]) == 5
+    md = (out / "eval_quality.md").read_text()
+    assert md.count("\n| conv |") == 3 and "F1 vs parent" in md
+    assert (out / "eval_quality.png").stat().st_size > 1000
+    assert len((out / "eval_quality_samples.jsonl").read_text().splitlines()) == 3 + 4 + 3 + 3 + 4
+
+
+def test_setting_and_spec_parsing():
+    import eval_quality as ev
+
+    assert ev.parse_setting("b4-s32") == ev.Setting("b4-s32", 4, steps=32)
+    assert ev.parse_setting("b8-t0.95") == ev.Setting("b8-t0.95", 8, threshold=0.95)
+    for bad in ("b4", "b0-s4", "b4-s0", "b4-t1.5", "x4-s2"):
+        with pytest.raises(ev.EvalError, match="setting"):
+            ev.parse_setting(bad)
+    assert ev.parse_model_spec("a=~/x")[0] == "a"
+    with pytest.raises(ev.EvalError, match="NAME=PATH"):
+        ev.parse_model_spec("nopath")
+    with pytest.raises(ev.EvalError, match="reserved"):
+        ev.parse_model_spec("parent=/x")

