@@ -33,6 +33,15 @@ DATA = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is several times faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
@@ -152,7 +161,8 @@ def test_kill_during_checkpoint_write_leaves_latest_loadable(workdir, tmp_path):
     cmd = [sys.executable, "-c", _KILL_SCRIPT, "train", "--model", str(workdir / "src"), "--data",
            str(workdir / "data.jsonl"), "--out", str(out), "--batch-size", "2", "--max-steps", "3", "--save-every",
            "1", "--seq-len", "64", "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:

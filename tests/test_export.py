@@ -1,0 +1,95 @@
+"""Quantized export round trip (DESIGN.md section 10): saved tensors equal a fresh-process quantization of the same
+weights, reloaded logits equal the exporter's - also after the exporting process ran a forward on a quantized model
+(the bitsandbytes 0.50 AVX512-BF16 repack trap), and a model that ran a forward is never written."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tiny
+from unmask.cli.main import main as cli_main
+from unmask.engine.checkpoint import write_checkpoint
+from unmask.engine.model import load_model
+from unmask.training.export import ExportError, export, load_quantized_fresh, probe_ids, write_quantized
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_FRESH = """
+import sys, torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+src, out = sys.argv[1], sys.argv[2]
+for q, cfg in (("nf4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                           bnb_4bit_compute_dtype=torch.float32)),
+               ("int8", BitsAndBytesConfig(load_in_8bit=True))):
+    m = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, device_map={"": "cpu"}, dtype=torch.float32)
+    m.save_pretrained(f"{out}/{q}")
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def src_and_reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("export")
+    lm = tiny.loaded()
+    write_checkpoint(d / "src", lm.model, lm.tokenizer, lm.dllm)
+    r = subprocess.run([sys.executable, "-c", _FRESH, str(d / "src"), str(d / "ref")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return d
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_saved_tensors_equal_fresh_process_and_logits_equal(src_and_reference, tmp_path, quantization):
+    d = src_and_reference
+    # the trap: this process runs a CPU forward on a quantized model of the same weights before exporting
+    trapped = load_quantized_fresh(d / "src", quantization, torch.device("cpu"))
+    lm_src = load_model(d / "src", device="cpu")
+    with torch.no_grad():
+        trapped(input_ids=probe_ids(lm_src.tokenizer))
+    with pytest.raises(ExportError, match="run a forward"):
+        write_quantized(tmp_path / "bad", trapped, lm_src.tokenizer, lm_src.dllm)
+    assert not (tmp_path / "bad").exists()
+
+    res = export(d / "src", tmp_path / "out", quantization=quantization)
+    assert res["max_abs_logit_diff"] == 0.0
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    ref = load_file(str(d / "ref" / quantization / "model.safetensors"))
+    assert set(saved) == set(ref)
+    for name in ref:
+        assert saved[name].dtype == ref[name].dtype and torch.equal(saved[name], ref[name]), name
+    # reloaded logits == the exporter's (a fresh quantized model's, forward after writing)
+    exporter = load_quantized_fresh(d / "src", quantization, torch.device("cpu"))
+    reloaded = load_model(tmp_path / "out", device="cpu")
+    ids = probe_ids(reloaded.tokenizer)
+    with torch.no_grad():
+        a = exporter(input_ids=ids).logits
+        b = reloaded.model(input_ids=ids).logits
+        c = lm_src.model(input_ids=ids).logits
+    assert torch.equal(a, b)
+    assert not torch.equal(b, c)  # really quantized
+    assert reloaded.dllm == lm_src.dllm
+
+
+def test_export_none_and_errors(src_and_reference, tmp_path, capsys):
+    d = src_and_reference
+    assert cli_main(["export", str(d / "src"), str(tmp_path / "plain"), "--quantization", "none"]) == 0
+    a, b = load_file(str(d / "src" / "model.safetensors")), load_file(str(tmp_path / "plain" / "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert cli_main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    assert "neither a checkpoint directory" in capsys.readouterr().err
+    assert cli_main(["export", str(d / "src"), str(tmp_path / "plain")]) == 2  # non-empty output
+    assert "not empty" in capsys.readouterr().err
+    assert cli_main(["export", str(d / "ref" / "nf4"), str(tmp_path / "y")]) == 2
