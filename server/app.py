@@ -19,6 +19,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +38,7 @@ from .streaming import Run, collect, sse_events
 log = logging.getLogger("unmask.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+SHUTDOWN_GRACE_SECONDS = 3.0  # open streams get an error event + [DONE] before the connection closes
 _ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
 
 
@@ -308,9 +310,11 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     run = Run(state, kind, response_id, int(arrival), prompts, streams, body.n, arrival, logprobs=logprobs,
               top_logprobs=top_logprobs)
     if body.stream:
+        shutdown = anyio.Event()
         return EventSourceResponse(sse_events(run, body.include_usage, body.include_denoising,
-                                              state.request_timeout),
-                                   ping=15, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                              state.request_timeout, shutdown),
+                                   ping=15, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                   shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
     result = await collect(run, request, state.request_timeout)
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)

@@ -254,11 +254,18 @@ async def _wait_disconnect(request) -> None:
 def _failure_reason(exc: BaseException, err: APIError) -> str:
     if isinstance(exc, TimeoutError):
         return "timeout"
+    if isinstance(exc, APIError) and exc.code in ("server_shutdown", "aborted"):
+        return "abort"
     return err.code if err.code in ("queue_full", "cache_full") else "error"
 
 
-async def sse_events(run: Run, include_usage: bool, include_denoising: bool, timeout: float | None):
-    """The SSE ``data:`` payloads of a streamed request (strings; sse-starlette frames them)."""
+async def sse_events(run: Run, include_usage: bool, include_denoising: bool, timeout: float | None,
+                     shutdown_event=None):
+    """The SSE ``data:`` payloads of a streamed request (strings; sse-starlette frames them).
+
+    ``shutdown_event`` (an ``anyio.Event`` that sse-starlette sets when the server shuts down): the engine requests
+    are aborted and the stream ends with an error event (``server_shutdown``) and ``[DONE]`` instead of a cut
+    connection."""
     chat = run.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
     model = run.state.model_name
@@ -286,6 +293,15 @@ async def sse_events(run: Run, include_usage: bool, include_denoising: bool, tim
     num = len(run.sequences)
     sent = [""] * num
     texts = run.state.token_text
+    shutting_down = False
+
+    async def on_shutdown():
+        nonlocal shutting_down
+        await shutdown_event.wait()
+        shutting_down = True
+        run.abort()
+
+    watcher = asyncio.create_task(on_shutdown()) if shutdown_event is not None else None
     try:
         if chat:
             for i in range(num):
@@ -308,6 +324,9 @@ async def sse_events(run: Run, include_usage: bool, include_denoising: bool, tim
             if ev.finished:
                 seq = run.sequences[c]
                 if seq.finish_reason == "abort":
+                    if shutting_down:
+                        raise APIError(503, "the server is shutting down; retry on another instance or later",
+                                       code="server_shutdown", headers={"Retry-After": "1"})
                     raise APIError(503, "the request was aborted by the server", code="aborted")
                 lp = run.chat_logprobs(seq) if chat else run.completion_logprobs(seq)
                 yield chunk(c, finish=seq.finish_reason, logprobs=lp)
@@ -323,6 +342,8 @@ async def sse_events(run: Run, include_usage: bool, include_denoising: bool, tim
         run.finish(err.status, _failure_reason(exc, err))
         yield dumps(err.body())
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if not run.done:  # client disconnected (cancelled) or the generator was closed
             run.abort()
             run.finish(499, "abort")

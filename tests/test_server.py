@@ -63,7 +63,28 @@ def server(checkpoint, tmp_path_factory):
             pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.2)
     yield {"url": base, "log": log_path, "proc": proc}
-    proc.send_signal(signal.SIGTERM)  # graceful shutdown
+    # graceful shutdown with a stream open: the stream ends with an error event and [DONE], then the process exits
+    import threading
+
+    tail: list[str] = []
+    started = threading.Event()
+
+    def long_stream():
+        body = {"model": MODEL, "prompt": "One", "max_tokens": 480, "ignore_eos": True, "cache": "none",
+                "stream": True, "stream_options": {"include_denoising": True}}
+        try:
+            with httpx.stream("POST", base + C, json=body, headers=AUTH, timeout=60) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    if line.startswith("data: "):
+                        tail.append(line[6:])
+        except httpx.HTTPError as exc:  # pragma: no cover - reported by the assertion below
+            tail.append(repr(exc))
+
+    reader = threading.Thread(target=long_stream, daemon=True)
+    reader.start()
+    started.wait(30)
+    proc.send_signal(signal.SIGTERM)
     try:
         rc = proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
@@ -72,6 +93,8 @@ def server(checkpoint, tmp_path_factory):
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown
     assert rc in (0, -signal.SIGTERM), log_path.read_text()[-3000:]
     assert "Application shutdown complete" in log_path.read_text()
+    reader.join(10)
+    assert tail[-1] == "[DONE]" and json.loads(tail[-2])["error"]["code"] == "server_shutdown", tail[-3:]
 
 
 @pytest.fixture(scope="module")
