@@ -90,7 +90,12 @@ class TrainConfig:
     halt_after: int | None = None
 
     def validate(self) -> None:
-        """Raise :class:`TrainError` naming the option for an invalid value."""
+        """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
+        from .scopes import DEFAULT_LORA_TARGETS
+
+        if self.lora_targets is None:
+            self.lora_targets = list(DEFAULT_LORA_TARGETS)
+        self.lora_targets = list(self.lora_targets)
         if self.objective not in OBJECTIVES:
             raise TrainError(f"--objective: {self.objective!r} is not one of {OBJECTIVES}")
         if self.trainable not in SCOPES:
@@ -282,12 +287,17 @@ class Trainer:
         if self.resume_from is not None:
             state = torch.load(self.resume_from / "training_state.pt", map_location="cpu", weights_only=False)
             saved = state["config"]
-            for key in ("objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
-                        "complementary", "lora_r", "lora_alpha", "lora_targets", "max_steps", "lr_schedule",
-                        "warmup"):
+            keys = ["objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
+                    "complementary", "max_steps", "lr_schedule", "warmup", "eps"]
+            if cfg.trainable in ("lora", "qlora"):
+                keys += ["lora_r", "lora_alpha", "lora_targets"]
+            for key in keys:
                 if saved.get(key) != getattr(cfg, key):
                     raise TrainError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)!r} differs from the "
                                      f"run being resumed ({saved.get(key)!r})")
+            if state.get("world_size", 1) != acc.num_processes:
+                raise TrainError(f"--resume: the run being resumed used {state.get('world_size', 1)} processes, this "
+                                 f"one {acc.num_processes} (the data order depends on it)")
             if cfg.trainable not in ("lora", "qlora"):
                 src = str(self.resume_from)  # its weights are the trained parameters, bit for bit
         torch.manual_seed(_seed_of(cfg.seed, 3))  # LoRA initialisation (peft draws from the global RNG)
