@@ -39,3 +39,294 @@ def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: 
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise CheckpointError(f"{path}: cannot load the weights ({exc})") from exc
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers for foreign families (LLaDA, Dream, Fast-dLLM v2, SDAR): their checkpoints declare remote code
+# (``auto_map``) that we never run; we read their weights ourselves and place them on a transformers architecture.
+# ---------------------------------------------------------------------------------------------------------------
+
+#: ``config.json`` keys that describe the original (remote-code) model rather than the transformers architecture
+#: we map it onto; dropped before building the transformers config so that a re-saved model is a plain one.
+FOREIGN_META_KEYS = ("architectures", "auto_map", "model_type", "attn_implementation", "_attn_implementation",
+                     "torch_dtype", "dtype", "transformers_version", "_name_or_path", "quantization_config")
+
+
+def read_json_file(path: Path) -> dict | None:
+    """A JSON object from ``path``, or None when the file does not exist.
+
+    Raises:
+        CheckpointError: the file exists but is not valid JSON (names file, line and column) or not an object.
+    """
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, on CPU, with their stored names and dtypes.
+
+    Looks for, in order: ``model.safetensors``, ``model.safetensors.index.json`` (sharded; the shards named in
+    its ``weight_map``), ``pytorch_model.bin``, ``pytorch_model.bin.index.json`` (loaded with
+    ``weights_only=True``: no pickled code runs).
+
+    Raises:
+        CheckpointError: no weight file, a shard named in an index is missing, or a file cannot be read.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+
+    def _load(file: Path) -> dict[str, torch.Tensor]:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (named in the checkpoint's weight index)")
+        try:
+            if file.suffix == ".safetensors":
+                return load_file(str(file), device="cpu")
+            return torch.load(str(file), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"{file}: cannot read the weights ({exc})") from exc
+
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (path / single).is_file():
+            return _load(path / single)
+        idx = read_json_file(path / index)
+        if idx is not None:
+            weight_map = idx.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{path / index}: `weight_map` must be a non-empty object")
+            state: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(weight_map.values())):
+                state.update(_load(path / shard))
+            missing = sorted(set(weight_map) - set(state))
+            if missing:
+                raise CheckpointError(f"{path / index}: tensors listed in weight_map are absent from the shards: "
+                                      f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            return state
+    raise CheckpointError(f"{path}: no weights found (expected model.safetensors, model.safetensors.index.json, "
+                          "pytorch_model.bin or pytorch_model.bin.index.json)")
+
+
+def load_mapped_model(cls, hf_config, state_dict: dict[str, torch.Tensor], path: Path, device: torch.device,
+                      dtype: torch.dtype):
+    """Instantiate transformers ``cls`` from ``hf_config`` and load ``state_dict`` (already renamed to ``cls``'s
+    parameter names) strictly, with sdpa attention, in ``dtype`` on ``device``.
+
+    Uses ``cls.from_pretrained(None, config=..., state_dict=...)`` so that transformers does the meta-device
+    initialisation, dtype casting and weight tying.
+
+    Raises:
+        CheckpointError: a parameter is missing, a tensor is unexpected or has the wrong shape (names the first few).
+    """
+    hf_config._attn_implementation = "sdpa"
+    try:
+        model, info = cls.from_pretrained(None, config=hf_config, state_dict=state_dict, attn_implementation="sdpa",
+                                          dtype=dtype, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise CheckpointError(f"{path}: cannot load the weights onto {cls.__name__} ({exc})") from exc
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        items = sorted(str(k) for k in (info.get(kind) or ()))
+        if items:
+            problems.append(f"{kind.replace('_', ' ')}: {items[:6]}{' ...' if len(items) > 6 else ''}")
+    if problems:
+        raise CheckpointError(f"{path}: the weights do not match {cls.__name__} built from config.json ("
+                              + "; ".join(problems) + ")")
+    model.to(device)
+    return model.eval()
+
+
+def load_tokenizer_without_remote_code(path: Path, fallback_classes: tuple[str, ...] = ()):
+    """The checkpoint's tokenizer without running its remote code.
+
+    Tries ``AutoTokenizer`` first; when the checkpoint names a tokenizer class that only exists as remote code
+    (Dream's ``DreamTokenizer``), loads ``tokenizer.json`` with ``PreTrainedTokenizerFast`` or, failing that, the
+    first transformers class in ``fallback_classes`` (e.g. ``Qwen2Tokenizer``, which reads vocab.json/merges.txt).
+    The special tokens and chat template of ``tokenizer_config.json`` are kept.
+
+    Raises:
+        CheckpointError: no way of loading a tokenizer from ``path``.
+    """
+    import transformers
+    from transformers import AutoTokenizer
+
+    errors = []
+    try:
+        # trust_remote_code=False: refuse remote code at once (None would prompt on a terminal and wait)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # remote-code class, missing files, ...
+        errors.append(f"AutoTokenizer: {exc}")
+    for name in ("PreTrainedTokenizerFast", *fallback_classes):
+        klass = getattr(transformers, name, None)
+        if klass is None or (name == "PreTrainedTokenizerFast" and not (Path(path) / "tokenizer.json").is_file()):
+            continue
+        try:
+            return klass.from_pretrained(str(path))
+        except Exception as exc:
+            errors.append(f"{name}: {exc}")
+    raise CheckpointError(f"{path}: cannot load the tokenizer ({'; '.join(errors)})")
+
+
+def token_id_of(tokenizer, token: str) -> int | None:
+    """Id of ``token`` when the tokenizer has it as one vocabulary entry, else None."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # pragma: no cover - every tokenizer we load has a vocabulary
+        return None
+    tid = vocab.get(token)
+    return int(tid) if tid is not None else None
+
+
+def _ids(value) -> list[int]:
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def resolve_mask_token_id(path: Path, config: dict, tokenizer, mask_tokens: tuple[str, ...], default: int,
+                          vocab_rows: int) -> int:
+    """The family's ``[MASK]`` id, from the checkpoint (DESIGN.md section 3: never hard-coded when present).
+
+    Order: ``config.json`` ``mask_token_id``; ``generation_config.json`` ``mask_token_id``; the family's mask
+    token string in the tokenizer (``mask_tokens``); ``tokenizer.mask_token_id``; finally the published ``default``.
+
+    Raises:
+        CheckpointError: the id found is outside the model's ``vocab_rows`` embedding rows, or nothing was found
+            and the default does not fit either (names where the id was expected).
+    """
+    gen = read_json_file(Path(path) / "generation_config.json") or {}
+    candidates = [(f"{Path(path) / 'config.json'}:mask_token_id", config.get("mask_token_id")),
+                  (f"{Path(path) / 'generation_config.json'}:mask_token_id", gen.get("mask_token_id"))]
+    for tok in mask_tokens:
+        candidates.append((f"tokenizer token {tok!r}", token_id_of(tokenizer, tok)))
+    candidates.append(("tokenizer.mask_token_id", getattr(tokenizer, "mask_token_id", None)))
+    for where, value in candidates:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 0 <= value < vocab_rows:
+                raise CheckpointError(f"{where}: mask token id {value} is outside the model's {vocab_rows} "
+                                      "embedding rows")
+            return int(value)
+    if 0 <= default < vocab_rows:
+        return default
+    raise CheckpointError(f"{Path(path) / 'config.json'}: no mask token found (expected `mask_token_id` in config.json "
+                          f"or generation_config.json, or one of {list(mask_tokens)} in the tokenizer; the published "
+                          f"id {default} does not fit the model's {vocab_rows} embedding rows)")
+
+
+def resolve_eos_token_ids(path: Path, config: dict, tokenizer, end_tokens: tuple[str, ...], default: list[int],
+                          vocab_rows: int) -> list[int]:
+    """EOS and end-of-turn ids, in order of preference, from the checkpoint.
+
+    Collects ``config.json`` ``eos_token_id`` (int or list), ``generation_config.json`` ``eos_token_id``,
+    ``tokenizer.eos_token_id`` and the family's end tokens (``end_tokens``, e.g. ``<|eot_id|>``, ``<|im_end|>``)
+    that the tokenizer has; drops duplicates and ids outside the embedding rows. Falls back to the published
+    ``default`` ids that fit.
+
+    Raises:
+        CheckpointError: no EOS id at all.
+    """
+    gen = read_json_file(Path(path) / "generation_config.json") or {}
+    found = [*_ids(config.get("eos_token_id")), *_ids(gen.get("eos_token_id")),
+             *_ids(getattr(tokenizer, "eos_token_id", None))]
+    found += [t for t in (token_id_of(tokenizer, s) for s in end_tokens) if t is not None]
+    out: list[int] = []
+    for t in found:
+        if 0 <= t < vocab_rows and t not in out:
+            out.append(t)
+    if not out:
+        out = [t for t in default if 0 <= t < vocab_rows]
+    if not out:
+        raise CheckpointError(f"{Path(path) / 'config.json'}: no EOS token id (expected `eos_token_id` in config.json "
+                              f"or generation_config.json, or one of {list(end_tokens)} in the tokenizer)")
+    return out
+
+
+def resolve_pad_token_id(config: dict, tokenizer, eos_ids: list[int], vocab_rows: int) -> int:
+    """``config.json`` ``pad_token_id``, else the tokenizer's, else the first EOS id."""
+    for value in (config.get("pad_token_id"), getattr(tokenizer, "pad_token_id", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_rows:
+            return int(value)
+    return eos_ids[0]
+
+
+def unused_rows(tokenizer, vocab_rows: int) -> list[int]:
+    """Embedding rows past the tokenizer (padding rows of a vocabulary rounded up): never generated."""
+    n = len(tokenizer)
+    return list(range(n, vocab_rows)) if n < vocab_rows else []
+
+
+def default_temperature(path: Path, family_default: float) -> float:
+    """``generation_config.json`` ``temperature`` when it samples (``do_sample`` true), else the family's default
+    (the default of its published generation function)."""
+    gen = read_json_file(Path(path) / "generation_config.json") or {}
+    t = gen.get("temperature")
+    if gen.get("do_sample") and isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0:
+        return float(t)
+    return float(family_default)
+
+
+def positive_int(config: dict, key: str, default: int, path: Path) -> int:
+    """``config[key]`` as a positive integer (``default`` when absent). Raises CheckpointError naming the key."""
+    value = config.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{Path(path) / 'config.json'}:{key}: must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def qwen_style_config(config_cls, config: dict):
+    """A transformers config of ``config_cls`` (``Qwen2Config``, ``Qwen3Config``, ...) from a foreign
+    ``config.json`` that already uses that architecture's key names (Dream, Fast-dLLM v2, SDAR): the remote-code
+    metadata (``FOREIGN_META_KEYS``) is dropped, every other key is kept (unknown ones become plain attributes)."""
+    kwargs = {k: v for k, v in config.items() if k not in FOREIGN_META_KEYS}
+    return config_cls(**kwargs)
+
+
+def build_foreign_model(path: Path, config: dict, device: torch.device, dtype: torch.dtype, *, family: str,
+                        arch: str, hf_config, state_dict: dict[str, torch.Tensor], mask_tokens: tuple[str, ...],
+                        default_mask: int, end_tokens: tuple[str, ...], default_eos: list[int], attention: str,
+                        block_size: int, logit_shift: bool, block_alignment: str = "generation",
+                        fixed_block_size: bool = False, sub_block_size: int | None = None,
+                        family_temperature: float = 0.0, tokenizer_fallbacks: tuple[str, ...] = ()):
+    """Shared tail of the foreign family adapters: load ``state_dict`` (already in ``arch``'s key names) onto the
+    transformers class ``arch`` built from ``hf_config``, load the tokenizer, resolve mask/EOS/pad ids and return
+    a :class:`~unmask.engine.model.LoadedModel` with the family's :class:`DllmConfig`.
+
+    Raises:
+        CheckpointError: weights, tokenizer or ids do not fit (see the helpers above).
+    """
+    import transformers
+
+    from ..config import DllmConfig
+    from ..model import LoadedModel
+
+    cls = getattr(transformers, arch)
+    tokenizer = load_tokenizer_without_remote_code(path, tokenizer_fallbacks)
+    vocab_rows = int(hf_config.vocab_size)
+    mask_id = resolve_mask_token_id(path, config, tokenizer, mask_tokens, default_mask, vocab_rows)
+    eos = resolve_eos_token_ids(path, config, tokenizer, end_tokens, default_eos, vocab_rows)
+    eos = [t for t in eos if t != mask_id] or eos
+    pad = resolve_pad_token_id(config, tokenizer, eos, vocab_rows)
+    dllm = DllmConfig(family=family, mask_token_id=mask_id, attention=attention, block_size=block_size,
+                      logit_shift=logit_shift, eos_token_ids=eos, pad_token_id=pad, block_alignment=block_alignment,
+                      fixed_block_size=fixed_block_size, sub_block_size=sub_block_size,
+                      default_sampling={"temperature": default_temperature(path, family_temperature)},
+                      suppress_token_ids=unused_rows(tokenizer, vocab_rows))
+    model = load_mapped_model(cls, hf_config, state_dict, path, device, dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
+                       max_context=max_context_of(config))
