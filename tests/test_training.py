@@ -133,13 +133,31 @@ def test_resume_is_exact(workdir, tmp_path, scope):
 
 
 def test_teacher_kl_in_process(workdir, tmp_path):
-    # the a2d source run causally is its own AR parent; KL only (--no-ce)
+    # the a2d source run causally is its own AR parent; KL only (--no-ce); gradient checkpointing; time budget
     out = tmp_path / "kl"
-    train(_cfg(workdir, out, teacher=str(workdir / "src"), teacher_kl=1.0, no_ce=True))
+    train(_cfg(workdir, out, teacher=str(workdir / "src"), teacher_kl=1.0, no_ce=True, gradient_checkpointing=True,
+               max_steps=50, max_minutes=1e-6))
+    assert resolve_latest(out).name == "checkpoint-1"  # --max-minutes stopped it after one step, and saved
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert all(float(r["kl"]) > 0 and float(r["loss"]) == pytest.approx(float(r["kl"]), rel=1e-4) for r in rows)
     with pytest.raises(TrainError, match="--teacher-kl"):
         train(_cfg(workdir, tmp_path / "kl2", teacher_kl=1.0))
+
+
+def test_cli_errors_are_one_line(workdir, tmp_path, capsys):
+    from unmask.cli.main import main
+
+    base = ["train", "--model", str(workdir / "src"), "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(base + ["--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    assert main(base + ["--data", str(bad)]) == 2
+    assert "bad.jsonl:2: expected `messages` or `prompt` + `completion`" in capsys.readouterr().err
+    assert main(base + ["--data", str(workdir / "data.jsonl"), "--no-ce"]) == 2
+    assert "--no-ce" in capsys.readouterr().err
+    assert main(base + ["--data", str(workdir / "data.jsonl"), "--model", str(tmp_path)]) == 2
+    assert "--model" in capsys.readouterr().err
 
 
 _KILL_SCRIPT = """

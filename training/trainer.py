@@ -161,9 +161,10 @@ class Teacher:
     def logprobs(self, batch: Batch, label_row: torch.Tensor, label_pos: torch.Tensor) -> torch.Tensor:
         """``[N, V_t]`` float32 log-probabilities of the parent's output at ``label_pos - 1`` (causal, clean)."""
         dev = self.model.device
-        out = self.model(input_ids=batch.input_ids.to(dev), attention_mask=batch.valid.long().to(dev),
-                         use_cache=False)
-        return torch.log_softmax(out.logits[label_row.to(dev), (label_pos - 1).to(dev)].float(), -1)
+        out = self.model.get_decoder()(input_ids=batch.input_ids.to(dev), attention_mask=batch.valid.long().to(dev),
+                                       use_cache=False)
+        hidden = out.last_hidden_state[label_row.to(dev), (label_pos - 1).to(dev)]
+        return torch.log_softmax(self.model.get_output_embeddings()(hidden).float(), -1)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
