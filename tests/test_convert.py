@@ -198,6 +198,26 @@ def test_reuses_reserved_special_token(tmp_path):
     assert lm.tokenizer.mask_token == "<|reserved_special_token_0|>" and lm.vocab_size == VOCAB + 1
 
 
+def test_reconverting_an_a2d_checkpoint_keeps_its_mask_row(parents, tmp_path):
+    first = parents["qwen2"]["prefix_causal"]
+    with torch.no_grad():  # pretend training moved the mask row away from the mean
+        sd = state(first)
+        trained = sd["model.embed_tokens.weight"][VOCAB] + 1.0
+    lm = load_model(first, device="cpu")
+    lm.model.get_input_embeddings().weight.data[VOCAB] = trained
+    lm.model.save_pretrained(str(tmp_path / "trained"))
+    lm.tokenizer.save_pretrained(str(tmp_path / "trained"))
+    again = convert_checkpoint(tmp_path / "trained", tmp_path / "again", attention="bidirectional", block_size=8,
+                               logit_shift=False, dtype="bfloat16")
+    cfg = json.loads((again / "config.json").read_text())
+    assert cfg["dllm"]["mask_token_id"] == VOCAB and cfg["vocab_size"] == VOCAB + 1
+    assert (cfg["dllm"]["attention"], cfg["dllm"]["block_size"], cfg["dllm"]["logit_shift"]) == ("bidirectional", 8,
+                                                                                                 False)
+    new = state(again)
+    assert new["model.embed_tokens.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(new["model.embed_tokens.weight"][VOCAB].float(), trained, rtol=1e-2, atol=1e-2)
+
+
 # ------------------------------------------------------------------------------------------------ AR parity
 def prompts_for(tok):
     chat = [[{"role": "user", "content": "What is the capital of France?"}],
