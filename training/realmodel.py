@@ -57,15 +57,6 @@ def default_model_dir() -> Path:
     return unmask_home() / "models" / DEFAULT_MODEL_NAME
 
 
-TRAINED_MODEL_NAME = "smollm2-135m-a2d-trained"
-
-
-def default_trained_dir() -> Path:
-    """Where ``unmask recipe`` exports the trained (nf4) diffusion model and where ``unmask serve`` looks for it
-    first: ``<unmask_home>/models/smollm2-135m-a2d-trained`` (``$UNMASK_HOME`` honoured)."""
-    return unmask_home() / "models" / TRAINED_MODEL_NAME
-
-
 def default_trained_dir() -> Path:
     """Where the recipe puts the trained (exported) default model: ``<unmask_home>/models/smollm2-135m-a2d-trained``.
     ``unmask serve`` with no argument prefers it over :func:`default_model_dir` when it holds a checkpoint."""
