@@ -98,3 +98,14 @@ def test_distill_records_align_teacher_topk(tmp_path, tok):
     pf = _write(tmp_path / "p.jsonl", [{"prompt": "Name a fox."}, {"messages": [{"role": "user", "content": "x"}]}])
     assert [p["key"] in keys for p in read_prompts(pf)] == [True, False]
     assert eos_ids_of(tok) >= {tok.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_template_without_end_of_turn_gets_eos_after_each_answer(tmp_path):
+    tok = tiny.make_tokenizer(320, mask_token="[MASK]")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "More"}, {"role": "assistant", "content": "quick fox"}]
+    ds = load_dataset(_write(tmp_path / "d.jsonl", [{"messages": msgs}]), tok, 128)
+    ex = ds.examples[0]
+    assert [tok.decode(ex.input_ids[s:e]) for s, e in ex.spans] == ["Hello\n<|endoftext|>", "quick fox\n<|endoftext|>"]

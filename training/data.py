@@ -12,7 +12,8 @@ Input lines (DESIGN.md section 7, issue 4), one JSON object per line:
 Answer tokens ("labels") are found by rendering prefixes of the conversation: the text rendered for
 ``messages[:i]`` with the generation prompt is a prefix of the text for ``messages[:i+1]``; the characters between
 them are assistant turn i. Tokens whose characters start inside that span are answer tokens, cut after the turn's
-end-of-turn/EOS token (so the EOS after each answer is trained, the template's trailing newline is context). The
+end-of-turn/EOS token (so the EOS after each answer is trained, the template's trailing newline is context; a
+template that writes no end-of-turn token gets the tokenizer's EOS inserted after each answer). The
 prompt is never a label. Every example is one row of at most ``seq_len`` tokens (truncated on the right, never
 packed together with another document, so attention never crosses documents).
 
@@ -150,9 +151,15 @@ def tokenize_chat(tokenizer, messages: list[dict], eos_ids: set[int], where: str
         toks = [j for j, (a, b) in enumerate(offsets) if cs <= a < ce and b > a]
         if not toks:
             continue
-        s, e = toks[0], toks[-1] + 1
-        s, e = _spans_from_ids(ids, eos_ids, (s, e))
-        spans.append((s, e))
+        spans.append(_spans_from_ids(ids, eos_ids, (toks[0], toks[-1] + 1)))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:  # a template that does not close assistant turns: the EOS after each answer is trained
+        for i in range(len(spans) - 1, -1, -1):
+            s, e = spans[i]
+            if not any(t in eos_ids for t in ids[s:e]):
+                ids.insert(e, int(eos))
+                spans[i] = (s, e + 1)
+                spans[i + 1:] = [(a + 1, b + 1) for a, b in spans[i + 1:]]
     return ids, spans
 
 
