@@ -160,10 +160,15 @@ def load_tokenizer_without_remote_code(path: Path, fallback_classes: tuple[str, 
     import transformers
     from transformers import AutoTokenizer
 
+    import warnings
+
     errors = []
     try:
-        # trust_remote_code=False: refuse remote code at once (None would prompt on a terminal and wait)
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        # trust_remote_code=False: refuse remote code at once (None would prompt on a terminal and wait).
+        # AutoTokenizer may parse the foreign config.json; its legacy `rope_scaling: null` only warns there.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*rope_scaling.*", category=FutureWarning)
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # remote-code class, missing files, ...
         errors.append(f"AutoTokenizer: {exc}")
     for name in ("PreTrainedTokenizerFast", *fallback_classes):
@@ -294,6 +299,8 @@ def qwen_style_config(config_cls, config: dict):
     ``config.json`` that already uses that architecture's key names (Dream, Fast-dLLM v2, SDAR): the remote-code
     metadata (``FOREIGN_META_KEYS``) is dropped, every other key is kept (unknown ones become plain attributes)."""
     kwargs = {k: v for k, v in config.items() if k not in FOREIGN_META_KEYS}
+    if kwargs.get("rope_scaling", 0) is None:  # transformers 5 reads rope_theta alone; None only warns
+        kwargs.pop("rope_scaling")
     return config_cls(**kwargs)
 
 
