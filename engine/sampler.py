@@ -13,6 +13,7 @@ import torch
 from .params import SamplingParams
 
 NEG_INF = float("-inf")
+MIN_SAMPLING_TEMPERATURE = 1e-100  # below this a positive temperature decodes as argmax (see sample_candidates)
 
 
 @dataclass
@@ -121,7 +122,9 @@ def sample_candidates(
     logits = filter_top_k_top_p(logits, params.top_k, params.top_p)
 
     temperature = float(params.temperature or 0.0)
-    if temperature == 0.0:
+    if temperature < MIN_SAMPLING_TEMPERATURE:
+        # 0 = argmax; a positive temperature this small is argmax too (the noise cannot change the order), and
+        # l / T would overflow float64 to -inf for every token (then argmax picked index 0, a filtered token)
         tokens = torch.argmax(logits, dim=-1)
     else:
         l64 = logits.to(torch.float64)

@@ -133,7 +133,8 @@ class Run:
         lps = seq.logprobs[: len(ids)].tolist()
         if ids and seq.finish_reason == "stop" and ids[-1] in seq.eos_ids:  # EOS: counted, never rendered
             ids, lps = ids[:-1], lps[:-1]
-        return [(self.state.token_text(t), lp) for t, lp in zip(ids, lps)]
+        # JSON has no -inf: clamp like vLLM (-9999.0 = "impossible"); the engine only reveals finite ones
+        return [(self.state.token_text(t), lp if lp >= -9999.0 else -9999.0) for t, lp in zip(ids, lps)]
 
     def completion_logprobs(self, seq) -> dict | None:
         if not self.logprobs:

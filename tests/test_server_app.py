@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 
@@ -188,3 +189,26 @@ def test_server_does_not_import_training():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any("training" in n for n in names), f"{path.name}:{node.lineno} imports {names}"
+
+
+def test_tiny_positive_temperature_is_argmax_not_a_filtered_token(model):
+    """Engine bug found by the schemathesis run: temperature 5e-324 made l / T overflow to -inf for every token, so
+    argmax picked index 0 even when top-k had filtered it (logprob -inf -> the JSON response failed with a 500)."""
+    import torch
+
+    from unmask.engine.params import SamplingParams
+    from unmask.engine.sampler import sample_candidates
+
+    logits = torch.tensor([[-3.0, -1.0, -2.0, -5.0, -0.5]])
+    for t in (5e-324, 1e-300, 1e-120):
+        c = sample_candidates(logits.clone(), SamplingParams(temperature=t, top_k=2, seed=0).with_defaults(),
+                              torch.Generator().manual_seed(0))
+        assert c.tokens.tolist() == [4] and math.isfinite(c.logprob.item()), t
+    engine = AsyncEngine(model)
+    with TestClient(build_app(engine, "m")) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 6, "top_k": 2,
+                                                 "temperature": 5e-324, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        greedy = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 6, "top_k": 2,
+                                                      "temperature": 0, "logprobs": 1}).json()
+        assert r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
