@@ -363,3 +363,26 @@ def test_dream_tokenizer_class_is_never_run_as_remote_code(replicas):
     text = "Paris is the capital of France. <|mask|>"
     assert got(text).input_ids == tok(text).input_ids
     assert got.chat_template == tok.chat_template
+
+
+def test_dream_tokenizer_from_vocab_and_merges_only(tmp_path):
+    """Dream's hub files have no tokenizer.json: vocab.json + merges.txt + a v4 ``tokenizer_config.json`` whose
+    ``added_tokens_decoder`` holds the special tokens (``<|mask|>`` included). ``Qwen2Tokenizer`` reads them."""
+    from unmask.engine.families.common import load_tokenizer_without_remote_code
+
+    tok = family_tokenizer(["<|mask|>"])
+    tok.save_pretrained(str(tmp_path))
+    tok.backend_tokenizer.model.save(str(tmp_path))  # vocab.json + merges.txt
+    (tmp_path / "tokenizer.json").unlink()
+    specials = [(0, "<|endoftext|>"), (1, "<|im_start|>"), (2, "<|im_end|>"), (320, "<|mask|>")]
+    _edit_json(tmp_path / "tokenizer_config.json", tokenizer_class="DreamTokenizer",
+               auto_map={"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+               additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|mask|>"],
+               added_tokens_decoder={str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                                              "single_word": False, "special": True} for i, c in specials})
+    got = load_tokenizer_without_remote_code(tmp_path, ("Qwen2Tokenizer",))
+    assert type(got).__name__ == "Qwen2Tokenizer"
+    assert got.convert_tokens_to_ids("<|mask|>") == 320 and got.eos_token == "<|endoftext|>"
+    text = "What is the capital of France?"
+    assert got(text).input_ids == tok(text).input_ids
+    assert got.decode(got("a<|mask|>b").input_ids, skip_special_tokens=True) == "ab"
