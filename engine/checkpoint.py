@@ -71,7 +71,15 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
 
 
 def _fsync_tree(root: Path) -> None:
+    """Flush every file to disk and give it the umask's permissions (safetensors writes 0600, which another user -
+    e.g. a server in a container - could not read)."""
+    umask = os.umask(0)
+    os.umask(umask)
     for path in root.rglob("*"):
         if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
+        elif path.is_dir():
+            os.chmod(path, 0o777 & ~umask)
+    os.chmod(root, 0o777 & ~umask)

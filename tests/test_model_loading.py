@@ -29,6 +29,17 @@ def test_a2d_round_trip_same_logits_and_tokens(ckpt):
     assert LLM(re).generate("Hello", sp)[0].outputs[0].token_ids == LLM(m).generate("Hello", sp)[0].outputs[0].token_ids
 
 
+def test_checkpoint_files_readable_by_others(ckpt):
+    import os
+    import stat
+
+    out, _ = ckpt
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == (0o666 & ~umask), f
+
+
 def test_hub_id_resolves_from_local_cache(ckpt, tmp_path):
     """`org/name` goes through huggingface_hub; offline it is served from the local hub cache."""
     out, _ = ckpt
