@@ -149,7 +149,8 @@ def load_mapped_model(cls, hf_config, state_dict: dict[str, torch.Tensor], path:
 def load_tokenizer_without_remote_code(path: Path, fallback_classes: tuple[str, ...] = ()):
     """The checkpoint's tokenizer without running its remote code.
 
-    Tries ``AutoTokenizer`` first; when the checkpoint names a tokenizer class that only exists as remote code
+    Tries the class named by ``tokenizer_config.json`` when transformers has it, then ``AutoTokenizer`` (with
+    ``trust_remote_code=False``); when the checkpoint names a tokenizer class that only exists as remote code
     (Dream's ``DreamTokenizer``), loads ``tokenizer.json`` with ``PreTrainedTokenizerFast`` or, failing that, the
     first transformers class in ``fallback_classes`` (e.g. ``Qwen2Tokenizer``, which reads vocab.json/merges.txt).
     The special tokens and chat template of ``tokenizer_config.json`` are kept.
@@ -163,6 +164,14 @@ def load_tokenizer_without_remote_code(path: Path, fallback_classes: tuple[str, 
     import warnings
 
     errors = []
+    # the class named in tokenizer_config.json, when transformers has it: no detour through the foreign config.json
+    named = (read_json_file(Path(path) / "tokenizer_config.json") or {}).get("tokenizer_class")
+    klass = getattr(transformers, named, None) if isinstance(named, str) and named.isidentifier() else None
+    if klass is not None and hasattr(klass, "from_pretrained"):
+        try:
+            return klass.from_pretrained(str(path))
+        except Exception as exc:
+            errors.append(f"{named}: {exc}")
     try:
         # trust_remote_code=False: refuse remote code at once (None would prompt on a terminal and wait).
         # AutoTokenizer may parse the foreign config.json; its legacy `rope_scaling: null` only warns there.
