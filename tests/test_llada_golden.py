@@ -76,9 +76,7 @@ def test_vanilla_decoding_matches_published_llada_generate(llada_llm, case):
     out = llada_llm.generate([case["prompt_ids"]], params)[0].outputs[0]
     assert out.token_ids == case["token_ids"]
     assert out.finish_reason == "length"
-    blocks = case["gen_length"] // case["block_length"]
     assert out.steps == case["steps"] and out.nfe == case["steps"] * (2 if case["cfg_scale"] > 0 else 1)
-    assert blocks >= 1
 
 
 def test_batched_vanilla_matches_golden_rows(llada_llm):
