@@ -83,7 +83,9 @@ class BatchKV:
     def __init__(self, lanes: list[LaneCache], device: torch.device):
         self.lanes = lanes
         self.device = device
-        self.cached_len = max((lane.length for lane in lanes), default=0)
+        lengths = [lane.length for lane in lanes]
+        self.cached_len = max(lengths, default=0)
+        self._uniform = all(n == self.cached_len for n in lengths)
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
         self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -103,8 +105,18 @@ class BatchKV:
         return pos, grp, valid
 
     def _padded_layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, H, C, D]`` cached keys/values of one layer, right-padded with zeros to the longest lane.
+
+        Fast paths (same values, fewer copies): a single lane is returned as a view; lanes of equal length are
+        stacked (one copy instead of zero-fill + copy).
+        """
         B, H, _, D = like.shape
         C = self.cached_len
+        if self._uniform:
+            if B == 1:
+                return self.lanes[0].keys[layer][None], self.lanes[0].values[layer][None]
+            return (torch.stack([lane.keys[layer] for lane in self.lanes]),
+                    torch.stack([lane.values[layer] for lane in self.lanes]))
         k = like.new_zeros(B, H, C, D)
         v = like.new_zeros(B, H, C, D)
         for b, lane in enumerate(self.lanes):

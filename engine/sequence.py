@@ -188,6 +188,8 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.blocks_done_steps: list[int] = []
+        self._prefix: list[int] = []  # revealed left-to-right prefix of the generated region (see _check_finished)
+        self._checked = False
         self._skip_empty_blocks()
 
     # ------------------------------------------------------------------ setup helpers
@@ -324,13 +326,18 @@ class Sequence:
         """EOS (every earlier position revealed), stop strings on the revealed prefix, ``max_tokens``."""
         if self.finished:
             return
-        region = self.canvas[self.prompt_len: self.prompt_len + self.max_tokens].tolist()
-        m = self.dllm.mask_token_id
-        prefix = []
+        # the revealed left-to-right prefix only grows: scan from where the last call stopped, and skip the
+        # re-decode when it did not grow (most steps of a block that is not decoded left to right)
+        prefix = self._prefix
+        start = self.prompt_len + len(prefix)
+        rest = self.canvas[start: self.prompt_len + self.max_tokens]
+        masks = (rest == self.dllm.mask_token_id).nonzero()
+        n_new = int(masks[0, 0]) if masks.numel() else int(rest.numel())
+        if n_new == 0 and self._checked and self.block_idx < len(self.blocks):
+            return
+        self._checked = True
         eos_hit = False
-        for t in region:
-            if t == m:
-                break
+        for t in rest[:n_new].tolist():
             prefix.append(t)
             if t in self.eos_ids:
                 eos_hit = True
