@@ -386,3 +386,35 @@ def test_dream_tokenizer_from_vocab_and_merges_only(tmp_path):
     text = "What is the capital of France?"
     assert got(text).input_ids == tok(text).input_ids
     assert got.decode(got("a<|mask|>b").input_ids, skip_special_tokens=True) == "ab"
+
+
+def test_tied_head_checkpoints_load(tmp_path):
+    """LLaDA ``weight_tying: true`` (no ``ff_out`` head) and SDAR-1.7B-style ``tie_word_embeddings`` (no
+    ``lm_head.weight``; a stray saved ``rotary_emb.inv_freq`` buffer is tolerated) load with the tied head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from unmask.engine.model import load_model
+
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+    ref = make_llama(V, seed=3, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    state = llama_to_llada_state_dict({k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"})
+    tok = family_tokenizer(["<|eot_id|>", "<|mdm_mask|>"])
+    save_foreign_checkpoint(tmp_path / "llada", state, llada_config_dict(V, 0, 321, weight_tying=True), tok)
+    lm = load_model(tmp_path / "llada")
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
+
+    torch.manual_seed(0)
+    q = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     tie_word_embeddings=True)).eval()
+    state = {k: v for k, v in q.state_dict().items() if k != "lm_head.weight"}
+    state["model.rotary_emb.inv_freq"] = q.model.rotary_emb.inv_freq.clone()
+    cfg = {"architectures": ["SDARForCausalLM"], "model_type": "sdar", "vocab_size": V, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "tie_word_embeddings": True, "rope_theta": 10000.0, "mask_token_id": 320,
+           "eos_token_id": 0, "block_size": 4}
+    save_foreign_checkpoint(tmp_path / "sdar", state, cfg, family_tokenizer(["<|MASK|>"]))
+    lm = load_model(tmp_path / "sdar")
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids).logits, q(ids).logits, atol=1e-5, rtol=0)
