@@ -233,6 +233,7 @@ def summarise(run: Run, rows_by_id: dict[str, dict], parent_by_id: dict[str, Sam
     check = [x for x in s if "answer" in rows_by_id[x.prompt_id]]
     em = [qm.exact_match(x.text, rows_by_id[x.prompt_id]["answer"]) for x in check]
     cont = [qm.contains_answer(x.text, rows_by_id[x.prompt_id]["answer"]) for x in check]
+    ans = [qm.answer_match(x.text, rows_by_id[x.prompt_id]["answer"]) for x in check]
     f1 = [qm.token_f1(x.text, parent_by_id[x.prompt_id].text) for x in s if x.prompt_id in parent_by_id]
     same = [x.token_ids == parent_by_id[x.prompt_id].token_ids for x in s if x.prompt_id in parent_by_id]
     reps = [r for r in (qm.repeated_ngram_rate(x.token_ids, 3) for x in s) if r is not None]
@@ -247,7 +248,7 @@ def summarise(run: Run, rows_by_id: dict[str, dict], parent_by_id: dict[str, Sam
         "tokens_mean": tokens / n if n else None,
         "steps_mean": mean([x.steps for x in s]), "nfe_mean": mean([x.nfe for x in s]),
         "tpf": tokens / nfe if nfe else None,
-        "exact_match": mean(em), "contains_match": mean(cont),
+        "exact_match": mean(em), "answer_acc": mean(ans), "contains_match": mean(cont),
         "token_f1_vs_parent": mean(f1), "same_as_parent": mean(same),
         "gen_ppl": ppl, "rep3": mean(reps),
         "distinct2": qm.distinct_n([x.token_ids for x in s], 2),
@@ -329,18 +330,17 @@ class Evaluation:
             self._finish(run)
 
     def _eos_ids(self) -> list[int]:
-        """EOS ids shared by every model: the untrained conversion's ``dllm.eos_token_ids`` when available, else
-        the parent's generation config (so that the parent stops where the diffusion models stop)."""
+        """EOS ids shared by every model: the first evaluated checkpoint's ``dllm.eos_token_ids`` when it exists,
+        else the ids the conversion would write (so that the parent stops where the diffusion models stop)."""
         for _, path in self.models:
             cfg = Path(path) / "config.json"
             if cfg.is_file():
                 dllm = json.loads(cfg.read_text()).get("dllm") or {}
                 if dllm.get("eos_token_ids"):
                     return [int(t) for t in dllm["eos_token_ids"]]
-        eos = self.parent.model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        im_end = self.parent.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        return list(dict.fromkeys([t for t in eos + [im_end] if isinstance(t, int) and t >= 0]))
+        from unmask.training.convert import eos_ids_of   # the rule the conversion writes into dllm.eos_token_ids
+
+        return [int(t) for t in eos_ids_of(self.parent.tokenizer, self.parent.model)]
 
     @staticmethod
     def _speed_from(timings: list[tuple[float, float]], n_tokens: list[int]) -> dict:
@@ -401,13 +401,17 @@ class Evaluation:
             samples.append(smp)
         run = Run(name, st.name, subset, samples)
         if timed:
-            timings, n_tok = [], []
+            timings, n_tok, mismatch = [], [], 0
+            by_id = {x.prompt_id: x for x in samples}
             for pid in self.speed_ids:
                 ro = llm.generate([prompt_ids[pid]], params)[0]
                 ttft = ro.time_to_first_token if ro.time_to_first_token is not None else ro.seconds
                 timings.append((ro.seconds, ttft))
                 n_tok.append(len(ro.outputs[0].token_ids))
+                mismatch += list(ro.outputs[0].token_ids) != by_id[pid].token_ids
             run.speed = self._speed_from(timings, n_tok)
+            # batch invariance (DESIGN.md section 4): batch-1 outputs must equal the batched ones
+            run.speed["batch1_vs_batched_mismatches"] = mismatch
         run.speed["batched_wall_s"] = batch_s
         self._finish(run)
         return run
@@ -418,7 +422,8 @@ class Evaluation:
         s = run.summary
         self.log(f"[{run.model}] {run.subset} {run.setting}: n={s['n']} TPF={_f(s['tpf'])} "
                  f"tok/s(b1)={_f(s.get('tokens_per_s_b1'))} EM={_f(s['exact_match'])} "
-                 f"F1={_f(s['token_f1_vs_parent'])} PPL={_f(s['gen_ppl'])} rep3={_f(s['rep3'])}")
+                 f"acc={_f(s['answer_acc'])} F1={_f(s['token_f1_vs_parent'])} PPL={_f(s['gen_ppl'])} "
+                 f"rep3={_f(s['rep3'])}")
         self.write()
 
     # ------------------------------------------------------------------ driver
@@ -445,7 +450,8 @@ class Evaluation:
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
             "max_tokens": a.max_tokens, "batch_size": a.batch_size, "quick": a.quick,
-            "grid_prompts": len(self.grid_ids), "full_prompts": len(self.full_ids), "speed_prompts": len(self.speed_ids),
+            "grid_prompts": len(self.grid_ids), "full_prompts": len(self.full_ids),
+            "speed_prompts": len(self.speed_ids),
             "grid": [s.name for s in self.grid], "models": dict(self.models),
             "parent": getattr(getattr(self, "parent", None), "where", None),
             "eos_token_ids": getattr(self, "eos_ids", None),
@@ -488,7 +494,8 @@ def _atomic_write(path: Path, text: str) -> None:
 
 COLUMNS = [("model", "model", None), ("set", "subset", None), ("setting", "setting", None), ("n", "n", None),
            ("steps", "steps_mean", 1), ("NFE", "nfe_mean", 1), ("TPF", "tpf", 2), ("tok/s (b=1)", "tokens_per_s_b1", 1),
-           ("TTFT s (b=1)", "ttft_s_b1", 3), ("EM", "exact_match", 3), ("contains", "contains_match", 3),
+           ("TTFT s (b=1)", "ttft_s_b1", 3), ("EM", "exact_match", 3), ("answer acc", "answer_acc", 3),
+           ("contains", "contains_match", 3),
            ("F1 vs parent", "token_f1_vs_parent", 3), ("= parent", "same_as_parent", 2), ("gen PPL", "gen_ppl", 2),
            ("rep-3", "rep3", 3), ("distinct-2", "distinct2", 3), ("EOS rate", "eos_rate", 2)]
 
@@ -496,12 +503,15 @@ COLUMNS = [("model", "model", None), ("set", "subset", None), ("setting", "setti
 def markdown_table(result: dict) -> str:
     """The results as a Markdown document: header with the command and notes, then one table row per run."""
     m = result["meta"]
-    out = [f"# Quality vs speed: diffusion checkpoints against the AR parent", "",
-           f"Command: `{m['command']}`  ", f"Date (UTC): {m['date_utc']}; machine: {m['machine']}, torch threads "
-           f"{m['torch_threads']}, load average {m.get('load_average_1_5_15')}; max new tokens {m['max_tokens']}; grid prompts {m['grid_prompts']}, full held-out "
-           f"prompts {m['full_prompts']}, speed prompts (batch 1) {m['speed_prompts']}.  ",
-           f"Notes: {m['notes']} EM = exact match after normalisation on checkable prompts; contains = the "
-           "normalised answer appears in the output; '= parent' = share of outputs token-identical to the parent's. "
+    out = ["# Quality vs speed: diffusion checkpoints against the AR parent", "",
+           f"Command: `{m['command']}`  ",
+           f"Date (UTC): {m['date_utc']}; machine: {m['machine']}, torch threads {m['torch_threads']}, "
+           f"load average {m.get('load_average_1_5_15')}; max new tokens {m['max_tokens']}; grid prompts "
+           f"{m['grid_prompts']}, full held-out prompts {m['full_prompts']}, speed prompts (batch 1) "
+           f"{m['speed_prompts']}.  ",
+           f"Notes: {m['notes']} EM = exact match after normalisation on checkable prompts; answer acc = EM, else "
+           "the last number of the output for numeric answers, else contains; contains = the normalised answer "
+           "appears in the output; '= parent' = share of outputs token-identical to the parent's. "
            "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold>.", ""]
     out.append("| " + " | ".join(c[0] for c in COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))
@@ -515,8 +525,8 @@ def markdown_table(result: dict) -> str:
 
 
 def plot_quality_vs_tpf(runs: list[dict], path: Path) -> None:
-    """PNG: token F1 vs parent (left) and exact match (right) against TPF, one line per model over its grid
-    settings (grid subset only); the parent is a star at TPF 1."""
+    """PNG: token F1 vs parent (left) and extracted-answer accuracy (right) against TPF, one line per model over its
+    grid settings (grid subset only); the parent is a star at TPF 1."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -525,8 +535,8 @@ def plot_quality_vs_tpf(runs: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     grid = [r for r in runs if r["subset"] == "grid"]
     models = list(dict.fromkeys(r["model"] for r in grid))
-    for ax, key, label in ((axes[0], "token_f1_vs_parent", "token F1 vs parent"), (axes[1], "exact_match",
-                                                                                 "exact-match accuracy")):
+    for ax, key, label in ((axes[0], "token_f1_vs_parent", "token F1 vs parent"),
+                           (axes[1], "answer_acc", "answer accuracy (extracted; checkable prompts)")):
         for m in models:
             pts = sorted((r["tpf"], r[key], r["setting"]) for r in grid
                          if r["model"] == m and r.get("tpf") is not None and r.get(key) is not None)

@@ -11,6 +11,9 @@ Definitions (sources):
   digits) so that "Seven." and "7" match.
 * :func:`contains_answer` -- a lenient variant: the normalised answer occurs as a whole-word span of the
   normalised prediction (reported beside exact match, never instead of it).
+* :func:`answer_match` -- answer extraction for chatty outputs ("3 minutes is 3 * 60 = 180 seconds."): exact
+  match, else for a numeric answer the *last* number of the output (GSM8K-style final-answer extraction, Cobbe et
+  al. 2021), else for a word answer :func:`contains_answer`. Reported as "answer accuracy" beside strict exact match.
 * :func:`token_f1` -- SQuAD bag-of-words F1 between a prediction and a reference (here: the parent's greedy
   answer), on words normalised the same way (articles kept: they carry agreement between two free answers).
 * :func:`repeated_ngram_rate` -- share of a sequence's n-grams that repeat an earlier n-gram of the same sequence
@@ -99,6 +102,22 @@ def contains_answer(prediction: str, answer: str) -> bool:
     if not a:
         return False
     return any(p[i:i + len(a)] == a for i in range(len(p) - len(a) + 1))
+
+
+def _is_number(w: str) -> bool:
+    return re.fullmatch(r"-?\d+(?:\.\d+)?", w) is not None
+
+
+def answer_match(prediction: str, answer: str) -> bool:
+    """Extracted-answer match: :func:`exact_match`; else, when the normalised answer is one number, the last
+    number in the normalised prediction equals it; else :func:`contains_answer`."""
+    if exact_match(prediction, answer):
+        return True
+    a = _words(answer, True)
+    if len(a) == 1 and _is_number(a[0]):
+        nums = [w for w in _words(prediction, True) if _is_number(w)]
+        return bool(nums) and nums[-1] == a[0]
+    return contains_answer(prediction, answer)
 
 
 def token_f1(prediction: str, reference: str) -> float:

@@ -130,7 +130,7 @@ def test_load_prompts_errors(tmp_path):
         P.load_prompts(bad)
 
 
-# ------------------------------------------------------------------------------ the recipe (training/recipes/smollm2.py)
+# ------------------------------------------------------------------------- the recipe (training/recipes/smollm2.py)
 def test_training_minutes_used_sums_process_segments(tmp_path):
     from unmask.training.recipes.smollm2 import training_minutes_used
 

@@ -43,6 +43,17 @@ def test_exact_match_and_contains():
         qm.normalize_answer(None)
 
 
+def test_answer_match_extracts_the_final_number():
+    assert qm.answer_match("3 minutes is 3 * 60 = 180 seconds.", "180")
+    assert not qm.answer_match("The answer is 60.", "55")
+    assert not qm.answer_match("10 centimeters is approximately 10.00000000000001 millimeters.", "100")
+    assert not qm.answer_match("180 or maybe 18", "180")          # the last number counts
+    assert qm.answer_match("Twelve.", "12")
+    assert qm.answer_match("The scarf is a shade of gray.", "gray")
+    assert not qm.answer_match("It is grey.", "gray")
+    assert not qm.answer_match("no number here", "7")
+
+
 def test_token_f1():
     assert qm.token_f1("the cat sat", "the cat sat") == 1.0
     assert qm.token_f1("", "") == 1.0
@@ -148,13 +159,15 @@ def test_harness_end_to_end_on_tiny_models(tmp_path):
     runs = {(r["model"], r["subset"], r["setting"]): r for r in result["runs"]}
     assert set(runs) == {("parent", "grid", "ar-greedy"), ("parent", "full", "ar-greedy"),
                          ("conv", "grid", "b1-s12"), ("conv", "grid", "b4-s6"), ("conv", "full", "b4-t0.9")}
-    par, b1, b4 = runs[("parent", "grid", "ar-greedy")], runs[("conv", "grid", "b1-s12")], runs[("conv", "grid", "b4-s6")]
+    par = runs[("parent", "grid", "ar-greedy")]
+    b1, b4 = runs[("conv", "grid", "b1-s12")], runs[("conv", "grid", "b4-s6")]
     assert par["n"] == b1["n"] == 3 and runs[("conv", "full", "b4-t0.9")]["n"] == 4
     assert b1["same_as_parent"] == 1.0 and b1["token_f1_vs_parent"] == 1.0
     assert b1["gen_ppl"] == pytest.approx(par["gen_ppl"], rel=1e-4)
     assert par["tpf"] == 1.0 and par["token_f1_vs_parent"] == 1.0
     assert b4["tpf"] > b1["tpf"] - 1e-9          # 2 tokens per step vs one
     assert b1["n_checkable"] == 2 and b1["tokens_per_s_b1"] > 0 and b1["ttft_s_b1"] > 0
+    assert b1["batch1_vs_batched_mismatches"] == 0 and b4["batch1_vs_batched_mismatches"] == 0
     out = tmp_path / "res"
     saved = json.loads((out / "eval_quality.json").read_text())
     assert saved["meta"]["finished"] and len(saved["runs"]) == 5
