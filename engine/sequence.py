@@ -165,7 +165,8 @@ class Sequence:
         self.blocks = [(s, s + bs) for s in range(first_block_start, gen_end, bs)]
         self.threshold = params.threshold
         total_masks = int((self.canvas[P:P + self.gen_len] == mask_id).sum())
-        self.block_steps = split_steps(params.steps or total_masks, len(self.blocks))
+        # default steps = max_tokens (DESIGN.md section 10; one token per step when max_tokens fills whole blocks)
+        self.block_steps = split_steps(params.steps or min(params.max_tokens, total_masks) or 1, len(self.blocks))
 
         self.cache_mode = self._resolve_cache(params.cache)
         self.lanes = [Lane("cond")] + ([Lane("uncond")] if params.cfg_scale > 0 else [])

@@ -13,7 +13,7 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot load the tokenizer ({exc})") from exc
 
