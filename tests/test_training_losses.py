@@ -121,6 +121,8 @@ def test_prompt_tokens_never_labels_and_noise_stats():
     lm.dllm.attention = "bidirectional"
     with pytest.raises(ValueError, match="bidirectional"):
         draw_noise(batch, lm.dllm, "block", g)
+    with pytest.raises(ValueError, match="complementary"):
+        draw_noise(batch, lm.dllm, "mdlm", g, complementary=True)
 
 
 def test_answer_blocks_alignment():

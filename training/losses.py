@@ -196,6 +196,9 @@ def draw_noise(batch: Batch, dllm: DllmConfig, objective: str, generator: torch.
         if objective == "block":
             raise ValueError("objective: `block` needs a prefix_causal or block_causal checkpoint; this one is "
                              "bidirectional (use `mdlm`)")
+        if complementary:
+            raise ValueError("complementary: complementary masks need the block layout (a prefix_causal or "
+                             "block_causal checkpoint)")
         for b in range(batch.input_ids.shape[0]):
             t = fixed_t if fixed_t is not None else _draw_t(generator, eps)
             pos = batch.answer[b].nonzero().flatten()

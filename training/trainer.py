@@ -314,6 +314,8 @@ class Trainer:
         if cfg.objective == "block" and dllm.attention == "bidirectional":
             raise TrainError("--objective block: needs a prefix_causal or block_causal checkpoint; this one is "
                              "bidirectional (use --objective mdlm)")
+        if cfg.complementary and dllm.attention == "bidirectional":
+            raise TrainError("--complementary: needs the block layout (a prefix_causal or block_causal checkpoint)")
         if dllm.fixed_block_size and cfg.block_size not in (None, dllm.block_size):
             raise TrainError(f"--block-size: this checkpoint decodes with block size {dllm.block_size} only")
         self.block_size = cfg.block_size or dllm.block_size
