@@ -85,17 +85,17 @@ class GuardMiddleware:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await err.response()(scope, receive, send)
+                return await self._reject(scope, err, receive, send)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
-                return await APIError(400, f"invalid Content-Length header {length!r}",
-                                      code="invalid_request").response()(scope, receive, send)
+                return await self._reject(scope, APIError(400, f"invalid Content-Length header {length!r}",
+                                                          code="invalid_request"), receive, send)
             if int(length) > self.max_body_bytes:
                 await self._drain(receive, 16 * self.max_body_bytes)
-                return await self._too_large(int(length))(scope, receive, send)
+                return await self._reject(scope, self._too_large(int(length)), receive, send)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -105,14 +105,14 @@ class GuardMiddleware:
             size += len(body)
             if size > self.max_body_bytes:
                 await self._drain(receive, 16 * self.max_body_bytes)
-                return await self._too_large(size)(scope, receive, send)
+                return await self._reject(scope, self._too_large(size), receive, send)
             chunks.append(body)
             more = message.get("more_body", False)
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             err = APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
                            param="Content-Type", code="unsupported_media_type")
-            return await err.response()(scope, receive, send)
+            return await self._reject(scope, err, receive, send)
         sent = False
 
         async def replay():
@@ -124,9 +124,14 @@ class GuardMiddleware:
 
         await self.app(scope, replay, send)
 
-    def _too_large(self, size: int):
+    def _too_large(self, size: int) -> APIError:
         return APIError(413, f"request body of {size} bytes exceeds the server's limit of {self.max_body_bytes} "
-                             f"bytes", code="request_too_large").response()
+                             f"bytes", code="request_too_large")
+
+    @staticmethod
+    async def _reject(scope, err: APIError, receive, send) -> None:
+        log.info("%s %s status=%d code=%s", scope.get("method"), scope.get("path"), err.status, err.code)
+        await err.response()(scope, receive, send)
 
     @staticmethod
     async def _drain(receive, limit: int) -> None:
@@ -184,12 +189,12 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                               "body; streamed responses are server-sent events ending with `data: [DONE]`.")
     app.state.unmask = state
     install_handlers(app)
-    if cors_origins:
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    if cors_origins:  # outermost: preflights are answered and error responses carry the CORS headers too
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": state.created, "owned_by": "unmask",

@@ -129,31 +129,39 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}", param=param, code="invalid_value")
 
 
+def _rejected(request: Request, err: APIError) -> JSONResponse:
+    """The error response, with the request's one log line (requests that reach the engine log in
+    ``streaming.Run.finish`` instead)."""
+    log.info("%s %s status=%d code=%s param=%s", request.method, request.url.path, err.status, err.code, err.param)
+    return err.response()
+
+
 def install_handlers(app) -> None:
     """Register the exception handlers that turn every failure into an OpenAI error body."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return _rejected(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return validation_error(exc).response()
+        return _rejected(request, validation_error(exc))
 
     @app.exception_handler(ParamError)
     async def _param(request: Request, exc: ParamError):
-        return from_exception(exc).response()
+        return _rejected(request, from_exception(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
                                                           f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code), headers=getattr(exc, "headers", None)).response()
+        return _rejected(request, APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code), headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _fault(request: Request, exc: Exception):
         err = from_exception(exc)
         if err.status >= 500:
             log.error("request %s %s failed", request.method, request.url.path, exc_info=exc)
-        return err.response()
+            return err.response()
+        return _rejected(request, err)

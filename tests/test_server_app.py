@@ -118,14 +118,17 @@ def test_cache_full_and_engine_closed_are_503(model):
         assert client.get("/health").status_code == 503
 
 
-def test_cors_no_auth_default_max_tokens_and_chat_template_override(model):
+def test_cors_auth_default_max_tokens_and_chat_template_override(model):
     engine = AsyncEngine(model)
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
-    app = build_app(engine, "m", cors_origins=["http://example.org"], default_max_tokens=5, chat_template=template)
-    with TestClient(app) as client:
+    app = build_app(engine, "m", cors_origins=["http://example.org"], default_max_tokens=5, chat_template=template,
+                    api_key="k")
+    with TestClient(app, headers={"Authorization": "Bearer k"}) as client:
         r = client.options("/v1/chat/completions", headers={"Origin": "http://example.org",
                                                             "Access-Control-Request-Method": "POST"})
         assert r.headers.get("access-control-allow-origin") == "http://example.org"
+        r = client.get("/v1/models", headers={"Origin": "http://example.org", "Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.headers.get("access-control-allow-origin") == "http://example.org"
         body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
