@@ -21,13 +21,27 @@ class Denoiser:
 
     Args:
         model: the loaded model.
+        compile: run the decoder forward through ``torch.compile(dynamic=True)`` (same results; the first steps
+            of each new shape pay the compilation). Measured in ``benchmarks/bench_overhead.py --compile``; off by
+            default because it did not pay on the CPU measured (see the README "Performance" section).
     """
 
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, compile: bool = False):
         self.model = model
         self.device = model.device
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
         self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
+        self.compiled = bool(compile)
+        self._compiled_forward = None
+        if compile:
+            decoder = torch.compile(model.model.base_model, dynamic=True)
+            kw = model._cache_kw
+
+            def hidden_states(input_ids, position_ids, attention_mask, cache=None):
+                return decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                               use_cache=False, **{kw: cache}).last_hidden_state
+
+            self._compiled_forward = hidden_states
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[StepEvent]:
@@ -92,7 +106,8 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
-        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv)
+        forward = self._compiled_forward or self.model.hidden_states
+        hidden = forward(input_ids, pos, mask, cache=kv)
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call

@@ -72,6 +72,7 @@ class LLM:
         model: checkpoint directory / hub id, or an already :class:`LoadedModel`.
         family: force a family (default: detect). device/dtype: ``auto`` or explicit.
         max_batch_size: sequences decoded together.
+        compile: ``torch.compile`` the decoder forward (see :class:`~unmask.engine.denoiser.Denoiser`).
 
     Example::
 
@@ -81,9 +82,9 @@ class LLM:
     """
 
     def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
-                 dtype: str = "auto", max_batch_size: int = 16):
+                 dtype: str = "auto", max_batch_size: int = 16, compile: bool = False):
         self.model = model if isinstance(model, LoadedModel) else load_model(model, family, device, dtype)
-        self.denoiser = Denoiser(self.model)
+        self.denoiser = Denoiser(self.model, compile=compile)
         self.max_batch_size = max_batch_size
 
     @property

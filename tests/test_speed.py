@@ -1,0 +1,160 @@
+"""Speed-path rules (issue 6): the fast paths compute what the slow ones did, and the KV-cache budget holds."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tiny import loaded
+from unmask.engine import LLM, SamplingParams
+from unmask.engine.detokenize import decode, stream_safe
+from unmask.engine.kv_cache import BatchKV, LaneCache
+from unmask.engine.sampler import log_normalizer, sample_candidates
+from unmask.engine.scheduler import CacheFull, Scheduler
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. One two", "Paris"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(loaded(attention="prefix_causal"))
+
+
+# ---------------------------------------------------------------- sampler fast path
+def test_log_normalizer_matches_float64_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 5000, generator=g) * 6
+    logits[:, 17] = float("-inf")  # forbidden ids
+    logits[3, :4990] = float("-inf")  # a row with few finite entries (top-k)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    got = logits.double() - log_normalizer(logits)[:, None]
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert (ref[finite] - got[finite]).abs().max() < 1e-6
+    assert (ref.exp() - got.exp()).abs().max() < 1e-7
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "margin", "random"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_candidates_equal_float64_softmax_reference(remasking, temperature):
+    """Tokens identical, probabilities/margins within 1e-7 of LLaDA's float64 softmax."""
+    logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(1)) * 4
+    sp = SamplingParams(temperature=temperature, remasking=remasking, seed=0).with_defaults()
+    c = sample_candidates(logits.clone(), sp, torch.Generator().manual_seed(5))
+    p = torch.softmax(logits.double(), dim=-1)
+    ref_prob = p.gather(-1, c.tokens[:, None])[:, 0]
+    assert (c.probability - ref_prob).abs().max() < 1e-7
+    if temperature == 0:
+        assert torch.equal(c.tokens, logits.argmax(-1))
+    if remasking == "margin":
+        top2 = p.topk(2, dim=-1).values
+        assert (c.score - (top2[:, 0] - top2[:, 1])).abs().max() < 1e-7
+
+
+# ---------------------------------------------------------------- incremental text
+def test_stream_text_equals_decoded_prefix_every_step(llm):
+    """The incremental prefix scan gives, at every step, the stream-safe text of the revealed left-to-right
+    prefix recomputed from scratch."""
+    m = llm.model.dllm.mask_token_id
+    sp = SamplingParams(max_tokens=12, block_size=4, steps=6, temperature=0.9, seed=2, ignore_eos=True,
+                        remasking="random")
+    for ev in llm.stream(PROMPTS[1], sp):
+        prefix = []
+        for t in ev.canvas:
+            if t is None or t == m:
+                break
+            prefix.append(t)
+        want = decode(llm.tokenizer, prefix)
+        assert ev.text == (want if ev.finished else stream_safe(want, []))
+
+
+# ---------------------------------------------------------------- KV cache view fast paths
+def test_batch_kv_fast_paths_equal_padded_copy():
+    def lane(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        c = LaneCache()
+        if n:
+            c.append([torch.randn(2, n, 8, generator=g)], [torch.randn(2, n, 8, generator=g)],
+                     torch.arange(n), torch.arange(n))
+        return c
+
+    new = torch.randn(2, 2, 3, 8)
+    for lanes in ([lane(5, 0)], [lane(5, 0), lane(5, 1)], [lane(5, 0), lane(2, 1)], [lane(0, 0), lane(3, 1)]):
+        kv = BatchKV(lanes, torch.device("cpu"))
+        k, v = kv.update(new[: len(lanes)], new[: len(lanes)] * 2, 0)
+        C = kv.cached_len
+        for b, ln in enumerate(lanes):
+            n = ln.length
+            if n:
+                assert torch.equal(k[b, :, :n], ln.keys[0]) and torch.equal(v[b, :, :n], ln.values[0])
+            assert torch.equal(k[b, :, n:C], torch.zeros_like(k[b, :, n:C]))
+            assert torch.equal(k[b, :, C:], new[b])
+
+
+def test_equal_length_batch_matches_alone(llm):
+    """Two prompts of the same length take the stacked (equal-length) cache path; each row equals its solo run."""
+    ids = llm.encode(PROMPTS[0])
+    other = list(reversed(ids))
+    sps = [SamplingParams(max_tokens=10, temperature=0.7, seed=s, ignore_eos=True) for s in (1, 2)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip((ids, other), sps)]
+    seqs = llm.make_sequences(ids, sps[0], "a") + llm.make_sequences(other, sps[1], "b")
+    sched = Scheduler(llm.denoiser, max_batch_size=4)
+    for s in seqs:
+        sched.add(s)
+    while sched.has_work():
+        sched.step()
+    assert [s.output_ids for s in seqs] == alone
+
+
+# ---------------------------------------------------------------- cache memory accounting
+def test_over_budget_request_gets_cache_full(llm):
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), sp, "big")[0]
+    sched = Scheduler(llm.denoiser, max_cached_tokens=seq.length - 1)
+    with pytest.raises(CacheFull, match=f"needs {seq.length} cached tokens.*budget is {seq.length - 1}"):
+        sched.add(seq)
+    assert not sched.waiting and not sched.running
+    # CFG doubles the reservation (two lanes)
+    cfg = LLM(loaded(attention="bidirectional"))
+    s2 = cfg.make_sequences(cfg.encode(PROMPTS[0]), SamplingParams(max_tokens=8, cfg_scale=1.0), "cfg")[0]
+    with pytest.raises(CacheFull):
+        Scheduler(cfg.denoiser, max_cached_tokens=2 * s2.length - 1).add(s2)
+    Scheduler(cfg.denoiser, max_cached_tokens=2 * s2.length).add(s2)
+
+
+def test_cancellation_frees_the_reservation(llm):
+    """A request that does not fit next to a running one waits (FIFO); cancelling the running one frees its
+    reservation and its KV, and the waiting one is admitted at the next step and decodes as if alone."""
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    a = llm.make_sequences(llm.encode(PROMPTS[0]), sp, "a")[0]
+    b = llm.make_sequences(llm.encode(PROMPTS[1]), sp, "b")[0]
+    budget = max(a.length, b.length) + 1  # room for one of them, not both
+    sched = Scheduler(llm.denoiser, max_batch_size=4, max_cached_tokens=budget)
+    sched.add(a)
+    sched.add(b)
+    sched.step()
+    assert sched.running == [a] and list(sched.waiting) == [b]
+    assert sched.reserved_tokens() == a.length and a.cache_bytes() > 0
+    sched.step()
+    assert list(sched.waiting) == [b]  # still no room
+    evs = sched.abort("a")
+    assert [e.finish_reason for e in evs] == ["abort"]
+    assert sched.reserved_tokens() == 0 and a.cache_bytes() == 0
+    sched.step()
+    assert sched.running == [b] and sched.reserved_tokens() == b.length
+    while sched.has_work():
+        sched.step()
+    assert b.output_ids == llm.generate(PROMPTS[1], sp)[0].outputs[0].token_ids
+
+
+# ---------------------------------------------------------------- torch.compile option
+@pytest.mark.skipif(os.environ.get("UNMASK_TEST_COMPILE") != "1",
+                    reason="compiling takes 30-120 s on a CPU; set UNMASK_TEST_COMPILE=1")
+def test_compiled_forward_gives_the_same_tokens():
+    m = loaded(attention="prefix_causal")
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(m).generate(PROMPTS[0], sp)[0].outputs[0].token_ids
+    compiled = LLM(m, compile=True)
+    assert compiled.denoiser.compiled
+    assert compiled.generate(PROMPTS[0], sp)[0].outputs[0].token_ids == plain
