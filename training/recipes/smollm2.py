@@ -67,7 +67,7 @@ class RecipeConfig:
     attention: str = "prefix_causal"
     prompts_limit: int = 0
     distill_max_tokens: int = 96
-    distill_batch: int = 8
+    distill_batch: int = 16
     top_k_dist: int = 16
     budget_minutes: float = 60.0
     max_steps: int = 0
@@ -372,8 +372,13 @@ class Recipe:
             if stage == until:
                 self.log(f"[recipe] stopped after {stage} (--until); rerun without --until to continue")
                 return self.work
-        self.log(f"[recipe] ready: `unmask serve` now serves {self.out} (the default trained location); "
-                 f"evaluate with `unmask eval` (fp32: {trained_fp32_checkpoint(self.work)})")
+        fp32 = trained_fp32_checkpoint(self.work)
+        if self.out.resolve() == default_trained_dir().resolve():
+            serve = f"`unmask serve` now serves {self.out} (the default trained location)"
+        else:
+            serve = f"serve it with `unmask serve {self.out}`"
+        self.log(f"[recipe] ready: {serve}; evaluate with `unmask eval --model trained-fp32={fp32} "
+                 f"--model trained-nf4={self.out}`")
         return self.out
 
 
