@@ -220,3 +220,26 @@ def test_ddp_two_process_gloo(workdir, tmp_path):
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert len(rows) == 2 and int(rows[0]["tokens"]) > 0
     LLM(str(ckpt), device="cpu").generate("Hi", SamplingParams(max_tokens=2, temperature=0.0))
+
+
+@pytest.mark.slow
+def test_real_smollm2_train_export_generate(tmp_path):
+    """SmolLM2-135M (GGUF) -> a2d -> 1 LoRA block-diffusion step -> nf4 export -> the engine generates."""
+    from unmask.training.convert import convert_checkpoint
+    from unmask.training.realmodel import RealModelMissing, smollm2_gguf_path
+
+    try:
+        gguf = smollm2_gguf_path()
+    except RealModelMissing as exc:
+        pytest.skip(str(exc))
+    src = convert_checkpoint(gguf.parent, tmp_path / "a2d", attention="prefix_causal", block_size=4, logit_shift=True,
+                             gguf_file=gguf.name)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "Name a colour.", "completion": "Blue is a colour."}) + "\n")
+    out = tmp_path / "run"
+    train(TrainConfig(model=str(src), data=str(data), out=str(out), trainable="lora", max_steps=1, batch_size=1,
+                      seq_len=64, progress=False))
+    res = export(out, tmp_path / "nf4", quantization="nf4")
+    assert res["max_abs_logit_diff"] == 0.0
+    o = LLM(str(tmp_path / "nf4"), device="cpu").generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(o[0].outputs[0].token_ids) >= 1
