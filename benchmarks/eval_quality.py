@@ -269,7 +269,7 @@ class Evaluation:
         self.rows, grid_ids, quick_ids = load_eval_sets(Path(args.data))
         self.rows_by_id = {r["id"]: r for r in self.rows}
         if args.quick:
-            self.grid_ids = quick_ids[: args.quick_prompts]
+            self.grid_ids = (quick_ids if args.quick_prompts <= len(quick_ids) else grid_ids)[: args.quick_prompts]
             self.grid = [parse_setting(x) for x in (args.grid or QUICK_GRID)]
             self.full_ids: list[str] = []
         else:

@@ -98,6 +98,12 @@ class RecipeConfig:
             raise RecipeError(f"--lr: must be > 0, got {self.lr}")
         if self.quantize not in ("nf4", "int8", "none"):
             raise RecipeError(f"--quantize: {self.quantize!r} is not one of nf4, int8, none")
+        try:
+            from unmask.training.scopes import SCOPES
+        except ImportError:
+            SCOPES = None
+        if SCOPES is not None and self.trainable not in SCOPES:
+            raise RecipeError(f"--trainable: {self.trainable!r} is not one of {', '.join(SCOPES)}")
         if self.teacher_kl > 0 and self.top_k_dist == 0:
             raise RecipeError("--teacher-kl: needs stored teacher distributions (--top-k-dist K > 0)")
 
