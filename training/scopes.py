@@ -146,7 +146,10 @@ def prepare_model(path: str | Path, scope: str = "full", lora_r: int = 16, lora_
         raise ValueError(f"trainable: {scope!r} is not one of {SCOPES}")
     model, tok, dllm = load_source(path, quantize_nf4=(scope == "qlora"), device=device)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tm = TrainModel(model=model, tokenizer=tok, dllm=dllm, path=str(path), scope=scope,
                     row_ids=[dllm.mask_token_id])
     if scope in ("lora", "qlora"):
