@@ -44,6 +44,8 @@ def register(sub, name):
                    help="default block size for requests that send none (default: the checkpoint's)")
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
                    help="default KV-cache policy for requests that send none")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op CPU threads (default: torch's choice; 1 is often fastest on a busy CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_batch_size", "max_queue", "default_max_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    for name in ("max_model_len", "max_cached_tokens", "block_size"):
+    for name in ("max_model_len", "max_cached_tokens", "block_size", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
@@ -114,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
     from unmask.engine.model import load_model
     from unmask.server.app import build_app
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         loaded = load_model(model_path, args.family, args.device, args.dtype)
     except (CheckpointError, ValueError) as exc:
