@@ -474,7 +474,7 @@ def _assert_nfe_stops(http):
 def test_streaming_disconnect_aborts_the_request(http, server):
     before = scrape(http)
     body = {"model": MODEL, "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0, "stream": True,
-            "stream_options": {"include_denoising": True}}
+            "cache": "none", "stream_options": {"include_denoising": True}}
     with httpx.Client(base_url=server["url"], headers=AUTH, timeout=60) as client:
         with client.stream("POST", C, json=body) as r:
             seen = 0
@@ -490,10 +490,14 @@ def test_streaming_disconnect_aborts_the_request(http, server):
 
 
 def test_non_streaming_disconnect_aborts_the_request(http, server):
-    body = {"model": MODEL, "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0}
+    before = scrape(http)
+    # 480 steps of full forwards (no KV cache): seconds, far longer than the client waits
+    body = {"model": MODEL, "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0, "cache": "none"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server["url"] + C, json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
     _assert_nfe_stops(http)
+    key = ("unmask:request_failure_total", (("reason", "abort"),))
+    assert scrape(http)[key] == before[key] + 1, "the request must have been aborted, not completed"
 
 
 # ---------------------------------------------------------------------------------------------- metrics and logs
