@@ -247,6 +247,11 @@ class Sequence:
                 commit_pos = torch.empty(0, dtype=torch.long, device=self.device)
             elif mode == "exact":
                 lo, hi = c, e
+                if self.dllm.logit_shift and c < a and masked.numel() == 1 and int(masked[0]) == a:
+                    # only the block's first position is masked: its logits come from position a - 1 (committed,
+                    # and committed tokens never attend to the active block), so the block need not be
+                    # forwarded - block_size=1 then forwards one token per step, exactly like AR decoding
+                    hi = a
                 commit_pos = torch.arange(c, a, device=self.device)
             elif self.step_in_block == 0:  # prefix / dual refresh: full forward, cache around the block
                 lo, hi, replace = 0, L, True

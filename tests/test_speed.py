@@ -158,3 +158,40 @@ def test_compiled_forward_gives_the_same_tokens():
     compiled = LLM(m, compile=True)
     assert compiled.denoiser.compiled
     assert compiled.generate(PROMPTS[0], sp)[0].outputs[0].token_ids == plain
+
+
+# ---------------------------------------------------------------- approximate caches (bidirectional)
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_approximate_cache_refresh_step_equals_no_cache(mode):
+    """The refresh step of a block forwards the whole canvas, so the first step of a request is exactly the
+    no-cache step; later steps may differ (quality change measured in benchmarks/bench_bidir_cache.py)."""
+    llm = LLM(loaded(attention="bidirectional"))
+    sp = dict(max_tokens=8, block_size=4, temperature=0, ignore_eos=True)
+    first = {m: next(iter(llm.stream(PROMPTS[1], SamplingParams(cache=m, **sp)))) for m in ("none", mode)}
+    a, b = first["none"].revealed, first[mode].revealed
+    assert [(r.position, r.token_id) for r in a] == [(r.position, r.token_id) for r in b]
+    assert all(abs(x.confidence - y.confidence) < 1e-5 for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------- block size 1 forwards one token per step
+@pytest.mark.parametrize("attention", ["prefix_causal", "block_causal"])
+def test_block1_forwards_one_token_per_step_like_ar(attention):
+    """With logit shift and the exact cache, a block whose only masked position is its first one needs no forward
+    of the block (its logits come from the committed token before it): block_size=1 forwards the prompt once and
+    then exactly one token per step, as AR decoding with a KV cache does - and decodes the same tokens as
+    ``cache=none``."""
+    llm = LLM(loaded(attention=attention))
+    sizes = []
+    orig = llm.model.hidden_states
+
+    def counting(input_ids, position_ids, attention_mask, cache=None):
+        sizes.append(int(input_ids.shape[1]))
+        return orig(input_ids, position_ids, attention_mask, cache=cache)
+
+    llm.model.hidden_states = counting
+    ids = llm.encode(PROMPTS[1])
+    sp = dict(max_tokens=9, temperature=0, block_size=1, ignore_eos=True)
+    fast = llm.generate([ids], SamplingParams(cache="auto", **sp))[0].outputs[0]
+    assert sizes == [len(ids)] + [1] * 8 and fast.nfe == 9
+    slow = llm.generate([ids], SamplingParams(cache="none", **sp))[0].outputs[0]
+    assert fast.token_ids == slow.token_ids
