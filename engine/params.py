@@ -46,6 +46,9 @@ class SamplingParams:
         steps: total denoising steps for the whole generation (LLaDA's ``steps``), split over the blocks as evenly
             as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step.
         block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``.
+        sub_block_size: decoding window inside a block (Fast-dLLM v2's sub-blocks): positions are revealed window
+            by window, left to right, while attention and caching stay per block; the step budget is split over
+            the windows. ``None`` = the checkpoint's ``dllm.sub_block_size``, else the whole block.
         remasking: which masked positions are revealed first: ``low_confidence`` | ``margin`` | ``entropy`` |
             ``random`` (LLaDA / Dream names).
         threshold: when set, threshold decoding (Fast-dLLM): reveal every position whose candidate probability
@@ -72,6 +75,7 @@ class SamplingParams:
     top_p: float = 1.0
     steps: int | None = None
     block_size: int | None = None
+    sub_block_size: int | None = None
     remasking: str = "low_confidence"
     threshold: float | None = None
     cfg_scale: float = 0.0
@@ -101,6 +105,7 @@ class SamplingParams:
         _check_number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
         _check_number("steps", self.steps, lo=1, integer=True)
         _check_number("block_size", self.block_size, lo=1, integer=True)
+        _check_number("sub_block_size", self.sub_block_size, lo=1, integer=True)
         _check_number("threshold", self.threshold, lo=0, hi=1)
         _check_number("cfg_scale", self.cfg_scale, lo=0, hi=100)
         _check_number("seed", self.seed, lo=0, hi=2**63 - 1, integer=True)

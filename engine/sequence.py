@@ -166,7 +166,16 @@ class Sequence:
         self.threshold = params.threshold
         total_masks = int((self.canvas[P:P + self.gen_len] == mask_id).sum())
         # default steps = max_tokens (DESIGN.md section 10; one token per step when max_tokens fills whole blocks)
-        self.block_steps = split_steps(params.steps or min(params.max_tokens, total_masks) or 1, len(self.blocks))
+        # decoding windows: a block is revealed window by window (Fast-dLLM v2's sub-blocks; a window is the whole
+        # block elsewhere); the step budget is split over the windows that hold generation positions
+        self.window_size = min(params.sub_block_size or dllm.sub_block_size or bs, bs)
+        self.windows: list[tuple[int, int, int]] = []  # (block index, start, end), generation positions only
+        for b, (s, e) in enumerate(self.blocks):
+            for ws in range(s, e, self.window_size):
+                lo, hi = max(ws, P), min(ws + self.window_size, e)
+                if lo < hi:
+                    self.windows.append((b, lo, hi))
+        self.window_steps = split_steps(params.steps or min(params.max_tokens, total_masks) or 1, len(self.windows))
 
         self.cache_mode = self._resolve_cache(params.cache)
         self.lanes = [Lane("cond")] + ([Lane("uncond")] if params.cfg_scale > 0 else [])
@@ -176,8 +185,10 @@ class Sequence:
         self.min_tokens_ids = torch.tensor(sorted(set(dllm.eos_token_ids) | set(params.stop_token_ids)),
                                            dtype=torch.long)
 
+        self.win_idx = 0
         self.block_idx = 0
         self.step_in_block = 0
+        self.step_in_window = 0
         self.step = 0
         self.nfe = 0
         self.finished = False
@@ -204,17 +215,24 @@ class Sequence:
             return "exact"
         return mode  # prefix | dual on a bidirectional model (approximate, opt-in)
 
-    def _block_masked(self, b: int) -> torch.Tensor:
-        """Canvas positions of block b that are generation positions and still masked."""
-        s, e = self.blocks[b]
-        s = max(s, self.prompt_len)
+    def _window_masked(self) -> torch.Tensor:
+        """Canvas positions of the current decoding window that are still masked (the positions predicted and
+        revealed this step)."""
+        _, s, e = self.windows[self.win_idx]
         pos = torch.arange(s, e, device=self.device)
         return pos[self.canvas[s:e] == self.dllm.mask_token_id]
 
     def _skip_empty_blocks(self) -> None:
-        while self.block_idx < len(self.blocks) and self._block_masked(self.block_idx).numel() == 0:
-            self.block_idx += 1
-            self.step_in_block = 0
+        """Advance past windows without masks; entering a new block resets its step counter."""
+        while self.win_idx < len(self.windows) and self._window_masked().numel() == 0:
+            self.win_idx += 1
+            self.step_in_window = 0
+            block = self.windows[self.win_idx][0] if self.win_idx < len(self.windows) else len(self.blocks)
+            if block != self.block_idx:
+                if self.step_in_block:
+                    self.blocks_done_steps.append(self.step_in_block)
+                self.block_idx = block
+                self.step_in_block = 0
         self._check_finished()
 
     @property
@@ -228,7 +246,7 @@ class Sequence:
         """What each lane forwards in the next step (see :class:`LaneInput`)."""
         a, e = self.active
         L = self.length
-        masked = self._block_masked(self.block_idx)
+        masked = self._window_masked()
         grp, start, committed = canvas_groups(L, self.dllm.attention, a, a, e, self.block_size, self.origin,
                                               device=self.device)
         out_pos = masked - 1 if self.dllm.logit_shift else masked
@@ -275,7 +293,7 @@ class Sequence:
     # ------------------------------------------------------------------ one step: reveal
     def masked_positions(self) -> torch.Tensor:
         """Canvas positions being predicted this step (the masked positions of the active block)."""
-        return self._block_masked(self.block_idx)
+        return self._window_masked()
 
     def context_ids(self) -> torch.Tensor:
         """Prompt + revealed generated ids (for penalties)."""
@@ -296,7 +314,7 @@ class Sequence:
         Returns:
             the step's :class:`StepEvent`.
         """
-        steps_left = self.block_steps[self.block_idx] - self.step_in_block
+        steps_left = self.window_steps[self.win_idx] - self.step_in_window
         quota = None if self.threshold is not None else reveal_count(int(masked.numel()), steps_left)
         chosen = select_reveals(cands, quota, self.threshold)
         positions = masked[chosen]
@@ -311,13 +329,8 @@ class Sequence:
         step = self.step
         self.step += 1
         self.step_in_block += 1
-        if self._block_masked(self.block_idx).numel() == 0:
-            self.blocks_done_steps.append(self.step_in_block)
-            self.block_idx += 1
-            self.step_in_block = 0
-            self._skip_empty_blocks()
-        else:
-            self._check_finished()
+        self.step_in_window += 1
+        self._skip_empty_blocks()
         return StepEvent(request_id=self.request_id, block=block, step=step, nfe=self.nfe, revealed=revealed,
                          canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
                          finish_reason=self.finish_reason)

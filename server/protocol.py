@@ -92,6 +92,9 @@ class _Common(_Strict):
     steps: int | None = Field(None, ge=1, le=1_000_000,
                               description="total denoising steps (LLaDA), split over the blocks; default max_tokens")
     block_size: int | None = Field(None, ge=1, le=65536, description="block length; default from the checkpoint")
+    sub_block_size: int | None = Field(None, ge=1, le=65536,
+                                       description="decoding window inside a block (Fast-dLLM v2 sub-blocks); "
+                                                   "default from the checkpoint, else the whole block")
     remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed")
     threshold: float | None = Field(None, ge=0, le=1,
                                     description="confidence-threshold parallel decoding (steps is then ignored)")
@@ -135,7 +138,8 @@ class _Common(_Strict):
         """The engine's :class:`SamplingParams` (raises ``ParamError`` naming the field)."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-            steps=self.steps, block_size=self.block_size, remasking=self.remasking, threshold=self.threshold,
+            steps=self.steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
+            remasking=self.remasking, threshold=self.threshold,
             cfg_scale=self.cfg_scale, seed=self.seed, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,

@@ -344,3 +344,30 @@ def test_cli_generate_json_and_bad_value(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "unmask.cli.main", "generate", str(tmp_path / "nope"),
                               "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "nope" in missing.stderr
+
+
+def test_sub_block_windows_reveal_window_by_window():
+    """Fast-dLLM v2 sub-blocks: inside a block of 8, windows of 4 are revealed in order; the step budget is split
+    over windows; attention stays per block (exact cache still equals no cache)."""
+    m = loaded(attention="block_causal", block_size=8, block_alignment="absolute", fixed_block_size=True)
+    llm = LLM(m)
+    ids = llm.encode(PROMPTS[1])
+    P = len(ids)
+    sp = SamplingParams(max_tokens=16, temperature=0, sub_block_size=4, ignore_eos=True, steps=8)
+    seq = llm.make_sequences(ids, sp, "w")[0]
+    assert all(e - s <= 4 for _, s, e in seq.windows)
+    assert sum(seq.window_steps) == 8 and len(seq.window_steps) == len(seq.windows)
+    evs = list(llm.stream(ids, sp))
+    order = [(seq.prompt_len + r.position) for ev in evs for r in ev.revealed]
+    win_of = [next(i for i, (_, s, e) in enumerate(seq.windows) if s <= p < e) for p in order]
+    assert win_of == sorted(win_of)  # never a position of a later window before an earlier one is full
+    outs = [llm.generate(ids, SamplingParams(max_tokens=16, temperature=0, sub_block_size=4, ignore_eos=True,
+                                             cache=c))[0].outputs[0].token_ids for c in ("none", "auto")]
+    assert outs[0] == outs[1]
+    # the window defaults to the whole block: identical to not setting it
+    a = llm.generate(ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    b = llm.generate(ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                         sub_block_size=8))[0].outputs[0].token_ids
+    assert a == b
+    with pytest.raises(ParamError, match="sub_block_size"):
+        SamplingParams(sub_block_size=0)
