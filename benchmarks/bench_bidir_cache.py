@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     settings = []
     for block in (int(b) for b in args.blocks.split(",")):
         settings.append(("quota, 1 token/step", block, {}))
-        settings.append(("threshold 0.2", block, {"threshold": 0.2}))
+        settings.append(("threshold 0.05", block, {"threshold": 0.05}))
     stats = {}
     for mseed in (int(s) for s in args.model_seeds.split(",")):
         llm = LLM(loaded(attention="bidirectional", seed=mseed))
@@ -60,24 +60,26 @@ def main(argv=None) -> int:
                     sp = SamplingParams(max_tokens=args.max_tokens, block_size=block, temperature=0, ignore_eos=True,
                                         cache=mode, **extra)
                     o = llm.generate(prompt, sp)[0].outputs[0]
-                    outs[mode] = (o.token_ids, fwd["n"] / max(o.steps, 1))
+                    outs[mode] = (o.token_ids, fwd["n"] / max(o.steps, 1), len(o.token_ids) / max(o.steps, 1))
                 ref = outs["none"][0]
-                for mode, (toks, per_step) in outs.items():
+                for mode, (toks, per_step, tps) in outs.items():
                     s = stats.setdefault((name, block, mode), {"agree": 0, "total": 0, "exact": 0, "runs": 0,
-                                                               "fwd_tokens_per_step": []})
+                                                               "fwd_tokens_per_step": [], "tokens_per_step": []})
                     s["agree"] += sum(a == b for a, b in zip(toks, ref))
                     s["total"] += len(ref)
                     s["exact"] += int(toks == ref)
                     s["runs"] += 1
                     s["fwd_tokens_per_step"].append(per_step)
+                    s["tokens_per_step"].append(tps)
     rows, results = [], []
     for (name, block, mode), s in stats.items():
         r = {"setting": name, "block_size": block, "cache": mode, "token_agreement": s["agree"] / s["total"],
              "exact_outputs": s["exact"] / s["runs"], "runs": s["runs"],
-             "forwarded_tokens_per_step": bc.median(s["fwd_tokens_per_step"])}
+             "forwarded_tokens_per_step": bc.median(s["fwd_tokens_per_step"]),
+             "tokens_per_step": bc.median(s["tokens_per_step"])}
         results.append(r)
         rows.append([name, block, mode, f"{100 * r['token_agreement']:.1f}%", f"{100 * r['exact_outputs']:.0f}%",
-                     r["forwarded_tokens_per_step"]])
+                     r["forwarded_tokens_per_step"], r["tokens_per_step"]])
     data = {"benchmark": "bidir_cache",
             "settings": {"models": "tests/tiny.py loaded(attention='bidirectional', seed=s)",
                          "model_seeds": args.model_seeds, "prompts": PROMPTS, "max_tokens": args.max_tokens,
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
           "greedy). Agreement = share of positions with the `none` token; forwarded tokens per step = the compute "
           "proxy (median).\n\n"
           + bc.markdown_table(["decoding", "block", "cache", "token agreement", "identical outputs",
-                               "forwarded tokens/step"], rows))
+                               "forwarded tokens/step", "tokens revealed/step"], rows))
     print(md)
     print("wrote", bc.write_results("bench_bidir_cache", data, md))
     return 0
