@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--estimate-above", type=int, default=256,
                     help="no-cache runs of this many tokens or more are estimated from sampled blocks")
     ap.add_argument("--sampled-blocks", type=int, default=4)
+    ap.add_argument("--name", default="bench_cache", help="result file name (results/<name>.json/.md/.png)")
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
     from unmask.engine import LLM, SamplingParams
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     bs = args.block_size
     llm.generate([prompt_ids], SamplingParams(max_tokens=bs, block_size=bs, temperature=0, ignore_eos=True))  # warm
     rows, results = [], []
+    write = write_factory(args, lm, prompt_ids, env, bs)
     for item in args.lengths.split(","):
         length, repeats = (int(x) for x in item.split(":"))
         per = {"auto": [], "none": []}
@@ -102,34 +104,39 @@ def main(argv=None) -> int:
                      "estimated" if res["nocache_estimated"] else
                      ("measured" + (f" (estimate {100 * res['estimate_error']:+.0f}%)" if est else ""))])
         print(rows[-1], flush=True)
-    data = {"benchmark": "cache",
-            "settings": {"model": lm.path, "attention": lm.dllm.attention, "prompt_tokens": len(prompt_ids),
-                         "block_size": bs, "steps": "= max_tokens (one token per step)", "temperature": 0,
-                         "remasking": "low_confidence", "ignore_eos": True, "batch": 1,
-                         "estimate_above": args.estimate_above, "sampled_blocks": args.sampled_blocks},
-            "environment": env, "results": results}
-    md = (f"Exact KV cache vs no cache, {lm.path} ({lm.dllm.attention}), prompt {len(prompt_ids)} tokens, block "
-          f"{bs}, one token per step, greedy, batch 1. Tokens/s = generated tokens / wall seconds (median).\n\n"
-          + bc.markdown_table(["max_tokens", "repeats", "tokens/s cache", "tokens/s no cache", "speedup",
-                               "no-cache number"], rows))
-
-    def plot(path):
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        x = np.arange(len(results))
-        ax.bar(x - 0.2, [r["cache_tps"] for r in results], 0.4, label="exact cache")
-        ax.bar(x + 0.2, [r["nocache_tps"] for r in results], 0.4, label="no cache")
-        ax.set_xticks(x, [str(r["max_tokens"]) for r in results])
-        ax.set_xlabel("generated tokens (block 32, one token per step)")
-        ax.set_ylabel("tokens/s")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-
-    print(md)
-    print("wrote", bc.write_results("bench_cache", data, md, plot))
+        write(results, rows)  # after every length, so that a long run that is stopped keeps what it measured
     return 0
+
+
+def write_factory(args, lm, prompt_ids, env, bs):
+    def write(results, rows):
+        data = {"benchmark": "cache",
+                "settings": {"model": lm.path, "attention": lm.dllm.attention, "prompt_tokens": len(prompt_ids),
+                             "block_size": bs, "steps": "= max_tokens (one token per step)", "temperature": 0,
+                             "remasking": "low_confidence", "ignore_eos": True, "batch": 1,
+                             "estimate_above": args.estimate_above, "sampled_blocks": args.sampled_blocks},
+                "environment": env, "results": results}
+        md = (f"Exact KV cache vs no cache, {lm.path} ({lm.dllm.attention}), prompt {len(prompt_ids)} tokens, block "
+              f"{bs}, one token per step, greedy, batch 1. Tokens/s = generated tokens / wall seconds (median).\n\n"
+              + bc.markdown_table(["max_tokens", "repeats", "tokens/s cache", "tokens/s no cache", "speedup",
+                                   "no-cache number"], rows))
+
+        def plot(path):
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            x = np.arange(len(results))
+            ax.bar(x - 0.2, [r["cache_tps"] for r in results], 0.4, label="exact cache")
+            ax.bar(x + 0.2, [r["nocache_tps"] for r in results], 0.4, label="no cache")
+            ax.set_xticks(x, [str(r["max_tokens"]) for r in results])
+            ax.set_xlabel("generated tokens (block 32, one token per step)")
+            ax.set_ylabel("tokens/s")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+        print(md)
+        print("wrote", bc.write_results(args.name, data, md, plot))
+    return write
 
 
 if __name__ == "__main__":
