@@ -60,7 +60,9 @@ def default_model() -> tuple[str, int | None, str]:
     from unmask.cli.main import UsageError
 
     try:
-        from unmask.training import realmodel
+        import importlib
+
+        realmodel = importlib.import_module("unmask.training.realmodel")  # honours sys.modules (tests)
     except ImportError as exc:
         raise UsageError(f"no MODEL given and the default model is unavailable: unmask.training.realmodel cannot "
                          f"be imported ({exc}); pass a checkpoint directory") from exc

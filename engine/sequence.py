@@ -235,6 +235,13 @@ class Sequence:
                 self.step_in_block = 0
         self._check_finished()
 
+    def goto_block(self, b: int) -> None:
+        """Make block ``b`` (its first decoding window) the active one, e.g. to replay a canvas whose earlier
+        blocks were filled by the caller (the training-mask equality tests do this)."""
+        self.win_idx = next(i for i, w in enumerate(self.windows) if w[0] == b)
+        self.block_idx = b
+        self.step_in_block = self.step_in_window = 0
+
     @property
     def active(self) -> tuple[int, int]:
         """The active group ``[start, end)`` (the current block; with absolute alignment it may start inside

@@ -159,7 +159,7 @@ def test_training_mask_and_logits_equal_engine(attention):
                        lm.dllm, lm.tokenizer, lm.max_context)
         seq.canvas[P:a] = ids[P:a]
         seq.canvas[a:e] = lay.input_ids[0, off:off + e - a]
-        seq.block_idx = bi
+        seq.goto_block(bi)
         (inp,) = seq.lane_inputs()
         assert inp.chunk.tolist() == list(range(e))
         valid = torch.ones(1, e, dtype=torch.bool)
