@@ -39,6 +39,7 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CheckpointWriteError(f"{out}: exists and is not empty; choose a new directory")
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    _remove_stale_temporaries(out)
     if tmp.exists():
         shutil.rmtree(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +69,23 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
             raise
         raise CheckpointWriteError(f"{out}: write failed ({exc})") from exc
     return out
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` left by a writer that was killed (its pid is gone)."""
+    if not out.parent.is_dir():
+        return
+    for p in out.parent.glob(f"{out.name}.*-*"):
+        kind, _, pid = p.name[len(out.name) + 1:].partition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running: another writer
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 def _fsync_tree(root: Path) -> None:

@@ -23,9 +23,17 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"device: {exc}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} requested but CUDA is not available (this torch: {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} but only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "mps"):
+        raise ValueError(f"device: {device!r} is not one of auto, cpu, cuda, cuda:N")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -109,12 +117,18 @@ def read_config(path: str | Path) -> dict:
 
 
 def resolve_model_path(name_or_path: str) -> Path:
-    """A local directory as is; an ``org/name`` hub id through huggingface_hub (uses the local cache offline).
+    """A local directory as is (a training output directory resolves to its ``latest`` checkpoint); an
+    ``org/name`` hub id through huggingface_hub (uses the local cache offline).
 
     Raises:
         CheckpointError: neither a directory nor a resolvable hub id.
     """
     p = Path(name_or_path).expanduser()
+    if p.is_dir() and not (p / "config.json").exists() and (p / "latest").is_file():
+        # a training OUT directory: its `latest` file names the newest checkpoint-<step>
+        latest = p / (p / "latest").read_text().strip()
+        if latest.is_dir():
+            return latest
     if p.exists():
         return p
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):

@@ -96,3 +96,35 @@ def test_write_checkpoint_never_over_non_empty_dir(ckpt, tmp_path):
         write_checkpoint(target, m.model, m.tokenizer, m.dllm)
     assert (target / "keep.txt").read_text() == "x"
     assert not list(tmp_path.glob("t.tmp-*"))
+
+
+def test_stale_temporary_of_a_killed_writer_is_removed(ckpt, tmp_path):
+    _, m = ckpt
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"out.tmp-{int(dead.stdout)}"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    write_checkpoint(tmp_path / "out", m.model, m.tokenizer, m.dllm)
+    assert not stale.exists() and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_training_output_dir_resolves_to_latest(ckpt, tmp_path):
+    import shutil
+
+    out, _ = ckpt
+    run = tmp_path / "run"
+    shutil.copytree(out, run / "checkpoint-7")
+    (run / "latest").write_text("checkpoint-7\n")
+    assert load_model(run).path == str(run / "checkpoint-7")
+
+
+def test_unavailable_device_is_a_clear_error():
+    import torch
+
+    from unmask.engine.model import resolve_device
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="device"):
+        resolve_device("bogus")

@@ -243,3 +243,12 @@ def test_real_smollm2_train_export_generate(tmp_path):
     assert res["max_abs_logit_diff"] == 0.0
     o = LLM(str(tmp_path / "nf4"), device="cpu").generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))
     assert len(o[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("field,value", [("lr", float("inf")), ("lr", float("nan")), ("max_minutes", float("nan"))])
+def test_non_finite_options_rejected(field, value):
+    from unmask.training.trainer import TrainConfig, TrainError
+
+    cfg = TrainConfig(model="m", data="d", out="o", **{field: value})
+    with pytest.raises(TrainError, match=field.replace("_", "-")):
+        cfg.validate()

@@ -113,6 +113,9 @@ class TrainConfig:
                      "teacher_kl"):
             if getattr(self, name) < 0:
                 raise TrainError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "max_minutes", "weight_decay", "max_grad_norm", "teacher_kl", "warmup"):
+            if not math.isfinite(getattr(self, name)):
+                raise TrainError(f"--{name.replace('_', '-')}: must be finite, got {getattr(self, name)}")
         if self.lr <= 0:
             raise TrainError(f"--lr: must be > 0, got {self.lr}")
         if not 0 < self.eps < 0.5:
@@ -413,6 +416,10 @@ class Trainer:
                         "trainable": trainable_state(self.tm), "config": dataclasses.asdict(self.cfg),
                         "world_size": acc.num_processes}, buf)
             model = merged_full_precision(self.tm)
+            bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+            if bad:
+                raise TrainError(f"step {self.step}: non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); "
+                                 f"not saving - lower --lr or --max-grad-norm (the last good checkpoint stays latest)")
             write_checkpoint(path, model, self.tm.tokenizer, self.tm.dllm,
                              extra_files={"training_state.pt": buf.getvalue()})
             _write_latest(self.out, path.name)
