@@ -53,7 +53,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results"
 DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "b4-t0.7", "b4-t0.5",
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
-_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?))$")
+_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?))(?:-cache-(auto|none|prefix|dual))?$")
 
 
 class EvalError(ValueError):
@@ -62,39 +62,45 @@ class EvalError(ValueError):
 
 @dataclass(frozen=True)
 class Setting:
-    """One parallelism setting: block size and either quota ``steps`` or a confidence ``threshold``."""
+    """One parallelism setting: block size, either quota ``steps`` or a confidence ``threshold``, and the KV-cache
+    mode (``auto`` unless the setting names one: ``b32-s256-cache-none`` is the vanilla no-cache algorithm)."""
 
     name: str
     block_size: int
     steps: int | None = None
     threshold: float | None = None
+    cache: str = "auto"
 
     def params(self, max_tokens: int):
         """``SamplingParams`` for greedy decoding with this setting (temperature 0, seed 0)."""
         from unmask.engine import SamplingParams
 
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, block_size=self.block_size,
-                              steps=self.steps, threshold=self.threshold, seed=0)
+                              steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0)
 
 
 def parse_setting(text: str) -> Setting:
-    """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9.
+    """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9; an optional ``-cache-MODE``
+    suffix (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``.
 
     Raises:
-        EvalError: not of the form ``b<int>-s<int>`` / ``b<int>-t<float in [0, 1]>``, or zero block/steps.
+        EvalError: not of the form ``b<int>-s<int>[-cache-MODE]`` / ``b<int>-t<float in [0, 1]>[-cache-MODE]``,
+            or zero block/steps.
     """
     m = _SETTING.match(text.strip())
     if not m:
-        raise EvalError(f"setting {text!r}: expected b<block>-s<steps> or b<block>-t<threshold>, e.g. b4-s32")
+        raise EvalError(f"setting {text!r}: expected b<block>-s<steps> or b<block>-t<threshold>, optionally "
+                        "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
+    cache = m.group(5) or "auto"
     if block < 1:
         raise EvalError(f"setting {text!r}: block size must be >= 1")
     if m.group(3) is not None:
         steps = int(m.group(3))
         if steps < 1:
             raise EvalError(f"setting {text!r}: steps must be >= 1")
-        return Setting(text.strip(), block, steps=steps)
-    return Setting(text.strip(), block, threshold=float(m.group(4)))
+        return Setting(text.strip(), block, steps=steps, cache=cache)
+    return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache)
 
 
 def parse_model_spec(text: str) -> tuple[str, str]:
@@ -345,7 +351,9 @@ class Evaluation:
     @staticmethod
     def _speed_from(timings: list[tuple[float, float]], n_tokens: list[int]) -> dict:
         secs = sum(t[0] for t in timings)
+        per_prompt = [n / t[0] for n, t in zip(n_tokens, timings) if t[0] > 0]
         return {"speed_n": len(timings), "tokens_per_s_b1": (sum(n_tokens) / secs) if secs else None,
+                "tokens_per_s_b1_median": statistics.median(per_prompt) if per_prompt else None,
                 "ttft_s_b1": statistics.median([t[1] for t in timings]) if timings else None}
 
     # ------------------------------------------------------------------ diffusion models

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -151,11 +152,32 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=10, lifespan="on")
     server = uvicorn.Server(config)
+    stopped_by = _absorb_reraised_signals()
     try:
         server.run()
     finally:
         engine.shutdown()
+    if stopped_by:
+        log.info("stopped by %s after a graceful shutdown", signal.Signals(stopped_by[0]).name)
     return 0
+
+
+def _absorb_reraised_signals() -> list[int]:
+    """Install SIGINT/SIGTERM handlers that only record the signal, and return the record.
+
+    uvicorn captures SIGINT/SIGTERM while it serves, shuts down gracefully, restores the handlers that were installed
+    before ``run()`` and then re-raises the captured signal; with the default handlers that kills the process
+    (exit 143 / a KeyboardInterrupt traceback) although the shutdown was clean. With these handlers the re-raised
+    signal is absorbed and ``unmask serve`` exits 0, as systemd, Docker and supervisors expect of a graceful stop.
+    """
+    seen: list[int] = []
+
+    def note(sig, frame):  # noqa: ARG001 - signal handler signature
+        seen.append(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, note)
+    return seen
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -30,7 +30,9 @@ def register(sub, name):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/latest")
     p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant", "cosine_time"],
+                   help="cosine/linear decay over --max-steps, constant after warmup, or cosine_time: a cosine "
+                        "over the --max-minutes wall-clock budget")
     p.add_argument("--warmup", type=int, default=0, help="warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 = no clipping")

@@ -56,13 +56,7 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
             with open(tmp / name, mode) as fh:
                 fh.write(content)
         _fsync_tree(tmp)
-        if out.exists():
-            old = out.parent / f"{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        publish_directory(tmp, out)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, CheckpointWriteError):
@@ -71,13 +65,31 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
     return out
 
 
+def publish_directory(ready: Path, out: Path) -> Path:
+    """Move the complete directory ``ready`` to ``out`` (same filesystem), replacing ``out`` if it exists.
+
+    ``out`` is at every moment either absent, the old directory, or the new one: the old one is first renamed to
+    ``<out>.old-<pid>`` and deleted only after the new one is in place (a kill in between leaves it for
+    :func:`_remove_stale_temporaries`).
+    """
+    if out.exists():
+        old = out.parent / f"{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(ready, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(ready, out)
+    return out
+
+
 def _remove_stale_temporaries(out: Path) -> None:
-    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` left by a writer that was killed (its pid is gone)."""
+    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` / ``<out>.verify-<pid>`` left by a writer that was killed
+    (its pid is gone)."""
     if not out.parent.is_dir():
         return
     for p in out.parent.glob(f"{out.name}.*-*"):
         kind, _, pid = p.name[len(out.name) + 1:].partition("-")
-        if kind not in ("tmp", "old") or not pid.isdigit() or int(pid) == os.getpid():
+        if kind not in ("tmp", "old", "verify") or not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             os.kill(int(pid), 0)

@@ -93,3 +93,23 @@ def test_export_none_and_errors(src_and_reference, tmp_path, capsys):
     assert cli_main(["export", str(d / "src"), str(tmp_path / "plain")]) == 2  # non-empty output
     assert "not empty" in capsys.readouterr().err
     assert cli_main(["export", str(d / "ref" / "nf4"), str(tmp_path / "y")]) == 2
+
+
+def test_failed_verification_leaves_nothing_behind(src_and_reference, tmp_path, monkeypatch):
+    """A reload check that fails must not leave a half-trusted export under OUT (nor a staging directory), and
+    must not touch an export already there (overwrite)."""
+    import unmask.training.export as ex
+
+    d = src_and_reference
+    monkeypatch.setattr(ex, "verify_export", lambda *a, **k: 0.5)
+    with pytest.raises(ExportError, match="nothing was written"):
+        export(str(d / "src"), str(tmp_path / "out"), quantization="none")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    export(str(d / "src"), str(tmp_path / "out"), quantization="none")
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+    monkeypatch.setattr(ex, "verify_export", lambda *a, **k: 0.5)
+    with pytest.raises(ExportError):
+        export(str(d / "src"), str(tmp_path / "out"), quantization="nf4", overwrite=True)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -205,3 +205,24 @@ def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
     Recipe(cfg, log=logs.append).run(until="train")
     assert any("[recipe 1/5 convert] done" in line for line in logs)
     assert any("[recipe 4/5 train] done" in line for line in logs)
+
+
+def test_recipe_budget_run_decays_lr_over_the_whole_budget(tmp_path, monkeypatch):
+    """A budget-only recipe (no --max-steps) trains with cosine_time spanning the whole budget: a resumed run is
+    told the minutes already spent (from metrics.csv) and gets only what is left."""
+    import unmask.training.trainer as trainer
+    from unmask.training.recipes.smollm2 import Recipe, RecipeConfig
+
+    work = tmp_path / "w"
+    train_dir = work / "train"
+    (train_dir / "checkpoint-5").mkdir(parents=True)
+    (train_dir / "checkpoint-5" / "config.json").write_text("{}")
+    (train_dir / "latest").write_text("checkpoint-5")
+    (train_dir / "metrics.csv").write_text("step,elapsed_s\n1,600\n5,1200\n")
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg))
+    Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), budget_minutes=60), log=lambda m: None).stage_train()
+    (cfg,) = seen
+    assert cfg.lr_schedule == "cosine_time" and cfg.resume
+    assert cfg.minutes_before == pytest.approx(20.0) and cfg.max_minutes == pytest.approx(40.0)
+    cfg.validate()

@@ -182,7 +182,10 @@ def test_setting_and_spec_parsing():
 
     assert ev.parse_setting("b4-s32") == ev.Setting("b4-s32", 4, steps=32)
     assert ev.parse_setting("b8-t0.95") == ev.Setting("b8-t0.95", 8, threshold=0.95)
-    for bad in ("b4", "b0-s4", "b4-s0", "b4-t1.5", "x4-s2"):
+    vanilla = ev.parse_setting("b32-s256-cache-none")
+    assert vanilla == ev.Setting("b32-s256-cache-none", 32, steps=256, cache="none")
+    assert vanilla.params(256).cache == "none" and ev.parse_setting("b4-t0.9").params(64).cache == "auto"
+    for bad in ("b4", "b0-s4", "b4-s0", "b4-t1.5", "x4-s2", "b4-s32-cache-", "b4-s32-cache-fast", "b4-s32-none"):
         with pytest.raises(ev.EvalError, match="setting"):
             ev.parse_setting(bad)
     assert ev.parse_model_spec("a=~/x")[0] == "a"

@@ -252,3 +252,36 @@ def test_non_finite_options_rejected(field, value):
     cfg = TrainConfig(model="m", data="d", out="o", **{field: value})
     with pytest.raises(TrainError, match=field.replace("_", "-")):
         cfg.validate()
+
+
+def test_cosine_time_schedule_follows_the_clock():
+    """cosine_time: linear warmup by steps, then 0.5 (1 + cos(pi f)) of the budget fraction f (across processes:
+    minutes_before counts toward it); it needs a time budget."""
+    import math
+
+    from unmask.training.trainer import BudgetClock, make_scheduler
+
+    class FakeClock(BudgetClock):
+        f = 0.0
+
+        def fraction(self):
+            return self.f
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    clock = FakeClock(0.0, 60.0)
+    sched = make_scheduler(opt, "cosine_time", warmup=2, total=10, clock=clock)
+    assert opt.param_groups[0]["lr"] == 0.0
+    opt.step(); sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
+    for f, want in ((0.0, 1.0), (0.5, 0.5), (0.75, 0.5 * (1 + math.cos(0.75 * math.pi))), (1.0, 0.0)):
+        clock.f = f
+        opt.step(); sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(want, abs=1e-12)
+    real = BudgetClock(30.0, 60.0)
+    assert real.fraction() == pytest.approx(0.5)       # half the budget spent by an earlier process
+    real.start()
+    assert 0.5 <= real.fraction() < 0.51
+    with pytest.raises(TrainError, match="cosine_time"):
+        TrainConfig(model="m", data="d", out="o", lr_schedule="cosine_time").validate()
+    with pytest.raises(TrainError, match="minutes_before"):
+        TrainConfig(model="m", data="d", out="o", minutes_before=-1.0).validate()

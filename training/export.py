@@ -16,9 +16,12 @@ has run a forward (:class:`ExportError`). Only after the files are written does 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
+
+from unmask.engine.checkpoint import publish_directory, write_checkpoint
 
 QUANTIZATIONS = ("none", "nf4", "int8")
 
@@ -132,12 +135,21 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
-    write_quantized(outp, model, tok, dllm, overwrite=overwrite)
+    # written and checked under a staging name; `out` only ever holds a verified export
+    staging = outp.parent / f"{outp.name}.verify-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    write_quantized(staging, model, tok, dllm)
     diff = None
-    if verify:
-        diff = verify_export(model, outp, dev, dt, tok)
-        if diff > 1e-4:
-            raise ExportError(f"{outp}: reloaded logits differ from the exporter's by {diff:.3g} (> 1e-4)")
+    try:
+        if verify:
+            diff = verify_export(model, staging, dev, dt, tok)
+            if diff > 1e-4:
+                raise ExportError(f"{outp}: reloaded logits differ from the exporter's by {diff:.3g} (> 1e-4); "
+                                  "nothing was written")
+        publish_directory(staging, outp)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {"out": str(outp), "source": str(srcp), "quantization": quantization, "max_abs_logit_diff": diff}
 
 
@@ -147,8 +159,6 @@ def write_quantized(out: Path, model, tokenizer, dllm, overwrite: bool = False) 
     Raises:
         ExportError: the model has run a forward (bitsandbytes may have repacked its 4-bit weights in place).
     """
-    from unmask.engine.checkpoint import write_checkpoint
-
     if getattr(model, "_unmask_ran_forward", True):
         raise ExportError("refusing to write a model that has run a forward (or was not built by "
                           "load_quantized_fresh): bitsandbytes may have repacked its weights; quantize afresh")

@@ -35,7 +35,7 @@ from .data import Batch, Dataset, collate, eos_ids_of, load_dataset
 from .losses import OBJECTIVES, build_layout, diffusion_loss, draw_noise, eval_t_grid, stored_teacher
 from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
 
-SCHEDULES = ("cosine", "linear", "constant")
+SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
 METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "lr", "grad_norm", "tokens", "tokens_per_s",
                  "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc"]
 
@@ -51,7 +51,10 @@ class TrainConfig:
     Sizes are per process: ``batch_size`` examples per micro-batch, ``grad_accum`` micro-batches per optimizer
     step. ``seq_len`` in tokens. ``lr`` peak learning rate; ``warmup`` steps. ``max_minutes`` wall-clock budget
     (0 = none). ``eps``: lower bound of the mask rate ``t``. ``halt_after``: stop this process after that many
-    steps without a final save (simulates an interruption in tests).
+    steps without a final save (simulates an interruption in tests). ``lr_schedule="cosine_time"``: linear warmup
+    over ``warmup`` steps, then a cosine decay to 0 over the wall-clock budget instead of over ``max_steps`` (for
+    runs bounded by time whose step count is unknown in advance); ``minutes_before`` = budget minutes already
+    spent by earlier processes of the same run (the schedule spans ``minutes_before + max_minutes``).
     """
 
     model: str
@@ -75,6 +78,7 @@ class TrainConfig:
     lr: float = 5e-5
     lr_schedule: str = "cosine"
     warmup: int = 0
+    minutes_before: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     gradient_checkpointing: bool = False
@@ -122,6 +126,10 @@ class TrainConfig:
             raise TrainError(f"eps: must be in (0, 0.5), got {self.eps}")
         if self.no_ce and self.teacher_kl <= 0:
             raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
+        if self.lr_schedule == "cosine_time" and self.max_minutes <= 0:
+            raise TrainError("--lr-schedule cosine_time: needs a time budget (--max-minutes > 0)")
+        if not (math.isfinite(self.minutes_before) and self.minutes_before >= 0):
+            raise TrainError(f"minutes_before: must be finite and >= 0, got {self.minutes_before}")
         if self.eval_every and not self.eval_data:
             raise TrainError("--eval-every: needs --eval-data FILE (held-out prompts)")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
@@ -189,9 +197,44 @@ def example_indices(n: int, seed: int, start: int, count: int) -> list[int]:
     return out
 
 
-def make_scheduler(optimizer, name: str, warmup: int, total: int):
-    """Learning-rate schedule (transformers ``get_scheduler``: cosine / linear decay to 0, or constant after
-    linear warmup)."""
+class BudgetClock:
+    """Fraction of a wall-clock budget spent: ``(minutes_before + minutes since start()) / span_minutes``, in
+    [0, 1]; 0 until :meth:`start` is called."""
+
+    def __init__(self, minutes_before: float, span_minutes: float):
+        self.minutes_before = minutes_before
+        self.span = span_minutes
+        self.t0: float | None = None
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def fraction(self) -> float:
+        if self.span <= 0:
+            return 0.0
+        here = 0.0 if self.t0 is None else (time.perf_counter() - self.t0) / 60.0
+        return min(1.0, max(0.0, (self.minutes_before + here) / self.span))
+
+
+def make_scheduler(optimizer, name: str, warmup: int, total: int, clock: BudgetClock | None = None):
+    """Learning-rate schedule: transformers ``get_scheduler`` (``cosine`` / ``linear`` decay to 0 over ``total``
+    steps, or ``constant`` after linear warmup), or ``cosine_time``: linear warmup over ``warmup`` steps, then
+    ``0.5 * (1 + cos(pi * clock.fraction()))`` (a cosine over the wall-clock budget; SGDR's cosine, Loshchilov &
+    Hutter 2017, indexed by time instead of steps).
+
+    Raises:
+        ValueError: ``cosine_time`` without a clock.
+    """
+    if name == "cosine_time":
+        if clock is None:
+            raise ValueError("cosine_time: needs a BudgetClock")
+        from torch.optim.lr_scheduler import LambdaLR
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return step / max(1, warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * clock.fraction()))
+        return LambdaLR(optimizer, factor)
     from transformers import get_scheduler
 
     kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[name]
@@ -338,7 +381,8 @@ class Trainer:
                                  "distributions (unmask distill-data --top-k-dist K)")
         groups = self.tm.param_groups(cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
-        self.scheduler = make_scheduler(self.optimizer, cfg.lr_schedule, cfg.warmup, cfg.max_steps)
+        self.clock = BudgetClock(cfg.minutes_before, cfg.minutes_before + cfg.max_minutes)
+        self.scheduler = make_scheduler(self.optimizer, cfg.lr_schedule, cfg.warmup, cfg.max_steps, self.clock)
         self.step = 0
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -469,6 +513,7 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=not (cfg.progress and acc.is_main_process))
         t_start = time.perf_counter()
+        self.clock.start()
         steps_here = 0
         halted = False
         while self.step < cfg.max_steps:

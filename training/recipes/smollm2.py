@@ -54,8 +54,8 @@ class RecipeConfig:
         distill_max_tokens: longest teacher answer (tokens). distill_batch: teacher batch size.
         top_k_dist: teacher top-k distribution stored per answer token (soft targets; 0 = none).
         budget_minutes: training wall-clock budget, summed over interruptions (distillation not counted).
-        max_steps: optimizer-step cap (0 = only the time budget, with a constant learning rate after warmup;
-            > 0 = cosine decay over that many steps).
+        max_steps: optimizer-step cap (0 = only the time budget, with a cosine learning-rate decay over the
+            budget's wall clock, ``cosine_time``; > 0 = cosine decay over that many steps).
         batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, save_every, seed:
             passed to the trainer (``unmask train``).
         quantize: export quantization: ``nf4`` | ``int8`` | ``none``.
@@ -67,16 +67,16 @@ class RecipeConfig:
     block_size: int = 4
     attention: str = "prefix_causal"
     prompts_limit: int = 0
-    distill_max_tokens: int = 96
+    distill_max_tokens: int = 64
     distill_batch: int = 16
     top_k_dist: int = 16
     budget_minutes: float = 60.0
     max_steps: int = 0
     batch_size: int = 8
     grad_accum: int = 1
-    seq_len: int = 256
-    lr: float = 5e-5
-    warmup: int = 20
+    seq_len: int = 128
+    lr: float = 1e-4
+    warmup: int = 10
     trainable: str = "full"
     teacher_kl: float = 1.0
     complementary: bool = False
@@ -315,7 +315,9 @@ class Recipe:
                          seq_len=cfg.seq_len, max_steps=max_steps,
                          max_minutes=max(budget_left, 0.25) if cfg.budget_minutes > 0 else 0.0,
                          save_every=cfg.save_every, seed=cfg.seed, resume=latest is not None, lr=cfg.lr,
-                         lr_schedule="cosine" if cfg.max_steps else "constant", warmup=cfg.warmup,
+                         lr_schedule=("cosine" if cfg.max_steps else
+                                      "cosine_time" if cfg.budget_minutes > 0 else "constant"),
+                         minutes_before=used if cfg.budget_minutes > 0 else 0.0, warmup=cfg.warmup,
                          teacher_kl=cfg.teacher_kl, **cfg.extra)
         self._say("train", f"{'resuming ' + latest.name if latest else 'starting'}: block {cfg.block_size}, "
                            f"{cfg.trainable}, lr {cfg.lr:g}, KL weight {cfg.teacher_kl:g}, batch {cfg.batch_size}"
