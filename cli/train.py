@@ -27,6 +27,8 @@ def register(sub, name):
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-data", default=None, help="held-out JSONL for evaluation")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    p.add_argument("--keep-last", type=int, default=0,
+                   help="keep only the N newest checkpoints (0 = all; each holds the model and optimizer state)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/latest")
     p.add_argument("--lr", type=float, default=5e-5)
@@ -56,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, objective=args.objective, trainable=args.trainable,
         block_size=args.block_size, complementary=args.complementary, batch_size=args.batch_size,
         grad_accum=args.grad_accum, seq_len=args.seq_len, max_steps=args.max_steps, max_minutes=args.max_minutes,
-        eval_every=args.eval_every, eval_data=args.eval_data, save_every=args.save_every, seed=args.seed,
+        eval_every=args.eval_every, eval_data=args.eval_data, save_every=args.save_every,
+        keep_last=args.keep_last, seed=args.seed,
         resume=args.resume, lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, teacher=args.teacher, teacher_kl=args.teacher_kl,

@@ -251,8 +251,8 @@ class AsyncEngine:
                fit: bool) -> list[Sequence]:
         if not fit:
             return make_sequences(self.model, prompt_ids, params, request_id, n, choice_ids=True)
-        # lower max_tokens to what fits: the generation region is rounded up to whole blocks, so at most
-        # block_size - 1 further reductions after the first guess
+        # lower max_tokens to what fits (prompt + max_tokens + suffix <= context: the first guess fits unless the
+        # request has an infilling suffix)
         ctx = self.model.max_context
         m = min(params.max_tokens, ctx - len(prompt_ids))
         last: ParamError | None = None

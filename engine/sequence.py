@@ -2,8 +2,8 @@
 
 Layout of the canvas (DESIGN.md section 4): ``prompt (P) | generation region (G masks) | suffix (S)``, with G =
 ``max_tokens`` rounded up to whole blocks (for absolute alignment: up to the next multiple of ``block_size`` from
-position 0, so that the prompt's last partial block is completed first). Positions past ``max_tokens`` are decoded
-but never returned.
+position 0, so that the prompt's last partial block is completed first), the last block cut short where the
+model's context ends. Positions past ``max_tokens`` are decoded but never returned.
 """
 from __future__ import annotations
 
@@ -141,16 +141,22 @@ class Sequence:
                                             f"attention is {dllm.attention}")
 
         self.origin = 0 if dllm.block_alignment == "absolute" else P
-        gen_end = self.origin + math.ceil((P + params.max_tokens - self.origin) / bs) * bs
-        self.gen_len = gen_end - P
         self.max_tokens = params.max_tokens
         self.suffix_len = len(suffix_ids)
+        room = max_context - self.suffix_len   # canvas positions available before the suffix
+        if P >= room:
+            raise ParamError("prompt", f"the prompt ({P} tokens{f' + suffix ({self.suffix_len})' if self.suffix_len else ''}) "
+                                       f"leaves no room to generate in the model's context of {max_context} tokens")
+        if P + params.max_tokens > room:
+            raise ParamError("max_tokens", f"prompt ({P} tokens) + max_tokens ({params.max_tokens})"
+                                           f"{f' + suffix ({self.suffix_len})' if self.suffix_len else ''} = "
+                                           f"{P + params.max_tokens + self.suffix_len} exceeds the model's context of "
+                                           f"{max_context} tokens; at most {room - P} new tokens fit")
+        # whole blocks, except that the last block is cut short at the context edge (a request that fits in the
+        # context is never refused because of the rounding)
+        gen_end = min(self.origin + math.ceil((P + params.max_tokens - self.origin) / bs) * bs, room)
+        self.gen_len = gen_end - P
         L = self.length = P + self.gen_len + self.suffix_len
-        if L > max_context:
-            raise ParamError("max_tokens", f"prompt ({P} tokens) + generation region ({self.gen_len} tokens"
-                                           f"{', rounded up to whole blocks' if self.gen_len != params.max_tokens else ''})"
-                                           f"{f' + suffix ({self.suffix_len})' if self.suffix_len else ''} = {L} "
-                                           f"exceeds the model's context of {max_context} tokens")
         mask_id = dllm.mask_token_id
         canvas = torch.full((L,), mask_id, dtype=torch.long)
         canvas[:P] = torch.tensor(prompt_ids, dtype=torch.long)
@@ -162,7 +168,7 @@ class Sequence:
         self.logprobs = torch.zeros(self.gen_len, dtype=torch.float32)
 
         first_block_start = self.origin + ((P - self.origin) // bs) * bs
-        self.blocks = [(s, s + bs) for s in range(first_block_start, gen_end, bs)]
+        self.blocks = [(s, min(s + bs, gen_end)) for s in range(first_block_start, gen_end, bs)]
         self.threshold = params.threshold
         total_masks = int((self.canvas[P:P + self.gen_len] == mask_id).sum())
         # default steps = max_tokens (DESIGN.md section 10; one token per step when max_tokens fills whole blocks)

@@ -309,6 +309,9 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
         for s in streams:
             s.abort()
         err = from_exception(exc)
+        if kind == "chat" and err.param == "prompt":   # the chat prompt is the rendered `messages`
+            err.param = "messages"
+            err.message = err.message.replace("the prompt (", "the messages (rendered prompt: ", 1)
         if err.code in ("queue_full", "cache_full"):
             state.metrics.record_failure(err.code)
         raise err from exc

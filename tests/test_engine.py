@@ -291,6 +291,25 @@ def test_context_overflow_names_both_numbers(llms):
         llms["prefix_causal"].generate(PROMPTS[0], SamplingParams(max_tokens=600))
 
 
+@pytest.mark.parametrize("attention", ["prefix_causal", "block_causal", "bidirectional"])
+def test_request_that_fits_the_context_exactly_is_served(llms, attention):
+    """prompt + max_tokens == context with a block size that does not divide max_tokens: the last block is cut
+    short at the context edge instead of the request being refused; one token more is refused, naming max_tokens
+    and how many fit; a prompt that fills the context is refused naming the prompt."""
+    llm = llms[attention]
+    ctx = llm.model.max_context
+    prompt = [5 + i % 50 for i in range(ctx - 7)]             # 7 positions left; blocks of 4 would need 8
+    params = SamplingParams(max_tokens=7, block_size=4, temperature=0, ignore_eos=True, steps=7)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    with pytest.raises(ParamError, match="at most 7 new tokens fit") as exc:
+        llm.generate([prompt], SamplingParams(max_tokens=8, block_size=4))
+    assert exc.value.field == "max_tokens"
+    with pytest.raises(ParamError, match="leaves no room") as exc:
+        llm.generate([[5 + i % 50 for i in range(ctx)]], SamplingParams(max_tokens=1))
+    assert exc.value.field == "prompt"
+
+
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2),
                                          ("steps", 0), ("threshold", 1.5), ("remasking", "best"),
                                          ("cfg_scale", float("nan")), ("stop", ["a", "b", "c", "d", "e"]),

@@ -388,6 +388,9 @@ BAD = [
     ("max_tokens zero", "POST", C, {"json": _c(max_tokens=0)}, 400, "max_tokens"),
     ("max_tokens float", "POST", C, {"json": _c(max_tokens=1.5)}, 400, "max_tokens"),
     ("max_tokens beyond context", "POST", C, {"json": _c(max_tokens=100000)}, 400, "max_tokens"),
+    ("prompt fills the context", "POST", C, {"json": _c(prompt=[5] * 600)}, 400, "prompt"),
+    ("messages fill the context", "POST", CH, {"json": _ch(messages=[{"role": "user", "content": "a b " * 600}])},
+     400, "messages"),
     ("max_completion_tokens zero", "POST", CH, {"json": _ch(max_completion_tokens=0)}, 400,
      "max_completion_tokens"),
     ("n zero", "POST", C, {"json": _c(n=0)}, 400, "n"),
@@ -434,6 +437,8 @@ def test_bad_requests_get_documented_4xx_then_a_good_request_succeeds(http):
             assert r.headers.get("www-authenticate") == "Bearer"
     r = http.post(C, json=_c(max_tokens=100000))
     assert "512" in r.json()["error"]["message"], "both numbers of the context overflow are named"
+    r = http.post(CH, json=_ch(messages=[{"role": "user", "content": "a b " * 600}]))
+    assert r.json()["error"]["param"] == "messages" and "rendered prompt" in r.json()["error"]["message"]
     ok = http.post(CH, json=GOOD_CH)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert health(http)["running"] == 0

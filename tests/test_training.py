@@ -285,3 +285,21 @@ def test_cosine_time_schedule_follows_the_clock():
         TrainConfig(model="m", data="d", out="o", lr_schedule="cosine_time").validate()
     with pytest.raises(TrainError, match="minutes_before"):
         TrainConfig(model="m", data="d", out="o", minutes_before=-1.0).validate()
+
+
+def test_keep_last_prunes_old_checkpoints_but_never_latest(tmp_path):
+    from unmask.training.trainer import _write_latest, prune_checkpoints
+
+    for step in (2, 4, 10, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-x").mkdir()            # not ours: untouched
+    _write_latest(tmp_path, "checkpoint-4")        # e.g. a resumed run whose latest is older
+    gone = prune_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in gone) == ["checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "checkpoint-10", "checkpoint-4", "checkpoint-6", "checkpoint-x"]
+    _write_latest(tmp_path, "checkpoint-10")
+    prune_checkpoints(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint-10", "checkpoint-x"]
+    with pytest.raises(TrainError, match="--keep-last"):
+        TrainConfig(model="m", data="d", out="o", keep_last=-1).validate()

@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,8 @@ class TrainConfig:
     Sizes are per process: ``batch_size`` examples per micro-batch, ``grad_accum`` micro-batches per optimizer
     step. ``seq_len`` in tokens. ``lr`` peak learning rate; ``warmup`` steps. ``max_minutes`` wall-clock budget
     (0 = none). ``eps``: lower bound of the mask rate ``t``. ``halt_after``: stop this process after that many
-    steps without a final save (simulates an interruption in tests). ``lr_schedule="cosine_time"``: linear warmup
+    steps without a final save (simulates an interruption in tests). ``keep_last``: keep only the N newest
+    checkpoints (0 = all; the one ``latest`` names is always kept). ``lr_schedule="cosine_time"``: linear warmup
     over ``warmup`` steps, then a cosine decay to 0 over the wall-clock budget instead of over ``max_steps`` (for
     runs bounded by time whose step count is unknown in advance); ``minutes_before`` = budget minutes already
     spent by earlier processes of the same run (the schedule spans ``minutes_before + max_minutes``).
@@ -73,6 +75,7 @@ class TrainConfig:
     eval_data: str | None = None
     eval_t_points: int = 5
     save_every: int = 0
+    keep_last: int = 0
     seed: int = 0
     resume: bool = False
     lr: float = 5e-5
@@ -113,8 +116,8 @@ class TrainConfig:
             raise TrainError(f"--seq-len: must be >= 2, got {self.seq_len}")
         if self.block_size is not None and self.block_size < 1:
             raise TrainError(f"--block-size: must be >= 1, got {self.block_size}")
-        for name in ("max_minutes", "eval_every", "save_every", "warmup", "weight_decay", "max_grad_norm",
-                     "teacher_kl"):
+        for name in ("max_minutes", "eval_every", "save_every", "keep_last", "warmup", "weight_decay",
+                     "max_grad_norm", "teacher_kl"):
             if getattr(self, name) < 0:
                 raise TrainError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "max_minutes", "weight_decay", "max_grad_norm", "teacher_kl", "warmup"):
@@ -214,6 +217,26 @@ class BudgetClock:
             return 0.0
         here = 0.0 if self.t0 is None else (time.perf_counter() - self.t0) / 60.0
         return min(1.0, max(0.0, (self.minutes_before + here) / self.span))
+
+
+def prune_checkpoints(out: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest ``OUT/checkpoint-<step>`` directories (by step); the one ``OUT/latest``
+    points to is never deleted. Returns the deleted paths (HF Trainer's ``save_total_limit``)."""
+    ckpts = []
+    for p in Path(out).glob("checkpoint-*"):
+        step = p.name[len("checkpoint-"):]
+        if p.is_dir() and step.isdigit():
+            ckpts.append((int(step), p))
+    ckpts.sort()
+    pointer = Path(out) / "latest"
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    gone = []
+    for _, p in ckpts[: max(0, len(ckpts) - keep)]:
+        if p.name == latest:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p)
+    return gone
 
 
 def make_scheduler(optimizer, name: str, warmup: int, total: int, clock: BudgetClock | None = None):
@@ -467,6 +490,8 @@ class Trainer:
             write_checkpoint(path, model, self.tm.tokenizer, self.tm.dllm,
                              extra_files={"training_state.pt": buf.getvalue()})
             _write_latest(self.out, path.name)
+            if self.cfg.keep_last:
+                prune_checkpoints(self.out, self.cfg.keep_last)
             if self.metrics_path.is_file():
                 with contextlib.suppress(Exception):
                     plot_metrics(self.metrics_path, self.out / "loss.png")

@@ -314,7 +314,7 @@ class Recipe:
                          complementary=cfg.complementary, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
                          seq_len=cfg.seq_len, max_steps=max_steps,
                          max_minutes=max(budget_left, 0.25) if cfg.budget_minutes > 0 else 0.0,
-                         save_every=cfg.save_every, seed=cfg.seed, resume=latest is not None, lr=cfg.lr,
+                         save_every=cfg.save_every, keep_last=2, seed=cfg.seed, resume=latest is not None, lr=cfg.lr,
                          lr_schedule=("cosine" if cfg.max_steps else
                                       "cosine_time" if cfg.budget_minutes > 0 else "constant"),
                          minutes_before=used if cfg.budget_minutes > 0 else 0.0, warmup=cfg.warmup,
