@@ -303,6 +303,11 @@ class Evaluation:
                 raise EvalError(f"--model {n}={p}: no such checkpoint directory")
         if not specs and not self.args.parent_only:
             raise EvalError("no diffusion model to evaluate: pass --model NAME=PATH")
+        unknown = [m.strip() for m in (self.args.full_models or "").split(",")
+                   if m.strip() and m.strip() not in {n for n, _ in specs}]
+        if unknown:
+            raise EvalError(f"--full-models: {unknown} are not among the evaluated models "
+                            f"{[n for n, _ in specs]}")
         return specs
 
     # ------------------------------------------------------------------ parent
@@ -379,12 +384,15 @@ class Evaluation:
         for st in self.grid:
             run = self._decode(llm, name, st, "grid", self.grid_ids, prompt_ids)
             grid_runs.append(run)
-        for st in self._full_settings(grid_runs):
+        for st in self._full_settings(name, grid_runs):
             self._decode(llm, name, st, "full", self.full_ids, prompt_ids, timed=False)
         del llm
 
-    def _full_settings(self, grid_runs: list[Run]) -> list[Setting]:
+    def _full_settings(self, name: str, grid_runs: list[Run]) -> list[Setting]:
         if not self.full_ids:
+            return []
+        only = [m.strip() for m in (self.args.full_models or "").split(",") if m.strip()]
+        if only and name not in only:
             return []
         choice = self.args.full_settings
         if choice != "auto":
@@ -607,6 +615,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--full-settings", default="auto",
                    help="settings for the full held-out pass, comma-separated, or 'auto' (best F1 with TPF >= 2)")
     p.add_argument("--skip-full", action="store_true", help="no full held-out pass")
+    p.add_argument("--full-models", default="", metavar="NAME,...",
+                   help="run the full held-out pass only for these models (default: every model; the parent always)")
     p.add_argument("--speed-prompts", type=int, default=8, help="grid prompts timed at batch 1 (default 8)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16, help="engine batch for the quality passes")

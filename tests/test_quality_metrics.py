@@ -175,6 +175,15 @@ def test_harness_end_to_end_on_tiny_models(tmp_path):
     assert md.count("\n| conv |") == 3 and "F1 vs parent" in md
     assert (out / "eval_quality.png").stat().st_size > 1000
     assert len((out / "eval_quality_samples.jsonl").read_text().splitlines()) == 3 + 4 + 3 + 3 + 4
+    # --full-models: the full held-out pass only for the named models (the parent always)
+    base = ["--parent", str(parent_dir), "--no-defaults", "--model", f"conv={conv}", "--model", f"other={conv}",
+            "--out", str(tmp_path / "res2"), "--data", str(data), "--grid", "b1-s12", "--max-tokens", "12",
+            "--speed-prompts", "0", "--grid-prompts", "2", "--full-settings", "b1-s12", "--batch-size", "2"]
+    result = ev.run_eval(p.parse_args(base + ["--full-models", "other"]), log=logs.append)
+    assert sorted((r["model"], r["subset"]) for r in result["runs"]) == [
+        ("conv", "grid"), ("other", "full"), ("other", "grid"), ("parent", "full"), ("parent", "grid")]
+    with pytest.raises(ev.EvalError, match="--full-models"):
+        ev.run_eval(p.parse_args(base + ["--full-models", "nope"]), log=logs.append)
 
 
 def test_setting_and_spec_parsing():
