@@ -96,6 +96,29 @@ def test_block_layout_hand_computed_indices():
     assert parts.loss.item() == pytest.approx((2 + 2 + 4) * LN(lm.vocab_size) / 4, rel=1e-5)
 
 
+def test_blocks_that_mask_nothing_are_not_forwarded_and_the_loss_is_unchanged():
+    """A noisy copy with no masked position is skipped: shorter rows, same scored logits and loss (no position
+    attends to a noisy copy other than the copy itself)."""
+    torch.manual_seed(0)
+    lm = tiny.loaded(block_size=4)
+    batch = collate([_example(5, 12, vocab=300, seed=1)], pad_id=lm.dllm.pad_token_id)
+    noise = Noise(blocks=[NoisyBlock(0, 5, 9, 5, 0.5, [6, 8]), NoisyBlock(0, 9, 13, 5, 0.01, []),
+                          NoisyBlock(0, 13, 17, 5, 0.9, [13, 14, 16])])
+    full = build_layout(batch, lm.dllm, noise, skip_unmasked=False)
+    lean = build_layout(batch, lm.dllm, noise)
+    assert lean.input_ids.shape[1] == full.input_ids.shape[1] - 4 and len(lean.block_offsets) == 2
+    assert lean.labels.tolist() == full.labels.tolist() and lean.label_pos.tolist() == full.label_pos.tolist()
+
+    def scored_logits(lay):
+        with torch.no_grad():
+            h = lm.model.model(input_ids=lay.input_ids, position_ids=lay.position_ids,
+                               attention_mask=lay.attention_mask).last_hidden_state
+            return lm.model.lm_head(h[lay.src_row, lay.src_col]).float()
+    a, b = scored_logits(full), scored_logits(lean)
+    assert torch.allclose(a, b, atol=1e-5)
+    assert diffusion_loss(a, full).loss.item() == pytest.approx(diffusion_loss(b, lean).loss.item(), rel=1e-6)
+
+
 def test_prompt_tokens_never_labels_and_noise_stats():
     lm = tiny.loaded(block_size=3)
     exs = [_example(5, 7, seed=1), _example(2, 9, seed=2)]

@@ -90,7 +90,7 @@ class Layout:
         labels: ``[N]`` int64 clean token ids. label_row, label_pos: ``[N]`` (row, canvas position) of each scored
             token (to look up teacher distributions). inv_t: ``[N]`` float32 ``1/t`` weights.
         norm: the divisor ``N_answer * copies`` (answer tokens of the micro-batch).
-        block_offsets: ``[(row, start, end, offset)]`` where each noisy copy sits along the T axis.
+        block_offsets: ``[(row, start, end, offset)]`` where each forwarded noisy copy sits along the T axis.
     """
 
     input_ids: torch.Tensor
@@ -225,11 +225,15 @@ def draw_noise(batch: Batch, dllm: DllmConfig, objective: str, generator: torch.
 
 
 # ---------------------------------------------------------------------------------------------- layout
-def build_layout(batch: Batch, dllm: DllmConfig, noise: Noise, block_size: int | None = None) -> Layout:
+def build_layout(batch: Batch, dllm: DllmConfig, noise: Noise, block_size: int | None = None,
+                 skip_unmasked: bool = True) -> Layout:
     """Inputs, the shared-builder attention mask and the scoring indices for ``noise`` on ``batch``.
 
     See the module docstring for the layout; the mask comes from
-    :func:`unmask.engine.attention.build_attention_mask` (keys = queries).
+    :func:`unmask.engine.attention.build_attention_mask` (keys = queries). ``skip_unmasked``: a noisy copy that
+    masks nothing is not forwarded - it carries no label and no other position attends to it (noisy blocks see
+    only committed clean tokens), so the loss is unchanged while about ``1/(block_size+1)`` of the blocks (those
+    drawn with no mask under ``t ~ U(eps, 1)``) cost nothing.
     """
     mask_id = dllm.mask_token_id
     B, L = batch.input_ids.shape
@@ -265,6 +269,8 @@ def build_layout(batch: Batch, dllm: DllmConfig, noise: Noise, block_size: int |
         off = n
         gid = 3 * n + 3
         for blk in (x for x in noise.blocks if x.row == b):
+            if skip_unmasked and not blk.masked:
+                continue
             a, e = blk.start, blk.end
             noisy = ids[a:e].clone()
             if blk.masked:
