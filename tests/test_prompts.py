@@ -199,6 +199,8 @@ def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
     assert ck is not None and ck.name == "checkpoint-3"
     assert is_checkpoint(tmp_path / "work" / "converted")
     assert len((tmp_path / "work" / "distill.jsonl").read_text().splitlines()) == 6
+    state = json.loads((tmp_path / "work" / "recipe.json").read_text())
+    assert state["stages"]["distill"]["answered"] == 6
     assert any(line.startswith("[recipe 4/5 train]") for line in logs)
     # rerun: everything up to train is found done
     logs.clear()

@@ -289,8 +289,11 @@ class Recipe:
         stats = distill(str(gguf), str(self.prompts_file), str(self.distill_file),
                         max_new_tokens=self.cfg.distill_max_tokens, batch_size=self.cfg.distill_batch,
                         top_k_dist=self.cfg.top_k_dist)
-        spent = self.state["stages"].get("distill", {}).get("seconds", 0.0) + (time.time() - t0)
-        self._mark("distill", seconds=round(spent, 1), path=str(self.distill_file), **stats)
+        before = self.state["stages"].get("distill", {})
+        spent = before.get("seconds", 0.0) + (time.time() - t0)
+        # totals over every invocation (a resumed stage must not report only its own share)
+        self._mark("distill", seconds=round(spent, 1), path=str(self.distill_file), total=stats["total"],
+                   answered=have + stats["written"], written_by_this_run=stats["written"])
         self._say("distill", f"done: {stats}")
 
     def stage_train(self) -> None:
