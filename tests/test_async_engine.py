@@ -175,12 +175,13 @@ def test_fit_max_tokens_lowers_default_to_context(model):
     async def main():
         engine = AsyncEngine(model)
         try:
-            # 507-token prompt, context 512, block 4: 5 would round up to 8 positions -> lowered to 4
+            # 507-token prompt, context 512, block 4: the 5 positions left are all used (the last block is cut
+            # short at the context edge instead of max_tokens being lowered to whole blocks)
             s = engine.submit([5] * 507, SamplingParams(max_tokens=256, temperature=0, seed=0, ignore_eos=True),
                               "fit", fit_max_tokens=True)
-            assert s.sequences[0].max_tokens == 4
+            assert s.sequences[0].max_tokens == 5
             await collect(s)
-            assert len(s.sequences[0].output_ids) == 4
+            assert len(s.sequences[0].output_ids) == 5
             with pytest.raises(ParamError) as e:
                 engine.submit([5] * 512, SamplingParams(max_tokens=256), "full", fit_max_tokens=True)
             assert e.value.field == "prompt" and "512" in str(e.value)
