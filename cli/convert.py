@@ -11,6 +11,7 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
 def register(sub, name):
+    """Add the ``unmask convert`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="convert an AR checkpoint (HF directory or GGUF) into an a2d diffusion checkpoint",
                        description="Add a mask token, set attention mode / block size / logit shift, and write a "
                                    "servable a2d checkpoint.")
@@ -28,6 +29,11 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Validate the options, convert ``SRC`` into ``OUT`` and log the written ``dllm`` settings to stderr; returns 0.
+
+    Raises:
+        UsageError: bad ``--attention``/``--block-size``/``--dtype``/``--mask-token``, or the conversion/write failed.
+    """
     from unmask.cli.main import UsageError
 
     if args.attention not in ATTENTION_CHOICES:

@@ -7,6 +7,7 @@ import json
 
 
 def register(sub, name):
+    """Add the ``unmask distill-data`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="self-distillation data: the AR parent answers a prompt file",
                        description="Generate training targets with the AR parent (appends; reruns resume).")
     p.add_argument("--teacher", required=True, help="AR model: Hugging Face directory or GGUF file/directory")
@@ -21,6 +22,11 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Have the teacher answer the prompt file (appending to ``--out``) and print the counts as JSON; returns 0.
+
+    Raises:
+        UsageError: a ``DataError`` or ``ValueError`` from :func:`unmask.training.distill.distill`.
+    """
     from unmask.cli.main import UsageError
     from unmask.training.data import DataError
     from unmask.training.distill import distill

@@ -42,6 +42,7 @@ def load_harness():
 
 
 def register(sub, name):
+    """Add the ``unmask eval`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="evaluate diffusion checkpoints against the AR parent (quality vs speed)",
                        description="Runs the AR parent, the untrained conversion and the given checkpoints over a "
                                    "grid of parallelism settings; writes JSON, Markdown and a PNG plot.")
@@ -54,6 +55,11 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``benchmarks/eval_quality.py``'s evaluation with the parsed options; returns 0.
+
+    Raises:
+        UsageError: the harness is not found, or it raised its ``EvalError``.
+    """
     from unmask.cli.main import UsageError
 
     harness = load_harness()

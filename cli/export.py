@@ -6,6 +6,7 @@ import json
 
 
 def register(sub, name):
+    """Add the ``unmask export`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="export a trained checkpoint (merged, optionally quantized with bitsandbytes)",
                        description="Write a servable checkpoint from a checkpoint directory or a training OUT "
                                    "(its latest), quantized with bitsandbytes NF4 / int8 or not at all.")
@@ -19,6 +20,11 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Export ``SRC`` to ``OUT`` and print the export's result as one JSON line; returns 0.
+
+    Raises:
+        UsageError: an ``ExportError`` or ``CheckpointError``.
+    """
     from unmask.cli.main import UsageError
     from unmask.engine.config import CheckpointError
     from unmask.training.export import ExportError, export

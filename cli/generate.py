@@ -8,6 +8,7 @@ import time
 
 
 def register(sub, name):
+    """Add the ``unmask generate`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="generate text with a diffusion LM",
                        description="Generate with block-wise iterative unmasking.")
     p.add_argument("model", help="checkpoint directory (or hub id)")
@@ -36,6 +37,12 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate one completion and print its text, or with ``--json`` one JSON object (``seconds``: wall clock);
+    returns 0.
+
+    Raises:
+        UsageError: bad sampling option (named ``--option``), unloadable checkpoint or bad prompt.
+    """
     from unmask.cli.main import UsageError
     from unmask.engine import CheckpointError, ParamError, SamplingParams
 

@@ -23,6 +23,7 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``unmask`` parser with one sub-command per :data:`COMMANDS` module present (each sets ``_run``)."""
     parser = argparse.ArgumentParser(prog="unmask", description="Diffusion LM inference server and A2D training")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns its exit status (130 on Ctrl-C, 2 with a
+    one-line message on :class:`UsageError`; argparse exits 2 on bad syntax)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -7,6 +7,7 @@ import argparse
 
 
 def register(sub, name):
+    """Add the ``unmask recipe`` sub-parser (named ``name``) and its options; returns it."""
     from unmask.training.recipes.smollm2 import add_arguments
 
     p = sub.add_parser(name, help="SmolLM2 -> trained nf4 diffusion model in one resumable command",
@@ -16,6 +17,11 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the recipe stages (up to ``--until``); returns 0.
+
+    Raises:
+        UsageError: a :class:`~unmask.training.recipes.smollm2.RecipeError` (bad option, failed stage).
+    """
     from unmask.cli.main import UsageError
     from unmask.training.recipes.smollm2 import Recipe, RecipeError, config_from_args
 

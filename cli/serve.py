@@ -18,6 +18,7 @@ log = logging.getLogger("unmask.server")
 
 
 def register(sub, name):
+    """Add the ``unmask serve`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="serve a diffusion LM over an OpenAI-compatible HTTP API",
                        description="OpenAI-compatible server (completions, chat completions, SSE streaming of every "
                                    "denoising step, Prometheus /metrics).")
@@ -86,6 +87,13 @@ def default_model() -> tuple[str, int | None, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Validate the options, load the model (or the default one) and serve it with uvicorn until SIGINT/SIGTERM;
+    returns 0 after a graceful shutdown.
+
+    Raises:
+        UsageError: an out-of-range option, unreadable ``--chat-template``, unloadable model, or a ``--max-model-len``
+            / ``--block-size`` the model does not allow.
+    """
     from unmask.cli.main import UsageError
 
     for name in ("max_batch_size", "max_queue", "default_max_tokens"):

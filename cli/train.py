@@ -9,6 +9,7 @@ import argparse
 
 
 def register(sub, name):
+    """Add the ``unmask train`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="fine-tune an a2d checkpoint with a masked-diffusion objective",
                        description="Masked-diffusion fine-tuning (MDLM / block diffusion) of an a2d checkpoint.")
     p.add_argument("--model", required=True, help="a2d checkpoint directory (`unmask convert` output)")
@@ -51,6 +52,11 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Build a :class:`~unmask.training.trainer.TrainConfig` from the options and train; returns 0.
+
+    Raises:
+        UsageError: a ``TrainError`` (the message names the option or file).
+    """
     from unmask.cli.main import UsageError
     from unmask.training.trainer import TrainConfig, TrainError, train
 

@@ -144,10 +144,13 @@ class BatchKV:
 
     # transformers calls these on some code paths; an external cache reports its own size
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Cached length C (longest lane cache, in tokens), the same for every layer."""
         return self.cached_len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for transformers' mask builders: ``(C + query_length, 0)``."""
         return self.cached_len + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Offset of the new chunk's queries in the key axis: the cached length C."""
         return self.cached_len

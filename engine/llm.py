@@ -89,6 +89,7 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The loaded model's Hugging Face tokenizer."""
         return self.model.tokenizer
 
     # ------------------------------------------------------------------ prompts

@@ -46,6 +46,7 @@ class RequestOutput:
 
     @property
     def finished(self) -> bool:
+        """True when every choice has a ``finish_reason`` (vacuously True with no choices)."""
         return all(o.finish_reason is not None for o in self.outputs)
 
 

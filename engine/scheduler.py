@@ -54,6 +54,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def reserved_tokens(self) -> int:
+        """Canvas tokens reserved by running sequences: canvas length x lanes (2 under CFG), summed."""
         return sum(s.length * len(s.lanes) for s in self.running)
 
     def abort(self, request_id: str) -> list[StepEvent]:
@@ -68,6 +69,7 @@ class Scheduler:
         return events
 
     def has_work(self) -> bool:
+        """True while any sequence is waiting or running."""
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:

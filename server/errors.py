@@ -61,6 +61,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
+        """The error as a ``JSONResponse`` with this error's status and headers."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 

@@ -204,6 +204,7 @@ class ChatMessage(_Strict):
     name: str | None = Field(None, max_length=256)
 
     def as_template_dict(self) -> dict:
+        """``{"role", "content"[, "name"]}`` for the chat template; text parts are joined without a separator."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         d = {"role": self.role, "content": content}
         if self.name:
@@ -242,6 +243,10 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Legacy completions ``logprobs``: per rendered token its text, log-probability (natural log, at the step it
+    was revealed), the one recorded alternative (itself) and its character offset (sum of the previous tokens' text
+    lengths)."""
+
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]] | None = None
@@ -249,6 +254,8 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One ``text_completion`` choice (index = prompt index * n + i)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -256,6 +263,8 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
+    """``POST /v1/completions`` response body (``created``: unix seconds)."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -265,27 +274,37 @@ class CompletionResponse(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """A token, its log-probability (natural log) and its UTF-8 bytes (None when its text has U+FFFD)."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
 class TokenLogprob(TopLogprob):
+    """A chat content token with its alternatives (empty, or the token itself when ``top_logprobs`` is 1)."""
+
     top_logprobs: list[TopLogprob] = []
 
 
 class ChatLogprobs(BaseModel):
+    """Chat ``logprobs``: one entry per rendered token (EOS excluded); ``refusal`` is always None."""
+
     content: list[TokenLogprob] | None = None
     refusal: list[TokenLogprob] | None = None
 
 
 class AssistantMessage(BaseModel):
+    """The generated chat message (``refusal`` is always None)."""
+
     role: Literal["assistant"] = "assistant"
     content: str
     refusal: str | None = None
 
 
 class ChatChoice(BaseModel):
+    """One ``chat.completion`` choice (index = prompt index * n + i)."""
+
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
@@ -293,6 +312,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """``POST /v1/chat/completions`` response body (``created``: unix seconds)."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -302,6 +323,9 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """``GET /v1/models/{id}``: the served model (``created``: unix seconds of server start; ``max_model_len``:
+    context length in tokens)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -310,11 +334,15 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """``GET /v1/models``: the one served model."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class ErrorDetail(BaseModel):
+    """The ``error`` object of an OpenAI error body (see :mod:`unmask.server.errors` for statuses and types)."""
+
     message: str
     type: str
     param: str | None = None

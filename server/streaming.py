@@ -137,6 +137,7 @@ class Run:
         return [(self.state.token_text(t), lp if lp >= -9999.0 else -9999.0) for t, lp in zip(ids, lps)]
 
     def completion_logprobs(self, seq) -> dict | None:
+        """Legacy-completions ``logprobs`` of one choice (EOS dropped, -inf clamped to -9999.0), or None when off."""
         if not self.logprobs:
             return None
         entries = self._token_entries(seq)
@@ -148,6 +149,8 @@ class Run:
                 "top_logprobs": [{t: lp} for t, lp in entries], "text_offset": offsets}
 
     def chat_logprobs(self, seq) -> dict | None:
+        """Chat ``logprobs`` of one choice (EOS dropped, -inf clamped to -9999.0; ``bytes`` None for a token with
+        U+FFFD), or None when off."""
         if not self.logprobs:
             return None
         content = []

@@ -56,6 +56,7 @@ class Example:
 
     @property
     def n_answer(self) -> int:
+        """Number of answer (label) tokens."""
         return sum(self.answer)
 
 
@@ -312,7 +313,8 @@ class Batch:
     Attributes:
         input_ids: ``[B, L]`` int64 (pad = ``pad_id``). valid: ``[B, L]`` bool. answer: ``[B, L]`` bool labels mask.
         spans: per row, the answer spans. teacher_ids / teacher_logprobs: ``[B, L, K]`` int64 / float32 top-k of
-            the parent's next-token distribution for the answer token at each position (zeros elsewhere), or None.
+            the parent's next-token distribution for the answer token at each position (elsewhere ids 0 and
+            log-probabilities ``-inf``), or None.
         has_teacher: ``[B, L]`` bool, True where a teacher distribution is stored.
     """
 
@@ -327,6 +329,7 @@ class Batch:
 
     @property
     def n_tokens(self) -> int:
+        """Non-padding tokens in the batch (True entries of ``valid``)."""
         return int(self.valid.sum())
 
 

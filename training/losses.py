@@ -112,6 +112,7 @@ class Layout:
         return int(self.valid.sum())
 
     def to(self, device) -> "Layout":
+        """Move every tensor field to ``device`` in place; returns self."""
         for name in ("input_ids", "position_ids", "attention_mask", "valid", "src_row", "src_col", "labels",
                      "label_row", "label_pos", "inv_t"):
             setattr(self, name, getattr(self, name).to(device))
@@ -419,4 +420,5 @@ def eval_t_grid(n: int = 5) -> list[float]:
 
 
 def finite(x: float) -> bool:
+    """``math.isfinite(x)``: False for NaN and +-inf."""
     return math.isfinite(x)

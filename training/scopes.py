@@ -56,6 +56,7 @@ class TrainModel:
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     def trainable_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of every parameter with ``requires_grad`` (peft-prefixed names for LoRA scopes)."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def param_groups(self, weight_decay: float) -> list[dict]:

@@ -152,6 +152,7 @@ class DiffusionForward(torch.nn.Module):
         self._tm = [tm]
 
     def forward(self, input_ids, position_ids, attention_mask, src_row, src_col):
+        """``[N, V]`` float32 logits of the decoder outputs at ``(src_row[i], src_col[i])`` (see the class doc)."""
         base = self._tm[0].base
         out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                  use_cache=False)
@@ -210,9 +211,11 @@ class BudgetClock:
         self.t0: float | None = None
 
     def start(self) -> None:
+        """Start counting this process's minutes (``time.perf_counter``)."""
         self.t0 = time.perf_counter()
 
     def fraction(self) -> float:
+        """Spent fraction of the budget in [0, 1]; 0.0 when ``span_minutes <= 0``."""
         if self.span <= 0:
             return 0.0
         here = 0.0 if self.t0 is None else (time.perf_counter() - self.t0) / 60.0
@@ -518,6 +521,15 @@ class Trainer:
 
     # .................................................................. loop
     def train(self) -> Path:
+        """Load (or resume) the model, then step until ``max_steps``, ``max_minutes`` or ``halt_after``.
+
+        Appends a row per step to ``OUT/metrics.csv``; saves every ``save_every`` steps and at the end (not after
+        ``halt_after``). Returns ``OUT``.
+
+        Raises:
+            TrainError: bad ``--out``/``--resume``/``--model``/data, an option the checkpoint does not support, a
+                non-finite loss or non-finite weights.
+        """
         cfg, acc = self.cfg, self.acc
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)

@@ -16,11 +16,17 @@ from .common import from_pretrained, load_tokenizer, max_context_of
 
 
 def detect(config: dict) -> bool:
+    """``config.json`` has a ``dllm`` object whose ``family`` is ``a2d``."""
     dllm = config.get("dllm")
     return isinstance(dllm, dict) and dllm.get("family") == "a2d"
 
 
 def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load an ``a2d`` checkpoint with ``AutoModelForCausalLM``; decoding settings come from its ``dllm`` section.
+
+    Raises:
+        CheckpointError: a missing or invalid ``dllm`` section, weights that cannot be loaded, no tokenizer.
+    """
     from transformers import AutoModelForCausalLM
 
     if not isinstance(config.get("dllm"), dict):

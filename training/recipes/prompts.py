@@ -719,6 +719,7 @@ def load_prompts(path: str | Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: write the train/eval prompt files and the grid ids to ``--out`` (default ``benchmarks/data``); returns 0."""
     ap = argparse.ArgumentParser(description="Write the train/eval prompt sets (deterministic, no network).")
     ap.add_argument("--out", default=str(DATA_DIR), help="output directory (default benchmarks/data)")
     args = ap.parse_args(argv)

@@ -201,18 +201,22 @@ class Recipe:
     # .................................................................. stages
     @property
     def converted(self) -> Path:
+        """``WORK/converted``: the ``a2d`` checkpoint written by the convert stage."""
         return self.work / "converted"
 
     @property
     def prompts_file(self) -> Path:
+        """``WORK/train_prompts.jsonl``: the prompts stage's output."""
         return self.work / "train_prompts.jsonl"
 
     @property
     def distill_file(self) -> Path:
+        """``WORK/distill.jsonl``: the teacher's answers (distill stage)."""
         return self.work / "distill.jsonl"
 
     @property
     def train_dir(self) -> Path:
+        """``WORK/train``: the trainer's ``--out`` (checkpoints, ``latest``, ``metrics.csv``)."""
         return self.work / "train"
 
     def parent_path(self) -> Path:
@@ -234,6 +238,11 @@ class Recipe:
             raise RecipeError(f"convert: {exc}") from exc
 
     def stage_convert(self) -> None:
+        """Convert the AR parent into :attr:`converted` (skipped when it is already a checkpoint).
+
+        Raises:
+            RecipeError: no parent (see :meth:`parent_path`) or the conversion failed.
+        """
         from unmask.training.realmodel import is_checkpoint
 
         if is_checkpoint(self.converted):
@@ -256,6 +265,8 @@ class Recipe:
         self._say("convert", f"done in {time.time() - t0:.0f}s")
 
     def stage_prompts(self) -> None:
+        """Write :attr:`prompts_file`: the training prompts in a ``Random(0)`` shuffled order, cut to
+        ``--prompts-limit``; left alone when its content is already identical."""
         from unmask.training.recipes.prompts import build_train
 
         rows = list(build_train())
@@ -275,6 +286,12 @@ class Recipe:
         self._say("prompts", f"wrote {len(rows)} prompts to {self.prompts_file}")
 
     def stage_distill(self) -> None:
+        """Have the parent answer every prompt of :attr:`prompts_file` into :attr:`distill_file` (resumes).
+
+        Raises:
+            RecipeError: the distill module or the parent is missing. Errors of
+                :func:`unmask.training.distill.distill` pass through.
+        """
         try:
             from unmask.training.distill import distill
         except ImportError as exc:
@@ -297,6 +314,13 @@ class Recipe:
         self._say("distill", f"done: {stats}")
 
     def stage_train(self) -> None:
+        """Train :attr:`converted` on :attr:`distill_file` into :attr:`train_dir`, resuming from its latest
+        checkpoint; skipped once a checkpoint exists and the budget has under 0.25 min left or ``--max-steps`` is
+        reached. Prunes all but the latest checkpoint.
+
+        Raises:
+            RecipeError: the trainer is missing, training failed (``TrainError``) or left no checkpoint.
+        """
         try:
             from unmask.training.trainer import TrainConfig, TrainError, train
         except ImportError as exc:
@@ -352,6 +376,12 @@ class Recipe:
                 shutil.rmtree(p, ignore_errors=True)
 
     def stage_export(self) -> None:
+        """Merge + quantize the latest training checkpoint into ``out`` (skipped when ``out`` already holds that
+        source at that quantization; an older export is moved aside to ``OUT.old-<timestamp>``).
+
+        Raises:
+            RecipeError: no training checkpoint, the export module is missing, or the export failed.
+        """
         from unmask.training.realmodel import is_checkpoint
 
         src = trained_fp32_checkpoint(self.work)
