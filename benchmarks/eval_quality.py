@@ -252,6 +252,8 @@ def summarise(run: Run, rows_by_id: dict[str, dict], parent_by_id: dict[str, Sam
     out = {
         "n": n, "n_checkable": len(check),
         "tokens_mean": tokens / n if n else None,
+        "tokens_median": statistics.median([len(x.token_ids) for x in s]) if s else None,
+        "short_rate": qm.short_output_rate([len(x.token_ids) for x in s], 4),
         "steps_mean": mean([x.steps for x in s]), "nfe_mean": mean([x.nfe for x in s]),
         "tpf": tokens / nfe if nfe else None,
         "exact_match": mean(em), "answer_acc": mean(ans), "contains_match": mean(cont),
@@ -474,7 +476,8 @@ class Evaluation:
             "notes": ("tokens/s and TTFT are measured at batch 1 on the first speed_prompts grid prompts; quality "
                       "metrics come from batched decoding (the engine is batch-invariant). TPF = generated tokens "
                       "/ NFE summed over the run; gen_ppl is token-weighted under the parent; rep3 = mean share of "
-                      "repeated token trigrams per output; distinct2 is corpus-level over token ids."),
+                      "repeated token trigrams per output; distinct2 is corpus-level over token ids; short_rate = "
+                      "share of outputs of <= 4 tokens (EOS rate and distinct-2 favour models that stop at once)."),
         }
         result = {"meta": meta, "runs": [{"model": r.model, "setting": r.setting, "subset": r.subset, **r.summary}
                                          for r in self.runs]}
@@ -513,7 +516,8 @@ COLUMNS = [("model", "model", None), ("set", "subset", None), ("setting", "setti
            ("TTFT s (b=1)", "ttft_s_b1", 3), ("EM", "exact_match", 3), ("answer acc", "answer_acc", 3),
            ("contains", "contains_match", 3),
            ("F1 vs parent", "token_f1_vs_parent", 3), ("= parent", "same_as_parent", 2), ("gen PPL", "gen_ppl", 2),
-           ("rep-3", "rep3", 3), ("distinct-2", "distinct2", 3), ("EOS rate", "eos_rate", 2)]
+           ("rep-3", "rep3", 3), ("distinct-2", "distinct2", 3), ("EOS rate", "eos_rate", 2),
+           ("median tokens", "tokens_median", 1), ("<= 4 tokens", "short_rate", 2)]
 
 
 def markdown_table(result: dict) -> str:

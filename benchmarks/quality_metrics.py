@@ -175,6 +175,20 @@ def distinct_n(sequences: Iterable[Sequence], n: int = 2) -> float | None:
     return len(uniq) / total if total else None
 
 
+def short_output_rate(lengths: Iterable[int], max_len: int = 4) -> float | None:
+    """Share of outputs with at most ``max_len`` generated tokens (EOS included): a model that stops after a word
+    or two wins on EOS rate and corpus-level distinct-n without answering, so those two measures are only
+    comparable between models with similar values here. None for no outputs.
+
+    Raises:
+        ValueError: ``max_len < 0``.
+    """
+    if max_len < 0:
+        raise ValueError(f"max_len: must be >= 0, got {max_len}")
+    v = list(lengths)
+    return sum(1 for n in v if n <= max_len) / len(v) if v else None
+
+
 def generative_perplexity(nll_sums: Sequence[float], counts: Sequence[int]) -> float | None:
     """Token-weighted perplexity ``exp(sum(nll) / sum(counts))`` over a run (nll in nats). None when no tokens.
 

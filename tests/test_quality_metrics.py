@@ -84,6 +84,14 @@ def test_distinct_n():
     assert qm.distinct_n([[5, 5, 5, 5]], n=1) == 0.25
 
 
+def test_short_output_rate():
+    assert qm.short_output_rate([1, 4, 5, 64], 4) == 0.5
+    assert qm.short_output_rate([0], 0) == 1.0
+    assert qm.short_output_rate([]) is None
+    with pytest.raises(ValueError, match="max_len"):
+        qm.short_output_rate([3], -1)
+
+
 def test_generative_perplexity():
     assert qm.generative_perplexity([2.0, 4.0], [2, 4]) == pytest.approx(math.exp(1.0))
     assert qm.generative_perplexity([], []) is None
