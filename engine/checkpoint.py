@@ -9,9 +9,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from .config import DllmConfig
+
+
+WRITER_MARKER = ".unmask-writer"  # "<hostname> <pid>" inside every temporary directory this module creates
+
+
+def mark_temporary(directory: Path) -> None:
+    """Claim ``directory`` (a staging/aside directory of this process) for :func:`remove_stale_temporaries`: only
+    directories carrying this marker, written by a process of this host that is gone, are ever deleted."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / WRITER_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -39,11 +50,11 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CheckpointWriteError(f"{out}: exists and is not empty; choose a new directory")
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    _remove_stale_temporaries(out)
+    remove_stale_temporaries(out)
     if tmp.exists():
         shutil.rmtree(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
+        mark_temporary(tmp)
         model.config.dllm = dllm.to_dict()
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
@@ -55,6 +66,7 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode) as fh:
                 fh.write(content)
+        (tmp / WRITER_MARKER).unlink()
         _fsync_tree(tmp)
         publish_directory(tmp, out)
     except Exception as exc:
@@ -70,11 +82,13 @@ def publish_directory(ready: Path, out: Path) -> Path:
 
     ``out`` is at every moment either absent, the old directory, or the new one: the old one is first renamed to
     ``<out>.old-<pid>`` and deleted only after the new one is in place (a kill in between leaves it for
-    :func:`_remove_stale_temporaries`).
+    :func:`remove_stale_temporaries`). A :data:`WRITER_MARKER` in ``ready`` is removed before it is published.
     """
+    (ready / WRITER_MARKER).unlink(missing_ok=True)
     if out.exists():
         old = out.parent / f"{out.name}.old-{os.getpid()}"
         os.replace(out, old)
+        mark_temporary(old)
         os.replace(ready, out)
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -82,21 +96,32 @@ def publish_directory(ready: Path, out: Path) -> Path:
     return out
 
 
-def _remove_stale_temporaries(out: Path) -> None:
-    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` / ``<out>.verify-<pid>`` left by a writer that was killed
-    (its pid is gone)."""
+def remove_stale_temporaries(out: Path) -> None:
+    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` / ``<out>.verify-<pid>`` left by a writer that was killed.
+
+    Only directories that carry this module's :data:`WRITER_MARKER` naming this host and a pid that no longer
+    runs are deleted: a user's own ``<out>.old-2024`` directory, or the staging directory of a writer in another
+    container sharing the volume, is never touched.
+    """
     if not out.parent.is_dir():
         return
+    host = socket.gethostname()
     for p in out.parent.glob(f"{out.name}.*-*"):
         kind, _, pid = p.name[len(out.name) + 1:].partition("-")
         if kind not in ("tmp", "old", "verify") or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            marker_host, marker_pid = (p / WRITER_MARKER).read_text().split()
+        except (OSError, ValueError):
+            continue  # not ours (or not a directory)
+        if marker_host != host or marker_pid != pid:
             continue
         try:
             os.kill(int(pid), 0)
             continue  # still running: another writer
         except ProcessLookupError:
             shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:
+        except (PermissionError, OverflowError):
             continue
 
 

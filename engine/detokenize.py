@@ -13,11 +13,12 @@ def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def find_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
-    """Earliest occurrence of any stop string: ``(index, stop)``, or ``(-1, None)``."""
+def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str | None]:
+    """Earliest occurrence of any stop string that ends after character ``after`` (``min_tokens``: vLLM checks
+    no stop string before the output is that long): ``(index, stop)``, or ``(-1, None)``."""
     best, which = -1, None
     for s in stops:
-        i = text.find(s)
+        i = text.find(s, max(0, after - len(s) + 1))
         if i >= 0 and (best < 0 or i < best):
             best, which = i, s
     return best, which

@@ -9,7 +9,7 @@ from dataclasses import replace
 from .denoiser import Denoiser
 from .model import LoadedModel, load_model
 from .outputs import RequestOutput, completion_from
-from .params import ParamError, SamplingParams
+from .params import MAX_SEED, ParamError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, StepEvent
 
@@ -61,8 +61,8 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
         raise ParamError("n", f"must be a positive integer, got {n!r}")
     resolved = params.with_defaults(model.dllm.default_sampling)
     return [Sequence(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
-                     replace(resolved, seed=resolved.seed + i), model.dllm, model.tokenizer, model.max_context,
-                     model.device) for i in range(n)]
+                     replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm, model.tokenizer,
+                     model.max_context, model.device, vocab_size=model.vocab_size) for i in range(n)]
 
 
 class LLM:

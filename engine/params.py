@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random")
 CACHE_MODES = ("auto", "none", "prefix", "dual")
+MAX_SEED = 2**63 - 1
 
 
 class ParamError(ValueError):
@@ -23,10 +24,11 @@ def _check_number(name: str, value, lo=None, hi=None, integer=False, lo_open=Fal
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ParamError(name, f"must be a number, got {type(value).__name__}")
-    if integer and not float(value).is_integer():
-        raise ParamError(name, f"must be an integer, got {value!r}")
-    if not math.isfinite(value):
-        raise ParamError(name, f"must be finite, got {value!r}")
+    if isinstance(value, float):  # Python ints are exact at any size; only floats can be inf/nan or fractional
+        if not math.isfinite(value):
+            raise ParamError(name, f"must be finite, got {value!r}")
+        if integer and not value.is_integer():
+            raise ParamError(name, f"must be an integer, got {value!r}")
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ParamError(name, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
     if hi is not None and value > hi:
@@ -54,7 +56,8 @@ class SamplingParams:
         threshold: when set, threshold decoding (Fast-dLLM): reveal every position whose candidate probability
             is >= threshold, and always at least the best one; ``steps`` is then ignored.
         cfg_scale: classifier-free guidance scale s (LLaDA): ``l = l_u + (1 + s)(l_c - l_u)``; 0 = off.
-        seed: seed of the request's own ``torch.Generator``; ``None`` = random.
+        seed: seed of the request's own ``torch.Generator`` in [0, 2**63 - 1]; ``None`` = random. Choice i of an
+            ``n > 1`` request uses ``(seed + i) mod 2**63``.
         stop: stop strings (at most 4, non-empty). stop_token_ids: extra ids that end generation like EOS.
         presence_penalty, frequency_penalty: OpenAI penalties over prompt + revealed tokens, in [-2, 2].
         repetition_penalty: vLLM/CTRL penalty (> 0; 1 = off) over prompt + revealed tokens.
@@ -108,7 +111,7 @@ class SamplingParams:
         _check_number("sub_block_size", self.sub_block_size, lo=1, integer=True)
         _check_number("threshold", self.threshold, lo=0, hi=1)
         _check_number("cfg_scale", self.cfg_scale, lo=0, hi=100)
-        _check_number("seed", self.seed, lo=0, hi=2**63 - 1, integer=True)
+        _check_number("seed", self.seed, lo=0, hi=MAX_SEED, integer=True)
         _check_number("presence_penalty", self.presence_penalty, lo=-2, hi=2)
         _check_number("frequency_penalty", self.frequency_penalty, lo=-2, hi=2)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0, hi=100, lo_open=True)

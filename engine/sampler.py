@@ -5,7 +5,6 @@ with the request's own ``torch.Generator``: a row's result never depends on the 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -174,7 +173,7 @@ def reveal_count(masked_left: int, steps_left: int) -> int:
         return 0
     if steps_left <= 1:
         return masked_left
-    return math.ceil(masked_left / steps_left)
+    return -(-masked_left // steps_left)  # integer ceil: exact for any size (a float quotient can underflow)
 
 
 def select_reveals(cands: Candidates, quota: int | None, threshold: float | None) -> torch.Tensor:

@@ -7,7 +7,7 @@ model's context ends. Positions past ``max_tokens`` are decoded but never return
 """
 from __future__ import annotations
 
-import math
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -95,6 +95,18 @@ class Lane:
     cache: LaneCache = field(default_factory=LaneCache)
 
 
+def _check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """Raise :class:`ParamError` naming ``name`` when an id is not in ``[0, vocab_size)`` (an id outside it would
+    fail an index in the middle of a batched step and take the other requests of the batch down with it)."""
+    for t in ids:
+        try:
+            ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
+        except TypeError:
+            raise ParamError(name, f"token ids must be integers, got {t!r}") from None
+        if not ok:
+            raise ParamError(name, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
 class Sequence:
     """State of one generation.
 
@@ -105,6 +117,8 @@ class Sequence:
         dllm: the model's diffusion settings.
         tokenizer: for suffix tokenisation, stop strings and text.
         max_context: the model's context length in tokens.
+        vocab_size: rows of the model's LM head; every token id the request carries (prompt, suffix ids,
+            constraints, ``stop_token_ids``) must be below it. ``None`` = not checked.
 
     Raises:
         ParamError: a parameter that this model cannot honour (block size of a block-causal family, infilling on a
@@ -112,9 +126,15 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, dllm: DllmConfig,
-                 tokenizer, max_context: int, device: torch.device | str = "cpu"):
+                 tokenizer, max_context: int, device: torch.device | str = "cpu", vocab_size: int | None = None):
         if not prompt_ids:
             raise ParamError("prompt", "must contain at least one token")
+        if vocab_size is not None:
+            _check_token_ids("prompt", prompt_ids, vocab_size)
+            _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+            _check_token_ids("constraints", list(params.constraints.values()), vocab_size)
+            if isinstance(params.suffix, list):
+                _check_token_ids("suffix", params.suffix, vocab_size)
         self.request_id = request_id
         self.params = params
         self.dllm = dllm
@@ -154,7 +174,7 @@ class Sequence:
                                            f"{max_context} tokens; at most {room - P} new tokens fit")
         # whole blocks, except that the last block is cut short at the context edge (a request that fits in the
         # context is never refused because of the rounding)
-        gen_end = min(self.origin + math.ceil((P + params.max_tokens - self.origin) / bs) * bs, room)
+        gen_end = min(self.origin - (-(P + params.max_tokens - self.origin) // bs) * bs, room)  # integer ceil
         self.gen_len = gen_end - P
         L = self.length = P + self.gen_len + self.suffix_len
         mask_id = dllm.mask_token_id
@@ -335,9 +355,10 @@ class Sequence:
         self.canvas[positions] = tokens.to(self.canvas.device)
         rel = (positions - self.prompt_len).cpu()
         self.logprobs[rel] = cands.logprob[chosen].cpu()
+        # positions past max_tokens (the rounding up to whole blocks) are decoded but never shown
         revealed = [Revealed(int(p), int(t), float(c), float(lp)) for p, t, c, lp in
                     zip(rel.tolist(), tokens.tolist(), cands.probability[chosen].tolist(),
-                        cands.logprob[chosen].tolist())]
+                        cands.logprob[chosen].tolist()) if p < self.max_tokens]
         block = self.block_idx
         step = self.step
         self.step += 1
@@ -378,12 +399,16 @@ class Sequence:
         text_ids = prefix[:-1] if eos_hit else prefix
         text = decode(self.tokenizer, text_ids)
         stops = self.params.stop
-        idx, which = find_stop(text, stops) if stops else (-1, None)
+        # min_tokens (vLLM): no stop string counts before the output has min_tokens tokens
+        min_tok = self.params.min_tokens
+        after = len(decode(self.tokenizer, text_ids[:min_tok])) if min_tok and stops else 0
+        checkable = bool(stops) and len(text_ids) >= min_tok
+        idx, which = find_stop(text, stops, after) if checkable else (-1, None)
         if idx >= 0:
             # fewest tokens whose text contains the stop string
             n = len(text_ids)
-            for k in range(1, len(text_ids) + 1):
-                if find_stop(decode(self.tokenizer, text_ids[:k]), [which])[0] >= 0:
+            for k in range(max(1, min_tok), len(text_ids) + 1):
+                if find_stop(decode(self.tokenizer, text_ids[:k]), [which], after)[0] >= 0:
                     n = k
                     break
             self._finish("stop", text_ids[:n], text[:idx])

@@ -58,7 +58,6 @@ class ServerState:
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.model.tokenizer
         self.token_text = TokenTexts(self.tokenizer)
-        self.vocab_size = self.engine.model.vocab_size
         self.max_context = self.engine.model.max_context
 
 
@@ -220,13 +219,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         _check_model(body.model, model_name)
         prompts = []
         for prompt in body.prompts():
-            ids = encode_prompt(state.tokenizer, prompt)
-            if isinstance(prompt, list):
-                bad = [t for t in ids if t >= state.vocab_size]
-                if bad:
-                    raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (size "
-                                        f"{state.vocab_size})", param="prompt", code="invalid_value")
-            prompts.append(ids)
+            prompts.append(encode_prompt(state.tokenizer, prompt))  # token ids are checked by the engine
         return await _serve(state, "completion", body, prompts, arrival, request,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
 
@@ -312,6 +305,8 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
         if kind == "chat" and err.param == "prompt":   # the chat prompt is the rendered `messages`
             err.param = "messages"
             err.message = err.message.replace("the prompt (", "the messages (rendered prompt: ", 1)
+        if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+            err.param = "max_completion_tokens"  # the chat request's own name for it
         if err.code in ("queue_full", "cache_full"):
             state.metrics.record_failure(err.code)
         raise err from exc

@@ -108,6 +108,16 @@ class _Common(_Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI documents most optional fields as "or null" and its SDK sends null for an explicit None:
+        # null then means "use the default" (a field whose default is itself None keeps its own validation)
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in cls.model_fields and cls.model_fields[k].default is not None)}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _reject_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, why in UNSUPPORTED_FIELDS.items():

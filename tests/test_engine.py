@@ -51,8 +51,9 @@ def test_reveals_per_block_sum_to_block_masks(llms, max_tokens, steps, block):
     per_block: dict[int, int] = {}
     for ev in evs:
         per_block[ev.block] = per_block.get(ev.block, 0) + len(ev.revealed)
-    assert sum(per_block.values()) == seq_len
-    assert all(v == block for v in per_block.values())
+    # events show the first max_tokens positions only (the rounded-up tail is decoded, never shown)
+    assert sum(per_block.values()) == max_tokens
+    assert per_block == {b: min(block, max_tokens - b * block) for b in range(seq_len // block)}
     # each block took exactly its share of the step budget
     steps_per_block: dict[int, int] = {}
     for ev in evs:
@@ -390,3 +391,76 @@ def test_sub_block_windows_reveal_window_by_window():
     assert a == b
     with pytest.raises(ParamError, match="sub_block_size"):
         SamplingParams(sub_block_size=0)
+
+
+# ---------------------------------------------------------------- request validation (one bad request, one error)
+@pytest.mark.parametrize("field,params", [
+    ("stop_token_ids", dict(min_tokens=1, stop_token_ids=[10 ** 6])),
+    ("stop_token_ids", dict(stop_token_ids=["vocab"])),
+])
+def test_token_ids_outside_the_vocabulary_are_a_param_error(llms, field, params):
+    llm = llms["prefix_causal"]
+    params = {k: [llm.model.vocab_size if t == "vocab" else t for t in v] if isinstance(v, list) else v
+              for k, v in params.items()}  # the first id past the LM head's rows
+    with pytest.raises(ParamError) as e:
+        llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0, **params))
+    assert e.value.field == field
+    with pytest.raises(ParamError) as e:
+        llm.generate([[1, 2, 10 ** 6]], SamplingParams(max_tokens=4, temperature=0))
+    assert e.value.field == "prompt"
+    bid = llms["bidirectional"]
+    with pytest.raises(ParamError) as e:
+        bid.generate("Hi", SamplingParams(max_tokens=4, temperature=0, constraints={0: 999}))
+    assert e.value.field == "constraints"
+    with pytest.raises(ParamError) as e:
+        bid.generate("Hi", SamplingParams(max_tokens=4, temperature=0, suffix=[3, -1]))
+    assert e.value.field == "suffix"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "top_k", "min_tokens", "steps", "seed", "block_size",
+                                   "sub_block_size"])
+def test_integers_too_large_for_a_float_give_a_param_error_or_an_answer(llms, field):
+    """10**400 overflows float(): it must end as a ParamError naming the field, or be served (top_k, steps:
+    no upper bound, a k past the vocabulary keeps every token, steps are capped by the masks; block_size,
+    sub_block_size), never crash."""
+    big = 10 ** 400
+    kw = {"max_tokens": 4, "temperature": 0, field: big}
+    if field == "seed":
+        with pytest.raises(ParamError) as e:
+            SamplingParams(**kw)
+        assert e.value.field == "seed"
+        return
+    try:
+        out = llms["prefix_causal"].generate("Hi", SamplingParams(**kw))
+    except ParamError as e:
+        assert e.field == field
+        return
+    # served: a block (window) longer than the canvas is one block (window) cut at the canvas end
+    assert field in ("top_k", "steps", "block_size", "sub_block_size") and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_largest_seed_with_several_choices_wraps(llms):
+    outs = llms["prefix_causal"].generate("Hi", SamplingParams(max_tokens=4, temperature=1.0, seed=2 ** 63 - 1),
+                                          n=2)
+    assert len(outs[0].outputs) == 2
+
+
+def test_step_events_never_report_positions_past_max_tokens(llms):
+    # max_tokens 5 at block 4: positions 5-7 of the second block are decoded but never shown
+    for att, llm in llms.items():
+        evs = _events(llm, "Hello", SamplingParams(max_tokens=5, block_size=4, temperature=0, ignore_eos=True))
+        assert evs and all(r.position < len(ev.canvas) == 5 for ev in evs for r in ev.revealed), att
+        assert sum(len(ev.revealed) for ev in evs) == 5, att
+
+
+def test_min_tokens_holds_back_stop_strings_like_vllm(llms):
+    llm = llms["prefix_causal"]
+    free = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop = free.text.strip()[:1]
+    assert stop
+    cut = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
+    assert len(cut[0].outputs[0].token_ids) < 8  # the stop string occurs early without min_tokens
+    held = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop],
+                                                min_tokens=8))[0].outputs[0]
+    assert len(held.token_ids) >= 8
+    assert held.token_ids == free.token_ids[:len(held.token_ids)]

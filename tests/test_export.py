@@ -113,3 +113,23 @@ def test_failed_verification_leaves_nothing_behind(src_and_reference, tmp_path, 
         export(str(d / "src"), str(tmp_path / "out"), quantization="nf4", overwrite=True)
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_staging_directory_of_a_killed_export_is_removed(src_and_reference, tmp_path):
+    """kill -9 during verification leaves ``<out>.verify-<pid>`` (a whole model copy); the next export removes it,
+    and the final export carries no writer marker."""
+    import socket
+    import subprocess
+    import sys
+
+    from unmask.engine.checkpoint import WRITER_MARKER
+
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True).stdout)
+    stale = tmp_path / f"out.verify-{pid}"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    (stale / WRITER_MARKER).write_text(f"{socket.gethostname()} {pid}\n")
+    export(str(src_and_reference / "src"), str(tmp_path / "out"), quantization="none")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert not (tmp_path / "out" / WRITER_MARKER).exists()

@@ -98,14 +98,32 @@ def test_write_checkpoint_never_over_non_empty_dir(ckpt, tmp_path):
     assert not list(tmp_path.glob("t.tmp-*"))
 
 
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
 def test_stale_temporary_of_a_killed_writer_is_removed(ckpt, tmp_path):
+    import socket
+
+    from unmask.engine.checkpoint import WRITER_MARKER
+
     _, m = ckpt
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f"out.tmp-{int(dead.stdout)}"
+    pid = _dead_pid()
+    stale = tmp_path / f"out.tmp-{pid}"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
+    (stale / WRITER_MARKER).write_text(f"{socket.gethostname()} {pid}\n")
+    # look alike, but not ours: a user's directories, a writer of another host (container) - never deleted
+    mine = [tmp_path / "out.old-99999999", tmp_path / "out.old-20240101", tmp_path / f"out.verify-{pid}"]
+    for d in mine:
+        d.mkdir()
+        (d / "keep.txt").write_text("x")
+    (mine[2] / WRITER_MARKER).write_text(f"another-host {pid}\n")
     write_checkpoint(tmp_path / "out", m.model, m.tokenizer, m.dllm)
     assert not stale.exists() and (tmp_path / "out" / "config.json").is_file()
+    assert all((d / "keep.txt").is_file() for d in mine)
+    assert not (tmp_path / "out" / WRITER_MARKER).exists()
 
 
 def test_training_output_dir_resolves_to_latest(ckpt, tmp_path):

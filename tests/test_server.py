@@ -421,6 +421,13 @@ BAD = [
     ("top_logprobs too many", "POST", CH, {"json": _ch(logprobs=True, top_logprobs=5)}, 400, "top_logprobs"),
     ("best_of unlike n", "POST", C, {"json": _c(best_of=3)}, 400, "best_of"),
     ("oversized body", "POST", C, {"json": _c(prompt="x" * (5 * 1024 * 1024))}, 413, None),
+    # token ids beyond the vocabulary in any field; integers too large for a float
+    ("stop_token_ids out of vocab", "POST", C, {"json": _c(min_tokens=1, stop_token_ids=[10 ** 6])}, 400,
+     "stop_token_ids"),
+    ("max_tokens beyond float range", "POST", C, {"json": _c(max_tokens=10 ** 400)}, 400, "max_tokens"),
+    ("min_tokens beyond float range", "POST", C, {"json": _c(min_tokens=10 ** 400)}, 400, "min_tokens"),
+    ("max_completion_tokens beyond float range", "POST", CH, {"json": _ch(max_completion_tokens=10 ** 400)}, 400,
+     "max_completion_tokens"),
 ]
 
 
@@ -442,6 +449,42 @@ def test_bad_requests_get_documented_4xx_then_a_good_request_succeeds(http):
     ok = http.post(CH, json=GOOD_CH)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert health(http)["running"] == 0
+
+
+def test_null_fields_take_their_defaults_and_extreme_values_are_served(http):
+    # the openai SDK sends null for an explicit None; OpenAI documents these fields as nullable
+    r = http.post(C, json=_c(top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None,
+                             top_k=None, cfg_scale=None, ignore_eos=None))
+    assert r.status_code == 200, r.text[:300]
+    r = http.post(CH, json=_ch(logprobs=None, top_p=None))
+    assert r.status_code == 200, r.text[:300]
+    # the largest seed with n > 1: choice i uses (seed + i) mod 2**63
+    r = http.post(C, json=_c(seed=2 ** 63 - 1, n=2, temperature=1.0))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text[:300]
+    r = http.post(C, json=_c(top_k=10 ** 400))
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_a_bad_token_id_never_breaks_the_running_batch(http):
+    """A request with an out-of-vocabulary stop id used to fail inside the batched step, aborting every request
+    of the batch; it must be refused on its own while a concurrent stream finishes normally."""
+    async def run():
+        async with httpx.AsyncClient(base_url=str(http.base_url), headers=AUTH, timeout=60) as client:
+            async def stream():
+                async with client.stream("POST", C, json=_c(max_tokens=200, ignore_eos=True, stream=True)) as r:
+                    assert r.status_code == 200
+                    lines = [x async for x in r.aiter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+                return [json.loads(x[6:]) for x in lines]
+
+            task = asyncio.create_task(stream())
+            await asyncio.sleep(0.3)
+            bad = await client.post(C, json=_c(min_tokens=1, stop_token_ids=[10 ** 6], max_tokens=8))
+            return bad, await task
+
+    bad, events = asyncio.run(run())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
+    assert not [e for e in events if "error" in e]
+    assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")] == ["length"]
 
 
 def test_queue_full_is_429_with_retry_after(http):

@@ -132,6 +132,31 @@ def test_resume_is_exact(workdir, tmp_path, scope):
         train(_cfg(workdir, tmp_path / "resumed", **kw))
 
 
+def test_kill_between_checkpoint_and_latest_resumes(workdir, tmp_path, monkeypatch):
+    """A kill after checkpoint-N is in place but before `latest` names it: resuming recomputes step N from the
+    older `latest` and must replace the orphan checkpoint (it used to refuse to overwrite it, for ever)."""
+    import unmask.training.trainer as tr
+
+    kw = dict(max_steps=4, save_every=2, batch_size=1)
+    real = tr._write_latest
+
+    def killed(out, name):
+        if name == "checkpoint-4":
+            raise SystemExit("killed")
+        real(out, name)
+
+    monkeypatch.setattr(tr, "_write_latest", killed)
+    with pytest.raises(SystemExit):
+        train(_cfg(workdir, tmp_path / "run", **kw))
+    assert resolve_latest(tmp_path / "run").name == "checkpoint-2" and (tmp_path / "run" / "checkpoint-4").is_dir()
+    monkeypatch.setattr(tr, "_write_latest", real)
+    train(_cfg(workdir, tmp_path / "run", resume=True, **kw))
+    assert resolve_latest(tmp_path / "run").name == "checkpoint-4"
+    train(_cfg(workdir, tmp_path / "straight", **kw))
+    a, b = _weights(tmp_path / "straight" / "checkpoint-4"), _weights(tmp_path / "run" / "checkpoint-4")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_teacher_kl_in_process(workdir, tmp_path):
     # the a2d source run causally is its own AR parent; KL only (--no-ce); gradient checkpointing; time budget
     out = tmp_path / "kl"

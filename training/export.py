@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from unmask.engine.checkpoint import publish_directory, write_checkpoint
+from unmask.engine.checkpoint import mark_temporary, publish_directory, remove_stale_temporaries, write_checkpoint
 
 QUANTIZATIONS = ("none", "nf4", "int8")
 
@@ -137,11 +137,13 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export
     staging = outp.parent / f"{outp.name}.verify-{os.getpid()}"
+    remove_stale_temporaries(outp)  # a staging directory of a killed export
     if staging.exists():
         shutil.rmtree(staging)
-    write_quantized(staging, model, tok, dllm)
     diff = None
     try:
+        write_quantized(staging, model, tok, dllm)
+        mark_temporary(staging)
         if verify:
             diff = verify_export(model, staging, dev, dt, tok)
             if diff > 1e-4:

@@ -476,10 +476,13 @@ class Trainer:
         if acc.is_main_process:
             from unmask.engine.checkpoint import write_checkpoint
 
+            orphan = False
             if path.exists() and any(path.iterdir()):
                 if resolve_latest(self.out) == path:
                     return path  # resumed at this very step: nothing new to save
-                raise TrainError(f"{path}: exists and is not empty; refusing to overwrite")
+                # written by a run of this directory that was killed before `latest` named it (resume starts
+                # from `latest`, so this step was just recomputed): replace it
+                orphan = True
             buf = io.BytesIO()
             torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
@@ -490,7 +493,7 @@ class Trainer:
             if bad:
                 raise TrainError(f"step {self.step}: non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); "
                                  f"not saving - lower --lr or --max-grad-norm (the last good checkpoint stays latest)")
-            write_checkpoint(path, model, self.tm.tokenizer, self.tm.dllm,
+            write_checkpoint(path, model, self.tm.tokenizer, self.tm.dllm, overwrite=orphan,
                              extra_files={"training_state.pt": buf.getvalue()})
             _write_latest(self.out, path.name)
             if self.cfg.keep_last:
