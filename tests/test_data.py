@@ -109,3 +109,19 @@ def test_template_without_end_of_turn_gets_eos_after_each_answer(tmp_path):
     ds = load_dataset(_write(tmp_path / "d.jsonl", [{"messages": msgs}]), tok, 128)
     ex = ds.examples[0]
     assert [tok.decode(ex.input_ids[s:e]) for s, e in ex.spans] == ["Hello\n<|endoftext|>", "quick fox\n<|endoftext|>"]
+
+
+def test_chat_opening_with_an_assistant_turn_labels_only_its_content(tmp_path, tok):
+    """The first assistant turn of a chat that starts with it used to be located from character 0, so the role
+    header (or a template's system preamble) became a label."""
+    msgs = [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "four"}]
+    ex = load_dataset(_write(tmp_path / "d.jsonl", [{"messages": msgs}]), tok, 256).examples[0]
+    assert [tok.decode(ex.input_ids[s:e]) for s, e in ex.spans] == ["Hello<|im_end|>", "four<|im_end|>"]
+    # a template that cannot render an empty chat (SmolLM2's reads messages[0]): the content is located instead
+    strict = tiny.make_tokenizer(320, mask_token="[MASK]")
+    strict.chat_template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nPreamble<|im_end|>\n"
+                            "{% endif %}" + strict.chat_template)
+    ex = load_dataset(_write(tmp_path / "e.jsonl", [{"messages": msgs}]), strict, 256).examples[0]
+    labelled = strict.decode([t for t, a in zip(ex.input_ids, ex.answer) if a])
+    assert labelled == "Hello<|im_end|>four<|im_end|>"

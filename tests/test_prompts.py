@@ -140,6 +140,9 @@ def test_training_minutes_used_sums_process_segments(tmp_path):
     rows = ["step,elapsed_s", "1,30", "2,60", "3,120", "4,20", "5,60"]
     csv.write_text("\n".join(rows) + "\n")
     assert training_minutes_used(csv) == pytest.approx(3.0)
+    # resuming from checkpoint-3: the 60 s of steps 4-5 are lost and redone, so not spent
+    assert training_minutes_used(csv, up_to_step=3) == pytest.approx(2.0)
+    assert training_minutes_used(csv, up_to_step=0) == 0.0
 
 
 def test_recipe_options_and_state_lock(tmp_path):
@@ -213,14 +216,15 @@ def test_recipe_budget_run_decays_lr_over_the_whole_budget(tmp_path, monkeypatch
     """A budget-only recipe (no --max-steps) trains with cosine_time spanning the whole budget: a resumed run is
     told the minutes already spent (from metrics.csv) and gets only what is left."""
     import unmask.training.trainer as trainer
-    from unmask.training.recipes.smollm2 import Recipe, RecipeConfig
+    from unmask.training.recipes.smollm2 import Recipe, RecipeConfig, RecipeError
 
     work = tmp_path / "w"
     train_dir = work / "train"
     (train_dir / "checkpoint-5").mkdir(parents=True)
     (train_dir / "checkpoint-5" / "config.json").write_text("{}")
     (train_dir / "latest").write_text("checkpoint-5")
-    (train_dir / "metrics.csv").write_text("step,elapsed_s\n1,600\n5,1200\n")
+    # steps 6-7 ran after checkpoint-5 and were lost by the interruption: their 10 minutes are redone
+    (train_dir / "metrics.csv").write_text("step,elapsed_s\n1,600\n5,1200\n6,1500\n7,1800\n")
     seen = []
     monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg))
     Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), budget_minutes=60), log=lambda m: None).stage_train()
@@ -228,3 +232,11 @@ def test_recipe_budget_run_decays_lr_over_the_whole_budget(tmp_path, monkeypatch
     assert cfg.lr_schedule == "cosine_time" and cfg.resume
     assert cfg.minutes_before == pytest.approx(20.0) and cfg.max_minutes == pytest.approx(40.0)
     cfg.validate()
+    # killed before the first checkpoint: everything is redone from step 0, the whole budget is left
+    (train_dir / "latest").unlink()
+    seen.clear()
+    with pytest.raises(RecipeError, match="without a checkpoint"):  # (the stub trainer writes none)
+        Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), budget_minutes=60),
+               log=lambda m: None).stage_train()
+    (cfg,) = seen
+    assert not cfg.resume and cfg.minutes_before == 0.0 and cfg.max_minutes == pytest.approx(60.0)

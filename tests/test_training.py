@@ -328,3 +328,12 @@ def test_keep_last_prunes_old_checkpoints_but_never_latest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint-10", "checkpoint-x"]
     with pytest.raises(TrainError, match="--keep-last"):
         TrainConfig(model="m", data="d", out="o", keep_last=-1).validate()
+
+
+def test_resume_applies_a_new_learning_rate(workdir, tmp_path):
+    """`--resume --lr X` (what the trainer's own divergence error advises) used to run on at the saved rate."""
+    kw = dict(max_steps=3, save_every=1, batch_size=1, lr_schedule="constant", warmup=0)
+    train(_cfg(workdir, tmp_path / "run", halt_after=2, **{**kw, "lr": 1e-3}))
+    train(_cfg(workdir, tmp_path / "run", resume=True, **{**kw, "lr": 1e-5}))
+    rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
+    assert [float(r["lr"]) for r in rows] == pytest.approx([1e-3, 1e-3, 1e-5])

@@ -74,11 +74,14 @@ class Dataset:
 
 
 def _spans_from_ids(ids: list[int], eos_ids: set[int], span: tuple[int, int]) -> tuple[int, int]:
-    """Cut an answer span after its first end-of-turn/EOS token (the template's trailing text is context)."""
+    """Cut an answer span after its first end-of-turn/EOS token (the template's trailing text is context); a span
+    without one takes the end-of-turn token right after it, when there is one."""
     s, e = span
     for j in range(s, e):
         if ids[j] in eos_ids:
             return s, j + 1
+    if e < len(ids) and ids[e] in eos_ids:  # a span located by its content alone: the turn's closing token
+        return s, e + 1
     return s, e
 
 
@@ -131,9 +134,17 @@ def tokenize_chat(tokenizer, messages: list[dict], eos_ids: set[int], where: str
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], True, where) if i else ""
+        # the render up to this turn's content, generation prompt (role header) included; for a chat that opens
+        # with an assistant turn that is the empty chat's render (a template may also add a system preamble)
+        try:
+            before = _render(tokenizer, messages[:i], True, where)
+        except DataError:
+            if i:
+                raise
+            before = None  # the template cannot render an empty chat: locate the content instead
         through = _render(tokenizer, messages[: i + 1], False, where)
-        if full.startswith(through) and through.startswith(before) and len(before) >= search_from:
+        if (before is not None and full.startswith(through) and through.startswith(before)
+                and len(before) >= search_from):
             char_spans.append((len(before), len(through)))
             search_from = len(through)
             continue

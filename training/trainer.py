@@ -415,8 +415,29 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"])
             self.step = int(state["step"])
+            self._apply_changed_hyperparameters(state["config"])
         self.forward = DiffusionForward(self.tm)
         self.forward, self.optimizer = self.acc.prepare(self.forward, self.optimizer)
+
+    def _apply_changed_hyperparameters(self, saved: dict) -> None:
+        """``--resume`` with a new ``--lr`` / ``--weight-decay``: the restored optimizer and scheduler states carry
+        the old values; rescale every group's learning rates (current, initial, the scheduler's base) by
+        ``new / old`` and set the weight decay of the groups that had the old one (no-decay groups stay at 0)."""
+        cfg = self.cfg
+        old_lr, old_wd = saved.get("lr", cfg.lr), saved.get("weight_decay", cfg.weight_decay)
+        if old_lr != cfg.lr and old_lr > 0:
+            ratio = cfg.lr / old_lr
+            for g in self.optimizer.param_groups:
+                g["lr"] *= ratio
+                if "initial_lr" in g:
+                    g["initial_lr"] *= ratio
+            self.scheduler.base_lrs = [b * ratio for b in self.scheduler.base_lrs]
+            if self.acc.is_main_process:
+                print(f"unmask train: --resume: learning rate {old_lr:g} -> {cfg.lr:g} from step {self.step}")
+        if old_wd != cfg.weight_decay:
+            for g in self.optimizer.param_groups:
+                if g.get("weight_decay") == old_wd:
+                    g["weight_decay"] = cfg.weight_decay
 
     # .................................................................. one micro-batch
     def _micro_batch(self, ds: Dataset, indices: list[int]) -> Batch:

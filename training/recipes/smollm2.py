@@ -135,10 +135,14 @@ def trained_fp32_checkpoint(work: str | os.PathLike | None = None) -> Path | Non
     return ckpt if (ckpt / "config.json").is_file() else None
 
 
-def training_minutes_used(metrics_csv: Path) -> float:
+def training_minutes_used(metrics_csv: Path, up_to_step: int | None = None) -> float:
     """Training wall-clock minutes already spent, summed over the process segments recorded in ``metrics.csv``
-    (the trainer's ``elapsed_s`` restarts at 0 in every process; rows past the resumed checkpoint are dropped by
-    the trainer, so time whose work was lost is not counted)."""
+    (the trainer's ``elapsed_s`` restarts at 0 in every process).
+
+    ``up_to_step``: count only rows of steps <= it - the steps a resume keeps (the latest checkpoint's step; 0 when
+    there is none): time spent on steps past the last checkpoint was lost with them and is trained again, so it
+    must not be taken off the budget (the trainer drops those rows when it resumes, but only after this is read).
+    """
     if not metrics_csv.is_file():
         return 0.0
     total, last = 0.0, 0.0
@@ -146,6 +150,8 @@ def training_minutes_used(metrics_csv: Path) -> float:
         for row in csv.DictReader(fh):
             try:
                 e = float(row["elapsed_s"])
+                if up_to_step is not None and int(row["step"]) > up_to_step:
+                    continue
             except (KeyError, TypeError, ValueError):
                 continue
             if e < last:       # a new process segment started
@@ -326,10 +332,10 @@ class Recipe:
         except ImportError as exc:
             raise RecipeError(f"train: unmask.training.trainer is not available ({exc})") from exc
         cfg = self.cfg
-        used = training_minutes_used(self.train_dir / "metrics.csv")
         latest = trained_fp32_checkpoint(self.work)
-        budget_left = cfg.budget_minutes - used if cfg.budget_minutes > 0 else 0.0
         step_done = self._latest_step()
+        used = training_minutes_used(self.train_dir / "metrics.csv", up_to_step=step_done)
+        budget_left = cfg.budget_minutes - used if cfg.budget_minutes > 0 else 0.0
         if latest is not None and ((cfg.budget_minutes > 0 and budget_left < 0.25)
                                    or (cfg.max_steps and step_done >= cfg.max_steps)):
             self._say("train", f"done: {latest} ({used:.1f} of {cfg.budget_minutes:g} min used)")
@@ -358,7 +364,7 @@ class Recipe:
         if latest is None:
             raise RecipeError(f"train: finished without a checkpoint in {self.train_dir}")
         self._prune_checkpoints(latest)
-        used = training_minutes_used(self.train_dir / "metrics.csv")
+        used = training_minutes_used(self.train_dir / "metrics.csv", up_to_step=self._latest_step())
         self._mark("train", minutes=round(used, 2), checkpoint=str(latest), step=self._latest_step())
         self._say("train", f"done: {latest} ({used:.1f} min)")
 
