@@ -97,6 +97,17 @@ def test_distill_records_align_teacher_topk(tmp_path, tok):
     assert keys == {json.dumps("Name a fox.")} and out.read_text().endswith("\n")
     pf = _write(tmp_path / "p.jsonl", [{"prompt": "Name a fox."}, {"messages": [{"role": "user", "content": "x"}]}])
     assert [p["key"] in keys for p in read_prompts(pf)] == [True, False]
+    # blank lines are skipped and nothing after them is lost; a bad line in the middle is an error, not a cut
+    r2 = {**rec, "prompt": "Second."}
+    text = json.dumps(rec) + "\n\n" + json.dumps(r2) + "\n"
+    out.write_text(text)
+    assert done_keys(out) == {json.dumps("Name a fox."), json.dumps("Second.")} and out.read_text() == text
+    for bad, why in (("{oops", "not a JSON line"), ("[1]", "expected a JSON object")):
+        out.write_text(json.dumps(rec) + "\n" + bad + "\n" + json.dumps(r2) + "\n")
+        before = out.read_bytes()
+        with pytest.raises(DataError, match=f"out.jsonl:2: {why}"):
+            done_keys(out)
+        assert out.read_bytes() == before
     assert eos_ids_of(tok) >= {tok.convert_tokens_to_ids("<|im_end|>")}
 
 

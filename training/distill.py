@@ -114,24 +114,37 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
 
 
 def done_keys(out: Path) -> set[str]:
-    """Keys of prompts already answered in ``out`` (a truncated last line from a kill is ignored and rewritten)."""
+    """Keys of prompts already answered in ``out``.
+
+    Only a torn *last* line (no final newline: the writer was killed mid-line) is dropped, by truncating the file
+    to the end of the line before it; blank lines are skipped.
+
+    Raises:
+        DataError: a complete line in the middle that is not a JSON object (``file:line``): the file was edited or
+            joined by hand, and silently cutting it there would throw away every answer after it.
+    """
     keys = set()
     if not out.is_file():
         return keys
-    good = 0
     with open(out, "rb") as fh:
         data = fh.read()
-    for raw in data.splitlines(keepends=True):
+    lines = data.splitlines(keepends=True)
+    good = len(data)
+    for n, raw in enumerate(lines, 1):
+        if not raw.endswith(b"\n") and n == len(lines):
+            good -= len(raw)  # torn last line: rewritten by this run
+            break
+        if not raw.strip():
+            continue
         try:
             obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            break
-        if not raw.endswith(b"\n"):
-            break
-        good += len(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise DataError(f"{out}:{n}: not a JSON line ({type(exc).__name__}); fix or remove it") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{out}:{n}: expected a JSON object, got {type(obj).__name__}")
         key = obj["messages"][:-1] if isinstance(obj.get("messages"), list) else obj.get("prompt")
         keys.add(json.dumps(key, ensure_ascii=False, sort_keys=True))
-    if good != len(data):  # drop a partial trailing line
+    if good != len(data):
         with open(out, "r+b") as fh:
             fh.truncate(good)
     return keys

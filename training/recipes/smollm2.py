@@ -295,10 +295,11 @@ class Recipe:
         """Have the parent answer every prompt of :attr:`prompts_file` into :attr:`distill_file` (resumes).
 
         Raises:
-            RecipeError: the distill module or the parent is missing. Errors of
-                :func:`unmask.training.distill.distill` pass through.
+            RecipeError: the distill module or the parent is missing, or distillation failed on bad data
+                (the message names ``file:line``).
         """
         try:
+            from unmask.training.data import DataError
             from unmask.training.distill import distill
         except ImportError as exc:
             raise RecipeError(f"distill: unmask.training.distill is not available ({exc})") from exc
@@ -309,9 +310,12 @@ class Recipe:
         self._say("distill", f"teacher {gguf.name} answers {n} prompts (max {self.cfg.distill_max_tokens} tokens, "
                              f"top-{self.cfg.top_k_dist} soft targets) -> {self.distill_file}; {have} already done")
         t0 = time.time()
-        stats = distill(str(gguf), str(self.prompts_file), str(self.distill_file),
-                        max_new_tokens=self.cfg.distill_max_tokens, batch_size=self.cfg.distill_batch,
-                        top_k_dist=self.cfg.top_k_dist)
+        try:
+            stats = distill(str(gguf), str(self.prompts_file), str(self.distill_file),
+                            max_new_tokens=self.cfg.distill_max_tokens, batch_size=self.cfg.distill_batch,
+                            top_k_dist=self.cfg.top_k_dist)
+        except DataError as exc:
+            raise RecipeError(f"distill: {exc}") from exc
         before = self.state["stages"].get("distill", {})
         spent = before.get("seconds", 0.0) + (time.time() - t0)
         # totals over every invocation (a resumed stage must not report only its own share)
