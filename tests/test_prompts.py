@@ -210,6 +210,44 @@ def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
     Recipe(cfg, log=logs.append).run(until="train")
     assert any("[recipe 1/5 convert] done" in line for line in logs)
     assert any("[recipe 4/5 train] done" in line for line in logs)
+    if not have_export:
+        return
+    # export: skipped when OUT holds this very checkpoint; redone when the checkpoint at the same path was
+    # retrained; a failed export leaves the previous one in place (it used to be moved aside first)
+    import os
+
+    import unmask.training.recipes.smollm2 as rs
+
+    calls = []
+    real = rs._export_function
+
+    def counting():
+        fn = real()
+        return lambda *a: calls.append(a) or fn(*a)
+
+    rs_export, rs._export_function = rs._export_function, counting
+    try:
+        Recipe(cfg, log=logs.append).stage_export()
+        assert calls == []
+        weights = ck / "model.safetensors"
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10 ** 9))
+        Recipe(cfg, log=logs.append).stage_export()
+        assert len(calls) == 1 and is_checkpoint(tmp_path / "trained")
+        assert len(list(tmp_path.glob("trained.old-*"))) == 1
+
+        def failing():
+            def fn(*a):
+                raise RecipeError("export: verification failed")
+            return fn
+
+        rs._export_function = failing
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10 ** 9))
+        before = (tmp_path / "trained" / "config.json").read_text()
+        with pytest.raises(RecipeError, match="verification"):
+            Recipe(cfg, log=logs.append).stage_export()
+        assert (tmp_path / "trained" / "config.json").read_text() == before
+    finally:
+        rs._export_function = rs_export
 
 
 def test_recipe_budget_run_decays_lr_over_the_whole_budget(tmp_path, monkeypatch):

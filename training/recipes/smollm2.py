@@ -398,19 +398,26 @@ class Recipe:
         if src is None:
             raise RecipeError(f"export: no training checkpoint in {self.train_dir}; run the train stage")
         done = self.state["stages"].get("export", {})
-        if is_checkpoint(self.out) and done.get("source") == str(src) and done.get("quantize") == self.cfg.quantize:
+        stamp = _weights_stamp(src)
+        if (is_checkpoint(self.out) and done.get("source") == str(src) and done.get("source_stamp") == stamp
+                and done.get("quantize") == self.cfg.quantize):
             self._say("export", f"done: {self.out} (from {src.name}, {self.cfg.quantize})")
             return
         export = _export_function()
+        # exported next to OUT first: OUT keeps the previous export until the new one is complete and verified
+        fresh = self.out.with_name(f"{self.out.name}.new")
+        if fresh.exists():  # a complete export of a run killed before it was moved into place
+            shutil.rmtree(fresh)
+        fresh.parent.mkdir(parents=True, exist_ok=True)
+        self._say("export", f"{src} -> {self.out} ({self.cfg.quantize})")
+        t0 = time.time()
+        info = export(str(src), str(fresh), self.cfg.quantize)
         if self.out.exists():
             aside = self.out.with_name(f"{self.out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
             self._say("export", f"moving the previous export aside to {aside}")
             os.replace(self.out, aside)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._say("export", f"{src} -> {self.out} ({self.cfg.quantize})")
-        t0 = time.time()
-        info = export(str(src), str(self.out), self.cfg.quantize)
-        self._mark("export", source=str(src), quantize=self.cfg.quantize, path=str(self.out),
+        os.replace(fresh, self.out)
+        self._mark("export", source=str(src), source_stamp=stamp, quantize=self.cfg.quantize, path=str(self.out),
                    seconds=round(time.time() - t0, 1),
                    max_abs_logit_diff=(info or {}).get("max_abs_logit_diff") if isinstance(info, dict) else None)
         self._say("export", f"done in {time.time() - t0:.0f}s")
@@ -435,6 +442,13 @@ class Recipe:
         self.log(f"[recipe] ready: {serve}; evaluate with `unmask eval --model trained-fp32={fp32} "
                  f"--model trained-nf4={self.out}`")
         return self.out
+
+
+def _weights_stamp(ckpt: Path) -> list[int]:
+    """``[total size, newest mtime_ns]`` of a checkpoint's weight files: a retrained checkpoint at the same path
+    differs."""
+    stats = [p.stat() for p in sorted(ckpt.glob("*.safetensors"))]
+    return [sum(st.st_size for st in stats), max((st.st_mtime_ns for st in stats), default=0)]
 
 
 def _export_function():
