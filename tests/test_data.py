@@ -16,7 +16,8 @@ def tok():
 
 
 def _write(path, lines):
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    path.write_bytes(b"".join((x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode())
+                              + b"\n" for x in lines))
     return path
 
 
@@ -63,6 +64,20 @@ def test_truncation_never_crosses_and_drops_answerless(tmp_path, tok):
     ('{"prompt": 1, "completion": "x"}', "`prompt` must be a string"),
     ('{"prompt": "a", "completion": "b", "completion_ids": [1], "teacher": {"ids": [[1], [2]], "logprobs": [[0]]}}',
      "teacher"),
+    # malformed teacher rows used to pass loading and fail mid-training (or with a bare traceback)
+    ('{"prompt": "a", "completion": "b", "completion_ids": [5, 2], "teacher": {"ids": [1, 2], "logprobs": [0, 0]}}',
+     "teacher"),
+    ('{"prompt": "a", "completion": "b", "completion_ids": [5, 2], '
+     '"teacher": {"ids": [[1], [2]], "logprobs": [["x"], [0.0]]}}', "logprobs must be numbers"),
+    ('{"prompt": "a", "completion": "b", "completion_ids": [5, 2], '
+     '"teacher": {"ids": [[999999], [2]], "logprobs": [[0.0], [0.0]]}}', "token ids in"),
+    ('{"prompt": "a", "completion": "b", "completion_ids": [5, 2], '
+     '"teacher": {"ids": [[-1], [2]], "logprobs": [[0.0], [0.0]]}}', "token ids in"),
+    ('{"prompt": "a", "completion": "b", "completion_ids": [5, 2], "teacher": {"ids": [[], []], "logprobs": [[], []]}}',
+     "top-k >= 1"),
+    ('{"prompt": "a", "completion": "b", "completion_ids": [5, 999999]}', "completion_ids"),
+    (b'{"prompt": "\xff", "completion": "a"}', "not UTF-8"),
+    ("[" * 100000, "invalid JSON"),
 ])
 def test_bad_line_names_file_and_line(tmp_path, tok, line, reason):
     f = _write(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, "", line])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,8 @@ def _line_messages(obj: dict, where: str) -> list[dict]:
     raise DataError(f"{where}: expected `messages` or `prompt` + `completion`, got keys {sorted(obj)}")
 
 
-def _teacher_fields(obj: dict, n: int, where: str) -> tuple[list[list[int]], list[list[float]], int] | None:
+def _teacher_fields(obj: dict, n: int, where: str,
+                    vocab_size: int) -> tuple[list[list[int]], list[list[float]], int] | None:
     t = obj.get("teacher")
     if t is None:
         return None
@@ -215,10 +217,17 @@ def _teacher_fields(obj: dict, n: int, where: str) -> tuple[list[list[int]], lis
     ids, lps = t["ids"], t["logprobs"]
     if len(ids) != n or len(lps) != n:
         raise DataError(f"{where}: `teacher` has {len(ids)} ids / {len(lps)} logprobs rows for {n} completion tokens")
-    k = len(ids[0]) if ids else 0
+    k = len(ids[0]) if ids and isinstance(ids[0], list) else 0
+    if n and k < 1:
+        raise DataError(f"{where}: `teacher` rows must be non-empty lists (top-k >= 1)")
     for r, (a, b) in enumerate(zip(ids, lps)):
-        if len(a) != k or len(b) != k or not all(isinstance(x, int) for x in a):
-            raise DataError(f"{where}: teacher row {r}: expected {k} int ids and {k} logprobs")
+        if not isinstance(a, list) or not isinstance(b, list) or len(a) != k or len(b) != k:
+            raise DataError(f"{where}: teacher row {r}: expected a list of {k} ids and a list of {k} logprobs")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size for x in a):
+            raise DataError(f"{where}: teacher row {r}: ids must be token ids in [0, {vocab_size})")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x <= 0 and not math.isnan(x)
+                   for x in b):
+            raise DataError(f"{where}: teacher row {r}: logprobs must be numbers <= 0 (log-probabilities)")
     return ids, lps, k
 
 
@@ -235,8 +244,10 @@ def build_example(obj: Any, tokenizer, seq_len: int, eos_ids: set[int], where: s
     teacher = None
     if "completion_ids" in obj:
         cids = obj["completion_ids"]
-        if not isinstance(cids, list) or not cids or not all(isinstance(x, int) and x >= 0 for x in cids):
-            raise DataError(f"{where}: `completion_ids` must be a non-empty list of token ids")
+        if not isinstance(cids, list) or not cids or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(tokenizer) for x in cids):
+            raise DataError(f"{where}: `completion_ids` must be a non-empty list of token ids in "
+                            f"[0, {len(tokenizer)})")
         if messages[-1]["role"] != "assistant":
             raise DataError(f"{where}: `completion_ids` needs the last message to be the assistant's")
         if not getattr(tokenizer, "chat_template", None):
@@ -245,7 +256,7 @@ def build_example(obj: Any, tokenizer, seq_len: int, eos_ids: set[int], where: s
         pids = list(tokenizer(prefix, add_special_tokens=False).input_ids)
         ids = pids + list(cids)
         spans = [(len(pids), len(ids))]
-        teacher = _teacher_fields(obj, len(cids), where)
+        teacher = _teacher_fields(obj, len(cids), where, len(tokenizer))
     else:
         ids, spans = tokenize_chat(tokenizer, messages, eos_ids, where)
         if "teacher" in obj:
@@ -270,6 +281,37 @@ def build_example(obj: Any, tokenizer, seq_len: int, eos_ids: set[int], where: s
     return ex
 
 
+def text_lines(path: Path) -> Iterator[tuple[int, str, str]]:
+    """``(line number, "file:line", text)`` of every non-blank line of a UTF-8 text file.
+
+    Raises:
+        DataError: a line that is not UTF-8 (``file:line``).
+    """
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{where}: not UTF-8 (byte {exc.start})") from None
+            if line.strip():
+                yield lineno, where, line
+
+
+def parse_json_line(line: str, where: str) -> Any:
+    """``json.loads`` with errors as :class:`DataError` naming ``where`` (``file:line``).
+
+    Raises:
+        DataError: invalid JSON, or JSON nested too deeply for the parser.
+    """
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON (nested too deeply)") from None
+
+
 def load_dataset(path: str | Path, tokenizer, seq_len: int, eos_ids: set[int] | None = None) -> Dataset:
     """Read and tokenise a JSONL training file.
 
@@ -290,26 +332,19 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, eos_ids: set[int] | 
         raise DataError(f"{path}: no such file")
     eos_ids = eos_ids if eos_ids is not None else eos_ids_of(tokenizer)
     examples, dropped, top_k, lines = [], 0, 0, 0
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            lines += 1
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-            ex = build_example(obj, tokenizer, seq_len, eos_ids, where)
-            if ex is None:
-                dropped += 1
-                continue
-            if ex.teacher_ids is not None:
-                k = len(ex.teacher_ids[0]) if ex.teacher_ids else 0
-                if top_k and k != top_k:
-                    raise DataError(f"{where}: teacher top-k {k} differs from earlier lines ({top_k})")
-                top_k = k
-            examples.append(ex)
+    for _lineno, where, line in text_lines(path):
+        lines += 1
+        obj = parse_json_line(line, where)
+        ex = build_example(obj, tokenizer, seq_len, eos_ids, where)
+        if ex is None:
+            dropped += 1
+            continue
+        if ex.teacher_ids is not None:
+            k = len(ex.teacher_ids[0]) if ex.teacher_ids else 0
+            if top_k and k != top_k:
+                raise DataError(f"{where}: teacher top-k {k} differs from earlier lines ({top_k})")
+            top_k = k
+        examples.append(ex)
     if lines == 0:
         raise DataError(f"{path}: empty file (expected JSONL lines with `messages` or `prompt`/`completion`)")
     if not examples:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .data import DataError, eos_ids_of
+from .data import DataError, eos_ids_of, parse_json_line, text_lines
 
 
 def _find_gguf(path: Path) -> Path | None:
@@ -81,33 +81,26 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
         raise DataError(f"{path}: no such file (prompts)")
     out = []
     jsonl = path.suffix in (".jsonl", ".json")
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            if not jsonl:
-                item = {"prompt": line.rstrip("\n")}
+    for _lineno, where, line in text_lines(path):
+        if not jsonl:
+            item = {"prompt": line.rstrip("\r\n")}
+        else:
+            obj = parse_json_line(line, where)
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object")
+            if isinstance(obj.get("messages"), list) and obj["messages"]:
+                msgs = obj["messages"]
+                for i, m in enumerate(msgs):
+                    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                            not isinstance(m.get("content"), str):
+                        raise DataError(f"{where}: messages[{i}] must have string role and content")
+                item = {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+            elif isinstance(obj.get("prompt"), str):
+                item = {"prompt": obj["prompt"]}
             else:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-                if not isinstance(obj, dict):
-                    raise DataError(f"{where}: expected a JSON object")
-                if isinstance(obj.get("messages"), list) and obj["messages"]:
-                    msgs = obj["messages"]
-                    for i, m in enumerate(msgs):
-                        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
-                                not isinstance(m.get("content"), str):
-                            raise DataError(f"{where}: messages[{i}] must have string role and content")
-                    item = {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
-                elif isinstance(obj.get("prompt"), str):
-                    item = {"prompt": obj["prompt"]}
-                else:
-                    raise DataError(f"{where}: expected `prompt` (string) or `messages` (non-empty list)")
-            item["key"] = json.dumps(item.get("messages", item.get("prompt")), ensure_ascii=False, sort_keys=True)
-            out.append(item)
+                raise DataError(f"{where}: expected `prompt` (string) or `messages` (non-empty list)")
+        item["key"] = json.dumps(item.get("messages", item.get("prompt")), ensure_ascii=False, sort_keys=True)
+        out.append(item)
     if not out:
         raise DataError(f"{path}: no prompts")
     return out
