@@ -183,6 +183,26 @@ def test_cli_errors_are_one_line(workdir, tmp_path, capsys):
     assert "--no-ce" in capsys.readouterr().err
     assert main(base + ["--data", str(workdir / "data.jsonl"), "--model", str(tmp_path)]) == 2
     assert "--model" in capsys.readouterr().err
+    # options that used to end in tracebacks
+    data = ["--data", str(workdir / "data.jsonl")]
+    assert main(base + data + ["--teacher", str(tmp_path / "nope"), "--teacher-kl", "1", "--max-steps", "1"]) == 2
+    assert "--teacher" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["train", "--model", str(workdir / "src"), "--out", str(afile), "--no-progress"] + data) == 2
+    assert "--out" in capsys.readouterr().err and afile.read_text() == "x"
+    run = tmp_path / "r"
+    assert main(["train", "--model", str(workdir / "src"), "--out", str(run), "--no-progress", "--max-steps", "1",
+                 "--batch-size", "1"] + data) == 0
+    (run / "checkpoint-1" / "training_state.pt").unlink()
+    capsys.readouterr()
+    assert main(["train", "--model", str(workdir / "src"), "--out", str(run), "--no-progress", "--max-steps", "2",
+                 "--batch-size", "1", "--resume"] + data) == 2
+    assert "training_state.pt is missing" in capsys.readouterr().err
+    assert main(["export", str(workdir / "src"), str(tmp_path / "e"), "--device", "foo"]) == 2
+    assert "device" in capsys.readouterr().err
+    assert main(["export", str(workdir / "src"), str(afile), "--quantization", "none"]) == 2
+    assert "is a file" in capsys.readouterr().err
 
 
 _KILL_SCRIPT = """

@@ -46,10 +46,16 @@ def load_parent(path: str | os.PathLike, device: str | torch.device = "cpu", dty
             a ``.gguf`` file, or a directory with exactly one ``.gguf`` file (transformers ``gguf_file``).
 
     Raises:
-        DataError: the path does not exist or holds no loadable model.
+        DataError: the path does not exist or holds no loadable model, or ``device`` is not usable.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from unmask.engine.model import resolve_device
+
+    try:
+        dev = resolve_device(device)
+    except ValueError as exc:
+        raise DataError(f"--{exc}") from exc
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{p}: no such file or directory (teacher)")
@@ -64,7 +70,7 @@ def load_parent(path: str | os.PathLike, device: str | torch.device = "cpu", dty
             tok = AutoTokenizer.from_pretrained(str(p))
     except (OSError, ValueError, KeyError) as exc:
         raise DataError(f"{p}: cannot load the teacher model ({exc})") from exc
-    model.to(device).eval()
+    model.to(dev).eval()
     for prm in model.parameters():
         prm.requires_grad_(False)
     return model, tok

@@ -116,7 +116,12 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
 
     if quantization not in QUANTIZATIONS:
         raise ExportError(f"--quantization: {quantization!r} is not one of {QUANTIZATIONS}")
-    dev = torch.device(device)
+    from unmask.engine.model import resolve_device
+
+    try:
+        dev = resolve_device(device)
+    except ValueError as exc:
+        raise ExportError(f"--{exc}") from exc
     if quantization != "none" and dev.type not in ("cpu", "cuda"):
         raise ExportError(f"--device: bitsandbytes quantization runs on cpu or cuda, got {device}")
     try:
@@ -130,6 +135,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     if not isinstance(cfg.get("dllm"), dict):
         raise ExportError(f"{srcp / 'config.json'}: no `dllm` section (not an a2d checkpoint)")
     outp = Path(out)
+    if outp.exists() and not outp.is_dir():
+        raise ExportError(f"{outp}: is a file, not a directory")
     if outp.exists() and any(outp.iterdir()) and not overwrite:
         raise ExportError(f"{outp}: exists and is not empty; choose a new directory")
     dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")

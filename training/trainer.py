@@ -358,7 +358,11 @@ class Trainer:
         state = None
         src = cfg.model
         if self.resume_from is not None:
-            state = torch.load(self.resume_from / "training_state.pt", map_location="cpu", weights_only=False)
+            state_file = self.resume_from / "training_state.pt"
+            if not state_file.is_file():
+                raise TrainError(f"--resume: {state_file} is missing (the checkpoint is servable but cannot be "
+                                 "resumed); point `latest` at an earlier checkpoint or start a new --out")
+            state = torch.load(state_file, map_location="cpu", weights_only=False)
             saved = state["config"]
             keys = ["objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
                     "complementary", "max_steps", "lr_schedule", "warmup", "eps"]
@@ -401,7 +405,13 @@ class Trainer:
         self.teacher = None
         if cfg.teacher_kl > 0:
             if cfg.teacher:
-                self.teacher = Teacher(cfg.teacher, acc.device, self.tm.base.get_output_embeddings().weight.shape[0])
+                try:
+                    self.teacher = Teacher(cfg.teacher, acc.device,
+                                           self.tm.base.get_output_embeddings().weight.shape[0])
+                except TrainError:
+                    raise
+                except Exception as exc:  # a missing or unreadable parent: one line naming the option
+                    raise TrainError(f"--teacher {cfg.teacher}: {exc}") from exc
             elif not self.data.teacher_top_k:
                 raise TrainError("--teacher-kl: needs --teacher MODEL or distill-data lines with `teacher` top-k "
                                  "distributions (unmask distill-data --top-k-dist K)")
@@ -555,6 +565,8 @@ class Trainer:
                 non-finite loss or non-finite weights.
         """
         cfg, acc = self.cfg, self.acc
+        if self.out.exists() and not self.out.is_dir():
+            raise TrainError(f"--out: {self.out} is a file, not a directory")
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             import shutil

@@ -24,6 +24,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -107,6 +108,21 @@ class RecipeConfig:
             raise RecipeError(f"--trainable: {self.trainable!r} is not one of {', '.join(SCOPES)}")
         if self.teacher_kl > 0 and self.top_k_dist == 0:
             raise RecipeError("--teacher-kl: needs stored teacher distributions (--top-k-dist K > 0)")
+        if not math.isfinite(self.budget_minutes):
+            raise RecipeError(f"--budget-minutes: must be finite, got {self.budget_minutes}")
+        # the training options, checked by the trainer's own rules now rather than after distillation
+        try:
+            from unmask.training.trainer import TrainConfig, TrainError
+        except ImportError:
+            return
+        try:
+            TrainConfig(model="-", data="-", out="-", objective="block", trainable=self.trainable,
+                        block_size=self.block_size, complementary=self.complementary, batch_size=self.batch_size,
+                        grad_accum=self.grad_accum, seq_len=self.seq_len, max_steps=self.max_steps or 1_000_000,
+                        max_minutes=max(self.budget_minutes, 0.0), lr=self.lr, warmup=self.warmup,
+                        teacher_kl=self.teacher_kl, **self.extra).validate()
+        except (TrainError, TypeError) as exc:
+            raise RecipeError(str(exc)) from exc
 
 
 def default_trained_dir() -> Path:
