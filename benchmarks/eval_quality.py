@@ -170,18 +170,20 @@ class Parent:
     def __init__(self, source: str | None):
         import torch
 
-        from unmask.training.convert import load_parent, resolve_source
+        from unmask.training.convert import ConversionError, load_parent, resolve_source
+        from unmask.training.realmodel import RealModelMissing, smollm2_gguf_path
 
-        if source:
-            src_dir, gguf = resolve_source(source)
-        else:
-            from unmask.training.realmodel import smollm2_gguf_path
-
-            g = smollm2_gguf_path()
-            src_dir, gguf = g.parent, g.name
-        self.where = str(src_dir / gguf) if gguf else str(src_dir)
         t0 = time.perf_counter()
-        self.model, self.tokenizer = load_parent(src_dir, gguf, "float32")
+        try:
+            if source:
+                src_dir, gguf = resolve_source(source)
+            else:
+                g = smollm2_gguf_path()
+                src_dir, gguf = g.parent, g.name
+            self.where = str(src_dir / gguf) if gguf else str(src_dir)
+            self.model, self.tokenizer = load_parent(src_dir, gguf, "float32")
+        except (ConversionError, RealModelMissing, OSError, ValueError) as exc:
+            raise EvalError(f"--parent {source or '(default)'}: {exc}") from exc
         self.load_seconds = time.perf_counter() - t0
         self.torch = torch
 
@@ -300,9 +302,14 @@ class Evaluation:
             have = {n for n, _ in specs}
             defaults = default_models()
             specs = [(n, p) for n, p in defaults if n not in have] + specs
+        from unmask.training.realmodel import is_checkpoint
+
         for n, p in specs:
-            if not Path(p).exists() and n != "untrained":
-                raise EvalError(f"--model {n}={p}: no such checkpoint directory")
+            if n == "untrained" and not Path(p).exists():
+                continue  # converted on first use
+            if not is_checkpoint(Path(p).expanduser()):
+                raise EvalError(f"--model {n}={p}: not a diffusion checkpoint directory (no config.json with a "
+                                "`dllm` section)")
         if not specs and not self.args.parent_only:
             raise EvalError("no diffusion model to evaluate: pass --model NAME=PATH")
         unknown = [m.strip() for m in (self.args.full_models or "").split(",")

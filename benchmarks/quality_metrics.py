@@ -36,6 +36,7 @@ NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "seventeen eighteen nineteen twenty".split())}
 _ARTICLES = {"a", "an", "the"}
 _NUMBER = re.compile(r"(?<![\w.])[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|[-+]?\d+(?:\.\d+)?")
+_APOSTROPHE_IN_WORD = re.compile(r"(?<=[^\W\d_])['\u2019](?=[^\W\d_])")
 _PUNCT = set(string.punctuation) | {"\u2018", "\u2019", "\u201c", "\u201d", "\u2013", "\u2014", "\u2026"}
 
 
@@ -64,6 +65,7 @@ def _words(text: str, drop_articles: bool) -> list[str]:
         return f" \x00{len(numbers) - 1}\x00 "
 
     text = _NUMBER.sub(keep, text)
+    text = _APOSTROPHE_IN_WORD.sub("", text)  # "i'm" -> "im", "it's" -> "its" (not "i m": no 1-letter words)
     text = "".join(" " if ch in _PUNCT else ch for ch in text)
     out: list[str] = []
     for w in text.split():
@@ -110,12 +112,16 @@ def _is_number(w: str) -> bool:
 
 def answer_match(prediction: str, answer: str) -> bool:
     """Extracted-answer match: :func:`exact_match`; else, when the normalised answer is one number, the last
-    number in the normalised prediction equals it; else :func:`contains_answer`."""
+    number in the prediction equals it - the last number written in digits when there is one (so that "one" the
+    pronoun after the result does not count), else the last number word; else :func:`contains_answer`."""
     if exact_match(prediction, answer):
         return True
     a = _words(answer, True)
     if len(a) == 1 and _is_number(a[0]):
-        nums = [w for w in _words(prediction, True) if _is_number(w)]
+        if not isinstance(prediction, str):
+            raise TypeError(f"expected a string, got {type(prediction).__name__}")
+        digits = [_canon_number(m.group(0)) for m in _NUMBER.finditer(prediction.lower())]
+        nums = digits or [w for w in _words(prediction, True) if _is_number(w)]
         return bool(nums) and nums[-1] == a[0]
     return contains_answer(prediction, answer)
 

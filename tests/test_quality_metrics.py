@@ -52,6 +52,13 @@ def test_answer_match_extracts_the_final_number():
     assert qm.answer_match("The scarf is a shade of gray.", "gray")
     assert not qm.answer_match("It is grey.", "gray")
     assert not qm.answer_match("no number here", "7")
+    # "one" the pronoun after the result is not the last number; number words still count without digits
+    assert qm.answer_match("The sum is 47. That one was easy.", "47")
+    assert qm.answer_match("A dog has four legs.", "4")
+    # apostrophes join a word instead of leaving one-letter words that match one-letter answers
+    assert not qm.answer_match("I'm not sure.", "m")
+    assert not qm.answer_match("It\u2019s k.", "s")
+    assert qm.normalize_answer("It's Bob's") == "its bobs"
 
 
 def test_token_f1():
@@ -210,3 +217,20 @@ def test_setting_and_spec_parsing():
         ev.parse_model_spec("nopath")
     with pytest.raises(ev.EvalError, match="reserved"):
         ev.parse_model_spec("parent=/x")
+
+
+def test_eval_cli_bad_paths_are_one_line_errors(tmp_path, capsys):
+    from unmask.cli.main import main
+
+    not_a_ckpt = tmp_path / "plain"
+    not_a_ckpt.mkdir()
+    assert main(["eval", "--quick", "--no-defaults", "--model", f"m={not_a_ckpt}", "--out", str(tmp_path / "o")]) == 2
+    assert "not a diffusion checkpoint" in capsys.readouterr().err
+    import tiny
+    from unmask.engine.checkpoint import write_checkpoint
+
+    m = tiny.loaded()
+    write_checkpoint(tmp_path / "ck", m.model, m.tokenizer, m.dllm)
+    assert main(["eval", "--quick", "--no-defaults", "--model", f"m={tmp_path / 'ck'}", "--parent",
+                 str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "--parent" in capsys.readouterr().err
