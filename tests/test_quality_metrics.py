@@ -1,6 +1,7 @@
 """Unit tests of benchmarks/quality_metrics.py (pure functions + parent NLL on a tiny Llama)."""
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -234,3 +235,32 @@ def test_eval_cli_bad_paths_are_one_line_errors(tmp_path, capsys):
     assert main(["eval", "--quick", "--no-defaults", "--model", f"m={tmp_path / 'ck'}", "--parent",
                  str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "--parent" in capsys.readouterr().err
+
+
+def test_rescore_samples_recomputes_text_measures(tmp_path):
+    import rescore_samples as rs
+
+    rows = [
+        {"model": "parent", "setting": "ar-greedy", "subset": "grid", "id": "a", "text": "It is 47.", "n_tokens": 5,
+         "finish_reason": "stop", "answer": "47"},
+        {"model": "parent", "setting": "ar-greedy", "subset": "grid", "id": "b", "text": "Hello there friend",
+         "n_tokens": 4, "finish_reason": "length"},
+        {"model": "m", "setting": "b4-s8", "subset": "grid", "id": "a", "text": "47, that one.", "n_tokens": 6,
+         "finish_reason": "stop", "answer": "47"},
+        {"model": "m", "setting": "b4-s8", "subset": "grid", "id": "b", "text": "Hello", "n_tokens": 2,
+         "finish_reason": "stop"},
+    ]
+    f = tmp_path / "s.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    out = {(r["model"], r["subset"]): r for r in rs.rescore(rs.load_samples(f))}
+    m = out[("m", "grid")]
+    assert m["n"] == 2 and m["n_checkable"] == 1 and m["answer_acc"] == 1.0 and m["eos_rate"] == 1.0
+    assert m["short_rate"] == 0.5 and m["tokens_median"] == 4
+    assert m["token_f1_vs_parent"] == pytest.approx((qm.token_f1("47, that one.", "It is 47.")
+                                                     + qm.token_f1("Hello", "Hello there friend")) / 2)
+    assert out[("parent", "grid")]["token_f1_vs_parent"] == 1.0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"model": "x"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        rs.load_samples(bad)
+    assert rs.main([str(bad)]) == 2
