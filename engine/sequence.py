@@ -440,9 +440,13 @@ class Sequence:
                          finish_reason=self.finish_reason)
 
     def abort(self) -> StepEvent:
-        """Cancel: mark finished with ``abort`` and free the lane caches."""
+        """Cancel: mark finished with ``abort`` and free the lane caches. ``output_ids`` / ``text`` keep what was
+        generated so far: the revealed left-to-right prefix (what a stream has shown), as vLLM returns the partial
+        output of an aborted request (usage and the request log count it)."""
         self.finished = True
         self.finish_reason = "abort"
+        self.output_ids = list(self._prefix)
+        self.text = self.stream_text
         self.finish_time = time.time()
         for lane in self.lanes:
             lane.cache.clear()

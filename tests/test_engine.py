@@ -464,3 +464,20 @@ def test_min_tokens_holds_back_stop_strings_like_vllm(llms):
                                                 min_tokens=8))[0].outputs[0]
     assert len(held.token_ids) >= 8
     assert held.token_ids == free.token_ids[:len(held.token_ids)]
+
+
+def test_abort_keeps_the_partial_output(llms):
+    """An aborted request reports what it generated so far (usage, the request log), not zero tokens."""
+    from unmask.engine.scheduler import Scheduler
+
+    llm = llms["prefix_causal"]
+    p = SamplingParams(max_tokens=16, block_size=4, temperature=0, ignore_eos=True)
+    full = llm.generate("Hello", p)[0].outputs[0].token_ids
+    seq = llm.make_sequences(llm.encode("Hello"), p, "a")[0]
+    sched = Scheduler(llm.denoiser, max_batch_size=1)
+    sched.add(seq)
+    for _ in range(9):
+        sched.step()
+    ev = seq.abort()
+    assert ev.finish_reason == "abort" and 4 <= len(seq.output_ids) < 16
+    assert seq.output_ids == full[: len(seq.output_ids)]
