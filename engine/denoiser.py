@@ -111,21 +111,27 @@ class Denoiser:
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call
+        # (the carry - the last committed token's output - is often also a needed row: at block 1 it is the only
+        # one; it is then read from that row instead of going through the LM head twice)
         gather_rows, gather_cols, spans = [], [], []
         for b, (seq, li, inp) in enumerate(rows):
-            idx = inp.needed[inp.needed >= 0]
-            extra = [inp.carry_index] if inp.carry_index >= 0 else []
-            cols = torch.cat([idx, torch.tensor(extra, dtype=torch.long, device=dev)])
-            spans.append((len(gather_cols), int(idx.numel()), len(extra)))
-            gather_cols.extend(cols.tolist())
-            gather_rows.extend([b] * int(cols.numel()))
+            idx = inp.needed[inp.needed >= 0].tolist()
+            carry_at, extra = -1, []
+            if inp.carry_index >= 0:
+                if inp.carry_index in idx:
+                    carry_at = idx.index(inp.carry_index)
+                else:
+                    extra = [inp.carry_index]
+            spans.append((len(gather_cols), len(idx), len(extra), carry_at))
+            gather_cols.extend(idx + extra)
+            gather_rows.extend([b] * (len(idx) + len(extra)))
         flat = hidden[torch.tensor(gather_rows, dtype=torch.long, device=dev),
                       torch.tensor(gather_cols, dtype=torch.long, device=dev)]
         logits = self.model.logits(flat)
 
         out = []
         for b, (seq, li, inp) in enumerate(rows):
-            off, n_needed, n_extra = spans[b]
+            off, n_needed, n_extra, carry_at = spans[b]
             lane_cache = seq.lanes[li].cache
             got = logits[off: off + n_needed]
             if bool((inp.needed < 0).any()):
@@ -138,8 +144,8 @@ class Denoiser:
             if inp.commit.numel():
                 keys, values = kv.new_kv(b, inp.commit)
                 lane_cache.append(keys, values, inp.chunk[inp.commit], inp.grp[inp.commit])
-            if n_extra:
-                lane_cache.carry_logits = logits[off + n_needed]
+            if n_extra or carry_at >= 0:
+                lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
         return out
 
