@@ -43,6 +43,10 @@ def register(sub, name):
     p.add_argument("--teacher", default=None, help="AR parent (HF dir or GGUF) for --teacher-kl, run in-process")
     p.add_argument("--teacher-kl", type=float, default=0.0, help="weight W of KL(parent || model) at masked tokens")
     p.add_argument("--no-ce", action="store_true", help="KL term only (needs --teacher-kl)")
+    p.add_argument("--certainty", type=float, default=0.0,
+                   help="weight C of the certainty-forcing term (dParallel): entropy of correctly predicted masked "
+                        "tokens, so confidence-threshold decoding reveals more tokens per step (0 = off)")
+    p.add_argument("--certainty-temperature", type=float, default=0.5, help="softmax temperature of that entropy")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names")
@@ -69,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume, lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, teacher=args.teacher, teacher_kl=args.teacher_kl,
-        no_ce=args.no_ce, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        no_ce=args.no_ce, certainty=args.certainty, certainty_temperature=args.certainty_temperature,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
         mixed_precision=args.mixed_precision, progress=not args.no_progress)
     try:

@@ -169,6 +169,25 @@ def test_teacher_kl_in_process(workdir, tmp_path):
         train(_cfg(workdir, tmp_path / "kl2", teacher_kl=1.0))
 
 
+def test_certainty_forcing_option_trains_and_logs(workdir, tmp_path, capsys):
+    from unmask.cli.main import main
+
+    out = tmp_path / "cf"
+    assert main(["train", "--model", str(workdir / "src"), "--data", str(workdir / "data.jsonl"), "--out", str(out),
+                 "--no-progress", "--max-steps", "2", "--batch-size", "2", "--seq-len", "64", "--complementary",
+                 "--certainty", "2", "--certainty-temperature", "0.5", "--lr", "1e-2"]) == 0
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(rows) == 2
+    for r in rows:  # loss = CE + 2 * H_correct (no KL)
+        assert float(r["loss"]) == pytest.approx(float(r["ce"]) + 2 * float(r["certainty"]), rel=1e-4, abs=1e-5)
+    for bad, name in ((["--certainty", "-1"], "--certainty"), (["--certainty-temperature", "0"],
+                                                               "--certainty-temperature")):
+        capsys.readouterr()
+        assert main(["train", "--model", str(workdir / "src"), "--data", str(workdir / "data.jsonl"), "--out",
+                     str(tmp_path / "bad"), "--no-progress", "--max-steps", "1"] + bad) == 2
+        assert name in capsys.readouterr().err
+
+
 def test_cli_errors_are_one_line(workdir, tmp_path, capsys):
     from unmask.cli.main import main
 

@@ -12,8 +12,8 @@ from unmask.engine.denoiser import Denoiser
 from unmask.engine.params import SamplingParams
 from unmask.engine.sequence import Sequence
 from unmask.training.data import Example, collate
-from unmask.training.losses import (Layout, Noise, NoisyBlock, answer_blocks, build_layout, diffusion_loss,
-                                    draw_noise, kl_to_teacher)
+from unmask.training.losses import (Layout, Noise, NoisyBlock, answer_blocks, build_layout, certainty_term,
+                                    diffusion_loss, draw_noise, kl_to_teacher)
 
 LN = math.log
 
@@ -62,6 +62,50 @@ def test_teacher_kl_hand_computed_full_and_topk():
     assert only.loss.item() == pytest.approx(2 * kl / 2, rel=1e-6)
     with pytest.raises(ValueError, match="no-ce"):
         diffusion_loss(logits, lay, ce=False)
+
+
+def _entropy(ps):
+    return -sum(p * LN(p) for p in ps)
+
+
+def test_certainty_term_hand_computed_only_correct_rows():
+    # row 0: argmax 1 = label (correct); row 1: same logits, label 0 (wrong, excluded); row 2: argmax 0 = label.
+    logits = torch.tensor([[0.0, LN(3)], [0.0, LN(3)], [LN(4), 0.0]])
+    labels = torch.tensor([1, 0, 0])
+    # T = 1: p = (1/4, 3/4) and (4/5, 1/5); T = 0.5 squares the odds: (1/10, 9/10) and (16/17, 1/17)
+    assert certainty_term(logits, labels, 1.0).item() == pytest.approx(
+        (_entropy([0.25, 0.75]) + _entropy([0.8, 0.2])) / 2, rel=1e-6)
+    assert certainty_term(logits, labels, 0.5).item() == pytest.approx(
+        (_entropy([0.1, 0.9]) + _entropy([16 / 17, 1 / 17])) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="certainty_temperature"):
+        certainty_term(logits, labels, 0.0)
+
+
+def test_certainty_term_zero_and_connected_when_nothing_is_correct():
+    logits = torch.tensor([[0.0, LN(3)]], requires_grad=True)
+    term = certainty_term(logits, torch.tensor([0]))
+    assert term.item() == 0.0
+    term.backward()  # still part of the graph (DDP needs every loss connected)
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_certainty_in_diffusion_loss_adds_weighted_entropy_and_sharpens():
+    logits = torch.tensor([[0.0, LN(3)], [0.0, LN(3)]])
+    lay = _layout([1, 0], [2.0, 4.0], 4)
+    base = diffusion_loss(logits, lay)
+    withc = diffusion_loss(logits, lay, certainty=2.0, certainty_temperature=1.0)
+    h = _entropy([0.25, 0.75])  # only row 0 is correct
+    assert withc.certainty == pytest.approx(h, rel=1e-6) and base.certainty == 0.0
+    assert withc.loss.item() == pytest.approx(base.loss.item() + 2.0 * h, rel=1e-6)
+    assert withc.ce == pytest.approx(base.ce)
+    with pytest.raises(ValueError, match="certainty"):
+        diffusion_loss(logits, lay, certainty=-1.0)
+    # a gradient step on the certainty term alone raises the confidence of the correct prediction
+    x = torch.tensor([[0.0, LN(3)]], requires_grad=True)
+    certainty_term(x, torch.tensor([1]), 0.5).backward()
+    with torch.no_grad():
+        y = x - 0.5 * x.grad
+    assert torch.softmax(y, -1)[0, 1] > torch.softmax(x.detach(), -1)[0, 1]
 
 
 def _example(prompt_len, answer_len, vocab=50, seed=0):

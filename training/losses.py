@@ -25,6 +25,11 @@ Objectives (DESIGN.md section 7, issue 4):
   ``p_parent`` is the AR parent's next-token distribution for that answer token (parent output ``j - 1`` on the
   clean sequence, run in-process, or the top-k stored by distill-data, renormalised over its k ids).
   ``ce=False`` keeps only the KL term.
+* Certainty forcing (``certainty = W``, ``certainty_temperature = T``; dParallel, Chen et al. 2025,
+  arXiv:2509.26488, section 3): adds ``W * mean_{scored, argmax == label} H(softmax(logits / T))``, the entropy of
+  the model's distribution at the masked tokens it already predicts correctly, averaged over those tokens. Driving
+  those distributions to certainty while CE keeps them on the target is what lets confidence-threshold decoding
+  reveal several tokens per step; wrong predictions are left to CE alone (sharpening them would entrench errors).
 
 Prompt tokens are never labels; only answer positions are ever masked or scored.
 """
@@ -332,6 +337,7 @@ class LossParts:
     kl: float
     n_scored: int
     n_correct: int
+    certainty: float = 0.0
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -358,9 +364,35 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor,
     return terms.sum(-1)
 
 
+def certainty_term(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
+    """Mean entropy (nats) of ``softmax(logits / temperature)`` over the rows whose argmax equals the label.
+
+    Args:
+        logits: ``[N, V]`` logits of the scored (masked) tokens, any float dtype (computed in float32).
+        labels: ``[N]`` int64 target ids.
+        temperature: ``T > 0``; ``T < 1`` sharpens the distribution before the entropy (dParallel uses 0.5).
+
+    Returns:
+        A float32 scalar tensor with a gradient; ``0 * logits.sum()`` (zero, still connected to the graph) when no
+        row is predicted correctly. Rule: dParallel (arXiv:2509.26488) certainty-forcing loss, the entropy of
+        correctly predicted masked tokens only.
+
+    Raises:
+        ValueError: ``temperature <= 0``.
+    """
+    if not temperature > 0:
+        raise ValueError(f"certainty_temperature: must be > 0, got {temperature}")
+    correct = logits.argmax(-1) == labels
+    if not bool(correct.any()):
+        return logits.float().sum() * 0.0
+    logp = F.log_softmax(logits[correct].float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1).mean()
+
+
 def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0, ce: bool = True,
                    teacher_logprobs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
-                   teacher_present: torch.Tensor | None = None) -> LossParts:
+                   teacher_present: torch.Tensor | None = None, certainty: float = 0.0,
+                   certainty_temperature: float = 0.5) -> LossParts:
     """The masked-diffusion loss from the gathered logits of the scored tokens.
 
     Args:
@@ -369,18 +401,24 @@ def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0
         teacher_kl: weight W of the KL term (0 = none). ce: include the cross-entropy term.
         teacher_logprobs, teacher_ids: ``[N, K]`` parent distributions for the scored tokens (see
             :func:`kl_to_teacher`); teacher_present: ``[N]`` bool, False where no distribution is stored.
+        certainty: weight C of the certainty-forcing term (0 = none); certainty_temperature: its ``T``
+            (:func:`certainty_term`).
 
     Returns:
-        :class:`LossParts`; ``loss = [CE] + W * KL`` with each term ``sum_scored(term / t) / norm``.
+        :class:`LossParts`; ``loss = [CE] + W * KL + C * H_correct`` with CE and KL each
+        ``sum_scored(term / t) / norm`` and ``H_correct`` from :func:`certainty_term`.
 
     Raises:
-        ValueError: ``teacher_kl > 0`` without teacher distributions, or neither term enabled.
+        ValueError: ``teacher_kl > 0`` without teacher distributions, neither CE nor KL enabled, a negative
+            ``certainty`` or ``certainty_temperature <= 0``.
     """
+    if certainty < 0:
+        raise ValueError(f"certainty: must be >= 0, got {certainty}")
     if not ce and teacher_kl <= 0:
         raise ValueError("no-ce: a KL weight (--teacher-kl > 0) is required when the CE term is off")
     w = layout.inv_t.to(logits.device)
     total = logits.new_zeros((), dtype=torch.float32)
-    ce_val = kl_val = 0.0
+    ce_val = kl_val = cert_val = 0.0
     labels = layout.labels.to(logits.device)
     if logits.shape[0]:
         ce_tok = F.cross_entropy(logits.float(), labels, reduction="none")
@@ -398,11 +436,16 @@ def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0
             kl_term = (kl_tok * w).sum() / layout.norm
             kl_val = float(kl_term.detach())
             total = total + teacher_kl * kl_term
+        if certainty > 0:
+            cert_term = certainty_term(logits, labels, certainty_temperature)
+            cert_val = float(cert_term.detach())
+            total = total + certainty * cert_term
         correct = int((logits.argmax(-1) == labels).sum())
     else:
         total = total + logits.sum() * 0.0
         correct = 0
-    return LossParts(loss=total, ce=ce_val, kl=kl_val, n_scored=int(logits.shape[0]), n_correct=correct)
+    return LossParts(loss=total, ce=ce_val, kl=kl_val, n_scored=int(logits.shape[0]), n_correct=correct,
+                     certainty=cert_val)
 
 
 def stored_teacher(batch: Batch, layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -37,7 +37,7 @@ from .losses import OBJECTIVES, build_layout, diffusion_loss, draw_noise, eval_t
 from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
 
 SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
-METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "lr", "grad_norm", "tokens", "tokens_per_s",
+METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "certainty", "lr", "grad_norm", "tokens", "tokens_per_s",
                  "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc"]
 
 
@@ -88,6 +88,8 @@ class TrainConfig:
     teacher: str | None = None
     teacher_kl: float = 0.0
     no_ce: bool = False
+    certainty: float = 0.0
+    certainty_temperature: float = 0.5
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_targets: list[str] | None = None
@@ -117,14 +119,17 @@ class TrainConfig:
         if self.block_size is not None and self.block_size < 1:
             raise TrainError(f"--block-size: must be >= 1, got {self.block_size}")
         for name in ("max_minutes", "eval_every", "save_every", "keep_last", "warmup", "weight_decay",
-                     "max_grad_norm", "teacher_kl"):
+                     "max_grad_norm", "teacher_kl", "certainty"):
             if getattr(self, name) < 0:
                 raise TrainError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "max_minutes", "weight_decay", "max_grad_norm", "teacher_kl", "warmup"):
+        for name in ("lr", "max_minutes", "weight_decay", "max_grad_norm", "teacher_kl", "warmup", "certainty",
+                     "certainty_temperature"):
             if not math.isfinite(getattr(self, name)):
                 raise TrainError(f"--{name.replace('_', '-')}: must be finite, got {getattr(self, name)}")
         if self.lr <= 0:
             raise TrainError(f"--lr: must be > 0, got {self.lr}")
+        if self.certainty_temperature <= 0:
+            raise TrainError(f"--certainty-temperature: must be > 0, got {self.certainty_temperature}")
         if not 0 < self.eps < 0.5:
             raise TrainError(f"eps: must be in (0, 0.5), got {self.eps}")
         if self.no_ce and self.teacher_kl <= 0:
@@ -471,7 +476,8 @@ class Trainer:
                     t_lp, t_ids, present = st
         parts = diffusion_loss(logits, layout, teacher_kl=cfg.teacher_kl if fixed_t is None else 0.0,
                                ce=not cfg.no_ce or fixed_t is not None, teacher_logprobs=t_lp, teacher_ids=t_ids,
-                               teacher_present=present)
+                               teacher_present=present, certainty=cfg.certainty if fixed_t is None else 0.0,
+                               certainty_temperature=cfg.certainty_temperature)
         return parts, layout
 
     @torch.no_grad()
@@ -592,7 +598,7 @@ class Trainer:
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
             stream = example_indices(n, cfg.seed, self.step * per_step, per_step)
-            loss_sum = ce_sum = kl_sum = 0.0
+            loss_sum = ce_sum = kl_sum = cert_sum = 0.0
             tokens = fwd_tokens = 0
             for m in range(cfg.grad_accum):
                 lo = (m * world + rank) * cfg.batch_size
@@ -606,6 +612,7 @@ class Trainer:
                 loss_sum += float(parts.loss.detach())
                 ce_sum += parts.ce
                 kl_sum += parts.kl
+                cert_sum += parts.certainty
                 tokens += batch.n_tokens
                 fwd_tokens += layout.n_tokens
             grad_norm = float("nan")
@@ -616,14 +623,15 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             steps_here += 1
-            stats = torch.tensor([loss_sum, ce_sum, kl_sum, tokens, fwd_tokens], dtype=torch.float64,
+            stats = torch.tensor([loss_sum, ce_sum, kl_sum, tokens, fwd_tokens, cert_sum], dtype=torch.float64,
                                  device=acc.device)
             stats = acc.reduce(stats, reduction="sum") if world > 1 else stats
             dt = time.perf_counter() - t0
             ga_w = cfg.grad_accum * world
             row = {"step": self.step, "epoch": round(self.step * per_step / n, 4),
                    "loss": round(float(stats[0]) / ga_w, 6), "ce": round(float(stats[1]) / ga_w, 6),
-                   "kl": round(float(stats[2]) / ga_w, 6), "lr": self.scheduler.get_last_lr()[0],
+                   "kl": round(float(stats[2]) / ga_w, 6), "certainty": round(float(stats[5]) / ga_w, 6),
+                   "lr": self.scheduler.get_last_lr()[0],
                    "grad_norm": round(grad_norm, 6), "tokens": int(stats[3]),
                    "tokens_per_s": round(float(stats[3]) / dt, 2), "forward_tokens_per_s": round(float(stats[4]) / dt, 2),
                    "elapsed_s": round(time.perf_counter() - t_start, 3)}

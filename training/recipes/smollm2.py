@@ -57,8 +57,8 @@ class RecipeConfig:
         budget_minutes: training wall-clock budget, summed over interruptions (distillation not counted).
         max_steps: optimizer-step cap (0 = only the time budget, with a cosine learning-rate decay over the
             budget's wall clock, ``cosine_time``; > 0 = cosine decay over that many steps).
-        batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, save_every, seed:
-            passed to the trainer (``unmask train``).
+        batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, certainty,
+            save_every, seed: passed to the trainer (``unmask train``; ``certainty`` = the certainty-forcing weight).
         quantize: export quantization: ``nf4`` | ``int8`` | ``none``.
     """
 
@@ -81,6 +81,7 @@ class RecipeConfig:
     trainable: str = "full"
     teacher_kl: float = 1.0
     complementary: bool = False
+    certainty: float = 0.0
     save_every: int = 100
     seed: int = 0
     quantize: str = "nf4"
@@ -120,7 +121,7 @@ class RecipeConfig:
                         block_size=self.block_size, complementary=self.complementary, batch_size=self.batch_size,
                         grad_accum=self.grad_accum, seq_len=self.seq_len, max_steps=self.max_steps or 1_000_000,
                         max_minutes=max(self.budget_minutes, 0.0), lr=self.lr, warmup=self.warmup,
-                        teacher_kl=self.teacher_kl, **self.extra).validate()
+                        teacher_kl=self.teacher_kl, certainty=self.certainty, **self.extra).validate()
         except (TrainError, TypeError) as exc:
             raise RecipeError(str(exc)) from exc
 
@@ -371,9 +372,10 @@ class Recipe:
                          lr_schedule=("cosine" if cfg.max_steps else
                                       "cosine_time" if cfg.budget_minutes > 0 else "constant"),
                          minutes_before=used if cfg.budget_minutes > 0 else 0.0, warmup=cfg.warmup,
-                         teacher_kl=cfg.teacher_kl, **cfg.extra)
+                         teacher_kl=cfg.teacher_kl, certainty=cfg.certainty, **cfg.extra)
         self._say("train", f"{'resuming ' + latest.name if latest else 'starting'}: block {cfg.block_size}, "
-                           f"{cfg.trainable}, lr {cfg.lr:g}, KL weight {cfg.teacher_kl:g}, batch {cfg.batch_size}"
+                           f"{cfg.trainable}, lr {cfg.lr:g}, KL weight {cfg.teacher_kl:g}, certainty weight "
+                           f"{cfg.certainty:g}, batch {cfg.batch_size}"
                            f"x{cfg.grad_accum}; budget {budget_left:.1f} of {cfg.budget_minutes:g} min left -> "
                            f"{self.train_dir}")
         try:
@@ -520,6 +522,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--trainable", default=d.trainable, help="full | freeze_ffn | qk_only | lora | qlora")
     p.add_argument("--complementary", action="store_true", help="complementary masks (two noisy views)")
+    p.add_argument("--certainty", type=float, default=d.certainty,
+                   help="certainty-forcing weight (dParallel): sharpen correct predictions so threshold decoding "
+                        "reveals more tokens per step (default %(default)s = off)")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (resume points)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quantize", default=d.quantize, choices=("nf4", "int8", "none"))
