@@ -120,7 +120,7 @@ class Run:
             metrics.record_success(u["prompt_tokens"], self.sequences, self.arrival, end, first,
                                    min(queue_times) if queue_times else None)
         else:
-            metrics.record_failure(failure)
+            metrics.record_failure(failure, u["prompt_tokens"], self.sequences)
         tpf = u["completion_tokens"] / u["nfe"] if u["nfe"] else 0.0
         reasons = ",".join(str(s.finish_reason) for s in self.sequences)
         log.info("%s status=%d prompt_tokens=%d completion_tokens=%d nfe=%d tpf=%.2f steps=%d seconds=%.3f "

@@ -66,6 +66,27 @@ def test_build_app_twice_and_metrics_are_per_app(model):
         engine.shutdown()
 
 
+def _metric(text, name):
+    line = next(x for x in text.splitlines() if x.startswith(f"unmask:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_failed_requests_count_the_work_they_did():
+    from unmask.server.metrics import Metrics
+
+    ran = types.SimpleNamespace(output_ids=[5, 6, 7], nfe=4, step=4)
+    queued = types.SimpleNamespace(output_ids=[], nfe=0, step=0)
+    m = Metrics("m")
+    m.record_failure("abort", 10, [ran, ran])
+    m.record_failure("queue_full", 7, [queued])  # never ran: its prompt was not processed
+    text = m.render()[0].decode()
+    assert _metric(text, "generation_tokens_total") == 6 and _metric(text, "nfe_total") == 8
+    assert _metric(text, "denoising_steps_total") == 8 and _metric(text, "prompt_tokens_total") == 10
+    assert 'unmask:request_failure_total{model_name="m",reason="abort"} 1.0' in text
+    assert 'unmask:request_failure_total{model_name="m",reason="queue_full"} 1.0' in text
+    assert _metric(text, "request_success_total") == 0
+
+
 def test_request_timeout_stream_and_plain(model):
     engine = AsyncEngine(model)
     app = build_app(engine, "m", request_timeout=0.3)
@@ -76,6 +97,9 @@ def test_request_timeout_stream_and_plain(model):
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
         assert all("error" not in e for e in events[:-2])
         assert engine.num_running == 0 or client.get("/health").json()["running"] in (0, 1)
+        if any(e.get("choices") for e in events[:-2]):  # the streamed one ran steps before its timeout:
+            text = client.get("/metrics").text         # that work is counted, as vLLM counts it
+            assert _metric(text, "nfe_total") > 0 and _metric(text, "prompt_tokens_total") > 0
         ok = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3})
         assert ok.status_code == 200, ok.text
         failures = client.get("/metrics").text
