@@ -40,7 +40,8 @@ def estimate_nocache(llm, prompt_ids, length, block, samples, filler_ids):
     times = {}
     for b in picks:
         ctx = list(prompt_ids) + [filler_ids[i % len(filler_ids)] for i in range(block * b)]
-        sp = SamplingParams(max_tokens=block, block_size=block, temperature=0, ignore_eos=True, cache="none", seed=0)
+        sp = SamplingParams(max_tokens=block, steps=block, block_size=block, temperature=0, ignore_eos=True,
+                            cache="none", seed=0)
         times[b] = timed_generation(llm, ctx, sp)[0]
     xs = sorted(times)
     total = float(sum(np.interp(range(n_blocks), xs, [times[x] for x in xs])))
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
     prompt_ids = llm.apply_chat_template([{"role": "user", "content": bc.PROMPT}])
     env = bc.environment(args.threads, args.device)
     bs = args.block_size
-    llm.generate([prompt_ids], SamplingParams(max_tokens=bs, block_size=bs, temperature=0, ignore_eos=True))  # warm
+    llm.generate([prompt_ids], SamplingParams(max_tokens=bs, steps=bs, block_size=bs, temperature=0,
+                                              ignore_eos=True))  # warm
     rows, results = [], []
     write = write_factory(args, lm, prompt_ids, env, bs)
     for item in args.lengths.split(","):
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
                 per[mode].append(sec)
                 nfe[mode] = n
         if gen_ids is None:
-            out = llm.generate([prompt_ids], SamplingParams(max_tokens=bs, block_size=bs, temperature=0,
+            out = llm.generate([prompt_ids], SamplingParams(max_tokens=bs, steps=bs, block_size=bs, temperature=0,
                                                             ignore_eos=True))[0].outputs[0]
             gen_ids = out.token_ids
         est = None

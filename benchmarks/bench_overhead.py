@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     lm = bc.real_model(args.model, args.block_size)
     llm = LLM(lm, max_batch_size=1, **({"compile": True} if args.compile else {}))
     prompt_ids = llm.apply_chat_template([{"role": "user", "content": bc.PROMPT}])
-    params = SamplingParams(max_tokens=args.max_tokens, block_size=args.block_size, temperature=0,
-                            ignore_eos=True, cache=args.cache, seed=0)
+    params = SamplingParams(max_tokens=args.max_tokens, steps=args.max_tokens, block_size=args.block_size,
+                            temperature=0, ignore_eos=True, cache=args.cache, seed=0)
     env = bc.environment(args.threads)
     t0 = time.perf_counter()
     shapes = record_shapes(llm, prompt_ids, params)

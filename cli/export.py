@@ -16,6 +16,9 @@ def register(sub, name):
     p.add_argument("--device", default="cpu", help="cpu | cuda (where to quantize)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (non-quantized tensors)")
     p.add_argument("--no-verify", action="store_true", help="skip the reload-and-compare-logits check")
+    p.add_argument("--default-threshold", type=float, default=None,
+                   help="decoding default stored in the checkpoint: requests that give neither steps nor threshold "
+                        "get confidence-threshold decoding at this value (e.g. 0.7)")
     return p
 
 
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         res = export(args.src, args.out, args.quantization, device=args.device, dtype=args.dtype,
-                     verify=not args.no_verify)
+                     verify=not args.no_verify, default_threshold=args.default_threshold)
     except (ExportError, CheckpointError) as exc:
         raise UsageError(str(exc)) from exc
     print(json.dumps(res))

@@ -153,10 +153,13 @@ def run(args: argparse.Namespace) -> int:
                     request_timeout=args.request_timeout, chat_template=chat_template,
                     cors_origins=args.cors_origins, default_cache=args.cache)
     d = loaded.dllm
+    thr = d.default_sampling.get("threshold")
+    decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
+                else "one token per step")
     log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s dtype=%s "
-             "on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size, d.logit_shift,
-             loaded.max_context, loaded.device, str(loaded.dtype).replace("torch.", ""), args.host, args.port,
-             " (API key required)" if args.api_key else "")
+             "default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size,
+             d.logit_shift, loaded.max_context, loaded.device, str(loaded.dtype).replace("torch.", ""), decoding,
+             args.host, args.port, " (API key required)" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=10, lifespan="on")
     server = uvicorn.Server(config)

@@ -6,12 +6,15 @@ the trainer read only this object, never family-specific fields. See DESIGN.md s
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 ATTENTION_MODES = ("bidirectional", "prefix_causal", "block_causal")
 FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar")
 BLOCK_ALIGNMENTS = ("generation", "absolute")
+# request fields a checkpoint may set defaults for, with their allowed ranges (those of SamplingParams)
+DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0)}
 
 
 class CheckpointError(ValueError):
@@ -38,7 +41,10 @@ class DllmConfig:
             (SDAR, Fast-dLLM v2): the prompt's last partial block is completed first (DESIGN.md section 10).
         fixed_block_size: True when requests may not choose another block size (block-causal families).
         sub_block_size: Fast-dLLM v2's per-request decoding window inside a block (None elsewhere).
-        default_sampling: default request fields (e.g. ``{"temperature": 0.0}``).
+        default_sampling: default request fields, :data:`DEFAULT_SAMPLING_FIELDS` only (e.g.
+            ``{"temperature": 0.0, "threshold": 0.7}``): what a request that leaves them unset gets (as vLLM
+            applies a checkpoint's ``generation_config.json``); ``threshold`` applies only to requests that give
+            neither ``steps`` nor ``threshold``.
         suppress_token_ids: extra ids that are never generated (besides mask and pad).
     """
 
@@ -72,6 +78,18 @@ class DllmConfig:
             raise CheckpointError(f"{where}.mask_token_id: must be a non-negative integer, got {self.mask_token_id!r}")
         if not self.eos_token_ids:
             raise CheckpointError(f"{where}.eos_token_ids: at least one EOS id is required")
+        if not isinstance(self.default_sampling, dict):
+            raise CheckpointError(f"{where}.default_sampling: must be an object, got "
+                                  f"{type(self.default_sampling).__name__}")
+        for key, value in self.default_sampling.items():
+            if key not in DEFAULT_SAMPLING_FIELDS:
+                raise CheckpointError(f"{where}.default_sampling.{key}: unknown field (allowed: "
+                                      f"{', '.join(DEFAULT_SAMPLING_FIELDS)})")
+            lo, hi = DEFAULT_SAMPLING_FIELDS[key]
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or not lo <= value <= hi:
+                raise CheckpointError(f"{where}.default_sampling.{key}: must be a number in [{lo}, {hi}], "
+                                      f"got {value!r}")
 
     @property
     def never_generate_ids(self) -> list[int]:

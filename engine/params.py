@@ -138,9 +138,18 @@ class SamplingParams:
             raise ParamError("suffix", "must be a string or a list of token ids")
 
     def with_defaults(self, default_sampling: dict | None = None) -> "SamplingParams":
-        """A copy with ``temperature`` and ``seed`` resolved (checkpoint default, random seed)."""
+        """A copy with ``temperature``, ``threshold`` and ``seed`` resolved from the checkpoint's
+        ``dllm.default_sampling`` (validated by :class:`~unmask.engine.config.DllmConfig`) and a random seed.
+
+        ``temperature``: the request's, else the checkpoint's, else 1.0. ``threshold``: the checkpoint's only when
+        the request sets neither ``threshold`` nor ``steps`` (asking for a step count means quota decoding).
+        """
+        defaults = default_sampling or {}
         temperature = self.temperature
         if temperature is None:
-            temperature = float((default_sampling or {}).get("temperature", 1.0))
+            temperature = float(defaults.get("temperature", 1.0))
+        threshold = self.threshold
+        if threshold is None and self.steps is None and defaults.get("threshold") is not None:
+            threshold = float(defaults["threshold"])
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
-        return replace(self, temperature=temperature, seed=seed)
+        return replace(self, temperature=temperature, threshold=threshold, seed=seed)

@@ -481,3 +481,30 @@ def test_abort_keeps_the_partial_output(llms):
     ev = seq.abort()
     assert ev.finish_reason == "abort" and 4 <= len(seq.output_ids) < 16
     assert seq.output_ids == full[: len(seq.output_ids)]
+
+
+def test_checkpoint_default_threshold_applies_only_without_steps_or_threshold():
+    from unmask.engine.config import CheckpointError, DllmConfig
+
+    lm = loaded(block_size=4)
+    lm.dllm.default_sampling = {"temperature": 0.0, "threshold": 0.3}
+    llm = LLM(lm)
+    prompt = [5, 6, 7, 8]
+
+    def run(**kw):
+        return llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, seed=0, **kw))[0].outputs[0]
+
+    default, explicit = run(), run(threshold=0.3)
+    assert default.token_ids == explicit.token_ids and default.nfe == explicit.nfe
+    quota = run(steps=12)  # asking for steps means quota decoding: one token per step here
+    assert quota.nfe == 12 and quota.token_ids == run(threshold=1.0).token_ids
+    assert run(threshold=0.99).nfe >= default.nfe
+    assert SamplingParams(steps=3).with_defaults({"threshold": 0.5}).threshold is None
+    assert SamplingParams().with_defaults({"threshold": 0.5}).threshold == 0.5
+    assert SamplingParams(threshold=0.9).with_defaults({"threshold": 0.5}).threshold == 0.9
+    base = dict(family="a2d", mask_token_id=1, attention="prefix_causal", block_size=4, logit_shift=True,
+                eos_token_ids=[0])
+    for bad, field in (({"threshold": 1.5}, "threshold"), ({"threshold": "0.5"}, "threshold"),
+                       ({"top_k": 5}, "top_k"), ({"temperature": float("nan")}, "temperature")):
+        with pytest.raises(CheckpointError, match=f"default_sampling.{field}"):
+            DllmConfig(**base, default_sampling=bad)

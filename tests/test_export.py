@@ -3,6 +3,7 @@ weights, reloaded logits equal the exporter's - also after the exporting process
 (the bitsandbytes 0.50 AVX512-BF16 repack trap), and a model that ran a forward is never written."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -88,6 +89,14 @@ def test_export_none_and_errors(src_and_reference, tmp_path, capsys):
     assert cli_main(["export", str(d / "src"), str(tmp_path / "plain"), "--quantization", "none"]) == 0
     a, b = load_file(str(d / "src" / "model.safetensors")), load_file(str(tmp_path / "plain" / "model.safetensors"))
     assert all(torch.equal(a[n], b[n]) for n in a)
+    assert "threshold" not in json.loads((tmp_path / "plain" / "config.json").read_text())["dllm"]["default_sampling"]
+    assert cli_main(["export", str(d / "src"), str(tmp_path / "fast"), "--quantization", "none",
+                     "--default-threshold", "0.7"]) == 0
+    assert json.loads((tmp_path / "fast" / "config.json").read_text())["dllm"]["default_sampling"]["threshold"] == 0.7
+    capsys.readouterr()
+    assert cli_main(["export", str(d / "src"), str(tmp_path / "bad"), "--quantization", "none",
+                     "--default-threshold", "2"]) == 2
+    assert "--default-threshold" in capsys.readouterr().err and not (tmp_path / "bad").exists()
     assert cli_main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
     assert "neither a checkpoint directory" in capsys.readouterr().err
     assert cli_main(["export", str(d / "src"), str(tmp_path / "plain")]) == 2  # non-empty output

@@ -150,7 +150,8 @@ def test_recipe_options_and_state_lock(tmp_path):
 
     for bad in (dict(block_size=0), dict(budget_minutes=0), dict(quantize="fp8"), dict(teacher_kl=1, top_k_dist=0),
                 dict(lr=0), dict(trainable="most"), dict(lr=float("nan")), dict(teacher_kl=float("nan")),
-                dict(seq_len=1), dict(budget_minutes=float("inf")), dict(certainty=-1), dict(certainty=float("nan"))):
+                dict(seq_len=1), dict(budget_minutes=float("inf")), dict(certainty=-1), dict(certainty=float("nan")),
+                dict(default_threshold=1.5)):
         with pytest.raises(RecipeError, match="--"):
             RecipeConfig(work=str(tmp_path), **bad).validate()
     r = Recipe(RecipeConfig(work=str(tmp_path / "w"), out=str(tmp_path / "o"), prompts_limit=50), log=lambda m: None)
@@ -235,6 +236,12 @@ def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
         Recipe(cfg, log=logs.append).stage_export()
         assert len(calls) == 1 and is_checkpoint(tmp_path / "trained")
         assert len(list(tmp_path.glob("trained.old-*"))) == 1
+        # a new decoding default is an export of its own; the served config carries it
+        cfg.default_threshold = 0.7
+        Recipe(cfg, log=logs.append).stage_export()
+        assert len(calls) == 2
+        dllm = json.loads((tmp_path / "trained" / "config.json").read_text())["dllm"]
+        assert dllm["default_sampling"]["threshold"] == 0.7
 
         def failing():
             def fn(*a):

@@ -94,7 +94,8 @@ def probe_ids(tokenizer, n: int = 16) -> torch.Tensor:
 
 
 def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "nf4", device: str = "cpu",
-           dtype: str = "float32", verify: bool = True, overwrite: bool = False) -> dict:
+           dtype: str = "float32", verify: bool = True, overwrite: bool = False,
+           default_threshold: float | None = None) -> dict:
     """Write ``out``: the checkpoint of ``src`` quantized with ``quantization``.
 
     Args:
@@ -102,6 +103,9 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         quantization: ``none`` | ``nf4`` | ``int8``. device: where to quantize (``cpu`` or ``cuda``).
         dtype: dtype of the non-quantized tensors (``float32`` | ``bfloat16`` | ``float16``).
         verify: after writing, compare the exporter's logits with a reload of ``out`` (max abs difference).
+        default_threshold: written as ``dllm.default_sampling.threshold``: requests that set neither ``steps`` nor
+            ``threshold`` then decode with confidence-threshold parallel decoding at this value (None = keep the
+            source's defaults).
 
     Returns:
         ``{"out", "source", "quantization", "max_abs_logit_diff"}`` (the diff is None without ``verify``).
@@ -140,6 +144,11 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     if outp.exists() and any(outp.iterdir()) and not overwrite:
         raise ExportError(f"{outp}: exists and is not empty; choose a new directory")
     dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")
+    if default_threshold is not None:
+        if isinstance(default_threshold, bool) or not (isinstance(default_threshold, (int, float))
+                                                       and 0 <= default_threshold <= 1):
+            raise ExportError(f"--default-threshold: must be a number in [0, 1], got {default_threshold!r}")
+        dllm.default_sampling = {**dllm.default_sampling, "threshold": float(default_threshold)}
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export

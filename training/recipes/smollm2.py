@@ -60,6 +60,9 @@ class RecipeConfig:
         batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, certainty,
             save_every, seed: passed to the trainer (``unmask train``; ``certainty`` = the certainty-forcing weight).
         quantize: export quantization: ``nf4`` | ``int8`` | ``none``.
+        default_threshold: decoding default written into the export (``unmask export --default-threshold``):
+            requests that give neither ``steps`` nor ``threshold`` decode with this confidence threshold
+            (None = one token per step).
     """
 
     work: str = ""
@@ -85,6 +88,7 @@ class RecipeConfig:
     save_every: int = 100
     seed: int = 0
     quantize: str = "nf4"
+    default_threshold: float | None = None
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -109,6 +113,9 @@ class RecipeConfig:
             raise RecipeError(f"--trainable: {self.trainable!r} is not one of {', '.join(SCOPES)}")
         if self.teacher_kl > 0 and self.top_k_dist == 0:
             raise RecipeError("--teacher-kl: needs stored teacher distributions (--top-k-dist K > 0)")
+        if self.default_threshold is not None and not (math.isfinite(self.default_threshold)
+                                                       and 0 <= self.default_threshold <= 1):
+            raise RecipeError(f"--default-threshold: must be in [0, 1], got {self.default_threshold}")
         if not math.isfinite(self.budget_minutes):
             raise RecipeError(f"--budget-minutes: must be finite, got {self.budget_minutes}")
         # the training options, checked by the trainer's own rules now rather than after distillation
@@ -418,7 +425,8 @@ class Recipe:
         done = self.state["stages"].get("export", {})
         stamp = _weights_stamp(src)
         if (is_checkpoint(self.out) and done.get("source") == str(src) and done.get("source_stamp") == stamp
-                and done.get("quantize") == self.cfg.quantize):
+                and done.get("quantize") == self.cfg.quantize
+                and done.get("default_threshold") == self.cfg.default_threshold):
             self._say("export", f"done: {self.out} (from {src.name}, {self.cfg.quantize})")
             return
         export = _export_function()
@@ -429,13 +437,19 @@ class Recipe:
         fresh.parent.mkdir(parents=True, exist_ok=True)
         self._say("export", f"{src} -> {self.out} ({self.cfg.quantize})")
         t0 = time.time()
-        info = export(str(src), str(fresh), self.cfg.quantize)
+        info = export(str(src), str(fresh), self.cfg.quantize, self.cfg.default_threshold)
         if self.out.exists():
-            aside = self.out.with_name(f"{self.out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            stamp_now = time.strftime('%Y%m%d-%H%M%S')
+            aside = self.out.with_name(f"{self.out.name}.old-{stamp_now}")
+            n = 1
+            while aside.exists():  # two exports within one second must not collide
+                aside = self.out.with_name(f"{self.out.name}.old-{stamp_now}-{n}")
+                n += 1
             self._say("export", f"moving the previous export aside to {aside}")
             os.replace(self.out, aside)
         os.replace(fresh, self.out)
-        self._mark("export", source=str(src), source_stamp=stamp, quantize=self.cfg.quantize, path=str(self.out),
+        self._mark("export", source=str(src), source_stamp=stamp, quantize=self.cfg.quantize,
+                   default_threshold=self.cfg.default_threshold, path=str(self.out),
                    seconds=round(time.time() - t0, 1),
                    max_abs_logit_diff=(info or {}).get("max_abs_logit_diff") if isinstance(info, dict) else None)
         self._say("export", f"done in {time.time() - t0:.0f}s")
@@ -482,9 +496,9 @@ def _export_function():
         raise RecipeError(f"export: unmask.training.export is not available ({exc}); export by hand with "
                           "`unmask export WORK/train OUT` once it exists") from exc
 
-    def call(src: str, out: str, quantize: str) -> dict:
+    def call(src: str, out: str, quantize: str, default_threshold: float | None = None) -> dict:
         try:
-            return export(src, out, quantization=quantize)
+            return export(src, out, quantization=quantize, default_threshold=default_threshold)
         except ExportError as exc:
             raise RecipeError(f"export: {exc}") from exc
     return call
@@ -528,4 +542,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (resume points)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quantize", default=d.quantize, choices=("nf4", "int8", "none"))
+    p.add_argument("--default-threshold", type=float, default=d.default_threshold,
+                   help="decoding default stored in the export: requests without steps/threshold get "
+                        "confidence-threshold decoding at this value (default: one token per step)")
     return p
