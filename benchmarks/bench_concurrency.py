@@ -59,7 +59,8 @@ async def wave(base, model, c, args, wave_idx):
 
     bodies = [{"model": model, "stream": True, "stream_options": {"include_usage": True},
                "messages": [{"role": "user", "content": f"Write two sentences about {TOPICS[(i + wave_idx) % len(TOPICS)]}."}],
-               "max_tokens": args.max_tokens, "temperature": 0, "block_size": args.block_size, "ignore_eos": True,
+               "max_tokens": args.max_tokens, "steps": args.max_tokens, "temperature": 0,
+               "block_size": args.block_size, "ignore_eos": True,
                "seed": i} for i in range(c)]
     async with httpx.AsyncClient(timeout=None) as client:
         t0 = time.perf_counter()

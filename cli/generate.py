@@ -15,7 +15,9 @@ def register(sub, name):
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--steps", type=int, default=None, help="total denoising steps (default: one token per step)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="total denoising steps (default: one token per step, or the checkpoint's default threshold "
+                        "when it has one)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--remasking", default="low_confidence",
                    help="low_confidence | margin | entropy | random")

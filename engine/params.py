@@ -46,7 +46,8 @@ class SamplingParams:
             (``dllm.default_sampling.temperature``), else 1.0.
         top_k: keep the k most likely tokens (0 = off). top_p: nucleus filter (1.0 = off).
         steps: total denoising steps for the whole generation (LLaDA's ``steps``), split over the blocks as evenly
-            as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step.
+            as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step
+            (unless the checkpoint's default threshold applies, see :meth:`with_defaults`).
         block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``.
         sub_block_size: decoding window inside a block (Fast-dLLM v2's sub-blocks): positions are revealed window
             by window, left to right, while attention and caching stay per block; the step budget is split over
@@ -54,7 +55,9 @@ class SamplingParams:
         remasking: which masked positions are revealed first: ``low_confidence`` | ``margin`` | ``entropy`` |
             ``random`` (LLaDA / Dream names).
         threshold: when set, threshold decoding (Fast-dLLM): reveal every position whose candidate probability
-            is >= threshold, and always at least the best one; ``steps`` is then ignored.
+            is >= threshold, and always at least the best one; ``steps`` is then ignored. ``None`` = the
+            checkpoint's ``dllm.default_sampling.threshold`` when the request sets no ``steps`` and keeps the
+            default ``remasking``, else quota decoding.
         cfg_scale: classifier-free guidance scale s (LLaDA): ``l = l_u + (1 + s)(l_c - l_u)``; 0 = off.
         seed: seed of the request's own ``torch.Generator`` in [0, 2**63 - 1]; ``None`` = random. Choice i of an
             ``n > 1`` request uses ``(seed + i) mod 2**63``.
@@ -142,14 +145,16 @@ class SamplingParams:
         ``dllm.default_sampling`` (validated by :class:`~unmask.engine.config.DllmConfig`) and a random seed.
 
         ``temperature``: the request's, else the checkpoint's, else 1.0. ``threshold``: the checkpoint's only when
-        the request sets neither ``threshold`` nor ``steps`` (asking for a step count means quota decoding).
+        the request sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"`` (a step
+        count or another remasking order asks for quota decoding).
         """
         defaults = default_sampling or {}
         temperature = self.temperature
         if temperature is None:
             temperature = float(defaults.get("temperature", 1.0))
         threshold = self.threshold
-        if threshold is None and self.steps is None and defaults.get("threshold") is not None:
+        if (threshold is None and self.steps is None and self.remasking == "low_confidence"
+                and defaults.get("threshold") is not None):
             threshold = float(defaults["threshold"])
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
         return replace(self, temperature=temperature, threshold=threshold, seed=seed)

@@ -439,6 +439,13 @@ class Sequence:
                          revealed=[], canvas=self.canvas_view(), text=self.stream_text, finished=True,
                          finish_reason=self.finish_reason)
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far: ``len(output_ids)`` once finished, else the revealed left-to-right prefix (what a
+        stream has shown; an abort keeps exactly these). Safe to read from another thread: CPython ``len`` of a
+        list the engine thread appends to is atomic."""
+        return len(self.output_ids) if self.finished else len(self._prefix)
+
     def abort(self) -> StepEvent:
         """Cancel: mark finished with ``abort`` and free the lane caches. ``output_ids`` / ``text`` keep what was
         generated so far: the revealed left-to-right prefix (what a stream has shown), as vLLM returns the partial

@@ -309,8 +309,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
             err.param = "max_completion_tokens"  # the chat request's own name for it
         if err.code in ("queue_full", "cache_full"):
             # earlier prompts of this request may have run a step before a later one was refused
-            state.metrics.record_failure(err.code, sum(len(ids) for ids in prompts[: len(streams)]),
-                                         [seq for s in streams for seq in s.sequences])
+            state.metrics.record_failure(err.code, [(len(ids), s.sequences) for ids, s in zip(prompts, streams)])
         raise err from exc
     run = Run(state, kind, response_id, int(arrival), prompts, streams, body.n, arrival, logprobs=logprobs,
               top_logprobs=top_logprobs)

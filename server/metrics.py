@@ -13,11 +13,12 @@ What moves when (values move exactly with the requests served):
   ``steps_per_block`` observation per decoded block;
 * a request that fails after admission (client disconnect, timeout, engine fault, queue/cache full):
   ``request_failure_total{reason}`` += 1 with reason ``abort`` | ``timeout`` | ``error`` | ``queue_full`` |
-  ``cache_full``, and the work it got before it ended is still counted, as vLLM counts tokens per iteration:
-  ``generation_tokens_total`` += the tokens it had revealed (the prefix an aborted request keeps), ``nfe_total`` and
-  ``denoising_steps_total`` += its forwards and steps, ``prompt_tokens_total`` += its prompt if it ran at least one
-  forward (so ``rate(generation_tokens_total)`` is the work done, cancelled streams included); 4xx validation
-  errors count nothing;
+  ``cache_full``, and the work it got before it ended is still counted (vLLM counts tokens as they are generated;
+  here they are counted when the request ends): ``generation_tokens_total`` += the tokens it had revealed (the
+  left-to-right prefix an aborted request keeps, ``Sequence.num_output_tokens``), ``nfe_total`` and
+  ``denoising_steps_total`` += its forwards and steps, ``prompt_tokens_total`` += each of its prompts that ran at
+  least one forward (so ``rate(generation_tokens_total)`` is the work done, cancelled streams included); 4xx
+  validation errors count nothing;
 * ``num_requests_running`` / ``num_requests_waiting`` read the engine's counters at scrape time.
 
 Tokens/s for a dashboard: ``rate(unmask:generation_tokens_total[1m])``.
@@ -43,10 +44,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, L = self.registry, ["model_name"]
-        self.prompt_tokens = Counter("unmask:prompt_tokens", "Prompt tokens of requests that ran (completed or not).", L, registry=r)
+        self.prompt_tokens = Counter("unmask:prompt_tokens", "Prompt tokens of requests that ran (completed or not).",
+                                     L, registry=r)
         self.generation_tokens = Counter("unmask:generation_tokens",
-                                         "Generated tokens (up to and including the first EOS), completed or cancelled requests.",
-                                         L, registry=r)
+                                         "Generated tokens (up to and including the first EOS) of completed and "
+                                         "cancelled requests.", L, registry=r)
         self.request_success = Counter("unmask:request_success", "Finished choices by finish reason.",
                                        L + ["finished_reason"], registry=r)
         self.request_failure = Counter("unmask:request_failure", "Requests that failed after admission, by reason.",
@@ -102,18 +104,20 @@ class Metrics:
         if first_token is not None:
             self.ttft.labels(m).observe(max(0.0, first_token - arrival))
 
-    def record_failure(self, reason: str, prompt_tokens: int = 0, sequences=()) -> None:
+    def record_failure(self, reason: str, prompts=()) -> None:
         """Count one request that failed after admission (``abort`` | ``timeout`` | ``error`` | ...), and the work
-        its ``sequences`` (engine sequences, any state) did before it ended: revealed output tokens, NFE, steps,
-        and ``prompt_tokens`` when at least one forward ran."""
+        it did before it ended. ``prompts``: ``(prompt_tokens, sequences)`` per prompt of the request (its engine
+        sequences, any state): their revealed tokens (``num_output_tokens``), NFE and steps, and the prompt's
+        tokens when one of its sequences ran at least one forward."""
         m = self.model_name
         self.request_failure.labels(m, reason).inc()
-        nfe = sum(s.nfe for s in sequences)
-        if nfe:
-            self.prompt_tokens.labels(m).inc(prompt_tokens)
-            self.nfe.labels(m).inc(nfe)
-        self.generation_tokens.labels(m).inc(sum(len(s.output_ids) for s in sequences))
-        self.denoising_steps.labels(m).inc(sum(s.step for s in sequences))
+        for prompt_tokens, sequences in prompts:
+            nfe = sum(s.nfe for s in sequences)
+            if nfe:
+                self.prompt_tokens.labels(m).inc(prompt_tokens)
+                self.nfe.labels(m).inc(nfe)
+            self.generation_tokens.labels(m).inc(sum(s.num_output_tokens for s in sequences))
+            self.denoising_steps.labels(m).inc(sum(s.step for s in sequences))
 
     def render(self) -> tuple[bytes, str]:
         """Exposition text and its content type."""

@@ -90,14 +90,17 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}")
     # --- diffusion extras (DESIGN.md section 5) ---
     steps: int | None = Field(None, ge=1, le=1_000_000,
-                              description="total denoising steps (LLaDA), split over the blocks; default max_tokens")
+                              description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
+                                          "(one token per step) unless the checkpoint sets a default threshold")
     block_size: int | None = Field(None, ge=1, le=65536, description="block length; default from the checkpoint")
     sub_block_size: int | None = Field(None, ge=1, le=65536,
                                        description="decoding window inside a block (Fast-dLLM v2 sub-blocks); "
                                                    "default from the checkpoint, else the whole block")
     remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed")
     threshold: float | None = Field(None, ge=0, le=1,
-                                    description="confidence-threshold parallel decoding (steps is then ignored)")
+                                    description="confidence-threshold parallel decoding (steps is then ignored); "
+                                                "absent: the checkpoint's default threshold when it has one and "
+                                                "steps is absent; null: no threshold (quota decoding)")
     cfg_scale: float = Field(0.0, ge=0, le=100, description="classifier-free guidance scale; 0 = off")
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
     repetition_penalty: float = Field(1.0, gt=0, le=100, description="vLLM's repetition penalty; 1 = off")
@@ -145,10 +148,15 @@ class _Common(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
-        """The engine's :class:`SamplingParams` (raises ``ParamError`` naming the field)."""
+        """The engine's :class:`SamplingParams` (raises ``ParamError`` naming the field). An explicit
+        ``"threshold": null`` turns the checkpoint's default threshold off: quota decoding, ``steps`` or one token
+        per step."""
+        steps = self.steps
+        if steps is None and self.threshold is None and "threshold" in self.model_fields_set:
+            steps = max_tokens
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-            steps=self.steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
+            steps=steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
             remasking=self.remasking, threshold=self.threshold,
             cfg_scale=self.cfg_scale, seed=self.seed, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []), presence_penalty=self.presence_penalty,

@@ -101,7 +101,7 @@ class Run:
     def usage(self) -> dict:
         """OpenAI usage (+ ``nfe``, ``denoising_steps``)."""
         prompt = sum(len(p) for p in self.prompt_ids)
-        completion = sum(len(s.output_ids) for s in self.sequences)
+        completion = sum(s.num_output_tokens for s in self.sequences)  # an unfinished (failed) one: its prefix
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "nfe": sum(s.nfe for s in self.sequences), "denoising_steps": sum(s.step for s in self.sequences)}
 
@@ -120,7 +120,7 @@ class Run:
             metrics.record_success(u["prompt_tokens"], self.sequences, self.arrival, end, first,
                                    min(queue_times) if queue_times else None)
         else:
-            metrics.record_failure(failure, u["prompt_tokens"], self.sequences)
+            metrics.record_failure(failure, [(len(p), s.sequences) for p, s in zip(self.prompt_ids, self.streams)])
         tpf = u["completion_tokens"] / u["nfe"] if u["nfe"] else 0.0
         reasons = ",".join(str(s.finish_reason) for s in self.sequences)
         log.info("%s status=%d prompt_tokens=%d completion_tokens=%d nfe=%d tpf=%.2f steps=%d seconds=%.3f "

@@ -526,16 +526,24 @@ def test_streaming_disconnect_aborts_the_request(http, server):
             "cache": "none", "stream_options": {"include_denoising": True}}
     with httpx.Client(base_url=server["url"], headers=AUTH, timeout=60) as client:
         with client.stream("POST", C, json=body) as r:
-            seen = 0
+            seen, text = 0, ""
             for line in r.iter_lines():
-                seen += line.startswith("data: ")
-                if seen >= 5:
+                if line.startswith("data: "):
+                    seen += 1
+                    chunk = json.loads(line[6:])
+                    text += "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                if (seen >= 8 and text) or seen >= 60:
                     break
             assert health(http)["running"] == 1
     _assert_nfe_stops(http)
     after = scrape(http)
     key = ("unmask:request_failure_total", (("reason", "abort"),))
     assert after[key] == before[key] + 1
+    # the cancelled request's work is counted: at least the tokens the client saw, and its forwards
+    gen = ("unmask:generation_tokens_total", ())
+    assert after[gen] - before.get(gen, 0) >= (1 if text else 0)
+    nfe = ("unmask:nfe_total", ())
+    assert after[nfe] - before.get(nfe, 0) >= seen - 2
 
 
 def test_non_streaming_disconnect_aborts_the_request(http, server):

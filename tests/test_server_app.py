@@ -74,11 +74,11 @@ def _metric(text, name):
 def test_failed_requests_count_the_work_they_did():
     from unmask.server.metrics import Metrics
 
-    ran = types.SimpleNamespace(output_ids=[5, 6, 7], nfe=4, step=4)
-    queued = types.SimpleNamespace(output_ids=[], nfe=0, step=0)
+    ran = types.SimpleNamespace(num_output_tokens=3, nfe=4, step=4)
+    queued = types.SimpleNamespace(num_output_tokens=0, nfe=0, step=0)
     m = Metrics("m")
-    m.record_failure("abort", 10, [ran, ran])
-    m.record_failure("queue_full", 7, [queued])  # never ran: its prompt was not processed
+    m.record_failure("abort", [(10, [ran, ran])])
+    m.record_failure("queue_full", [(7, [queued])])  # never ran: its prompt was not processed
     text = m.render()[0].decode()
     assert _metric(text, "generation_tokens_total") == 6 and _metric(text, "nfe_total") == 8
     assert _metric(text, "denoising_steps_total") == 8 and _metric(text, "prompt_tokens_total") == 10
@@ -240,3 +240,18 @@ def test_tiny_positive_temperature_is_argmax_not_a_filtered_token(model):
         greedy = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 6, "top_k": 2,
                                                       "temperature": 0, "logprobs": 1}).json()
         assert r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+def test_checkpoint_default_threshold_and_explicit_null_over_http():
+    lm = loaded(block_size=4)
+    lm.dllm.default_sampling = {"temperature": 0.0, "threshold": 0.0}  # every mask revealed at once
+    engine = AsyncEngine(lm)
+    app = build_app(engine, "m")
+    base = {"model": "m", "prompt": "One two", "max_tokens": 8, "ignore_eos": True, "seed": 0}
+    with TestClient(app) as client:
+        nfe = {}
+        for name, extra in (("default", {}), ("null", {"threshold": None}), ("steps", {"steps": 4})):
+            r = client.post("/v1/completions", json={**base, **extra})
+            assert r.status_code == 200, r.text
+            nfe[name] = r.json()["usage"]["nfe"]
+        assert nfe == {"default": 2, "null": 8, "steps": 4}  # 2 blocks of 4; null = no threshold: 1 token/step

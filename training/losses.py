@@ -25,11 +25,13 @@ Objectives (DESIGN.md section 7, issue 4):
   ``p_parent`` is the AR parent's next-token distribution for that answer token (parent output ``j - 1`` on the
   clean sequence, run in-process, or the top-k stored by distill-data, renormalised over its k ids).
   ``ce=False`` keeps only the KL term.
-* Certainty forcing (``certainty = W``, ``certainty_temperature = T``; dParallel, Chen et al. 2025,
+* Certainty forcing (``certainty = C``, ``certainty_temperature = T``; dParallel, Chen et al. 2025,
   arXiv:2509.26488, section 3): adds ``W * mean_{scored, argmax == label} H(softmax(logits / T))``, the entropy of
   the model's distribution at the masked tokens it already predicts correctly, averaged over those tokens. Driving
   those distributions to certainty while CE keeps them on the target is what lets confidence-threshold decoding
   reveal several tokens per step; wrong predictions are left to CE alone (sharpening them would entrench errors).
+  The mean is per micro-batch (as in dParallel's reference trainer); with gradient accumulation the objective is the
+  mean of those means.
 
 Prompt tokens are never labels; only answer positions are ever masked or scored.
 """
@@ -383,9 +385,10 @@ def certainty_term(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     if not temperature > 0:
         raise ValueError(f"certainty_temperature: must be > 0, got {temperature}")
     correct = logits.argmax(-1) == labels
-    if not bool(correct.any()):
-        return logits.float().sum() * 0.0
-    logp = F.log_softmax(logits[correct].float() / temperature, dim=-1)
+    rows = logits[correct].float()
+    if rows.shape[0] == 0:
+        return logits[:0].float().sum()  # exactly 0 (never NaN from an inf logit) and still in the graph
+    logp = F.log_softmax(rows / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1).mean()
 
 
@@ -410,7 +413,7 @@ def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0
 
     Raises:
         ValueError: ``teacher_kl > 0`` without teacher distributions, neither CE nor KL enabled, a negative
-            ``certainty`` or ``certainty_temperature <= 0``.
+            ``certainty``, or ``certainty_temperature <= 0`` with ``certainty > 0``.
     """
     if certainty < 0:
         raise ValueError(f"certainty: must be >= 0, got {certainty}")

@@ -1,11 +1,12 @@
 """Helpers shared by the family adapters: tokenizer loading, placing weights, context length."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-from ..config import CheckpointError
+from ..config import DEFAULT_SAMPLING_FIELDS, CheckpointError
 
 
 def load_tokenizer(path: Path):
@@ -288,7 +289,9 @@ def default_temperature(path: Path, family_default: float) -> float:
     (the default of its published generation function)."""
     gen = read_json_file(Path(path) / "generation_config.json") or {}
     t = gen.get("temperature")
-    if gen.get("do_sample") and isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0:
+    lo, hi = DEFAULT_SAMPLING_FIELDS["temperature"]
+    if (gen.get("do_sample") and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+            and lo <= t <= hi):  # an out-of-range value is ignored, not a load failure
         return float(t)
     return float(family_default)
 
