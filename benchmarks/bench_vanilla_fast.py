@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=12, help="first N prompts of the fixed 60-prompt grid subset")
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--name", default="bench_vanilla_fast",
+                    help="result name: results/<name>.json/.md/.png and the harness files in results/<name>/")
     args = ap.parse_args(argv)
     model = args.model or default_model()
     if not model or not Path(model).expanduser().is_dir():
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     bc.set_threads(args.threads)
     env = bc.environment(args.threads)
     vanilla = VANILLA.format(n=args.max_tokens)
-    out_dir = bc.RESULTS / "bench_vanilla_fast"
+    out_dir = bc.RESULTS / args.name
     eargs = ev.add_arguments(argparse.ArgumentParser()).parse_args([
         "--no-defaults", "--model", f"trained={model}", "--grid", vanilla, *args.fast,
         "--grid-prompts", str(args.prompts), "--speed-prompts", str(args.speed_prompts),
@@ -73,13 +75,13 @@ def main(argv=None) -> int:
                      r["gen_ppl"], r["rep3"], r["distinct2"], r["eos_rate"]])
     md = (f"Model `{model}`, {args.prompts} prompts of the 60-prompt grid subset (answer accuracy on the checkable "
           f"ones), greedy, <= {args.max_tokens} new tokens; speed = median over {args.speed_prompts} prompts at "
-          "batch 1. Harness files: `bench_vanilla_fast/`.\n\n" + bc.markdown_table(header, rows))
+          f"batch 1. Harness files: `{args.name}/`.\n\n" + bc.markdown_table(header, rows))
     data = {"settings": {"model": model, "vanilla": vanilla, "fast": args.fast, "max_tokens": args.max_tokens,
                          "prompts": args.prompts, "speed_prompts": args.speed_prompts},
             "environment": env, "runs": runs,
             "speedup_vs_vanilla": {n: (r["tokens_per_s_b1_median"] / base) if base else None
                                    for n, r in runs.items() if n != "parent"}}
-    bc.write_results("bench_vanilla_fast", data, md)
+    bc.write_results(args.name, data, md)
     print(md)
     return 0
 
