@@ -86,8 +86,10 @@ class DllmConfig:
                 raise CheckpointError(f"{where}.default_sampling.{key}: unknown field (allowed: "
                                       f"{', '.join(DEFAULT_SAMPLING_FIELDS)})")
             lo, hi = DEFAULT_SAMPLING_FIELDS[key]
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or not lo <= value <= hi:
+            # range first: a huge JSON integer would overflow float() inside isfinite
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
+                  and math.isfinite(value))
+            if not ok:
                 raise CheckpointError(f"{where}.default_sampling.{key}: must be a number in [{lo}, {hi}], "
                                       f"got {value!r}")
 

@@ -423,9 +423,9 @@ class Sequence:
                 self.first_token_time = time.time()
 
     def _finish(self, reason: str, ids: list[int], text: str) -> None:
+        self.output_ids = list(ids)  # before `finished`: another thread reading num_output_tokens sees both
         self.finished = True
         self.finish_reason = reason
-        self.output_ids = list(ids)
         self.text = text
         if len(text) > len(self.stream_text):
             if self.first_token_time is None and text:
@@ -450,9 +450,9 @@ class Sequence:
         """Cancel: mark finished with ``abort`` and free the lane caches. ``output_ids`` / ``text`` keep what was
         generated so far: the revealed left-to-right prefix (what a stream has shown), as vLLM returns the partial
         output of an aborted request (usage and the request log count it)."""
+        self.output_ids = list(self._prefix)  # before `finished` (see num_output_tokens)
         self.finished = True
         self.finish_reason = "abort"
-        self.output_ids = list(self._prefix)
         self.text = self.stream_text
         self.finish_time = time.time()
         for lane in self.lanes:

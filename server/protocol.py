@@ -99,8 +99,9 @@ class _Common(_Strict):
     remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed")
     threshold: float | None = Field(None, ge=0, le=1,
                                     description="confidence-threshold parallel decoding (steps is then ignored); "
-                                                "absent: the checkpoint's default threshold when it has one and "
-                                                "steps is absent; null: no threshold (quota decoding)")
+                                                "absent: the checkpoint's default threshold when it has one, "
+                                                "steps is absent and remasking is low_confidence; null: no "
+                                                "threshold (quota decoding)")
     cfg_scale: float = Field(0.0, ge=0, le=100, description="classifier-free guidance scale; 0 = off")
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
     repetition_penalty: float = Field(1.0, gt=0, le=100, description="vLLM's repetition penalty; 1 = off")

@@ -508,6 +508,7 @@ def test_checkpoint_default_threshold_applies_only_without_steps_or_threshold():
     base = dict(family="a2d", mask_token_id=1, attention="prefix_causal", block_size=4, logit_shift=True,
                 eos_token_ids=[0])
     for bad, field in (({"threshold": 1.5}, "threshold"), ({"threshold": "0.5"}, "threshold"),
-                       ({"top_k": 5}, "top_k"), ({"temperature": float("nan")}, "temperature")):
+                       ({"top_k": 5}, "top_k"), ({"temperature": float("nan")}, "temperature"),
+                       ({"threshold": 10 ** 400}, "threshold"), ({"temperature": -(10 ** 400)}, "temperature")):
         with pytest.raises(CheckpointError, match=f"default_sampling.{field}"):
             DllmConfig(**base, default_sampling=bad)

@@ -151,7 +151,7 @@ def test_recipe_options_and_state_lock(tmp_path):
     for bad in (dict(block_size=0), dict(budget_minutes=0), dict(quantize="fp8"), dict(teacher_kl=1, top_k_dist=0),
                 dict(lr=0), dict(trainable="most"), dict(lr=float("nan")), dict(teacher_kl=float("nan")),
                 dict(seq_len=1), dict(budget_minutes=float("inf")), dict(certainty=-1), dict(certainty=float("nan")),
-                dict(default_threshold=1.5), dict(default_threshold=True)):
+                dict(default_threshold=1.5), dict(default_threshold=True), dict(default_threshold=10 ** 400)):
         with pytest.raises(RecipeError, match="--"):
             RecipeConfig(work=str(tmp_path), **bad).validate()
     r = Recipe(RecipeConfig(work=str(tmp_path / "w"), out=str(tmp_path / "o"), prompts_limit=50), log=lambda m: None)

@@ -114,8 +114,8 @@ class RecipeConfig:
         if self.teacher_kl > 0 and self.top_k_dist == 0:
             raise RecipeError("--teacher-kl: needs stored teacher distributions (--top-k-dist K > 0)")
         if self.default_threshold is not None and (isinstance(self.default_threshold, bool) or not (
-                isinstance(self.default_threshold, (int, float)) and math.isfinite(self.default_threshold)
-                and 0 <= self.default_threshold <= 1)):
+                isinstance(self.default_threshold, (int, float)) and 0 <= self.default_threshold <= 1
+                and math.isfinite(self.default_threshold))):
             raise RecipeError(f"--default-threshold: must be in [0, 1], got {self.default_threshold}")
         if not math.isfinite(self.budget_minutes):
             raise RecipeError(f"--budget-minutes: must be finite, got {self.budget_minutes}")
