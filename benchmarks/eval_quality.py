@@ -53,7 +53,8 @@ DEFAULT_OUT = REPO / "benchmarks" / "results"
 DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "b4-t0.7", "b4-t0.5",
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
-_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?))(?:-cache-(auto|none|prefix|dual))?$")
+_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?)"
+                      r"(?:-cache-(auto|none|prefix|dual))?$")
 
 
 class EvalError(ValueError):
@@ -70,18 +71,22 @@ class Setting:
     steps: int | None = None
     threshold: float | None = None
     cache: str = "auto"
+    speculative: bool = False
+    branches: int | None = None
 
     def params(self, max_tokens: int):
         """``SamplingParams`` for greedy decoding with this setting (temperature 0, seed 0)."""
         from unmask.engine import SamplingParams
 
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, block_size=self.block_size,
-                              steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0)
+                              steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0,
+                              speculative=self.speculative, speculative_branches=self.branches)
 
 
 def parse_setting(text: str) -> Setting:
-    """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9; an optional ``-cache-MODE``
-    suffix (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``.
+    """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9; ``"b4-spec"`` -> self-speculative
+    decoding with draft block 4 (``"b4-spec-br1"``: one fallback group); an optional ``-cache-MODE`` suffix
+    (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``.
 
     Raises:
         EvalError: not of the form ``b<int>-s<int>[-cache-MODE]`` / ``b<int>-t<float in [0, 1]>[-cache-MODE]``,
@@ -89,10 +94,11 @@ def parse_setting(text: str) -> Setting:
     """
     m = _SETTING.match(text.strip())
     if not m:
-        raise EvalError(f"setting {text!r}: expected b<block>-s<steps> or b<block>-t<threshold>, optionally "
+        raise EvalError(f"setting {text!r}: expected b<block>-s<steps>, b<block>-t<threshold> or "
+                        "b<block>-spec[-br<branches>], optionally "
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
-    cache = m.group(5) or "auto"
+    cache = m.group(6) or "auto"
     if block < 1:
         raise EvalError(f"setting {text!r}: block size must be >= 1")
     if m.group(3) is not None:
@@ -100,6 +106,9 @@ def parse_setting(text: str) -> Setting:
         if steps < 1:
             raise EvalError(f"setting {text!r}: steps must be >= 1")
         return Setting(text.strip(), block, steps=steps, cache=cache)
+    if m.group(2).startswith("spec"):
+        return Setting(text.strip(), block, cache=cache, speculative=True,
+                       branches=int(m.group(5)) if m.group(5) is not None else None)
     return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache)
 
 

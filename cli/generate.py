@@ -30,6 +30,11 @@ def register(sub, name):
     p.add_argument("--suffix", default=None, help="text after the generated region (infilling)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable, at most 4)")
     p.add_argument("--cache", default="auto", help="auto | none | prefix | dual")
+    p.add_argument("--speculative", action="store_true",
+                   help="self-speculative decoding: mask-block drafts verified by the model's causal path (output "
+                        "identical to --block-size 1 greedy decoding; prefix_causal models)")
+    p.add_argument("--speculative-branches", type=int, default=None,
+                   help="fallback draft groups per step (default: block size - 1)")
     p.add_argument("--family", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -52,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size,
                                 remasking=args.remasking, threshold=args.threshold, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale, seed=args.seed,
-                                suffix=args.suffix, stop=args.stop, cache=args.cache)
+                                suffix=args.suffix, stop=args.stop, cache=args.cache, speculative=args.speculative,
+                                speculative_branches=args.speculative_branches)
     except ParamError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
     from unmask.engine.detokenize import TokenTexts

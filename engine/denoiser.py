@@ -14,6 +14,7 @@ from .kv_cache import BatchKV
 from .model import LoadedModel
 from .sampler import classifier_free_guidance, sample_candidates
 from .sequence import LaneInput, Sequence, StepEvent
+from .speculative import SpeculativeSequence
 
 
 class Denoiser:
@@ -56,12 +57,21 @@ class Denoiser:
         for seq in seqs:
             for li, lane_in in enumerate(seq.lane_inputs()):
                 rows.append((seq, li, lane_in))
-        logits_by_row = self._forward(rows)
+        logits_by_row, kv = self._forward(rows)
         events = []
         r = 0
         for seq in seqs:
             n_lanes = len(seq.lanes)
             seq.nfe += n_lanes
+            if isinstance(seq, SpeculativeSequence):  # one lane; its commit is decided by the verification
+                event, commit = seq.verify(logits_by_row[r], self.forbidden)
+                if commit.numel():
+                    keys, values = kv.new_kv(r, commit.to(self.device))
+                    _, _, inp = rows[r]
+                    seq.lanes[0].cache.append(keys, values, inp.chunk[commit], inp.grp[commit])
+                events.append(event)
+                r += 1
+                continue
             cond = logits_by_row[r]
             if n_lanes == 2:
                 cond = classifier_free_guidance(cond, logits_by_row[r + 1], seq.params.cfg_scale)
@@ -75,8 +85,9 @@ class Denoiser:
             events.append(seq.apply(cands, masked))
         return events
 
-    def _forward(self, rows: list[tuple[Sequence, int, LaneInput]]) -> list[torch.Tensor]:
-        """Batched forward; commits KV into lane caches; returns ``[N_r, V]`` logits per row (needed outputs)."""
+    def _forward(self, rows: list[tuple[Sequence, int, LaneInput]]) -> tuple[list[torch.Tensor], BatchKV]:
+        """Batched forward; commits KV into lane caches (rows whose ``commit`` is not ``None``); returns the
+        ``[N_r, V]`` logits per row (needed outputs) and the forward's :class:`BatchKV` (for later commits)."""
         dev = self.device
         B = len(rows)
         Q = max(int(inp.chunk.numel()) for _, _, inp in rows)
@@ -141,13 +152,13 @@ class Denoiser:
             else:
                 row_logits = got
             out.append(row_logits)
-            if inp.commit.numel():
+            if inp.commit is not None and inp.commit.numel():
                 keys, values = kv.new_kv(b, inp.commit)
                 lane_cache.append(keys, values, inp.chunk[inp.commit], inp.grp[inp.commit])
             if n_extra or carry_at >= 0:
                 lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
-        return out
+        return out, kv
 
 
 def _has_penalty(seq: Sequence) -> bool:

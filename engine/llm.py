@@ -12,6 +12,7 @@ from .outputs import RequestOutput, completion_from
 from .params import MAX_SEED, ParamError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, StepEvent
+from .speculative import SpeculativeSequence
 
 _ids = itertools.count()
 
@@ -60,7 +61,8 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ParamError("n", f"must be a positive integer, got {n!r}")
     resolved = params.with_defaults(model.dllm.default_sampling)
-    return [Sequence(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
+    kind = SpeculativeSequence if resolved.speculative else Sequence
+    return [kind(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
                      replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm, model.tokenizer,
                      model.max_context, model.device, vocab_size=model.vocab_size) for i in range(n)]
 

@@ -70,6 +70,12 @@ class SamplingParams:
         constraints: fixed tokens ``{generated position: token id}`` (infilling; bidirectional models only).
         cache: ``auto`` | ``none`` | ``prefix`` | ``dual`` (KV-cache policy; see ``unmask.engine.kv_cache``).
         logprobs: record the log-probability each token had at the step it was revealed.
+        speculative: self-speculative decoding (``unmask.engine.speculative``): mask-block drafts verified by the
+            model's causal path; the output is token for token the model's ``block_size=1`` greedy decoding.
+            ``prefix_causal`` models with the logit shift only; greedy (``temperature`` ``None`` resolves to 0);
+            ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block.
+        speculative_branches: fallback mask groups per step (drafts for when draft i is the first rejected),
+            ``0..block_size - 1``; ``None`` = all ``block_size - 1``. More rows per forward, fewer wasted steps.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -97,6 +103,8 @@ class SamplingParams:
     constraints: dict[int, int] = field(default_factory=dict)
     cache: str = "auto"
     logprobs: bool = False
+    speculative: bool = False
+    speculative_branches: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +138,9 @@ class SamplingParams:
                 raise ParamError("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
             _check_number("stop_token_ids", t, lo=0, integer=True)
+        if not isinstance(self.speculative, bool):
+            raise ParamError("speculative", f"must be a boolean, got {self.speculative!r}")
+        _check_number("speculative_branches", self.speculative_branches, lo=0, integer=True)
         if self.min_tokens and self.min_tokens > self.max_tokens:
             raise ParamError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not isinstance(self.constraints, dict):
@@ -146,14 +157,17 @@ class SamplingParams:
 
         ``temperature``: the request's, else the checkpoint's, else 1.0. ``threshold``: the checkpoint's only when
         the request sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"`` (a step
-        count or another remasking order asks for quota decoding).
+        count or another remasking order asks for quota decoding). A ``speculative`` request decodes greedily
+        (``temperature`` ``None`` -> 0) and takes no default threshold (it does not use one).
         """
         defaults = default_sampling or {}
         temperature = self.temperature
+        if temperature is None and self.speculative:
+            temperature = 0.0
         if temperature is None:
             temperature = float(defaults.get("temperature", 1.0))
         threshold = self.threshold
-        if (threshold is None and self.steps is None and self.remasking == "low_confidence"
+        if (threshold is None and self.steps is None and self.remasking == "low_confidence" and not self.speculative
                 and defaults.get("threshold") is not None):
             threshold = float(defaults["threshold"])
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")

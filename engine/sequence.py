@@ -69,11 +69,12 @@ class StepEvent:
 class LaneInput:
     """What one lane forwards in one step.
 
-    ``chunk`` = canvas positions forwarded (``[Q]`` int64, ascending); ``grp``/``start``/``committed`` their
-    attention metadata; ``needed`` = chunk indices whose outputs are read (or -1 = use the lane's carry logits);
-    ``commit`` = chunk indices whose KV is appended to the lane cache after the forward; ``replace_cache`` = drop
-    the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last committed token, whose
-    output becomes the carry.
+    ``chunk`` = canvas positions forwarded (``[Q]`` int64; ascending, except that self-speculative fallback groups
+    repeat draft positions); ``grp``/``start``/``committed`` their attention metadata; ``needed`` = chunk indices
+    whose outputs are read (or -1 = use the lane's carry logits); ``commit`` = chunk indices whose KV is appended
+    to the lane cache after the forward (``None``: decided after it, by self-speculative verification);
+    ``replace_cache`` = drop the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last
+    committed token, whose output becomes the carry.
     """
 
     tokens: torch.Tensor
@@ -82,7 +83,7 @@ class LaneInput:
     start: torch.Tensor
     committed: torch.Tensor
     needed: torch.Tensor
-    commit: torch.Tensor
+    commit: torch.Tensor | None
     replace_cache: bool = False
     carry_index: int = -1
 

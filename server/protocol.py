@@ -109,6 +109,11 @@ class _Common(_Strict):
     ignore_eos: bool = False
     cache: CacheName = Field("auto", description="KV-cache policy: auto | none | prefix | dual")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    speculative: bool = Field(False, description="self-speculative decoding: mask-block drafts verified by the "
+                                                 "model's causal path; output identical to block_size=1 greedy "
+                                                 "decoding (prefix_causal models, temperature 0)")
+    speculative_branches: int | None = Field(None, ge=0, le=65536,
+                                             description="fallback draft groups per step; default block_size - 1")
 
     @model_validator(mode="before")
     @classmethod
@@ -163,7 +168,8 @@ class _Common(_Strict):
             stop_token_ids=list(self.stop_token_ids or []), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache=self.cache, logprobs=logprobs,
-            suffix=getattr(self, "suffix", None))
+            suffix=getattr(self, "suffix", None), speculative=self.speculative,
+            speculative_branches=self.speculative_branches)
 
     @property
     def include_usage(self) -> bool:

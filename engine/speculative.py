@@ -1,0 +1,185 @@
+"""Self-speculative decoding: diffusion drafts verified by the model's own causal path.
+
+A ``prefix_causal`` A2D model with the logit shift (DESIGN.md sections 2 and 4) is two models in one: its committed
+context is strictly causal, so the output at a committed position ``j`` is an autoregressive prediction of token
+``j + 1`` (``block_size=1`` decoding *is* that AR model), while a block of mask tokens after the context is a
+diffusion drafter that predicts several later tokens at once. One forward can therefore *verify* draft tokens
+placed as causal context and *draft* the next ones from mask blocks - the idea of speculative decoding (Leviathan
+et al. 2023, "Fast Inference from Transformers via Speculative Decoding") and Jacobi/lookahead decoding, with the
+dLLM's mask blocks as the drafter (as in self-speculative decoding for dLLMs, e.g. arXiv:2510.04147).
+
+One step forwards, for a request whose canvas is final up to position ``f`` (exclusive):
+
+* the not-yet-cached final tokens (the prompt at the first step, else the token revealed last), causal;
+* drafts ``d_f, d_{f+1}, ...`` as causal context (each its own attention group, like committed tokens);
+* mask group A: ``block_size`` masks right after the drafts, seeing all of the above;
+* fallback groups (``branches`` of them): for draft i, ``block_size`` masks at the draft's own position that see
+  only the context before it - the drafts to use when draft i is the first one rejected.
+
+Verification (greedy): draft ``d_q`` is accepted while it equals the argmax of the causal output at ``q - 1``;
+the first rejected position gets that argmax instead (the "correction", always exact), so every step reveals
+``accepted + 1`` tokens and the output is *token for token* the model's ``block_size=1`` greedy decoding (for the
+untrained conversion: the AR parent's). The next drafts come from group A when every draft was accepted, from the
+fallback group of the first rejected draft otherwise, and none when that group was not forwarded. Only the causal
+tokens before the correction are committed to the KV cache; rejected drafts' keys/values are never stored (the
+rollback is free).
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import DllmConfig
+from .params import ParamError, SamplingParams
+from .sampler import MIN_SAMPLING_TEMPERATURE, log_normalizer
+from .sequence import LaneInput, Revealed, Sequence, StepEvent
+
+MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
+
+
+def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
+    """Raise :class:`ParamError` (field ``speculative``) when this request cannot be decoded self-speculatively.
+
+    Needs a ``prefix_causal`` model with the logit shift (the causal path is then an AR model), greedy decoding
+    (``temperature`` 0: verification compares with the causal argmax), no CFG and no penalties (they would make
+    the verifier differ from ``block_size=1`` decoding).
+    """
+    if dllm.attention != "prefix_causal" or not dllm.logit_shift:
+        raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
+                                        f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
+    if float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
+        raise ParamError("speculative", f"verifies drafts against the greedy causal prediction: needs temperature 0, "
+                                        f"got {params.temperature}")
+    if params.cfg_scale > 0:
+        raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        raise ParamError("speculative", "cannot be combined with presence/frequency/repetition penalties")
+
+
+class SpeculativeSequence(Sequence):
+    """A :class:`Sequence` decoded by self-speculative decoding (see the module docstring).
+
+    Same arguments as :class:`Sequence`; ``params.block_size`` (else the checkpoint's) is the draft block: up to
+    ``block_size - 1`` drafts are verified per step and each mask group has ``block_size`` masks.
+    ``params.speculative_branches`` (``None`` = ``block_size - 1``) fallback groups are forwarded per step:
+    ``1 + drafts + block_size * (1 + branches)`` rows at most (20 for block 4 with every branch).
+    ``steps``, ``threshold`` and ``remasking`` do not apply. ``nfe`` counts forwards (one per step).
+
+    Raises:
+        ParamError: as :class:`Sequence`, and from :func:`check_speculative`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_speculative(self.params, self.dllm)
+        self.draft_block = self.block_size
+        b = self.params.speculative_branches
+        self.branches = self.draft_block - 1 if b is None else min(int(b), self.draft_block - 1)
+        self.final_len = self.prompt_len            # canvas positions < final_len hold final tokens
+        self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
+        self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
+        self.accepted_drafts = 0                     # drafts accepted over the request (for TPF accounting)
+        self.proposed_drafts = 0
+        self._layout: dict | None = None
+
+    # ------------------------------------------------------------------ one step: inputs
+    def lane_inputs(self) -> list[LaneInput]:
+        """The causal tokens, drafts, mask group A and fallback groups of the next step (one lane: no CFG).
+
+        ``commit`` is ``None``: the committed positions are known only after verification
+        (:meth:`verify` returns them).
+        """
+        lane = self.lanes[0]
+        dev = self.device
+        lo = lane.cache.length if self.cache_mode != "none" else 0
+        f = self.final_len
+        drafts = self.drafts[: max(0, min(self.draft_block - 1, self.end - f - 1))]
+        fm = f + len(drafts)  # first position of mask group A (its token is the causal prediction from fm - 1)
+        mask_id = self.dllm.mask_token_id
+        toks = [self.canvas[lo:f], torch.tensor(drafts, dtype=torch.long, device=dev)]
+        pos = [torch.arange(lo, fm, device=dev)]
+        grp = [torch.arange(lo, fm, device=dev)]
+        start = [torch.arange(lo, fm, device=dev)]
+        committed = [torch.ones(fm - lo, dtype=torch.bool, device=dev)]
+        n = fm - lo
+        starts = ([("A", fm)] if fm + 1 < self.end else []) + \
+                 [(i, f + i) for i in range(min(self.branches, len(drafts)))]
+        # needed outputs: the causal rows from f - 1 (verify + correction), every mask row but each group's last
+        needed = list(range(f - 1 - lo, fm - lo))
+        group_rows: dict = {}  # group kind -> rows of `needed` (in order) that draft positions s + 1, s + 2, ...
+        for gi, (kind, s) in enumerate(starts):
+            length = min(self.draft_block, self.end - s)
+            toks.append(torch.full((length,), mask_id, dtype=torch.long, device=dev))
+            pos.append(torch.arange(s, s + length, device=dev))
+            grp.append(torch.full((length,), MASK_GROUP_BASE + gi, dtype=torch.long, device=dev))
+            start.append(torch.full((length,), s, dtype=torch.long, device=dev))
+            committed.append(torch.zeros(length, dtype=torch.bool, device=dev))
+            group_rows[kind] = list(range(len(needed), len(needed) + length - 1))
+            needed.extend(range(n, n + length - 1))
+            n += length
+        self._layout = {"lo": lo, "f": f, "drafts": drafts, "group_rows": group_rows,
+                        "pred_pos": [lo + i + 1 for i in needed[: fm - f + 1]] + sum(
+                            ([s + 1 + j for j in range(len(group_rows[k]))] for k, s in starts), [])}
+        return [LaneInput(tokens=torch.cat(toks), chunk=torch.cat(pos), grp=torch.cat(grp), start=torch.cat(start),
+                          committed=torch.cat(committed), needed=torch.tensor(needed, dtype=torch.long, device=dev),
+                          commit=None)]
+
+    # ------------------------------------------------------------------ one step: verify and reveal
+    def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None) -> tuple[StepEvent, torch.Tensor]:
+        """Verify the drafts, reveal the accepted ones plus the correction, pick the next drafts.
+
+        Args:
+            logits: ``[N, V]`` float logits of the ``needed`` rows of :meth:`lane_inputs`, in that order.
+            forbidden_ids: ``[F]`` int64 ids never generated (the model's ``never_generate_ids``).
+
+        Returns:
+            ``(event, commit)``: the step's :class:`StepEvent` and the ``[m]`` int64 chunk indices whose KV is
+            committed to the lane cache (the causal tokens before the correction; empty without a cache).
+        """
+        lay = self._layout
+        lo, f, drafts, group_rows = lay["lo"], lay["f"], lay["drafts"], lay["group_rows"]
+        pred_pos = torch.tensor(lay["pred_pos"], dtype=torch.long)  # position each row predicts (logit shift)
+        logits = logits.float().clone()
+        if forbidden_ids is not None and forbidden_ids.numel():
+            logits[:, forbidden_ids.to(logits.device)] = float("-inf")
+        if self.params.min_tokens:
+            early = (pred_pos - self.prompt_len < self.params.min_tokens).nonzero(as_tuple=True)[0]
+            if early.numel():
+                ids = self.min_tokens_ids.to(logits.device)
+                logits[early.to(logits.device)[:, None], ids[None, :]] = float("-inf")
+        best = torch.argmax(logits, dim=-1).cpu()
+        accepted = 0
+        for q, d in enumerate(drafts):
+            if int(best[q]) != d:
+                break
+            accepted += 1
+        new_tokens = list(drafts[:accepted])
+        if f + accepted < self.end:
+            new_tokens.append(int(best[accepted]))  # the correction (or the token after the last draft)
+        rows = list(range(len(new_tokens)))
+        lse = log_normalizer(logits[rows]) if rows else torch.empty(0, dtype=torch.float64)
+        tok_t = torch.tensor(new_tokens, dtype=torch.long)
+        logp = (logits[rows, tok_t.to(logits.device)].to(torch.float64) - lse).cpu() if rows else lse
+
+        # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
+        key = "A" if accepted == len(drafts) else accepted
+        self.drafts = [int(best[r]) for r in group_rows.get(key, [])]
+        self.proposed_drafts += len(drafts)
+        self.accepted_drafts += accepted
+
+        positions = torch.arange(f, f + len(new_tokens))
+        if new_tokens:
+            self.canvas[positions.to(self.canvas.device)] = tok_t.to(self.canvas.device)
+            self.logprobs[positions - self.prompt_len] = logp.float()
+        self.final_len = f + len(new_tokens)
+        commit = (torch.arange(0, f + accepted - lo, dtype=torch.long) if self.cache_mode != "none"
+                  else torch.empty(0, dtype=torch.long))
+        revealed = [Revealed(int(p) - self.prompt_len, t, float(lp.exp()), float(lp))
+                    for p, t, lp in zip(positions.tolist(), new_tokens, logp)]
+        step = self.step
+        block = (f - self.prompt_len) // self.draft_block
+        self.step += 1
+        self._check_finished()
+        event = StepEvent(request_id=self.request_id, block=block, step=step, nfe=self.nfe, revealed=revealed,
+                          canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
+                          finish_reason=self.finish_reason)
+        return event, commit

@@ -1,0 +1,249 @@
+"""Self-speculative decoding (unmask.engine.speculative): exact w.r.t. block_size=1 greedy decoding, KV rollback of
+rejected drafts, batching with ordinary requests, parameter checks, and the HTTP/CLI surface."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import loaded
+from unmask.engine import LLM, ParamError, SamplingParams
+from unmask.engine.scheduler import Scheduler
+from unmask.engine.speculative import SpeculativeSequence
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. One two", "Paris"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(loaded(attention="prefix_causal"))
+
+
+def _greedy_b1(llm, prompt, max_tokens, **kw):
+    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, block_size=1, **kw))[0].outputs[0]
+
+
+def _run(llm, seqs, hook=None):
+    """Step ``seqs`` together to the end; ``hook(seq)`` runs after every step (to inspect or to plant drafts)."""
+    sched = Scheduler(llm.denoiser, max_batch_size=8)
+    for s in seqs:
+        sched.add(s)
+    while sched.has_work():
+        sched.step()
+        if hook:
+            for s in seqs:
+                if not s.finished:
+                    hook(s)
+    return seqs
+
+
+@pytest.mark.parametrize("block", [1, 2, 4])
+@pytest.mark.parametrize("branches", [None, 0, 1])
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_output_is_block1_greedy_token_for_token(llm, block, branches, cache):
+    for prompt in PROMPTS:
+        for max_tokens in (1, 2, 7, 13):
+            ref = _greedy_b1(llm, prompt, max_tokens, ignore_eos=True)
+            out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, block_size=block, speculative=True,
+                                                      speculative_branches=branches, cache=cache,
+                                                      ignore_eos=True))[0].outputs[0]
+            assert out.token_ids == ref.token_ids, (prompt, max_tokens)
+            assert out.nfe == out.steps <= max_tokens
+
+
+def _plant(reference: list[int], wrong_from: int | None = None):
+    """A hook that replaces the drafts by the reference continuation (wrong from draft index ``wrong_from`` on)."""
+    def hook(seq: SpeculativeSequence):
+        done = seq.final_len - seq.prompt_len
+        drafts = list(reference[done: done + seq.draft_block - 1])
+        if wrong_from is not None:
+            drafts[wrong_from:] = [(t + 1) % 300 for t in drafts[wrong_from:]]
+        seq.drafts = drafts
+    return hook
+
+
+def test_correct_drafts_are_all_accepted(llm):
+    """With the true continuation planted as drafts every draft is accepted: block 4 reveals 4 tokens per forward
+    after the prefill (which reveals 1), and the output is unchanged."""
+    ref = _greedy_b1(llm, PROMPTS[1], 21, ignore_eos=True).token_ids
+    seq = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=21, block_size=4, speculative=True,
+                                                                   ignore_eos=True), "s")[0]
+    _run(llm, [seq], _plant(ref))
+    assert seq.output_ids == ref
+    assert seq.nfe == 1 + 5  # 1 + 5 * 4 = 21 tokens
+    assert seq.accepted_drafts == 15
+    assert seq.lanes[0].cache.length == 0  # released at the end
+
+
+@pytest.mark.parametrize("wrong_from", [0, 1, 2])
+def test_rejected_drafts_never_reach_the_cache(llm, wrong_from):
+    """Drafts wrong from index ``wrong_from``: each step accepts exactly ``wrong_from`` drafts plus the correction,
+    the output is unchanged, and the KV cache holds exactly the final tokens but the newest (rollback)."""
+    ref = _greedy_b1(llm, PROMPTS[0], 16, ignore_eos=True).token_ids
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=16, block_size=4, speculative=True,
+                                                                   ignore_eos=True), "s")[0]
+    planted = _plant(ref, wrong_from)
+    lengths = []
+
+    def hook(s):
+        lengths.append((s.lanes[0].cache.length, s.final_len))
+        k = s.lanes[0].cache.keys[0]
+        assert k.shape[1] == s.lanes[0].cache.length == int(s.lanes[0].cache.pos.numel())
+        assert s.lanes[0].cache.pos.tolist() == list(range(s.final_len - 1))
+        planted(s)
+
+    _run(llm, [seq], hook)
+    assert seq.output_ids == ref
+    assert all(c == f - 1 for c, f in lengths)
+    # every step but the prefill and the last (whose drafts are cut at max_tokens) accepts exactly wrong_from
+    assert wrong_from * (seq.step - 2) <= seq.accepted_drafts <= wrong_from * (seq.step - 1)
+
+
+def test_cache_equals_recomputed_causal_kv(llm):
+    """After a step with rejected drafts, the cached keys equal those of a fresh causal forward of the final
+    tokens (no trace of the rejected drafts)."""
+    ref = _greedy_b1(llm, PROMPTS[2], 9, ignore_eos=True).token_ids
+    seq = llm.make_sequences(llm.encode(PROMPTS[2]), SamplingParams(max_tokens=9, block_size=4, speculative=True,
+                                                                   ignore_eos=True), "s")[0]
+    sched = Scheduler(llm.denoiser)
+    sched.add(seq)
+    hook = _plant(ref, 1)
+    for _ in range(3):
+        sched.step()
+        hook(seq)
+    cache = seq.lanes[0].cache
+    n = cache.length
+    fresh = llm.make_sequences(seq.canvas[:n].tolist(), SamplingParams(max_tokens=3, block_size=1, temperature=0,
+                                                                      ignore_eos=True), "f")[0]
+    sched2 = Scheduler(llm.denoiser)
+    sched2.add(fresh)
+    sched2.step()  # prefill: caches the n prompt tokens causally
+    torch.testing.assert_close(cache.keys[0], fresh.lanes[0].cache.keys[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.values[-1], fresh.lanes[0].cache.values[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_with_ordinary_requests_is_batch_invariant(llm):
+    params = [SamplingParams(max_tokens=10, block_size=4, speculative=True, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0.8, seed=2, block_size=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, block_size=3, speculative=True, speculative_branches=1, ignore_eos=True)]
+    alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(PROMPTS, params)]
+    seqs = [llm.make_sequences(llm.encode(p), sp, f"r{i}")[0] for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    _run(llm, seqs)
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_eos_stop_ids_min_tokens_and_logprobs_match_block1(llm):
+    ref = _greedy_b1(llm, PROMPTS[1], 16, ignore_eos=True).token_ids
+    stop_id = ref[5]
+    for kw in ({"stop_token_ids": [stop_id]}, {"stop_token_ids": [stop_id], "min_tokens": 7},
+               {"stop_token_ids": [stop_id], "logprobs": True}):
+        a = _greedy_b1(llm, PROMPTS[1], 16, **kw)
+        b = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, block_size=4, speculative=True, **kw))[0].outputs[0]
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason, kw
+        assert a.finish_reason == ("length" if "min_tokens" in kw else "stop")  # min_tokens forbids the early stop
+        assert b.text == a.text
+        if kw.get("logprobs"):
+            assert [round(x, 4) for x in b.logprobs] == [round(x, 4) for x in a.logprobs]
+
+
+def test_stream_events_reveal_left_to_right(llm):
+    events = list(llm.stream(PROMPTS[0], SamplingParams(max_tokens=12, block_size=4, speculative=True,
+                                                        ignore_eos=True)))
+    seen = []
+    for ev in events:
+        seen += [r.position for r in ev.revealed]
+        assert ev.canvas[: len(seen)] == [t for t in ev.canvas[: len(seen)] if t is not None]
+    assert seen == list(range(12))
+    assert events[-1].finished and events[-1].nfe == len(events)
+
+
+def test_abort_frees_the_cache(llm):
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=32, speculative=True,
+                                                                   ignore_eos=True), "x")[0]
+    sched = Scheduler(llm.denoiser)
+    sched.add(seq)
+    sched.step()
+    assert seq.cache_bytes() > 0
+    assert sched.abort("x")[0].finish_reason == "abort"
+    assert seq.cache_bytes() == 0 and not sched.running
+
+
+def test_default_temperature_is_greedy_and_default_threshold_ignored(llm):
+    sp = SamplingParams(max_tokens=4, speculative=True).with_defaults({"temperature": 0.7, "threshold": 0.5})
+    assert sp.temperature == 0.0 and sp.threshold is None
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_other_attention_modes_are_refused(attention):
+    other = LLM(loaded(attention=attention))
+    with pytest.raises(ParamError) as err:
+        other.generate("Hello", SamplingParams(max_tokens=4, speculative=True))
+    assert err.value.field == "speculative" and attention in str(err.value)
+
+
+@pytest.mark.parametrize("kw, words", [({"temperature": 0.7}, "temperature 0"), ({"cfg_scale": 1.0}, "cfg_scale"),
+                                       ({"repetition_penalty": 1.2}, "penalties"),
+                                       ({"presence_penalty": 0.5}, "penalties")])
+def test_incompatible_parameters_name_the_field(llm, kw, words):
+    with pytest.raises(ParamError) as err:
+        llm.generate("Hello", SamplingParams(max_tokens=4, speculative=True, **kw))
+    assert err.value.field == "speculative" and words in str(err.value)
+
+
+@pytest.mark.parametrize("kw, field", [({"speculative": "yes"}, "speculative"),
+                                       ({"speculative_branches": -1}, "speculative_branches"),
+                                       ({"speculative_branches": 1.5}, "speculative_branches")])
+def test_bad_values_name_the_field(kw, field):
+    with pytest.raises(ParamError) as err:
+        SamplingParams(**kw)
+    assert err.value.field == field
+
+
+# ---------------------------------------------------------------- HTTP and command line
+def test_http_field_streams_the_block1_answer_and_400_names_the_field():
+    from fastapi.testclient import TestClient
+
+    from unmask.engine.async_engine import AsyncEngine
+    from unmask.server.app import build_app
+
+    model = loaded(block_size=4)
+    ref = LLM(model).generate("Hello world", SamplingParams(max_tokens=9, temperature=0, block_size=1,
+                                                            ignore_eos=True))[0].outputs[0].text
+    body = {"model": "m", "prompt": "Hello world", "max_tokens": 9, "ignore_eos": True, "speculative": True}
+    with TestClient(build_app(AsyncEngine(model), "m")) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref
+        text = ""
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == ref
+        bad = client.post("/v1/completions", json={**body, "temperature": 0.9})
+        assert bad.status_code == 400 and "speculative" in bad.text
+        bad = client.post("/v1/completions", json={**body, "speculative_branches": -1})
+        assert bad.status_code == 400 and "speculative_branches" in bad.text
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == ref  # still serving
+
+
+def test_cli_generate_speculative(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from unmask.engine.checkpoint import write_checkpoint
+
+    m = loaded()
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, m.model, m.tokenizer, m.dllm)
+    base = [sys.executable, "-m", "unmask.cli.main", "generate", str(ckpt), "--prompt", "Hello", "--max-tokens", "6",
+            "--json"]
+    a = json.loads(subprocess.run(base + ["--block-size", "1"], capture_output=True, text=True, timeout=120,
+                                  check=True).stdout)
+    b = json.loads(subprocess.run(base + ["--speculative", "--speculative-branches", "1"], capture_output=True,
+                                  text=True, timeout=120, check=True).stdout)
+    assert b["token_ids"] == a["token_ids"] and b["nfe"] <= a["nfe"]
+    bad = subprocess.run(base + ["--speculative", "--temperature", "0.5"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "speculative" in bad.stderr and "temperature 0" in bad.stderr
