@@ -53,7 +53,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results"
 DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "b4-t0.7", "b4-t0.5",
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
-_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?)"
+_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?(?:-e(0?\.\d+|1(?:\.0+)?))?)"
                       r"(?:-cache-(auto|none|prefix|dual))?$")
 
 
@@ -73,6 +73,7 @@ class Setting:
     cache: str = "auto"
     speculative: bool = False
     branches: int | None = None
+    epsilon: float | None = None
 
     def params(self, max_tokens: int):
         """``SamplingParams`` for greedy decoding with this setting (temperature 0, seed 0)."""
@@ -80,12 +81,14 @@ class Setting:
 
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, block_size=self.block_size,
                               steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0,
-                              speculative=self.speculative, speculative_branches=self.branches)
+                              speculative=self.speculative, speculative_branches=self.branches,
+                              speculative_epsilon=self.epsilon)
 
 
 def parse_setting(text: str) -> Setting:
     """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9; ``"b4-spec"`` -> self-speculative
-    decoding with draft block 4 (``"b4-spec-br1"``: one fallback group); an optional ``-cache-MODE`` suffix
+    decoding with draft block 4 (``"b4-spec-br1"``: one fallback group; ``"b4-spec-e0.2"``: typical acceptance with
+    epsilon 0.2); an optional ``-cache-MODE`` suffix
     (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``.
 
     Raises:
@@ -98,7 +101,7 @@ def parse_setting(text: str) -> Setting:
                         "b<block>-spec[-br<branches>], optionally "
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
-    cache = m.group(6) or "auto"
+    cache = m.group(7) or "auto"
     if block < 1:
         raise EvalError(f"setting {text!r}: block size must be >= 1")
     if m.group(3) is not None:
@@ -107,8 +110,11 @@ def parse_setting(text: str) -> Setting:
             raise EvalError(f"setting {text!r}: steps must be >= 1")
         return Setting(text.strip(), block, steps=steps, cache=cache)
     if m.group(2).startswith("spec"):
+        eps = float(m.group(6)) if m.group(6) is not None else None
+        if eps is not None and eps <= 0:
+            raise EvalError(f"setting {text!r}: the typical-acceptance epsilon must be > 0")
         return Setting(text.strip(), block, cache=cache, speculative=True,
-                       branches=int(m.group(5)) if m.group(5) is not None else None)
+                       branches=int(m.group(5)) if m.group(5) is not None else None, epsilon=eps)
     return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache)
 
 

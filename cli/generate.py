@@ -35,6 +35,8 @@ def register(sub, name):
                         "identical to --block-size 1 greedy decoding; prefix_causal models)")
     p.add_argument("--speculative-branches", type=int, default=None,
                    help="fallback draft groups per step (default: block size - 1)")
+    p.add_argument("--speculative-epsilon", type=float, default=None,
+                   help="accept drafts by Medusa's typical acceptance with this epsilon (lossy; default: exact)")
     p.add_argument("--family", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                                 remasking=args.remasking, threshold=args.threshold, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale, seed=args.seed,
                                 suffix=args.suffix, stop=args.stop, cache=args.cache, speculative=args.speculative,
-                                speculative_branches=args.speculative_branches)
+                                speculative_branches=args.speculative_branches,
+                                speculative_epsilon=args.speculative_epsilon)
     except ParamError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
     from unmask.engine.detokenize import TokenTexts

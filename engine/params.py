@@ -76,6 +76,9 @@ class SamplingParams:
             ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block.
         speculative_branches: fallback mask groups per step (drafts for when draft i is the first rejected),
             ``0..block_size - 1``; ``None`` = all ``block_size - 1``. More rows per forward, fewer wasted steps.
+        speculative_epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact
+            verification: a draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) *
+            exp(-H))`` (H = entropy of the causal distribution). In (0, 1); ``None`` = exact (output = greedy).
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -105,6 +108,7 @@ class SamplingParams:
     logprobs: bool = False
     speculative: bool = False
     speculative_branches: int | None = None
+    speculative_epsilon: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,6 +145,7 @@ class SamplingParams:
         if not isinstance(self.speculative, bool):
             raise ParamError("speculative", f"must be a boolean, got {self.speculative!r}")
         _check_number("speculative_branches", self.speculative_branches, lo=0, integer=True)
+        _check_number("speculative_epsilon", self.speculative_epsilon, lo=0, hi=1, lo_open=True)
         if self.min_tokens and self.min_tokens > self.max_tokens:
             raise ParamError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not isinstance(self.constraints, dict):

@@ -63,6 +63,8 @@ class SpeculativeSequence(Sequence):
     ``params.speculative_branches`` (``None`` = ``block_size - 1``) fallback groups are forwarded per step:
     ``1 + drafts + block_size * (1 + branches)`` rows at most (20 for block 4 with every branch).
     ``steps``, ``threshold`` and ``remasking`` do not apply. ``nfe`` counts forwards (one per step).
+    ``params.speculative_epsilon`` switches exact verification to Medusa's typical acceptance (lossy: the output is
+    then no longer the greedy decoding, but every token is still one the causal path found typical in context).
 
     Raises:
         ParamError: as :class:`Sequence`, and from :func:`check_speculative`.
@@ -77,6 +79,7 @@ class SpeculativeSequence(Sequence):
         self.final_len = self.prompt_len            # canvas positions < final_len hold final tokens
         self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
+        self.epsilon = self.params.speculative_epsilon
         self.accepted_drafts = 0                     # drafts accepted over the request (for TPF accounting)
         self.proposed_drafts = 0
         self._layout: dict | None = None
@@ -123,6 +126,19 @@ class SpeculativeSequence(Sequence):
                           committed=torch.cat(committed), needed=torch.tensor(needed, dtype=torch.long, device=dev),
                           commit=None)]
 
+    def _typical_ok(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """Medusa's typical acceptance (Cai et al. 2024, eq. in section 2.3.1): ``[D]`` bool, draft q accepted when
+        ``p(d_q) > min(eps, sqrt(eps) * exp(-H(p)))`` under the causal distribution ``p`` of its position
+        (``logits``: ``[D, V]`` float32 rows predicting the draft positions, forbidden ids already at -inf)."""
+        if not drafts:
+            return torch.zeros(0, dtype=torch.bool)
+        logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+        p_draft = p.gather(-1, torch.tensor(drafts, dtype=torch.long, device=p.device)[:, None])[:, 0]
+        eps = float(self.epsilon)
+        return (p_draft > torch.clamp(eps ** 0.5 * torch.exp(-entropy), max=eps)).cpu()
+
     # ------------------------------------------------------------------ one step: verify and reveal
     def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None) -> tuple[StepEvent, torch.Tensor]:
         """Verify the drafts, reveal the accepted ones plus the correction, pick the next drafts.
@@ -147,9 +163,10 @@ class SpeculativeSequence(Sequence):
                 ids = self.min_tokens_ids.to(logits.device)
                 logits[early.to(logits.device)[:, None], ids[None, :]] = float("-inf")
         best = torch.argmax(logits, dim=-1).cpu()
+        typical = self._typical_ok(logits[: len(drafts)], drafts) if self.epsilon is not None else None
         accepted = 0
         for q, d in enumerate(drafts):
-            if int(best[q]) != d:
+            if int(best[q]) != d and not (typical is not None and bool(typical[q])):
                 break
             accepted += 1
         new_tokens = list(drafts[:accepted])

@@ -114,6 +114,8 @@ class _Common(_Strict):
                                                  "decoding (prefix_causal models, temperature 0)")
     speculative_branches: int | None = Field(None, ge=0, le=65536,
                                              description="fallback draft groups per step; default block_size - 1")
+    speculative_epsilon: float | None = Field(None, gt=0, le=1,
+                                              description="typical acceptance of drafts (Medusa); absent: exact")
 
     @model_validator(mode="before")
     @classmethod
@@ -169,7 +171,7 @@ class _Common(_Strict):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache=self.cache, logprobs=logprobs,
             suffix=getattr(self, "suffix", None), speculative=self.speculative,
-            speculative_branches=self.speculative_branches)
+            speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon)
 
     @property
     def include_usage(self) -> bool:

@@ -89,7 +89,8 @@ def one_thread():
 
 @pytest.mark.slow
 def test_real_gguf_block1_reproduces_parent_greedy(tmp_path, one_thread):
-    """Load the GGUF parent, convert it, decode three chat prompts with block_size=1: the parent's greedy tokens."""
+    """Load the GGUF parent, convert it, decode three chat prompts with block_size=1: the parent's greedy tokens;
+    self-speculative decoding gives the same tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from unmask.engine import LLM, SamplingParams
@@ -138,3 +139,7 @@ def test_real_gguf_block1_reproduces_parent_greedy(tmp_path, one_thread):
                 break
         else:
             assert ours.token_ids == ar, (text, ar, ours.token_ids)
+        # self-speculative decoding of the same conversion: the block_size=1 tokens again (drafts verified by the
+        # causal path), in no more forwards
+        spec = llm.generate([prompt], SamplingParams(max_tokens=n_new, speculative=True))[0].outputs[0]
+        assert spec.token_ids == ours.token_ids and spec.nfe <= ours.nfe, (text, spec.token_ids, ours.token_ids)

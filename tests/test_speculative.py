@@ -121,6 +121,24 @@ def test_cache_equals_recomputed_causal_kv(llm):
     torch.testing.assert_close(cache.values[-1], fresh.lanes[0].cache.values[-1], rtol=1e-5, atol=1e-5)
 
 
+def test_typical_acceptance_accepts_probable_drafts(llm):
+    """Medusa's typical acceptance: with a vanishing epsilon every draft of non-zero causal probability passes,
+    so planted wrong drafts are kept (4 tokens per forward), while the tokens after each accepted draft are still
+    the causal argmax given it; exact verification (no epsilon) rejects the same drafts."""
+    ref = _greedy_b1(llm, PROMPTS[1], 13, ignore_eos=True).token_ids
+    outs = {}
+    for eps in (None, 1e-12):
+        seq = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(
+            max_tokens=13, block_size=4, speculative=True, speculative_epsilon=eps, ignore_eos=True), "s")[0]
+        _run(llm, [seq], _plant(ref, 0))
+        outs[eps] = seq
+    assert outs[None].output_ids == ref and outs[None].accepted_drafts == 0
+    lax = outs[1e-12]
+    assert lax.output_ids != ref and lax.nfe == 1 + 3 and lax.accepted_drafts == 9
+    # the kept tokens are the planted drafts (reference + 1) at 3 of every 4 positions after the first token
+    assert [lax.output_ids[i] for i in (1, 2, 3)] == [(t + 1) % 300 for t in ref[1:4]]
+
+
 def test_batched_with_ordinary_requests_is_batch_invariant(llm):
     params = [SamplingParams(max_tokens=10, block_size=4, speculative=True, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0.8, seed=2, block_size=2, ignore_eos=True),
@@ -191,7 +209,9 @@ def test_incompatible_parameters_name_the_field(llm, kw, words):
 
 @pytest.mark.parametrize("kw, field", [({"speculative": "yes"}, "speculative"),
                                        ({"speculative_branches": -1}, "speculative_branches"),
-                                       ({"speculative_branches": 1.5}, "speculative_branches")])
+                                       ({"speculative_branches": 1.5}, "speculative_branches"),
+                                       ({"speculative_epsilon": 0}, "speculative_epsilon"),
+                                       ({"speculative_epsilon": 1.5}, "speculative_epsilon")])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ParamError) as err:
         SamplingParams(**kw)
