@@ -98,7 +98,7 @@ def parse_setting(text: str) -> Setting:
     m = _SETTING.match(text.strip())
     if not m:
         raise EvalError(f"setting {text!r}: expected b<block>-s<steps>, b<block>-t<threshold> or "
-                        "b<block>-spec[-br<branches>], optionally "
+                        "b<block>-spec[-br<branches>][-e<epsilon>], optionally "
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
     cache = m.group(7) or "auto"

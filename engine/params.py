@@ -75,10 +75,10 @@ class SamplingParams:
             ``prefix_causal`` models with the logit shift only; greedy (``temperature`` ``None`` resolves to 0);
             ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block.
         speculative_branches: fallback mask groups per step (drafts for when draft i is the first rejected),
-            ``0..block_size - 1``; ``None`` = all ``block_size - 1``. More rows per forward, fewer wasted steps.
+            ``0..block_size - 1``; ``None`` = ``min(3, block_size - 1)``. More rows per forward, fewer wasted steps.
         speculative_epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact
             verification: a draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) *
-            exp(-H))`` (H = entropy of the causal distribution). In (0, 1); ``None`` = exact (output = greedy).
+            exp(-H))`` (H = entropy of the causal distribution). In (0, 1]; ``None`` = exact (output = greedy).
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -146,6 +146,9 @@ class SamplingParams:
             raise ParamError("speculative", f"must be a boolean, got {self.speculative!r}")
         _check_number("speculative_branches", self.speculative_branches, lo=0, integer=True)
         _check_number("speculative_epsilon", self.speculative_epsilon, lo=0, hi=1, lo_open=True)
+        for name in ("speculative_branches", "speculative_epsilon"):
+            if getattr(self, name) is not None and not self.speculative:
+                raise ParamError(name, "only applies with speculative decoding (speculative=true)")
         if self.min_tokens and self.min_tokens > self.max_tokens:
             raise ParamError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not isinstance(self.constraints, dict):

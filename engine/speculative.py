@@ -30,10 +30,12 @@ import torch
 
 from .config import DllmConfig
 from .params import ParamError, SamplingParams
-from .sampler import MIN_SAMPLING_TEMPERATURE, log_normalizer
+from .sampler import MIN_SAMPLING_TEMPERATURE, filter_top_k_top_p, log_normalizer
 from .sequence import LaneInput, Revealed, Sequence, StepEvent
 
 MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
+MAX_DRAFT_BLOCK = 32       # a step forwards up to 1 + (B - 1) + B * (1 + branches) rows: keep it bounded
+DEFAULT_BRANCHES = 3       # fallback groups when the request does not say (block 4: every draft has one)
 
 
 def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
@@ -53,6 +55,10 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
         raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
         raise ParamError("speculative", "cannot be combined with presence/frequency/repetition penalties")
+    block = params.block_size or dllm.block_size
+    if block > MAX_DRAFT_BLOCK:
+        raise ParamError("block_size", f"self-speculative decoding drafts at most {MAX_DRAFT_BLOCK} tokens per step "
+                                       f"(a step forwards up to block_size^2 rows), got {block}")
 
 
 class SpeculativeSequence(Sequence):
@@ -60,8 +66,9 @@ class SpeculativeSequence(Sequence):
 
     Same arguments as :class:`Sequence`; ``params.block_size`` (else the checkpoint's) is the draft block: up to
     ``block_size - 1`` drafts are verified per step and each mask group has ``block_size`` masks.
-    ``params.speculative_branches`` (``None`` = ``block_size - 1``) fallback groups are forwarded per step:
-    ``1 + drafts + block_size * (1 + branches)`` rows at most (20 for block 4 with every branch).
+    ``params.speculative_branches`` (``None`` = ``min(3, block_size - 1)``, at most ``block_size - 1``) fallback
+    groups are forwarded per step: ``1 + drafts + block_size * (1 + branches)`` rows at most (20 for block 4 with
+    every branch); ``block_size`` is at most :data:`MAX_DRAFT_BLOCK`.
     ``steps``, ``threshold`` and ``remasking`` do not apply. ``nfe`` counts forwards (one per step).
     ``params.speculative_epsilon`` switches exact verification to Medusa's typical acceptance (lossy: the output is
     then no longer the greedy decoding, but every token is still one the causal path found typical in context).
@@ -75,12 +82,12 @@ class SpeculativeSequence(Sequence):
         check_speculative(self.params, self.dllm)
         self.draft_block = self.block_size
         b = self.params.speculative_branches
-        self.branches = self.draft_block - 1 if b is None else min(int(b), self.draft_block - 1)
+        self.branches = min(DEFAULT_BRANCHES if b is None else int(b), self.draft_block - 1)
         self.final_len = self.prompt_len            # canvas positions < final_len hold final tokens
         self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
         self.epsilon = self.params.speculative_epsilon
-        self.accepted_drafts = 0                     # drafts accepted over the request (for TPF accounting)
+        self.accepted_drafts = 0                     # drafts accepted / proposed over the request (statistics)
         self.proposed_drafts = 0
         self._layout: dict | None = None
 
@@ -104,7 +111,7 @@ class SpeculativeSequence(Sequence):
         start = [torch.arange(lo, fm, device=dev)]
         committed = [torch.ones(fm - lo, dtype=torch.bool, device=dev)]
         n = fm - lo
-        starts = ([("A", fm)] if fm + 1 < self.end else []) + \
+        starts = ([("A", fm)] if fm + 1 < self.end and self.draft_block > 1 else []) + \
                  [(i, f + i) for i in range(min(self.branches, len(drafts)))]
         # needed outputs: the causal rows from f - 1 (verify + correction), every mask row but each group's last
         needed = list(range(f - 1 - lo, fm - lo))
@@ -162,6 +169,8 @@ class SpeculativeSequence(Sequence):
             if early.numel():
                 ids = self.min_tokens_ids.to(logits.device)
                 logits[early.to(logits.device)[:, None], ids[None, :]] = float("-inf")
+        if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
+            logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
         best = torch.argmax(logits, dim=-1).cpu()
         typical = self._typical_ok(logits[: len(drafts)], drafts) if self.epsilon is not None else None
         accepted = 0
@@ -193,7 +202,7 @@ class SpeculativeSequence(Sequence):
         revealed = [Revealed(int(p) - self.prompt_len, t, float(lp.exp()), float(lp))
                     for p, t, lp in zip(positions.tolist(), new_tokens, logp)]
         step = self.step
-        block = (f - self.prompt_len) // self.draft_block
+        block = self.block_idx = (f - self.prompt_len) // self.draft_block  # the block of the first revealed token
         self.step += 1
         self._check_finished()
         event = StepEvent(request_id=self.request_id, block=block, step=step, nfe=self.nfe, revealed=revealed,

