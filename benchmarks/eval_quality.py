@@ -554,7 +554,8 @@ def markdown_table(result: dict) -> str:
            f"Notes: {m['notes']} EM = exact match after normalisation on checkable prompts; answer acc = EM, else "
            "the last number of the output for numeric answers, else contains; contains = the normalised answer "
            "appears in the output; '= parent' = share of outputs token-identical to the parent's. "
-           "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold>.", ""]
+           "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold> / b<block>-spec[-br<n>][-e<eps>] "
+           "(self-speculative: drafts verified by the causal path; -e = typical acceptance).", ""]
     out.append("| " + " | ".join(c[0] for c in COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))
     for r in result["runs"]:
