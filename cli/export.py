@@ -19,6 +19,9 @@ def register(sub, name):
     p.add_argument("--default-threshold", type=float, default=None,
                    help="decoding default stored in the checkpoint: requests that give neither steps nor threshold "
                         "get confidence-threshold decoding at this value (e.g. 0.7)")
+    p.add_argument("--default-speculative", action=argparse.BooleanOptionalAction, default=None,
+                   help="decoding default stored in the checkpoint: requests that do not set speculative (and fit "
+                        "it: greedy, no steps/threshold) get self-speculative decoding (prefix_causal models)")
     return p
 
 
@@ -34,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         res = export(args.src, args.out, args.quantization, device=args.device, dtype=args.dtype,
-                     verify=not args.no_verify, default_threshold=args.default_threshold)
+                     verify=not args.no_verify, default_threshold=args.default_threshold,
+                     default_speculative=args.default_speculative)
     except (ExportError, CheckpointError) as exc:
         raise UsageError(str(exc)) from exc
     print(json.dumps(res))

@@ -10,11 +10,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .params import MAX_SPECULATIVE_BLOCK
+
 ATTENTION_MODES = ("bidirectional", "prefix_causal", "block_causal")
 FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar")
 BLOCK_ALIGNMENTS = ("generation", "absolute")
 # request fields a checkpoint may set defaults for, with their allowed ranges (those of SamplingParams)
-DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0)}
+DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0), "speculative": bool}
 
 
 class CheckpointError(ValueError):
@@ -44,7 +46,8 @@ class DllmConfig:
         default_sampling: default request fields, :data:`DEFAULT_SAMPLING_FIELDS` only (e.g.
             ``{"temperature": 0.0, "threshold": 0.7}``): what a request that leaves them unset gets (as vLLM
             applies a checkpoint's ``generation_config.json``); ``threshold`` applies only to requests that give
-            neither ``steps`` nor ``threshold``.
+            neither ``steps`` nor ``threshold``; ``speculative`` (bool, prefix-causal models only) to requests that
+            do not set ``speculative`` and can be decoded self-speculatively (see ``SamplingParams.with_defaults``).
         suppress_token_ids: extra ids that are never generated (besides mask and pad).
     """
 
@@ -85,6 +88,16 @@ class DllmConfig:
             if key not in DEFAULT_SAMPLING_FIELDS:
                 raise CheckpointError(f"{where}.default_sampling.{key}: unknown field (allowed: "
                                       f"{', '.join(DEFAULT_SAMPLING_FIELDS)})")
+            if DEFAULT_SAMPLING_FIELDS[key] is bool:
+                if not isinstance(value, bool):
+                    raise CheckpointError(f"{where}.default_sampling.{key}: must be true or false, got {value!r}")
+                if key == "speculative" and value and not (self.attention == "prefix_causal" and self.logit_shift
+                                                           and self.block_size <= MAX_SPECULATIVE_BLOCK):
+                    raise CheckpointError(f"{where}.default_sampling.speculative: self-speculative decoding needs "
+                                          f"prefix_causal attention with the logit shift and a block size <= "
+                                          f"{MAX_SPECULATIVE_BLOCK} (this checkpoint: {self.attention}, logit_shift="
+                                          f"{self.logit_shift}, block_size {self.block_size})")
+                continue
             lo, hi = DEFAULT_SAMPLING_FIELDS[key]
             # range first: a huge JSON integer would overflow float() inside isfinite
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random")
 CACHE_MODES = ("auto", "none", "prefix", "dual")
 MAX_SEED = 2**63 - 1
+MAX_SPECULATIVE_BLOCK = 32  # self-speculative steps forward up to ~block_size^2 rows: the draft block is bounded
 
 
 class ParamError(ValueError):
@@ -73,7 +74,9 @@ class SamplingParams:
         speculative: self-speculative decoding (``unmask.engine.speculative``): mask-block drafts verified by the
             model's causal path; the output is token for token the model's ``block_size=1`` greedy decoding.
             ``prefix_causal`` models with the logit shift only; greedy (``temperature`` ``None`` resolves to 0);
-            ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block.
+            ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block. ``None`` =
+            the checkpoint's ``dllm.default_sampling.speculative`` where the request allows it (see
+            :meth:`with_defaults`), else off.
         speculative_branches: fallback mask groups per step (drafts for when draft i is the first rejected),
             ``0..block_size - 1``; ``None`` = ``min(3, block_size - 1)``. More rows per forward, fewer wasted steps.
         speculative_epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact
@@ -106,7 +109,7 @@ class SamplingParams:
     constraints: dict[int, int] = field(default_factory=dict)
     cache: str = "auto"
     logprobs: bool = False
-    speculative: bool = False
+    speculative: bool | None = None
     speculative_branches: int | None = None
     speculative_epsilon: float | None = None
 
@@ -142,12 +145,12 @@ class SamplingParams:
                 raise ParamError("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
             _check_number("stop_token_ids", t, lo=0, integer=True)
-        if not isinstance(self.speculative, bool):
+        if self.speculative is not None and not isinstance(self.speculative, bool):
             raise ParamError("speculative", f"must be a boolean, got {self.speculative!r}")
         _check_number("speculative_branches", self.speculative_branches, lo=0, integer=True)
         _check_number("speculative_epsilon", self.speculative_epsilon, lo=0, hi=1, lo_open=True)
         for name in ("speculative_branches", "speculative_epsilon"):
-            if getattr(self, name) is not None and not self.speculative:
+            if getattr(self, name) is not None and self.speculative is False:
                 raise ParamError(name, "only applies with speculative decoding (speculative=true)")
         if self.min_tokens and self.min_tokens > self.max_tokens:
             raise ParamError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
@@ -165,18 +168,38 @@ class SamplingParams:
 
         ``temperature``: the request's, else the checkpoint's, else 1.0. ``threshold``: the checkpoint's only when
         the request sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"`` (a step
-        count or another remasking order asks for quota decoding). A ``speculative`` request decodes greedily
-        (``temperature`` ``None`` -> 0) and takes no default threshold (it does not use one).
+        count or another remasking order asks for quota decoding). ``speculative``: the request's, else the
+        checkpoint's when the request is one self-speculative decoding can serve as asked (no ``steps`` or
+        ``threshold``, ``remasking="low_confidence"``, temperature unset or 0, no CFG, no penalties, a draft block of
+        at most 32), else off. A speculative request decodes greedily (``temperature`` ``None`` -> 0) and takes no
+        default threshold (it does not use one).
+
+        Raises:
+            ParamError: ``speculative_branches`` / ``speculative_epsilon`` on a request that is not speculative.
         """
         defaults = default_sampling or {}
+        speculative = self.speculative
+        if speculative is None:
+            speculative = bool(defaults.get("speculative", False)) and self._fits_speculative()
+        for name in ("speculative_branches", "speculative_epsilon"):
+            if getattr(self, name) is not None and not speculative:
+                raise ParamError(name, "only applies with speculative decoding (speculative=true)")
         temperature = self.temperature
-        if temperature is None and self.speculative:
+        if temperature is None and speculative:
             temperature = 0.0
         if temperature is None:
             temperature = float(defaults.get("temperature", 1.0))
         threshold = self.threshold
-        if (threshold is None and self.steps is None and self.remasking == "low_confidence" and not self.speculative
+        if (threshold is None and self.steps is None and self.remasking == "low_confidence" and not speculative
                 and defaults.get("threshold") is not None):
             threshold = float(defaults["threshold"])
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
-        return replace(self, temperature=temperature, threshold=threshold, seed=seed)
+        return replace(self, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
+
+    def _fits_speculative(self) -> bool:
+        """Whether a checkpoint's speculative default may apply: the request asks for nothing that self-speculative
+        decoding ignores or refuses (a request outside it silently keeps the ordinary decoding)."""
+        return (self.steps is None and self.threshold is None and self.remasking == "low_confidence"
+                and not self.temperature and self.cfg_scale == 0 and self.presence_penalty == 0
+                and self.frequency_penalty == 0 and self.repetition_penalty == 1.0
+                and (self.block_size is None or self.block_size <= MAX_SPECULATIVE_BLOCK))

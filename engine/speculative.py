@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 
 from .config import DllmConfig
+from .params import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .params import ParamError, SamplingParams
 from .sampler import MIN_SAMPLING_TEMPERATURE, filter_top_k_top_p, log_normalizer
 from .sequence import LaneInput, Revealed, Sequence, StepEvent
 
 MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
-MAX_DRAFT_BLOCK = 32       # a step forwards up to 1 + (B - 1) + B * (1 + branches) rows: keep it bounded
 DEFAULT_BRANCHES = 3       # fallback groups when the request does not say (block 4: every draft has one)
 
 

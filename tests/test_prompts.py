@@ -242,6 +242,12 @@ def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
         assert len(calls) == 2
         dllm = json.loads((tmp_path / "trained" / "config.json").read_text())["dllm"]
         assert dllm["default_sampling"]["threshold"] == 0.7
+        assert dllm["default_sampling"]["speculative"] is True  # the recipe's default
+        cfg.default_speculative = False  # turning it off is an export of its own too, and clears it
+        Recipe(cfg, log=logs.append).stage_export()
+        assert len(calls) == 3
+        dllm = json.loads((tmp_path / "trained" / "config.json").read_text())["dllm"]
+        assert dllm["default_sampling"]["speculative"] is False
 
         def failing():
             def fn(*a):

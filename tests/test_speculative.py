@@ -257,7 +257,7 @@ def test_incompatible_parameters_name_the_field(llm, kw, words):
                                        ({"speculative_epsilon": 0}, "speculative_epsilon"),
                                        ({"speculative_epsilon": 1.5}, "speculative_epsilon"),
                                        ({"speculative_branches": 2, "speculative": False}, "speculative_branches"),
-                                       ({"speculative_epsilon": 0.1}, "speculative_epsilon")])
+                                       ({"speculative_epsilon": 0.1, "speculative": False}, "speculative_epsilon")])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ParamError) as err:
         SamplingParams(**kw)
@@ -302,6 +302,9 @@ def test_http_field_streams_the_block1_answer_and_400_names_the_field():
         assert bad.status_code == 400 and "speculative" in bad.text
         bad = client.post("/v1/completions", json={**body, "speculative_branches": -1})
         assert bad.status_code == 400 and "speculative_branches" in bad.text
+        assert client.post("/v1/completions", json={**body, "speculative": None}).status_code == 200  # null = default
+        bad = client.post("/v1/completions", json={**body, "speculative": False, "speculative_branches": 1})
+        assert bad.status_code == 400 and "speculative_branches" in bad.text
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == ref  # still serving
 
 
@@ -324,3 +327,63 @@ def test_cli_generate_speculative(tmp_path):
     assert b["token_ids"] == a["token_ids"]
     bad = subprocess.run(base + ["--speculative", "--temperature", "0.5"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "speculative" in bad.stderr and "temperature 0" in bad.stderr
+
+
+# ---------------------------------------------------------------- the checkpoint's default
+def test_checkpoint_default_applies_to_greedy_requests_that_fit_it():
+    from unmask.engine.speculative import SpeculativeSequence as Spec
+
+    lm = loaded(block_size=4)
+    lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True}
+    llm = LLM(lm)
+    ids = llm.encode(PROMPTS[1])
+
+    def kind(**kw):
+        return type(llm.make_sequences(ids, SamplingParams(max_tokens=8, **kw), "k")[0])
+
+    assert kind() is Spec and kind(temperature=0) is Spec and kind(speculative_epsilon=0.1) is Spec
+    # requests outside it keep the ordinary decoding, without an error
+    for kw in ({"temperature": 0.7}, {"steps": 8}, {"threshold": 0.9}, {"remasking": "margin"}, {"cfg_scale": 1.0},
+               {"repetition_penalty": 1.1}, {"block_size": 64}, {"speculative": False}):
+        assert kind(**kw) is not Spec, kw
+    ref = _greedy_b1(llm, PROMPTS[1], 10, ignore_eos=True)
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ref.token_ids
+    with pytest.raises(ParamError) as err:  # knobs of speculative decoding on a request that opted out
+        llm.make_sequences(ids, SamplingParams(max_tokens=8, temperature=0.5, speculative_branches=1), "k")
+    assert err.value.field == "speculative_branches"
+
+
+@pytest.mark.parametrize("dllm_kw, value, words", [
+    ({}, "yes", "true or false"),
+    ({"attention": "bidirectional"}, True, "prefix_causal"),
+    ({"logit_shift": False}, True, "logit shift"),
+    ({"block_size": 64}, True, "block size <= 32"),
+])
+def test_checkpoint_default_is_validated(dllm_kw, value, words):
+    from unmask.engine.config import CheckpointError, DllmConfig
+
+    base = dict(family="a2d", mask_token_id=1, attention="prefix_causal", block_size=4, logit_shift=True,
+                eos_token_ids=[0])
+    with pytest.raises(CheckpointError, match="default_sampling.speculative") as err:
+        DllmConfig(**{**base, **dllm_kw}, default_sampling={"speculative": value})
+    assert words in str(err.value)
+    DllmConfig(**{**base, **dllm_kw}, default_sampling={"speculative": False})  # off is always allowed
+
+
+def test_export_writes_and_clears_the_default(tmp_path):
+    from unmask.engine.checkpoint import write_checkpoint
+    from unmask.engine.model import read_config
+    from unmask.training.export import ExportError, export
+
+    m = loaded()
+    write_checkpoint(tmp_path / "src", m.model, m.tokenizer, m.dllm)
+    export(tmp_path / "src", tmp_path / "on", quantization="none", default_speculative=True)
+    assert read_config(tmp_path / "on")["dllm"]["default_sampling"]["speculative"] is True
+    export(tmp_path / "on", tmp_path / "off", quantization="none", default_speculative=False)
+    assert read_config(tmp_path / "off")["dllm"]["default_sampling"]["speculative"] is False
+    bi = loaded(attention="bidirectional")
+    write_checkpoint(tmp_path / "bi", bi.model, bi.tokenizer, bi.dllm)
+    with pytest.raises(ExportError, match="prefix_causal"):
+        export(tmp_path / "bi", tmp_path / "bi-out", quantization="none", default_speculative=True)
+    assert not (tmp_path / "bi-out").exists()

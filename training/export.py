@@ -95,7 +95,7 @@ def probe_ids(tokenizer, n: int = 16) -> torch.Tensor:
 
 def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "nf4", device: str = "cpu",
            dtype: str = "float32", verify: bool = True, overwrite: bool = False,
-           default_threshold: float | None = None) -> dict:
+           default_threshold: float | None = None, default_speculative: bool | None = None) -> dict:
     """Write ``out``: the checkpoint of ``src`` quantized with ``quantization``.
 
     Args:
@@ -106,6 +106,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         default_threshold: written as ``dllm.default_sampling.threshold``: requests that set neither ``steps`` nor
             ``threshold`` then decode with confidence-threshold parallel decoding at this value (None = keep the
             source's defaults).
+        default_speculative: written as ``dllm.default_sampling.speculative``: requests that do not set
+            ``speculative`` (and fit it) then decode self-speculatively (None = keep the source's defaults).
 
     Returns:
         ``{"out", "source", "quantization", "max_abs_logit_diff"}`` (the diff is None without ``verify``).
@@ -114,7 +116,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         ExportError: bad arguments/source, a quantized source, or a reload whose logits differ from the
             exporter's by more than 1e-4.
     """
-    from unmask.engine.config import DllmConfig
+    from unmask.engine.config import CheckpointError, DllmConfig
     from unmask.engine.families.common import load_tokenizer
     from unmask.engine.model import read_config, resolve_dtype
 
@@ -149,6 +151,12 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
                                                        and 0 <= default_threshold <= 1):
             raise ExportError(f"--default-threshold: must be a number in [0, 1], got {default_threshold!r}")
         dllm.default_sampling = {**dllm.default_sampling, "threshold": float(default_threshold)}
+    if default_speculative is not None:
+        dllm.default_sampling = {**dllm.default_sampling, "speculative": bool(default_speculative)}
+        try:
+            dllm.validate(where="--default-speculative")
+        except CheckpointError as exc:
+            raise ExportError(str(exc)) from None
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export

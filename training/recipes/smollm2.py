@@ -63,6 +63,9 @@ class RecipeConfig:
         default_threshold: decoding default written into the export (``unmask export --default-threshold``):
             requests that give neither ``steps`` nor ``threshold`` decode with this confidence threshold
             (None = one token per step).
+        default_speculative: written into the export (``unmask export --default-speculative``): greedy requests
+            that give neither ``steps`` nor ``threshold`` decode self-speculatively (the model's ``block_size=1``
+            answer in fewer forwards; ``benchmarks/results/speculative/``). Default on.
     """
 
     work: str = ""
@@ -89,6 +92,7 @@ class RecipeConfig:
     seed: int = 0
     quantize: str = "nf4"
     default_threshold: float | None = None
+    default_speculative: bool = True
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -427,7 +431,8 @@ class Recipe:
         stamp = _weights_stamp(src)
         if (is_checkpoint(self.out) and done.get("source") == str(src) and done.get("source_stamp") == stamp
                 and done.get("quantize") == self.cfg.quantize
-                and done.get("default_threshold") == self.cfg.default_threshold):
+                and done.get("default_threshold") == self.cfg.default_threshold
+                and done.get("default_speculative") == self.cfg.default_speculative):
             self._say("export", f"done: {self.out} (from {src.name}, {self.cfg.quantize})")
             return
         export = _export_function()
@@ -438,7 +443,8 @@ class Recipe:
         fresh.parent.mkdir(parents=True, exist_ok=True)
         self._say("export", f"{src} -> {self.out} ({self.cfg.quantize})")
         t0 = time.time()
-        info = export(str(src), str(fresh), self.cfg.quantize, self.cfg.default_threshold)
+        info = export(str(src), str(fresh), self.cfg.quantize, self.cfg.default_threshold,
+                      self.cfg.default_speculative)
         if self.out.exists():
             stamp_now = time.strftime('%Y%m%d-%H%M%S')
             aside = self.out.with_name(f"{self.out.name}.old-{stamp_now}")
@@ -450,7 +456,8 @@ class Recipe:
             os.replace(self.out, aside)
         os.replace(fresh, self.out)
         self._mark("export", source=str(src), source_stamp=stamp, quantize=self.cfg.quantize,
-                   default_threshold=self.cfg.default_threshold, path=str(self.out),
+                   default_threshold=self.cfg.default_threshold,
+                   default_speculative=self.cfg.default_speculative, path=str(self.out),
                    seconds=round(time.time() - t0, 1),
                    max_abs_logit_diff=(info or {}).get("max_abs_logit_diff") if isinstance(info, dict) else None)
         self._say("export", f"done in {time.time() - t0:.0f}s")
@@ -497,9 +504,11 @@ def _export_function():
         raise RecipeError(f"export: unmask.training.export is not available ({exc}); export by hand with "
                           "`unmask export WORK/train OUT` once it exists") from exc
 
-    def call(src: str, out: str, quantize: str, default_threshold: float | None = None) -> dict:
+    def call(src: str, out: str, quantize: str, default_threshold: float | None = None,
+             default_speculative: bool | None = None) -> dict:
         try:
-            return export(src, out, quantization=quantize, default_threshold=default_threshold)
+            return export(src, out, quantization=quantize, default_threshold=default_threshold,
+                          default_speculative=default_speculative)
         except ExportError as exc:
             raise RecipeError(f"export: {exc}") from exc
     return call
@@ -546,4 +555,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--default-threshold", type=float, default=d.default_threshold,
                    help="decoding default stored in the export: requests without steps/threshold get "
                         "confidence-threshold decoding at this value (default: one token per step)")
+    p.add_argument("--default-speculative", action=argparse.BooleanOptionalAction, default=d.default_speculative,
+                   help="decoding default stored in the export: greedy requests without steps/threshold decode "
+                        "self-speculatively (default: on)")
     return p
