@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     eos = list(lm.dllm.eos_token_ids)
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     env = bc.environment(args.threads, args.device)
-    p_block1 = SamplingParams(max_tokens=args.max_tokens, block_size=1, temperature=0, seed=0)
+    p_block1 = SamplingParams(max_tokens=args.max_tokens, block_size=1, temperature=0, seed=0,
+                              speculative=False)  # the plain AR path, whatever the checkpoint default
     par = parse_setting(args.parallel)
     p_par = par.params(args.max_tokens)
     hf_greedy(hf, prompts[0][:8], 4, eos)  # warm-up
@@ -154,7 +155,9 @@ def main(argv=None) -> int:
                          "max_tokens": args.max_tokens, "repeats": args.repeats, "batch": 1, "temperature": 0,
                          "block1": {"block_size": 1, "cache": "auto (exact)"},
                          "parallel": {"setting": par.name, "block_size": par.block_size, "steps": par.steps,
-                                      "threshold": par.threshold, "cache": par.cache},
+                                      "threshold": par.threshold, "cache": par.cache,
+                                      "speculative": par.speculative, "speculative_branches": par.branches,
+                                      "speculative_epsilon": par.epsilon},
                          "hf": "transformers generate, do_sample=False, use_cache=True, sdpa"},
             "environment": env, "summary": summ, "runs": runs, "llama_cpp": llama,
             "engine_parallel_vs_llama_cpp": (summ["engine_parallel"]["tokens_per_s"] / llama["tokens_per_s"])
