@@ -35,9 +35,11 @@ def register(sub, name):
                         "identical to --block-size 1 greedy decoding; prefix_causal models; default: the "
                         "checkpoint's default)")
     p.add_argument("--speculative-branches", type=int, default=None,
-                   help="fallback draft groups per step (default: block size - 1)")
+                   help="fallback draft groups per step (default: min(3, block size - 1))")
     p.add_argument("--speculative-epsilon", type=float, default=None,
                    help="accept drafts by Medusa's typical acceptance with this epsilon (lossy; default: exact)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op CPU threads (default: torch's choice; 1 is often fastest on a busy CPU)")
     p.add_argument("--family", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -65,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
                                 speculative_epsilon=args.speculative_epsilon)
     except ParamError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads: must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     from unmask.engine.detokenize import TokenTexts
     from unmask.engine.llm import LLM
 
