@@ -60,7 +60,7 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ParamError("n", f"must be a positive integer, got {n!r}")
-    resolved = params.with_defaults(model.dllm.default_sampling)
+    resolved = params.with_defaults(model.dllm.default_sampling, model.dllm.block_size)
     kind = SpeculativeSequence if resolved.speculative else Sequence
     return [kind(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
                      replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm, model.tokenizer,

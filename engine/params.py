@@ -162,7 +162,8 @@ class SamplingParams:
         if self.suffix is not None and not isinstance(self.suffix, (str, list)):
             raise ParamError("suffix", "must be a string or a list of token ids")
 
-    def with_defaults(self, default_sampling: dict | None = None) -> "SamplingParams":
+    def with_defaults(self, default_sampling: dict | None = None, model_block_size: int | None = None
+                      ) -> "SamplingParams":
         """A copy with ``temperature``, ``threshold`` and ``seed`` resolved from the checkpoint's
         ``dllm.default_sampling`` (validated by :class:`~unmask.engine.config.DllmConfig`) and a random seed.
 
@@ -170,8 +171,9 @@ class SamplingParams:
         the request sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"`` (a step
         count or another remasking order asks for quota decoding). ``speculative``: the request's, else the
         checkpoint's when the request is one self-speculative decoding can serve as asked (no ``steps`` or
-        ``threshold``, ``remasking="low_confidence"``, temperature unset or 0, no CFG, no penalties, a draft block of
-        at most 32), else off. A speculative request decodes greedily (``temperature`` ``None`` -> 0) and takes no
+        ``threshold``, ``remasking="low_confidence"``, a temperature - the request's, else the checkpoint's - unset or
+        0, no CFG, no penalties, a draft block - the request's, else ``model_block_size`` - of at most 32), else
+        off. A speculative request decodes greedily (``temperature`` ``None`` -> 0) and takes no
         default threshold (it does not use one).
 
         Raises:
@@ -180,7 +182,8 @@ class SamplingParams:
         defaults = default_sampling or {}
         speculative = self.speculative
         if speculative is None:
-            speculative = bool(defaults.get("speculative", False)) and self._fits_speculative()
+            speculative = (bool(defaults.get("speculative", False))
+                           and self._fits_speculative(defaults.get("temperature"), model_block_size))
         for name in ("speculative_branches", "speculative_epsilon"):
             if getattr(self, name) is not None and not speculative:
                 raise ParamError(name, "only applies with speculative decoding (speculative=true)")
@@ -196,10 +199,13 @@ class SamplingParams:
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
         return replace(self, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
 
-    def _fits_speculative(self) -> bool:
+    def _fits_speculative(self, default_temperature, model_block_size: int | None) -> bool:
         """Whether a checkpoint's speculative default may apply: the request asks for nothing that self-speculative
-        decoding ignores or refuses (a request outside it silently keeps the ordinary decoding)."""
+        decoding ignores or refuses (a request outside it silently keeps the ordinary decoding). A checkpoint whose
+        default temperature is > 0 keeps sampling requests that leave the temperature unset."""
+        temperature = self.temperature if self.temperature is not None else default_temperature
+        block = self.block_size or model_block_size
         return (self.steps is None and self.threshold is None and self.remasking == "low_confidence"
-                and not self.temperature and self.cfg_scale == 0 and self.presence_penalty == 0
+                and not temperature and self.cfg_scale == 0 and self.presence_penalty == 0
                 and self.frequency_penalty == 0 and self.repetition_penalty == 1.0
-                and (self.block_size is None or self.block_size <= MAX_SPECULATIVE_BLOCK))
+                and (block is None or block <= MAX_SPECULATIVE_BLOCK))

@@ -346,6 +346,14 @@ def test_checkpoint_default_applies_to_greedy_requests_that_fit_it():
     for kw in ({"temperature": 0.7}, {"steps": 8}, {"threshold": 0.9}, {"remasking": "margin"}, {"cfg_scale": 1.0},
                {"repetition_penalty": 1.1}, {"block_size": 64}, {"speculative": False}):
         assert kind(**kw) is not Spec, kw
+    # a block size the server set above the limit (`unmask serve --block-size 64`): ordinary decoding, no 400
+    lm.dllm.block_size = 64
+    assert kind() is not Spec and kind(block_size=4) is Spec
+    lm.dllm.block_size = 4
+    # a checkpoint that samples by default keeps sampling requests that leave the temperature unset
+    lm.dllm.default_sampling = {"temperature": 0.7, "speculative": True}
+    assert kind() is not Spec and kind(temperature=0) is Spec
+    lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True}
     ref = _greedy_b1(llm, PROMPTS[1], 10, ignore_eos=True)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ref.token_ids
