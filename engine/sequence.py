@@ -227,6 +227,8 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.blocks_done_steps: list[int] = []
+        self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
+        self.accepted_drafts = 0
         self._prefix: list[int] = []  # revealed left-to-right prefix of the generated region (see _check_finished)
         self._checked = False
         self._skip_empty_blocks()

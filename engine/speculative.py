@@ -87,8 +87,6 @@ class SpeculativeSequence(Sequence):
         self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
         self.epsilon = self.params.speculative_epsilon
-        self.accepted_drafts = 0                     # drafts accepted / proposed over the request (statistics)
-        self.proposed_drafts = 0
         self._layout: dict | None = None
 
     # ------------------------------------------------------------------ one step: inputs

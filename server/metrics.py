@@ -9,15 +9,17 @@ What moves when (values move exactly with the requests served):
   usage ``prompt_tokens``, ``generation_tokens_total`` += ``completion_tokens``, ``nfe_total`` += usage ``nfe``,
   ``denoising_steps_total`` += usage ``denoising_steps``, ``request_success_total{finished_reason}`` += 1 per choice,
   one ``e2e_request_latency_seconds``, ``request_queue_time_seconds`` and ``time_to_first_token_seconds``
-  observation per request, one ``tokens_per_forward`` observation per choice (generated tokens / NFE) and one
-  ``steps_per_block`` observation per decoded block;
+  observation per request, one ``tokens_per_forward`` observation per choice (generated tokens / NFE), one
+  ``steps_per_block`` observation per decoded block, and (self-speculative requests; vLLM's names)
+  ``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` += the drafts verified / accepted;
 * a request that fails after admission (client disconnect, timeout, engine fault, queue/cache full):
   ``request_failure_total{reason}`` += 1 with reason ``abort`` | ``timeout`` | ``error`` | ``queue_full`` |
   ``cache_full``, and the work it got before it ended is still counted (vLLM counts tokens as they are generated;
   here they are counted when the request ends): ``generation_tokens_total`` += the tokens it had revealed (the
   left-to-right prefix an aborted request keeps, ``Sequence.num_output_tokens``), ``nfe_total`` and
   ``denoising_steps_total`` += its forwards and steps, ``prompt_tokens_total`` += each of its prompts that ran at
-  least one forward (so ``rate(generation_tokens_total)`` is the work done, cancelled streams included); 4xx
+  least one forward (so ``rate(generation_tokens_total)`` is the work done, cancelled streams included), and the
+  drafts it verified / accepted; 4xx
   validation errors count nothing;
 * ``num_requests_running`` / ``num_requests_waiting`` read the engine's counters at scrape time.
 
@@ -69,6 +71,11 @@ class Metrics:
                              buckets=TPF_BUCKETS, registry=r)
         self.steps_per_block = Histogram("unmask:steps_per_block", "Denoising steps each decoded block took.", L,
                                          buckets=STEPS_BUCKETS, registry=r)
+        self.drafts = Counter("unmask:spec_decode_num_draft_tokens",
+                              "Draft tokens verified by self-speculative decoding.", L, registry=r)
+        self.accepted = Counter("unmask:spec_decode_num_accepted_tokens",
+                                "Draft tokens accepted by self-speculative decoding (acceptance rate = "
+                                "accepted / draft).", L, registry=r)
         self.running = Gauge("unmask:num_requests_running", "Requests with a sequence in the running batch.", L,
                              registry=r)
         self.waiting = Gauge("unmask:num_requests_waiting", "Requests waiting for a batch slot.", L, registry=r)
@@ -76,7 +83,7 @@ class Metrics:
             self.running.labels(model_name).set_function(lambda: engine.num_running)
             self.waiting.labels(model_name).set_function(lambda: engine.num_waiting)
         for metric in (self.prompt_tokens, self.generation_tokens, self.nfe, self.denoising_steps, self.ttft,
-                       self.e2e, self.queue_time, self.tpf, self.steps_per_block):
+                       self.e2e, self.queue_time, self.tpf, self.steps_per_block, self.drafts, self.accepted):
             metric.labels(model_name)  # exported from the start (0), not only after the first request
         for reason in ("abort", "timeout", "error", "queue_full", "cache_full"):
             self.request_failure.labels(model_name, reason)
@@ -92,6 +99,7 @@ class Metrics:
         self.generation_tokens.labels(m).inc(sum(len(s.output_ids) for s in sequences))
         self.nfe.labels(m).inc(sum(s.nfe for s in sequences))
         self.denoising_steps.labels(m).inc(sum(s.step for s in sequences))
+        self._count_drafts(sequences)
         for s in sequences:
             self.request_success.labels(m, s.finish_reason).inc()
             if s.nfe:
@@ -118,6 +126,12 @@ class Metrics:
                 self.nfe.labels(m).inc(nfe)
             self.generation_tokens.labels(m).inc(sum(s.num_output_tokens for s in sequences))
             self.denoising_steps.labels(m).inc(sum(s.step for s in sequences))
+            self._count_drafts(sequences)
+
+    def _count_drafts(self, sequences) -> None:
+        """Add the drafts the sequences verified and accepted (0 for sequences not decoded self-speculatively)."""
+        self.drafts.labels(self.model_name).inc(sum(s.proposed_drafts for s in sequences))
+        self.accepted.labels(self.model_name).inc(sum(s.accepted_drafts for s in sequences))
 
     def render(self) -> tuple[bytes, str]:
         """Exposition text and its content type."""

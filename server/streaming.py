@@ -123,9 +123,11 @@ class Run:
             metrics.record_failure(failure, [(len(p), s.sequences) for p, s in zip(self.prompt_ids, self.streams)])
         tpf = u["completion_tokens"] / u["nfe"] if u["nfe"] else 0.0
         reasons = ",".join(str(s.finish_reason) for s in self.sequences)
+        spec = any(s.params.speculative for s in self.sequences)
         log.info("%s status=%d prompt_tokens=%d completion_tokens=%d nfe=%d tpf=%.2f steps=%d seconds=%.3f "
-                 "finish=%s%s", self.id, status, u["prompt_tokens"], u["completion_tokens"], u["nfe"], tpf,
-                 u["denoising_steps"], end - self.arrival, reasons, f" failure={failure}" if failure else "")
+                 "finish=%s decoding=%s%s", self.id, status, u["prompt_tokens"], u["completion_tokens"], u["nfe"], tpf,
+                 u["denoising_steps"], end - self.arrival, reasons, "speculative" if spec else "diffusion",
+                 f" failure={failure}" if failure else "")
 
     # ------------------------------------------------------------------ response pieces
     def _token_entries(self, seq) -> list[tuple[str, float]]:

@@ -74,8 +74,8 @@ def _metric(text, name):
 def test_failed_requests_count_the_work_they_did():
     from unmask.server.metrics import Metrics
 
-    ran = types.SimpleNamespace(num_output_tokens=3, nfe=4, step=4)
-    queued = types.SimpleNamespace(num_output_tokens=0, nfe=0, step=0)
+    ran = types.SimpleNamespace(num_output_tokens=3, nfe=4, step=4, proposed_drafts=5, accepted_drafts=2)
+    queued = types.SimpleNamespace(num_output_tokens=0, nfe=0, step=0, proposed_drafts=0, accepted_drafts=0)
     m = Metrics("m")
     m.record_failure("abort", [(10, [ran, ran])])
     m.record_failure("queue_full", [(7, [queued])])  # never ran: its prompt was not processed
@@ -85,6 +85,8 @@ def test_failed_requests_count_the_work_they_did():
     assert 'unmask:request_failure_total{model_name="m",reason="abort"} 1.0' in text
     assert 'unmask:request_failure_total{model_name="m",reason="queue_full"} 1.0' in text
     assert _metric(text, "request_success_total") == 0
+    assert _metric(text, "spec_decode_num_draft_tokens_total") == 10  # self-speculative work counts too
+    assert _metric(text, "spec_decode_num_accepted_tokens_total") == 4
 
 
 def test_request_timeout_stream_and_plain(model):

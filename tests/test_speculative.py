@@ -306,6 +306,13 @@ def test_http_field_streams_the_block1_answer_and_400_names_the_field():
         bad = client.post("/v1/completions", json={**body, "speculative": False, "speculative_branches": 1})
         assert bad.status_code == 400 and "speculative_branches" in bad.text
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == ref  # still serving
+        text = client.get("/metrics").text
+        values = {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if not line.startswith("#")
+                  for name in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+                  if line.startswith(f"unmask:{name}")}
+        # 4 speculative requests of 9 tokens: drafts were verified (the first step has none), few accepted here
+        assert values["spec_decode_num_draft_tokens_total"] > 0
+        assert 0 <= values["spec_decode_num_accepted_tokens_total"] <= values["spec_decode_num_draft_tokens_total"]
 
 
 def test_cli_generate_speculative(tmp_path):
