@@ -15,8 +15,15 @@ def register(sub, name):
     p.add_argument("--model", required=True, help="a2d checkpoint directory (`unmask convert` output)")
     p.add_argument("--data", required=True, help="JSONL: `messages` chats or `prompt`/`completion` (distill-data)")
     p.add_argument("--out", required=True, help="output directory (checkpoint-<step>/, latest, metrics.csv, loss.png)")
-    p.add_argument("--objective", default="block", choices=["mdlm", "block"],
-                   help="mdlm: one t per sequence (bidirectional); block: every block in one forward (default)")
+    p.add_argument("--objective", default="block", choices=["mdlm", "block", "draft"],
+                   help="mdlm: one t per sequence (bidirectional); block: every block in one forward (default); "
+                        "draft: train the model as the drafter of verifier-routed speculative decoding (needs "
+                        "--verifier)")
+    p.add_argument("--verifier", default=None,
+                   help="--objective draft: the a2d checkpoint whose causal path verifies the drafts (the untrained "
+                        "conversion of the AR parent); the saved checkpoints name it as their verifier")
+    p.add_argument("--draft-groups", type=int, default=32,
+                   help="--objective draft: draft groups (of --block-size masks) per example per step")
     p.add_argument("--trainable", default="full", choices=["full", "freeze_ffn", "qk_only", "lora", "qlora"])
     p.add_argument("--block-size", type=int, default=None, help="training block size (default: the checkpoint's)")
     p.add_argument("--complementary", action="store_true", help="also train the complementary mask of each block")
@@ -76,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         no_ce=args.no_ce, certainty=args.certainty, certainty_temperature=args.certainty_temperature,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
-        mixed_precision=args.mixed_precision, progress=not args.no_progress)
+        mixed_precision=args.mixed_precision, progress=not args.no_progress, verifier=args.verifier,
+        draft_groups=args.draft_groups)
     try:
         out = train(cfg)
     except TrainError as exc:

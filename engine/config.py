@@ -49,6 +49,9 @@ class DllmConfig:
             neither ``steps`` nor ``threshold``; ``speculative`` (bool, prefix-causal models only) to requests that
             do not set ``speculative`` and can be decoded self-speculatively (see ``SamplingParams.with_defaults``).
         suppress_token_ids: extra ids that are never generated (besides mask and pad).
+        verifier: directory (relative to the checkpoint, or absolute) of a checkpoint with the same architecture
+            and tokenizer whose weights run the causal rows of speculative requests (``unmask.engine.routed``):
+            their output is then the verifier's greedy decoding. Needs ``prefix_causal`` with the logit shift.
     """
 
     family: str
@@ -63,6 +66,7 @@ class DllmConfig:
     sub_block_size: int | None = None
     default_sampling: dict[str, Any] = field(default_factory=dict)
     suppress_token_ids: list[int] = field(default_factory=list)
+    verifier: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +85,12 @@ class DllmConfig:
             raise CheckpointError(f"{where}.mask_token_id: must be a non-negative integer, got {self.mask_token_id!r}")
         if not self.eos_token_ids:
             raise CheckpointError(f"{where}.eos_token_ids: at least one EOS id is required")
+        if self.verifier is not None:
+            if not isinstance(self.verifier, str) or not self.verifier.strip():
+                raise CheckpointError(f"{where}.verifier: must be a non-empty directory path, got {self.verifier!r}")
+            if not (self.attention == "prefix_causal" and self.logit_shift):
+                raise CheckpointError(f"{where}.verifier: needs prefix_causal attention with the logit shift "
+                                      f"(this checkpoint: {self.attention}, logit_shift={self.logit_shift})")
         if not isinstance(self.default_sampling, dict):
             raise CheckpointError(f"{where}.default_sampling: must be an object, got "
                                   f"{type(self.default_sampling).__name__}")

@@ -97,6 +97,9 @@ class Denoiser:
         start = torch.zeros(B, Q, dtype=torch.long, device=dev)
         committed = torch.zeros(B, Q, dtype=torch.bool, device=dev)
         valid = torch.zeros(B, Q, dtype=torch.bool, device=dev)
+        # with a verifier (unmask.engine.routed): the causal rows of speculative requests run the verifier's weights
+        routed = self.model.router is not None
+        drafter_rows = torch.ones(B, Q, dtype=torch.bool, device=dev) if routed else None
         lanes = []
         for b, (seq, li, inp) in enumerate(rows):
             n = int(inp.chunk.numel())
@@ -106,6 +109,8 @@ class Denoiser:
             start[b, :n] = inp.start
             committed[b, :n] = inp.committed
             valid[b, :n] = True
+            if routed and isinstance(seq, SpeculativeSequence):
+                drafter_rows[b, :n] = ~inp.committed
             lane_cache = seq.lanes[li].cache
             if inp.replace_cache:
                 lane_cache.clear()
@@ -117,8 +122,11 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
-        forward = self._compiled_forward or self.model.hidden_states
-        hidden = forward(input_ids, pos, mask, cache=kv)
+        if self._compiled_forward is not None:
+            with self.model.routing(drafter_rows):
+                hidden = self._compiled_forward(input_ids, pos, mask, cache=kv)
+        else:
+            hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, drafter_rows=drafter_rows)
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call
@@ -136,9 +144,10 @@ class Denoiser:
             spans.append((len(gather_cols), len(idx), len(extra), carry_at))
             gather_cols.extend(idx + extra)
             gather_rows.extend([b] * (len(idx) + len(extra)))
-        flat = hidden[torch.tensor(gather_rows, dtype=torch.long, device=dev),
-                      torch.tensor(gather_cols, dtype=torch.long, device=dev)]
-        logits = self.model.logits(flat)
+        g_rows = torch.tensor(gather_rows, dtype=torch.long, device=dev)
+        g_cols = torch.tensor(gather_cols, dtype=torch.long, device=dev)
+        logits = self.model.logits(hidden[g_rows, g_cols],
+                                   drafter_rows=drafter_rows[g_rows, g_cols] if routed else None)
 
         out = []
         for b, (seq, li, inp) in enumerate(rows):

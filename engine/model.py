@@ -6,6 +6,7 @@ The denoiser only calls :meth:`LoadedModel.hidden_states` and :meth:`LoadedModel
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -72,6 +73,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_context: int
+    router: Any = None  # a routed.RowRouter when the checkpoint has a verifier (``dllm.verifier``), else None
 
     def __post_init__(self) -> None:
         self.model.eval()
@@ -80,22 +82,50 @@ class LoadedModel:
         params = inspect.signature(self._decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
+    def attach_verifier(self, verifier_model) -> None:
+        """Route the causal rows of speculative requests to ``verifier_model``'s weights
+        (:func:`unmask.engine.routed.attach_verifier`; raises its ``ValueError`` for another architecture)."""
+        from .routed import attach_verifier
+
+        self.router = attach_verifier(self.model, verifier_model)
+        self._head = self.model.get_output_embeddings()
+
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head (logits width)."""
         return int(self._head.weight.shape[0])
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      cache=None) -> torch.Tensor:
+                      cache=None, drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Last hidden states ``[B, Q, H]`` for ``input_ids``/``position_ids`` ``[B, Q]`` int64 and a boolean mask
-        ``[B, 1, Q, C + Q]`` (C = cached keys in ``cache``, a :class:`~unmask.engine.kv_cache.BatchKV`)."""
+        ``[B, 1, Q, C + Q]`` (C = cached keys in ``cache``, a :class:`~unmask.engine.kv_cache.BatchKV`).
+
+        ``drafter_rows`` (``[B, Q]`` bool, models with a verifier only): rows that run the model's own weights;
+        the others run the verifier's (``unmask.engine.routed``). ``None``: every row runs the model's weights.
+        """
         kwargs = {self._cache_kw: cache, "use_cache": False}
-        out = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+        with self.routing(drafter_rows):
+            out = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                **kwargs)
         return out.last_hidden_state
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
-        return self._head(hidden).float()
+    def logits(self, hidden: torch.Tensor, drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits (``drafter_rows``: ``[N]`` bool, as in
+        :meth:`hidden_states`)."""
+        with self.routing(drafter_rows):
+            return self._head(hidden).float()
+
+    @contextlib.contextmanager
+    def routing(self, drafter_rows: torch.Tensor | None):
+        """Context in which routed modules split rows by ``drafter_rows`` (a no-op without a verifier)."""
+        if self.router is None or drafter_rows is None:
+            yield
+            return
+        self.router.drafter_rows = drafter_rows
+        try:
+            yield
+        finally:
+            self.router.drafter_rows = None
 
 
 def read_config(path: str | Path) -> dict:

@@ -230,3 +230,13 @@ def save_foreign_checkpoint(out, state: dict, config: dict, tokenizer, shards: i
     if generation_config is not None:
         (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
     return out
+
+
+def loaded_with_verifier(verifier_seed=0, drafter_seed=1, block_size=4, **model_kw):
+    """``(routed, verifier)``: a prefix-causal tiny drafter whose causal rows run ``verifier``'s weights
+    (``unmask.engine.routed``), and that verifier as its own :class:`LoadedModel` (two different random models)."""
+    verifier = loaded(attention="prefix_causal", block_size=block_size, seed=verifier_seed, **model_kw)
+    routed = loaded(attention="prefix_causal", block_size=block_size, seed=drafter_seed, **model_kw)
+    routed.attach_verifier(verifier.model)
+    routed.dllm.verifier = "<memory>"
+    return routed, verifier

@@ -33,6 +33,15 @@ Objectives (DESIGN.md section 7, issue 4):
   The mean is per micro-batch (as in dParallel's reference trainer); with gradient accumulation the objective is the
   mean of those means.
 
+* ``draft`` (``prefix_causal`` checkpoints with the logit shift, trained against a frozen *verifier*, e.g. the
+  untrained conversion of the AR parent; ``unmask.engine.routed``): trains the model as the drafter of
+  verifier-routed speculative decoding. The verifier forwards the clean sequence causally; its keys/values are the
+  context. For each sampled answer position ``s``, a group of ``block_size`` mask tokens at positions
+  ``s .. s+block_size-1`` sees the verifier's context before ``s`` (and itself) - exactly mask group A / a fallback
+  group of ``unmask.engine.speculative`` - and its output ``s + k`` (logit shift) is scored against the answer token
+  ``s + k + 1`` for ``k = 0 .. block_size - 2`` (the token at ``s`` itself comes from the verifier). ``CE`` is the
+  mean over scored tokens (``1/t`` = 1); no noise level: decoding drafts from fully masked groups.
+
 Prompt tokens are never labels; only answer positions are ever masked or scored.
 """
 from __future__ import annotations
@@ -48,7 +57,7 @@ from unmask.engine.config import DllmConfig
 
 from .data import Batch
 
-OBJECTIVES = ("mdlm", "block")
+OBJECTIVES = ("mdlm", "block", "draft")
 
 
 @dataclass
@@ -468,3 +477,139 @@ def eval_t_grid(n: int = 5) -> list[float]:
 def finite(x: float) -> bool:
     """``math.isfinite(x)``: False for NaN and +-inf."""
     return math.isfinite(x)
+
+
+# ---------------------------------------------------------------------------------------------- draft objective
+@dataclass
+class DraftLayout:
+    """Inputs of one ``draft`` forward (see the module docstring) and where its losses are read.
+
+    Attributes:
+        context_ids: ``[B, L]`` int64 clean sequences; context_mask: ``[B, 1, L, L]`` bool causal mask (the
+            verifier's forward); context_valid: ``[B, L]`` bool.
+        input_ids, position_ids: ``[B, R]`` int64 mask tokens of the draft groups and their positions.
+        attention_mask: ``[B, 1, R, L + R]`` bool (keys: the context, then the draft rows).
+        valid: ``[B, R]`` bool (False = padding).
+        src_row, src_col: ``[N]`` int64 draft-row outputs scored; labels: ``[N]`` int64 answer tokens they predict.
+        draft_index: ``[N]`` int64 ``k`` (0 = the first draft of its group); group: ``[N]`` int64 a group id unique
+            in the micro-batch (for the accepted-length statistic).
+        inv_t: ``[N]`` float32 ones; norm: ``N`` (float).
+    """
+
+    context_ids: torch.Tensor
+    context_mask: torch.Tensor
+    context_valid: torch.Tensor
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    valid: torch.Tensor
+    src_row: torch.Tensor
+    src_col: torch.Tensor
+    labels: torch.Tensor
+    draft_index: torch.Tensor
+    group: torch.Tensor
+    inv_t: torch.Tensor
+    norm: float
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens forwarded with gradients (valid draft rows), for tokens/s."""
+        return int(self.valid.sum())
+
+    def to(self, device) -> "DraftLayout":
+        """Move every tensor field to ``device`` in place; returns self."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
+
+DRAFT_GROUP_BASE = 1 << 40  # attention-group ids of draft groups: above every position (context tokens use pos)
+
+
+def build_draft_layout(batch: Batch, dllm: DllmConfig, block_size: int, generator: torch.Generator,
+                       max_groups: int = 32) -> DraftLayout:
+    """The ``draft`` objective's layout for ``batch``: up to ``max_groups`` draft groups per example, at answer
+    positions ``s`` drawn without replacement from those with at least one label (``s + 1`` inside the answer).
+
+    Masks come from :func:`unmask.engine.attention.build_attention_mask` (the engine's builder): the context is
+    committed and causal (each token its own group), each draft group one non-committed group starting at ``s``.
+
+    Raises:
+        ValueError: ``block_size < 2`` (a group of one mask drafts nothing), ``max_groups < 1``, or a checkpoint
+            without ``prefix_causal`` attention and the logit shift.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size: the draft objective needs at least 2 (got {block_size})")
+    if max_groups < 1:
+        raise ValueError(f"draft_groups: must be >= 1 (got {max_groups})")
+    if dllm.attention != "prefix_causal" or not dllm.logit_shift:
+        raise ValueError("the draft objective needs a prefix_causal checkpoint with the logit shift")
+    B, L = batch.input_ids.shape
+    pos = torch.arange(L)
+    ctx_pos = pos.expand(B, L)
+    ctx_valid = batch.valid
+    context_mask = build_attention_mask(ctx_pos, ctx_pos, ctx_pos, ctx_valid, ctx_pos, ctx_pos, ctx_valid, ctx_valid)
+    per_row = []
+    for b in range(B):
+        starts = []
+        for lo, hi in batch.spans[b]:
+            starts.extend(range(lo, hi - 1))
+        if len(starts) > max_groups:
+            pick = torch.randperm(len(starts), generator=generator)[:max_groups].sort().values
+            starts = [starts[i] for i in pick.tolist()]
+        per_row.append(starts)
+    R = max(1, max(len(st) for st in per_row) * block_size)
+    ids = torch.full((B, R), dllm.mask_token_id, dtype=torch.long)
+    q_pos = torch.zeros(B, R, dtype=torch.long)
+    q_grp = torch.full((B, R), -2, dtype=torch.long)
+    q_start = torch.zeros(B, R, dtype=torch.long)
+    q_valid = torch.zeros(B, R, dtype=torch.bool)
+    src_row, src_col, labels, k_idx, groups = [], [], [], [], []
+    gid = 0
+    for b, starts in enumerate(per_row):
+        ends = {s: next(hi for lo, hi in batch.spans[b] if lo <= s < hi) for s in starts}
+        for g, s in enumerate(starts):
+            c0 = g * block_size
+            q_pos[b, c0: c0 + block_size] = torch.arange(s, s + block_size)
+            q_grp[b, c0: c0 + block_size] = DRAFT_GROUP_BASE + g
+            q_start[b, c0: c0 + block_size] = s
+            q_valid[b, c0: c0 + block_size] = True
+            for k in range(block_size - 1):
+                if s + k + 1 >= ends[s]:
+                    break
+                src_row.append(b)
+                src_col.append(c0 + k)
+                labels.append(int(batch.input_ids[b, s + k + 1]))
+                k_idx.append(k)
+                groups.append(gid)
+            gid += 1
+    k_committed = torch.cat([ctx_valid, torch.zeros(B, R, dtype=torch.bool)], 1)
+    mask = build_attention_mask(q_pos, q_grp, q_start, q_valid,
+                                torch.cat([ctx_pos, q_pos], 1), torch.cat([ctx_pos, q_grp], 1), k_committed,
+                                torch.cat([ctx_valid, q_valid], 1))
+    n = len(labels)
+    return DraftLayout(context_ids=batch.input_ids, context_mask=context_mask, context_valid=ctx_valid,
+                       input_ids=ids, position_ids=q_pos, attention_mask=mask, valid=q_valid,
+                       src_row=torch.tensor(src_row, dtype=torch.long), src_col=torch.tensor(src_col, dtype=torch.long),
+                       labels=torch.tensor(labels, dtype=torch.long), draft_index=torch.tensor(k_idx, dtype=torch.long),
+                       group=torch.tensor(groups, dtype=torch.long), inv_t=torch.ones(n), norm=float(max(n, 1)))
+
+
+def accepted_draft_length(logits: torch.Tensor, layout: DraftLayout) -> float:
+    """Mean number of leading drafts of a group that equal their label (greedy drafts, all verified correct):
+    the drafts a step of verifier-routed speculative decoding would accept on this data, ``0 .. block_size-1``."""
+    if not layout.labels.numel():
+        return 0.0
+    ok = (logits.argmax(-1) == layout.labels.to(logits.device)).cpu()
+    total, n_groups = 0, 0
+    for g in layout.group.unique().tolist():
+        sel = layout.group == g
+        run = 0
+        for hit in ok[sel][layout.draft_index[sel].argsort()].tolist():
+            if not hit:
+                break
+            run += 1
+        total += run
+        n_groups += 1
+    return total / max(n_groups, 1)

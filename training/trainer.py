@@ -33,12 +33,13 @@ from pathlib import Path
 import torch
 
 from .data import Batch, Dataset, collate, eos_ids_of, load_dataset
-from .losses import OBJECTIVES, build_layout, diffusion_loss, draw_noise, eval_t_grid, stored_teacher
+from .losses import (OBJECTIVES, accepted_draft_length, build_draft_layout, build_layout, diffusion_loss, draw_noise,
+                     eval_t_grid, stored_teacher)
 from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
 
 SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
 METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "certainty", "lr", "grad_norm", "tokens", "tokens_per_s",
-                 "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc"]
+                 "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc", "accepted", "eval_accepted"]
 
 
 class TrainError(ValueError):
@@ -97,6 +98,8 @@ class TrainConfig:
     mixed_precision: str = "auto"
     progress: bool = True
     halt_after: int | None = None
+    verifier: str | None = None
+    draft_groups: int = 32
 
     def validate(self) -> None:
         """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
@@ -142,6 +145,16 @@ class TrainConfig:
             raise TrainError("--eval-every: needs --eval-data FILE (held-out prompts)")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise TrainError(f"--mixed-precision: {self.mixed_precision!r} is not one of auto, no, bf16, fp16")
+        if self.objective == "draft":
+            if not self.verifier:
+                raise TrainError("--objective draft: needs --verifier DIR (the checkpoint whose causal path verifies "
+                                 "the drafts, e.g. the untrained conversion of the AR parent)")
+            if self.teacher_kl > 0 or self.complementary or self.certainty > 0:
+                raise TrainError("--objective draft: --teacher-kl, --complementary and --certainty do not apply")
+            if self.draft_groups < 1:
+                raise TrainError(f"--draft-groups: must be >= 1, got {self.draft_groups}")
+        elif self.verifier:
+            raise TrainError("--verifier: only used by --objective draft")
 
 
 class DiffusionForward(torch.nn.Module):
@@ -163,6 +176,76 @@ class DiffusionForward(torch.nn.Module):
                                  use_cache=False)
         hidden = out.last_hidden_state[src_row, src_col]
         return base.get_output_embeddings()(hidden).float()
+
+
+class DraftForward(torch.nn.Module):
+    """The ``draft`` objective's module (what accelerate/DDP wraps): the frozen verifier forwards the clean context
+    causally (no gradient) and the model forwards its draft groups against the verifier's keys/values - the
+    verifier-routed speculative step of ``unmask.engine.routed``, in training.
+
+    ``forward(context_ids [B,L], context_mask [B,1,L,L], input_ids [B,R], position_ids [B,R],
+    attention_mask [B,1,R,L+R], src_row [N], src_col [N]) -> [N, V]`` float32 logits.
+    """
+
+    def __init__(self, tm: TrainModel, verifier):
+        super().__init__()
+        self.lm = tm.model
+        self._tm = [tm]
+        self._verifier = [verifier]  # a list: not a submodule (frozen, never in the optimizer or DDP)
+
+    def forward(self, context_ids, context_mask, input_ids, position_ids, attention_mask, src_row, src_col):
+        """``[N, V]`` float32 logits of the draft rows at ``(src_row[i], src_col[i])`` (see the class doc)."""
+        from unmask.engine.kv_cache import BatchKV, LaneCache
+
+        verifier = self._verifier[0]
+        B, L = context_ids.shape
+        dev = context_ids.device
+        ctx_pos = torch.arange(L, device=dev).expand(B, L)
+        with torch.no_grad():
+            ctx = BatchKV([LaneCache() for _ in range(B)], dev)
+            verifier.get_decoder()(input_ids=context_ids, position_ids=ctx_pos, attention_mask=context_mask,
+                                   use_cache=False, **{_cache_kw(verifier): ctx})
+        layers = sorted(ctx.new_keys)
+        lanes = [LaneCache(keys=[ctx.new_keys[i][b] for i in layers], values=[ctx.new_values[i][b] for i in layers],
+                           pos=ctx_pos[b], grp=ctx_pos[b]) for b in range(B)]
+        base = self._tm[0].base
+        out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                 use_cache=False, **{_cache_kw(base): BatchKV(lanes, dev)})
+        hidden = out.last_hidden_state[src_row, src_col]
+        return base.get_output_embeddings()(hidden).float()
+
+
+def _cache_kw(model) -> str:
+    """Name of the decoder's external-cache argument (``cache`` in newer transformers, else ``past_key_values``)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.get_decoder().forward).parameters else "past_key_values"
+
+
+def load_verifier(path: str, device, dllm) -> torch.nn.Module:
+    """The frozen verifier of the ``draft`` objective: an a2d checkpoint with the model's attention, logit shift,
+    mask id and vocabulary (full precision, eval mode, no gradients).
+
+    Raises:
+        TrainError: not loadable, or differs from the model in one of those (names ``--verifier``).
+    """
+    from unmask.engine.config import CheckpointError, DllmConfig
+
+    from .scopes import load_source
+
+    try:
+        model, _, vdllm = load_source(path, device=device)
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise TrainError(f"--verifier {path}: {exc}") from exc
+    if (vdllm.attention, vdllm.logit_shift, vdllm.mask_token_id) != (dllm.attention, dllm.logit_shift,
+                                                                     dllm.mask_token_id):
+        raise TrainError(f"--verifier {path}: attention/logit_shift/mask_token_id {vdllm.attention}/"
+                         f"{vdllm.logit_shift}/{vdllm.mask_token_id} differ from the model's {dllm.attention}/"
+                         f"{dllm.logit_shift}/{dllm.mask_token_id}")
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 class Teacher:
@@ -370,7 +453,7 @@ class Trainer:
             state = torch.load(state_file, map_location="cpu", weights_only=False)
             saved = state["config"]
             keys = ["objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
-                    "complementary", "max_steps", "lr_schedule", "warmup", "eps"]
+                    "complementary", "max_steps", "lr_schedule", "warmup", "eps", "draft_groups"]
             if cfg.trainable in ("lora", "qlora"):
                 keys += ["lora_r", "lora_alpha", "lora_targets"]
             for key in keys:
@@ -400,6 +483,20 @@ class Trainer:
         if dllm.fixed_block_size and cfg.block_size not in (None, dllm.block_size):
             raise TrainError(f"--block-size: this checkpoint decodes with block size {dllm.block_size} only")
         self.block_size = cfg.block_size or dllm.block_size
+        self.verifier = None
+        if cfg.objective == "draft":
+            if dllm.attention != "prefix_causal" or not dllm.logit_shift:
+                raise TrainError("--objective draft: needs a prefix_causal checkpoint with the logit shift")
+            if self.block_size < 2:
+                raise TrainError(f"--block-size: the draft objective drafts from groups of >= 2 masks, got "
+                                 f"{self.block_size}")
+            self.verifier = load_verifier(cfg.verifier, acc.device, dllm)
+            if self.verifier.get_output_embeddings().weight.shape != \
+                    self.tm.base.get_output_embeddings().weight.shape:
+                raise TrainError(f"--verifier {cfg.verifier}: another vocabulary or hidden size than --model")
+            # the saved checkpoints decode with this verifier (unmask.engine.routed) and at this draft block
+            dllm.verifier = str(Path(cfg.verifier).expanduser().resolve())
+            dllm.block_size = self.block_size
         eos = eos_ids_of(self.tm.tokenizer, dllm.eos_token_ids)
         try:
             self.data = load_dataset(cfg.data, self.tm.tokenizer, cfg.seq_len, eos)
@@ -431,7 +528,7 @@ class Trainer:
             torch.set_rng_state(state["rng"])
             self.step = int(state["step"])
             self._apply_changed_hyperparameters(state["config"])
-        self.forward = DiffusionForward(self.tm)
+        self.forward = DraftForward(self.tm, self.verifier) if self.verifier is not None else DiffusionForward(self.tm)
         self.forward, self.optimizer = self.acc.prepare(self.forward, self.optimizer)
 
     def _apply_changed_hyperparameters(self, saved: dict) -> None:
@@ -460,6 +557,14 @@ class Trainer:
 
     def _loss(self, module, batch: Batch, generator: torch.Generator, fixed_t: float | None = None):
         cfg, dllm = self.cfg, self.tm.dllm
+        if cfg.objective == "draft":
+            lay = build_draft_layout(batch, dllm, self.block_size, generator, cfg.draft_groups).to(self.acc.device)
+            with self.acc.autocast():
+                logits = module(lay.context_ids, lay.context_mask, lay.input_ids, lay.position_ids,
+                                lay.attention_mask, lay.src_row, lay.src_col)
+            parts = diffusion_loss(logits, lay)
+            parts.accepted = accepted_draft_length(logits.detach(), lay)
+            return parts, lay
         noise = draw_noise(batch, dllm, cfg.objective, generator, self.block_size, cfg.eps, cfg.complementary,
                            fixed_t=fixed_t)
         layout = build_layout(batch, dllm, noise, self.block_size).to(self.acc.device)
@@ -483,14 +588,17 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
         """Held-out masked-diffusion loss averaged over the fixed ``t`` grid (an ELBO estimate: CE/t per answer
-        token) and masked-token accuracy, with a fixed noise seed (comparable across steps)."""
+        token) and masked-token accuracy, with a fixed noise seed (comparable across steps). For the ``draft``
+        objective: the draft CE and draft accuracy (and ``self.eval_accepted``, the mean accepted draft length)."""
         module = self.acc.unwrap_model(self.forward)
         was = module.training
         module.eval()
         losses, correct, scored = [], 0, 0
+        accepted = []
         ds = self.eval_data
         bs = self.cfg.batch_size
-        for ti, t in enumerate(eval_t_grid(self.cfg.eval_t_points)):
+        grid = [None] if self.cfg.objective == "draft" else eval_t_grid(self.cfg.eval_t_points)
+        for ti, t in enumerate(grid):
             tot, norm = 0.0, 0.0
             for k in range(0, len(ds), bs):
                 batch = self._micro_batch(ds, list(range(k, min(k + bs, len(ds)))))
@@ -500,7 +608,10 @@ class Trainer:
                 norm += layout.norm
                 correct += parts.n_correct
                 scored += parts.n_scored
+                if hasattr(parts, "accepted"):
+                    accepted.append(parts.accepted)
             losses.append(tot / max(norm, 1.0))
+        self.eval_accepted = sum(accepted) / len(accepted) if accepted else None
         module.train(was)
         return sum(losses) / len(losses), correct / max(scored, 1)
 
@@ -599,6 +710,7 @@ class Trainer:
             t0 = time.perf_counter()
             stream = example_indices(n, cfg.seed, self.step * per_step, per_step)
             loss_sum = ce_sum = kl_sum = cert_sum = 0.0
+            accepted = []
             tokens = fwd_tokens = 0
             for m in range(cfg.grad_accum):
                 lo = (m * world + rank) * cfg.batch_size
@@ -613,6 +725,8 @@ class Trainer:
                 ce_sum += parts.ce
                 kl_sum += parts.kl
                 cert_sum += parts.certainty
+                if hasattr(parts, "accepted"):
+                    accepted.append(parts.accepted)
                 tokens += batch.n_tokens
                 fwd_tokens += layout.n_tokens
             grad_norm = float("nan")
@@ -639,6 +753,10 @@ class Trainer:
                                                                   or self.step == cfg.max_steps):
                 el, ea = self.evaluate()
                 row["eval_loss"], row["eval_acc"] = round(el, 6), round(ea, 6)
+                if self.eval_accepted is not None:
+                    row["eval_accepted"] = round(self.eval_accepted, 4)
+            if accepted:
+                row["accepted"] = round(sum(accepted) / len(accepted), 4)
             self._log(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update(1)

@@ -34,8 +34,50 @@ def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype) -> 
     dllm = DllmConfig.from_dict(config["dllm"], where=f"{path / 'config.json'}:dllm")
     model = from_pretrained(AutoModelForCausalLM, path, config, device, dtype)
     tokenizer = load_tokenizer(path)
-    return LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
-                       max_context=max_context_of(config))
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
+                         max_context=max_context_of(config))
+    if dllm.verifier:
+        _attach_verifier(loaded, path)
+    return loaded
+
+
+def _attach_verifier(loaded: LoadedModel, path: Path) -> None:
+    """Load ``dllm.verifier`` (relative to ``path`` unless absolute) and route ``loaded``'s causal rows to it.
+
+    Raises:
+        CheckpointError: the verifier is missing, not an ``a2d`` prefix-causal checkpoint with the logit shift, has
+            a verifier itself, another tokenizer or mask id, or another architecture (names the file and field).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..model import read_config
+
+    dllm, tokenizer, device, dtype = loaded.dllm, loaded.tokenizer, loaded.device, loaded.dtype
+    where = f"{path / 'config.json'}:dllm.verifier"
+    vpath = Path(dllm.verifier).expanduser()
+    vpath = vpath if vpath.is_absolute() else path / vpath
+    try:
+        vconfig = read_config(vpath)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+    if not detect(vconfig):
+        raise CheckpointError(f"{where}: {vpath} is not an a2d checkpoint (no dllm section with family a2d)")
+    vdllm = DllmConfig.from_dict(vconfig["dllm"], where=f"{vpath / 'config.json'}:dllm")
+    if vdllm.verifier:
+        raise CheckpointError(f"{where}: {vpath} names a verifier itself (chains are not supported)")
+    if (vdllm.attention, vdllm.logit_shift, vdllm.mask_token_id) != (dllm.attention, dllm.logit_shift,
+                                                                     dllm.mask_token_id):
+        raise CheckpointError(f"{where}: {vpath} differs in attention/logit_shift/mask_token_id "
+                              f"({vdllm.attention}/{vdllm.logit_shift}/{vdllm.mask_token_id} vs "
+                              f"{dllm.attention}/{dllm.logit_shift}/{dllm.mask_token_id})")
+    if load_tokenizer(vpath).get_vocab() != tokenizer.get_vocab():
+        raise CheckpointError(f"{where}: {vpath} has another tokenizer vocabulary")
+    verifier = from_pretrained(AutoModelForCausalLM, vpath, vconfig, device, dtype)
+    verifier.eval()
+    try:
+        loaded.attach_verifier(verifier)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {vpath}: {exc}") from exc
 
 
 ADAPTER = FamilyAdapter(name="a2d", detect=detect, load=load)

@@ -1,0 +1,114 @@
+"""Verifier-routed forwards: one forward in which causal rows run the verifier's weights and mask rows the drafter's.
+
+Self-speculative decoding (``unmask.engine.speculative``) verifies diffusion drafts with the model's own causal
+path, so its output is the A2D model's ``block_size=1`` greedy decoding - which training moves away from the AR
+parent's. A checkpoint may instead name a *verifier*: a checkpoint of the same architecture and tokenizer (the
+untrained conversion of the parent is the intended one). Every linear layer, norm and embedding of the model is
+then a :class:`RoutedModule` holding both weight sets; before a forward the denoiser marks which rows are
+*drafter rows* (mask tokens of speculative requests, and every row of ordinary diffusion requests) and the others
+(the causal context and drafts of speculative requests) run the verifier's weights. Attention is shared: a mask row
+attends to the verifier's keys/values of the context, and causal rows never attend to mask rows (prefix-causal
+mask), so the causal rows compute exactly the verifier's own forward and a speculative request's output is the
+verifier's greedy decoding token for token - for the parent's conversion, the AR parent's output - while the
+drafter supplies the drafts. This is draft-then-verify speculative decoding (Leviathan et al. 2023) with the
+diffusion model as the drafter and both models in one batched forward (per-row weight selection as in multi-LoRA
+serving, e.g. Punica/S-LoRA), at the FLOPs of one model's forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RowRouter:
+    """Shared routing state of one model: ``drafter_rows`` is a bool tensor whose shape equals the leading
+    dimensions of every routed module's input during the current forward (``[B, Q]`` inside the decoder, ``[N]``
+    for the LM head), True where the drafter's weights apply; ``None`` = every row uses the drafter."""
+
+    def __init__(self) -> None:
+        self.drafter_rows: torch.Tensor | None = None
+
+
+class RoutedModule(nn.Module):
+    """One parameterised leaf module (linear, quantized linear, norm, embedding) in both weight sets.
+
+    ``forward(x)`` splits ``x`` by the router's mask over its leading dimensions, runs the drafter's module on the
+    drafter rows and the verifier's on the others, and scatters the outputs back (same shape as either module
+    alone). Raises ``RuntimeError`` when the mask's shape does not match ``x``'s leading dimensions.
+    """
+
+    def __init__(self, drafter: nn.Module, verifier: nn.Module, router: RowRouter):
+        super().__init__()
+        self.drafter = drafter
+        self.verifier = verifier
+        self.router = router
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The drafter's weight (for code that reads ``module.weight``: dtype, shape, tying)."""
+        return self.drafter.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.router.drafter_rows
+        if rows is None:
+            return self.drafter(x)
+        if rows.shape != x.shape[: rows.dim()]:
+            raise RuntimeError(f"routed forward: row mask {tuple(rows.shape)} does not match input {tuple(x.shape)}")
+        n_draft = int(rows.sum())
+        if n_draft == rows.numel():
+            return self.drafter(x)
+        if n_draft == 0:
+            return self.verifier(x)
+        out_d = self.drafter(x[rows])
+        out_v = self.verifier(x[~rows])
+        out = out_d.new_empty(*rows.shape, *out_d.shape[1:])
+        out[rows] = out_d
+        out[~rows] = out_v.to(out_d.dtype)
+        return out
+
+
+def _leaf_modules_with_weights(model: nn.Module) -> dict[str, nn.Module]:
+    """Name -> module for every module that owns parameters directly (not through children)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if name and any(True for _ in mod.parameters(recurse=False)):
+            out[name] = mod
+    return out
+
+
+def attach_verifier(drafter: nn.Module, verifier: nn.Module) -> RowRouter:
+    """Replace, in place, every weight-owning leaf module of ``drafter`` (a transformers causal LM) by a
+    :class:`RoutedModule` pairing it with the same-named module of ``verifier``.
+
+    Tied weights (input embedding = LM head) are routed at both places. Modules are matched by name; the two models
+    must have the same architecture (same module names and shapes; quantization may differ).
+
+    Returns:
+        the :class:`RowRouter` the denoiser sets before each forward.
+
+    Raises:
+        ValueError: the module names differ, or a pair's weight shapes differ (names the module).
+    """
+    router = RowRouter()
+    d_mods = _leaf_modules_with_weights(drafter)
+    v_mods = _leaf_modules_with_weights(verifier)
+    if set(d_mods) != set(v_mods):
+        only_d = sorted(set(d_mods) - set(v_mods))[:4]
+        only_v = sorted(set(v_mods) - set(d_mods))[:4]
+        raise ValueError(f"verifier: architecture differs from the model (only in model: {only_d}; only in "
+                         f"verifier: {only_v})")
+    for name, d in d_mods.items():
+        v = v_mods[name]
+        for (pn, dp), (_, vp) in zip(d.named_parameters(recurse=False), v.named_parameters(recurse=False)):
+            d_shape = getattr(dp, "quant_state", None) and dp.quant_state.shape or dp.shape
+            v_shape = getattr(vp, "quant_state", None) and vp.quant_state.shape or vp.shape
+            if tuple(d_shape) != tuple(v_shape):
+                raise ValueError(f"verifier: {name}.{pn} has shape {tuple(v_shape)}, the model's {tuple(d_shape)}")
+    routed: dict[int, RoutedModule] = {}  # id(drafter module) -> its RoutedModule (tied modules share one)
+    for name, d in d_mods.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = drafter.get_submodule(parent_name) if parent_name else drafter
+        if id(d) not in routed:
+            routed[id(d)] = RoutedModule(d, v_mods[name], router)
+        setattr(parent, attr, routed[id(d)])
+    return router
