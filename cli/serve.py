@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
                 else "one token per step")
     if d.default_sampling.get("speculative"):
-        decoding = f"self-speculative (greedy requests; otherwise {decoding})"
+        how = f"verified by {d.verifier}" if d.verifier else "self-verified"
+        decoding = f"speculative, {how} (greedy requests; otherwise {decoding})"
     log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s dtype=%s "
              "default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size,
              d.logit_shift, loaded.max_context, loaded.device, str(loaded.dtype).replace("torch.", ""), decoding,

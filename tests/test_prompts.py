@@ -186,7 +186,8 @@ def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
     tok.save_pretrained(str(parent))
     cfg = RecipeConfig(work=str(tmp_path / "work"), out=str(tmp_path / "trained"), parent=str(parent),
                        prompts_limit=6, distill_max_tokens=6, distill_batch=3, top_k_dist=4, max_steps=3,
-                       budget_minutes=5, batch_size=2, seq_len=64, save_every=0, warmup=0)
+                       budget_minutes=5, batch_size=2, seq_len=64, save_every=0, warmup=0, draft_max_steps=2,
+                       draft_batch_size=2, draft_groups=4)
     logs: list[str] = []
     try:
         import unmask.training.export  # noqa: F401
@@ -200,18 +201,31 @@ def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
     else:
         with pytest.raises(RecipeError, match="export"):
             recipe.run()
-    ck = trained_fp32_checkpoint(tmp_path / "work")
-    assert ck is not None and ck.name == "checkpoint-3"
+    ck = trained_fp32_checkpoint(tmp_path / "work")  # the draft stage's: the drafter of the converted parent
+    assert ck is not None and ck.parent.name == "draft" and ck.name == "checkpoint-2"
+    assert json.loads((ck / "config.json").read_text())["dllm"]["verifier"] == \
+        str((tmp_path / "work" / "converted").resolve())
+    if have_export:  # the export is self-contained: the verifier travels with it and decodes the parent's tokens
+        assert json.loads((tmp_path / "trained" / "config.json").read_text())["dllm"]["verifier"] == "verifier"
+        assert is_checkpoint(tmp_path / "trained" / "verifier")
+        from unmask.engine import LLM, SamplingParams
+
+        served = LLM(str(tmp_path / "trained"))
+        ref = LLM(str(tmp_path / "trained" / "verifier")).generate("Two plus", SamplingParams(
+            max_tokens=6, temperature=0, block_size=1, ignore_eos=True))[0].outputs[0].token_ids
+        got = served.generate("Two plus", SamplingParams(max_tokens=6, speculative=True, ignore_eos=True))
+        assert got[0].outputs[0].token_ids == ref and len(ref) == 6
     assert is_checkpoint(tmp_path / "work" / "converted")
     assert len((tmp_path / "work" / "distill.jsonl").read_text().splitlines()) == 6
     state = json.loads((tmp_path / "work" / "recipe.json").read_text())
     assert state["stages"]["distill"]["answered"] == 6
-    assert any(line.startswith("[recipe 4/5 train]") for line in logs)
+    assert any(line.startswith("[recipe 4/6 train]") for line in logs)
+    assert any(line.startswith("[recipe 5/6 draft]") for line in logs)
     # rerun: everything up to train is found done
     logs.clear()
     Recipe(cfg, log=logs.append).run(until="train")
-    assert any("[recipe 1/5 convert] done" in line for line in logs)
-    assert any("[recipe 4/5 train] done" in line for line in logs)
+    assert any("[recipe 1/6 convert] done" in line for line in logs)
+    assert any("[recipe 4/6 train] done" in line for line in logs)
     if not have_export:
         return
     # export: skipped when OUT holds this very checkpoint; redone when the checkpoint at the same path was

@@ -177,3 +177,30 @@ def test_draft_option_errors(workdir, tmp_path):
     with pytest.raises(TrainError, match="at least 2|>= 2 masks"):
         train(TrainConfig(objective="draft", verifier=str(workdir / "parent"), block_size=1,
                           **{**base, "out": str(tmp_path / "o2")}))
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_export_carries_the_verifier(workdir, tmp_path, quantization):
+    """An export is self-contained: the verifier is exported (quantized alike) into OUT/verifier and named
+    relatively; the result still decodes speculatively to the verifier's greedy output."""
+    from unmask.training.export import export
+
+    src = tmp_path / "src"
+    lm = tiny.loaded(seed=1, initializer_range=0.5)
+    dllm = lm.dllm
+    dllm.verifier = str(workdir / "parent")
+    write_checkpoint(src, lm.model, lm.tokenizer, dllm)
+    res = export(src, tmp_path / "out", quantization)
+    assert res["verifier"] == str(workdir / "parent")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["dllm"]["verifier"] == "verifier"
+    vcfg = json.loads((tmp_path / "out" / "verifier" / "config.json").read_text())
+    assert ("quantization_config" in vcfg) == (quantization == "nf4")
+    routed, parent = LLM(str(tmp_path / "out")), LLM(str(tmp_path / "out" / "verifier"))
+    assert routed.model.router is not None
+    ref = parent.generate("Two plus", SamplingParams(max_tokens=8, temperature=0, block_size=1, ignore_eos=True))
+    got = routed.generate("Two plus", SamplingParams(max_tokens=8, speculative=True, ignore_eos=True))
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    export(src, tmp_path / "plain", "none", keep_verifier=False)
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["dllm"]["verifier"] is None
+    assert not (tmp_path / "plain" / "verifier").exists()

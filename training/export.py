@@ -24,6 +24,7 @@ import torch
 from unmask.engine.checkpoint import mark_temporary, publish_directory, remove_stale_temporaries, write_checkpoint
 
 QUANTIZATIONS = ("none", "nf4", "int8")
+VERIFIER_DIR = "verifier"  # where an export places the source's verifier (named relatively in dllm.verifier)
 
 
 class ExportError(RuntimeError):
@@ -95,7 +96,8 @@ def probe_ids(tokenizer, n: int = 16) -> torch.Tensor:
 
 def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "nf4", device: str = "cpu",
            dtype: str = "float32", verify: bool = True, overwrite: bool = False,
-           default_threshold: float | None = None, default_speculative: bool | None = None) -> dict:
+           default_threshold: float | None = None, default_speculative: bool | None = None,
+           keep_verifier: bool = True) -> dict:
     """Write ``out``: the checkpoint of ``src`` quantized with ``quantization``.
 
     Args:
@@ -108,9 +110,14 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
             source's defaults).
         default_speculative: written as ``dllm.default_sampling.speculative``: requests that do not set
             ``speculative`` (and fit it) then decode self-speculatively (None = keep the source's defaults).
+        keep_verifier: when the source names a verifier (``dllm.verifier``, ``unmask.engine.routed``), export it
+            too - quantized the same way, into ``out/verifier`` - and name it relatively, so that ``out`` is
+            self-contained; False drops the verifier (speculative requests then verify with the model's own
+            causal path).
 
     Returns:
-        ``{"out", "source", "quantization", "max_abs_logit_diff"}`` (the diff is None without ``verify``).
+        ``{"out", "source", "quantization", "max_abs_logit_diff", "verifier"}`` (the diff is None without
+        ``verify``; ``verifier``: the exported verifier's source, or None).
 
     Raises:
         ExportError: bad arguments/source, a quantized source, or a reload whose logits differ from the
@@ -157,6 +164,18 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
             dllm.validate(where="--default-speculative")
         except CheckpointError as exc:
             raise ExportError(str(exc)) from None
+    vsrc = None
+    if dllm.verifier and keep_verifier:
+        vsrc = Path(dllm.verifier).expanduser()
+        vsrc = vsrc if vsrc.is_absolute() else srcp / vsrc
+        vcfg = read_config(vsrc)
+        if isinstance(vcfg.get("quantization_config"), dict):
+            raise ExportError(f"{srcp / 'config.json'}:dllm.verifier: {vsrc} is quantized; export from a "
+                              "full-precision verifier")
+        vdllm = DllmConfig.from_dict(vcfg.get("dllm"), where=f"{vsrc / 'config.json'}:dllm")
+        dllm.verifier = VERIFIER_DIR
+    elif dllm.verifier:
+        dllm.verifier = None
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export
@@ -168,6 +187,14 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     try:
         write_quantized(staging, model, tok, dllm)
         mark_temporary(staging)
+        if vsrc is not None:
+            vmodel = load_quantized_fresh(vsrc, quantization, dev, dt)
+            write_quantized(staging / VERIFIER_DIR, vmodel, load_tokenizer(vsrc), vdllm)
+            if verify:
+                vdiff = verify_export(vmodel, staging / VERIFIER_DIR, dev, dt, tok)
+                if vdiff > 1e-4:
+                    raise ExportError(f"{outp / VERIFIER_DIR}: reloaded logits differ from the exporter's by "
+                                      f"{vdiff:.3g} (> 1e-4); nothing was written")
         if verify:
             diff = verify_export(model, staging, dev, dt, tok)
             if diff > 1e-4:
@@ -176,7 +203,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         publish_directory(staging, outp)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {"out": str(outp), "source": str(srcp), "quantization": quantization, "max_abs_logit_diff": diff}
+    return {"out": str(outp), "source": str(srcp), "quantization": quantization, "max_abs_logit_diff": diff,
+            "verifier": None if vsrc is None else str(vsrc)}
 
 
 def write_quantized(out: Path, model, tokenizer, dllm, overwrite: bool = False) -> Path:

