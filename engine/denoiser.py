@@ -125,8 +125,10 @@ class Denoiser:
         if self._compiled_forward is not None:
             with self.model.routing(drafter_rows):
                 hidden = self._compiled_forward(input_ids, pos, mask, cache=kv)
-        else:
+        elif routed:
             hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, drafter_rows=drafter_rows)
+        else:
+            hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv)
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call
@@ -146,8 +148,8 @@ class Denoiser:
             gather_rows.extend([b] * (len(idx) + len(extra)))
         g_rows = torch.tensor(gather_rows, dtype=torch.long, device=dev)
         g_cols = torch.tensor(gather_cols, dtype=torch.long, device=dev)
-        logits = self.model.logits(hidden[g_rows, g_cols],
-                                   drafter_rows=drafter_rows[g_rows, g_cols] if routed else None)
+        logits = (self.model.logits(hidden[g_rows, g_cols], drafter_rows=drafter_rows[g_rows, g_cols]) if routed
+                  else self.model.logits(hidden[g_rows, g_cols]))
 
         out = []
         for b, (seq, li, inp) in enumerate(rows):
