@@ -17,6 +17,20 @@ from pathlib import Path
 log = logging.getLogger("unmask.server")
 
 
+def _weights_kind(loaded) -> str:
+    """``nf4`` / ``int8`` (bitsandbytes, with the compute dtype) or the plain dtype of the loaded weights."""
+    dtype = str(loaded.dtype).replace("torch.", "")
+    qc = getattr(loaded.model.config, "quantization_config", None)
+    if qc is None:
+        return dtype
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    if qc.get("load_in_4bit"):
+        return f"{qc.get('bnb_4bit_quant_type', '4bit')} (compute {dtype})"
+    if qc.get("load_in_8bit"):
+        return f"int8 (compute {dtype})"
+    return dtype
+
+
 def register(sub, name):
     """Add the ``unmask serve`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="serve a diffusion LM over an OpenAI-compatible HTTP API",
@@ -159,9 +173,9 @@ def run(args: argparse.Namespace) -> int:
     if d.default_sampling.get("speculative"):
         how = f"verified by {d.verifier}" if d.verifier else "self-verified"
         decoding = f"speculative, {how} (greedy requests; otherwise {decoding})"
-    log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s dtype=%s "
+    log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s "
              "default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size,
-             d.logit_shift, loaded.max_context, loaded.device, str(loaded.dtype).replace("torch.", ""), decoding,
+             d.logit_shift, loaded.max_context, loaded.device, _weights_kind(loaded), decoding,
              args.host, args.port, " (API key required)" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=10, lifespan="on")

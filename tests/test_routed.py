@@ -187,3 +187,17 @@ def test_dllm_verifier_validation():
             DllmConfig.from_dict({**base, "verifier": bad})
     with pytest.raises(CheckpointError, match="verifier: needs prefix_causal"):
         DllmConfig.from_dict({**base, "attention": "bidirectional", "verifier": "parent"})
+
+
+def test_serve_log_names_the_weight_format():
+    import types
+
+    from unmask.cli.serve import _weights_kind
+
+    def fake(qc):
+        return types.SimpleNamespace(dtype=torch.float32, model=types.SimpleNamespace(
+            config=types.SimpleNamespace(quantization_config=qc)))
+
+    assert _weights_kind(fake(None)) == "float32"
+    assert _weights_kind(fake({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})) == "nf4 (compute float32)"
+    assert _weights_kind(fake({"load_in_8bit": True})) == "int8 (compute float32)"
