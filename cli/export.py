@@ -22,6 +22,9 @@ def register(sub, name):
     p.add_argument("--default-speculative", action=argparse.BooleanOptionalAction, default=None,
                    help="decoding default stored in the checkpoint: requests that do not set speculative (and fit "
                         "it: greedy, no steps/threshold) get self-speculative decoding (prefix_causal models)")
+    p.add_argument("--no-default-threshold", action="store_true",
+                   help="drop the source's default threshold (requests without steps/threshold then decode one "
+                        "token per step)")
     p.add_argument("--no-verifier", action="store_true",
                    help="do not export the source's verifier (dllm.verifier): speculative requests then verify "
                         "with the model's own causal path")
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = export(args.src, args.out, args.quantization, device=args.device, dtype=args.dtype,
                      verify=not args.no_verify, default_threshold=args.default_threshold,
-                     default_speculative=args.default_speculative, keep_verifier=not args.no_verifier)
+                     default_speculative=args.default_speculative, keep_verifier=not args.no_verifier,
+                     clear_default_threshold=args.no_default_threshold)
     except (ExportError, CheckpointError) as exc:
         raise UsageError(str(exc)) from exc
     print(json.dumps(res))

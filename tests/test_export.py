@@ -93,7 +93,14 @@ def test_export_none_and_errors(src_and_reference, tmp_path, capsys):
     assert cli_main(["export", str(d / "src"), str(tmp_path / "fast"), "--quantization", "none",
                      "--default-threshold", "0.7"]) == 0
     assert json.loads((tmp_path / "fast" / "config.json").read_text())["dllm"]["default_sampling"]["threshold"] == 0.7
+    # and cleared again by a re-export of that export
+    assert cli_main(["export", str(tmp_path / "fast"), str(tmp_path / "cleared"), "--quantization", "none",
+                     "--no-default-threshold"]) == 0
+    assert "threshold" not in json.loads((tmp_path / "cleared" / "config.json").read_text())["dllm"]["default_sampling"]
     capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "fast"), str(tmp_path / "both"), "--quantization", "none",
+                     "--no-default-threshold", "--default-threshold", "0.5"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
     assert cli_main(["export", str(d / "src"), str(tmp_path / "bad"), "--quantization", "none",
                      "--default-threshold", "2"]) == 2
     assert "--default-threshold" in capsys.readouterr().err and not (tmp_path / "bad").exists()

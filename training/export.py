@@ -97,7 +97,7 @@ def probe_ids(tokenizer, n: int = 16) -> torch.Tensor:
 def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "nf4", device: str = "cpu",
            dtype: str = "float32", verify: bool = True, overwrite: bool = False,
            default_threshold: float | None = None, default_speculative: bool | None = None,
-           keep_verifier: bool = True) -> dict:
+           keep_verifier: bool = True, clear_default_threshold: bool = False) -> dict:
     """Write ``out``: the checkpoint of ``src`` quantized with ``quantization``.
 
     Args:
@@ -110,6 +110,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
             source's defaults).
         default_speculative: written as ``dllm.default_sampling.speculative``: requests that do not set
             ``speculative`` (and fit it) then decode self-speculatively (None = keep the source's defaults).
+        clear_default_threshold: drop the source's ``dllm.default_sampling.threshold`` (requests without
+            ``steps``/``threshold`` then decode one token per step); exclusive with ``default_threshold``.
         keep_verifier: when the source names a verifier (``dllm.verifier``, ``unmask.engine.routed``), export it
             too - quantized the same way, into ``out/verifier`` - and name it relatively, so that ``out`` is
             self-contained; False drops the verifier (speculative requests then verify with the model's own
@@ -153,6 +155,10 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     if outp.exists() and any(outp.iterdir()) and not overwrite:
         raise ExportError(f"{outp}: exists and is not empty; choose a new directory")
     dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")
+    if clear_default_threshold:
+        if default_threshold is not None:
+            raise ExportError("--no-default-threshold: cannot be combined with --default-threshold")
+        dllm.default_sampling = {k: v for k, v in dllm.default_sampling.items() if k != "threshold"}
     if default_threshold is not None:
         if isinstance(default_threshold, bool) or not (isinstance(default_threshold, (int, float))
                                                        and 0 <= default_threshold <= 1):
