@@ -306,3 +306,38 @@ def test_recipe_budget_run_decays_lr_over_the_whole_budget(tmp_path, monkeypatch
                log=lambda m: None).stage_train()
     (cfg,) = seen
     assert not cfg.resume and cfg.minutes_before == 0.0 and cfg.max_minutes == pytest.approx(60.0)
+
+
+def test_recipe_draft_stage(tmp_path, monkeypatch):
+    """The draft stage trains the train stage's latest checkpoint as the drafter of WORK/converted; --draft-minutes 0
+    skips it (and the export then takes the train checkpoint); a draft run of an older train checkpoint is dropped."""
+    import unmask.training.trainer as trainer
+    from unmask.training.recipes.smollm2 import Recipe, RecipeConfig, RecipeError, trained_fp32_checkpoint
+
+    work = tmp_path / "w"
+    for stage, step in (("train", 5), ("draft", 3)):
+        d = work / stage / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (work / stage / "latest").write_text(d.name)
+    assert trained_fp32_checkpoint(work).parent.name == "draft"
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg))
+    logs = []
+    Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), draft_minutes=0), log=logs.append).stage_draft()
+    assert seen == [] and any("skipped" in m for m in logs)
+    # a draft run recorded for another train checkpoint is discarded and started afresh from the current one
+    state = json.loads((work / "recipe.json").read_text())
+    state["stages"]["draft"] = {"done": True, "source": str(work / "train" / "checkpoint-1")}
+    (work / "recipe.json").write_text(json.dumps(state))
+    with pytest.raises(RecipeError, match="without a checkpoint"):  # (the stub trainer writes none)
+        Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), draft_minutes=10),
+               log=logs.append).stage_draft()
+    (cfg,) = seen
+    assert not (work / "draft" / "checkpoint-3").exists() and not cfg.resume
+    assert cfg.objective == "draft" and cfg.verifier == str(work / "converted")
+    assert cfg.model == str(work / "train" / "checkpoint-5") and cfg.out == str(work / "draft")
+    assert cfg.max_minutes == pytest.approx(10.0) and cfg.block_size == 4
+    with pytest.raises(RecipeError, match="block-size >= 2"):
+        RecipeConfig(block_size=1).validate()
+    RecipeConfig(block_size=1, draft_minutes=0).validate()
