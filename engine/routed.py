@@ -26,7 +26,23 @@ class RowRouter:
     for the LM head), True where the drafter's weights apply; ``None`` = every row uses the drafter."""
 
     def __init__(self) -> None:
-        self.drafter_rows: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        self.drafter_index = self.verifier_index = None  # flat [n] int64 row indices, computed once per forward
+
+    @property
+    def drafter_rows(self) -> torch.Tensor | None:
+        """The current row mask (see the class docstring)."""
+        return self._rows
+
+    @drafter_rows.setter
+    def drafter_rows(self, rows: torch.Tensor | None) -> None:
+        self._rows = rows
+        if rows is None:
+            self.drafter_index = self.verifier_index = None
+            return
+        flat = rows.reshape(-1)
+        self.drafter_index = flat.nonzero().flatten()
+        self.verifier_index = (~flat).nonzero().flatten()
 
 
 class RoutedModule(nn.Module):
@@ -54,17 +70,18 @@ class RoutedModule(nn.Module):
             return self.drafter(x)
         if rows.shape != x.shape[: rows.dim()]:
             raise RuntimeError(f"routed forward: row mask {tuple(rows.shape)} does not match input {tuple(x.shape)}")
-        n_draft = int(rows.sum())
-        if n_draft == rows.numel():
+        d_idx, v_idx = self.router.drafter_index, self.router.verifier_index
+        if not v_idx.numel():
             return self.drafter(x)
-        if n_draft == 0:
+        if not d_idx.numel():
             return self.verifier(x)
-        out_d = self.drafter(x[rows])
-        out_v = self.verifier(x[~rows])
-        out = out_d.new_empty(*rows.shape, *out_d.shape[1:])
-        out[rows] = out_d
-        out[~rows] = out_v.to(out_d.dtype)
-        return out
+        flat = x.reshape(rows.numel(), *x.shape[rows.dim():])
+        out_d = self.drafter(flat.index_select(0, d_idx))
+        out_v = self.verifier(flat.index_select(0, v_idx))
+        out = out_d.new_empty(rows.numel(), *out_d.shape[1:])
+        out.index_copy_(0, d_idx, out_d)
+        out.index_copy_(0, v_idx, out_v.to(out_d.dtype))
+        return out.reshape(*rows.shape, *out_d.shape[1:])
 
 
 def _leaf_modules_with_weights(model: nn.Module) -> dict[str, nn.Module]:
