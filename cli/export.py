@@ -25,6 +25,9 @@ def register(sub, name):
     p.add_argument("--no-default-threshold", action="store_true",
                    help="drop the source's default threshold (requests without steps/threshold then decode one "
                         "token per step)")
+    p.add_argument("--verifier-quantization", default=None, choices=["nf4", "int8", "none"],
+                   help="quantization of the exported verifier (default: as --quantization); none keeps the answers "
+                        "of speculative requests exactly the full-precision verifier's")
     p.add_argument("--no-verifier", action="store_true",
                    help="do not export the source's verifier (dllm.verifier): speculative requests then verify "
                         "with the model's own causal path")
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         res = export(args.src, args.out, args.quantization, device=args.device, dtype=args.dtype,
                      verify=not args.no_verify, default_threshold=args.default_threshold,
                      default_speculative=args.default_speculative, keep_verifier=not args.no_verifier,
-                     clear_default_threshold=args.no_default_threshold)
+                     clear_default_threshold=args.no_default_threshold,
+                     verifier_quantization=args.verifier_quantization)
     except (ExportError, CheckpointError) as exc:
         raise UsageError(str(exc)) from exc
     print(json.dumps(res))

@@ -179,8 +179,8 @@ def test_draft_option_errors(workdir, tmp_path):
                           **{**base, "out": str(tmp_path / "o2")}))
 
 
-@pytest.mark.parametrize("quantization", ["none", "nf4"])
-def test_export_carries_the_verifier(workdir, tmp_path, quantization):
+@pytest.mark.parametrize("quantization,verifier_quantization", [("none", None), ("nf4", None), ("nf4", "none")])
+def test_export_carries_the_verifier(workdir, tmp_path, quantization, verifier_quantization):
     """An export is self-contained: the verifier is exported (quantized alike) into OUT/verifier and named
     relatively; the result still decodes speculatively to the verifier's greedy output."""
     from unmask.training.export import export
@@ -190,12 +190,13 @@ def test_export_carries_the_verifier(workdir, tmp_path, quantization):
     dllm = lm.dllm
     dllm.verifier = str(workdir / "parent")
     write_checkpoint(src, lm.model, lm.tokenizer, dllm)
-    res = export(src, tmp_path / "out", quantization)
+    res = export(src, tmp_path / "out", quantization, verifier_quantization=verifier_quantization)
     assert res["verifier"] == str(workdir / "parent")
+    assert res["verifier_quantization"] == (verifier_quantization or quantization)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["dllm"]["verifier"] == "verifier"
     vcfg = json.loads((tmp_path / "out" / "verifier" / "config.json").read_text())
-    assert ("quantization_config" in vcfg) == (quantization == "nf4")
+    assert ("quantization_config" in vcfg) == ((verifier_quantization or quantization) == "nf4")
     routed, parent = LLM(str(tmp_path / "out")), LLM(str(tmp_path / "out" / "verifier"))
     assert routed.model.router is not None
     ref = parent.generate("Two plus", SamplingParams(max_tokens=8, temperature=0, block_size=1, ignore_eos=True))

@@ -69,6 +69,8 @@ class RecipeConfig:
         batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, certainty,
             save_every, seed: passed to the trainer (``unmask train``; ``certainty`` = the certainty-forcing weight).
         quantize: export quantization: ``nf4`` | ``int8`` | ``none``.
+        verifier_quantize: quantization of the exported verifier (the parent; default ``none``: speculative
+            requests then answer exactly as the full-precision parent).
         default_threshold: decoding default written into the export (``unmask export --default-threshold``):
             requests that give neither ``steps`` nor ``threshold`` decode with this confidence threshold
             (None = one token per step).
@@ -105,6 +107,7 @@ class RecipeConfig:
     save_every: int = 100
     seed: int = 0
     quantize: str = "nf4"
+    verifier_quantize: str = "none"
     default_threshold: float | None = None
     default_speculative: bool = True
     extra: dict = field(default_factory=dict)
@@ -133,6 +136,8 @@ class RecipeConfig:
             raise RecipeError(f"--lr: must be > 0, got {self.lr}")
         if self.quantize not in ("nf4", "int8", "none"):
             raise RecipeError(f"--quantize: {self.quantize!r} is not one of nf4, int8, none")
+        if self.verifier_quantize not in ("nf4", "int8", "none"):
+            raise RecipeError(f"--verifier-quantize: {self.verifier_quantize!r} is not one of nf4, int8, none")
         try:
             from unmask.training.scopes import SCOPES
         except ImportError:
@@ -503,6 +508,7 @@ class Recipe:
         stamp = _weights_stamp(src)
         if (is_checkpoint(self.out) and done.get("source") == str(src) and done.get("source_stamp") == stamp
                 and done.get("quantize") == self.cfg.quantize
+                and done.get("verifier_quantize", "none") == self.cfg.verifier_quantize
                 and done.get("default_threshold") == self.cfg.default_threshold
                 and done.get("default_speculative") == self.cfg.default_speculative):
             self._say("export", f"done: {self.out} (from {src.name}, {self.cfg.quantize})")
@@ -516,7 +522,7 @@ class Recipe:
         self._say("export", f"{src} -> {self.out} ({self.cfg.quantize})")
         t0 = time.time()
         info = export(str(src), str(fresh), self.cfg.quantize, self.cfg.default_threshold,
-                      self.cfg.default_speculative)
+                      self.cfg.default_speculative, self.cfg.verifier_quantize)
         if self.out.exists():
             stamp_now = time.strftime('%Y%m%d-%H%M%S')
             aside = self.out.with_name(f"{self.out.name}.old-{stamp_now}")
@@ -528,6 +534,7 @@ class Recipe:
             os.replace(self.out, aside)
         os.replace(fresh, self.out)
         self._mark("export", source=str(src), source_stamp=stamp, quantize=self.cfg.quantize,
+                   verifier_quantize=self.cfg.verifier_quantize,
                    default_threshold=self.cfg.default_threshold,
                    default_speculative=self.cfg.default_speculative, path=str(self.out),
                    seconds=round(time.time() - t0, 1),
@@ -577,10 +584,10 @@ def _export_function():
                           "`unmask export WORK/train OUT` once it exists") from exc
 
     def call(src: str, out: str, quantize: str, default_threshold: float | None = None,
-             default_speculative: bool | None = None) -> dict:
+             default_speculative: bool | None = None, verifier_quantize: str | None = None) -> dict:
         try:
             return export(src, out, quantization=quantize, default_threshold=default_threshold,
-                          default_speculative=default_speculative)
+                          default_speculative=default_speculative, verifier_quantization=verifier_quantize)
         except ExportError as exc:
             raise RecipeError(f"export: {exc}") from exc
     return call
@@ -632,6 +639,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (resume points)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quantize", default=d.quantize, choices=("nf4", "int8", "none"))
+    p.add_argument("--verifier-quantize", default=d.verifier_quantize, choices=("nf4", "int8", "none"),
+                   help="quantization of the exported verifier, the parent (default: none = its answers exactly)")
     p.add_argument("--default-threshold", type=float, default=d.default_threshold,
                    help="decoding default stored in the export: requests without steps/threshold get "
                         "confidence-threshold decoding at this value (default: one token per step)")
