@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
                 else "one token per step")
     if d.default_sampling.get("speculative"):
-        how = f"verified by {d.verifier}" if d.verifier else "self-verified"
+        how = (f"verified by {Path(loaded.path) / Path(d.verifier).expanduser()}" if d.verifier
+               else "self-verified")
         decoding = f"speculative, {how} (greedy requests; otherwise {decoding})"
     log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s "
              "default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size,
