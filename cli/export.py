@@ -26,8 +26,8 @@ def register(sub, name):
                    help="drop the source's default threshold (requests without steps/threshold then decode one "
                         "token per step)")
     p.add_argument("--verifier-quantization", default=None, choices=["nf4", "int8", "none"],
-                   help="quantization of the exported verifier (default: as --quantization); none keeps the answers "
-                        "of speculative requests exactly the full-precision verifier's")
+                   help="quantization of the exported verifier (default none: the answers of speculative requests "
+                        "stay exactly the full-precision verifier's)")
     p.add_argument("--no-verifier", action="store_true",
                    help="do not export the source's verifier (dllm.verifier): speculative requests then verify "
                         "with the model's own causal path")

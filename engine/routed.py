@@ -84,6 +84,23 @@ class RoutedModule(nn.Module):
         return out.reshape(*rows.shape, *out_d.shape[1:])
 
 
+#: config keys that shape a forward without being visible in the weight shapes (head split, RoPE, norms, MLP)
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "layer_norm_eps", "rope_theta",
+                     "rope_scaling", "rope_parameters", "partial_rotary_factor", "attention_bias", "mlp_bias",
+                     "vocab_size", "tie_word_embeddings", "sliding_window", "use_sliding_window", "layer_types")
+
+
+def architecture_mismatch(a, b) -> str | None:
+    """The first architecture setting (``ARCHITECTURE_KEYS``) in which transformers configs ``a`` and ``b`` differ,
+    as ``"key: a_value vs b_value"``, or None when they agree on all of them."""
+    da, db = a.to_dict(), b.to_dict()
+    for key in ARCHITECTURE_KEYS:
+        if da.get(key) != db.get(key):
+            return f"{key}: {da.get(key)!r} vs {db.get(key)!r}"
+    return None
+
+
 def _leaf_modules_with_weights(model: nn.Module) -> dict[str, nn.Module]:
     """Name -> module for every module that owns parameters directly (not through children)."""
     out = {}
@@ -104,8 +121,14 @@ def attach_verifier(drafter: nn.Module, verifier: nn.Module) -> RowRouter:
         the :class:`RowRouter` the denoiser sets before each forward.
 
     Raises:
-        ValueError: the module names differ, or a pair's weight shapes differ (names the module).
+        ValueError: the architecture settings differ (``ARCHITECTURE_KEYS``: parameter-free code such as the head
+            split and RoPE runs with the model's settings on every row), the module names differ, or a pair's
+            weight shapes differ (names the key or module).
     """
+    if getattr(drafter, "config", None) is not None and getattr(verifier, "config", None) is not None:
+        diff = architecture_mismatch(drafter.config, verifier.config)
+        if diff:
+            raise ValueError(f"verifier: architecture differs from the model ({diff})")
     router = RowRouter()
     d_mods = _leaf_modules_with_weights(drafter)
     v_mods = _leaf_modules_with_weights(verifier)

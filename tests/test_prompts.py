@@ -310,7 +310,10 @@ def test_recipe_budget_run_decays_lr_over_the_whole_budget(tmp_path, monkeypatch
 
 def test_recipe_draft_stage(tmp_path, monkeypatch):
     """The draft stage trains the train stage's latest checkpoint as the drafter of WORK/converted; --draft-minutes 0
-    skips it (and the export then takes the train checkpoint); a draft run of an older train checkpoint is dropped."""
+    skips it (the export and the evaluation then take the train checkpoint); a draft run of another (or retrained)
+    train checkpoint - or of an unknown one - is started afresh, never resumed."""
+    import os
+
     import unmask.training.trainer as trainer
     from unmask.training.recipes.smollm2 import Recipe, RecipeConfig, RecipeError, trained_fp32_checkpoint
 
@@ -319,25 +322,42 @@ def test_recipe_draft_stage(tmp_path, monkeypatch):
         d = work / stage / f"checkpoint-{step}"
         d.mkdir(parents=True)
         (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_text("weights")
         (work / stage / "latest").write_text(d.name)
     assert trained_fp32_checkpoint(work).parent.name == "draft"
     seen = []
     monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg))
     logs = []
-    Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), draft_minutes=0), log=logs.append).stage_draft()
+
+    def recipe(**kw):
+        return Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), **kw), log=logs.append)
+
+    recipe(draft_minutes=0).stage_draft()
     assert seen == [] and any("skipped" in m for m in logs)
-    # a draft run recorded for another train checkpoint is discarded and started afresh from the current one
-    state = json.loads((work / "recipe.json").read_text())
-    state["stages"]["draft"] = {"done": True, "source": str(work / "train" / "checkpoint-1")}
-    (work / "recipe.json").write_text(json.dumps(state))
+    assert trained_fp32_checkpoint(work).parent.name == "train"  # skipped: the drafter is not the model
+    # a draft directory of unknown origin is discarded and the drafter trained afresh from the current checkpoint
     with pytest.raises(RecipeError, match="without a checkpoint"):  # (the stub trainer writes none)
-        Recipe(RecipeConfig(work=str(work), out=str(tmp_path / "o"), draft_minutes=10),
-               log=logs.append).stage_draft()
+        recipe(draft_minutes=10).stage_draft()
     (cfg,) = seen
     assert not (work / "draft" / "checkpoint-3").exists() and not cfg.resume
     assert cfg.objective == "draft" and cfg.verifier == str(work / "converted")
     assert cfg.model == str(work / "train" / "checkpoint-5") and cfg.out == str(work / "draft")
     assert cfg.max_minutes == pytest.approx(10.0) and cfg.block_size == 4
+    # interrupted after a checkpoint: resumed while the train checkpoint is the same ...
+    d = work / "draft" / "checkpoint-2"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (work / "draft" / "latest").write_text(d.name)
+    seen.clear()
+    recipe(draft_minutes=10).stage_draft()
+    assert seen[0].resume and d.exists()
+    # ... and started afresh once that checkpoint was retrained (same path, new weights)
+    w = work / "train" / "checkpoint-5" / "model.safetensors"
+    os.utime(w, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns + 10 ** 9))
+    seen.clear()
+    with pytest.raises(RecipeError, match="without a checkpoint"):
+        recipe(draft_minutes=10).stage_draft()
+    assert not seen[0].resume and not d.exists() and any("afresh" in m for m in logs)
     with pytest.raises(RecipeError, match="block-size >= 2"):
         RecipeConfig(block_size=1).validate()
     RecipeConfig(block_size=1, draft_minutes=0).validate()

@@ -119,7 +119,7 @@ def test_attach_verifier_rejects_another_architecture():
     with pytest.raises(ValueError, match="architecture differs"):
         attach_verifier(a, b)
     c = loaded(seed=0, intermediate_size=96).model
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match="intermediate_size"):
         attach_verifier(loaded(seed=1).model, c)
 
 
@@ -171,7 +171,7 @@ def test_checkpoint_verifier_errors(saved_pair, tmp_path):
     with pytest.raises(CheckpointError, match="verifier itself"):
         load_model(str(chained))
     other = _save(tmp_path / "wide", loaded(seed=0, hidden_size=32, num_attention_heads=4))
-    with pytest.raises(CheckpointError, match=r"dllm\.verifier.*shape"):
+    with pytest.raises(CheckpointError, match=r"dllm\.verifier.*hidden_size"):
         load_model(str(_with_dllm(d, tmp_path / "c", verifier=str(other))))
     mask_other = _with_dllm(v, tmp_path / "v2", mask_token_id=0)
     with pytest.raises(CheckpointError, match="mask_token_id"):
@@ -201,3 +201,41 @@ def test_serve_log_names_the_weight_format():
     assert _weights_kind(fake(None)) == "float32"
     assert _weights_kind(fake({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})) == "nf4 (compute float32)"
     assert _weights_kind(fake({"load_in_8bit": True})) == "int8 (compute float32)"
+
+
+def test_attach_verifier_rejects_another_head_split_or_rope():
+    """Equal weight shapes, other head split / RoPE base: the parameter-free code would run with the model's
+    settings on the verifier's rows, so attaching must fail (naming the setting)."""
+    from unmask.engine.routed import attach_verifier
+
+    a = loaded(seed=0).model
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        attach_verifier(a, loaded(seed=0, num_attention_heads=8, num_key_value_heads=4).model)
+    with pytest.raises(ValueError, match="rope"):
+        attach_verifier(loaded(seed=1).model, loaded(seed=0, rope_theta=500.0).model)
+
+
+def test_checkpoint_verifier_with_other_token_ids_is_rejected(saved_pair, tmp_path):
+    from unmask.engine.model import load_model
+
+    root, v, d = saved_pair
+    other = _with_dllm(v, tmp_path / "v3", suppress_token_ids=[5])
+    with pytest.raises(CheckpointError, match="suppress_token_ids"):
+        load_model(str(_with_dllm(d, tmp_path / "e", verifier=str(other))))
+
+
+def test_tied_embeddings_route_at_both_ends():
+    """SmolLM2 ties its LM head to the input embedding: each end must still split rows between the weight sets."""
+    routed, verifier = loaded_with_verifier(tie_word_embeddings=True, initializer_range=0.5)
+    drafter = loaded(seed=1, tie_word_embeddings=True, initializer_range=0.5)
+    ids = torch.tensor([verifier.tokenizer("Hello world, one two").input_ids])
+    pos = torch.arange(ids.shape[1])[None]
+    rows = torch.zeros_like(ids, dtype=torch.bool)
+    rows[0, -2:] = True
+    with torch.no_grad():
+        hv = verifier.model.base_model(input_ids=ids, position_ids=pos).last_hidden_state
+        hr = routed.hidden_states(ids, pos, None, drafter_rows=rows)
+        assert torch.allclose(hr[~rows], hv[~rows], atol=1e-5)  # causal rows never see later rows
+        lr = routed.logits(hr[0], drafter_rows=rows[0])
+        assert torch.allclose(lr[:-2], verifier.model.lm_head(hv[0, :-2]).float(), atol=1e-4)
+        assert torch.allclose(lr[-2:], drafter.model.lm_head(hr[0, -2:]).float(), atol=1e-4)

@@ -179,7 +179,7 @@ def test_draft_option_errors(workdir, tmp_path):
                           **{**base, "out": str(tmp_path / "o2")}))
 
 
-@pytest.mark.parametrize("quantization,verifier_quantization", [("none", None), ("nf4", None), ("nf4", "none")])
+@pytest.mark.parametrize("quantization,verifier_quantization", [("none", None), ("nf4", None), ("nf4", "nf4")])
 def test_export_carries_the_verifier(workdir, tmp_path, quantization, verifier_quantization):
     """An export is self-contained: the verifier is exported (quantized alike) into OUT/verifier and named
     relatively; the result still decodes speculatively to the verifier's greedy output."""
@@ -192,11 +192,11 @@ def test_export_carries_the_verifier(workdir, tmp_path, quantization, verifier_q
     write_checkpoint(src, lm.model, lm.tokenizer, dllm)
     res = export(src, tmp_path / "out", quantization, verifier_quantization=verifier_quantization)
     assert res["verifier"] == str(workdir / "parent")
-    assert res["verifier_quantization"] == (verifier_quantization or quantization)
+    assert res["verifier_quantization"] == (verifier_quantization or "none")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["dllm"]["verifier"] == "verifier"
     vcfg = json.loads((tmp_path / "out" / "verifier" / "config.json").read_text())
-    assert ("quantization_config" in vcfg) == ((verifier_quantization or quantization) == "nf4")
+    assert ("quantization_config" in vcfg) == (verifier_quantization == "nf4")
     routed, parent = LLM(str(tmp_path / "out")), LLM(str(tmp_path / "out" / "verifier"))
     assert routed.model.router is not None
     ref = parent.generate("Two plus", SamplingParams(max_tokens=8, temperature=0, block_size=1, ignore_eos=True))
@@ -205,3 +205,26 @@ def test_export_carries_the_verifier(workdir, tmp_path, quantization, verifier_q
     export(src, tmp_path / "plain", "none", keep_verifier=False)
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["dllm"]["verifier"] is None
     assert not (tmp_path / "plain" / "verifier").exists()
+
+
+def test_draft_with_gradient_checkpointing_is_refused(workdir, tmp_path):
+    with pytest.raises(TrainError, match="gradient-checkpointing"):
+        TrainConfig(model="m", data="d", out="o", objective="draft", verifier="v",
+                    gradient_checkpointing=True).validate()
+
+
+def test_resume_of_a_run_saved_before_the_draft_objective(workdir, tmp_path):
+    """State files written before `draft_groups`/`verifier` existed still resume (block objective)."""
+    out = tmp_path / "out"
+    lm = tiny.loaded()
+    write_checkpoint(tmp_path / "src", lm.model, lm.tokenizer, lm.dllm)
+    base = dict(model=str(tmp_path / "src"), data=str(workdir / "data.jsonl"), out=str(out), batch_size=2,
+                seq_len=64, lr=1e-3, progress=False, max_steps=2)
+    train(TrainConfig(halt_after=1, save_every=1, **base))
+    ck = out / (out / "latest").read_text().strip()
+    state = torch.load(ck / "training_state.pt", weights_only=False)
+    for key in ("draft_groups", "verifier"):
+        state["config"].pop(key)
+    torch.save(state, ck / "training_state.pt")
+    train(TrainConfig(resume=True, **base))
+    assert (out / "latest").read_text().strip() == "checkpoint-2"

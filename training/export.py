@@ -111,9 +111,10 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
             source's defaults).
         default_speculative: written as ``dllm.default_sampling.speculative``: requests that do not set
             ``speculative`` (and fit it) then decode self-speculatively (None = keep the source's defaults).
-        verifier_quantization: quantization of the exported verifier (None = ``quantization``). ``none`` keeps the
-            verifier - whose greedy tokens are the answers of speculative requests - exact; nf4 re-quantization
-            of SmolLM2-135M moves its answers (token F1 0.46 against the full-precision parent's).
+        verifier_quantization: quantization of the exported verifier (None = ``none``: the verifier - whose greedy
+            tokens are the answers of speculative requests - stays exact; nf4 re-quantization of SmolLM2-135M moves
+            its answers to token F1 0.46 against the full-precision parent's; int8 (LLM.int8) picks outlier
+            columns per call, so its rows depend on the other rows and the output on the batch).
         clear_default_threshold: drop the source's ``dllm.default_sampling.threshold`` (requests without
             ``steps``/``threshold`` then decode one token per step); exclusive with ``default_threshold``.
         keep_verifier: when the source names a verifier (``dllm.verifier``, ``unmask.engine.routed``), export it
@@ -136,7 +137,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     if quantization not in QUANTIZATIONS:
         raise ExportError(f"--quantization: {quantization!r} is not one of {QUANTIZATIONS}")
     if verifier_quantization is None:
-        verifier_quantization = quantization
+        verifier_quantization = "none"
     if verifier_quantization not in QUANTIZATIONS:
         raise ExportError(f"--verifier-quantization: {verifier_quantization!r} is not one of {QUANTIZATIONS}")
     from unmask.engine.model import resolve_device
@@ -182,11 +183,14 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     if dllm.verifier and keep_verifier:
         vsrc = Path(dllm.verifier).expanduser()
         vsrc = vsrc if vsrc.is_absolute() else srcp / vsrc
-        vcfg = read_config(vsrc)
+        try:
+            vcfg = read_config(vsrc)
+            vdllm = DllmConfig.from_dict(vcfg.get("dllm"), where=f"{vsrc / 'config.json'}:dllm")
+        except CheckpointError as exc:
+            raise ExportError(f"{srcp / 'config.json'}:dllm.verifier: {exc}") from exc
         if isinstance(vcfg.get("quantization_config"), dict):
             raise ExportError(f"{srcp / 'config.json'}:dllm.verifier: {vsrc} is quantized; export from a "
                               "full-precision verifier")
-        vdllm = DllmConfig.from_dict(vcfg.get("dllm"), where=f"{vsrc / 'config.json'}:dllm")
         dllm.verifier = VERIFIER_DIR
     elif dllm.verifier:
         dllm.verifier = None

@@ -153,6 +153,9 @@ class TrainConfig:
                 raise TrainError("--objective draft: --teacher-kl, --complementary and --certainty do not apply")
             if self.draft_groups < 1:
                 raise TrainError(f"--draft-groups: must be >= 1, got {self.draft_groups}")
+            if self.gradient_checkpointing:
+                raise TrainError("--objective draft: --gradient-checkpointing is not supported (the checkpointed "
+                                 "layers drop the verifier's keys/values)")
         elif self.verifier:
             raise TrainError("--verifier: only used by --objective draft")
 
@@ -242,6 +245,11 @@ def load_verifier(path: str, device, dllm) -> torch.nn.Module:
         raise TrainError(f"--verifier {path}: attention/logit_shift/mask_token_id {vdllm.attention}/"
                          f"{vdllm.logit_shift}/{vdllm.mask_token_id} differ from the model's {dllm.attention}/"
                          f"{dllm.logit_shift}/{dllm.mask_token_id}")
+    if vdllm.verifier:
+        raise TrainError(f"--verifier {path}: names a verifier itself ({vdllm.verifier}); chains are not supported")
+    if (vdllm.eos_token_ids, vdllm.pad_token_id, vdllm.suppress_token_ids) != (
+            dllm.eos_token_ids, dllm.pad_token_id, dllm.suppress_token_ids):
+        raise TrainError(f"--verifier {path}: eos/pad/suppressed token ids differ from the model's")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -453,11 +461,18 @@ class Trainer:
             state = torch.load(state_file, map_location="cpu", weights_only=False)
             saved = state["config"]
             keys = ["objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
-                    "complementary", "max_steps", "lr_schedule", "warmup", "eps", "draft_groups"]
+                    "complementary", "max_steps", "lr_schedule", "warmup", "eps"]
             if cfg.trainable in ("lora", "qlora"):
                 keys += ["lora_r", "lora_alpha", "lora_targets"]
+            if cfg.objective == "draft":  # (runs saved before the draft objective existed have neither key)
+                keys += ["draft_groups", "verifier"]
+                saved = {**saved, "verifier": saved.get("verifier") and str(Path(saved["verifier"]).expanduser()
+                                                                            .resolve())}
             for key in keys:
-                if saved.get(key) != getattr(cfg, key):
+                mine = getattr(cfg, key)
+                if key == "verifier":
+                    mine = str(Path(mine).expanduser().resolve())
+                if saved.get(key) != mine:
                     raise TrainError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)!r} differs from the "
                                      f"run being resumed ({saved.get(key)!r})")
             if state.get("world_size", 1) != acc.num_processes:
@@ -491,12 +506,19 @@ class Trainer:
                 raise TrainError(f"--block-size: the draft objective drafts from groups of >= 2 masks, got "
                                  f"{self.block_size}")
             self.verifier = load_verifier(cfg.verifier, acc.device, dllm)
-            if self.verifier.get_output_embeddings().weight.shape != \
+            from unmask.engine.routed import architecture_mismatch
+
+            diff = architecture_mismatch(self.verifier.config, self.tm.base.config)
+            if diff or self.verifier.get_output_embeddings().weight.shape != \
                     self.tm.base.get_output_embeddings().weight.shape:
-                raise TrainError(f"--verifier {cfg.verifier}: another vocabulary or hidden size than --model")
+                raise TrainError(f"--verifier {cfg.verifier}: another architecture than --model "
+                                 f"({diff or 'LM head shape'})")
             # the saved checkpoints decode with this verifier (unmask.engine.routed) and at this draft block
             dllm.verifier = str(Path(cfg.verifier).expanduser().resolve())
             dllm.block_size = self.block_size
+        elif dllm.verifier and not Path(dllm.verifier).expanduser().is_absolute():
+            # the source names its verifier relatively (an export): the saved checkpoints live elsewhere
+            dllm.verifier = str((Path(cfg.model) / Path(dllm.verifier)).resolve())
         eos = eos_ids_of(self.tm.tokenizer, dllm.eos_token_ids)
         try:
             self.data = load_dataset(cfg.data, self.tm.tokenizer, cfg.seq_len, eos)

@@ -70,9 +70,16 @@ def _attach_verifier(loaded: LoadedModel, path: Path) -> None:
         raise CheckpointError(f"{where}: {vpath} differs in attention/logit_shift/mask_token_id "
                               f"({vdllm.attention}/{vdllm.logit_shift}/{vdllm.mask_token_id} vs "
                               f"{dllm.attention}/{dllm.logit_shift}/{dllm.mask_token_id})")
+    if (vdllm.eos_token_ids, vdllm.pad_token_id, vdllm.suppress_token_ids) != (
+            dllm.eos_token_ids, dllm.pad_token_id, dllm.suppress_token_ids):
+        raise CheckpointError(f"{where}: {vpath} differs in eos_token_ids/pad_token_id/suppress_token_ids (the "
+                              "model's are applied when verifying, so the answers would not be the verifier's)")
     if load_tokenizer(vpath).get_vocab() != tokenizer.get_vocab():
         raise CheckpointError(f"{where}: {vpath} has another tokenizer vocabulary")
-    verifier = from_pretrained(AutoModelForCausalLM, vpath, vconfig, device, dtype)
+    try:
+        verifier = from_pretrained(AutoModelForCausalLM, vpath, vconfig, device, dtype)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
     verifier.eval()
     try:
         loaded.attach_verifier(verifier)

@@ -201,10 +201,15 @@ def step_of(ckpt: Path | None) -> int:
 
 
 def trained_fp32_checkpoint(work: str | os.PathLike | None = None) -> Path | None:
-    """The recipe's latest full-precision checkpoint - the draft stage's (``WORK/draft/<latest>``) when it has one,
-    else the train stage's (``WORK/train/<latest>``) - or None."""
+    """The recipe's latest full-precision checkpoint - the draft stage's (``WORK/draft/<latest>``) when it has one
+    and was not skipped last (``recipe.json``), else the train stage's (``WORK/train/<latest>``) - or None."""
     work = Path(work or default_work_dir())
-    return latest_checkpoint(work / "draft") or latest_checkpoint(work / "train")
+    try:
+        skipped = json.loads((work / "recipe.json").read_text())["stages"].get("draft", {}).get("skipped")
+    except (OSError, ValueError, KeyError, AttributeError):
+        skipped = False
+    drafted = None if skipped else latest_checkpoint(work / "draft")
+    return drafted or latest_checkpoint(work / "train")
 
 
 def training_minutes_used(metrics_csv: Path, up_to_step: int | None = None) -> float:
@@ -255,7 +260,8 @@ class Recipe:
             old = state.get("config", {})
             # settings that change what earlier stages produced must not change under a resume
             for key in ("parent", "block_size", "attention", "prompts_limit", "distill_max_tokens", "top_k_dist",
-                        "batch_size", "grad_accum", "seq_len", "max_steps", "trainable", "seed", "complementary"):
+                        "batch_size", "grad_accum", "seq_len", "max_steps", "trainable", "seed", "complementary",
+                        "draft_batch_size", "draft_groups", "draft_max_steps"):
                 if key in old and old[key] != getattr(self.cfg, key):
                     raise RecipeError(f"--{key.replace('_', '-')}: {getattr(self.cfg, key)!r} differs from the run "
                                       f"in {self.work} ({old[key]!r}); use another --work directory")
@@ -432,11 +438,24 @@ class Recipe:
         src = latest_checkpoint(self.train_dir)
         if src is None:
             raise RecipeError(f"draft: no training checkpoint in {self.train_dir}; run the train stage")
-        done = self.state["stages"].get("draft", {})
-        if self.draft_dir.exists() and done.get("source") not in (None, str(src)):
-            self._say("draft", f"the train stage's checkpoint changed ({done.get('source')} -> {src}): "
-                               "starting the drafter afresh")
-            shutil.rmtree(self.draft_dir)
+        # the drafter's source (path and weights stamp) is recorded before training starts, so an interrupted run
+        # of another (or a retrained) train checkpoint is recognised and started afresh, never resumed
+        source = {"path": str(src), "stamp": _weights_stamp(src)}
+        source_file = self.draft_dir / "source.json"
+        if self.draft_dir.exists() and any(self.draft_dir.iterdir()):
+            try:
+                recorded = json.loads(source_file.read_text())
+            except (OSError, ValueError):
+                recorded = None
+            if recorded != source:
+                self._say("draft", f"{self.draft_dir} was trained from {(recorded or {}).get('path', 'an unknown source')}"
+                                   f", not {src}: starting the drafter afresh")
+                shutil.rmtree(self.draft_dir)
+        self.draft_dir.mkdir(parents=True, exist_ok=True)
+        if not source_file.is_file():
+            tmp = source_file.with_name(source_file.name + ".tmp")
+            tmp.write_text(json.dumps(source) + "\n")
+            os.replace(tmp, source_file)
         self._run_trainer("draft", self.draft_dir, cfg.draft_minutes, cfg.draft_max_steps,
                           f"drafter for {self.converted.name} (the parent), block {cfg.block_size}, lr "
                           f"{cfg.draft_lr:g}, batch {cfg.draft_batch_size}, {cfg.draft_groups} groups/example",
@@ -502,8 +521,6 @@ class Recipe:
         src = trained_fp32_checkpoint(self.work)
         if src is None:
             raise RecipeError(f"export: no training checkpoint in {self.train_dir}; run the train stage")
-        if src.parent == self.draft_dir and self.cfg.draft_minutes <= 0 and self.cfg.draft_max_steps <= 0:
-            src = latest_checkpoint(self.train_dir)  # --draft-minutes 0: the drafter is not wanted
         done = self.state["stages"].get("export", {})
         stamp = _weights_stamp(src)
         if (is_checkpoint(self.out) and done.get("source") == str(src) and done.get("source_stamp") == stamp
@@ -578,6 +595,7 @@ def _export_function():
         RecipeError: the export module is not available, or the export failed (its message).
     """
     try:
+        from unmask.engine.config import CheckpointError
         from unmask.training.export import ExportError, export
     except ImportError as exc:
         raise RecipeError(f"export: unmask.training.export is not available ({exc}); export by hand with "
@@ -588,7 +606,7 @@ def _export_function():
         try:
             return export(src, out, quantization=quantize, default_threshold=default_threshold,
                           default_speculative=default_speculative, verifier_quantization=verifier_quantize)
-        except ExportError as exc:
+        except (ExportError, CheckpointError) as exc:
             raise RecipeError(f"export: {exc}") from exc
     return call
 
