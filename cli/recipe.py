@@ -1,6 +1,6 @@
 """``unmask recipe``: one command from the SmolLM2-135M-Instruct GGUF to a trained, quantized diffusion model that
 ``unmask serve`` serves by default (convert -> prompts -> teacher self-distillation -> block-diffusion training
-with a time budget -> drafter training against the parent (its verifier) -> nf4 export). Resumable: rerun the same
+with a time budget -> opt-in drafter training against the parent (its verifier) -> nf4 export). Resumable: rerun the same
 command after an interruption."""
 from __future__ import annotations
 

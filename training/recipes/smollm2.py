@@ -16,7 +16,8 @@ Stages, each resumable and skipped when already complete (state in ``WORK/recipe
 5. ``draft``    -- drafter training (``--objective draft``, ``unmask.engine.routed``): the trained model learns to draft
    against the keys/values of the untrained conversion (``WORK/converted``: the AR parent, exactly), which becomes
    its *verifier*; speculative requests then answer with the parent's own greedy tokens in fewer forwards.
-   Checkpoints in ``WORK/draft``; its own wall-clock budget (``--draft-minutes``; 0 skips the stage).
+   Checkpoints in ``WORK/draft``; its own wall-clock budget (``--draft-minutes``; 0, the default, skips the
+   stage: on the CPU measured the routed step costs more than the forwards it saves).
 6. ``export``   -- merge + quantize (nf4 by default) the latest checkpoint (the draft stage's, else the train
    stage's) into the default trained location :func:`unmask.training.realmodel.default_trained_dir` (``unmask
    serve`` with no argument serves it); a verifier is exported with it (``OUT/verifier``, quantized alike).
@@ -60,8 +61,10 @@ class RecipeConfig:
         distill_max_tokens: longest teacher answer (tokens). distill_batch: teacher batch size.
         top_k_dist: teacher top-k distribution stored per answer token (soft targets; 0 = none).
         budget_minutes: training wall-clock budget, summed over interruptions (distillation not counted).
-        draft_minutes: the draft stage's own wall-clock budget (0 = skip the stage: the export then verifies drafts
-            with the trained model's own causal path). draft_max_steps: its optimizer-step cap (0 = budget only).
+        draft_minutes: the draft stage's own wall-clock budget (0, the default, skips the stage: the export then
+            verifies drafts with the trained model's own causal path). Opt-in because on the 2-core CPU measured a
+            verifier-routed step reads both weight sets and runs at 0.3-0.45x the parent's tokens/s
+            (``benchmarks/results/verified/``), while it makes greedy answers exactly the parent's. draft_max_steps: its optimizer-step cap (0 = budget only).
         draft_lr, draft_batch_size, draft_groups: the draft stage's learning rate, examples per step and draft
             groups per example (``unmask train --objective draft``).
         max_steps: optimizer-step cap (0 = only the time budget, with a cosine learning-rate decay over the
@@ -90,7 +93,7 @@ class RecipeConfig:
     top_k_dist: int = 16
     budget_minutes: float = 60.0
     max_steps: int = 0
-    draft_minutes: float = 30.0
+    draft_minutes: float = 0.0
     draft_max_steps: int = 0
     draft_lr: float = 3e-5
     draft_batch_size: int = 4
@@ -630,9 +633,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=d.max_steps,
                    help="optimizer-step cap; > 0 also switches to a cosine schedule (default: time budget only)")
     p.add_argument("--draft-minutes", type=float, default=d.draft_minutes,
-                   help="the draft stage's wall-clock budget: the trained model learns to draft for the AR parent "
-                        "(its verifier), so speculative requests answer with the parent's greedy tokens in fewer "
-                        "forwards (0 = skip; default %(default)s)")
+                   help="the draft stage's wall-clock budget, e.g. 30: the trained model learns to draft for the AR "
+                        "parent (its verifier), so speculative requests answer with the parent's greedy tokens in "
+                        "fewer forwards - but on a CPU each step reads both weight sets (0 = skip, the default)")
     p.add_argument("--draft-max-steps", type=int, default=d.draft_max_steps, help="draft stage step cap (0 = budget)")
     p.add_argument("--draft-lr", type=float, default=d.draft_lr)
     p.add_argument("--draft-batch-size", type=int, default=d.draft_batch_size)
