@@ -21,7 +21,8 @@ def register(sub, name):
                         "get confidence-threshold decoding at this value (e.g. 0.7)")
     p.add_argument("--default-speculative", action=argparse.BooleanOptionalAction, default=None,
                    help="decoding default stored in the checkpoint: requests that do not set speculative (and fit "
-                        "it: greedy, no steps/threshold) get self-speculative decoding (prefix_causal models)")
+                        "it: no steps/threshold/CFG/penalties) get self-speculative decoding (prefix_causal models; "
+                        "temperature > 0: speculative sampling)")
     p.add_argument("--no-default-threshold", action="store_true",
                    help="drop the source's default threshold (requests without steps/threshold then decode one "
                         "token per step)")

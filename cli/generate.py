@@ -31,9 +31,9 @@ def register(sub, name):
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable, at most 4)")
     p.add_argument("--cache", default="auto", help="auto | none | prefix | dual")
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
-                   help="self-speculative decoding: mask-block drafts verified by the model's causal path (output "
-                        "identical to --block-size 1 greedy decoding; prefix_causal models; default: the "
-                        "checkpoint's default)")
+                   help="self-speculative decoding: mask-block drafts verified by the model's causal path (greedy: "
+                        "output identical to --block-size 1 greedy decoding; --temperature > 0: speculative "
+                        "sampling; prefix_causal models; default: the checkpoint's default)")
     p.add_argument("--speculative-branches", type=int, default=None,
                    help="fallback draft groups per step (default: min(3, block size - 1))")
     p.add_argument("--speculative-epsilon", type=float, default=None,

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if d.default_sampling.get("speculative"):
         how = (f"verified by {Path(loaded.path) / Path(d.verifier).expanduser()}" if d.verifier
                else "self-verified")
-        decoding = f"speculative, {how} (greedy requests; otherwise {decoding})"
+        decoding = f"speculative, {how} (greedy and sampled requests without steps/threshold; otherwise {decoding})"
     log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s "
              "default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size,
              d.logit_shift, loaded.max_context, loaded.device, _weights_kind(loaded), decoding,

@@ -72,9 +72,10 @@ class SamplingParams:
         cache: ``auto`` | ``none`` | ``prefix`` | ``dual`` (KV-cache policy; see ``unmask.engine.kv_cache``).
         logprobs: record the log-probability each token had at the step it was revealed.
         speculative: self-speculative decoding (``unmask.engine.speculative``): mask-block drafts verified by the
-            model's causal path; the output is token for token the model's ``block_size=1`` greedy decoding.
-            ``prefix_causal`` models with the logit shift only; greedy (``temperature`` ``None`` resolves to 0);
-            ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block. ``None`` =
+            model's causal path; greedy: the output is token for token the model's ``block_size=1`` greedy decoding;
+            temperature > 0: speculative sampling, every token distributed as ``block_size=1`` sampling would draw
+            it. ``prefix_causal`` models with the logit shift only (``temperature`` ``None`` resolves to the
+            checkpoint's, else 0); ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block. ``None`` =
             the checkpoint's ``dllm.default_sampling.speculative`` where the request allows it (see
             :meth:`with_defaults`), else off.
         speculative_branches: fallback mask groups per step (drafts for when draft i is the first rejected),
@@ -82,6 +83,7 @@ class SamplingParams:
         speculative_epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact
             verification: a draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) *
             exp(-H))`` (H = entropy of the causal distribution). In (0, 1]; ``None`` = exact (output = greedy).
+            Greedy requests only.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -171,10 +173,10 @@ class SamplingParams:
         the request sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"`` (a step
         count or another remasking order asks for quota decoding). ``speculative``: the request's, else the
         checkpoint's when the request is one self-speculative decoding can serve as asked (no ``steps`` or
-        ``threshold``, ``remasking="low_confidence"``, a temperature - the request's, else the checkpoint's - unset or
-        0, no CFG, no penalties, a draft block - the request's, else ``model_block_size`` - of at most 32), else
-        off. A speculative request decodes greedily (``temperature`` ``None`` -> 0) and takes no
-        default threshold (it does not use one).
+        ``threshold``, ``remasking="low_confidence"``, no CFG, no penalties, a draft block - the request's, else
+        ``model_block_size`` - of at most 32), else off; greedy and sampling requests alike (sampling ones are
+        verified by speculative sampling). A speculative request whose temperature neither it nor the checkpoint
+        sets decodes greedily (0 instead of 1.0) and takes no default threshold (it does not use one).
 
         Raises:
             ParamError: ``speculative_branches`` / ``speculative_epsilon`` on a request that is not speculative.
@@ -182,16 +184,13 @@ class SamplingParams:
         defaults = default_sampling or {}
         speculative = self.speculative
         if speculative is None:
-            speculative = (bool(defaults.get("speculative", False))
-                           and self._fits_speculative(defaults.get("temperature"), model_block_size))
+            speculative = bool(defaults.get("speculative", False)) and self._fits_speculative(model_block_size)
         for name in ("speculative_branches", "speculative_epsilon"):
             if getattr(self, name) is not None and not speculative:
                 raise ParamError(name, "only applies with speculative decoding (speculative=true)")
         temperature = self.temperature
-        if temperature is None and speculative:
-            temperature = 0.0
         if temperature is None:
-            temperature = float(defaults.get("temperature", 1.0))
+            temperature = float(defaults.get("temperature", 0.0 if speculative else 1.0))
         threshold = self.threshold
         if (threshold is None and self.steps is None and self.remasking == "low_confidence" and not speculative
                 and defaults.get("threshold") is not None):
@@ -199,13 +198,11 @@ class SamplingParams:
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
         return replace(self, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
 
-    def _fits_speculative(self, default_temperature, model_block_size: int | None) -> bool:
+    def _fits_speculative(self, model_block_size: int | None) -> bool:
         """Whether a checkpoint's speculative default may apply: the request asks for nothing that self-speculative
-        decoding ignores or refuses (a request outside it silently keeps the ordinary decoding). A checkpoint whose
-        default temperature is > 0 keeps sampling requests that leave the temperature unset."""
-        temperature = self.temperature if self.temperature is not None else default_temperature
+        decoding ignores or refuses (a request outside it silently keeps the ordinary decoding)."""
         block = self.block_size or model_block_size
         return (self.steps is None and self.threshold is None and self.remasking == "low_confidence"
-                and not temperature and self.cfg_scale == 0 and self.presence_penalty == 0
+                and self.cfg_scale == 0 and self.presence_penalty == 0
                 and self.frequency_penalty == 0 and self.repetition_penalty == 1.0
                 and (block is None or block <= MAX_SPECULATIVE_BLOCK))

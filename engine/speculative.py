@@ -19,7 +19,15 @@ One step forwards, for a request whose canvas is final up to position ``f`` (exc
 Verification (greedy): draft ``d_q`` is accepted while it equals the argmax of the causal output at ``q - 1``;
 the first rejected position gets that argmax instead (the "correction", always exact), so every step reveals
 ``accepted + 1`` tokens and the output is *token for token* the model's ``block_size=1`` greedy decoding (for the
-untrained conversion: the AR parent's). The next drafts come from group A when every draft was accepted, from the
+untrained conversion: the AR parent's).
+
+Verification (sampling, temperature > 0): speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al.
+2023, "Accelerating LLM decoding with speculative sampling"). Drafts are *sampled* from the mask rows' distribution
+``q`` (the request's temperature, top-k and top-p) and ``q`` is kept; draft ``d_q`` is accepted with probability
+``min(1, p(d_q) / q(d_q))`` under the causal distribution ``p`` of its position; the first rejected position gets a
+token sampled from ``norm(max(0, p - q))``, and a step that accepts every draft samples the next token from ``p``.
+Every revealed token is then distributed exactly as ``block_size=1`` sampling from the causal path would give it
+(not token for token: the random draws differ). The next drafts come from group A when every draft was accepted, from the
 fallback group of the first rejected draft otherwise, and none when that group was not forwarded. Only the causal
 tokens before the correction are committed to the KV cache; rejected drafts' keys/values are never stored (the
 rollback is free).
@@ -41,16 +49,17 @@ DEFAULT_BRANCHES = 3       # fallback groups when the request does not say (bloc
 def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
     """Raise :class:`ParamError` (field ``speculative``) when this request cannot be decoded self-speculatively.
 
-    Needs a ``prefix_causal`` model with the logit shift (the causal path is then an AR model), greedy decoding
-    (``temperature`` 0: verification compares with the causal argmax), no CFG and no penalties (they would make
-    the verifier differ from ``block_size=1`` decoding).
+    Needs a ``prefix_causal`` model with the logit shift (the causal path is then an AR model), no CFG and no
+    penalties (they would make the verifier differ from ``block_size=1`` decoding). Greedy (``temperature`` 0) and
+    sampling requests both qualify; typical acceptance (``speculative_epsilon``) is greedy only.
     """
     if dllm.attention != "prefix_causal" or not dllm.logit_shift:
         raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
                                         f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
-    if float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
-        raise ParamError("speculative", f"verifies drafts against the greedy causal prediction: needs temperature 0, "
-                                        f"got {params.temperature}")
+    if params.speculative_epsilon is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
+        raise ParamError("speculative_epsilon", f"typical acceptance relaxes greedy verification: needs temperature 0, "
+                                                f"got {params.temperature} (sampling requests are verified by "
+                                                f"speculative sampling, which is exact)")
     if params.cfg_scale > 0:
         raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
@@ -59,6 +68,44 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
     if block > MAX_DRAFT_BLOCK:
         raise ParamError("block_size", f"self-speculative decoding drafts at most {MAX_DRAFT_BLOCK} tokens per step "
                                        f"(a step forwards up to block_size^2 rows), got {block}")
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` (``[N, V]`` float64, rows summing to 1; zero-probability tokens are never
+    drawn) by Gumbel-max, ``argmax(log p + g)`` with ``g`` standard Gumbel from ``generator`` (float64 uniforms
+    drawn on the CPU, so the draw does not depend on the device), as the engine's other sampling. Returns ``[N]``
+    int64 on ``probs``' device."""
+    u = torch.rand(probs.shape, dtype=torch.float64, generator=generator, device="cpu").to(probs.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    return torch.argmax(torch.log(probs) + gumbel, dim=-1)
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
+                       ) -> tuple[int, int]:
+    """Speculative sampling's verification of one request's drafts (Leviathan et al. 2023, Algorithm 1).
+
+    Args:
+        p: ``[D + 1, V]`` float64 target (causal) distributions: row ``i`` for the position of draft ``i``, row
+            ``D`` for the position after the last draft.
+        q: ``[D, V]`` float64 distributions the drafts were sampled from.
+        drafts: the ``D`` draft token ids.
+        generator: the request's generator (``D`` uniforms, then one Gumbel-max draw over ``V``).
+
+    Returns:
+        ``(accepted, token)``: the number of leading drafts accepted (draft ``i`` with probability
+        ``min(1, p_i(d_i) / q_i(d_i))``) and the token for the next position: drawn from ``norm(max(0, p_i - q_i))``
+        at the first rejection ``i`` (from ``p_i`` when that residual is empty, i.e. ``p_i == q_i``), from ``p_D``
+        when every draft was accepted. The revealed tokens are then distributed as sampling from ``p`` alone.
+    """
+    u = torch.rand(len(drafts), dtype=torch.float64, generator=generator, device="cpu")
+    for i, d in enumerate(drafts):
+        if float(u[i]) * float(q[i, d]) < float(p[i, d]):  # u < p / q, without dividing by q
+            continue
+        residual = (p[i] - q[i]).clamp_min(0.0)
+        total = residual.sum()
+        dist = residual / total if float(total) > 0 else p[i]
+        return i, int(sample_from_probs(dist[None], generator)[0])
+    return len(drafts), int(sample_from_probs(p[len(drafts)][None], generator)[0])
 
 
 class SpeculativeSequence(Sequence):
@@ -87,6 +134,9 @@ class SpeculativeSequence(Sequence):
         self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
         self.epsilon = self.params.speculative_epsilon
+        self.temperature = float(self.params.temperature or 0.0)
+        self.sampling = self.temperature >= MIN_SAMPLING_TEMPERATURE  # speculative sampling instead of argmax checks
+        self.draft_probs: torch.Tensor | None = None  # sampling: [len(drafts), V] float64 q the drafts came from
         self._layout: dict | None = None
 
     # ------------------------------------------------------------------ one step: inputs
@@ -169,24 +219,36 @@ class SpeculativeSequence(Sequence):
                 logits[early.to(logits.device)[:, None], ids[None, :]] = float("-inf")
         if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
             logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
-        best = torch.argmax(logits, dim=-1).cpu()
-        typical = self._typical_ok(logits[: len(drafts)], drafts) if self.epsilon is not None else None
-        accepted = 0
-        for q, d in enumerate(drafts):
-            if int(best[q]) != d and not (typical is not None and bool(typical[q])):
-                break
-            accepted += 1
+        if self.sampling:
+            probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
+            q = self.draft_probs[: len(drafts)] if drafts else probs.new_zeros(0, probs.shape[-1])
+            accepted, token = speculative_accept(probs[: len(drafts) + 1], q, drafts, self.generator)
+            key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
+            next_q = probs[key_rows]
+            next_drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
+        else:
+            best = torch.argmax(logits, dim=-1).cpu()
+            typical = self._typical_ok(logits[: len(drafts)], drafts) if self.epsilon is not None else None
+            accepted = 0
+            for q, d in enumerate(drafts):
+                if int(best[q]) != d and not (typical is not None and bool(typical[q])):
+                    break
+                accepted += 1
+            token = int(best[accepted])  # the correction (or the token after the last draft)
         new_tokens = list(drafts[:accepted])
         if f + accepted < self.end:
-            new_tokens.append(int(best[accepted]))  # the correction (or the token after the last draft)
+            new_tokens.append(token)
         rows = list(range(len(new_tokens)))
         lse = log_normalizer(logits[rows]) if rows else torch.empty(0, dtype=torch.float64)
         tok_t = torch.tensor(new_tokens, dtype=torch.long)
         logp = (logits[rows, tok_t.to(logits.device)].to(torch.float64) - lse).cpu() if rows else lse
 
         # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
-        key = "A" if accepted == len(drafts) else accepted
-        self.drafts = [int(best[r]) for r in group_rows.get(key, [])]
+        if self.sampling:
+            self.drafts, self.draft_probs = next_drafts, next_q
+        else:
+            key = "A" if accepted == len(drafts) else accepted
+            self.drafts = [int(best[r]) for r in group_rows.get(key, [])]
         self.proposed_drafts += len(drafts)
         self.accepted_drafts += accepted
 

@@ -110,13 +110,16 @@ class _Common(_Strict):
     cache: CacheName = Field("auto", description="KV-cache policy: auto | none | prefix | dual")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     speculative: bool | None = Field(None, description="self-speculative decoding: mask-block drafts verified by "
-                                                        "the model's causal path; output identical to block_size=1 "
-                                                        "greedy decoding (prefix_causal models, temperature 0); "
+                                                        "the model's causal path (prefix_causal models); greedy: "
+                                                        "output identical to block_size=1 greedy decoding; "
+                                                        "temperature > 0: speculative sampling, distributed as "
+                                                        "block_size=1 sampling; "
                                                         "absent: the checkpoint's default; false: off")
     speculative_branches: int | None = Field(None, ge=0, le=65536,
                                              description="fallback draft groups per step; default min(3, block_size - 1)")
     speculative_epsilon: float | None = Field(None, gt=0, le=1,
-                                              description="typical acceptance of drafts (Medusa); absent: exact")
+                                              description="typical acceptance of drafts (Medusa; greedy requests); "
+                                                          "absent: exact")
 
     @model_validator(mode="before")
     @classmethod

@@ -229,9 +229,11 @@ def test_abort_frees_the_cache(llm):
     assert seq.cache_bytes() == 0 and not sched.running
 
 
-def test_default_temperature_is_greedy_and_default_threshold_ignored(llm):
+def test_temperature_resolves_to_the_checkpoints_else_greedy_and_default_threshold_ignored(llm):
     sp = SamplingParams(max_tokens=4, speculative=True).with_defaults({"temperature": 0.7, "threshold": 0.5})
-    assert sp.temperature == 0.0 and sp.threshold is None
+    assert sp.temperature == 0.7 and sp.threshold is None
+    assert SamplingParams(max_tokens=4, speculative=True).with_defaults({"threshold": 0.5}).temperature == 0.0
+    assert SamplingParams(max_tokens=4).with_defaults({}).temperature == 1.0  # OpenAI's default otherwise
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
@@ -242,13 +244,14 @@ def test_other_attention_modes_are_refused(attention):
     assert err.value.field == "speculative" and attention in str(err.value)
 
 
-@pytest.mark.parametrize("kw, words", [({"temperature": 0.7}, "temperature 0"), ({"cfg_scale": 1.0}, "cfg_scale"),
-                                       ({"repetition_penalty": 1.2}, "penalties"),
-                                       ({"presence_penalty": 0.5}, "penalties")])
-def test_incompatible_parameters_name_the_field(llm, kw, words):
+@pytest.mark.parametrize("kw, field, words", [
+    ({"cfg_scale": 1.0}, "speculative", "cfg_scale"), ({"repetition_penalty": 1.2}, "speculative", "penalties"),
+    ({"presence_penalty": 0.5}, "speculative", "penalties"),
+    ({"temperature": 0.7, "speculative_epsilon": 0.1}, "speculative_epsilon", "temperature 0")])
+def test_incompatible_parameters_name_the_field(llm, kw, field, words):
     with pytest.raises(ParamError) as err:
         llm.generate("Hello", SamplingParams(max_tokens=4, speculative=True, **kw))
-    assert err.value.field == "speculative" and words in str(err.value)
+    assert err.value.field == field and words in str(err.value)
 
 
 @pytest.mark.parametrize("kw, field", [({"speculative": "yes"}, "speculative"),
@@ -298,8 +301,10 @@ def test_http_field_streams_the_block1_answer_and_400_names_the_field():
 
                     text += json.loads(line[6:])["choices"][0]["text"]
         assert text == ref
-        bad = client.post("/v1/completions", json={**body, "temperature": 0.9})
-        assert bad.status_code == 400 and "speculative" in bad.text
+        sampled = client.post("/v1/completions", json={**body, "temperature": 0.9, "seed": 3})  # speculative sampling
+        assert sampled.status_code == 200 and sampled.json()["usage"]["completion_tokens"] == 9
+        bad = client.post("/v1/completions", json={**body, "temperature": 0.9, "speculative_epsilon": 0.1})
+        assert bad.status_code == 400 and "speculative_epsilon" in bad.text
         bad = client.post("/v1/completions", json={**body, "speculative_branches": -1})
         assert bad.status_code == 400 and "speculative_branches" in bad.text
         assert client.post("/v1/completions", json={**body, "speculative": None}).status_code == 200  # null = default
@@ -332,8 +337,9 @@ def test_cli_generate_speculative(tmp_path):
     b = json.loads(subprocess.run(base + ["--speculative", "--speculative-branches", "1"], capture_output=True,
                                   text=True, timeout=120, check=True).stdout)
     assert b["token_ids"] == a["token_ids"]
-    bad = subprocess.run(base + ["--speculative", "--temperature", "0.5"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "speculative" in bad.stderr and "temperature 0" in bad.stderr
+    bad = subprocess.run(base + ["--speculative", "--temperature", "0.5", "--speculative-epsilon", "0.1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "speculative_epsilon" in bad.stderr and "temperature 0" in bad.stderr
 
 
 # ---------------------------------------------------------------- the checkpoint's default
@@ -349,23 +355,25 @@ def test_checkpoint_default_applies_to_greedy_requests_that_fit_it():
         return type(llm.make_sequences(ids, SamplingParams(max_tokens=8, **kw), "k")[0])
 
     assert kind() is Spec and kind(temperature=0) is Spec and kind(speculative_epsilon=0.1) is Spec
+    assert kind(temperature=0.7) is Spec  # speculative sampling
     # requests outside it keep the ordinary decoding, without an error
-    for kw in ({"temperature": 0.7}, {"steps": 8}, {"threshold": 0.9}, {"remasking": "margin"}, {"cfg_scale": 1.0},
+    for kw in ({"steps": 8}, {"threshold": 0.9}, {"remasking": "margin"}, {"cfg_scale": 1.0},
                {"repetition_penalty": 1.1}, {"block_size": 64}, {"speculative": False}):
         assert kind(**kw) is not Spec, kw
     # a block size the server set above the limit (`unmask serve --block-size 64`): ordinary decoding, no 400
     lm.dllm.block_size = 64
     assert kind() is not Spec and kind(block_size=4) is Spec
     lm.dllm.block_size = 4
-    # a checkpoint that samples by default keeps sampling requests that leave the temperature unset
+    # a checkpoint that samples by default samples speculatively at its temperature
     lm.dllm.default_sampling = {"temperature": 0.7, "speculative": True}
-    assert kind() is not Spec and kind(temperature=0) is Spec
+    assert kind() is Spec and kind(temperature=0) is Spec
+    assert llm.make_sequences(ids, SamplingParams(max_tokens=8), "k")[0].temperature == 0.7
     lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True}
     ref = _greedy_b1(llm, PROMPTS[1], 10, ignore_eos=True)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ref.token_ids
     with pytest.raises(ParamError) as err:  # knobs of speculative decoding on a request that opted out
-        llm.make_sequences(ids, SamplingParams(max_tokens=8, temperature=0.5, speculative_branches=1), "k")
+        llm.make_sequences(ids, SamplingParams(max_tokens=8, steps=8, speculative_branches=1), "k")
     assert err.value.field == "speculative_branches"
 
 
