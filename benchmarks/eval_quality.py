@@ -54,7 +54,7 @@ DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
 _SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?(?:-e(0?\.\d+|1(?:\.0+)?))?)"
-                      r"(?:-cache-(auto|none|prefix|dual))?$")
+                      r"(?:-cache-(auto|none|prefix|dual))?(?:-T(\d+(?:\.\d*)?|\.\d+))?$")
 
 
 class EvalError(ValueError):
@@ -74,12 +74,14 @@ class Setting:
     speculative: bool = False
     branches: int | None = None
     epsilon: float | None = None
+    temperature: float = 0.0
 
     def params(self, max_tokens: int):
-        """``SamplingParams`` for greedy decoding with this setting (temperature 0, seed 0)."""
+        """``SamplingParams`` for decoding with this setting (greedy unless the setting names a temperature;
+        seed 0 for every prompt)."""
         from unmask.engine import SamplingParams
 
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, block_size=self.block_size,
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, block_size=self.block_size,
                               steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0,
                               speculative=self.speculative, speculative_branches=self.branches,
                               speculative_epsilon=self.epsilon)
@@ -89,7 +91,8 @@ def parse_setting(text: str) -> Setting:
     """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9; ``"b4-spec"`` -> self-speculative
     decoding with draft block 4 (``"b4-spec-br1"``: one fallback group; ``"b4-spec-e0.2"``: typical acceptance with
     epsilon 0.2); an optional ``-cache-MODE`` suffix
-    (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``.
+    (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``; an optional
+    final ``-T<temperature>`` samples instead of greedy decoding (seed 0), e.g. ``b4-spec-T0.7``, ``b1-s64-T0.7``.
 
     Raises:
         EvalError: not of the form ``b<int>-s<int>[-cache-MODE]`` / ``b<int>-t<float in [0, 1]>[-cache-MODE]``,
@@ -102,20 +105,22 @@ def parse_setting(text: str) -> Setting:
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
     cache = m.group(7) or "auto"
+    temperature = float(m.group(8)) if m.group(8) is not None else 0.0
     if block < 1:
         raise EvalError(f"setting {text!r}: block size must be >= 1")
     if m.group(3) is not None:
         steps = int(m.group(3))
         if steps < 1:
             raise EvalError(f"setting {text!r}: steps must be >= 1")
-        return Setting(text.strip(), block, steps=steps, cache=cache)
+        return Setting(text.strip(), block, steps=steps, cache=cache, temperature=temperature)
     if m.group(2).startswith("spec"):
         eps = float(m.group(6)) if m.group(6) is not None else None
         if eps is not None and eps <= 0:
             raise EvalError(f"setting {text!r}: the typical-acceptance epsilon must be > 0")
         return Setting(text.strip(), block, cache=cache, speculative=True,
-                       branches=int(m.group(5)) if m.group(5) is not None else None, epsilon=eps)
-    return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache)
+                       branches=int(m.group(5)) if m.group(5) is not None else None, epsilon=eps,
+                       temperature=temperature)
+    return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache, temperature=temperature)
 
 
 def parse_model_spec(text: str) -> tuple[str, str]:

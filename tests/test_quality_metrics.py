@@ -210,7 +210,12 @@ def test_setting_and_spec_parsing():
     vanilla = ev.parse_setting("b32-s256-cache-none")
     assert vanilla == ev.Setting("b32-s256-cache-none", 32, steps=256, cache="none")
     assert vanilla.params(256).cache == "none" and ev.parse_setting("b4-t0.9").params(64).cache == "auto"
-    for bad in ("b4", "b0-s4", "b4-s0", "b4-t1.5", "x4-s2", "b4-s32-cache-", "b4-s32-cache-fast", "b4-s32-none"):
+    sampled = ev.parse_setting("b4-spec-T0.7")
+    assert sampled.speculative and sampled.temperature == 0.7 and sampled.params(8).temperature == 0.7
+    assert ev.parse_setting("b1-s64-cache-none-T1").params(8).temperature == 1.0
+    assert ev.parse_setting("b4-spec").params(8).temperature == 0.0
+    for bad in ("b4", "b0-s4", "b4-s0", "b4-t1.5", "x4-s2", "b4-s32-cache-", "b4-s32-cache-fast", "b4-s32-none",
+                "b4-spec-T", "b4-spec-T-1", "b4-T0.7-spec"):
         with pytest.raises(ev.EvalError, match="setting"):
             ev.parse_setting(bad)
     assert ev.parse_model_spec("a=~/x")[0] == "a"
