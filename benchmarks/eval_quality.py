@@ -311,6 +311,7 @@ class Evaluation:
         self.parent_samples: dict[str, Sample] = {}
         self.parent_timing: dict[str, tuple[float, float]] = {}
         self.models = self._models()
+        self.weight_formats: dict[str, str] = {}
         self.t_start = time.time()
 
     def _models(self) -> list[tuple[str, str]]:
@@ -401,7 +402,9 @@ class Evaluation:
             self.log(f"[{name}] converting the parent once into {path}")
             ensure_default_converted(out=path)
         self.log(f"[{name}] loading {path}")
-        llm = LLM(path, max_batch_size=a.batch_size)
+        llm = LLM(path, max_batch_size=a.batch_size, weights=a.weights)
+        self.weight_formats[name] = llm.model.weight_format
+        self.log(f"[{name}] linear layers: {llm.model.weight_format}")
         prompt_ids = {}
         for pid in dict.fromkeys(self.grid_ids + self.full_ids):
             ids = llm.apply_chat_template(chat_messages(self.rows_by_id[pid]))
@@ -498,6 +501,7 @@ class Evaluation:
             "grid_prompts": len(self.grid_ids), "full_prompts": len(self.full_ids),
             "speed_prompts": len(self.speed_ids),
             "grid": [s.name for s in self.grid], "models": dict(self.models),
+            "weights": a.weights, "weight_formats": dict(self.weight_formats),
             "parent": getattr(getattr(self, "parent", None), "where", None),
             "eos_token_ids": getattr(self, "eos_ids", None),
             "notes": ("tokens/s and TTFT are measured at batch 1 on the first speed_prompts grid prompts; quality "
@@ -555,12 +559,15 @@ def markdown_table(result: dict) -> str:
            f"Date (UTC): {m['date_utc']}; machine: {m['machine']}, torch threads {m['torch_threads']}, "
            f"load average {m.get('load_average_1_5_15')}; max new tokens {m['max_tokens']}; grid prompts "
            f"{m['grid_prompts']}, full held-out prompts {m['full_prompts']}, speed prompts (batch 1) "
-           f"{m['speed_prompts']}.  ",
+           f"{m['speed_prompts']}; diffusion models' linear layers: "
+           f"{', '.join(f'{k} {v}' for k, v in (m.get('weight_formats') or {}).items()) or '-'} (the parent: "
+           "transformers float32).  ",
            f"Notes: {m['notes']} EM = exact match after normalisation on checkable prompts; answer acc = EM, else "
            "the last number of the output for numeric answers, else contains; contains = the normalised answer "
            "appears in the output; '= parent' = share of outputs token-identical to the parent's. "
            "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold> / b<block>-spec[-br<n>][-e<eps>] "
-           "(self-speculative: drafts verified by the causal path; -e = typical acceptance).", ""]
+           "(self-speculative: drafts verified by the causal path; -e = typical acceptance); -T<t> = sampled at "
+           "temperature t (seed 0), else greedy.", ""]
     out.append("| " + " | ".join(c[0] for c in COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))
     for r in result["runs"]:
@@ -653,6 +660,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16, help="engine batch for the quality passes")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
+                   help="how the diffusion models' linear layers run (auto: fbgemm-packed fp16 on a CPU); the parent "
+                        "is always transformers float32")
     return p
 
 

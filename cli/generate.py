@@ -43,6 +43,8 @@ def register(sub, name):
     p.add_argument("--family", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
+                   help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU, as loaded elsewhere")
     p.add_argument("--show-steps", action="store_true", help="print the canvas after every step (masks as _)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from unmask.engine.llm import LLM
 
     try:
-        llm = LLM(args.model, family=args.family, device=args.device, dtype=args.dtype, max_batch_size=1)
+        llm = LLM(args.model, family=args.family, device=args.device, dtype=args.dtype, max_batch_size=1,
+                  weights=args.weights)
         prompt_ids = (llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
                       else llm.encode(args.prompt))
         seq = llm.make_sequences(prompt_ids, params, "cli")[0]

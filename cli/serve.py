@@ -18,17 +18,20 @@ log = logging.getLogger("unmask.server")
 
 
 def _weights_kind(loaded) -> str:
-    """``nf4`` / ``int8`` (bitsandbytes, with the compute dtype) or the plain dtype of the loaded weights."""
+    """``nf4`` / ``int8`` (bitsandbytes, with the compute dtype) or the plain dtype of the loaded weights, and how
+    the linear layers run when they were repacked (``-> fp16 packed (fbgemm)``)."""
     dtype = str(loaded.dtype).replace("torch.", "")
     qc = getattr(loaded.model.config, "quantization_config", None)
-    if qc is None:
-        return dtype
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    if qc.get("load_in_4bit"):
-        return f"{qc.get('bnb_4bit_quant_type', '4bit')} (compute {dtype})"
-    if qc.get("load_in_8bit"):
-        return f"int8 (compute {dtype})"
-    return dtype
+    kind = dtype
+    if qc is not None:
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        if qc.get("load_in_4bit"):
+            kind = f"{qc.get('bnb_4bit_quant_type', '4bit')} (compute {dtype})"
+        elif qc.get("load_in_8bit"):
+            kind = f"int8 (compute {dtype})"
+    if loaded.weight_format == "fp16":
+        kind += " -> linear layers fp16-packed (fbgemm, float32 activations)"
+    return kind
 
 
 def register(sub, name):
@@ -55,6 +58,9 @@ def register(sub, name):
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
+                   help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU (1.6-2.6x faster decoding "
+                        "than float32/nf4 there), as loaded elsewhere; native = as loaded; fp16 = packed (CPU only)")
     p.add_argument("--family", default=None, help="force the model family (default: detect)")
     p.add_argument("--block-size", type=int, default=None,
                    help="default block size for requests that send none (default: the checkpoint's)")
@@ -146,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        loaded = load_model(model_path, args.family, args.device, args.dtype)
+        loaded = load_model(model_path, args.family, args.device, args.dtype, weights=args.weights)
     except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     if args.max_model_len is not None:

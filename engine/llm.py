@@ -73,6 +73,7 @@ class LLM:
     Args:
         model: checkpoint directory / hub id, or an already :class:`LoadedModel`.
         family: force a family (default: detect). device/dtype: ``auto`` or explicit.
+        weights: ``auto`` | ``native`` | ``fp16``: how the linear layers run (:func:`load_model`; a path only).
         max_batch_size: sequences decoded together.
         compile: ``torch.compile`` the decoder forward (see :class:`~unmask.engine.denoiser.Denoiser`).
 
@@ -84,8 +85,9 @@ class LLM:
     """
 
     def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
-                 dtype: str = "auto", max_batch_size: int = 16, compile: bool = False):
-        self.model = model if isinstance(model, LoadedModel) else load_model(model, family, device, dtype)
+                 dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto"):
+        self.model = (model if isinstance(model, LoadedModel)
+                      else load_model(model, family, device, dtype, weights=weights))
         self.denoiser = Denoiser(self.model, compile=compile)
         self.max_batch_size = max_batch_size
 

@@ -64,6 +64,9 @@ class LoadedModel:
         path: where it was loaded from.
         device, dtype: where the weights live.
         max_context: the longest canvas (prompt + generation + suffix) the model accepts, in tokens.
+        router: a ``routed.RowRouter`` when the checkpoint has a verifier (``dllm.verifier``), else None.
+        weight_format: how the linear layers run: ``native`` (as loaded) or ``fp16`` (fbgemm-packed, see
+            :mod:`unmask.engine.packed_weights`; set by :meth:`pack_weights`).
     """
 
     model: Any
@@ -73,12 +76,14 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_context: int
-    router: Any = None  # a routed.RowRouter when the checkpoint has a verifier (``dllm.verifier``), else None
+    router: Any = None
+    weight_format: str = "native"
 
     def __post_init__(self) -> None:
         self.model.eval()
         self._decoder = self.model.base_model
         self._head = self.model.get_output_embeddings()
+        self._vocab_size = int(self._head.weight.shape[0])
         params = inspect.signature(self._decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
@@ -87,13 +92,33 @@ class LoadedModel:
         (:func:`unmask.engine.routed.attach_verifier`; raises its ``ValueError`` for another architecture)."""
         from .routed import attach_verifier
 
+        if self.weight_format != "native":
+            raise ValueError("attach the verifier before packing the weights (load_model does both in that order)")
         self.router = attach_verifier(self.model, verifier_model)
         self._head = self.model.get_output_embeddings()
+
+    def pack_weights(self, weight_format: str) -> None:
+        """Run the linear layers in ``weight_format`` (``auto`` | ``native`` | ``fp16``, see
+        :mod:`unmask.engine.packed_weights`); once per model, after any verifier is attached. Inference only.
+
+        Raises:
+            ValueError: (names ``weights``) an unknown format or one this device cannot run; packing twice.
+        """
+        from .packed_weights import pack_linears_fp16, resolve_weight_format
+
+        fmt = resolve_weight_format(weight_format, self.device)
+        if fmt == "native" or fmt == self.weight_format:
+            return
+        if self.weight_format != "native":
+            raise ValueError(f"weights: already packed as {self.weight_format}")
+        pack_linears_fp16(self.model)
+        self._head = self.model.get_output_embeddings()
+        self.weight_format = fmt
 
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head (logits width)."""
-        return int(self._head.weight.shape[0])
+        return self._vocab_size
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                       cache=None, drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,16 +197,20 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 
 def load_model(name_or_path: str | os.PathLike, family: str | None = None, device: str = "auto",
-               dtype: str = "auto") -> LoadedModel:
+               dtype: str = "auto", weights: str = "auto") -> LoadedModel:
     """Load any supported dLLM checkpoint.
 
     Args:
         name_or_path: a checkpoint directory, or a hub id where a network (or the local hub cache) exists.
         family: force a family (``a2d``, ``llada``, ``dream``, ``fast_dllm_v2``, ``sdar``); default: detect.
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``. dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
+        weights: how the linear layers run (:mod:`unmask.engine.packed_weights`): ``auto`` (fbgemm-packed fp16 on
+            a CPU with fbgemm, else as loaded), ``native`` (as loaded: float32/bf16, or bitsandbytes nf4/int8),
+            ``fp16``. Inference only: train from a ``native`` load.
 
     Raises:
         CheckpointError: the directory is not a checkpoint of a known family (the message says what was expected).
+        ValueError: a bad ``device``, ``dtype`` or ``weights`` (the message names it).
     """
     from .families import detect_family, get_family
 
@@ -190,4 +219,9 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     name = family or detect_family(config, path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    return get_family(name).load(path, config, dev, dt)
+    from .packed_weights import resolve_weight_format
+
+    fmt = resolve_weight_format(weights, dev)  # bad values fail before the weights are read
+    loaded = get_family(name).load(path, config, dev, dt)
+    loaded.pack_weights(fmt)
+    return loaded

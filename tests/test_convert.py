@@ -128,7 +128,7 @@ def test_mask_token_added_rows_resized_and_initialised(parents, arch):
     assert cfg["architectures"] == parent_cfg["architectures"] and cfg["model_type"] == parent_cfg["model_type"]
     assert "quantization_config" not in cfg
 
-    lm = load_model(dst, device="cpu")
+    lm = load_model(dst, device="cpu", weights="native")
     tok = lm.tokenizer
     assert tok.mask_token == "<|mask|>" and tok.convert_tokens_to_ids("<|mask|>") == VOCAB
     assert len(tok) == VOCAB + 1 and lm.vocab_size == VOCAB + 1
@@ -166,7 +166,7 @@ def test_padded_vocab_uses_first_free_id_without_resize(tmp_path):
         torch.testing.assert_close(new[key][VOCAB + 1:], old[key][VOCAB + 1:], rtol=0, atol=0)
         # the mask row is the mean of the REAL tokens' rows (padded rows excluded)
         torch.testing.assert_close(new[key][VOCAB], old[key][:VOCAB].mean(0), rtol=1e-6, atol=1e-6)
-    llm = LLM(load_model(dst, device="cpu"))
+    llm = LLM(load_model(dst, device="cpu", weights="native"))
     outs = llm.generate(["The quick brown", "Paris is"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for o in outs:
         ids = o.outputs[0].token_ids
@@ -179,7 +179,7 @@ def test_reuses_declared_mask_token(tmp_path):
     dst = convert_checkpoint(src, tmp_path / "a2d")
     dllm = json.loads((dst / "config.json").read_text())["dllm"]
     assert dllm["mask_token_id"] == VOCAB
-    lm = load_model(dst, device="cpu")
+    lm = load_model(dst, device="cpu", weights="native")
     assert len(lm.tokenizer) == VOCAB + 1 and lm.vocab_size == VOCAB + 1  # nothing added
     assert lm.tokenizer.mask_token == "[MASK]" and "<|mask|>" not in lm.tokenizer.get_vocab()
     old, new = state(src), state(dst)
@@ -194,7 +194,7 @@ def test_reuses_reserved_special_token(tmp_path):
     src = save_parent(tmp_path / "ar", "qwen3", vocab_size=len(tok), tokenizer=tok)
     dst = convert_checkpoint(src, tmp_path / "a2d")
     assert json.loads((dst / "config.json").read_text())["dllm"]["mask_token_id"] == VOCAB
-    lm = load_model(dst, device="cpu")
+    lm = load_model(dst, device="cpu", weights="native")
     assert lm.tokenizer.mask_token == "<|reserved_special_token_0|>" and lm.vocab_size == VOCAB + 1
 
 
@@ -203,7 +203,7 @@ def test_reconverting_an_a2d_checkpoint_keeps_its_mask_row(parents, tmp_path):
     with torch.no_grad():  # pretend training moved the mask row away from the mean
         sd = state(first)
         trained = sd["model.embed_tokens.weight"][VOCAB] + 1.0
-    lm = load_model(first, device="cpu")
+    lm = load_model(first, device="cpu", weights="native")
     lm.model.get_input_embeddings().weight.data[VOCAB] = trained
     lm.model.save_pretrained(str(tmp_path / "trained"))
     lm.tokenizer.save_pretrained(str(tmp_path / "trained"))
@@ -258,7 +258,7 @@ def test_block1_reproduces_ar_parent_through_the_general_loop(parents, arch, att
 
     monkeypatch.setattr(Denoiser, "step", counting_step)
     parent = parent_model(parents[arch]["src"])
-    lm = load_model(parents[arch][attention], device="cpu")
+    lm = load_model(parents[arch][attention], device="cpu", weights="native")
     llm = LLM(lm)
     eos = lm.dllm.eos_token_ids
     n_new = 16
@@ -310,9 +310,9 @@ def canvas_logits(lm, tokens, attention, P, block):
 
 
 def test_attention_masks_take_effect(parents, tmp_path):
-    bidir = load_model(convert_checkpoint(parents["llama"]["src"], tmp_path / "bidir", attention="bidirectional"),
+    bidir = load_model(convert_checkpoint(parents["llama"]["src"], tmp_path / "bidir", attention="bidirectional"), weights="native",
                        device="cpu")
-    causal = load_model(parents["llama"]["prefix_causal"], device="cpu")
+    causal = load_model(parents["llama"]["prefix_causal"], device="cpu", weights="native")
     m = causal.dllm.mask_token_id
     prompt = causal.tokenizer("The quick brown fox", add_special_tokens=False).input_ids
     P = len(prompt)
@@ -333,7 +333,7 @@ def test_attention_masks_take_effect(parents, tmp_path):
 
 
 def test_mask_token_is_never_generated(parents):
-    lm = load_model(parents["llama"]["prefix_causal"], device="cpu")
+    lm = load_model(parents["llama"]["prefix_causal"], device="cpu", weights="native")
     m = lm.dllm.mask_token_id
     prompt = lm.tokenizer("One two three four", add_special_tokens=False).input_ids
     with torch.no_grad():  # make [MASK] the model's favourite token everywhere

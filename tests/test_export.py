@@ -57,7 +57,7 @@ def test_saved_tensors_equal_fresh_process_and_logits_equal(src_and_reference, t
     d = src_and_reference
     # the trap: this process runs a CPU forward on a quantized model of the same weights before exporting
     trapped = load_quantized_fresh(d / "src", quantization, torch.device("cpu"))
-    lm_src = load_model(d / "src", device="cpu")
+    lm_src = load_model(d / "src", device="cpu", weights="native")
     with torch.no_grad():
         trapped(input_ids=probe_ids(lm_src.tokenizer))
     with pytest.raises(ExportError, match="run a forward"):
@@ -73,7 +73,7 @@ def test_saved_tensors_equal_fresh_process_and_logits_equal(src_and_reference, t
         assert saved[name].dtype == ref[name].dtype and torch.equal(saved[name], ref[name]), name
     # reloaded logits == the exporter's (a fresh quantized model's, forward after writing)
     exporter = load_quantized_fresh(d / "src", quantization, torch.device("cpu"))
-    reloaded = load_model(tmp_path / "out", device="cpu")
+    reloaded = load_model(tmp_path / "out", device="cpu", weights="native")
     ids = probe_ids(reloaded.tokenizer)
     with torch.no_grad():
         a = exporter(input_ids=ids).logits

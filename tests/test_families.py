@@ -162,7 +162,7 @@ def replicas(tmp_path_factory):
 def loaded_models(replicas):
     from unmask.engine.model import load_model
 
-    return {family: load_model(d, device="cpu", dtype="float32") for family, (d, _, _) in replicas.items()}
+    return {family: load_model(d, device="cpu", dtype="float32", weights="native") for family, (d, _, _) in replicas.items()}
 
 
 @pytest.mark.parametrize("family", list(WRITERS))
@@ -400,7 +400,7 @@ def test_tied_head_checkpoints_load(tmp_path):
     state = llama_to_llada_state_dict({k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"})
     tok = family_tokenizer(["<|eot_id|>", "<|mdm_mask|>"])
     save_foreign_checkpoint(tmp_path / "llada", state, llada_config_dict(V, 0, 321, weight_tying=True), tok)
-    lm = load_model(tmp_path / "llada")
+    lm = load_model(tmp_path / "llada", weights="native")
     with torch.no_grad():
         torch.testing.assert_close(lm.model(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
 
@@ -415,6 +415,6 @@ def test_tied_head_checkpoints_load(tmp_path):
            "head_dim": 16, "tie_word_embeddings": True, "rope_theta": 10000.0, "mask_token_id": 320,
            "eos_token_id": 0, "block_size": 4}
     save_foreign_checkpoint(tmp_path / "sdar", state, cfg, family_tokenizer(["<|MASK|>"]))
-    lm = load_model(tmp_path / "sdar")
+    lm = load_model(tmp_path / "sdar", weights="native")
     with torch.no_grad():
         torch.testing.assert_close(lm.model(ids).logits, q(ids).logits, atol=1e-5, rtol=0)

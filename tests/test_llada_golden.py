@@ -41,7 +41,7 @@ def llada_llm(tmp_path_factory):
     state = llada_replica_state_dict(cfg, GOLDEN["seed"], head_scale=GOLDEN["head_scale"],
                                      qk_scale=GOLDEN["qk_scale"], dead_rows=GOLDEN["dead_rows"])
     out = save_foreign_checkpoint(tmp_path_factory.mktemp("llada") / "ckpt", state, cfg, tok)
-    lm = load_model(out, device="cpu", dtype="float32")
+    lm = load_model(out, device="cpu", dtype="float32", weights="native")
     return LLM(lm)
 
 

@@ -17,6 +17,7 @@ import torch
 from unmask.training import realmodel
 
 NEAR_TIE = 1e-4
+NEAR_TIE_FP16 = 0.1  # fp16-packed weights move this model's logits by up to ~0.04
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a short sentence about the sea.",
@@ -113,41 +114,43 @@ def test_real_gguf_block1_reproduces_parent_greedy(tmp_path, one_thread):
     assert 2 in dllm["eos_token_ids"]  # <|im_end|>
     assert "quantization_config" not in cfg and cfg["tie_word_embeddings"] is True
 
-    lm = load_model(out, device="cpu", dtype="float32")
-    assert lm.tokenizer.chat_template == parent_tok.chat_template
-    llm = LLM(lm)
-    n_new = 24
-    for text in CHAT_PROMPTS:
-        messages = [{"role": "user", "content": text}]
-        prompt = llm.apply_chat_template(messages)
-        assert prompt == parent_tok(parent_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                                    add_special_tokens=False).input_ids
-        with torch.no_grad():
-            gen = parent.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=n_new, do_sample=False, eos_token_id=dllm["eos_token_ids"],
-                                  pad_token_id=dllm["pad_token_id"])
-        ar = gen[0, len(prompt):].tolist()
-        ours = llm.generate([prompt], SamplingParams(max_tokens=n_new, temperature=0, block_size=1))[0].outputs[0]
-        assert dllm["mask_token_id"] not in ours.token_ids
-        for i, (a, b) in enumerate(zip(ar, ours.token_ids)):
-            if a != b:
-                with torch.no_grad():
-                    top = parent(torch.tensor([prompt + ar[:i]])).logits[0, -1].float().topk(2)
-                gap = float(top.values[0] - top.values[1])
-                assert gap < NEAR_TIE and b in top.indices.tolist(), (
-                    f"{text!r} position {i}: parent {a} vs a2d {b}; parent's top-2 gap {gap:.3g} is no near-tie")
-                break
-        else:
-            assert ours.token_ids == ar, (text, ar, ours.token_ids)
-        # self-speculative decoding of the same conversion: the parent's greedy tokens again (drafts verified by the
-        # causal path; a difference only at a near-tie of the parent, as above)
-        spec = llm.generate([prompt], SamplingParams(max_tokens=n_new, speculative=True))[0].outputs[0]
-        for i, (a, b) in enumerate(zip(ar, spec.token_ids)):
-            if a != b:
-                with torch.no_grad():
-                    top = parent(torch.tensor([prompt + ar[:i]])).logits[0, -1].float().topk(2)
-                assert float(top.values[0] - top.values[1]) < NEAR_TIE and b in top.indices.tolist(), (
-                    f"{text!r} position {i}: parent {a} vs speculative {b}")
-                break
-        else:
-            assert spec.token_ids == ar, (text, ar, spec.token_ids)
+    # as loaded (float32: exact up to the parent's own near-ties), then with the CPU default of fbgemm-packed fp16
+    # linear layers (logits move by up to ~0.04 on this model: a token may differ only where the parent's top-2
+    # gap is that small)
+    for weights, tie in (("native", NEAR_TIE), ("fp16", NEAR_TIE_FP16)):
+        lm = load_model(out, device="cpu", dtype="float32", weights=weights)
+        assert lm.tokenizer.chat_template == parent_tok.chat_template
+        llm = LLM(lm)
+        n_new = 24
+        for text in CHAT_PROMPTS:
+            messages = [{"role": "user", "content": text}]
+            prompt = llm.apply_chat_template(messages)
+            assert prompt == parent_tok(parent_tok.apply_chat_template(messages, tokenize=False,
+                                                                       add_generation_prompt=True),
+                                        add_special_tokens=False).input_ids
+            with torch.no_grad():
+                gen = parent.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=n_new, do_sample=False, eos_token_id=dllm["eos_token_ids"],
+                                      pad_token_id=dllm["pad_token_id"])
+            ar = gen[0, len(prompt):].tolist()
+            ours = llm.generate([prompt], SamplingParams(max_tokens=n_new, temperature=0, block_size=1))[0].outputs[0]
+            assert dllm["mask_token_id"] not in ours.token_ids
+            _assert_parent_tokens(parent, prompt, ar, ours.token_ids, tie, f"{weights} block_size=1 {text!r}")
+            # self-speculative decoding of the same conversion: the parent's greedy tokens again (drafts verified by
+            # the causal path; a difference only at a near-tie of the parent, as above)
+            spec = llm.generate([prompt], SamplingParams(max_tokens=n_new, speculative=True))[0].outputs[0]
+            _assert_parent_tokens(parent, prompt, ar, spec.token_ids, tie, f"{weights} speculative {text!r}")
+
+
+def _assert_parent_tokens(parent, prompt, ar, got, tie, what):
+    """``got`` equals the parent's greedy ``ar``, or first differs where the parent's top-2 logit gap is < ``tie``
+    and ``got`` picked the runner-up (the rest then legitimately diverges)."""
+    for i, (a, b) in enumerate(zip(ar, got)):
+        if a != b:
+            with torch.no_grad():
+                top = parent(torch.tensor([prompt + ar[:i]])).logits[0, -1].float().topk(2)
+            gap = float(top.values[0] - top.values[1])
+            assert gap < tie and b in top.indices.tolist(), (
+                f"{what} position {i}: parent {a} vs ours {b}; parent's top-2 gap {gap:.3g} is no near-tie")
+            return
+    assert list(got) == list(ar), (what, ar, got)

@@ -194,13 +194,15 @@ def test_serve_log_names_the_weight_format():
 
     from unmask.cli.serve import _weights_kind
 
-    def fake(qc):
-        return types.SimpleNamespace(dtype=torch.float32, model=types.SimpleNamespace(
+    def fake(qc, fmt="native"):
+        return types.SimpleNamespace(dtype=torch.float32, weight_format=fmt, model=types.SimpleNamespace(
             config=types.SimpleNamespace(quantization_config=qc)))
 
     assert _weights_kind(fake(None)) == "float32"
     assert _weights_kind(fake({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})) == "nf4 (compute float32)"
     assert _weights_kind(fake({"load_in_8bit": True})) == "int8 (compute float32)"
+    assert _weights_kind(fake({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "fp16")).startswith(
+        "nf4 (compute float32) -> linear layers fp16-packed")
 
 
 def test_attach_verifier_rejects_another_head_split_or_rope():

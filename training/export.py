@@ -245,7 +245,7 @@ def verify_export(model, out: Path, device: torch.device, dtype: torch.dtype, to
 
     ids = probe_ids(tokenizer)
     mine = model(input_ids=ids.to(model.device)).logits.float().cpu()
-    lm = load_model(out, device=str(device), dtype=str(dtype).replace("torch.", ""))
+    lm = load_model(out, device=str(device), dtype=str(dtype).replace("torch.", ""), weights="native")
     theirs = lm.model(input_ids=ids.to(lm.device)).logits.float().cpu()
     del lm
     return float((mine - theirs).abs().max())

@@ -1,0 +1,102 @@
+"""CPU weight formats at run time: the linear layers of a loaded model repacked for fbgemm's fp16 GEMM.
+
+On a CPU, a decoding step is a handful of rows (1 for AR-equivalent decoding, up to ~20 for a speculative step)
+against every weight matrix. MKL's float32 GEMM handles such skinny products poorly on the CPUs measured (on the
+2-core AMD EPYC of the benchmarks, 2-4 rows cost ~1.6x one row and 20 rows 2x; ``benchmarks/bench_gemm_rows.py
+--formats fp32,fp16,int8``), while fbgemm's packed fp16 kernels read half the bytes and keep small row counts
+cheap: the seven linear layers of SmolLM2-135M run 1.6x (1 row) to 2.4x (2-4 rows) faster. This module swaps every
+linear layer (``nn.Linear`` and bitsandbytes' ``Linear4bit``/``Linear8bitLt``, dequantized first) for
+``torch.ao.nn.quantized.dynamic.Linear`` with fp16 weights: activations and accumulation stay float32, so a row's
+result does not depend on the other rows of the batch beyond float32 rounding (the batch invariance of DESIGN.md
+section 10 holds as with MKL), and the weights move by fp16 rounding only (relative ~2^-11, far below nf4's
+quantization error). fbgemm's int8 dynamic linears would be faster still, but they quantize activations per
+tensor, i.e. over the whole batch, so a request's tokens would depend on its batch mates: not offered.
+
+Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; CPU with fbgemm only), ``auto`` (``fp16``
+on a CPU whose torch build has fbgemm, else ``native``).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+WEIGHT_FORMATS = ("auto", "native", "fp16")
+
+
+def fbgemm_available() -> bool:
+    """Whether this torch build has fbgemm's packed kernels (x86 builds; not ARM)."""
+    engines = getattr(torch.backends.quantized, "supported_engines", [])
+    return "fbgemm" in engines or "x86" in engines
+
+
+def resolve_weight_format(fmt: str | None, device: torch.device) -> str:
+    """``auto`` -> ``fp16`` on a CPU with fbgemm, else ``native``.
+
+    Raises:
+        ValueError: (names ``weights``) an unknown format, or ``fp16`` on a non-CPU device / without fbgemm.
+    """
+    fmt = fmt or "auto"
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights: {fmt!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    cpu_ok = device.type == "cpu" and fbgemm_available()
+    if fmt == "auto":
+        return "fp16" if cpu_ok else "native"
+    if fmt == "fp16" and not cpu_ok:
+        why = "on a CPU" if device.type != "cpu" else "with fbgemm (x86 torch builds)"
+        raise ValueError(f"weights: fp16 packing is a CPU format (fbgemm) and works only {why}; this is "
+                         f"{device.type}; use --weights native")
+    return fmt
+
+
+def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight [out, in] float32, bias [out] float32 | None)`` of a linear layer, bitsandbytes layers
+    dequantized; ``None`` for a module that is not a linear layer this module knows."""
+    if type(module) is nn.Linear:
+        w = module.weight.detach()
+    else:
+        name = type(module).__name__
+        if name == "Linear4bit":
+            import bitsandbytes.functional as bnbf
+
+            w = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        elif name == "Linear8bitLt":
+            cb, scb = module.weight.CB, module.weight.SCB
+            if cb is None or scb is None:
+                return None
+            w = cb.float() * (scb.float()[:, None] / 127.0)
+        else:
+            return None
+    bias = module.bias.detach().float() if getattr(module, "bias", None) is not None else None
+    return w.float(), bias
+
+
+def fp16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """An fbgemm fp16 dynamic linear computing ``x @ weight.T + bias`` (``weight`` ``[out, in]`` float32)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    lin.qconfig = torch.ao.quantization.float16_dynamic_qconfig
+    with warnings.catch_warnings():  # torch.ao's deprecation notice; fp16 saturation would warn here too
+        warnings.simplefilter("ignore")
+        return DynamicLinear.from_float(lin)
+
+
+def pack_linears_fp16(model: nn.Module) -> int:
+    """Replace, in place, every linear layer under ``model`` (including those inside routed modules) by an fbgemm
+    fp16 linear; the module that held it (tied LM head included) gets its own packed copy, embeddings and norms stay
+    as they are. Returns the number of layers packed. Inference only: packed layers have no gradients."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            dense = dense_weight(child)
+            if dense is None:
+                continue
+            setattr(parent, name, fp16_linear(*dense))
+            count += 1
+    return count
