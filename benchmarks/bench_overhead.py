@@ -105,11 +105,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default="auto")
     ap.add_argument("--compile", action="store_true", help="torch.compile the engine's forward")
+    bc.add_weights_argument(ap)
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
     from unmask.engine import LLM, SamplingParams
 
-    lm = bc.real_model(args.model, args.block_size)
+    lm = bc.real_model(args.model, args.block_size, weights=args.weights)
     llm = LLM(lm, max_batch_size=1, **({"compile": True} if args.compile else {}))
     prompt_ids = llm.apply_chat_template([{"role": "user", "content": bc.PROMPT}])
     params = SamplingParams(max_tokens=args.max_tokens, steps=args.max_tokens, block_size=args.block_size,
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     run_overheads = [sum(e) / sum(b) - 1 for e, b in zip(engine_runs, bare_runs)]
     data = {
         "benchmark": "overhead",
-        "settings": {"model": lm.path, "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens,
+        "settings": {"model": lm.path, "weights": lm.weight_format, "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens,
                      "block_size": args.block_size, "steps": n, "temperature": 0, "remasking": "low_confidence",
                      "cache": args.cache, "batch": 1, "repeats": args.repeats, "compile": args.compile,
                      "attention": lm.dllm.attention},

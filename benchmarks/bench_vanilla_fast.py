@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=12, help="first N prompts of the fixed 60-prompt grid subset")
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    bc.add_weights_argument(ap)
     ap.add_argument("--name", default="bench_vanilla_fast",
                     help="result name: results/<name>.json/.md/.png and the harness files in results/<name>/")
     args = ap.parse_args(argv)
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     eargs = ev.add_arguments(argparse.ArgumentParser()).parse_args([
         "--no-defaults", "--model", f"trained={model}", "--grid", vanilla, *args.fast,
         "--grid-prompts", str(args.prompts), "--speed-prompts", str(args.speed_prompts),
-        "--max-tokens", str(args.max_tokens), "--skip-full", "--out", str(out_dir)])
+        "--max-tokens", str(args.max_tokens), "--skip-full", "--out", str(out_dir), "--weights", args.weights])
     eargs.command_line = bc.command_line()
     result = ev.run_eval(eargs)
     runs = {r["setting"] if r["model"] != "parent" else "parent": r for r in result["runs"] if r["subset"] == "grid"}
