@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     bc.set_threads(args.threads)
     from unmask.engine import LLM, SamplingParams
 
-    lm = bc.real_model(args.model, args.block_size, weights=args.weights)
+    lm = bc.real_model(args.model, args.block_size,
+                       weights="native" if args.compile and args.weights == "auto" else args.weights)
     llm = LLM(lm, max_batch_size=1, **({"compile": True} if args.compile else {}))
     prompt_ids = llm.apply_chat_template([{"role": "user", "content": bc.PROMPT}])
     params = SamplingParams(max_tokens=args.max_tokens, steps=args.max_tokens, block_size=args.block_size,

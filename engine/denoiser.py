@@ -24,7 +24,11 @@ class Denoiser:
         model: the loaded model.
         compile: run the decoder forward through ``torch.compile(dynamic=True)`` (same results; the first steps
             of each new shape pay the compilation). Measured in ``benchmarks/bench_overhead.py --compile``; off by
-            default because it did not pay on the CPU measured (see the README "Performance" section).
+            default because it did not pay on the CPU measured (see the README "Performance" section). Needs
+            ``native`` weights.
+
+    Raises:
+        ValueError: ``compile`` on a model with packed weights (names ``compile``).
     """
 
     def __init__(self, model: LoadedModel, compile: bool = False):
@@ -34,6 +38,9 @@ class Denoiser:
         self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
         self.compiled = bool(compile)
         self._compiled_forward = None
+        if compile and model.weight_format != "native":
+            raise ValueError(f"compile: torch.compile does not trace fbgemm-packed ({model.weight_format}) linear "
+                             f"layers; load with weights='native' to compile")
         if compile:
             decoder = torch.compile(model.model.base_model, dynamic=True)
             kw = model._cache_kw

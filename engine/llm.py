@@ -86,6 +86,8 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
                  dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto"):
+        if compile and weights == "auto":
+            weights = "native"  # torch.compile traces the weights as loaded, not fbgemm's packed kernels
         self.model = (model if isinstance(model, LoadedModel)
                       else load_model(model, family, device, dtype, weights=weights))
         self.denoiser = Denoiser(self.model, compile=compile)

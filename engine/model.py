@@ -106,11 +106,12 @@ class LoadedModel:
         """
         from .packed_weights import pack_linears_fp16, resolve_weight_format
 
-        fmt = resolve_weight_format(weight_format, self.device)
-        if fmt == "native" or fmt == self.weight_format:
+        fmt = resolve_weight_format(weight_format, self.device, self.dtype)
+        if fmt == self.weight_format:
             return
         if self.weight_format != "native":
-            raise ValueError(f"weights: already packed as {self.weight_format}")
+            raise ValueError(f"weights: the linear layers are already packed as {self.weight_format}; load the "
+                             f"checkpoint again for {fmt}")
         pack_linears_fp16(self.model)
         self._head = self.model.get_output_embeddings()
         self.weight_format = fmt
@@ -221,7 +222,7 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     dt = resolve_dtype(dtype, dev)
     from .packed_weights import resolve_weight_format
 
-    fmt = resolve_weight_format(weights, dev)  # bad values fail before the weights are read
+    fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read
     loaded = get_family(name).load(path, config, dev, dt)
     loaded.pack_weights(fmt)
     return loaded

@@ -12,8 +12,11 @@ section 10 holds as with MKL), and the weights move by fp16 rounding only (relat
 quantization error). fbgemm's int8 dynamic linears would be faster still, but they quantize activations per
 tensor, i.e. over the whole batch, so a request's tokens would depend on its batch mates: not offered.
 
-Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; CPU with fbgemm only), ``auto`` (``fp16``
-on a CPU whose torch build has fbgemm, else ``native``).
+Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; float32 models on a CPU with fbgemm only),
+``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``).
+
+Memory: a packed layer holds fp16 weights (2 bytes per parameter: 4x an nf4 checkpoint's 0.5, half of float32); a
+tied LM head gets its own fp16 copy next to the float32 input embedding.
 """
 from __future__ import annotations
 
@@ -31,22 +34,27 @@ def fbgemm_available() -> bool:
     return "fbgemm" in engines or "x86" in engines
 
 
-def resolve_weight_format(fmt: str | None, device: torch.device) -> str:
-    """``auto`` -> ``fp16`` on a CPU with fbgemm, else ``native``.
+def resolve_weight_format(fmt: str | None, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """``auto`` -> ``fp16`` for a float32 model on a CPU with fbgemm, else ``native``.
 
     Raises:
-        ValueError: (names ``weights``) an unknown format, or ``fp16`` on a non-CPU device / without fbgemm.
+        ValueError: (names ``weights``) an unknown format, or ``fp16`` on a non-CPU device, without fbgemm, or with
+            a compute dtype other than float32 (the packed kernels take float32 activations).
     """
     fmt = fmt or "auto"
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weights: {fmt!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    cpu_ok = device.type == "cpu" and fbgemm_available()
+    why = None
+    if device.type != "cpu":
+        why = f"only on a CPU; this is {device.type}"
+    elif not fbgemm_available():
+        why = "only with fbgemm (x86 torch builds); this torch has none"
+    elif dtype != torch.float32:
+        why = f"only with float32 activations; the model computes in {str(dtype).replace('torch.', '')}"
     if fmt == "auto":
-        return "fp16" if cpu_ok else "native"
-    if fmt == "fp16" and not cpu_ok:
-        why = "on a CPU" if device.type != "cpu" else "with fbgemm (x86 torch builds)"
-        raise ValueError(f"weights: fp16 packing is a CPU format (fbgemm) and works only {why}; this is "
-                         f"{device.type}; use --weights native")
+        return "native" if why else "fp16"
+    if fmt == "fp16" and why:
+        raise ValueError(f"weights: fp16 packing is a CPU format (fbgemm) and works {why}; use --weights native")
     return fmt
 
 
@@ -62,9 +70,11 @@ def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] 
 
             w = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state)
         elif name == "Linear8bitLt":
-            cb, scb = module.weight.CB, module.weight.SCB
-            if cb is None or scb is None:
-                return None
+            cb, scb = getattr(module.weight, "CB", None), getattr(module.weight, "SCB", None)
+            if cb is None or scb is None:  # after a forward bitsandbytes keeps them in the layer's state
+                cb, scb = module.weight.data, getattr(getattr(module, "state", None), "SCB", None)
+            if scb is None or cb.dtype != torch.int8:
+                raise ValueError(f"weights: cannot dequantize this {name} layer (no int8 weight with row scales)")
             w = cb.float() * (scb.float()[:, None] / 127.0)
         else:
             return None
@@ -73,24 +83,25 @@ def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] 
 
 
 def fp16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """An fbgemm fp16 dynamic linear computing ``x @ weight.T + bias`` (``weight`` ``[out, in]`` float32)."""
+    """An fbgemm fp16 dynamic linear computing ``x @ weight.T + bias`` (``weight`` ``[out, in]`` float32; values
+    beyond fp16's range saturate)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-        if bias is not None:
-            lin.bias.copy_(bias)
-    lin.qconfig = torch.ao.quantization.float16_dynamic_qconfig
-    with warnings.catch_warnings():  # torch.ao's deprecation notice; fp16 saturation would warn here too
+    with warnings.catch_warnings():  # torch.ao's deprecation notices
         warnings.simplefilter("ignore")
-        return DynamicLinear.from_float(lin)
+        lin = DynamicLinear(weight.shape[1], weight.shape[0], bias_=bias is not None, dtype=torch.float16)
+        lin.set_weight_bias(weight.contiguous(), bias)
+    return lin
 
 
 def pack_linears_fp16(model: nn.Module) -> int:
     """Replace, in place, every linear layer under ``model`` (including those inside routed modules) by an fbgemm
     fp16 linear; the module that held it (tied LM head included) gets its own packed copy, embeddings and norms stay
-    as they are. Returns the number of layers packed. Inference only: packed layers have no gradients."""
+    as they are. Returns the number of layers packed. Inference only: packed layers have no gradients.
+
+    Raises:
+        ValueError: (names ``weights``) a bitsandbytes layer that cannot be dequantized, or one left unpacked.
+    """
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -99,4 +110,7 @@ def pack_linears_fp16(model: nn.Module) -> int:
                 continue
             setattr(parent, name, fp16_linear(*dense))
             count += 1
+    left = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt")})
+    if left:
+        raise ValueError(f"weights: {', '.join(left)} layers were left unpacked")
     return count

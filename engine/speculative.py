@@ -102,8 +102,8 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gene
         if float(u[i]) * float(q[i, d]) < float(p[i, d]):  # u < p / q, without dividing by q
             continue
         residual = (p[i] - q[i]).clamp_min(0.0)
-        total = residual.sum()
-        dist = residual / total if float(total) > 0 else p[i]
+        total = float(residual.sum())
+        dist = residual / total if total > 1e-12 else p[i]  # p == q up to rounding: nothing left but p
         return i, int(sample_from_probs(dist[None], generator)[0])
     return len(drafts), int(sample_from_probs(p[len(drafts)][None], generator)[0])
 
@@ -220,11 +220,14 @@ class SpeculativeSequence(Sequence):
         if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
             logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
         if self.sampling:
-            probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
-            q = self.draft_probs[: len(drafts)] if drafts else probs.new_zeros(0, probs.shape[-1])
-            accepted, token = speculative_accept(probs[: len(drafts) + 1], q, drafts, self.generator)
+            def probs(rows):  # [len(rows), V] float64 sampling distributions (temperature after the filters)
+                return torch.softmax(logits[rows].to(torch.float64) / self.temperature, dim=-1)
+
+            q = self.draft_probs[: len(drafts)] if drafts else None
+            p = probs(list(range(len(drafts) + 1)))
+            accepted, token = speculative_accept(p, q if q is not None else p[:0], drafts, self.generator)
             key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
-            next_q = probs[key_rows]
+            next_q = probs(key_rows) if key_rows else None
             next_drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
         else:
             best = torch.argmax(logits, dim=-1).cpu()

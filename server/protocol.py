@@ -113,7 +113,7 @@ class _Common(_Strict):
                                                         "the model's causal path (prefix_causal models); greedy: "
                                                         "output identical to block_size=1 greedy decoding; "
                                                         "temperature > 0: speculative sampling, distributed as "
-                                                        "block_size=1 sampling; "
+                                                        "block_size=1 sampling of the verifying model; "
                                                         "absent: the checkpoint's default; false: off")
     speculative_branches: int | None = Field(None, ge=0, le=65536,
                                              description="fallback draft groups per step; default min(3, block_size - 1)")

@@ -47,10 +47,14 @@ def test_pack_count_and_idempotence():
     assert pack_linears_fp16(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Sequential(nn.Linear(3, 2)))) == 2
     lm.pack_weights("fp16")
     lm.pack_weights("fp16")  # no-op
-    lm.pack_weights("native")  # no-op: the packed model stays packed
+    lm.pack_weights("auto")  # no-op
+    with pytest.raises(ValueError, match="already packed"):
+        lm.pack_weights("native")
     assert lm.weight_format == "fp16"
     with pytest.raises(ValueError, match="before packing"):
         lm.attach_verifier(tiny.loaded().model)
+    with pytest.raises(ValueError, match="compile"):
+        LLM(lm, compile=True)
 
 
 def test_format_resolution_and_errors():
@@ -60,6 +64,10 @@ def test_format_resolution_and_errors():
     assert resolve_weight_format("auto", torch.device("cuda")) == "native"
     with pytest.raises(ValueError, match="weights: fp16 .* CPU"):
         resolve_weight_format("fp16", torch.device("cuda"))
+    # the packed kernels take float32 activations: a bf16/fp16 model stays as loaded, and asking for fp16 fails
+    assert resolve_weight_format("auto", cpu, torch.bfloat16) == "native"
+    with pytest.raises(ValueError, match="float32 activations; the model computes in bfloat16"):
+        resolve_weight_format("fp16", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="weights: 'int4' is not one of auto, native, fp16"):
         resolve_weight_format("int4", cpu)
 
@@ -70,6 +78,8 @@ def test_load_model_packs_by_default_on_cpu_and_native_opts_out(tmp_path):
     assert load_model(tmp_path / "c").weight_format == "fp16"
     assert load_model(tmp_path / "c", weights="native").weight_format == "native"
     assert LLM(str(tmp_path / "c"), weights="native").model.weight_format == "native"
+    assert load_model(tmp_path / "c", dtype="bfloat16").weight_format == "native"
+    assert LLM(str(tmp_path / "c"), compile=True).model.weight_format == "native"  # compile traces native weights
     with pytest.raises(ValueError, match="weights"):
         load_model(tmp_path / "c", weights="bogus")
 
