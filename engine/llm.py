@@ -55,12 +55,21 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
         choice_ids: give choice i the id ``f"{request_id}-{i}"`` instead of ``request_id`` (so that events of
             different choices can be told apart).
 
+    A request that gets speculative decoding only from the checkpoint's default, without naming a draft block,
+    branches or epsilon, drafts only where the model's ``draft_policy`` says so
+    (:meth:`~unmask.engine.model.LoadedModel.drafts_by_default`); otherwise it decodes one token per forward
+    (draft block 1) through the same verifying path - the same tokens, or for sampling the same distribution.
+
     Raises:
         ParamError: ``n`` is not a positive integer, or a parameter this model cannot honour (names the field).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ParamError("n", f"must be a positive integer, got {n!r}")
     resolved = params.with_defaults(model.dllm.default_sampling, model.dllm.block_size)
+    if (resolved.speculative and params.speculative is None and params.block_size is None
+            and params.speculative_branches is None and params.speculative_epsilon is None
+            and not model.drafts_by_default()):
+        resolved = replace(resolved, block_size=1)
     kind = SpeculativeSequence if resolved.speculative else Sequence
     return [kind(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
                      replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm, model.tokenizer,

@@ -410,3 +410,34 @@ def test_export_writes_and_clears_the_default(tmp_path):
     with pytest.raises(ExportError, match="prefix_causal"):
         export(tmp_path / "bi", tmp_path / "bi-out", quantization="none", default_speculative=True)
     assert not (tmp_path / "bi-out").exists()
+
+
+# ---------------------------------------------------------------- the draft policy of checkpoint defaults
+def test_checkpoint_default_drafts_per_policy_with_the_same_tokens():
+    """On a CPU (``draft_policy`` auto) a request that only gets speculative decoding from the checkpoint's default
+    decodes one token per forward (draft block 1: no mask rows) - the same tokens as drafting; asking for anything
+    speculative-specific, or policy ``on``, drafts at the checkpoint's block."""
+    lm = loaded(block_size=4)
+    lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True}
+    llm = LLM(lm)
+    ids = llm.encode(PROMPTS[1])
+
+    def seq(**kw):
+        s = llm.make_sequences(ids, SamplingParams(max_tokens=10, ignore_eos=True, **kw), "k")[0]
+        assert isinstance(s, SpeculativeSequence)
+        return s
+
+    assert lm.device.type == "cpu" and lm.draft_policy == "auto" and not lm.drafts_by_default()
+    assert seq().draft_block == 1 and seq(temperature=0.7).draft_block == 1
+    for kw in ({"speculative": True}, {"block_size": 4}, {"speculative_branches": 1}, {"speculative_epsilon": 0.1}):
+        assert seq(**kw).draft_block == 4, kw
+    one = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    lm.draft_policy = "on"
+    assert seq().draft_block == 4
+    drafted = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    assert one.token_ids == drafted.token_ids and one.nfe == 10
+    lm.draft_policy = "off"
+    assert seq().draft_block == 1
+    lm.draft_policy = "sometimes"
+    with pytest.raises(ValueError, match="draft_policy"):
+        seq()
