@@ -30,7 +30,7 @@ def _weights_kind(loaded) -> str:
         elif qc.get("load_in_8bit"):
             kind = f"int8 (compute {dtype})"
     if loaded.weight_format == "fp16":
-        kind += " -> linear layers fp16-packed (fbgemm, float32 activations)"
+        kind += ", run as fp16-packed linear layers (fbgemm, float32 activations; --weights native to keep them)"
     return kind
 
 
@@ -184,11 +184,11 @@ def run(args: argparse.Namespace) -> int:
     if d.default_sampling.get("speculative"):
         how = (f"verified by {Path(loaded.path) / Path(d.verifier).expanduser()}" if d.verifier
                else "self-verified")
-        drafts = ("drafting" if loaded.drafts_by_default() else
-                  "one token per forward: on a CPU drafting costs more than it saves, same answers; --default-drafts on "
-                  "to draft")
-        decoding = (f"speculative, {how}, {drafts} (greedy and sampled requests without steps/threshold; otherwise "
-                    f"{decoding})")
+        drafts = ("with drafts" if loaded.drafts_by_default() else
+                  "without drafts, i.e. one token per forward (on a CPU drafting costs more than it saves; the "
+                  "answers are the same; --default-drafts on to draft)")
+        decoding = (f"[requests without steps/threshold: causal-path decoding {how}, {drafts}; "
+                    f"other requests: {decoding}]")
     log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s "
              "default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size,
              d.logit_shift, loaded.max_context, loaded.device, _weights_kind(loaded), decoding,

@@ -123,10 +123,15 @@ class Run:
             metrics.record_failure(failure, [(len(p), s.sequences) for p, s in zip(self.prompt_ids, self.streams)])
         tpf = u["completion_tokens"] / u["nfe"] if u["nfe"] else 0.0
         reasons = ",".join(str(s.finish_reason) for s in self.sequences)
-        spec = any(s.params.speculative for s in self.sequences)
+        spec = [s for s in self.sequences if s.params.speculative]
+        decoding = "diffusion"
+        if spec:
+            block = getattr(spec[0], "draft_block", None)
+            decoding = ("speculative, one token per forward (no drafts)" if block == 1
+                        else f"speculative, draft block {block}")
         log.info("%s status=%d prompt_tokens=%d completion_tokens=%d nfe=%d tpf=%.2f steps=%d seconds=%.3f "
                  "finish=%s decoding=%s%s", self.id, status, u["prompt_tokens"], u["completion_tokens"], u["nfe"], tpf,
-                 u["denoising_steps"], end - self.arrival, reasons, "speculative" if spec else "diffusion",
+                 u["denoising_steps"], end - self.arrival, reasons, decoding,
                  f" failure={failure}" if failure else "")
 
     # ------------------------------------------------------------------ response pieces

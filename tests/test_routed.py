@@ -202,7 +202,7 @@ def test_serve_log_names_the_weight_format():
     assert _weights_kind(fake({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})) == "nf4 (compute float32)"
     assert _weights_kind(fake({"load_in_8bit": True})) == "int8 (compute float32)"
     assert _weights_kind(fake({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "fp16")).startswith(
-        "nf4 (compute float32) -> linear layers fp16-packed")
+        "nf4 (compute float32), run as fp16-packed linear layers")
 
 
 def test_attach_verifier_rejects_another_head_split_or_rope():
