@@ -66,7 +66,8 @@ class LoadedModel:
         max_context: the longest canvas (prompt + generation + suffix) the model accepts, in tokens.
         router: a ``routed.RowRouter`` when the checkpoint has a verifier (``dllm.verifier``), else None.
         weight_format: how the linear layers run: ``native`` (as loaded) or ``fp16`` (fbgemm-packed, see
-            :mod:`unmask.engine.packed_weights`; set by :meth:`pack_weights`).
+            :mod:`unmask.engine.packed_weights`; set by :meth:`pack_weights`, which also fuses the projections of
+            Llama-architecture models and runs them through :class:`~unmask.engine.fused_decoder.FusedDecoder`).
         draft_policy: whether requests that get speculative decoding from the checkpoint's default (without asking
             for it, a draft block, branches or epsilon) draft: ``on``, ``off`` (one token per forward through the
             same verifying path: the same tokens, or for sampling the same distribution), ``auto`` (off on a CPU,
@@ -91,6 +92,13 @@ class LoadedModel:
         self._vocab_size = int(self._head.weight.shape[0])
         params = inspect.signature(self._decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._fused = None  # a FusedDecoder once pack_weights fused the projections
+
+    @property
+    def decoder_path(self) -> str:
+        """Which forward runs the decoder: ``fused`` (:class:`~unmask.engine.fused_decoder.FusedDecoder`, packed
+        Llama-architecture models) or ``transformers`` (the model's own forward)."""
+        return "fused" if self._fused is not None else "transformers"
 
     def attach_verifier(self, verifier_model) -> None:
         """Route the causal rows of speculative requests to ``verifier_model``'s weights
@@ -109,6 +117,7 @@ class LoadedModel:
         Raises:
             ValueError: (names ``weights``) an unknown format or one this device cannot run; packing twice.
         """
+        from .fused_decoder import FusedDecoder, fuse_projections
         from .packed_weights import pack_linears_fp16, resolve_weight_format
 
         fmt = resolve_weight_format(weight_format, self.device, self.dtype)
@@ -117,9 +126,11 @@ class LoadedModel:
         if self.weight_format != "native":
             raise ValueError(f"weights: the linear layers are already packed as {self.weight_format}; load the "
                              f"checkpoint again for {fmt}")
+        fused = fuse_projections(self._decoder)  # before packing: q|k|v and gate|up become one GEMM each
         pack_linears_fp16(self.model)
         self._head = self.model.get_output_embeddings()
         self.weight_format = fmt
+        self._fused = FusedDecoder(self._decoder) if fused else None
 
     def drafts_by_default(self) -> bool:
         """Whether checkpoint-default speculative requests draft (``draft_policy``). ``auto``: not on a CPU, where a
@@ -148,6 +159,9 @@ class LoadedModel:
         ``drafter_rows`` (``[B, Q]`` bool, models with a verifier only): rows that run the model's own weights;
         the others run the verifier's (``unmask.engine.routed``). ``None``: every row runs the model's weights.
         """
+        if self._fused is not None:
+            with self.routing(drafter_rows):
+                return self._fused(input_ids, position_ids, attention_mask, cache)
         kwargs = {self._cache_kw: cache, "use_cache": False}
         with self.routing(drafter_rows):
             out = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,

@@ -1,0 +1,228 @@
+"""A faster decoder forward for Llama-architecture models whose weights are packed for the CPU.
+
+On the 2-core CPU a one-row decoding step of SmolLM2-135M spent ~40% of its time outside the weight reads: seven
+GEMM calls per layer each paying a fixed cost, six-op RMSNorms, ``repeat_kv`` copies for grouped-query attention
+and transformers' per-layer dispatch. :func:`fuse_projections` (run on the dense weights, before packing) turns the
+q/k/v projections into one linear and gate/up into another; :class:`FusedDecoder` then runs the same computation
+as transformers' ``LlamaModel.forward`` (``transformers/models/llama/modeling_llama.py``: RMSNorm, rotary
+embedding with ``rotate_half``, SDPA attention, SwiGLU MLP; Qwen2's q/k/v biases and Qwen3's per-head q/k norms
+included) with
+
+* 4 GEMMs per layer instead of 7 (q|k|v and gate|up share one weight matrix each),
+* ``torch.nn.functional.rms_norm`` (one kernel) instead of pow/mean/rsqrt/mul,
+* RoPE applied to the query and key heads in one pass, and
+* ``scaled_dot_product_attention(enable_gqa=True)`` instead of repeating the key/value heads.
+
+The results equal the transformers path up to float rounding (the fused GEMM may block its sums differently);
+it is used only with fbgemm fp16 weights (:mod:`unmask.engine.packed_weights`), which are approximate already.
+The projections' old names stay usable (:class:`ProjectionSlice`), so the transformers forward of a fused model
+still computes the same function (slower: each slice runs the fused GEMM). Models of other architectures, with
+sliding-window layers, or whose layers do not have the Llama layout keep the transformers forward
+(:func:`unsupported_reason` says why).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: transformers decoder classes whose layer computation is the Llama one (Qwen3 adds per-head q/k RMSNorms)
+SUPPORTED_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
+
+
+def unsupported_reason(decoder: nn.Module) -> str | None:
+    """Why ``decoder`` (a transformers ``*Model`` decoder stack) cannot run :class:`FusedDecoder`, or None."""
+    name = type(decoder).__name__
+    if name not in SUPPORTED_DECODERS:
+        return f"{name} is not one of {', '.join(SUPPORTED_DECODERS)}"
+    cfg = decoder.config
+    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    for i, layer in enumerate(decoder.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return f"layer {i} has no q/k/v/o projections"
+        if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return f"layer {i} has no gate/up/down MLP"
+    return None
+
+
+class ProjectionSlice(nn.Module):
+    """Stands in for one of the projections merged into ``owner.<fused_name>``: ``forward(x)`` returns output
+    features ``[start, end)`` of the fused projection (the whole fused GEMM runs; used only by code that calls the
+    old projection names, e.g. the transformers forward). The owner is not registered as a submodule, so the fused
+    weights are packed, counted and saved once."""
+
+    def __init__(self, owner: nn.Module, fused_name: str, start: int, end: int, in_features: int):
+        super().__init__()
+        object.__setattr__(self, "_owner", owner)
+        self.fused_name, self.start, self.end, self.in_features = fused_name, start, end, in_features
+        self.out_features = end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self._owner, self.fused_name)(x)[..., self.start:self.end]
+
+    def extra_repr(self) -> str:
+        return f"{self.fused_name}[{self.start}:{self.end}]"
+
+
+def _concat_linear(modules: list[nn.Module]) -> nn.Linear | None:
+    """One float32 ``nn.Linear`` whose output features are those of ``modules`` in order (dense weights; nf4/int8
+    bitsandbytes layers dequantized), or None when one of them is not a linear layer of the same input size."""
+    from .packed_weights import dense_weight
+
+    parts = [dense_weight(m) for m in modules]
+    if any(p is None for p in parts) or len({w.shape[1] for w, _ in parts}) != 1:
+        return None
+    weight = torch.cat([w for w, _ in parts])
+    has_bias = any(b is not None for _, b in parts)
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if has_bias:
+            lin.bias.copy_(torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in parts]))
+    lin.requires_grad_(False)
+    return lin
+
+
+def _fuse(modules: list[nn.Module]) -> nn.Module | None:
+    """The fused projection of ``modules``: a concatenated linear, or for verifier-routed layers
+    (:class:`unmask.engine.routed.RoutedModule`) a routed pair of concatenated linears; None if not fusable."""
+    from .routed import RoutedModule
+
+    if all(isinstance(m, RoutedModule) for m in modules):
+        routers = {id(m.router) for m in modules}
+        drafter = _concat_linear([m.drafter for m in modules])
+        verifier = _concat_linear([m.verifier for m in modules])
+        if len(routers) != 1 or drafter is None or verifier is None:
+            return None
+        return RoutedModule(drafter, verifier, modules[0].router)
+    if any(isinstance(m, RoutedModule) for m in modules):
+        return None
+    return _concat_linear(modules)
+
+
+def _merge(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> list[int] | None:
+    """Replace ``owner.<names>`` by one ``owner.<fused_name>`` plus :class:`ProjectionSlice` stand-ins; returns the
+    output sizes, or None (nothing changed) when the projections cannot be fused."""
+    modules = [getattr(owner, n) for n in names]
+    fused = _fuse(modules)
+    if fused is None:
+        return None
+    sizes = [_out_features(m) for m in modules]
+    in_features = _in_features(modules[0])
+    setattr(owner, fused_name, fused)
+    start = 0
+    for n, size in zip(names, sizes):
+        setattr(owner, n, ProjectionSlice(owner, fused_name, start, start + size, in_features))
+        start += size
+    return sizes
+
+
+def _dense_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` of a (possibly routed, possibly bitsandbytes) linear layer."""
+    from .routed import RoutedModule
+
+    if isinstance(module, RoutedModule):
+        module = module.drafter
+    w = module.weight
+    state = getattr(w, "quant_state", None)
+    if state is not None:
+        return int(state.shape[0]), int(state.shape[1])
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def _out_features(module: nn.Module) -> int:
+    return _dense_shape(module)[0]
+
+
+def _in_features(module: nn.Module) -> int:
+    return _dense_shape(module)[1]
+
+
+def fuse_projections(decoder: nn.Module) -> bool:
+    """Merge, in place, every layer's q/k/v projections into ``self_attn.qkv_proj`` and gate/up into
+    ``mlp.gate_up_proj`` (dense float32 linears, packed afterwards like any other; routed layers stay routed).
+
+    Returns:
+        True when every layer was fused (the model can run :class:`FusedDecoder`); False (nothing changed) when
+        :func:`unsupported_reason` names a reason or a layer's projections are not plain or routed linears.
+    """
+    if unsupported_reason(decoder) is not None:
+        return False
+    for layer in decoder.layers:
+        for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+            mods = [getattr(owner, n) for n in names]
+            if any(isinstance(m, ProjectionSlice) for m in mods) or _fuse(mods) is None:
+                return False
+    for layer in decoder.layers:
+        _merge(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        _merge(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+    return True
+
+
+def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A transformers RMSNorm (``*RMSNorm``: ``weight``, ``variance_epsilon``) through torch's fused kernel; other
+    norms (routed ones included) through their own forward."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None or not type(module).__name__.endswith("RMSNorm"):
+        return module(x)
+    return F.rms_norm(x.float(), (x.shape[-1],), module.weight.float(), eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``[B, Q, H, D]`` heads with ``[B, Q, 1, D]`` cos/sin (``x*cos + rotate_half(x)*sin``)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class FusedDecoder:
+    """Forward of a decoder stack fused by :func:`fuse_projections` (see the module docstring).
+
+    ``__call__(input_ids, position_ids, attention_mask, cache)`` takes ``[B, Q]`` int64 ids and positions, a
+    boolean ``[B, 1, Q, C + Q]`` mask (True = may attend; C = keys cached in ``cache``, a
+    :class:`~unmask.engine.kv_cache.BatchKV` or None) and returns the final-norm hidden states ``[B, Q, hidden]``,
+    as ``LlamaModel.forward(...).last_hidden_state`` would.
+
+    Raises:
+        ValueError: the decoder was not fused.
+    """
+
+    def __init__(self, decoder: nn.Module):
+        layer0 = decoder.layers[0] if len(decoder.layers) else None
+        if layer0 is None or not hasattr(layer0.self_attn, "qkv_proj") or not hasattr(layer0.mlp, "gate_up_proj"):
+            raise ValueError("FusedDecoder: run fuse_projections(decoder) first")
+        self.decoder = decoder
+        cfg = decoder.config
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(layer0.self_attn.head_dim)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 cache=None) -> torch.Tensor:
+        dec = self.decoder
+        B, Q = input_ids.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        x = dec.embed_tokens(input_ids)
+        cos, sin = dec.rotary_emb(x, position_ids=position_ids)  # [B, Q, D]
+        cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
+        gqa = Hq != Hkv
+        for i, layer in enumerate(dec.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = _rms_norm(layer.input_layernorm, x)
+            qkv = attn.qkv_proj(h).view(B, Q, Hq + 2 * Hkv, D)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
+                q = _rotate(_rms_norm(attn.q_norm, qkv[:, :, :Hq]), cos, sin)
+                k = _rotate(_rms_norm(attn.k_norm, qkv[:, :, Hq:Hq + Hkv]), cos, sin)
+            else:
+                qk = _rotate(qkv[:, :, :Hq + Hkv], cos, sin)
+                q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, Hq + Hkv:].transpose(1, 2)
+            if cache is not None:
+                k, v = cache.update(k, v, i)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=attn.scaling, enable_gqa=gqa)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, Q, Hq * D))
+            h = _rms_norm(layer.post_attention_layernorm, x)
+            gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        return _rms_norm(dec.norm, x)
