@@ -4,10 +4,10 @@ What is compared, step by step, at batch 1:
 
 * engine step: ``Scheduler.step()`` wall time - building the lane inputs and the 4-D mask, the KV-cache view, the
   decoder forward, the LM head on the rows the step reads, sampling, reveal, EOS/stop checks, the event.
-* bare forward: the transformers decoder on exactly the same ``input_ids``/``position_ids``/boolean mask, with a
-  transformers ``DynamicCache`` holding as many cached tokens as the engine's cache had (its ``update`` appends
-  the new keys with one concatenation per layer, as the engine's cache does), plus the same LM head on as many
-  rows as the engine read. This is the least any implementation of the step must compute.
+* bare forward: the model's own decoder forward (the fused decoder of packed Llama models, else transformers) on
+  exactly the same ``input_ids``/``position_ids``/boolean mask, with a transformers ``DynamicCache`` holding as
+  many cached tokens as the engine's cache had, plus the same LM head on as many rows as the engine read. This is
+  the least any implementation of the step must compute.
 
 The shapes of every step are recorded in an untimed warm-up generation (greedy decoding, so every repeat forwards
 the same shapes); then each repeat times one engine generation step by step, and the bare forwards of the same
@@ -74,10 +74,12 @@ def run_engine(llm, prompt_ids, params) -> list[float]:
 
 @torch.inference_mode()
 def run_bare(lm, shapes) -> list[float]:
-    """The bare forwards of the recorded shapes; returns the wall time of each (seconds)."""
+    """The bare forwards of the recorded shapes through the model's own forward (``LoadedModel.hidden_states``:
+    the fused decoder of packed Llama models, else transformers), with a transformers ``DynamicCache`` holding as
+    many cached tokens as the engine's cache had, and the LM head on as many rows; returns each wall time (s)."""
     from transformers import DynamicCache
 
-    decoder, head = lm.model.base_model, lm.model.get_output_embeddings()
+    head = lm.model.get_output_embeddings()
     cfg = lm.model.config
     n_kv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -89,8 +91,7 @@ def run_bare(lm, shapes) -> list[float]:
             for layer in range(cfg.num_hidden_layers):
                 cache.update(torch.randn(1, n_kv, s["cached"], d), torch.randn(1, n_kv, s["cached"], d), layer)
         t0 = time.perf_counter()
-        hidden = decoder(input_ids=s["input_ids"], position_ids=s["position_ids"], attention_mask=s["mask"],
-                         cache=cache, use_cache=cache is not None).last_hidden_state
+        hidden = lm.hidden_states(s["input_ids"], s["position_ids"], s["mask"], cache=cache)
         head(hidden[0, : s["head_rows"]]).float()
         times.append(time.perf_counter() - t0)
     return times

@@ -17,53 +17,102 @@ Cache policies (``SamplingParams.cache``, DESIGN.md sections 4 and 10):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 
-@dataclass
 class LaneCache:
-    """Committed KV of one lane.
+    """Committed KV of one lane, in per-layer buffers that grow in place.
+
+    Each layer's keys and values live in a ``[H_kv, capacity, D]`` buffer of which the first :attr:`length`
+    positions are committed; appending writes after them (no re-copy of what is cached), and a one-lane forward
+    (:class:`BatchKV`) writes its new keys/values into the free tail and attends to a view of the buffer, so the
+    per-layer ``cat`` of cached + new keys disappears. The free tail is scratch: nothing reads it as cached.
+
+    Args:
+        capacity_hint: tokens to allocate at the first append (a sequence passes its canvas length, which bounds
+            cached + forwarded positions); the buffers double when it is exceeded.
 
     Attributes:
-        keys, values: per layer ``[H_kv, n, D]`` tensors (empty list before the first commit).
-        pos, grp: ``[n]`` int64 position and attention group of each cached token; committed: ``[n]`` bool.
+        keys, values: per layer ``[H_kv, n, D]`` views of the committed part (empty list before the first commit).
+        pos, grp: ``[n]`` int64 position and attention group of each cached token.
         carry_logits: ``[V]`` float32 output of the last committed token (the logit-shifted prediction for the
             first position after it), kept because that token is not forwarded again.
     """
 
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    pos: torch.Tensor | None = None
-    grp: torch.Tensor | None = None
-    carry_logits: torch.Tensor | None = None
-    carry_position: int = -1
+    def __init__(self, capacity_hint: int = 0):
+        self.capacity_hint = int(capacity_hint)
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._n = 0
+        self.pos: torch.Tensor | None = None
+        self.grp: torch.Tensor | None = None
+        self.carry_logits: torch.Tensor | None = None
+        self.carry_position = -1
 
     @property
     def length(self) -> int:
         """Number of cached tokens."""
-        return 0 if self.pos is None else int(self.pos.numel())
+        return self._n
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the buffers hold room for (0 before the first append)."""
+        return int(self._k[0].shape[1]) if self._k else 0
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [b[:, :self._n] for b in self._k] if self._n else []
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [b[:, :self._n] for b in self._v] if self._n else []
+
+    def key_value(self, layer: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[H_kv, n + extra, D]`` views of one layer's buffers: the cached part and ``extra`` scratch positions
+        (call :meth:`reserve` for ``n + extra`` first)."""
+        end = self._n + extra
+        return self._k[layer][:, :end], self._v[layer][:, :end]
 
     def nbytes(self) -> int:
-        """Bytes held by the cached keys and values."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes allocated for keys and values (the buffers' full capacity)."""
+        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
 
     def clear(self) -> None:
-        """Drop everything (cancellation, refresh)."""
-        self.keys, self.values, self.pos, self.grp = [], [], None, None
+        """Drop everything and free the buffers (cancellation, refresh)."""
+        self._k, self._v, self._n, self.pos, self.grp = [], [], 0, None, None
         self.carry_logits, self.carry_position = None, -1
+
+    def reserve(self, tokens: int, like: list[torch.Tensor] | None = None) -> None:
+        """Make room for ``tokens`` cached + scratch positions (doubling; keeps the cached part). ``like``: per-layer
+        ``[H_kv, *, D]`` tensors giving the shapes, dtype and device of a first allocation."""
+        cap = self.capacity
+        if tokens <= cap:
+            return
+        if not self._k and like is None:
+            raise ValueError("LaneCache.reserve: the first allocation needs example keys")
+        new_cap = max(tokens, 2 * cap, self.capacity_hint if not self._k else 0)
+        ref_k = self._k or like
+        ref_v = self._v or like
+        k_new = [t.new_empty(t.shape[0], new_cap, t.shape[-1]) for t in ref_k]
+        v_new = [t.new_empty(t.shape[0], new_cap, t.shape[-1]) for t in ref_v]
+        if self._n:
+            for dst, src in zip(k_new, self._k):
+                dst[:, :self._n] = src[:, :self._n]
+            for dst, src in zip(v_new, self._v):
+                dst[:, :self._n] = src[:, :self._n]
+        self._k, self._v = k_new, v_new
 
     def append(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, grp: torch.Tensor) -> None:
         """Append ``[H_kv, m, D]`` per-layer keys/values of m newly committed tokens."""
-        if not self.keys:
-            self.keys, self.values = list(keys), list(values)
-            self.pos, self.grp = pos.clone(), grp.clone()
-            return
-        self.keys = [torch.cat([a, b], dim=1) for a, b in zip(self.keys, keys)]
-        self.values = [torch.cat([a, b], dim=1) for a, b in zip(self.values, values)]
-        self.pos = torch.cat([self.pos, pos])
-        self.grp = torch.cat([self.grp, grp])
+        m = int(keys[0].shape[1]) if keys else 0
+        self.reserve(self._n + m, like=keys)
+        for buf, new in zip(self._k, keys):
+            buf[:, self._n:self._n + m] = new
+        for buf, new in zip(self._v, values):
+            buf[:, self._n:self._n + m] = new
+        self._n += m
+        self.pos = pos.clone() if self.pos is None else torch.cat([self.pos, pos])
+        self.grp = grp.clone() if self.grp is None else torch.cat([self.grp, grp])
 
 
 class BatchKV:
@@ -88,7 +137,6 @@ class BatchKV:
         self._uniform = all(n == self.cached_len for n in lengths)
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
-        self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def key_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pos, grp, valid)`` of the cached part, each ``[B, C]`` (C = longest lane cache)."""
@@ -104,36 +152,40 @@ class BatchKV:
                 valid[b, :n] = True
         return pos, grp, valid
 
-    def _padded_layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, H, C, D]`` cached keys/values of one layer, right-padded with zeros to the longest lane.
-
-        Fast paths (same values, fewer copies): a single lane is returned as a view; lanes of equal length are
-        stacked (one copy instead of zero-fill + copy).
-        """
-        B, H, _, D = like.shape
-        C = self.cached_len
-        if self._uniform:
-            if B == 1:
-                return self.lanes[0].keys[layer][None], self.lanes[0].values[layer][None]
-            return (torch.stack([lane.keys[layer] for lane in self.lanes]),
-                    torch.stack([lane.values[layer] for lane in self.lanes]))
-        k = like.new_zeros(B, H, C, D)
-        v = like.new_zeros(B, H, C, D)
-        for b, lane in enumerate(self.lanes):
-            n = lane.length
-            if n:
-                k[b, :, :n] = lane.keys[layer]
-                v[b, :, :n] = lane.values[layer]
-        return k, v
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """transformers hook: ``[B, H, Q, D]`` new keys/values -> ``[B, H, C + Q, D]`` keys/values to attend."""
+        """transformers hook: ``[B, H, Q, D]`` new keys/values -> ``[B, H, C + Q, D]`` keys/values to attend, lane
+        caches right-padded with zeros to the longest (C) and the new chunk after them.
+
+        One lane: the new keys go into the lane buffer's scratch tail and a view is returned (no copy of the
+        cache). Several lanes: one copy of each lane's cache and of the chunk into a fresh tensor.
+        """
         self.new_keys[layer_idx] = key_states
         self.new_values[layer_idx] = value_states
         if self.cached_len == 0:
             return key_states, value_states
-        k, v = self._padded_layer(layer_idx, key_states)
-        return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)
+        B, H, Q, D = key_states.shape
+        C = self.cached_len
+        if B == 1:
+            lane = self.lanes[0]
+            lane.reserve(C + Q)
+            k, v = lane.key_value(layer_idx, extra=Q)
+            k[:, C:] = key_states[0]
+            v[:, C:] = value_states[0]
+            return k[None], v[None]
+        k = key_states.new_empty(B, H, C + Q, D)
+        v = value_states.new_empty(B, H, C + Q, D)
+        for b, lane in enumerate(self.lanes):
+            n = lane.length
+            if n:
+                lk, lv = lane.key_value(layer_idx)
+                k[b, :, :n] = lk
+                v[b, :, :n] = lv
+            if n < C:
+                k[b, :, n:C] = 0
+                v[b, :, n:C] = 0
+        k[:, :, C:] = key_states
+        v[:, :, C:] = value_states
+        return k, v
 
     def new_kv(self, row: int, idx: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer ``[H, m, D]`` keys/values of batch row ``row`` at chunk indices ``idx`` (length m)."""

@@ -205,7 +205,7 @@ class Sequence:
         self.window_steps = split_steps(params.steps or min(params.max_tokens, total_masks) or 1, len(self.windows))
 
         self.cache_mode = self._resolve_cache(params.cache)
-        self.lanes = [Lane("cond")] + ([Lane("uncond")] if params.cfg_scale > 0 else [])
+        self.lanes = [Lane("cond", LaneCache(L))] + ([Lane("uncond", LaneCache(L))] if params.cfg_scale > 0 else [])
         self.generator = torch.Generator(device="cpu").manual_seed(int(params.seed or 0))
         eos = [] if params.ignore_eos else list(dllm.eos_token_ids)
         self.eos_ids = set(eos) | set(params.stop_token_ids)

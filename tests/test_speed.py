@@ -92,6 +92,32 @@ def test_batch_kv_fast_paths_equal_padded_copy():
             assert torch.equal(k[b, :, C:], new[b])
 
 
+def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
+    """Appends in chunks (past the capacity hint, so the buffers double) hold what a concatenation would; a one-lane
+    forward's new keys land in the scratch tail and never become cached; clear frees the buffers."""
+    g = torch.Generator().manual_seed(0)
+    c = LaneCache(capacity_hint=4)
+    ks, vs = [], []
+    for m in (3, 1, 5, 2):
+        k, v = torch.randn(2, m, 8, generator=g), torch.randn(2, m, 8, generator=g)
+        ks.append(k), vs.append(v)
+        c.append([k, k + 1], [v, v + 1], torch.arange(m), torch.zeros(m, dtype=torch.long))
+        n = sum(x.shape[1] for x in ks)
+        assert c.length == n and c.capacity >= n
+        assert torch.equal(c.keys[0], torch.cat(ks, 1)) and torch.equal(c.values[1], torch.cat(vs, 1) + 1)
+        # a forward of 4 new positions through the one-lane view: cached part + chunk, cache unchanged
+        new = torch.randn(1, 2, 4, 8, generator=g)
+        kv = BatchKV([c], torch.device("cpu"))
+        k_all, v_all = kv.update(new, new * 2, 0)
+        assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), new[0]], 1))
+        assert torch.equal(v_all[0, :, n:], new[0] * 2)
+        assert c.length == n and torch.equal(c.keys[0], torch.cat(ks, 1))
+    assert c.capacity >= 11 + 4 and c.nbytes() == 2 * 2 * c.capacity * 2 * 8 * 4
+    assert c.pos.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 1]
+    c.clear()
+    assert c.length == 0 and c.capacity == 0 and c.nbytes() == 0 and c.keys == []
+
+
 def test_equal_length_batch_matches_alone(llm):
     """Two prompts of the same length take the stacked (equal-length) cache path; each row equals its solo run."""
     ids = llm.encode(PROMPTS[0])
