@@ -161,13 +161,24 @@ def fuse_projections(decoder: nn.Module) -> bool:
     return True
 
 
-def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A transformers RMSNorm (``*RMSNorm``: ``weight``, ``variance_epsilon``) through torch's fused kernel; other
-    norms (routed ones included) through their own forward."""
+def _norm_function(module: nn.Module):
+    """``f(x)`` for a norm module: a transformers RMSNorm (``*RMSNorm`` with ``weight`` and ``variance_epsilon``)
+    through torch's fused kernel, any other norm (routed ones included) through its own forward."""
     eps = getattr(module, "variance_epsilon", None)
     if eps is None or not type(module).__name__.endswith("RMSNorm"):
-        return module(x)
-    return F.rms_norm(x.float(), (x.shape[-1],), module.weight.float(), eps).to(x.dtype)
+        return module
+    weight = module.weight
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+    return norm
+
+
+def _linear_function(module: nn.Module):
+    """``f(x)`` for a projection: packed layers called without ``nn.Module`` overhead, others as modules."""
+    as_function = getattr(module, "as_function", None)
+    return as_function() if as_function is not None else module
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,6 +195,9 @@ class FusedDecoder:
     :class:`~unmask.engine.kv_cache.BatchKV` or None) and returns the final-norm hidden states ``[B, Q, hidden]``,
     as ``LlamaModel.forward(...).last_hidden_state`` would.
 
+    Build it after the weights are packed: each layer's norms and projections are resolved once into plain
+    functions (a one-row step calls ~10 per layer, where ``nn.Module`` dispatch is a visible share).
+
     Raises:
         ValueError: the decoder was not fused.
     """
@@ -197,6 +211,17 @@ class FusedDecoder:
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(layer0.self_attn.head_dim)
+        self.final_norm = _norm_function(decoder.norm)
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                _norm_function(layer.input_layernorm), _linear_function(attn.qkv_proj),
+                _norm_function(attn.q_norm) if hasattr(attn, "q_norm") else None,
+                _norm_function(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                float(attn.scaling), _linear_function(attn.o_proj),
+                _norm_function(layer.post_attention_layernorm), _linear_function(mlp.gate_up_proj), mlp.act_fn,
+                _linear_function(mlp.down_proj)))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                  cache=None) -> torch.Tensor:
@@ -207,22 +232,21 @@ class FusedDecoder:
         cos, sin = dec.rotary_emb(x, position_ids=position_ids)  # [B, Q, D]
         cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
         gqa = Hq != Hkv
-        for i, layer in enumerate(dec.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            h = _rms_norm(layer.input_layernorm, x)
-            qkv = attn.qkv_proj(h).view(B, Q, Hq + 2 * Hkv, D)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
-                q = _rotate(_rms_norm(attn.q_norm, qkv[:, :, :Hq]), cos, sin)
-                k = _rotate(_rms_norm(attn.k_norm, qkv[:, :, Hq:Hq + Hkv]), cos, sin)
+        sdpa = F.scaled_dot_product_attention
+        for i, (in_norm, qkv_proj, q_norm, k_norm, scaling, o_proj, post_norm, gate_up_proj, act, down_proj) \
+                in enumerate(self.layers):
+            qkv = qkv_proj(in_norm(x)).view(B, Q, Hq + 2 * Hkv, D)
+            if q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
+                q = _rotate(q_norm(qkv[:, :, :Hq]), cos, sin)
+                k = _rotate(k_norm(qkv[:, :, Hq:Hq + Hkv]), cos, sin)
             else:
                 qk = _rotate(qkv[:, :, :Hq + Hkv], cos, sin)
                 q, k = qk[:, :, :Hq], qk[:, :, Hq:]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, Hq + Hkv:].transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(k, v, i)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=attn.scaling, enable_gqa=gqa)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, Q, Hq * D))
-            h = _rms_norm(layer.post_attention_layernorm, x)
-            gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-        return _rms_norm(dec.norm, x)
+            o = sdpa(q, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+            x = x + o_proj(o.transpose(1, 2).reshape(B, Q, Hq * D))
+            gate, up = gate_up_proj(post_norm(x)).chunk(2, dim=-1)
+            x = x + down_proj(act(gate) * up)
+        return self.final_norm(x)

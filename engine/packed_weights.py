@@ -103,10 +103,17 @@ class PackedFp16Linear(nn.Module):
             warnings.simplefilter("ignore")
             self._packed = torch.ops.quantized.linear_prepack_fp16(
                 weight.detach().float().contiguous(), None if bias is None else bias.detach().float().contiguous())
-        self._op = torch.ops.quantized.linear_dynamic_fp16.default
+        overload = torch.ops.quantized.linear_dynamic_fp16.default
+        # the C++ entry point behind the overload (skips its Python-side dispatch checks); the overload if absent
+        self._op = getattr(overload, "_op", overload)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self._packed)
+
+    def as_function(self):
+        """``f(x) == self(x)`` without ``nn.Module`` call overhead (for per-layer plans)."""
+        op, packed = self._op, self._packed
+        return lambda x: op(x, packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, fp16 fbgemm"
