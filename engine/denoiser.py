@@ -120,7 +120,7 @@ class Denoiser:
                 drafter_rows[b, :n] = ~inp.committed
             lane_cache = seq.lanes[li].cache
             if inp.replace_cache:
-                lane_cache.clear()
+                lane_cache.reset()  # refilled by this forward: keep the buffers
             lanes.append(lane_cache)
         kv = BatchKV(lanes, dev)
         c_pos, c_grp, c_valid = kv.key_meta()

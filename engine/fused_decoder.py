@@ -10,7 +10,7 @@ included) with
 
 * 4 GEMMs per layer instead of 7 (q|k|v and gate|up share one weight matrix each),
 * ``torch.nn.functional.rms_norm`` (one kernel) instead of pow/mean/rsqrt/mul,
-* RoPE applied to the query and key heads in one pass, and
+* RoPE applied to the query and key heads in one pass (two for Qwen3, whose q/k norms differ), and
 * ``scaled_dot_product_attention(enable_gqa=True)`` instead of repeating the key/value heads.
 
 The results equal the transformers path up to float rounding (the fused GEMM may block its sums differently);
@@ -66,57 +66,69 @@ class ProjectionSlice(nn.Module):
         return f"{self.fused_name}[{self.start}:{self.end}]"
 
 
-def _concat_linear(modules: list[nn.Module]) -> nn.Linear | None:
-    """One float32 ``nn.Linear`` whose output features are those of ``modules`` in order (dense weights; nf4/int8
-    bitsandbytes layers dequantized), or None when one of them is not a linear layer of the same input size."""
-    from .packed_weights import dense_weight
-
-    parts = [dense_weight(m) for m in modules]
-    if any(p is None for p in parts) or len({w.shape[1] for w, _ in parts}) != 1:
-        return None
-    weight = torch.cat([w for w, _ in parts])
-    has_bias = any(b is not None for _, b in parts)
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """A float32 ``nn.Linear`` holding ``weight`` ``[out, in]`` and ``bias`` (no gradients)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         lin.weight.copy_(weight)
-        if has_bias:
-            lin.bias.copy_(torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in parts]))
-    lin.requires_grad_(False)
-    return lin
+        if bias is not None:
+            lin.bias.copy_(bias)
+    return lin.requires_grad_(False)
 
 
-def _fuse(modules: list[nn.Module]) -> nn.Module | None:
-    """The fused projection of ``modules``: a concatenated linear, or for verifier-routed layers
-    (:class:`unmask.engine.routed.RoutedModule`) a routed pair of concatenated linears; None if not fusable."""
+def _is_linear(module: nn.Module) -> bool:
+    """A linear layer whose dense weights :func:`unmask.engine.packed_weights.dense_weight` can read."""
+    return type(module) is nn.Linear or type(module).__name__ in ("Linear4bit", "Linear8bitLt")
+
+
+def _fusable(modules: list[nn.Module]) -> bool:
+    """Whether ``modules`` are all linear layers (or all verifier-routed pairs of linear layers sharing one router)
+    with the same input size; reads shapes and types only."""
     from .routed import RoutedModule
 
     if all(isinstance(m, RoutedModule) for m in modules):
-        routers = {id(m.router) for m in modules}
-        drafter = _concat_linear([m.drafter for m in modules])
-        verifier = _concat_linear([m.verifier for m in modules])
-        if len(routers) != 1 or drafter is None or verifier is None:
-            return None
-        return RoutedModule(drafter, verifier, modules[0].router)
-    if any(isinstance(m, RoutedModule) for m in modules):
-        return None
-    return _concat_linear(modules)
+        if len({id(m.router) for m in modules}) != 1:
+            return False
+        return _fusable([m.drafter for m in modules]) and _fusable([m.verifier for m in modules])
+    if not all(_is_linear(m) for m in modules):
+        return False
+    return len({_in_features(m) for m in modules}) == 1
 
 
-def _merge(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> list[int] | None:
-    """Replace ``owner.<names>`` by one ``owner.<fused_name>`` plus :class:`ProjectionSlice` stand-ins; returns the
-    output sizes, or None (nothing changed) when the projections cannot be fused."""
+def _concat_linear(modules: list[nn.Module], make_linear) -> nn.Module:
+    """``make_linear(weight, bias)`` of the concatenation of ``modules``' output features, in order (dense float32
+    weights; nf4/int8 bitsandbytes layers dequantized; a missing bias is zeros when another has one)."""
+    from .packed_weights import dense_weight
+
+    parts = [dense_weight(m) for m in modules]
+    weight = torch.cat([w for w, _ in parts])
+    bias = None
+    if any(b is not None for _, b in parts):
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+    return make_linear(weight, bias)
+
+
+def _fuse(modules: list[nn.Module], make_linear) -> nn.Module:
+    """The fused projection of :func:`_fusable` ``modules``: one linear, or for verifier-routed layers
+    (:class:`unmask.engine.routed.RoutedModule`) a routed pair of them."""
+    from .routed import RoutedModule
+
+    if isinstance(modules[0], RoutedModule):
+        return RoutedModule(_concat_linear([m.drafter for m in modules], make_linear),
+                            _concat_linear([m.verifier for m in modules], make_linear), modules[0].router)
+    return _concat_linear(modules, make_linear)
+
+
+def _merge(owner: nn.Module, names: tuple[str, ...], fused_name: str, make_linear) -> None:
+    """Replace ``owner.<names>`` by one ``owner.<fused_name>`` plus :class:`ProjectionSlice` stand-ins."""
     modules = [getattr(owner, n) for n in names]
-    fused = _fuse(modules)
-    if fused is None:
-        return None
     sizes = [_out_features(m) for m in modules]
     in_features = _in_features(modules[0])
-    setattr(owner, fused_name, fused)
+    setattr(owner, fused_name, _fuse(modules, make_linear))
     start = 0
     for n, size in zip(names, sizes):
         setattr(owner, n, ProjectionSlice(owner, fused_name, start, start + size, in_features))
         start += size
-    return sizes
 
 
 def _dense_shape(module: nn.Module) -> tuple[int, int]:
@@ -140,24 +152,28 @@ def _in_features(module: nn.Module) -> int:
     return _dense_shape(module)[1]
 
 
-def fuse_projections(decoder: nn.Module) -> bool:
+def fuse_projections(decoder: nn.Module, make_linear=_dense_linear) -> bool:
     """Merge, in place, every layer's q/k/v projections into ``self_attn.qkv_proj`` and gate/up into
-    ``mlp.gate_up_proj`` (dense float32 linears, packed afterwards like any other; routed layers stay routed).
+    ``mlp.gate_up_proj`` (routed layers stay routed).
+
+    Args:
+        decoder: a transformers decoder stack (``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``).
+        make_linear: ``(weight [out, in] float32, bias [out] | None) -> module`` building each fused layer; the
+            default is a float32 ``nn.Linear``; ``LoadedModel.pack_weights`` passes the fp16 packer, so that one
+            layer at a time exists in float32 (an nf4 checkpoint is never dequantized whole).
 
     Returns:
         True when every layer was fused (the model can run :class:`FusedDecoder`); False (nothing changed) when
-        :func:`unsupported_reason` names a reason or a layer's projections are not plain or routed linears.
+        :func:`unsupported_reason` names a reason or a layer's projections are not plain or routed linear layers.
     """
     if unsupported_reason(decoder) is not None:
         return False
-    for layer in decoder.layers:
-        for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
-            mods = [getattr(owner, n) for n in names]
-            if any(isinstance(m, ProjectionSlice) for m in mods) or _fuse(mods) is None:
-                return False
-    for layer in decoder.layers:
-        _merge(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        _merge(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+    groups = [(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj") for layer in decoder.layers]
+    groups += [(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj") for layer in decoder.layers]
+    if not all(_fusable([getattr(owner, n) for n in names]) for owner, names, _ in groups):
+        return False
+    for owner, names, fused_name in groups:
+        _merge(owner, names, fused_name, make_linear)
     return True
 
 
@@ -192,7 +208,7 @@ class FusedDecoder:
 
     ``__call__(input_ids, position_ids, attention_mask, cache)`` takes ``[B, Q]`` int64 ids and positions, a
     boolean ``[B, 1, Q, C + Q]`` mask (True = may attend; C = keys cached in ``cache``, a
-    :class:`~unmask.engine.kv_cache.BatchKV` or None) and returns the final-norm hidden states ``[B, Q, hidden]``,
+    :class:`~unmask.engine.kv_cache.BatchKV` or None; None = causal, as transformers) and returns the final-norm hidden states ``[B, Q, hidden]``,
     as ``LlamaModel.forward(...).last_hidden_state`` would.
 
     Build it after the weights are packed: each layer's norms and projections are resolved once into plain
@@ -228,6 +244,9 @@ class FusedDecoder:
         dec = self.decoder
         B, Q = input_ids.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if attention_mask is None:  # as transformers: causal over the cached keys and the chunk
+            C = cache.get_seq_length() if cache is not None else 0
+            attention_mask = torch.ones(Q, C + Q, dtype=torch.bool, device=input_ids.device).tril(C)[None, None]
         x = dec.embed_tokens(input_ids)
         cos, sin = dec.rotary_emb(x, position_ids=position_ids)  # [B, Q, D]
         cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)

@@ -25,12 +25,14 @@ class LaneCache:
 
     Each layer's keys and values live in a ``[H_kv, capacity, D]`` buffer of which the first :attr:`length`
     positions are committed; appending writes after them (no re-copy of what is cached), and a one-lane forward
-    (:class:`BatchKV`) writes its new keys/values into the free tail and attends to a view of the buffer, so the
-    per-layer ``cat`` of cached + new keys disappears. The free tail is scratch: nothing reads it as cached.
+    (:class:`BatchKV`) whose chunk fits in the free tail writes its new keys/values there and attends to a view of
+    the buffer, so the per-layer ``cat`` of cached + new keys disappears. The free tail is scratch: nothing reads it
+    as cached, and a forward never changes :attr:`length`, the committed values or the capacity.
 
     Args:
-        capacity_hint: tokens to allocate at the first append (a sequence passes its canvas length, which bounds
-            cached + forwarded positions); the buffers double when it is exceeded.
+        capacity_hint: tokens to allocate at the first append (a sequence passes its canvas length: committed
+            tokens never exceed it, and cached + forwarded positions fit in it except in speculative steps with
+            branches near the canvas end, which then take the copying path); appends beyond it double the buffers.
 
     Attributes:
         keys, values: per layer ``[H_kv, n, D]`` views of the committed part (empty list before the first commit).
@@ -69,30 +71,42 @@ class LaneCache:
 
     def key_value(self, layer: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``[H_kv, n + extra, D]`` views of one layer's buffers: the cached part and ``extra`` scratch positions
-        (call :meth:`reserve` for ``n + extra`` first)."""
+        (``n + extra`` must not exceed :attr:`capacity`)."""
         end = self._n + extra
         return self._k[layer][:, :end], self._v[layer][:, :end]
 
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values (the buffers' full capacity)."""
+        """Bytes allocated for keys and values (the buffers' full capacity: a sequence's lane holds its canvas
+        length once it has committed anything, the amount the scheduler's ``max_cached_tokens`` budget reserves)."""
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
 
     def clear(self) -> None:
-        """Drop everything and free the buffers (cancellation, refresh)."""
-        self._k, self._v, self._n, self.pos, self.grp = [], [], 0, None, None
+        """Drop everything and free the buffers (cancellation, end of a request)."""
+        self._k, self._v = [], []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the cached tokens but keep the buffers (a prefix/dual cache refresh refills them at once)."""
+        self._n, self.pos, self.grp = 0, None, None
         self.carry_logits, self.carry_position = None, -1
 
-    def reserve(self, tokens: int, like: list[torch.Tensor] | None = None) -> None:
-        """Make room for ``tokens`` cached + scratch positions (doubling; keeps the cached part). ``like``: per-layer
-        ``[H_kv, *, D]`` tensors giving the shapes, dtype and device of a first allocation."""
+    @classmethod
+    def committed(cls, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
+                  grp: torch.Tensor) -> "LaneCache":
+        """A cache holding exactly the given per-layer ``[H_kv, n, D]`` keys/values (copied) and ``[n]`` metadata."""
+        lane = cls(int(pos.numel()))
+        lane.append(keys, values, pos, grp)
+        return lane
+
+    def _grow(self, tokens: int, like_k: list[torch.Tensor], like_v: list[torch.Tensor]) -> None:
+        """Make room for ``tokens`` committed positions (doubling; keeps the cached part). ``like_k``/``like_v``:
+        per-layer ``[H_kv, *, D]`` tensors giving shapes, dtype and device when nothing is allocated yet."""
         cap = self.capacity
         if tokens <= cap:
             return
-        if not self._k and like is None:
-            raise ValueError("LaneCache.reserve: the first allocation needs example keys")
         new_cap = max(tokens, 2 * cap, self.capacity_hint if not self._k else 0)
-        ref_k = self._k or like
-        ref_v = self._v or like
+        ref_k = self._k or like_k
+        ref_v = self._v or like_v
         k_new = [t.new_empty(t.shape[0], new_cap, t.shape[-1]) for t in ref_k]
         v_new = [t.new_empty(t.shape[0], new_cap, t.shape[-1]) for t in ref_v]
         if self._n:
@@ -105,7 +119,9 @@ class LaneCache:
     def append(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, grp: torch.Tensor) -> None:
         """Append ``[H_kv, m, D]`` per-layer keys/values of m newly committed tokens."""
         m = int(keys[0].shape[1]) if keys else 0
-        self.reserve(self._n + m, like=keys)
+        if not m:
+            return
+        self._grow(self._n + m, keys, values)
         for buf, new in zip(self._k, keys):
             buf[:, self._n:self._n + m] = new
         for buf, new in zip(self._v, values):
@@ -119,8 +135,9 @@ class BatchKV:
     """Duck-typed transformers ``Cache`` for one forward over several lanes.
 
     ``update()`` returns the padded cached keys/values of every lane followed by the new chunk's, and keeps the
-    new ones so that the caller can commit selected positions into each lane afterwards. Nothing is stored
-    implicitly: a forward never changes a lane's cache by itself.
+    new ones so that the caller can commit selected positions into each lane afterwards. Nothing is committed
+    implicitly: a forward may write a one-lane chunk into the lane buffer's scratch tail, never into its cached
+    part, its length or its capacity.
 
     Args:
         lanes: the lane caches, one per batch row (rows without a cache pass an empty ``LaneCache``).
@@ -132,9 +149,7 @@ class BatchKV:
     def __init__(self, lanes: list[LaneCache], device: torch.device):
         self.lanes = lanes
         self.device = device
-        lengths = [lane.length for lane in lanes]
-        self.cached_len = max(lengths, default=0)
-        self._uniform = all(n == self.cached_len for n in lengths)
+        self.cached_len = max((lane.length for lane in lanes), default=0)
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
 
@@ -156,8 +171,9 @@ class BatchKV:
         """transformers hook: ``[B, H, Q, D]`` new keys/values -> ``[B, H, C + Q, D]`` keys/values to attend, lane
         caches right-padded with zeros to the longest (C) and the new chunk after them.
 
-        One lane: the new keys go into the lane buffer's scratch tail and a view is returned (no copy of the
-        cache). Several lanes: one copy of each lane's cache and of the chunk into a fresh tensor.
+        One lane whose buffer has room for the chunk (and no autograd: the training ``draft`` objective forwards
+        with gradients): the new keys go into the lane buffer's scratch tail and a view is returned (no copy of the
+        cache). Otherwise one copy of each lane's cache and of the chunk into a fresh tensor.
         """
         self.new_keys[layer_idx] = key_states
         self.new_values[layer_idx] = value_states
@@ -165,9 +181,8 @@ class BatchKV:
             return key_states, value_states
         B, H, Q, D = key_states.shape
         C = self.cached_len
-        if B == 1:
-            lane = self.lanes[0]
-            lane.reserve(C + Q)
+        lane = self.lanes[0]
+        if B == 1 and C + Q <= lane.capacity and not (key_states.requires_grad or value_states.requires_grad):
             k, v = lane.key_value(layer_idx, extra=Q)
             k[:, C:] = key_states[0]
             v[:, C:] = value_states[0]

@@ -118,7 +118,7 @@ class LoadedModel:
             ValueError: (names ``weights``) an unknown format or one this device cannot run; packing twice.
         """
         from .fused_decoder import FusedDecoder, fuse_projections
-        from .packed_weights import pack_linears_fp16, resolve_weight_format
+        from .packed_weights import fp16_linear, pack_linears_fp16, resolve_weight_format
 
         fmt = resolve_weight_format(weight_format, self.device, self.dtype)
         if fmt == self.weight_format:
@@ -126,7 +126,8 @@ class LoadedModel:
         if self.weight_format != "native":
             raise ValueError(f"weights: the linear layers are already packed as {self.weight_format}; load the "
                              f"checkpoint again for {fmt}")
-        fused = fuse_projections(self._decoder)  # before packing: q|k|v and gate|up become one GEMM each
+        # q|k|v and gate|up become one packed GEMM each (fused layer by layer), then every other linear is packed
+        fused = fuse_projections(self._decoder, make_linear=fp16_linear)
         pack_linears_fp16(self.model)
         self._head = self.model.get_output_embeddings()
         self.weight_format = fmt

@@ -84,7 +84,7 @@ class _PathRecorder:
             self.lm._fused = self.fused
         out = self.orig(input_ids, position_ids, attention_mask, cache=cache, drafter_rows=drafter_rows)
         self.records.append({"shape": tuple(input_ids.shape), "cached": cache.cached_len if cache is not None else 0,
-                             "uniform": cache is None or cache._uniform,
+                             "uniform": cache is None or len({lane.length for lane in cache.lanes}) == 1,
                              "routed": drafter_rows is not None and bool(drafter_rows.any()) and not bool(drafter_rows.all()),
                              "rel": float((out - ref).norm() / ref.norm()), "abs": float((out - ref).abs().max())})
         return out
@@ -158,3 +158,16 @@ def test_unsupported_architectures_keep_the_transformers_forward():
     assert fuse_projections(torch.nn.Module()) is False
     with pytest.raises(ValueError, match="fuse_projections"):
         FusedDecoder(native.model.model)
+
+
+def test_no_mask_means_causal_as_in_transformers():
+    lm = tiny.loaded(initializer_range=0.3)
+    lm.pack_weights("fp16")
+    ids, pos = torch.tensor([[5, 9, 11, 3, 7]]), torch.arange(5)[None]
+    with torch.no_grad():
+        fused = lm.hidden_states(ids, pos, None)
+        prefix = lm.hidden_states(ids[:, :3], pos[:, :3], None)
+        lm._fused = None
+        ref = lm.hidden_states(ids, pos, None)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[:, :3], prefix, rtol=1e-5, atol=1e-5)  # earlier rows never see later ones

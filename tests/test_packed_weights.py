@@ -97,7 +97,7 @@ def test_quantized_checkpoints_are_dequantized_then_packed(tmp_path, quantizatio
     export(str(tmp_path / "src"), str(tmp_path / "q"), quantization=quantization)
     native = load_model(tmp_path / "q", weights="native")
     packed = load_model(tmp_path / "q")
-    assert packed.weight_format == "fp16"
+    assert packed.weight_format == "fp16" and packed.decoder_path == "fused"  # fused from the dequantized layers
     ids = lm.tokenizer("The quick brown fox").input_ids
     ref, q_native, q_packed = _logits(lm, ids), _logits(native, ids), _logits(packed, ids)
     quant_err = float((q_native - ref).norm() / ref.norm())

@@ -112,10 +112,30 @@ def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
         assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), new[0]], 1))
         assert torch.equal(v_all[0, :, n:], new[0] * 2)
         assert c.length == n and torch.equal(c.keys[0], torch.cat(ks, 1))
-    assert c.capacity >= 11 + 4 and c.nbytes() == 2 * 2 * c.capacity * 2 * 8 * 4
+    assert c.capacity >= 11 and c.nbytes() == 2 * 2 * c.capacity * 2 * 8 * 4
     assert c.pos.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 1]
+    # a chunk that does not fit in the free tail takes the copying path: the buffers are not touched
+    cap, bufs = c.capacity, [t.clone() for t in c._k]
+    big = torch.randn(1, 2, cap, 8, generator=g)
+    k_all, _ = BatchKV([c], torch.device("cpu")).update(big, big, 0)
+    assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), big[0]], 1))
+    assert c.capacity == cap and all(torch.equal(a, b) for a, b in zip(bufs, c._k))
+    # with autograd (the training draft objective) no in-place write into the buffers either
+    grad_chunk = torch.randn(1, 2, 1, 8, requires_grad=True)
+    k_all, _ = BatchKV([c], torch.device("cpu")).update(grad_chunk, grad_chunk, 0)
+    k_all.sum().backward()
+    assert torch.equal(grad_chunk.grad, torch.ones_like(grad_chunk)) and not c._k[0].requires_grad
+    c.reset()  # a refresh: nothing cached, buffers kept
+    assert c.length == 0 and c.capacity == cap and c.keys == [] and c.pos is None
     c.clear()
     assert c.length == 0 and c.capacity == 0 and c.nbytes() == 0 and c.keys == []
+    # a cache built from given keys/values (the training draft objective's context)
+    kv = [torch.randn(2, 5, 8, generator=g)]
+    d = LaneCache.committed(kv, [kv[0] * 2], torch.arange(5), torch.arange(5))
+    assert d.length == 5 and torch.equal(d.keys[0], kv[0]) and torch.equal(d.values[0], kv[0] * 2)
+    with torch.no_grad():
+        kv[0].zero_()
+    assert not torch.equal(d.keys[0], kv[0])  # copied
 
 
 def test_equal_length_batch_matches_alone(llm):

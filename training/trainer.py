@@ -209,8 +209,8 @@ class DraftForward(torch.nn.Module):
             verifier.get_decoder()(input_ids=context_ids, position_ids=ctx_pos, attention_mask=context_mask,
                                    use_cache=False, **{_cache_kw(verifier): ctx})
         layers = sorted(ctx.new_keys)
-        lanes = [LaneCache(keys=[ctx.new_keys[i][b] for i in layers], values=[ctx.new_values[i][b] for i in layers],
-                           pos=ctx_pos[b], grp=ctx_pos[b]) for b in range(B)]
+        lanes = [LaneCache.committed([ctx.new_keys[i][b] for i in layers], [ctx.new_values[i][b] for i in layers],
+                                     ctx_pos[b], ctx_pos[b]) for b in range(B)]
         base = self._tm[0].base
         out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                  use_cache=False, **{_cache_kw(base): BatchKV(lanes, dev)})
