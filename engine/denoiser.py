@@ -73,9 +73,8 @@ class Denoiser:
             if isinstance(seq, SpeculativeSequence):  # one lane; its commit is decided by the verification
                 event, commit = seq.verify(logits_by_row[r], self.forbidden)
                 if commit.numel():
-                    keys, values = kv.new_kv(r, commit.to(self.device))
                     _, _, inp = rows[r]
-                    seq.lanes[0].cache.append(keys, values, inp.chunk[commit], inp.grp[commit])
+                    kv.commit(r, commit.to(self.device), seq.lanes[0].cache, inp.chunk[commit], inp.grp[commit])
                 events.append(event)
                 r += 1
                 continue
@@ -171,8 +170,7 @@ class Denoiser:
                 row_logits = got
             out.append(row_logits)
             if inp.commit is not None and inp.commit.numel():
-                keys, values = kv.new_kv(b, inp.commit)
-                lane_cache.append(keys, values, inp.chunk[inp.commit], inp.grp[inp.commit])
+                kv.commit(b, inp.commit, lane_cache, inp.chunk[inp.commit], inp.grp[inp.commit])
             if n_extra or carry_at >= 0:
                 lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])

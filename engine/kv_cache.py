@@ -126,6 +126,13 @@ class LaneCache:
             buf[:, self._n:self._n + m] = new
         for buf, new in zip(self._v, values):
             buf[:, self._n:self._n + m] = new
+        self.adopt_scratch(m, pos, grp)
+
+    def adopt_scratch(self, m: int, pos: torch.Tensor, grp: torch.Tensor) -> None:
+        """Commit the first ``m`` scratch positions, whose keys/values a forward already wrote after the cached part
+        (:meth:`BatchKV.commit`), with their ``[m]`` positions and groups."""
+        if self._n + m > self.capacity:
+            raise ValueError(f"LaneCache: {m} scratch positions after {self._n} exceed the capacity {self.capacity}")
         self._n += m
         self.pos = pos.clone() if self.pos is None else torch.cat([self.pos, pos])
         self.grp = grp.clone() if self.grp is None else torch.cat([self.grp, grp])
@@ -150,6 +157,7 @@ class BatchKV:
         self.lanes = lanes
         self.device = device
         self.cached_len = max((lane.length for lane in lanes), default=0)
+        self._scratch = False  # True once a forward wrote its chunk into lane 0's scratch tail (every layer)
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
 
@@ -186,6 +194,7 @@ class BatchKV:
             k, v = lane.key_value(layer_idx, extra=Q)
             k[:, C:] = key_states[0]
             v[:, C:] = value_states[0]
+            self._scratch = True
             return k[None], v[None]
         k = key_states.new_empty(B, H, C + Q, D)
         v = value_states.new_empty(B, H, C + Q, D)
@@ -201,6 +210,23 @@ class BatchKV:
         k[:, :, C:] = key_states
         v[:, :, C:] = value_states
         return k, v
+
+    def commit(self, row: int, idx: torch.Tensor, lane: LaneCache, pos: torch.Tensor, grp: torch.Tensor) -> None:
+        """Append to ``lane`` the new keys/values of batch row ``row`` at chunk indices ``idx`` (``[m]`` int64) with
+        their ``[m]`` positions and groups.
+
+        When this forward wrote the chunk into that lane's scratch tail (one lane, cache unchanged since) and ``idx``
+        is the chunk's first m positions - the usual commit: the causal tokens the forward starts with - the values
+        are already in place and only the length moves; otherwise they are copied in.
+        """
+        m = int(idx.numel())
+        if (self._scratch and row == 0 and lane is self.lanes[0] and lane.length == self.cached_len and m
+                and len(self.new_keys) == len(lane._k)
+                and torch.equal(idx, torch.arange(m, device=idx.device, dtype=idx.dtype))):
+            lane.adopt_scratch(m, pos, grp)
+            return
+        keys, values = self.new_kv(row, idx)
+        lane.append(keys, values, pos, grp)
 
     def new_kv(self, row: int, idx: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer ``[H, m, D]`` keys/values of batch row ``row`` at chunk indices ``idx`` (length m)."""

@@ -125,6 +125,23 @@ def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
     k_all, _ = BatchKV([c], torch.device("cpu")).update(grad_chunk, grad_chunk, 0)
     k_all.sum().backward()
     assert torch.equal(grad_chunk.grad, torch.ones_like(grad_chunk)) and not c._k[0].requires_grad
+    # commits after a one-lane forward: the chunk's first m positions are adopted in place, anything else copied
+    n0 = c.length
+    chunk = torch.randn(1, 2, 3, 8, generator=g)
+    kv = BatchKV([c], torch.device("cpu"))
+    for layer in range(2):
+        kv.update(chunk + layer, chunk * 2 + layer, layer)
+    kv.commit(0, torch.tensor([0, 1]), c, torch.tensor([7, 8]), torch.tensor([1, 1]))
+    assert c.length == n0 + 2 and c.pos[-2:].tolist() == [7, 8]
+    assert torch.equal(c.keys[1][:, n0:], chunk[0, :, :2] + 1) and torch.equal(c.values[0][:, n0:], chunk[0, :, :2] * 2)
+    kv2 = BatchKV([c], torch.device("cpu"))
+    for layer in range(2):
+        kv2.update(chunk + layer, chunk * 2 + layer, layer)
+    kv2.commit(0, torch.tensor([2]), c, torch.tensor([9]), torch.tensor([1]))  # not a prefix: copied
+    assert torch.equal(c.keys[0][:, -1], chunk[0, :, 2]) and torch.equal(c.keys[0][:, n0:n0 + 2], chunk[0, :, :2])
+    kv2.commit(0, torch.tensor([0]), c, torch.tensor([10]), torch.tensor([1]))  # the lane moved on: copied
+    assert c.length == n0 + 4 and torch.equal(c.keys[0][:, -1], chunk[0, :, 0])
+    cap = c.capacity
     c.reset()  # a refresh: nothing cached, buffers kept
     assert c.length == 0 and c.capacity == cap and c.keys == [] and c.pos is None
     c.clear()
