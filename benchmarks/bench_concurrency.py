@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--waves", type=int, default=1, help="waves per concurrency level")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the server process")
+    ap.add_argument("--name", default="bench_concurrency", help="result file name (results/<name>.json/.md/.png)")
     args = ap.parse_args(argv)
     import httpx
 
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
         fig.savefig(path, dpi=100)
 
     print(md)
-    print("wrote", bc.write_results("bench_concurrency", data, md, plot))
+    print("wrote", bc.write_results(args.name, data, md, plot))
     return 0
 
 

@@ -60,7 +60,7 @@ def register(sub, name):
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--default-drafts", default="auto", choices=["auto", "on", "off"],
                    help="whether requests that get speculative decoding from the checkpoint's default draft: auto = "
-                        "not on a CPU (a speculative step costs ~2.4x a 1-token step there; the answers are the "
+                        "not on a CPU (a speculative step costs ~2x a 1-token step there; the answers are the "
                         "same either way), on, off")
     p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
                    help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU (1.6-2.6x faster decoding "
@@ -71,9 +71,26 @@ def register(sub, name):
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
                    help="default KV-cache policy for requests that send none")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: torch's choice; 1 is often fastest on a busy CPU)")
+                   help="torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving "
+                        "one to the HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def server_threads(requested: int | None, device_type: str, available: int, env) -> int:
+    """Torch intra-op threads of the server process: ``--threads`` when given; else on a CPU with no
+    ``OMP_NUM_THREADS`` in ``env``, one fewer than torch's default (``available``, at least 1), which leaves a core
+    to the HTTP server's event loop, streaming and detokenization; else ``available``.
+
+    Measured on the 2-core CPU (``benchmarks/results/bench_concurrency_block1*.md``): one stream at block 1 runs
+    29.5 tokens/s with 1 thread and 19.8 with 2 (the OpenMP workers and the event loop share the cores), and 32
+    streams reach the same ~88 tokens/s either way.
+    """
+    if requested is not None:
+        return requested
+    if device_type == "cpu" and not env.get("OMP_NUM_THREADS"):
+        return max(1, available - 1)
+    return available
 
 
 def default_model() -> tuple[str, int | None, str]:
@@ -151,14 +168,14 @@ def run(args: argparse.Namespace) -> int:
     from unmask.engine.model import load_model
     from unmask.server.app import build_app
 
-    if args.threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
     try:
         loaded = load_model(model_path, args.family, args.device, args.dtype, weights=args.weights)
     except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
+    threads = server_threads(args.threads, loaded.device.type, torch.get_num_threads(), os.environ)
+    torch.set_num_threads(threads)
     loaded.draft_policy = args.default_drafts
     if args.max_model_len is not None:
         if args.max_model_len > loaded.max_context:
@@ -190,8 +207,9 @@ def run(args: argparse.Namespace) -> int:
         decoding = (f"[requests without steps/threshold: causal-path decoding {how}, {drafts}; "
                     f"other requests: {decoding}]")
     log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s "
-             "default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention, d.block_size,
-             d.logit_shift, loaded.max_context, loaded.device, _weights_kind(loaded), decoding,
+             "threads=%d default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention,
+             d.block_size, d.logit_shift, loaded.max_context, loaded.device, _weights_kind(loaded),
+             torch.get_num_threads(), decoding,
              args.host, args.port, " (API key required)" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=10, lifespan="on")

@@ -636,3 +636,14 @@ def test_schemathesis_finds_no_server_errors(server, http):
         assert statuses.get((path, "positive", 200), 0) >= 1, statuses
     assert time.time() - t0 < 120
     assert http.post(C, json=GOOD_C).status_code == 200
+
+
+def test_server_threads_leave_a_core_to_the_http_server_on_a_cpu():
+    from unmask.cli.serve import server_threads
+
+    assert server_threads(None, "cpu", 2, {}) == 1
+    assert server_threads(None, "cpu", 16, {}) == 15
+    assert server_threads(None, "cpu", 1, {}) == 1
+    assert server_threads(None, "cpu", 2, {"OMP_NUM_THREADS": "2"}) == 2  # the user's setting wins
+    assert server_threads(3, "cpu", 2, {}) == 3  # --threads wins
+    assert server_threads(None, "cuda", 16, {}) == 16
