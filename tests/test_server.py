@@ -532,7 +532,7 @@ def test_streaming_disconnect_aborts_the_request(http, server):
                     seen += 1
                     chunk = json.loads(line[6:])
                     text += "".join(c.get("text") or "" for c in chunk.get("choices", []))
-                if (seen >= 8 and text) or seen >= 60:
+                if seen >= 2:  # streaming has started; disconnect long before the request's last step
                     break
             assert health(http)["running"] == 1
     _assert_nfe_stops(http)
