@@ -160,7 +160,8 @@ def main(argv=None) -> int:
                          "parallel": {"setting": par.name, "block_size": par.block_size, "steps": par.steps,
                                       "threshold": par.threshold, "cache": par.cache,
                                       "speculative": par.speculative, "speculative_branches": par.branches,
-                                      "speculative_epsilon": par.epsilon},
+                                      "speculative_epsilon": par.epsilon,
+                                      "speculative_ratio": par.ratio},
                          "hf": "transformers generate, do_sample=False, use_cache=True, sdpa"},
             "environment": env, "summary": summ, "runs": runs, "llama_cpp": llama,
             "engine_parallel_vs_llama_cpp": (summ["engine_parallel"]["tokens_per_s"] / llama["tokens_per_s"])

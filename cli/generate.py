@@ -38,6 +38,9 @@ def register(sub, name):
                    help="fallback draft groups per step (default: min(3, block size - 1))")
     p.add_argument("--speculative-epsilon", type=float, default=None,
                    help="accept drafts by Medusa's typical acceptance with this epsilon (lossy; default: exact)")
+    p.add_argument("--speculative-ratio", type=float, default=None,
+                   help="also accept drafts whose probability is >= this ratio x the top token's (lossy; default: "
+                        "exact)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default: torch's choice; 1 is often fastest on a busy CPU)")
     p.add_argument("--family", default=None)
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale, seed=args.seed,
                                 suffix=args.suffix, stop=args.stop, cache=args.cache, speculative=args.speculative,
                                 speculative_branches=args.speculative_branches,
-                                speculative_epsilon=args.speculative_epsilon)
+                                speculative_epsilon=args.speculative_epsilon,
+                                speculative_ratio=args.speculative_ratio)
     except ParamError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
     if args.threads is not None:

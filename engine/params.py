@@ -9,6 +9,7 @@ REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random")
 CACHE_MODES = ("auto", "none", "prefix", "dual")
 MAX_SEED = 2**63 - 1
 MAX_SPECULATIVE_BLOCK = 32  # self-speculative steps forward up to ~block_size^2 rows: the draft block is bounded
+SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio")  # need speculative
 
 
 class ParamError(ValueError):
@@ -84,6 +85,12 @@ class SamplingParams:
             verification: a draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) *
             exp(-H))`` (H = entropy of the causal distribution). In (0, 1]; ``None`` = exact (output = greedy).
             Greedy requests only.
+        speculative_ratio: relaxed verification by the probability gap to the top token instead of exact
+            verification: a draft is also accepted when its causal probability is at least ``ratio`` times the
+            causal argmax's (the tolerance of SpecDec's relaxed top-beta verification, Xia et al. 2023, section 3.2,
+            with ``tau = -log(ratio)`` and beta = the vocabulary). Unlike typical acceptance it only keeps near-ties
+            of the causal path, whatever its entropy. In (0, 1] (1 = exact up to exact ties); ``None`` = exact.
+            Greedy requests only; not together with ``speculative_epsilon``.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -114,6 +121,7 @@ class SamplingParams:
     speculative: bool | None = None
     speculative_branches: int | None = None
     speculative_epsilon: float | None = None
+    speculative_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,7 +159,11 @@ class SamplingParams:
             raise ParamError("speculative", f"must be a boolean, got {self.speculative!r}")
         _check_number("speculative_branches", self.speculative_branches, lo=0, integer=True)
         _check_number("speculative_epsilon", self.speculative_epsilon, lo=0, hi=1, lo_open=True)
-        for name in ("speculative_branches", "speculative_epsilon"):
+        _check_number("speculative_ratio", self.speculative_ratio, lo=0, hi=1, lo_open=True)
+        if self.speculative_epsilon is not None and self.speculative_ratio is not None:
+            raise ParamError("speculative_ratio", "choose one relaxed acceptance rule: speculative_epsilon (typical "
+                                                  "acceptance) or speculative_ratio, not both")
+        for name in SPECULATIVE_ONLY_FIELDS:
             if getattr(self, name) is not None and self.speculative is False:
                 raise ParamError(name, "only applies with speculative decoding (speculative=true)")
         if self.min_tokens and self.min_tokens > self.max_tokens:
@@ -179,13 +191,14 @@ class SamplingParams:
         sets decodes greedily (0 instead of 1.0) and takes no default threshold (it does not use one).
 
         Raises:
-            ParamError: ``speculative_branches`` / ``speculative_epsilon`` on a request that is not speculative.
+            ParamError: ``speculative_branches`` / ``speculative_epsilon`` / ``speculative_ratio`` on a request that
+                is not speculative.
         """
         defaults = default_sampling or {}
         speculative = self.speculative
         if speculative is None:
             speculative = bool(defaults.get("speculative", False)) and self._fits_speculative(model_block_size)
-        for name in ("speculative_branches", "speculative_epsilon"):
+        for name in SPECULATIVE_ONLY_FIELDS:
             if getattr(self, name) is not None and not speculative:
                 raise ParamError(name, "only applies with speculative decoding (speculative=true)")
         temperature = self.temperature

@@ -34,6 +34,8 @@ rollback is free).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import DllmConfig
@@ -51,15 +53,17 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
 
     Needs a ``prefix_causal`` model with the logit shift (the causal path is then an AR model), no CFG and no
     penalties (they would make the verifier differ from ``block_size=1`` decoding). Greedy (``temperature`` 0) and
-    sampling requests both qualify; typical acceptance (``speculative_epsilon``) is greedy only.
+    sampling requests both qualify; the relaxed acceptance rules (``speculative_epsilon``, ``speculative_ratio``)
+    are greedy only.
     """
     if dllm.attention != "prefix_causal" or not dllm.logit_shift:
         raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
                                         f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
-    if params.speculative_epsilon is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
-        raise ParamError("speculative_epsilon", f"typical acceptance relaxes greedy verification: needs temperature 0, "
-                                                f"got {params.temperature} (sampling requests are verified by "
-                                                f"speculative sampling, which is exact)")
+    for name in ("speculative_epsilon", "speculative_ratio"):
+        if getattr(params, name) is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
+            raise ParamError(name, f"relaxed acceptance relaxes greedy verification: needs temperature 0, got "
+                                   f"{params.temperature} (sampling requests are verified by speculative sampling, "
+                                   f"which is exact)")
     if params.cfg_scale > 0:
         raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
@@ -118,7 +122,9 @@ class SpeculativeSequence(Sequence):
     every branch); ``block_size`` is at most :data:`MAX_DRAFT_BLOCK`.
     ``steps``, ``threshold`` and ``remasking`` do not apply. ``nfe`` counts forwards (one per step).
     ``params.speculative_epsilon`` switches exact verification to Medusa's typical acceptance (lossy: the output is
-    then no longer the greedy decoding, but every token is still one the causal path found typical in context).
+    then no longer the greedy decoding, but every token is still one the causal path found typical in context);
+    ``params.speculative_ratio`` to accepting drafts within a probability ratio of the causal argmax (lossy too:
+    only near-ties of the causal path are kept).
 
     Raises:
         ParamError: as :class:`Sequence`, and from :func:`check_speculative`.
@@ -134,6 +140,7 @@ class SpeculativeSequence(Sequence):
         self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
         self.epsilon = self.params.speculative_epsilon
+        self.ratio = self.params.speculative_ratio
         self.temperature = float(self.params.temperature or 0.0)
         self.sampling = self.temperature >= MIN_SAMPLING_TEMPERATURE  # speculative sampling instead of argmax checks
         self.draft_probs: torch.Tensor | None = None  # sampling: [len(drafts), V] float64 q the drafts came from
@@ -181,18 +188,28 @@ class SpeculativeSequence(Sequence):
                           committed=torch.cat(committed), needed=torch.tensor(needed, dtype=torch.long, device=dev),
                           commit=None)]
 
-    def _typical_ok(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """Medusa's typical acceptance (Cai et al. 2024, eq. in section 2.3.1): ``[D]`` bool, draft q accepted when
-        ``p(d_q) > min(eps, sqrt(eps) * exp(-H(p)))`` under the causal distribution ``p`` of its position
-        (``logits``: ``[D, V]`` float32 rows predicting the draft positions, forbidden ids already at -inf)."""
+    def _relaxed_ok(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor | None:
+        """``[D]`` bool: which drafts the relaxed acceptance rule keeps even when they are not the causal argmax;
+        ``None`` for exact verification. ``logits``: ``[D, V]`` float32 rows predicting the draft positions
+        (forbidden ids already at -inf), ``p`` their softmax.
+
+        * ``speculative_epsilon``: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1): ``p(d) > min(eps,
+          sqrt(eps) * exp(-H(p)))``;
+        * ``speculative_ratio``: ``p(d) >= ratio * max(p)``, i.e. ``log max(p) - log p(d) <= tau`` with ``tau =
+          -log(ratio)`` (SpecDec's relaxed verification, Xia et al. 2023, section 3.2, without the top-beta cap).
+        """
+        if self.epsilon is None and self.ratio is None:
+            return None
         if not drafts:
             return torch.zeros(0, dtype=torch.bool)
         logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        logp_draft = logp.gather(-1, torch.tensor(drafts, dtype=torch.long, device=logp.device)[:, None])[:, 0]
+        if self.ratio is not None:
+            return (logp_draft >= logp.max(-1).values + math.log(float(self.ratio))).cpu()
         p = logp.exp()
         entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-        p_draft = p.gather(-1, torch.tensor(drafts, dtype=torch.long, device=p.device)[:, None])[:, 0]
         eps = float(self.epsilon)
-        return (p_draft > torch.clamp(eps ** 0.5 * torch.exp(-entropy), max=eps)).cpu()
+        return (logp_draft.exp() > torch.clamp(eps ** 0.5 * torch.exp(-entropy), max=eps)).cpu()
 
     # ------------------------------------------------------------------ one step: verify and reveal
     def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None) -> tuple[StepEvent, torch.Tensor]:
@@ -231,10 +248,10 @@ class SpeculativeSequence(Sequence):
             next_drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
         else:
             best = torch.argmax(logits, dim=-1).cpu()
-            typical = self._typical_ok(logits[: len(drafts)], drafts) if self.epsilon is not None else None
+            relaxed = self._relaxed_ok(logits[: len(drafts)], drafts)
             accepted = 0
             for q, d in enumerate(drafts):
-                if int(best[q]) != d and not (typical is not None and bool(typical[q])):
+                if int(best[q]) != d and not (relaxed is not None and bool(relaxed[q])):
                     break
                 accepted += 1
             token = int(best[accepted])  # the correction (or the token after the last draft)

@@ -120,6 +120,10 @@ class _Common(_Strict):
     speculative_epsilon: float | None = Field(None, gt=0, le=1,
                                               description="typical acceptance of drafts (Medusa; greedy requests); "
                                                           "absent: exact")
+    speculative_ratio: float | None = Field(None, gt=0, le=1,
+                                            description="relaxed verification of drafts (greedy requests): keep a "
+                                                        "draft whose causal probability is >= ratio x the top "
+                                                        "token's; absent: exact")
 
     @model_validator(mode="before")
     @classmethod
@@ -175,7 +179,8 @@ class _Common(_Strict):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache=self.cache, logprobs=logprobs,
             suffix=getattr(self, "suffix", None), speculative=self.speculative,
-            speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon)
+            speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon,
+            speculative_ratio=self.speculative_ratio)
 
     @property
     def include_usage(self) -> bool:

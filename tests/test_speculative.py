@@ -168,6 +168,32 @@ def test_typical_acceptance_accepts_probable_drafts(llm):
     assert [lax.output_ids[i] for i in (1, 2, 3)] == [(t + 1) % 300 for t in ref[1:4]]
 
 
+def test_ratio_acceptance_keeps_near_ties_only(llm):
+    """``speculative_ratio``: a draft that is not the causal argmax is kept iff p(draft) >= ratio * max p (checked on
+    hand-made distributions at the boundary); end to end, a vanishing ratio keeps planted wrong drafts (4 tokens
+    per forward) and ratio 1 is exact verification (the greedy output, every planted draft rejected)."""
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=8, block_size=4, speculative=True,
+                                                                   speculative_ratio=0.5), "u")[0]
+    probs = torch.tensor([[0.40, 0.21, 0.19, 0.20], [0.40, 0.21, 0.19, 0.20], [0.1, 0.1, 0.1, 0.7],
+                          [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    logits = torch.full((4, 300), float("-inf"))
+    logits[:, :4] = probs.log().float()
+    ok = seq._relaxed_ok(logits, [1, 2, 2, 0])
+    assert ok.tolist() == [True, False, False, True]  # 0.21 >= 0.5 * 0.40; 0.19 < 0.20; 0.1 < 0.35; the argmax
+    assert seq._relaxed_ok(logits[:0], []).numel() == 0
+    ref = _greedy_b1(llm, PROMPTS[1], 13, ignore_eos=True).token_ids
+    outs = {}
+    for ratio in (1.0, 1e-30):
+        s = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(
+            max_tokens=13, block_size=4, speculative=True, speculative_ratio=ratio, ignore_eos=True), "s")[0]
+        _run(llm, [s], _plant(ref, 0))
+        outs[ratio] = s
+    assert outs[1.0].output_ids == ref and outs[1.0].accepted_drafts == 0
+    lax = outs[1e-30]
+    assert lax.nfe == 1 + 3 and lax.accepted_drafts == 9
+    assert [lax.output_ids[i] for i in (1, 2, 3)] == [(t + 1) % 300 for t in ref[1:4]]
+
+
 def test_batched_with_ordinary_requests_is_batch_invariant(llm):
     params = [SamplingParams(max_tokens=10, block_size=4, speculative=True, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0.8, seed=2, block_size=2, ignore_eos=True),
@@ -247,7 +273,8 @@ def test_other_attention_modes_are_refused(attention):
 @pytest.mark.parametrize("kw, field, words", [
     ({"cfg_scale": 1.0}, "speculative", "cfg_scale"), ({"repetition_penalty": 1.2}, "speculative", "penalties"),
     ({"presence_penalty": 0.5}, "speculative", "penalties"),
-    ({"temperature": 0.7, "speculative_epsilon": 0.1}, "speculative_epsilon", "temperature 0")])
+    ({"temperature": 0.7, "speculative_epsilon": 0.1}, "speculative_epsilon", "temperature 0"),
+    ({"temperature": 0.7, "speculative_ratio": 0.1}, "speculative_ratio", "temperature 0")])
 def test_incompatible_parameters_name_the_field(llm, kw, field, words):
     with pytest.raises(ParamError) as err:
         llm.generate("Hello", SamplingParams(max_tokens=4, speculative=True, **kw))
@@ -260,7 +287,11 @@ def test_incompatible_parameters_name_the_field(llm, kw, field, words):
                                        ({"speculative_epsilon": 0}, "speculative_epsilon"),
                                        ({"speculative_epsilon": 1.5}, "speculative_epsilon"),
                                        ({"speculative_branches": 2, "speculative": False}, "speculative_branches"),
-                                       ({"speculative_epsilon": 0.1, "speculative": False}, "speculative_epsilon")])
+                                       ({"speculative_epsilon": 0.1, "speculative": False}, "speculative_epsilon"),
+                                       ({"speculative_ratio": 0}, "speculative_ratio"),
+                                       ({"speculative_ratio": 1.01}, "speculative_ratio"),
+                                       ({"speculative_ratio": 0.3, "speculative": False}, "speculative_ratio"),
+                                       ({"speculative_ratio": 0.3, "speculative_epsilon": 0.1}, "speculative_ratio")])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ParamError) as err:
         SamplingParams(**kw)
@@ -305,6 +336,12 @@ def test_http_field_streams_the_block1_answer_and_400_names_the_field():
         assert sampled.status_code == 200 and sampled.json()["usage"]["completion_tokens"] == 9
         bad = client.post("/v1/completions", json={**body, "temperature": 0.9, "speculative_epsilon": 0.1})
         assert bad.status_code == 400 and "speculative_epsilon" in bad.text
+        bad = client.post("/v1/completions", json={**body, "temperature": 0.9, "speculative_ratio": 0.3})
+        assert bad.status_code == 400 and "speculative_ratio" in bad.text
+        bad = client.post("/v1/completions", json={**body, "speculative_ratio": 1.5})
+        assert bad.status_code == 400 and "speculative_ratio" in bad.text
+        lax = client.post("/v1/completions", json={**body, "speculative_ratio": 1.0})  # exact up to exact ties
+        assert lax.status_code == 200 and lax.json()["choices"][0]["text"] == ref
         bad = client.post("/v1/completions", json={**body, "speculative_branches": -1})
         assert bad.status_code == 400 and "speculative_branches" in bad.text
         assert client.post("/v1/completions", json={**body, "speculative": None}).status_code == 200  # null = default
@@ -340,6 +377,12 @@ def test_cli_generate_speculative(tmp_path):
     bad = subprocess.run(base + ["--speculative", "--temperature", "0.5", "--speculative-epsilon", "0.1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "speculative_epsilon" in bad.stderr and "temperature 0" in bad.stderr
+    c = json.loads(subprocess.run(base + ["--speculative", "--speculative-ratio", "1"], capture_output=True,
+                                  text=True, timeout=120, check=True).stdout)
+    assert c["token_ids"] == a["token_ids"]
+    bad = subprocess.run(base + ["--speculative", "--speculative-ratio", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--speculative-ratio" in bad.stderr
 
 
 # ---------------------------------------------------------------- the checkpoint's default
