@@ -61,8 +61,8 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
                                         f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
     for name in ("speculative_epsilon", "speculative_ratio"):
         if getattr(params, name) is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
-            raise ParamError(name, f"relaxed acceptance relaxes greedy verification: needs temperature 0, got "
-                                   f"{params.temperature} (sampling requests are verified by speculative sampling, "
+            raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "
+                                   f"got {params.temperature} (sampling requests are verified by speculative sampling, "
                                    f"which is exact)")
     if params.cfg_scale > 0:
         raise ParamError("speculative", "cannot be combined with cfg_scale > 0")

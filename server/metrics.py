@@ -10,7 +10,8 @@ What moves when (values move exactly with the requests served):
   ``denoising_steps_total`` += usage ``denoising_steps``, ``request_success_total{finished_reason}`` += 1 per choice,
   one ``e2e_request_latency_seconds``, ``request_queue_time_seconds`` and ``time_to_first_token_seconds``
   observation per request, one ``tokens_per_forward`` observation per choice (generated tokens / NFE), one
-  ``steps_per_block`` observation per decoded block, and (self-speculative requests; vLLM's names)
+  ``steps_per_block`` observation per decoded block (none for self-speculative requests: they reveal left to right
+  with no denoising blocks; their steps are in ``denoising_steps``), and (self-speculative requests; vLLM's names)
   ``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` += the drafts verified / accepted;
 * a request that fails after admission (client disconnect, timeout, engine fault, queue/cache full):
   ``request_failure_total{reason}`` += 1 with reason ``abort`` | ``timeout`` | ``error`` | ``queue_full`` |
