@@ -97,8 +97,9 @@ def parse_setting(text: str) -> Setting:
     final ``-T<temperature>`` samples instead of greedy decoding (seed 0), e.g. ``b4-spec-T0.7``, ``b1-s64-T0.7``.
 
     Raises:
-        EvalError: not of the form ``b<int>-s<int>[-cache-MODE]`` / ``b<int>-t<float in [0, 1]>[-cache-MODE]``,
-            or zero block/steps.
+        EvalError: not of the form ``b<int>-s<int>[-cache-MODE]`` / ``b<int>-t<float in [0, 1]>[-cache-MODE]`` /
+            the ``spec`` forms, zero block/steps, a relaxed acceptance rule with a temperature, or a draft block
+            above ``MAX_SPECULATIVE_BLOCK``.
     """
     m = _SETTING.match(text.strip())
     if not m:
@@ -116,10 +117,18 @@ def parse_setting(text: str) -> Setting:
             raise EvalError(f"setting {text!r}: steps must be >= 1")
         return Setting(text.strip(), block, steps=steps, cache=cache, temperature=temperature)
     if m.group(2).startswith("spec"):
+        from unmask.engine.params import MAX_SPECULATIVE_BLOCK
+
         value = float(m.group(7)) if m.group(7) is not None else None
+        what = "typical-acceptance epsilon" if m.group(6) == "e" else "acceptance ratio"
         if value is not None and value <= 0:
-            what = "typical-acceptance epsilon" if m.group(6) == "e" else "acceptance ratio"
             raise EvalError(f"setting {text!r}: the {what} must be > 0")
+        if value is not None and temperature > 0:
+            raise EvalError(f"setting {text!r}: a {what} relaxes greedy verification; it cannot be combined with "
+                            f"-T (sampled settings are verified exactly)")
+        if block > MAX_SPECULATIVE_BLOCK:
+            raise EvalError(f"setting {text!r}: the draft block of self-speculative decoding is at most "
+                            f"{MAX_SPECULATIVE_BLOCK}")
         return Setting(text.strip(), block, cache=cache, speculative=True,
                        branches=int(m.group(5)) if m.group(5) is not None else None,
                        epsilon=value if m.group(6) == "e" else None, ratio=value if m.group(6) == "r" else None,

@@ -56,7 +56,7 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
             different choices can be told apart).
 
     A request that gets speculative decoding only from the checkpoint's default, without naming a draft block,
-    branches or epsilon, drafts only where the model's ``draft_policy`` says so
+    branches, epsilon or ratio, drafts only where the model's ``draft_policy`` says so
     (:meth:`~unmask.engine.model.LoadedModel.drafts_by_default`); otherwise it decodes one token per forward
     (draft block 1) through the same verifying path - the same tokens, or for sampling the same distribution.
 

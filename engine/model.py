@@ -69,7 +69,7 @@ class LoadedModel:
             :mod:`unmask.engine.packed_weights`; set by :meth:`pack_weights`, which also fuses the projections of
             Llama-architecture models and runs them through :class:`~unmask.engine.fused_decoder.FusedDecoder`).
         draft_policy: whether requests that get speculative decoding from the checkpoint's default (without asking
-            for it, a draft block, branches or epsilon) draft: ``on``, ``off`` (one token per forward through the
+            for it, a draft block, branches, epsilon or ratio) draft: ``on``, ``off`` (one token per forward through the
             same verifying path: the same tokens, or for sampling the same distribution), ``auto`` (off on a CPU,
             on elsewhere; see :meth:`drafts_by_default`).
     """

@@ -87,9 +87,10 @@ class SamplingParams:
             Greedy requests only.
         speculative_ratio: relaxed verification by the probability gap to the top token instead of exact
             verification: a draft is also accepted when its causal probability is at least ``ratio`` times the
-            causal argmax's (the tolerance of SpecDec's relaxed top-beta verification, Xia et al. 2023, section 3.2,
-            with ``tau = -log(ratio)`` and beta = the vocabulary). Unlike typical acceptance it only keeps near-ties
-            of the causal path, whatever its entropy. In (0, 1] (1 = exact up to exact ties); ``None`` = exact.
+            causal argmax's (the tolerance of SpecDec's relaxed top-beta verification, Xia et al. 2023, with
+            ``tau = -log(ratio)``; ``top_k``/``top_p`` act as the top-beta cap, since drafts outside the filter are
+            always rejected). Unlike typical acceptance it only keeps near-ties of the causal path (the parent's, for
+            a checkpoint with a verifier), whatever its entropy. In (0, 1] (1 = exact up to exact ties); ``None`` = exact.
             Greedy requests only; not together with ``speculative_epsilon``.
 
     Raises:

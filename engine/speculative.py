@@ -196,7 +196,8 @@ class SpeculativeSequence(Sequence):
         * ``speculative_epsilon``: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1): ``p(d) > min(eps,
           sqrt(eps) * exp(-H(p)))``;
         * ``speculative_ratio``: ``p(d) >= ratio * max(p)``, i.e. ``log max(p) - log p(d) <= tau`` with ``tau =
-          -log(ratio)`` (SpecDec's relaxed verification, Xia et al. 2023, section 3.2, without the top-beta cap).
+          -log(ratio)`` (SpecDec's relaxed verification, Xia et al. 2023; ``top_k``/``top_p`` filtering, applied before, is the
+          top-beta cap).
         """
         if self.epsilon is None and self.ratio is None:
             return None

@@ -220,7 +220,8 @@ def test_setting_and_spec_parsing():
     assert typical.speculative_epsilon == 0.03 and typical.speculative_ratio is None
     for bad in ("b4", "b0-s4", "b4-s0", "b4-t1.5", "x4-s2", "b4-s32-cache-", "b4-s32-cache-fast", "b4-s32-none",
                 "b4-spec-T", "b4-spec-T-1", "b4-T0.7-spec",
-                "b4-spec-r0", "b4-spec-r1.5", "b4-spec-e0.1-r0.1"):
+                "b4-spec-r0", "b4-spec-r1.5", "b4-spec-e0.1-r0.1", "b4-spec-r0.5-T0.7", "b4-spec-e0.1-T0.7",
+                "b64-spec-r0.5"):
         with pytest.raises(ev.EvalError, match="setting"):
             ev.parse_setting(bad)
     assert ev.parse_model_spec("a=~/x")[0] == "a"

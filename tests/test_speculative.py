@@ -472,7 +472,8 @@ def test_checkpoint_default_drafts_per_policy_with_the_same_tokens():
 
     assert lm.device.type == "cpu" and lm.draft_policy == "auto" and not lm.drafts_by_default()
     assert seq().draft_block == 1 and seq(temperature=0.7).draft_block == 1
-    for kw in ({"speculative": True}, {"block_size": 4}, {"speculative_branches": 1}, {"speculative_epsilon": 0.1}):
+    for kw in ({"speculative": True}, {"block_size": 4}, {"speculative_branches": 1}, {"speculative_epsilon": 0.1},
+               {"speculative_ratio": 0.5}):
         assert seq(**kw).draft_block == 4, kw
     one = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
     lm.draft_policy = "on"
