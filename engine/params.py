@@ -201,7 +201,13 @@ class SamplingParams:
             speculative = bool(defaults.get("speculative", False)) and self._fits_speculative(model_block_size)
         for name in SPECULATIVE_ONLY_FIELDS:
             if getattr(self, name) is not None and not speculative:
-                raise ParamError(name, "only applies with speculative decoding (speculative=true)")
+                if not defaults.get("speculative", False):
+                    why = "this checkpoint does not decode speculatively by default: set speculative=true"
+                else:
+                    why = ("the request also asks for something self-speculative decoding does not do (steps, "
+                           "threshold, another remasking, cfg_scale, a penalty or a block_size over "
+                           f"{MAX_SPECULATIVE_BLOCK}), so it keeps the ordinary decoding")
+                raise ParamError(name, f"only applies with self-speculative decoding; {why}")
         temperature = self.temperature
         if temperature is None:
             temperature = float(defaults.get("temperature", 0.0 if speculative else 1.0))

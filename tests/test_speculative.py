@@ -485,3 +485,17 @@ def test_checkpoint_default_drafts_per_policy_with_the_same_tokens():
     lm.draft_policy = "sometimes"
     with pytest.raises(ValueError, match="draft_policy"):
         seq()
+
+
+def test_speculative_only_fields_explain_why_the_request_is_not_speculative():
+    """A speculative-only field on a request that does not get self-speculative decoding names the field and says
+    why: no speculative default to fall back on, or a request the default does not cover (steps, cfg, ...)."""
+    for name, value in (("speculative_ratio", 0.1), ("speculative_epsilon", 0.1), ("speculative_branches", 1)):
+        with pytest.raises(ParamError) as err:
+            SamplingParams(**{name: value}).with_defaults({}, 4)
+        assert err.value.field == name and "set speculative=true" in str(err.value)
+        for other in ({"steps": 8}, {"cfg_scale": 1.5}, {"repetition_penalty": 1.1}, {"block_size": 64}):
+            with pytest.raises(ParamError) as err:
+                SamplingParams(**{name: value}, **other).with_defaults({"speculative": True}, 4)
+            assert err.value.field == name and "keeps the ordinary decoding" in str(err.value), other
+        assert SamplingParams(**{name: value}).with_defaults({"speculative": True}, 4).speculative is True
