@@ -381,3 +381,20 @@ def test_resume_applies_a_new_learning_rate(workdir, tmp_path):
     train(_cfg(workdir, tmp_path / "run", resume=True, **{**kw, "lr": 1e-5}))
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
     assert [float(r["lr"]) for r in rows] == pytest.approx([1e-3, 1e-3, 1e-5])
+
+
+def test_continuing_from_a_trained_checkpoint_warns_about_the_repeated_data_order(workdir, tmp_path, capsys):
+    """A new run from an `unmask train` checkpoint on the same data and --seed revisits its examples in the same
+    order (the stream depends only on the seed): the trainer says so; another seed or other data: no note."""
+    train(_cfg(workdir, tmp_path / "first", max_steps=2, batch_size=2))
+    first = resolve_latest(tmp_path / "first")
+    capsys.readouterr()
+    train(_cfg(workdir, tmp_path / "again", model=str(first), max_steps=1))
+    out = capsys.readouterr().out
+    assert "same examples in the same order" in out and "2 steps (4 examples)" in out and "--seed" in out
+    train(_cfg(workdir, tmp_path / "fresh", model=str(first), max_steps=1, seed=2))
+    assert "same examples" not in capsys.readouterr().out
+    other = tmp_path / "other.jsonl"
+    other.write_text((workdir / "data.jsonl").read_text())
+    train(_cfg(workdir, tmp_path / "other", model=str(first), data=str(other), max_steps=1))
+    assert "same examples" not in capsys.readouterr().out

@@ -284,6 +284,33 @@ def _seed_of(*parts: int) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+def repeated_data_order_note(cfg: "TrainConfig") -> str | None:
+    """A warning when a new run starts from a checkpoint that ``unmask train`` made on the same data with the same
+    ``--seed``, else ``None``.
+
+    The data order depends only on ``(seed, epoch)`` (:func:`example_indices`), so such a run draws the very examples
+    its starting checkpoint was trained on first, in the same order, and the same masking noise per step: a
+    continued run (e.g. more drafter training from a finished run) should pass another ``--seed``, or ``--resume``
+    the original run. Reads only the ``config``/``step`` of ``<model>/training_state.pt`` (memory-mapped; a missing or
+    unreadable file means no note).
+    """
+    state_file = Path(cfg.model).expanduser() / "training_state.pt"
+    if not state_file.is_file():
+        return None
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
+        saved, step = state["config"], int(state["step"])
+        same_data = Path(saved["data"]).expanduser().resolve() == Path(cfg.data).expanduser().resolve()
+        consumed = step * int(saved["batch_size"]) * int(saved.get("grad_accum", 1)) * int(state.get("world_size", 1))
+    except Exception:  # an older or foreign state file: nothing to say
+        return None
+    if not same_data or int(saved.get("seed", 0)) != int(cfg.seed):
+        return None
+    return (f"unmask train: note: --model {cfg.model} was trained by `unmask train` on this --data with --seed "
+            f"{cfg.seed} for {step} steps ({consumed} examples); this run draws the same examples in the same order "
+            f"first. Pass another --seed for a fresh order (or --resume that run's --out to continue it).")
+
+
 def example_indices(n: int, seed: int, start: int, count: int) -> list[int]:
     """Indices ``start .. start+count-1`` of the endless example stream (epoch ``e`` = permutation seeded by
     ``(seed, e)``)."""
@@ -480,6 +507,10 @@ class Trainer:
                                  f"one {acc.num_processes} (the data order depends on it)")
             if cfg.trainable not in ("lora", "qlora"):
                 src = str(self.resume_from)  # its weights are the trained parameters, bit for bit
+        if state is None and acc.is_main_process:
+            note = repeated_data_order_note(cfg)
+            if note:
+                print(note, flush=True)
         torch.manual_seed(_seed_of(cfg.seed, 3))  # LoRA initialisation (peft draws from the global RNG)
         try:
             self.tm = prepare_model(src, cfg.trainable, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets,
