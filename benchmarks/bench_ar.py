@@ -161,7 +161,8 @@ def main(argv=None) -> int:
                                       "threshold": par.threshold, "cache": par.cache,
                                       "speculative": par.speculative, "speculative_branches": par.branches,
                                       "speculative_epsilon": par.epsilon,
-                                      "speculative_ratio": par.ratio},
+                                      "speculative_ratio": par.ratio,
+                                      "speculative_no_repeat_ngram": par.no_repeat_ngram},
                          "hf": "transformers generate, do_sample=False, use_cache=True, sdpa"},
             "environment": env, "summary": summ, "runs": runs, "llama_cpp": llama,
             "engine_parallel_vs_llama_cpp": (summ["engine_parallel"]["tokens_per_s"] / llama["tokens_per_s"])

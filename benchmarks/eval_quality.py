@@ -53,7 +53,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results"
 DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "b4-t0.7", "b4-t0.5",
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
-_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?(?:-(e|r)(0?\.\d+|1(?:\.0+)?))?)"
+_SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?(?:-(e|r)(0?\.\d+|1(?:\.0+)?)(?:-ng(\d+))?)?)"
                       r"(?:-cache-(auto|none|prefix|dual))?(?:-T(\d+(?:\.\d*)?|\.\d+))?$")
 
 
@@ -75,6 +75,7 @@ class Setting:
     branches: int | None = None
     epsilon: float | None = None
     ratio: float | None = None
+    no_repeat_ngram: int | None = None
     temperature: float = 0.0
 
     def params(self, max_tokens: int):
@@ -85,14 +86,16 @@ class Setting:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, block_size=self.block_size,
                               steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0,
                               speculative=self.speculative, speculative_branches=self.branches,
-                              speculative_epsilon=self.epsilon, speculative_ratio=self.ratio)
+                              speculative_epsilon=self.epsilon, speculative_ratio=self.ratio,
+                              speculative_no_repeat_ngram=self.no_repeat_ngram)
 
 
 def parse_setting(text: str) -> Setting:
     """``"b4-s32"`` -> block 4, 32 steps; ``"b4-t0.9"`` -> block 4, threshold 0.9; ``"b4-spec"`` -> self-speculative
     decoding with draft block 4 (``"b4-spec-br1"``: one fallback group; ``"b4-spec-e0.2"``: typical acceptance with
     epsilon 0.2; ``"b4-spec-r0.3"``: relaxed verification keeping drafts within a probability ratio 0.3 of the causal
-    argmax); an optional ``-cache-MODE`` suffix
+    argmax; either followed by ``-ng<n>``, the loop guard's n-gram size, ``-ng0`` = no guard: ``"b4-spec-e0.03-ng0"``;
+    default 3); an optional ``-cache-MODE`` suffix
     (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``; an optional
     final ``-T<temperature>`` samples instead of greedy decoding (seed 0), e.g. ``b4-spec-T0.7``, ``b1-s64-T0.7``.
 
@@ -104,11 +107,11 @@ def parse_setting(text: str) -> Setting:
     m = _SETTING.match(text.strip())
     if not m:
         raise EvalError(f"setting {text!r}: expected b<block>-s<steps>, b<block>-t<threshold> or "
-                        "b<block>-spec[-br<branches>][-e<epsilon>|-r<ratio>], optionally "
+                        "b<block>-spec[-br<branches>][-e<epsilon>|-r<ratio>[-ng<n>]], optionally "
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
-    cache = m.group(8) or "auto"
-    temperature = float(m.group(9)) if m.group(9) is not None else 0.0
+    cache = m.group(9) or "auto"
+    temperature = float(m.group(10)) if m.group(10) is not None else 0.0
     if block < 1:
         raise EvalError(f"setting {text!r}: block size must be >= 1")
     if m.group(3) is not None:
@@ -126,13 +129,15 @@ def parse_setting(text: str) -> Setting:
         if value is not None and temperature > 0:
             raise EvalError(f"setting {text!r}: a {what} relaxes greedy verification; it cannot be combined with "
                             f"-T (sampled settings are verified exactly)")
+        if m.group(8) is not None and int(m.group(8)) > 64:
+            raise EvalError(f"setting {text!r}: the loop guard's n-gram size is at most 64")
         if block > MAX_SPECULATIVE_BLOCK:
             raise EvalError(f"setting {text!r}: the draft block of self-speculative decoding is at most "
                             f"{MAX_SPECULATIVE_BLOCK}")
         return Setting(text.strip(), block, cache=cache, speculative=True,
                        branches=int(m.group(5)) if m.group(5) is not None else None,
                        epsilon=value if m.group(6) == "e" else None, ratio=value if m.group(6) == "r" else None,
-                       temperature=temperature)
+                       no_repeat_ngram=int(m.group(8)) if m.group(8) is not None else None, temperature=temperature)
     return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache, temperature=temperature)
 
 
@@ -578,9 +583,10 @@ def markdown_table(result: dict) -> str:
            f"Notes: {m['notes']} EM = exact match after normalisation on checkable prompts; answer acc = EM, else "
            "the last number of the output for numeric answers, else contains; contains = the normalised answer "
            "appears in the output; '= parent' = share of outputs token-identical to the parent's. "
-           "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold> / b<block>-spec[-br<n>][-e<eps>|-r<ratio>] "
+           "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold> / b<block>-spec[-br<n>][-e<eps>|-r<ratio>[-ng<n>]] "
            "(self-speculative: drafts verified by the causal path; -e = typical acceptance; -r = drafts kept within "
-           "that probability ratio of the causal argmax); -T<t> = sampled at "
+           "that probability ratio of the causal argmax; -ng<n> = the relaxed rules' loop guard, default 3, 0 = "
+           "off); -T<t> = sampled at "
            "temperature t (seed 0), else greedy.", ""]
     out.append("| " + " | ".join(c[0] for c in COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))

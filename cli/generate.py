@@ -41,6 +41,9 @@ def register(sub, name):
     p.add_argument("--speculative-ratio", type=float, default=None,
                    help="also accept drafts whose probability is >= this ratio x the top token's (lossy; default: "
                         "exact)")
+    p.add_argument("--speculative-no-repeat-ngram", type=int, default=None,
+                   help="loop guard of the relaxed rules: a draft kept only by --speculative-epsilon/-ratio must not "
+                        "complete an n-gram of this many tokens already generated (default 3; 0 = off)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default: torch's choice; 1 is often fastest on a busy CPU)")
     p.add_argument("--family", default=None)
@@ -70,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                                 suffix=args.suffix, stop=args.stop, cache=args.cache, speculative=args.speculative,
                                 speculative_branches=args.speculative_branches,
                                 speculative_epsilon=args.speculative_epsilon,
-                                speculative_ratio=args.speculative_ratio)
+                                speculative_ratio=args.speculative_ratio,
+                                speculative_no_repeat_ngram=args.speculative_no_repeat_ngram)
     except ParamError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
     if args.threads is not None:

@@ -68,7 +68,7 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
     resolved = params.with_defaults(model.dllm.default_sampling, model.dllm.block_size)
     if (resolved.speculative and params.speculative is None and params.block_size is None
             and params.speculative_branches is None and params.speculative_epsilon is None
-            and params.speculative_ratio is None
+            and params.speculative_ratio is None and params.speculative_no_repeat_ngram is None
             and not model.drafts_by_default()):
         resolved = replace(resolved, block_size=1)
     kind = SpeculativeSequence if resolved.speculative else Sequence

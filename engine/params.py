@@ -9,7 +9,8 @@ REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random")
 CACHE_MODES = ("auto", "none", "prefix", "dual")
 MAX_SEED = 2**63 - 1
 MAX_SPECULATIVE_BLOCK = 32  # self-speculative steps forward up to ~block_size^2 rows: the draft block is bounded
-SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio")  # need speculative
+SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio",
+                           "speculative_no_repeat_ngram")  # need speculative
 
 
 class ParamError(ValueError):
@@ -92,6 +93,12 @@ class SamplingParams:
             always rejected). Unlike typical acceptance it only keeps near-ties of the causal path (the parent's, for
             a checkpoint with a verifier), whatever its entropy. In (0, 1] (1 = exact up to exact ties); ``None`` = exact.
             Greedy requests only; not together with ``speculative_epsilon``.
+        speculative_no_repeat_ngram: the loop guard of the relaxed rules: a draft they would keep although it is not
+            the causal argmax is rejected (the argmax is taken instead) when it completes an n-gram of this many
+            tokens that the generated text already contains. Lossy acceptance otherwise drifts into repetition
+            loops the exact path would not have entered (``benchmarks/results/loop-guard/``); the causal argmax itself
+            is never blocked, so exact-path repetition stays as it is. ``None`` = 3 when ``speculative_epsilon`` or
+            ``speculative_ratio`` is set; 0 = off; at most 64. Only with a relaxed rule.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -123,6 +130,7 @@ class SamplingParams:
     speculative_branches: int | None = None
     speculative_epsilon: float | None = None
     speculative_ratio: float | None = None
+    speculative_no_repeat_ngram: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,6 +169,7 @@ class SamplingParams:
         _check_number("speculative_branches", self.speculative_branches, lo=0, integer=True)
         _check_number("speculative_epsilon", self.speculative_epsilon, lo=0, hi=1, lo_open=True)
         _check_number("speculative_ratio", self.speculative_ratio, lo=0, hi=1, lo_open=True)
+        _check_number("speculative_no_repeat_ngram", self.speculative_no_repeat_ngram, lo=0, hi=64, integer=True)
         if self.speculative_epsilon is not None and self.speculative_ratio is not None:
             raise ParamError("speculative_ratio", "choose one relaxed acceptance rule: speculative_epsilon (typical "
                                                   "acceptance) or speculative_ratio, not both")

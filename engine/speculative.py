@@ -46,6 +46,7 @@ from .sequence import LaneInput, Revealed, Sequence, StepEvent
 
 MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
 DEFAULT_BRANCHES = 3       # fallback groups when the request does not say (block 4: every draft has one)
+DEFAULT_NO_REPEAT_NGRAM = 3  # loop guard of the relaxed rules when the request does not say
 
 
 def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
@@ -64,6 +65,11 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
             raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "
                                    f"got {params.temperature} (sampling requests are verified by speculative sampling, "
                                    f"which is exact)")
+    if (params.speculative_no_repeat_ngram is not None and params.speculative_epsilon is None
+            and params.speculative_ratio is None):
+        raise ParamError("speculative_no_repeat_ngram", "guards relaxed acceptance only: set speculative_epsilon or "
+                                                        "speculative_ratio (exact verification keeps the causal "
+                                                        "argmax, which the guard never blocks)")
     if params.cfg_scale > 0:
         raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
@@ -124,7 +130,9 @@ class SpeculativeSequence(Sequence):
     ``params.speculative_epsilon`` switches exact verification to Medusa's typical acceptance (lossy: the output is
     then no longer the greedy decoding, but every token is still one the causal path found typical in context);
     ``params.speculative_ratio`` to accepting drafts within a probability ratio of the causal argmax (lossy too:
-    only near-ties of the causal path are kept).
+    only near-ties of the causal path are kept); either relaxed rule keeps a non-argmax draft only when it does not
+    complete an n-gram the generated text already holds (``params.speculative_no_repeat_ngram``, default
+    :data:`DEFAULT_NO_REPEAT_NGRAM`).
 
     Raises:
         ParamError: as :class:`Sequence`, and from :func:`check_speculative`.
@@ -141,6 +149,11 @@ class SpeculativeSequence(Sequence):
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
         self.epsilon = self.params.speculative_epsilon
         self.ratio = self.params.speculative_ratio
+        guard = self.params.speculative_no_repeat_ngram
+        self.no_repeat = (0 if self.epsilon is None and self.ratio is None
+                          else DEFAULT_NO_REPEAT_NGRAM if guard is None else int(guard))
+        self._ngrams: set[tuple[int, ...]] = set()  # no_repeat-grams of the final generated text ...
+        self._ngrams_end = self.prompt_len          # ... ending before this canvas position
         self.temperature = float(self.params.temperature or 0.0)
         self.sampling = self.temperature >= MIN_SAMPLING_TEMPERATURE  # speculative sampling instead of argmax checks
         self.draft_probs: torch.Tensor | None = None  # sampling: [len(drafts), V] float64 q the drafts came from
@@ -212,6 +225,27 @@ class SpeculativeSequence(Sequence):
         eps = float(self.epsilon)
         return (logp_draft.exp() > torch.clamp(eps ** 0.5 * torch.exp(-entropy), max=eps)).cpu()
 
+    def _repeats(self, f: int, drafts: list[int], q: int) -> bool:
+        """Whether ``drafts[q]`` (at canvas position ``f + q``, after the final tokens before ``f`` and
+        ``drafts[:q]``) completes an n-gram (``n = self.no_repeat`` tokens, all generated) that the generated text
+        before it already contains: the loop guard of the relaxed rules. Grams of the final text are indexed
+        incrementally (each once), so a check costs O(n * q), not O(length)."""
+        n = self.no_repeat
+        first = max(self.prompt_len, f - n + 1)
+        if self._ngrams_end < f:  # index the grams that end at the final tokens revealed since the last check
+            lo = max(self.prompt_len, self._ngrams_end - n + 1)
+            toks = self.canvas[lo:f].tolist()
+            for end in range(max(self._ngrams_end, self.prompt_len + n - 1), f):
+                self._ngrams.add(tuple(toks[end - n + 1 - lo: end + 1 - lo]))
+            self._ngrams_end = f
+        seq = self.canvas[first:f].tolist() + list(drafts[: q + 1])
+        if len(seq) < n:
+            return False
+        gram = tuple(seq[-n:])
+        if gram in self._ngrams:
+            return True
+        return any(tuple(seq[j: j + n]) == gram for j in range(len(seq) - n))  # grams ending at drafts[:q]
+
     # ------------------------------------------------------------------ one step: verify and reveal
     def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None) -> tuple[StepEvent, torch.Tensor]:
         """Verify the drafts, reveal the accepted ones plus the correction, pick the next drafts.
@@ -252,7 +286,8 @@ class SpeculativeSequence(Sequence):
             relaxed = self._relaxed_ok(logits[: len(drafts)], drafts)
             accepted = 0
             for q, d in enumerate(drafts):
-                if int(best[q]) != d and not (relaxed is not None and bool(relaxed[q])):
+                if int(best[q]) != d and not (relaxed is not None and bool(relaxed[q])
+                                              and not (self.no_repeat and self._repeats(f, drafts, q))):
                     break
                 accepted += 1
             token = int(best[accepted])  # the correction (or the token after the last draft)

@@ -124,6 +124,11 @@ class _Common(_Strict):
                                             description="relaxed verification of drafts (greedy requests): keep a "
                                                         "draft whose causal probability is >= ratio x the top "
                                                         "token's; absent: exact")
+    speculative_no_repeat_ngram: int | None = Field(None, ge=0, le=64,
+                                                    description="loop guard of the relaxed rules: a draft kept "
+                                                                "only by speculative_epsilon/ratio must not complete "
+                                                                "an n-gram of this many tokens already generated; "
+                                                                "absent: 3; 0: off")
 
     @model_validator(mode="before")
     @classmethod
@@ -180,7 +185,8 @@ class _Common(_Strict):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache=self.cache, logprobs=logprobs,
             suffix=getattr(self, "suffix", None), speculative=self.speculative,
             speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon,
-            speculative_ratio=self.speculative_ratio)
+            speculative_ratio=self.speculative_ratio,
+            speculative_no_repeat_ngram=self.speculative_no_repeat_ngram)
 
     @property
     def include_usage(self) -> bool:

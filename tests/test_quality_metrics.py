@@ -218,10 +218,13 @@ def test_setting_and_spec_parsing():
     assert ratio.speculative_ratio == 0.25 and ratio.speculative_epsilon is None and ratio.speculative_branches == 2
     typical = ev.parse_setting("b4-spec-e0.03").params(8)
     assert typical.speculative_epsilon == 0.03 and typical.speculative_ratio is None
+    assert typical.speculative_no_repeat_ngram is None  # the engine's default guard
+    assert ev.parse_setting("b4-spec-e0.03-ng0").params(8).speculative_no_repeat_ngram == 0
+    assert ev.parse_setting("b4-spec-r0.1-ng4-T0").params(8).speculative_no_repeat_ngram == 4
     for bad in ("b4", "b0-s4", "b4-s0", "b4-t1.5", "x4-s2", "b4-s32-cache-", "b4-s32-cache-fast", "b4-s32-none",
                 "b4-spec-T", "b4-spec-T-1", "b4-T0.7-spec",
                 "b4-spec-r0", "b4-spec-r1.5", "b4-spec-e0.1-r0.1", "b4-spec-r0.5-T0.7", "b4-spec-e0.1-T0.7",
-                "b64-spec-r0.5"):
+                "b64-spec-r0.5", "b4-spec-ng3", "b4-spec-r0.1-ng", "b4-spec-r0.1-ng65"):
         with pytest.raises(ev.EvalError, match="setting"):
             ev.parse_setting(bad)
     assert ev.parse_model_spec("a=~/x")[0] == "a"

@@ -158,7 +158,8 @@ def test_typical_acceptance_accepts_probable_drafts(llm):
     outs = {}
     for eps in (None, 1e-12):
         seq = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(
-            max_tokens=13, block_size=4, speculative=True, speculative_epsilon=eps, ignore_eos=True), "s")[0]
+            max_tokens=13, block_size=4, speculative=True, speculative_epsilon=eps, ignore_eos=True,
+            speculative_no_repeat_ngram=None if eps is None else 0), "s")[0]
         _run(llm, [seq], _plant(ref, 0))
         outs[eps] = seq
     assert outs[None].output_ids == ref and outs[None].accepted_drafts == 0
@@ -185,13 +186,58 @@ def test_ratio_acceptance_keeps_near_ties_only(llm):
     outs = {}
     for ratio in (1.0, 1e-30):
         s = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(
-            max_tokens=13, block_size=4, speculative=True, speculative_ratio=ratio, ignore_eos=True), "s")[0]
+            max_tokens=13, block_size=4, speculative=True, speculative_ratio=ratio, ignore_eos=True,
+            speculative_no_repeat_ngram=0), "s")[0]
         _run(llm, [s], _plant(ref, 0))
         outs[ratio] = s
     assert outs[1.0].output_ids == ref and outs[1.0].accepted_drafts == 0
     lax = outs[1e-30]
     assert lax.nfe == 1 + 3 and lax.accepted_drafts == 9
     assert [lax.output_ids[i] for i in (1, 2, 3)] == [(t + 1) % 300 for t in ref[1:4]]
+
+
+def _verify_planted(llm, generated: list[int], drafts: list[int], **kw):
+    """Verify ``drafts`` after the final ``generated`` tokens with made-up logits whose argmax (299) is none of
+    them and under a vanishing ratio (every draft passes the rule): what the loop guard alone lets through."""
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(
+        max_tokens=16, block_size=4, speculative=True, speculative_ratio=1e-30, ignore_eos=True, **kw), "g")[0]
+    p = seq.prompt_len
+    seq.canvas[p: p + len(generated)] = torch.tensor(generated)
+    seq.final_len = p + len(generated)
+    seq.drafts = list(drafts)
+    n = len(seq.lane_inputs()[0].needed)
+    logits = torch.zeros(n, 300)
+    logits[:, 299] = 5.0
+    seq.verify(logits)
+    return seq
+
+
+def _final(seq) -> list[int]:
+    return seq.canvas[seq.prompt_len: seq.final_len].tolist()
+
+
+def test_loop_guard_rejects_relaxed_drafts_that_repeat_an_ngram():
+    """``speculative_no_repeat_ngram`` (default 3 with a relaxed rule): a draft kept only by the relaxed rule must
+    not complete an n-gram the generated text already holds - earlier final tokens or the step's own accepted
+    drafts; the causal argmax (the correction) takes its place. 0 turns the guard off; the prompt does not count."""
+    llm = LLM(loaded(attention="prefix_causal"))
+    seq = _verify_planted(llm, [10, 11, 12, 13], [10, 11, 12])  # (10, 11, 12) is already in the text
+    assert seq.accepted_drafts == 2 and _final(seq) == [10, 11, 12, 13, 10, 11, 299]
+    assert _verify_planted(llm, [10, 11, 12, 13], [10, 11, 12], speculative_no_repeat_ngram=0).accepted_drafts == 3
+    assert _verify_planted(llm, [10, 11, 12, 13], [10, 11, 12], speculative_no_repeat_ngram=4).accepted_drafts == 3
+    seq = _verify_planted(llm, [5, 7], [8, 7, 8], speculative_no_repeat_ngram=2)  # (7, 8) ends at the first draft
+    assert seq.accepted_drafts == 2 and _final(seq) == [5, 7, 8, 7, 299]
+    prompt_ids = llm.encode(PROMPTS[0])
+    assert _verify_planted(llm, [], prompt_ids[-3:] or [1, 2, 3]).accepted_drafts == 3
+    # the index of the final text's n-grams is incremental: a gram revealed by one step blocks a draft in the next
+    seq = _verify_planted(llm, [20, 21, 22], [23, 24, 25])
+    assert seq.accepted_drafts == 3 and _final(seq) == [20, 21, 22, 23, 24, 25, 299]
+    seq.drafts = [23, 24, 25]  # after (25, 299): 23, 24 pass, 25 would repeat (23, 24, 25)
+    n = len(seq.lane_inputs()[0].needed)
+    logits = torch.zeros(n, 300)
+    logits[:, 299] = 5.0
+    seq.verify(logits)
+    assert _final(seq)[7:] == [23, 24, 299] and seq.accepted_drafts == 5
 
 
 def test_batched_with_ordinary_requests_is_batch_invariant(llm):
@@ -274,7 +320,8 @@ def test_other_attention_modes_are_refused(attention):
     ({"cfg_scale": 1.0}, "speculative", "cfg_scale"), ({"repetition_penalty": 1.2}, "speculative", "penalties"),
     ({"presence_penalty": 0.5}, "speculative", "penalties"),
     ({"temperature": 0.7, "speculative_epsilon": 0.1}, "speculative_epsilon", "temperature 0"),
-    ({"temperature": 0.7, "speculative_ratio": 0.1}, "speculative_ratio", "temperature 0")])
+    ({"temperature": 0.7, "speculative_ratio": 0.1}, "speculative_ratio", "temperature 0"),
+    ({"speculative_no_repeat_ngram": 3}, "speculative_no_repeat_ngram", "speculative_epsilon or speculative_ratio")])
 def test_incompatible_parameters_name_the_field(llm, kw, field, words):
     with pytest.raises(ParamError) as err:
         llm.generate("Hello", SamplingParams(max_tokens=4, speculative=True, **kw))
@@ -291,7 +338,12 @@ def test_incompatible_parameters_name_the_field(llm, kw, field, words):
                                        ({"speculative_ratio": 0}, "speculative_ratio"),
                                        ({"speculative_ratio": 1.01}, "speculative_ratio"),
                                        ({"speculative_ratio": 0.3, "speculative": False}, "speculative_ratio"),
-                                       ({"speculative_ratio": 0.3, "speculative_epsilon": 0.1}, "speculative_ratio")])
+                                       ({"speculative_ratio": 0.3, "speculative_epsilon": 0.1}, "speculative_ratio"),
+                                       ({"speculative_no_repeat_ngram": -1}, "speculative_no_repeat_ngram"),
+                                       ({"speculative_no_repeat_ngram": 65}, "speculative_no_repeat_ngram"),
+                                       ({"speculative_no_repeat_ngram": 2.5}, "speculative_no_repeat_ngram"),
+                                       ({"speculative_no_repeat_ngram": 3, "speculative": False},
+                                        "speculative_no_repeat_ngram")])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ParamError) as err:
         SamplingParams(**kw)
@@ -340,6 +392,12 @@ def test_http_field_streams_the_block1_answer_and_400_names_the_field():
         assert bad.status_code == 400 and "speculative_ratio" in bad.text
         bad = client.post("/v1/completions", json={**body, "speculative_ratio": 1.5})
         assert bad.status_code == 400 and "speculative_ratio" in bad.text
+        bad = client.post("/v1/completions", json={**body, "speculative_no_repeat_ngram": 3})  # no relaxed rule
+        assert bad.status_code == 400 and "speculative_no_repeat_ngram" in bad.text
+        bad = client.post("/v1/completions", json={**body, "speculative_ratio": 0.5, "speculative_no_repeat_ngram": 99})
+        assert bad.status_code == 400 and "speculative_no_repeat_ngram" in bad.text
+        ok = client.post("/v1/completions", json={**body, "speculative_ratio": 1.0, "speculative_no_repeat_ngram": 0})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref
         lax = client.post("/v1/completions", json={**body, "speculative_ratio": 1.0})  # exact up to exact ties
         assert lax.status_code == 200 and lax.json()["choices"][0]["text"] == ref
         bad = client.post("/v1/completions", json={**body, "speculative_branches": -1})
@@ -383,6 +441,9 @@ def test_cli_generate_speculative(tmp_path):
     bad = subprocess.run(base + ["--speculative", "--speculative-ratio", "0"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--speculative-ratio" in bad.stderr
+    bad = subprocess.run(base + ["--speculative", "--speculative-ratio", "0.5", "--speculative-no-repeat-ngram", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--speculative-no-repeat-ngram" in bad.stderr
 
 
 # ---------------------------------------------------------------- the checkpoint's default
@@ -490,7 +551,8 @@ def test_checkpoint_default_drafts_per_policy_with_the_same_tokens():
 def test_speculative_only_fields_explain_why_the_request_is_not_speculative():
     """A speculative-only field on a request that does not get self-speculative decoding names the field and says
     why: no speculative default to fall back on, or a request the default does not cover (steps, cfg, ...)."""
-    for name, value in (("speculative_ratio", 0.1), ("speculative_epsilon", 0.1), ("speculative_branches", 1)):
+    for name, value in (("speculative_ratio", 0.1), ("speculative_epsilon", 0.1), ("speculative_branches", 1),
+                        ("speculative_no_repeat_ngram", 3)):
         with pytest.raises(ParamError) as err:
             SamplingParams(**{name: value}).with_defaults({}, 4)
         assert err.value.field == name and "set speculative=true" in str(err.value)
