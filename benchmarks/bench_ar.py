@@ -29,6 +29,7 @@ import torch
 
 import bench_common as bc
 from eval_quality import parse_setting
+from unmask.engine.speculative import DEFAULT_NO_REPEAT_NGRAM
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -162,7 +163,10 @@ def main(argv=None) -> int:
                                       "speculative": par.speculative, "speculative_branches": par.branches,
                                       "speculative_epsilon": par.epsilon,
                                       "speculative_ratio": par.ratio,
-                                      "speculative_no_repeat_ngram": par.no_repeat_ngram},
+                                      # the effective loop guard (the engine's default 3 with a relaxed rule)
+                                      "speculative_no_repeat_ngram": par.no_repeat_ngram if par.no_repeat_ngram
+                                      is not None else DEFAULT_NO_REPEAT_NGRAM if (par.epsilon or par.ratio)
+                                      else None},
                          "hf": "transformers generate, do_sample=False, use_cache=True, sdpa"},
             "environment": env, "summary": summ, "runs": runs, "llama_cpp": llama,
             "engine_parallel_vs_llama_cpp": (summ["engine_parallel"]["tokens_per_s"] / llama["tokens_per_s"])

@@ -101,13 +101,13 @@ def parse_setting(text: str) -> Setting:
 
     Raises:
         EvalError: not of the form ``b<int>-s<int>[-cache-MODE]`` / ``b<int>-t<float in [0, 1]>[-cache-MODE]`` /
-            the ``spec`` forms, zero block/steps, a relaxed acceptance rule with a temperature, or a draft block
-            above ``MAX_SPECULATIVE_BLOCK``.
+            the ``spec`` forms, zero block/steps, a relaxed acceptance rule with a temperature, a loop-guard n-gram
+            size above 64, or a draft block above ``MAX_SPECULATIVE_BLOCK``.
     """
     m = _SETTING.match(text.strip())
     if not m:
         raise EvalError(f"setting {text!r}: expected b<block>-s<steps>, b<block>-t<threshold> or "
-                        "b<block>-spec[-br<branches>][-e<epsilon>|-r<ratio>[-ng<n>]], optionally "
+                        "b<block>-spec[-br<branches>][(-e<epsilon>|-r<ratio>)[-ng<n>]], optionally "
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
     cache = m.group(9) or "auto"
@@ -583,7 +583,7 @@ def markdown_table(result: dict) -> str:
            f"Notes: {m['notes']} EM = exact match after normalisation on checkable prompts; answer acc = EM, else "
            "the last number of the output for numeric answers, else contains; contains = the normalised answer "
            "appears in the output; '= parent' = share of outputs token-identical to the parent's. "
-           "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold> / b<block>-spec[-br<n>][-e<eps>|-r<ratio>[-ng<n>]] "
+           "Settings: b<block>-s<steps> (quota) / b<block>-t<threshold> / b<block>-spec[-br<n>][(-e<eps>|-r<ratio>)[-ng<n>]] "
            "(self-speculative: drafts verified by the causal path; -e = typical acceptance; -r = drafts kept within "
            "that probability ratio of the causal argmax; -ng<n> = the relaxed rules' loop guard, default 3, 0 = "
            "off); -T<t> = sampled at "

@@ -201,8 +201,8 @@ class SamplingParams:
         sets decodes greedily (0 instead of 1.0) and takes no default threshold (it does not use one).
 
         Raises:
-            ParamError: ``speculative_branches`` / ``speculative_epsilon`` / ``speculative_ratio`` on a request that
-                is not speculative.
+            ParamError: ``speculative_branches`` / ``speculative_epsilon`` / ``speculative_ratio`` /
+                ``speculative_no_repeat_ngram`` on a request that is not speculative.
         """
         defaults = default_sampling or {}
         speculative = self.speculative

@@ -128,7 +128,7 @@ class _Common(_Strict):
                                                     description="loop guard of the relaxed rules: a draft kept "
                                                                 "only by speculative_epsilon/ratio must not complete "
                                                                 "an n-gram of this many tokens already generated; "
-                                                                "absent: 3; 0: off")
+                                                                "absent: 3 (with a relaxed rule); 0: off")
 
     @model_validator(mode="before")
     @classmethod

@@ -238,6 +238,21 @@ def test_loop_guard_rejects_relaxed_drafts_that_repeat_an_ngram():
     logits[:, 299] = 5.0
     seq.verify(logits)
     assert _final(seq)[7:] == [23, 24, 299] and seq.accepted_drafts == 5
+    # the gram of the last final tokens counts; so does one ending at the draft just before (a run like 5 5 5)
+    assert _verify_planted(llm, [7, 8], [7, 8], speculative_no_repeat_ngram=2).accepted_drafts == 1
+    assert _verify_planted(llm, [9], [5, 5, 5], speculative_no_repeat_ngram=2).accepted_drafts == 2
+    # the causal argmax is never blocked, even when it repeats: here every draft is the argmax of its row
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(
+        max_tokens=16, block_size=4, speculative=True, speculative_ratio=1e-30, ignore_eos=True), "h")[0]
+    p = seq.prompt_len
+    seq.canvas[p: p + 4] = torch.tensor([10, 11, 12, 13])
+    seq.final_len, seq.drafts = p + 4, [10, 11, 12]
+    n = len(seq.lane_inputs()[0].needed)
+    logits = torch.zeros(n, 300)
+    for row, tok in enumerate([10, 11, 12, 299]):
+        logits[row, tok] = 5.0
+    seq.verify(logits)
+    assert seq.accepted_drafts == 3 and _final(seq)[4:] == [10, 11, 12, 299]
 
 
 def test_batched_with_ordinary_requests_is_batch_invariant(llm):

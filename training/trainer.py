@@ -291,14 +291,15 @@ def repeated_data_order_note(cfg: "TrainConfig") -> str | None:
     The data order depends only on ``(seed, epoch)`` (:func:`example_indices`), so such a run draws the very examples
     its starting checkpoint was trained on first, in the same order, and the same masking noise per step: a
     continued run (e.g. more drafter training from a finished run) should pass another ``--seed``, or ``--resume``
-    the original run. Reads only the ``config``/``step`` of ``<model>/training_state.pt`` (memory-mapped; a missing or
-    unreadable file means no note).
+    the original run. Reads only the ``config``/``step`` of ``<model>/training_state.pt`` (memory-mapped, with
+    ``weights_only=True``: a checkpoint from elsewhere cannot run code here; a missing or unreadable file means no
+    note).
     """
     state_file = Path(cfg.model).expanduser() / "training_state.pt"
     if not state_file.is_file():
         return None
     try:
-        state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
+        state = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)  # no pickled code
         saved, step = state["config"], int(state["step"])
         same_data = Path(saved["data"]).expanduser().resolve() == Path(cfg.data).expanduser().resolve()
         consumed = step * int(saved["batch_size"]) * int(saved.get("grad_accum", 1)) * int(state.get("world_size", 1))
