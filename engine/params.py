@@ -98,7 +98,7 @@ class SamplingParams:
             tokens that the generated text already contains. Lossy acceptance otherwise drifts into repetition
             loops the exact path would not have entered (``benchmarks/results/loop-guard/``); the causal argmax itself
             is never blocked, so exact-path repetition stays as it is. ``None`` = 3 when ``speculative_epsilon`` or
-            ``speculative_ratio`` is set; 0 = off; at most 64. Only with a relaxed rule.
+            ``speculative_ratio`` is set; 0 = off; at most 64. A value > 0 needs a relaxed rule.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -213,9 +213,10 @@ class SamplingParams:
                 if not defaults.get("speculative", False):
                     why = "this checkpoint does not decode speculatively by default: set speculative=true"
                 else:
-                    why = ("the request also asks for something self-speculative decoding does not do (steps, "
-                           "threshold, another remasking, cfg_scale, a penalty or a block_size over "
-                           f"{MAX_SPECULATIVE_BLOCK}), so it keeps the ordinary decoding")
+                    conflicts = self._speculative_conflicts(model_block_size)
+                    why = (f"the request also sets {', '.join(conflicts)}, which self-speculative decoding does not "
+                           f"do, so it keeps the ordinary decoding: drop {name}, or drop {' and '.join(conflicts)} "
+                           "to get the speculative default")
                 raise ParamError(name, f"only applies with self-speculative decoding; {why}")
         temperature = self.temperature
         if temperature is None:
@@ -227,11 +228,18 @@ class SamplingParams:
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
         return replace(self, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
 
+    def _speculative_conflicts(self, model_block_size: int | None) -> list[str]:
+        """The fields of this request that self-speculative decoding ignores or refuses (empty: a checkpoint's
+        speculative default may apply), e.g. ``["steps", "cfg_scale"]``."""
+        block = self.block_size or model_block_size
+        checks = [("steps", self.steps is not None), ("threshold", self.threshold is not None),
+                  ("remasking", self.remasking != "low_confidence"), ("cfg_scale", self.cfg_scale != 0),
+                  ("presence_penalty", self.presence_penalty != 0), ("frequency_penalty", self.frequency_penalty != 0),
+                  ("repetition_penalty", self.repetition_penalty != 1.0),
+                  (f"block_size over {MAX_SPECULATIVE_BLOCK}", block is not None and block > MAX_SPECULATIVE_BLOCK)]
+        return [name for name, bad in checks if bad]
+
     def _fits_speculative(self, model_block_size: int | None) -> bool:
         """Whether a checkpoint's speculative default may apply: the request asks for nothing that self-speculative
         decoding ignores or refuses (a request outside it silently keeps the ordinary decoding)."""
-        block = self.block_size or model_block_size
-        return (self.steps is None and self.threshold is None and self.remasking == "low_confidence"
-                and self.cfg_scale == 0 and self.presence_penalty == 0
-                and self.frequency_penalty == 0 and self.repetition_penalty == 1.0
-                and (block is None or block <= MAX_SPECULATIVE_BLOCK))
+        return not self._speculative_conflicts(model_block_size)

@@ -65,11 +65,12 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
             raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "
                                    f"got {params.temperature} (sampling requests are verified by speculative sampling, "
                                    f"which is exact)")
-    if (params.speculative_no_repeat_ngram is not None and params.speculative_epsilon is None
-            and params.speculative_ratio is None):
+    if (params.speculative_no_repeat_ngram and params.speculative_epsilon is None
+            and params.speculative_ratio is None):  # 0 (off) is fine anywhere: there is nothing to guard
         raise ParamError("speculative_no_repeat_ngram", "guards relaxed acceptance only: set speculative_epsilon or "
-                                                        "speculative_ratio (exact verification keeps the causal "
-                                                        "argmax, which the guard never blocks)")
+                                                        "speculative_ratio (greedy requests), or leave it out "
+                                                        "(exact verification and speculative sampling keep the "
+                                                        "causal path's tokens, which the guard never blocks)")
     if params.cfg_scale > 0:
         raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:

@@ -216,6 +216,21 @@ def _final(seq) -> list[int]:
     return seq.canvas[seq.prompt_len: seq.final_len].tolist()
 
 
+def test_loop_guard_off_is_accepted_without_a_relaxed_rule(llm):
+    """``speculative_no_repeat_ngram=0`` (off) has nothing to guard under exact verification or speculative
+    sampling and is accepted there; a positive size needs a relaxed rule."""
+    ref = _greedy_b1(llm, PROMPTS[0], 6, ignore_eos=True).token_ids
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, block_size=4, speculative=True, ignore_eos=True,
+                                                  speculative_no_repeat_ngram=0))[0].outputs[0]
+    assert out.token_ids == ref
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, speculative=True, temperature=0.7, seed=1,
+                                            speculative_no_repeat_ngram=0))
+    with pytest.raises(ParamError) as err:
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, speculative=True, temperature=0.7,
+                                                speculative_no_repeat_ngram=2))
+    assert err.value.field == "speculative_no_repeat_ngram" and "greedy" in str(err.value)
+
+
 def test_loop_guard_rejects_relaxed_drafts_that_repeat_an_ngram():
     """``speculative_no_repeat_ngram`` (default 3 with a relaxed rule): a draft kept only by the relaxed rule must
     not complete an n-gram the generated text already holds - earlier final tokens or the step's own accepted
@@ -571,8 +586,13 @@ def test_speculative_only_fields_explain_why_the_request_is_not_speculative():
         with pytest.raises(ParamError) as err:
             SamplingParams(**{name: value}).with_defaults({}, 4)
         assert err.value.field == name and "set speculative=true" in str(err.value)
-        for other in ({"steps": 8}, {"cfg_scale": 1.5}, {"repetition_penalty": 1.1}, {"block_size": 64}):
+        for other, named in (({"steps": 8}, "steps"), ({"cfg_scale": 1.5}, "cfg_scale"),
+                             ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"block_size": 64}, "block_size"),
+                             ({"steps": 8, "remasking": "random"}, "steps and remasking")):
             with pytest.raises(ParamError) as err:
                 SamplingParams(**{name: value}, **other).with_defaults({"speculative": True}, 4)
-            assert err.value.field == name and "keeps the ordinary decoding" in str(err.value), other
+            msg = str(err.value)
+            assert err.value.field == name and "keeps the ordinary decoding" in msg, other
+            assert f"drop {name}, or drop {named}" in msg, msg  # the request's own conflicting fields, no others
+            assert ("cfg_scale" in msg) == ("cfg_scale" in other), msg
         assert SamplingParams(**{name: value}).with_defaults({"speculative": True}, 4).speculative is True
