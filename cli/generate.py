@@ -92,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = (llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
                       else llm.encode(args.prompt))
         seq = llm.make_sequences(prompt_ids, params, "cli")[0]
-    except (CheckpointError, ParamError, ValueError) as exc:
+    except ParamError as exc:  # a rule between options (e.g. a relaxed rule with a temperature): name the option
+        raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
+    except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     from unmask.engine.scheduler import Scheduler
 

@@ -464,7 +464,7 @@ def test_cli_generate_speculative(tmp_path):
     assert b["token_ids"] == a["token_ids"]
     bad = subprocess.run(base + ["--speculative", "--temperature", "0.5", "--speculative-epsilon", "0.1"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "speculative_epsilon" in bad.stderr and "temperature 0" in bad.stderr
+    assert bad.returncode == 2 and "--speculative-epsilon:" in bad.stderr and "temperature 0" in bad.stderr
     c = json.loads(subprocess.run(base + ["--speculative", "--speculative-ratio", "1"], capture_output=True,
                                   text=True, timeout=120, check=True).stdout)
     assert c["token_ids"] == a["token_ids"]
