@@ -1,5 +1,5 @@
 """``unmask`` command line: one sub-command per module in this package (``generate``, ``convert``, ``serve``,
-``train``, ``export``, ``distill-data``, ``eval``, ``recipe``). Heavy imports happen inside each command, so
+``train``, ``train-head``, ``export``, ``distill-data``, ``eval``, ``recipe``). Heavy imports happen inside each command, so
 ``unmask --help`` is instant. Bad values exit with status 2 and a one-line reason."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ COMMANDS = {
     "convert": "convert",
     "serve": "serve",
     "train": "train",
+    "train-head": "train_head",
     "export": "export",
     "distill-data": "distill",
     "eval": "evaluate",

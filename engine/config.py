@@ -52,6 +52,9 @@ class DllmConfig:
         verifier: directory (relative to the checkpoint, or absolute) of a checkpoint with the same architecture
             and tokenizer whose weights run the causal rows of speculative requests (``unmask.engine.routed``):
             their output is then the verifier's greedy decoding. Needs ``prefix_causal`` with the logit shift.
+        draft_head: directory (relative to the checkpoint, or absolute) of a diffusion draft head
+            (``unmask.engine.draft_head``): speculative requests then take their drafts from it instead of mask
+            groups. Needs ``prefix_causal`` with the logit shift.
     """
 
     family: str
@@ -67,6 +70,7 @@ class DllmConfig:
     default_sampling: dict[str, Any] = field(default_factory=dict)
     suppress_token_ids: list[int] = field(default_factory=list)
     verifier: str | None = None
+    draft_head: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,6 +94,12 @@ class DllmConfig:
                 raise CheckpointError(f"{where}.verifier: must be a non-empty directory path, got {self.verifier!r}")
             if not (self.attention == "prefix_causal" and self.logit_shift):
                 raise CheckpointError(f"{where}.verifier: needs prefix_causal attention with the logit shift "
+                                      f"(this checkpoint: {self.attention}, logit_shift={self.logit_shift})")
+        if self.draft_head is not None:
+            if not isinstance(self.draft_head, str) or not self.draft_head.strip():
+                raise CheckpointError(f"{where}.draft_head: must be a non-empty directory path, got {self.draft_head!r}")
+            if not (self.attention == "prefix_causal" and self.logit_shift):
+                raise CheckpointError(f"{where}.draft_head: needs prefix_causal attention with the logit shift "
                                       f"(this checkpoint: {self.attention}, logit_shift={self.logit_shift})")
         if not isinstance(self.default_sampling, dict):
             raise CheckpointError(f"{where}.default_sampling: must be an object, got "

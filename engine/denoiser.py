@@ -64,16 +64,17 @@ class Denoiser:
         for seq in seqs:
             for li, lane_in in enumerate(seq.lane_inputs()):
                 rows.append((seq, li, lane_in))
-        logits_by_row, kv = self._forward(rows)
+        logits_by_row, kv, hidden = self._forward(rows)
         events = []
         r = 0
         for seq in seqs:
             n_lanes = len(seq.lanes)
             seq.nfe += n_lanes
             if isinstance(seq, SpeculativeSequence):  # one lane; its commit is decided by the verification
-                event, commit = seq.verify(logits_by_row[r], self.forbidden)
+                _, _, inp = rows[r]
+                features = hidden[r, inp.feature_rows] if inp.feature_rows is not None else None
+                event, commit = seq.verify(logits_by_row[r], self.forbidden, features=features)
                 if commit.numel():
-                    _, _, inp = rows[r]
                     kv.commit(r, commit.to(self.device), seq.lanes[0].cache, inp.chunk[commit], inp.grp[commit])
                 events.append(event)
                 r += 1
@@ -91,9 +92,11 @@ class Denoiser:
             events.append(seq.apply(cands, masked))
         return events
 
-    def _forward(self, rows: list[tuple[Sequence, int, LaneInput]]) -> tuple[list[torch.Tensor], BatchKV]:
+    def _forward(self, rows: list[tuple[Sequence, int, LaneInput]]
+                 ) -> tuple[list[torch.Tensor], BatchKV, torch.Tensor]:
         """Batched forward; commits KV into lane caches (rows whose ``commit`` is not ``None``); returns the
-        ``[N_r, V]`` logits per row (needed outputs) and the forward's :class:`BatchKV` (for later commits)."""
+        ``[N_r, V]`` logits per row (needed outputs), the forward's :class:`BatchKV` (for later commits) and the
+        ``[B, Q, H]`` last hidden states (for draft heads)."""
         dev = self.device
         B = len(rows)
         Q = max(int(inp.chunk.numel()) for _, _, inp in rows)
@@ -174,7 +177,7 @@ class Denoiser:
             if n_extra or carry_at >= 0:
                 lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
-        return out, kv
+        return out, kv, hidden
 
 
 def _has_penalty(seq: Sequence) -> bool:

@@ -72,9 +72,10 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
             and not model.drafts_by_default()):
         resolved = replace(resolved, block_size=1)
     kind = SpeculativeSequence if resolved.speculative else Sequence
+    extra = {"draft_head": model.draft_head} if resolved.speculative else {}
     return [kind(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
                      replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm, model.tokenizer,
-                     model.max_context, model.device, vocab_size=model.vocab_size) for i in range(n)]
+                     model.max_context, model.device, vocab_size=model.vocab_size, **extra) for i in range(n)]
 
 
 class LLM:

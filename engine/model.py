@@ -72,6 +72,8 @@ class LoadedModel:
             for it, a draft block, branches, epsilon or ratio) draft: ``on``, ``off`` (one token per forward through the
             same verifying path: the same tokens, or for sampling the same distribution), ``auto`` (off on a CPU,
             on elsewhere; see :meth:`drafts_by_default`).
+        draft_head: a :class:`~unmask.engine.draft_head.DraftHeadRuntime` when the checkpoint has one
+            (``dllm.draft_head``): speculative requests then draft with it.
     """
 
     model: Any
@@ -84,6 +86,7 @@ class LoadedModel:
     router: Any = None
     weight_format: str = "native"
     draft_policy: str = "auto"
+    draft_head: Any = None
 
     def __post_init__(self) -> None:
         self.model.eval()

@@ -74,7 +74,8 @@ class LaneInput:
     whose outputs are read (or -1 = use the lane's carry logits); ``commit`` = chunk indices whose KV is appended
     to the lane cache after the forward (``None``: decided after it, by self-speculative verification);
     ``replace_cache`` = drop the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last
-    committed token, whose output becomes the carry.
+    committed token, whose output becomes the carry; ``feature_rows`` = chunk indices whose last hidden states
+    the sequence reads after the forward (``[n]`` int64; a draft head's context), ``None`` = none.
     """
 
     tokens: torch.Tensor
@@ -86,6 +87,7 @@ class LaneInput:
     commit: torch.Tensor | None
     replace_cache: bool = False
     carry_index: int = -1
+    feature_rows: torch.Tensor | None = None
 
 
 @dataclass

@@ -1,0 +1,434 @@
+"""A diffusion draft head: drafts for speculative decoding from the verifier's own hidden states.
+
+The mask-group drafter of :mod:`unmask.engine.speculative` forwards a whole model over mask tokens placed after the
+drafts, so its first draft predicts token ``c + 1`` without knowing token ``c`` (the verifier's correction, decided
+in the same forward). A draft head runs *after* the verification, on the verifier's last hidden states, and
+conditions on every final token including the correction: the idea of EAGLE (Li et al. 2024, "EAGLE: Speculative
+Sampling Requires Rethinking Feature Uncertainty", arXiv:2401.15077: a one-layer decoder over ``(feature, next
+token)`` pairs), here with a *masked-diffusion* draft block instead of EAGLE's feature-level autoregression, so one
+head forward can reveal several drafts at once (dynamic reveal counts, as the engine's denoising).
+
+Rows of one head forward (logit-shift convention of the A2D models: the output of the row for position ``t``
+predicts token ``t + 1``):
+
+* context rows, one per final position ``t`` of the last ``window``: input ``fc([h_{t-1}; E(x_t)])`` where
+  ``h_{t-1}`` is the verifier's last hidden state at ``t - 1`` (post final norm, what its LM head reads) and
+  ``E`` the verifier's token embedding; causal among themselves (row ``t`` sees ``t - window + 1 .. t``);
+* draft rows for positions ``c + 1 .. c + k - 1`` (``c`` = the last final position): input ``fc([0; E(y)])``
+  with ``y`` a revealed draft or the mask token; they see every context row and every draft row (bidirectional
+  inside the draft block, as a prefix-causal dLLM's block).
+
+The context row ``c`` predicts the first draft (token ``c + 1``), draft row ``c + i`` predicts token ``c + i + 1``.
+Logits cover ``draft_vocab`` only (the ``K`` most frequent answer tokens of the training data, as FR-Spec, Zhao et
+al. 2025, arXiv:2502.14856), through the verifier's LM head rows of those ids. Drafting reveals the leftmost masked
+draft every forward, and with ``threshold < 1`` also every other masked draft whose head confidence is at least
+``threshold`` (Fast-dLLM's threshold rule). The verifier checks every draft, so the head changes only the speed,
+never the tokens (exact verification) or their distribution (speculative sampling).
+
+Checkpoint: ``dllm.draft_head`` names a directory (relative to the checkpoint) with ``config.json``
+(:class:`DraftHeadConfig`) and ``model.safetensors`` (the head's weights and ``draft_vocab``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import CheckpointError
+
+HEAD_CONFIG = "config.json"
+HEAD_WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class DraftHeadConfig:
+    """Shape of a :class:`DraftHead` (the verifier's sizes; one Llama-style decoder layer by default).
+
+    Attributes:
+        hidden_size: the verifier's hidden size ``H``.
+        num_heads, num_kv_heads, head_dim: attention shape (grouped-query attention when they differ).
+        intermediate_size: SwiGLU width.
+        num_layers: decoder layers of the head.
+        rms_norm_eps, rope_theta: as the verifier's.
+        window: context rows per forward (the last ``window`` final positions).
+        draft_vocab_size: ``K``, the number of token ids the head can draft.
+        mask_token_id: the verifier checkpoint's mask token (input of undecided draft rows).
+        max_drafts: the longest draft block the head was trained for (``k``; requests may draft fewer).
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    window: int = 16
+    draft_vocab_size: int = 8192
+    mask_token_id: int = 0
+    max_drafts: int = 3
+
+    def validate(self, where: str) -> None:
+        """Raise :class:`CheckpointError` naming ``where`` and the field when a value is out of range."""
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_layers",
+                     "window", "draft_vocab_size", "max_drafts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise CheckpointError(f"{where}.{name}: must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"{where}.num_kv_heads: {self.num_kv_heads} does not divide num_heads "
+                                  f"{self.num_heads}")
+        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            raise CheckpointError(f"{where}.mask_token_id: must be a non-negative integer, got {self.mask_token_id!r}")
+
+    @classmethod
+    def from_verifier(cls, hf_config, mask_token_id: int, **overrides) -> "DraftHeadConfig":
+        """Sizes read from a Llama-style transformers config (``hidden_size``, ``num_attention_heads``, ...)."""
+        heads = int(hf_config.num_attention_heads)
+        kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        base = dict(hidden_size=int(hf_config.hidden_size), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                    intermediate_size=int(hf_config.intermediate_size),
+                    rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-5)),
+                    rope_theta=float(getattr(hf_config, "rope_theta", 10000.0)), mask_token_id=int(mask_token_id))
+        base.update(overrides)
+        return cls(**base)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class _HeadLayer(nn.Module):
+    """One pre-norm Llama decoder layer (RoPE attention with grouped-query heads, SwiGLU MLP)."""
+
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = _RMSNorm(H, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.post_attention_layernorm = _RMSNorm(H, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, R, _ = x.shape
+        c = self.cfg
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(B, R, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, R, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, R, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        rep = c.num_heads // c.num_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, R, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DraftHead(nn.Module):
+    """The head's weights: ``fc`` (``2H -> H``), ``num_layers`` decoder layers, a final RMSNorm, and the buffer
+    ``draft_vocab`` (``[K]`` int64 token ids). The token embedding and the LM head rows are the verifier's
+    (passed to :meth:`forward` / :meth:`logits`, never trained).
+
+    Args:
+        cfg: the head's shape.
+        draft_vocab: ``[K]`` int64 ids (``K = cfg.draft_vocab_size``, distinct).
+
+    Raises:
+        ValueError: ``draft_vocab`` does not hold ``K`` distinct ids.
+    """
+
+    def __init__(self, cfg: DraftHeadConfig, draft_vocab: torch.Tensor):
+        super().__init__()
+        cfg.validate("draft head config")
+        if draft_vocab.dim() != 1 or draft_vocab.numel() != cfg.draft_vocab_size or \
+                torch.unique(draft_vocab).numel() != draft_vocab.numel():
+            raise ValueError(f"draft_vocab: expected {cfg.draft_vocab_size} distinct ids, got shape "
+                             f"{tuple(draft_vocab.shape)}")
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.layers = nn.ModuleList(_HeadLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = _RMSNorm(H, cfg.rms_norm_eps)
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long).clone())
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        hd = self.cfg.head_dim
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32,
+                                                          device=positions.device) / hd))
+        ang = positions.to(torch.float32)[..., None] * inv  # [B, R, hd/2]
+        ang = torch.cat((ang, ang), dim=-1)[:, None]       # [B, 1, R, hd]
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                embedding: torch.Tensor) -> torch.Tensor:
+        """Head hidden states (after the final norm).
+
+        Args:
+            features: ``[B, R, H]`` float verifier hidden states of the previous position (zeros on draft rows).
+            tokens: ``[B, R]`` int64 token ids of the rows (mask token on undecided draft rows).
+            positions: ``[B, R]`` int64 canvas positions (RoPE).
+            mask: ``[B, R, R]`` bool, True where a row may attend to a key row (every row must see itself).
+            embedding: ``[V, H]`` the verifier's token-embedding matrix.
+
+        Returns:
+            ``[B, R, H]`` hidden states in ``features``' dtype.
+        """
+        emb = F.embedding(tokens, embedding).to(features.dtype)
+        x = self.fc(torch.cat((features, emb), dim=-1))
+        cos, sin = self._rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        """``[..., K]`` float32 logits over ``draft_vocab`` from ``[..., H]`` hidden states; ``lm_rows`` = ``[K, H]``
+        the verifier's LM-head rows of ``draft_vocab``."""
+        return (hidden @ lm_rows.to(hidden.dtype).t()).float()
+
+    def init_from_verifier(self, layer_state: dict[str, torch.Tensor], final_norm: torch.Tensor | None) -> None:
+        """Start from the verifier's last decoder layer (``layer_state``: its ``state_dict`` with the usual Llama
+        names ``self_attn.q_proj.weight``, ``mlp.gate_proj.weight``, ``input_layernorm.weight``, ...), the final norm
+        weight, and ``fc`` = ``[I | I]`` (feature plus token embedding). Missing or mis-shaped entries keep the
+        random initialisation."""
+        names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                 "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                 "down_proj": "mlp.down_proj", "input_layernorm": "input_layernorm",
+                 "post_attention_layernorm": "post_attention_layernorm"}
+        with torch.no_grad():
+            for layer in self.layers:
+                for mine, theirs in names.items():
+                    src = layer_state.get(f"{theirs}.weight")
+                    dst = getattr(layer, mine).weight
+                    if src is not None and tuple(src.shape) == tuple(dst.shape):
+                        dst.copy_(src.to(dst.dtype))
+            if final_norm is not None and final_norm.shape == self.norm.weight.shape:
+                self.norm.weight.copy_(final_norm.to(self.norm.weight.dtype))
+            H = self.cfg.hidden_size
+            eye = torch.eye(H, dtype=self.fc.weight.dtype)
+            self.fc.weight.copy_(torch.cat((eye, eye), dim=1))
+            self.fc.bias.zero_()
+
+    # ------------------------------------------------------------------ files
+    def save(self, directory: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` to ``directory`` atomically (a temporary sibling
+        directory renamed over it; an interrupted save leaves the previous head intact). Returns the path."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            save_file(state, str(tmp / HEAD_WEIGHTS))
+            (tmp / HEAD_CONFIG).write_text(json.dumps(dataclasses.asdict(self.cfg), indent=2) + "\n")
+            for f in (tmp / HEAD_WEIGHTS, tmp / HEAD_CONFIG):
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            old = directory.with_name(f".{directory.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            if directory.exists():
+                directory.rename(old)
+            tmp.rename(directory)
+            if old.exists():
+                shutil.rmtree(old)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, device: torch.device | str = "cpu") -> "DraftHead":
+        """Read a head written by :meth:`save`.
+
+        Raises:
+            CheckpointError: a missing file, invalid JSON (file:line:col), an unknown or invalid config field, or
+                weights that do not match the config (names the file).
+        """
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        cfg_file, w_file = directory / HEAD_CONFIG, directory / HEAD_WEIGHTS
+        for f in (cfg_file, w_file):
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing (a draft head directory holds {HEAD_CONFIG} and {HEAD_WEIGHTS})")
+        try:
+            data = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{cfg_file}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{cfg_file}: must be a JSON object")
+        known = {f.name for f in dataclasses.fields(DraftHeadConfig)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise CheckpointError(f"{cfg_file}: unknown field(s) {unknown}")
+        try:
+            cfg = DraftHeadConfig(**data)
+        except TypeError as exc:
+            raise CheckpointError(f"{cfg_file}: {exc}") from exc
+        cfg.validate(str(cfg_file))
+        try:
+            state = load_file(str(w_file))
+        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+            raise CheckpointError(f"{w_file}: unreadable ({exc})") from exc
+        vocab = state.get("draft_vocab")
+        if vocab is None:
+            raise CheckpointError(f"{w_file}: no draft_vocab tensor")
+        try:
+            head = cls(cfg, vocab)
+            head.load_state_dict(state)
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{w_file}: does not match {cfg_file} ({exc})") from exc
+        return head.to(device).eval()
+
+
+def head_rows_mask(n_ctx: torch.Tensor, n_draft: torch.Tensor, rows: int, window: int) -> torch.Tensor:
+    """The ``[B, rows, rows]`` bool attention mask of head forwards whose rows are ``n_ctx[b]`` context rows
+    followed by ``n_draft[b]`` draft rows (then padding, which sees only itself). Context row ``i`` sees context
+    rows ``i - window + 1 .. i``; draft rows see the last ``window`` context rows and every draft row.
+    ``n_ctx``/``n_draft``: ``[B]`` int64."""
+    B = n_ctx.numel()
+    dev = n_ctx.device
+    i = torch.arange(rows, device=dev)
+    q, k = i[None, :, None], i[None, None, :]
+    nc, nd = n_ctx[:, None, None], n_draft[:, None, None]
+    q_ctx, k_ctx = q < nc, k < nc
+    q_draft = (q >= nc) & (q < nc + nd)
+    k_draft = (k >= nc) & (k < nc + nd)
+    ctx_sees = q_ctx & k_ctx & (k <= q) & (k > q - window)
+    draft_sees = q_draft & ((k_ctx & (k >= nc - window)) | k_draft)
+    return (ctx_sees | draft_sees | (q == k)).expand(B, rows, rows)
+
+
+class DraftHeadRuntime:
+    """A loaded head bound to its verifier: the embedding matrix and the LM-head rows of ``draft_vocab``.
+
+    Args:
+        head: the head (eval mode; its device is the model's).
+        embedding: ``[V, H]`` the verifier's input embedding weight.
+        lm_rows: ``[K, H]`` float the verifier's LM-head rows of ``head.draft_vocab``.
+    """
+
+    def __init__(self, head: DraftHead, embedding: torch.Tensor, lm_rows: torch.Tensor):
+        self.head = head
+        self.embedding = embedding
+        self.lm_rows = lm_rows
+        self.cfg = head.cfg
+        self.vocab = head.draft_vocab
+
+    @torch.inference_mode()
+    def draft(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, n_drafts: int,
+              pick, threshold: float = 1.0) -> tuple[list[int], list[torch.Tensor]]:
+        """Draft ``n_drafts`` tokens after the last context row.
+
+        Args:
+            features: ``[W, H]`` verifier hidden states ``h_{t-1}`` of the context rows (oldest first, ``W <=
+                window``). tokens: ``[W]`` int64 final tokens ``x_t``. positions: ``[W]`` int64 positions ``t``.
+            n_drafts: drafts wanted (>= 1; the head drafts at most ``n_drafts``).
+            pick: ``pick(logits [n, K] float32) -> (ids [n] int64 in draft-vocab indices, q [n, K] float64 or
+                None)``: the request's rule (argmax, or a sample with the distribution it came from).
+            threshold: reveal, besides the leftmost undecided draft, every draft whose top head probability is at
+                least this (1.0 = one draft per head forward, i.e. left to right).
+
+        Returns:
+            ``(drafts, qs)``: token ids, and per draft its ``[K]`` float64 distribution (empty list for argmax).
+        """
+        W = int(features.shape[0])
+        dev = features.device
+        mask_id = self.cfg.mask_token_id
+        c = int(positions[-1])
+        n_rows_draft = max(0, n_drafts - 1)
+        ids: list[int | None] = [None] * n_drafts
+        qs: list[torch.Tensor | None] = [None] * n_drafts
+        ctx_f = features.to(self.lm_rows.dtype)
+        zeros = torch.zeros(n_rows_draft, ctx_f.shape[1], dtype=ctx_f.dtype, device=dev)
+        feats = torch.cat((ctx_f, zeros))[None]
+        pos = torch.cat((positions.to(dev), torch.arange(c + 1, c + 1 + n_rows_draft, device=dev)))[None]
+        n_ctx = torch.tensor([W], device=dev)
+        n_dr = torch.tensor([n_rows_draft], device=dev)
+        mask = head_rows_mask(n_ctx, n_dr, W + n_rows_draft, self.cfg.window)
+        while any(t is None for t in ids):
+            draft_toks = [mask_id if t is None else t for t in ids[:n_rows_draft]]
+            toks = torch.cat((tokens.to(dev), torch.tensor(draft_toks, dtype=torch.long, device=dev)))[None]
+            hidden = self.head(feats, toks, pos, mask, self.embedding)[0]
+            open_ = [i for i, t in enumerate(ids) if t is None]
+            rows = torch.tensor([W - 1 + i for i in open_], device=dev)  # draft i is predicted by row W - 1 + i
+            logits = self.head.logits(hidden[rows], self.lm_rows)
+            picked, q = pick(logits)
+            conf = torch.softmax(logits, dim=-1).max(-1).values
+            for j, i in enumerate(open_):
+                if j == 0 or float(conf[j]) >= threshold:
+                    ids[i] = int(self.vocab[int(picked[j])])
+                    if q is not None:
+                        qs[i] = q[j]
+        return [int(t) for t in ids], [q for q in qs if q is not None]
+
+
+def load_draft_head(directory: str | Path, verifier_model, mask_token_id: int, device: torch.device,
+                    where: str) -> DraftHeadRuntime:
+    """Load the head in ``directory`` and bind it to ``verifier_model`` (a transformers causal LM, before any weight
+    packing): its input embedding and the LM-head rows of the head's ``draft_vocab``.
+
+    Raises:
+        CheckpointError: the head cannot be read, or does not fit the verifier (hidden size, vocabulary, mask id);
+            the message starts with ``where``.
+    """
+    head = DraftHead.load(directory, device)
+    emb = verifier_model.get_input_embeddings().weight
+    out = verifier_model.get_output_embeddings().weight
+    if head.cfg.hidden_size != emb.shape[1]:
+        raise CheckpointError(f"{where}: the head's hidden_size {head.cfg.hidden_size} does not match the model's "
+                              f"{emb.shape[1]}")
+    if int(head.draft_vocab.max()) >= out.shape[0] or int(head.draft_vocab.min()) < 0:
+        raise CheckpointError(f"{where}: draft_vocab holds ids outside the model's vocabulary [0, {out.shape[0]})")
+    if head.cfg.mask_token_id != mask_token_id:
+        raise CheckpointError(f"{where}: the head's mask_token_id {head.cfg.mask_token_id} is not the model's "
+                              f"{mask_token_id}")
+    lm_rows = out.detach()[head.draft_vocab.to(out.device)].float().to(device)
+    head = head.float()
+    return DraftHeadRuntime(head, emb.detach(), lm_rows)
+
+
+def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``counts`` (``[V]`` int64 token counts), with every id of ``always``
+    (EOS ids) included; ascending. Raises ``ValueError`` when ``size`` exceeds the vocabulary."""
+    V = counts.numel()
+    if size > V:
+        raise ValueError(f"draft vocabulary size {size} exceeds the model's vocabulary {V}")
+    scores = counts.to(torch.float64).clone()
+    for t in always:
+        scores[t] = math.inf
+    return torch.sort(torch.topk(scores, size).indices).values
