@@ -45,6 +45,7 @@ from torch import nn
 
 from .config import CheckpointError
 
+HEAD_DIR = "draft_head"  # where unmask train-head and unmask export place a checkpoint's head (dllm.draft_head)
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = "model.safetensors"
 

@@ -141,7 +141,8 @@ class LoadedModel:
         speculative step forwards ~20 rows and costs ~2x a 1-row step while revealing 1.5-1.9 tokens (measured on
         the 2-core CPU, packed + fused: 22.3 vs 30.2 tokens/s for the same answers on the served model, 12.6 vs
         28.2 with a verifier, whose steps run two weight sets; README "Fused decoder forward and in-place KV
-        buffers"); on a GPU rows are ~free.
+        buffers"); on a GPU rows are ~free. With a draft head (``draft_head``) ``auto`` is on everywhere: a step then
+        forwards only the context and the drafts (no mask groups), plus a few one-layer head forwards.
 
         Raises:
             ValueError: (names ``draft_policy``) not one of auto, on, off.
@@ -149,7 +150,7 @@ class LoadedModel:
         if self.draft_policy not in ("auto", "on", "off"):
             raise ValueError(f"draft_policy: {self.draft_policy!r} is not one of auto, on, off")
         if self.draft_policy == "auto":
-            return self.device.type != "cpu"
+            return self.draft_head is not None or self.device.type != "cpu"
         return self.draft_policy == "on"
 
     @property

@@ -234,8 +234,9 @@ class SpeculativeSequence(Sequence):
 
     def _head_drafts(self) -> None:
         """Set ``self.drafts`` (and ``draft_probs`` when sampling) from the draft head, for the positions after
-        the last final token."""
-        n = min(self.draft_block - 1, self.end - self.final_len - 1)
+        the last final token: ``block_size - 1`` of them, at most the head's ``max_drafts`` (the block it was
+        trained for)."""
+        n = min(self.draft_block - 1, self.head.cfg.max_drafts, self.end - self.final_len - 1)
         if n < 1 or self.finished or self._head_feats is None:
             self.drafts, self.draft_probs = [], None
             return

@@ -273,3 +273,14 @@ def test_train_head_resumes_and_rejects_bad_options(trained, tmp_path):
     with pytest.raises(TrainError, match="--verifier.*prefix_causal"):
         train_head(HeadTrainConfig(**{**cfg.__dict__, "verifier": str(tmp_path / "bidir"),
                                       "out": str(tmp_path / "o")}))
+
+
+def test_export_carries_the_head(trained, tmp_path):
+    from unmask.training.export import export
+
+    d, _, _ = trained
+    res = export(str(d / "out"), str(tmp_path / "exp"), "none", verify=True)
+    assert res["draft_head"] and (tmp_path / "exp" / "draft_head" / "model.safetensors").is_file()
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert cfg["dllm"]["draft_head"] == "draft_head" and cfg["dllm"]["default_sampling"]["speculative"] is True
+    assert load_model(tmp_path / "exp", device="cpu").draft_head is not None

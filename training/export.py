@@ -194,6 +194,15 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         dllm.verifier = VERIFIER_DIR
     elif dllm.verifier:
         dllm.verifier = None
+    from unmask.engine.draft_head import HEAD_DIR
+
+    hsrc = None
+    if dllm.draft_head:  # the draft head is copied as it is (float32; it is small)
+        hsrc = Path(dllm.draft_head).expanduser()
+        hsrc = hsrc if hsrc.is_absolute() else srcp / hsrc
+        if not hsrc.is_dir():
+            raise ExportError(f"{srcp / 'config.json'}:dllm.draft_head: {hsrc} is not a directory")
+        dllm.draft_head = HEAD_DIR
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export
@@ -205,6 +214,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     try:
         write_quantized(staging, model, tok, dllm)
         mark_temporary(staging)
+        if hsrc is not None:
+            shutil.copytree(hsrc, staging / HEAD_DIR)
         if vsrc is not None:
             vmodel = load_quantized_fresh(vsrc, verifier_quantization, dev, dt)
             write_quantized(staging / VERIFIER_DIR, vmodel, load_tokenizer(vsrc), vdllm)
@@ -223,7 +234,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         shutil.rmtree(staging, ignore_errors=True)
     return {"out": str(outp), "source": str(srcp), "quantization": quantization, "max_abs_logit_diff": diff,
             "verifier": None if vsrc is None else str(vsrc),
-            "verifier_quantization": None if vsrc is None else verifier_quantization}
+            "verifier_quantization": None if vsrc is None else verifier_quantization,
+            "draft_head": None if hsrc is None else str(hsrc)}
 
 
 def write_quantized(out: Path, model, tokenizer, dllm, overwrite: bool = False) -> Path:

@@ -52,6 +52,9 @@ class HeadTrainConfig:
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise TrainError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
+        if self.max_drafts > 31:
+            raise TrainError(f"--max-drafts: at most 31 (speculative blocks hold at most 32 tokens), got "
+                             f"{self.max_drafts}")
         if self.seq_len < 4:
             raise TrainError(f"--seq-len: must be at least 4, got {self.seq_len}")
         if not (self.lr > 0 and math.isfinite(self.lr)):

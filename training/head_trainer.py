@@ -22,7 +22,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -32,13 +31,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from unmask.engine.draft_head import (DraftHead, DraftHeadConfig, draft_vocab_from_counts, head_rows_mask)
+from unmask.engine.draft_head import HEAD_DIR, DraftHead, DraftHeadConfig, draft_vocab_from_counts
 
 from .data import eos_ids_of, load_dataset
 from .head_config import HeadTrainConfig
 from .trainer import BudgetClock, TrainError, make_scheduler
 
-HEAD_DIR = "draft_head"
 STATE_DIR = "head_train"
 
 
@@ -50,9 +48,11 @@ def _atomic_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def prepare_output(verifier: Path, out: Path) -> None:
-    """Make ``out`` a copy of the verifier checkpoint whose ``config.json`` names ``draft_head`` (files copied once;
-    ``config.json`` written last and atomically, so a half-copied directory is never a valid checkpoint).
+def prepare_output(verifier: Path, out: Path, max_drafts: int) -> None:
+    """Make ``out`` a copy of the verifier checkpoint whose ``config.json`` names ``draft_head``, with block size
+    ``max_drafts + 1`` and speculative decoding as its default (``dllm.default_sampling.speculative``: requests that
+    fit it draft with the head and answer with the verifier's tokens). Files are copied once; ``config.json`` is
+    written last and atomically, so a half-copied directory is never a valid checkpoint.
 
     Raises:
         TrainError: ``out`` exists and is a checkpoint of something else (its config differs from the verifier's).
@@ -61,6 +61,8 @@ def prepare_output(verifier: Path, out: Path) -> None:
     cfg = json.loads(json.dumps(vcfg))
     cfg["dllm"]["draft_head"] = HEAD_DIR
     cfg["dllm"]["verifier"] = None
+    cfg["dllm"]["block_size"] = max_drafts + 1
+    cfg["dllm"]["default_sampling"] = {**(cfg["dllm"].get("default_sampling") or {}), "speculative": True}
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").is_file():
         have = json.loads((out / "config.json").read_text())
@@ -251,7 +253,7 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
     for p in model.parameters():
         p.requires_grad_(False)
     ds = load_dataset(cfg.data, tokenizer, cfg.seq_len, eos_ids_of(tokenizer, dllm.eos_token_ids))
-    prepare_output(vpath, out)
+    prepare_output(vpath, out, cfg.max_drafts)
     state_dir = out / STATE_DIR
     state_dir.mkdir(exist_ok=True)
     store = FeatureStore.build(cfg, model, ds.examples, state_dir / "features.safetensors", log)
