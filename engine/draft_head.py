@@ -64,6 +64,8 @@ class DraftHeadConfig:
         draft_vocab_size: ``K``, the number of token ids the head can draft.
         mask_token_id: the verifier checkpoint's mask token (input of undecided draft rows).
         max_drafts: the longest draft block the head was trained for (``k``; requests may draft fewer).
+        reveal_threshold: drafting reveals, besides the leftmost undecided draft, every draft whose head confidence
+            is at least this (1.0 = one draft per head forward, left to right; lower = fewer head forwards).
     """
 
     hidden_size: int
@@ -78,6 +80,7 @@ class DraftHeadConfig:
     draft_vocab_size: int = 8192
     mask_token_id: int = 0
     max_drafts: int = 3
+    reveal_threshold: float = 1.0
 
     def validate(self, where: str) -> None:
         """Raise :class:`CheckpointError` naming ``where`` and the field when a value is out of range."""
@@ -89,6 +92,9 @@ class DraftHeadConfig:
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"{where}.num_kv_heads: {self.num_kv_heads} does not divide num_heads "
                                   f"{self.num_heads}")
+        t = self.reveal_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+            raise CheckpointError(f"{where}.reveal_threshold: must be a number in [0, 1], got {t!r}")
         if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
             raise CheckpointError(f"{where}.mask_token_id: must be a non-negative integer, got {self.mask_token_id!r}")
 
@@ -349,10 +355,25 @@ class DraftHeadRuntime:
         self.lm_rows = lm_rows
         self.cfg = head.cfg
         self.vocab = head.draft_vocab
+        self.weight_format = "native"
+        self._lm = lambda hidden: head.logits(hidden, lm_rows)
+
+    def pack_fp16(self) -> None:
+        """Run the head's linear layers and its LM-head rows through fbgemm's fp16 GEMM
+        (:mod:`unmask.engine.packed_weights`), as the verifier's on a CPU: a head forward is a few rows against
+        ~5M weights plus the ``[K, H]`` LM rows, so reading half the bytes is most of its cost. Inference only."""
+        from .packed_weights import fp16_linear, pack_linears_fp16
+
+        if self.weight_format == "fp16":
+            return
+        pack_linears_fp16(self.head)
+        lm = fp16_linear(self.lm_rows.float(), None)
+        self._lm = lambda hidden: lm(hidden.float())
+        self.weight_format = "fp16"
 
     @torch.inference_mode()
     def draft(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, n_drafts: int,
-              pick, threshold: float = 1.0) -> tuple[list[int], list[torch.Tensor]]:
+              pick, threshold: float | None = None) -> tuple[list[int], list[torch.Tensor]]:
         """Draft ``n_drafts`` tokens after the last context row.
 
         Args:
@@ -362,11 +383,13 @@ class DraftHeadRuntime:
             pick: ``pick(logits [n, K] float32) -> (ids [n] int64 in draft-vocab indices, q [n, K] float64 or
                 None)``: the request's rule (argmax, or a sample with the distribution it came from).
             threshold: reveal, besides the leftmost undecided draft, every draft whose top head probability is at
-                least this (1.0 = one draft per head forward, i.e. left to right).
+                least this (1.0 = one draft per head forward, i.e. left to right); ``None`` = the head's
+                ``reveal_threshold``.
 
         Returns:
             ``(drafts, qs)``: token ids, and per draft its ``[K]`` float64 distribution (empty list for argmax).
         """
+        threshold = self.cfg.reveal_threshold if threshold is None else threshold
         W = int(features.shape[0])
         dev = features.device
         mask_id = self.cfg.mask_token_id
@@ -387,7 +410,7 @@ class DraftHeadRuntime:
             hidden = self.head(feats, toks, pos, mask, self.embedding)[0]
             open_ = [i for i, t in enumerate(ids) if t is None]
             rows = torch.tensor([W - 1 + i for i in open_], device=dev)  # draft i is predicted by row W - 1 + i
-            logits = self.head.logits(hidden[rows], self.lm_rows)
+            logits = self._lm(hidden[rows])
             picked, q = pick(logits)
             conf = torch.softmax(logits, dim=-1).max(-1).values
             for j, i in enumerate(open_):

@@ -132,6 +132,8 @@ class LoadedModel:
         # q|k|v and gate|up become one packed GEMM each (fused layer by layer), then every other linear is packed
         fused = fuse_projections(self._decoder, make_linear=fp16_linear)
         pack_linears_fp16(self.model)
+        if self.draft_head is not None:
+            self.draft_head.pack_fp16()
         self._head = self.model.get_output_embeddings()
         self.weight_format = fmt
         self._fused = FusedDecoder(self._decoder) if fused else None
