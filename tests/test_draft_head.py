@@ -196,7 +196,7 @@ def trained(tmp_path_factory):
     (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = HeadTrainConfig(verifier=str(d / "verifier"), data=str(d / "data.jsonl"), out=str(d / "out"),
                           minutes=0, max_steps=150, batch_size=8, lr=3e-3, warmup=5, window=8, groups=8,
-                          draft_vocab_size=120, save_every=100, seq_len=64)
+                          draft_vocab_size=120, save_every=100, seq_len=64, val_docs=0)
     train_head(cfg, log=lambda *_: None)
     return d, cfg, rows
 
@@ -284,3 +284,15 @@ def test_export_carries_the_head(trained, tmp_path):
     cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert cfg["dllm"]["draft_head"] == "draft_head" and cfg["dllm"]["default_sampling"]["speculative"] is True
     assert load_model(tmp_path / "exp", device="cpu").draft_head is not None
+
+
+def test_held_out_documents_are_scored_at_every_save(trained, tmp_path):
+    d, cfg, _ = trained
+    lines = []
+    run = HeadTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "o"), "max_steps": 6, "save_every": 3,
+                             "val_docs": 4})
+    train_head(run, log=lines.append)
+    val = (tmp_path / "o" / "head_train" / "val.csv").read_text().splitlines()
+    assert val[0] == "step,val_loss,val_acc_first,val_acc_later"
+    assert [ln.split(",")[0] for ln in val[1:]] == ["3", "6"]  # every save (the last one included), once
+    assert sum("held-out (4 documents)" in ln for ln in lines) == 2

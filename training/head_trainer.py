@@ -315,7 +315,38 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
         minutes = prev["minutes"] + (time.perf_counter() - t_start) / 60.0
         _atomic_json(state_f, {**prev, "step": step, "minutes": minutes, "config": dataclasses.asdict(cfg)})
 
-    n = len(store)
+    order = list(range(len(store)))
+    random.Random(cfg.seed).shuffle(order)
+    n_val = min(cfg.val_docs, len(order) // 5)  # held-out documents: never trained on, scored at every save
+    val_idx, train_idx = order[:n_val], order[n_val:]
+
+    def validate() -> None:
+        if not val_idx:
+            return
+        vrng = random.Random(12345)  # the same anchors and masks at every save
+        tot = {"loss": 0.0, "first": 0.0, "later": 0.0, "n": 0}
+        head.eval()
+        with torch.no_grad():
+            for s in range(0, len(val_idx), cfg.batch_size):
+                vb = build_batch(store, val_idx[s: s + cfg.batch_size], cfg, dllm.mask_token_id, vocab_index, vrng)
+                vloss, vst = head_loss(head, vb, embedding, lm_rows)
+                tot["loss"] += float(vloss)
+                tot["first"] += vst["acc_first"]
+                tot["later"] += vst["acc_later"]
+                tot["n"] += 1
+        head.train()
+        k = max(1, tot["n"])
+        row = [step, f"{tot['loss'] / k:.4f}", f"{tot['first'] / k:.4f}", f"{tot['later'] / k:.4f}"]
+        val_f = state_dir / "val.csv"
+        fresh = not val_f.is_file()
+        with open(val_f, "a", newline="") as vf:
+            vw = csv.writer(vf)
+            if fresh:
+                vw.writerow(["step", "val_loss", "val_acc_first", "val_acc_later"])
+            vw.writerow(row)
+        log(f"[train-head] step {step} held-out ({len(val_idx)} documents): loss {row[1]} first-draft acc {row[2]} "
+            f"later-draft acc {row[3]}")
+
     with open(metrics_f, "a", newline="") as fh:
         w = csv.writer(fh)
         if new_csv:
@@ -326,7 +357,7 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
             if done_time or done_steps:
                 break
             t0 = time.perf_counter()
-            idx = [rng.randrange(n) for _ in range(cfg.batch_size)]
+            idx = [train_idx[rng.randrange(len(train_idx))] for _ in range(cfg.batch_size)]
             batch = build_batch(store, idx, cfg, dllm.mask_token_id, vocab_index, rng)
             loss, stats = head_loss(head, batch, embedding, lm_rows)
             opt.zero_grad(set_to_none=True)
@@ -346,6 +377,9 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
                     f"{stats['acc_first']:.3f} later-draft acc {stats['acc_later']:.3f}")
             if step % cfg.save_every == 0:
                 save()
+                validate()
     save()
+    if step % cfg.save_every:  # not scored by the save in the loop already
+        validate()
     log(f"[train-head] done: {step} steps; serve with `unmask serve {out}` (speculative requests draft with the head)")
     return out
