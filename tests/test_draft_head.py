@@ -296,3 +296,32 @@ def test_held_out_documents_are_scored_at_every_save(trained, tmp_path):
     assert val[0] == "step,val_loss,val_acc_first,val_acc_later"
     assert [ln.split(",")[0] for ln in val[1:]] == ["3", "6"]  # every save (the last one included), once
     assert sum("held-out (4 documents)" in ln for ln in lines) == 2
+
+
+def test_targets_all_trains_on_the_verifiers_greedy_tokens_everywhere(trained, tmp_path):
+    """--targets all: every position (prompt included) learns the verifier's own argmax after it; on the greedy
+    answers those are the answer tokens themselves."""
+    from unmask.training.data import load_dataset
+
+    d, cfg, _ = trained
+    loaded = load_model(d / "verifier", device="cpu", weights="native")
+    ds = load_dataset(cfg.data, loaded.tokenizer, cfg.seq_len, set(loaded.dllm.eos_token_ids))
+    ex = ds.examples[0]
+    x = torch.tensor(ex.input_ids)
+    with torch.no_grad():
+        h = loaded.model.base_model(input_ids=x[None]).last_hidden_state[0]
+    store = FeatureStore([x], [torch.tensor(ex.answer)], [h.to(torch.bfloat16)])
+    store.add_greedy(loaded.model.get_output_embeddings())
+    a = torch.tensor(ex.answer)
+    g = store.greedy[0]
+    assert torch.equal(g[:-1][a[1:]][:-1], x[1:][a[1:]][:-1])  # greedy answers: the argmax is the next token
+    V = loaded.vocab_size
+    vocab_index = torch.arange(V)
+    one = HeadTrainConfig(verifier="", data="", out="", groups=2, window=cfg.window, targets="all")
+    batch = build_batch(store, [0], one, loaded.dllm.mask_token_id, vocab_index, random.Random(0))
+    n_ctx = int(batch["is_ctx"][0].sum())
+    assert torch.equal(batch["targets"][0, :n_ctx], g[1:])  # context row of position t: the argmax after t
+    run = HeadTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "o"), "max_steps": 3, "targets": "all"})
+    train_head(run, log=lambda *_: None)
+    with pytest.raises(TrainError, match="--targets"):
+        train_head(HeadTrainConfig(**{**cfg.__dict__, "targets": "some"}))

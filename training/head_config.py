@@ -21,6 +21,8 @@ class HeadTrainConfig:
         groups: draft blocks per example per step. draft_vocab_size: ``K``. num_layers: head decoder layers.
         save_every: steps between saves (and at the end). seed: sampling of anchors and masks.
         feature_batch: documents per verifier forward during feature extraction.
+        targets: ``answer`` = the data's answer tokens; ``all`` = the verifier's own greedy next token after every
+            position, prompts included (self-distillation: on greedy answers the two coincide; prompts add data).
         val_docs: documents held out of training (a seeded draw; at most a fifth of the data) and scored at every
             save (``OUT/head_train/val.csv``): the training accuracies are in-sample, these are not. 0 = none.
     """
@@ -44,6 +46,7 @@ class HeadTrainConfig:
     seed: int = 0
     feature_batch: int = 16
     val_docs: int = 64
+    targets: str = "answer"
 
     def validate(self) -> None:
         """Raise :class:`~unmask.training.trainer.TrainError` naming the ``--option`` when a value is out of
@@ -58,6 +61,8 @@ class HeadTrainConfig:
         if self.max_drafts > 31:
             raise TrainError(f"--max-drafts: at most 31 (speculative blocks hold at most 32 tokens), got "
                              f"{self.max_drafts}")
+        if self.targets not in ("answer", "all"):
+            raise TrainError(f"--targets: must be answer or all, got {self.targets!r}")
         if self.val_docs < 0:
             raise TrainError(f"--val-docs: must not be negative, got {self.val_docs}")
         if self.seq_len < 4:

@@ -83,6 +83,22 @@ class FeatureStore:
 
     def __init__(self, ids: list[torch.Tensor], answer: list[torch.Tensor], feats: list[torch.Tensor]):
         self.ids, self.answer, self.feats = ids, answer, feats
+        self.greedy: list[torch.Tensor] | None = None  # per document [n]: the verifier's argmax after position t
+
+    def add_greedy(self, lm_head, chunk: int = 4096) -> None:
+        """Fill :attr:`greedy` with the verifier's greedy next token after every position (``argmax`` of its LM
+        head on the stored hidden state): the targets of ``--targets all``."""
+        from tqdm import tqdm
+
+        flat = torch.cat(self.feats)
+        out = torch.empty(flat.shape[0], dtype=torch.long)
+        with torch.inference_mode():
+            for s in tqdm(range(0, flat.shape[0], chunk), desc="verifier greedy tokens", unit="chunk"):
+                out[s: s + chunk] = lm_head(flat[s: s + chunk].float()).argmax(-1)
+        self.greedy, o = [], 0
+        for f in self.feats:
+            self.greedy.append(out[o: o + f.shape[0]])
+            o += f.shape[0]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -152,16 +168,19 @@ def build_batch(store: FeatureStore, idx: list[int], cfg: HeadTrainConfig, mask_
         x, a, h = store.ids[i], store.answer[i], store.feats[i].float()
         n = int(x.numel())
         H = h.shape[1]
-        tgt_tok = torch.full((n,), -1, dtype=torch.long)  # tgt_tok[t] = vocab index of x_{t+1} when an answer token
-        nxt = vocab_index[x[1:]]
-        tgt_tok[: n - 1] = torch.where(a[1:], nxt, torch.full_like(nxt, -1))
+        if cfg.targets == "all":  # tgt_tok[t] = the verifier's greedy token after position t, at every position
+            tgt_tok = vocab_index[store.greedy[i]]
+        else:  # tgt_tok[t] = vocab index of x_{t+1} when it is an answer token
+            tgt_tok = torch.full((n,), -1, dtype=torch.long)
+            nxt = vocab_index[x[1:]]
+            tgt_tok[: n - 1] = torch.where(a[1:], nxt, torch.full_like(nxt, -1))
         feats = [h[: n - 1]]
         toks = [x[1:]]
         pos = [torch.arange(1, n)]
-        targets = [tgt_tok[1:n]]  # context row of position t (t = 1..n-1) predicts x_{t+1}
+        targets = [tgt_tok[1:n]]  # context row of position t (t = 1..n-1) predicts the token after t
         see: list[tuple[int, int]] = []  # per group: (first context row it sees, its row count)
-        answer_pos = a.nonzero().flatten().tolist()
-        anchors = [c for c in answer_pos if c <= n - 2]
+        anchor_pos = range(1, n) if cfg.targets == "all" else a.nonzero().flatten().tolist()
+        anchors = [c for c in anchor_pos if c <= n - 2]
         groups = rng.sample(anchors, min(cfg.groups, len(anchors))) if k > 1 else []
         for c in groups:
             m = min(k - 1, n - 1 - c)
@@ -258,6 +277,8 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
     state_dir.mkdir(exist_ok=True)
     store = FeatureStore.build(cfg, model, ds.examples, state_dir / "features.safetensors", log)
 
+    if cfg.targets == "all":
+        store.add_greedy(model.get_output_embeddings())
     V = int(model.get_output_embeddings().weight.shape[0])
     K = min(cfg.draft_vocab_size, V)
     state_f = state_dir / "state.json"
