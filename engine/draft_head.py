@@ -64,8 +64,8 @@ class DraftHeadConfig:
         draft_vocab_size: ``K``, the number of token ids the head can draft.
         mask_token_id: the verifier checkpoint's mask token (input of undecided draft rows).
         max_drafts: the longest draft block the head was trained for (``k``; requests may draft fewer).
-        reveal_threshold: drafting reveals, besides the leftmost undecided draft, every draft whose head confidence
-            is at least this (1.0 = one draft per head forward, left to right; lower = fewer head forwards).
+        reveal_threshold: drafting reveals, besides the leftmost undecided draft, the drafts right after it while
+            their head confidence is at least this (1.0 = one draft per head forward, left to right; lower = fewer head forwards).
     """
 
     hidden_size: int
@@ -264,6 +264,7 @@ class DraftHead(nn.Module):
             for f in (tmp / HEAD_WEIGHTS, tmp / HEAD_CONFIG):
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the rest of a checkpoint is world-readable
             old = directory.with_name(f".{directory.name}.old")
             if old.exists():
                 shutil.rmtree(old)
@@ -274,6 +275,9 @@ class DraftHead(nn.Module):
                 shutil.rmtree(old)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            old = directory.with_name(f".{directory.name}.old")
+            if old.exists() and not directory.exists():  # interrupted between the two renames: put it back
+                old.rename(directory)
             raise
         return directory
 
@@ -382,8 +386,8 @@ class DraftHeadRuntime:
             n_drafts: drafts wanted (>= 1; the head drafts at most ``n_drafts``).
             pick: ``pick(logits [n, K] float32) -> (ids [n] int64 in draft-vocab indices, q [n, K] float64 or
                 None)``: the request's rule (argmax, or a sample with the distribution it came from).
-            threshold: reveal, besides the leftmost undecided draft, every draft whose top head probability is at
-                least this (1.0 = one draft per head forward, i.e. left to right); ``None`` = the head's
+            threshold: reveal, besides the leftmost undecided draft, the undecided drafts right after it while
+                their top head probability is at least this (a contiguous run) (1.0 = one draft per head forward, i.e. left to right); ``None`` = the head's
                 ``reveal_threshold``.
 
         Returns:
@@ -414,10 +418,14 @@ class DraftHeadRuntime:
             picked, q = pick(logits)
             conf = torch.softmax(logits, dim=-1).max(-1).values
             for j, i in enumerate(open_):
-                if j == 0 or float(conf[j]) >= threshold:
-                    ids[i] = int(self.vocab[int(picked[j])])
-                    if q is not None:
-                        qs[i] = q[j]
+                # reveal a contiguous run only: a draft revealed before an earlier one would condition that earlier
+                # draft's distribution on it (draft rows see each other), and speculative sampling needs draft i
+                # drawn from q_i given drafts < i only
+                if j > 0 and float(conf[j]) < threshold:
+                    break
+                ids[i] = int(self.vocab[int(picked[j])])
+                if q is not None:
+                    qs[i] = q[j]
         return [int(t) for t in ids], [q for q in qs if q is not None]
 
 

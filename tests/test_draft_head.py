@@ -325,3 +325,41 @@ def test_targets_all_trains_on_the_verifiers_greedy_tokens_everywhere(trained, t
     train_head(run, log=lambda *_: None)
     with pytest.raises(TrainError, match="--targets"):
         train_head(HeadTrainConfig(**{**cfg.__dict__, "targets": "some"}))
+
+
+def test_drafting_reveals_contiguous_runs_only(with_head):
+    """A draft is never revealed before an earlier one (speculative sampling needs draft i drawn given drafts < i):
+    with a confident third draft behind an unsure second one, the second is decided first."""
+    llm, _ = with_head
+    rt = llm.model.draft_head
+    K = rt.vocab.numel()
+    calls = []
+
+    def fake_lm(hidden):  # row j: peaked when j is even, uniform when odd
+        calls.append(hidden.shape[0])
+        out = torch.zeros(hidden.shape[0], K)
+        out[0::2, 0] = 50.0
+        return out
+
+    saved = rt._lm
+    rt._lm = fake_lm
+    try:
+        H = rt.cfg.hidden_size
+        ids, _ = rt.draft(torch.randn(4, H), torch.tensor([5, 6, 7, 8]), torch.tensor([1, 2, 3, 4]), 3,
+                          lambda lg: (lg.argmax(-1), None), threshold=0.9)
+        assert calls == [3, 2, 1] and len(ids) == 3  # old rule (any confident draft): [3, 1]
+        calls.clear()
+        rt.draft(torch.randn(4, H), torch.tensor([5, 6, 7, 8]), torch.tensor([1, 2, 3, 4]), 3,
+                 lambda lg: (lg.argmax(-1), None), threshold=0.0)
+        assert calls == [3]  # threshold 0: every draft in one head forward
+    finally:
+        rt._lm = saved
+
+
+def test_resume_rejects_other_head_shapes(trained):
+    d, cfg, _ = trained
+    for name, value in (("window", 3), ("max_drafts", 5), ("draft_vocab_size", 90)):
+        with pytest.raises(TrainError, match=f"--{name.replace('_', '-')}: .* differs from the head being resumed"):
+            train_head(HeadTrainConfig(**{**cfg.__dict__, name: value, "max_steps": 500}))
+    with pytest.raises(TrainError, match="--num-layers"):
+        train_head(HeadTrainConfig(**{**cfg.__dict__, "num_layers": 2}))

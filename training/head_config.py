@@ -61,6 +61,9 @@ class HeadTrainConfig:
         if self.max_drafts > 31:
             raise TrainError(f"--max-drafts: at most 31 (speculative blocks hold at most 32 tokens), got "
                              f"{self.max_drafts}")
+        if self.num_layers != 1:
+            raise TrainError(f"--num-layers: only 1 is supported (the head keeps the last --window context pairs, "
+                             f"which a deeper head would see differently than in training), got {self.num_layers}")
         if self.targets not in ("answer", "all"):
             raise TrainError(f"--targets: must be answer or all, got {self.targets!r}")
         if self.val_docs < 0:

@@ -289,6 +289,12 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
             raise TrainError(f"--out {out}: holds a head trained on other data/verifier ({prev.get('key')}); use a "
                              "new directory")
         head = DraftHead.load(head_dir)
+        for name, have in (("window", head.cfg.window), ("max_drafts", head.cfg.max_drafts),
+                           ("draft_vocab_size", head.cfg.draft_vocab_size), ("num_layers", head.cfg.num_layers)):
+            want = K if name == "draft_vocab_size" else getattr(cfg, name)
+            if want != have:
+                raise TrainError(f"--{name.replace('_', '-')}: {want} differs from the head being resumed in {out} "
+                                 f"({have}); pass {have} or use a new --out")
         head.train()
         log(f"[train-head] resuming at step {prev['step']} ({prev['minutes']:.1f} of {cfg.minutes} minutes)")
     else:
