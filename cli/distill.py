@@ -16,6 +16,10 @@ def register(sub, name):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--top-k-dist", type=int, default=0, help="store the parent's top-K distribution per token")
+    p.add_argument("--engine", action="store_true",
+                   help="answer with unmask's engine from an a2d checkpoint (--teacher: e.g. the output of `unmask "
+                        "convert`) at block_size=1: the served checkpoint's own greedy tokens, continuous batching, "
+                        "faster on a CPU; no --top-k-dist")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -34,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         stats = distill(args.teacher, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, top_k_dist=args.top_k_dist, device=args.device,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, engine=args.engine)
     except (DataError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     print(json.dumps(stats))

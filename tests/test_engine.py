@@ -512,3 +512,59 @@ def test_checkpoint_default_threshold_applies_only_without_steps_or_threshold():
                        ({"threshold": 10 ** 400}, "threshold"), ({"temperature": -(10 ** 400)}, "temperature")):
         with pytest.raises(CheckpointError, match=f"default_sampling.{field}"):
             DllmConfig(**base, default_sampling=bad)
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_forwards_is_the_cheapest_split(seed):
+    from unmask.engine.denoiser import plan_forwards
+
+    rng = torch.Generator().manual_seed(seed)
+    n = 1 + seed % 6
+    widths = torch.randint(1, 60, (n,), generator=rng).tolist()
+    lanes = torch.randint(1, 3, (n,), generator=rng).tolist()
+    overhead = [0, 4, 16, 1000][seed % 4]
+
+    def cost(groups):
+        return sum(overhead + sum(lanes[i] for i in g) * max(widths[i] for i in g) for g in groups)
+
+    groups = plan_forwards(widths, lanes, overhead)
+    assert sorted(i for g in groups for i in g) == list(range(n))
+    assert cost(groups) == min(cost(p) for p in _set_partitions(list(range(n))))
+    if overhead == 1000:
+        assert len(groups) == 1  # never worth a second forward
+    assert plan_forwards([1] * 31 + [40], [1] * 32, 16) == [list(range(31)), [31]]
+
+
+def test_prefill_joining_one_row_steps_runs_apart_and_changes_nothing(llms):
+    """A joining request's prompt prefill is forwarded apart from the others' one-row block-1 steps (no [B, prompt]
+    padding), and every request (CFG lanes included) still gets the tokens it gets alone."""
+    from unmask.engine.scheduler import Scheduler
+
+    llm = llms["prefix_causal"]
+    params = [SamplingParams(max_tokens=10, temperature=0.8, seed=s, block_size=1, ignore_eos=True,
+                             cfg_scale=1.5 if s == 2 else 0.0) for s in range(3)]
+    alone = [llm.generate(PROMPTS[i], p)[0].outputs[0].token_ids for i, p in enumerate(params)]
+    seqs = [llm.make_sequences(llm.encode(PROMPTS[i]), p, f"r{i}")[0] for i, p in enumerate(params)]
+    sched = Scheduler(llm.denoiser, max_batch_size=4)
+    sched.add(seqs[0])
+    sched.add(seqs[2])
+    for _ in range(3):
+        sched.step()
+    before = llm.denoiser.forwards
+    sched.add(seqs[1])  # its prompt prefill joins the others' one-row steps
+    sched.step()
+    assert llm.denoiser.forwards - before == 2
+    while sched.has_work():
+        sched.step()
+    assert [s.output_ids for s in seqs] == alone

@@ -361,3 +361,22 @@ def test_recipe_draft_stage(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match="block-size >= 2"):
         RecipeConfig(block_size=1, draft_minutes=5).validate()
     RecipeConfig(block_size=1).validate()  # the draft stage is opt-in
+
+
+def test_train_extra_is_disjoint_and_deterministic(sets, tmp_path):
+    train, evals, _ = sets
+    extra = P.build_train_extra(2)
+    assert extra == P.build_train_extra(2)  # deterministic
+    texts = [r["prompt"] for r in extra]
+    assert len(set(texts)) == len(texts) > 1000
+    assert not set(texts) & ({r["prompt"] for r in train} | {r["prompt"] for r in evals})
+    assert all(r["template"].startswith("train.") and not r["template"].startswith("train.hand.") for r in extra)
+    assert {r["template"] for r in extra} <= {r["template"] for r in train}
+    assert extra[0]["id"] == "trainx-00000"
+    # per template at most factor x its training count
+    base = Counter(r["template"] for r in train)
+    assert all(n <= 2 * base[t] for t, n in Counter(r["template"] for r in extra).items())
+    assert P.main(["--out", str(tmp_path), "--extra-train", "1"]) == 0
+    assert P.load_prompts(tmp_path / P.EXTRA_FILE) == [dict(r) for r in P.build_train_extra(1)]
+    with pytest.raises(ValueError, match="factor"):
+        P.build_train_extra(0)

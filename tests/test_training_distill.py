@@ -69,3 +69,40 @@ def test_distill_resume_topk_and_train(tmp_path, capsys):
                                                                            rel=1e-4)
     assert cli_main(["distill-data", "--teacher", str(tmp_path / "none"), "--prompts", str(prompts), "--out",
                      str(tmp_path / "o.jsonl")]) == 2
+
+
+def test_distill_with_the_engine_matches_block1_greedy_and_resumes(tmp_path, capsys):
+    """--engine: the a2d checkpoint's own block_size=1 greedy answers (the logit shift makes them its parent's),
+    identical to the engine decoding each prompt alone, with EOS kept in completion_ids; resumable."""
+    from unmask.engine import LLM, SamplingParams
+    from unmask.engine.checkpoint import write_checkpoint
+
+    lm = tiny.loaded(seed=3)
+    write_checkpoint(tmp_path / "a2d", lm.model, lm.tokenizer, lm.dllm)
+    prompts = tmp_path / "prompts.jsonl"
+    items = [{"prompt": "What is two plus two?"}, {"prompt": "Hi"}, {"prompt": "Name three colours."},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A fox?"}]}]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in items))
+    out = tmp_path / "distilled.jsonl"
+    args = ["distill-data", "--engine", "--teacher", str(tmp_path / "a2d"), "--prompts", str(prompts), "--out",
+            str(out), "--max-new-tokens", "7", "--batch-size", "2", "--no-progress"]
+    assert cli_main(args) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(recs) == 4 and recs[3]["messages"][-1]["role"] == "assistant" and "teacher" not in recs[0]
+    llm = LLM(str(tmp_path / "a2d"))
+    eos = set(llm.model.dllm.eos_token_ids)
+    for item, rec in zip(items, recs):
+        ids = llm.apply_chat_template(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
+        ref = llm.generate([ids], SamplingParams(max_tokens=7, temperature=0, block_size=1, speculative=False))[0]
+        assert rec["completion_ids"] == ref.outputs[0].token_ids
+        assert rec["finished"] == (rec["completion_ids"][-1] in eos)
+        assert rec["completion"] == llm.tokenizer.decode(rec["completion_ids"], skip_special_tokens=True)
+    capsys.readouterr()
+    assert cli_main(args) == 0  # resume: nothing left
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"total": 4, "skipped": 4, "written": 0}
+    # bad combinations name the option
+    assert cli_main(args + ["--top-k-dist", "2"]) == 2
+    assert "top-k-dist" in capsys.readouterr().err
+    assert cli_main(["distill-data", "--engine", "--teacher", str(tmp_path / "prompts.jsonl"), "--prompts",
+                     str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "a2d checkpoint" in capsys.readouterr().err

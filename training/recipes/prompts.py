@@ -35,6 +35,7 @@ DATA_DIR = REPO / "benchmarks" / "data"
 TRAIN_FILE = "train_prompts.jsonl"
 EVAL_FILE = "eval_prompts.jsonl"
 GRID_FILE = "eval_grid_ids.json"
+EXTRA_FILE = "train_extra_prompts.jsonl"
 GRID_SIZE = 60
 QUICK_SIZE = 12
 
@@ -603,6 +604,33 @@ def build_train() -> list[dict]:
     return _number(_dedupe(items), "train")
 
 
+def build_train_extra(factor: int = 4, seed: int = 1) -> list[dict]:
+    """More training prompts from the same ``train.*`` templates: up to ``factor`` times each template's count,
+    drawn with another seed, dropping every text already in the training or held-out set (so the evaluation stays
+    template- and text-disjoint). Ids ``trainx-00000`` ...; hand-written prompts are not repeated. For data-hungry
+    stages such as the draft head (``unmask train-head``); ``factor=4`` gives ~6,000 prompts.
+
+    Raises:
+        ValueError: ``factor`` < 1.
+    """
+    if factor < 1:
+        raise ValueError("factor: must be >= 1")
+    taken = {it["prompt"] for it in build_train()} | {it["prompt"] for it in build_eval()}
+    items: list[dict] = []
+    for tid, cat, n, make in _train_templated():
+        rng = random.Random(zlib.crc32(tid.encode()) ^ SEED ^ (seed * 0x9E3779B1))
+        got: set[str] = set()
+        for _ in range(n * factor * 20):
+            if len(got) >= n * factor:
+                break
+            prompt, _extra = make(rng)
+            if prompt in taken or prompt in got:
+                continue
+            got.add(prompt)
+            items.append({"template": tid, "category": cat, "prompt": prompt})
+    return _number(items, "trainx")
+
+
 def build_eval() -> list[dict]:
     """The held-out prompts, ids ``eval-0000`` ...; checkable items carry ``answer`` (and ``meta``)."""
     items: list[dict] = []
@@ -631,7 +659,7 @@ def _dedupe(items: list[dict]) -> list[dict]:
 
 
 def _number(items: list[dict], prefix: str) -> list[dict]:
-    width = 5 if prefix == "train" else 4
+    width = 4 if prefix == "eval" else 5
     return [{"id": f"{prefix}-{i:0{width}d}", **it} for i, it in enumerate(items)]
 
 
@@ -722,8 +750,16 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: write the train/eval prompt files and the grid ids to ``--out`` (default ``benchmarks/data``); returns 0."""
     ap = argparse.ArgumentParser(description="Write the train/eval prompt sets (deterministic, no network).")
     ap.add_argument("--out", default=str(DATA_DIR), help="output directory (default benchmarks/data)")
+    ap.add_argument("--extra-train", type=int, default=0, metavar="FACTOR",
+                    help=f"also write {EXTRA_FILE}: up to FACTOR x each training template's count of new prompts "
+                         f"from the same templates (build_train_extra)")
     args = ap.parse_args(argv)
+    if args.extra_train < 0:
+        ap.error("--extra-train: must be >= 0")
     paths = write_all(args.out)
+    if args.extra_train:
+        paths["train_extra"] = Path(args.out) / EXTRA_FILE
+        _write_jsonl(paths["train_extra"], build_train_extra(args.extra_train))
     for name, p in paths.items():
         print(f"{name}: {p}")
     return 0
