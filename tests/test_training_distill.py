@@ -106,3 +106,8 @@ def test_distill_with_the_engine_matches_block1_greedy_and_resumes(tmp_path, cap
     assert cli_main(["distill-data", "--engine", "--teacher", str(tmp_path / "prompts.jsonl"), "--prompts",
                      str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "a2d checkpoint" in capsys.readouterr().err
+    bidir = tiny.loaded(seed=3, attention="bidirectional")
+    write_checkpoint(tmp_path / "bidir", bidir.model, bidir.tokenizer, bidir.dllm)
+    assert cli_main(["distill-data", "--engine", "--teacher", str(tmp_path / "bidir"), "--prompts", str(prompts),
+                     "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "bidirectional" in capsys.readouterr().err

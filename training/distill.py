@@ -12,9 +12,10 @@ appends one JSON line per prompt to ``out``::
 distribution it was generated from (log-probabilities of the raw logits) - soft targets for ``--teacher-kl``.
 Lines are flushed after every batch; a rerun skips prompts already in ``out``, so an interrupted run resumes.
 
-With ``engine=True`` the teacher is an a2d checkpoint (e.g. the untrained conversion of the parent, which the logit
-shift makes exactly its parent at ``block_size=1``) and unmask's own engine answers: one token per forward, greedy,
-with continuous batching over the whole prompt file (a finished answer's slot is refilled at once) and, on a CPU,
+With ``engine=True`` the teacher is a causal a2d checkpoint (e.g. the untrained prefix-causal conversion of the parent,
+which the logit shift makes exactly its parent at ``block_size=1``) and unmask's own engine answers: one token per
+forward, greedy, with continuous batching within chunks of ``4 x batch_size`` prompts (a finished answer's slot is
+refilled from the chunk; the batch drains at the chunk's end, when the chunk is written) and, on a CPU,
 the fbgemm-packed fp16 linear layers the server runs. The tokens are then the served checkpoint's own greedy
 answers (what a draft head must predict) and come ~2x faster than transformers' padded batches on a 2-core CPU;
 no ``teacher`` distributions (``top_k_dist`` must be 0).
@@ -207,14 +208,15 @@ class EngineTeacher:
     """The engine as a distillation teacher: greedy ``block_size=1`` answers of an a2d checkpoint.
 
     Args:
-        checkpoint: an a2d checkpoint directory whose ``dllm`` has the logit shift (any attention), e.g. the output
-            of ``unmask convert``.
+        checkpoint: an a2d checkpoint directory with causal committed context (``prefix_causal`` or
+            ``block_causal`` attention) and the logit shift, e.g. the output of ``unmask convert``. Its
+            ``dllm.eos_token_ids`` end an answer (the transformers teacher uses the tokenizer's EOS ids).
         batch_size: sequences decoded together (continuous batching).
         device: ``cpu`` | ``cuda`` | ``auto``.
 
     Raises:
-        DataError: the checkpoint cannot be loaded or has no logit shift (block-1 decoding would not be its
-            AR path).
+        DataError: the checkpoint cannot be loaded, has no logit shift or has bidirectional attention (block-1
+            decoding would then not be its parent's AR path).
     """
 
     def __init__(self, checkpoint: str | os.PathLike, batch_size: int, device: str = "cpu"):
@@ -231,6 +233,9 @@ class EngineTeacher:
         if not self.llm.model.dllm.logit_shift:
             raise DataError(f"{p}: dllm.logit_shift is false; --engine needs a checkpoint converted with the logit "
                             f"shift (block_size=1 is then the parent's AR decoding)")
+        if self.llm.model.dllm.attention == "bidirectional":
+            raise DataError(f"{p}: dllm.attention is bidirectional; --engine needs causal committed context "
+                            f"(prefix_causal or block_causal) for block_size=1 to be the parent's AR decoding")
         self.tokenizer = self.llm.tokenizer
 
     def answer(self, items: list[dict], max_new_tokens: int) -> list[dict]:
