@@ -119,7 +119,9 @@ def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
     big = torch.randn(1, 2, cap, 8, generator=g)
     k_all, _ = BatchKV([c], torch.device("cpu")).update(big, big, 0)
     assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), big[0]], 1))
-    assert c.capacity == cap and all(torch.equal(a, b) for a, b in zip(bufs, c._k))
+    # compared bit for bit: the free tail is uninitialised memory (torch.empty) and may hold NaN patterns, which
+    # torch.equal never finds equal - a value comparison made this test flaky
+    assert c.capacity == cap and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(bufs, c._k))
     # with autograd (the training draft objective) no in-place write into the buffers either
     grad_chunk = torch.randn(1, 2, 1, 8, requires_grad=True)
     k_all, _ = BatchKV([c], torch.device("cpu")).update(grad_chunk, grad_chunk, 0)
