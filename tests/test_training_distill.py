@@ -52,7 +52,7 @@ def test_distill_resume_topk_and_train(tmp_path, capsys):
     assert ref[0, ids.shape[1]:].tolist()[: len(recs[1]["completion_ids"])] == recs[1]["completion_ids"]
     capsys.readouterr()
     assert cli_main(args) == 0  # resume: nothing left to do
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"total": 3, "skipped": 3, "written": 0}
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"total": 3, "skipped": 3, "written": 0, "too_long": 0}
     assert len(out.read_text().splitlines()) == 3
 
     # train on the stored soft targets: a2d checkpoint of the same parent (mask token appended)
@@ -99,7 +99,7 @@ def test_distill_with_the_engine_matches_block1_greedy_and_resumes(tmp_path, cap
         assert rec["completion"] == llm.tokenizer.decode(rec["completion_ids"], skip_special_tokens=True)
     capsys.readouterr()
     assert cli_main(args) == 0  # resume: nothing left
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"total": 4, "skipped": 4, "written": 0}
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"total": 4, "skipped": 4, "written": 0, "too_long": 0}
     # bad combinations name the option
     assert cli_main(args + ["--top-k-dist", "2"]) == 2
     assert "top-k-dist" in capsys.readouterr().err
@@ -111,3 +111,60 @@ def test_distill_with_the_engine_matches_block1_greedy_and_resumes(tmp_path, cap
     assert cli_main(["distill-data", "--engine", "--teacher", str(tmp_path / "bidir"), "--prompts", str(prompts),
                      "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "bidirectional" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_distill_skips_prompts_that_fill_the_context_and_keeps_going(tmp_path, capsys, engine):
+    """A prompt with no room left in the teacher's context is skipped with a warning naming file:line, on every
+    rerun, instead of stopping the run (it used to raise a ParamError on every resume with --engine); a prompt near
+    the edge gets the tokens that fit."""
+    from unmask.engine.checkpoint import write_checkpoint
+
+    lm = tiny.loaded(seed=3)
+    write_checkpoint(tmp_path / "a2d", lm.model, lm.tokenizer, lm.dllm)
+    ctx = 512  # tiny.make_llama's max_position_embeddings
+    long_text = " ".join(["word"] * 2 * ctx)
+    items = [{"prompt": "Hi"}, {"prompt": long_text}, {"prompt": "Name three colours."}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in items))
+    out = tmp_path / "distilled.jsonl"
+    args = ["distill-data", "--teacher", str(tmp_path / "a2d"), "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "5", "--batch-size", "2", "--no-progress"] + (["--engine"] if engine else [])
+    for attempt in range(2):
+        with pytest.warns(UserWarning, match=rf"prompts.jsonl:2: the prompt has \d+ tokens .* context of {ctx}"):
+            assert cli_main(args) == 0
+        stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert stats == {"total": 3, "skipped": 2 * attempt, "written": 2 * (1 - attempt), "too_long": 1}
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["prompt"] for r in recs] == ["Hi", "Name three colours."]
+
+
+def test_engine_teacher_clamps_answers_at_the_context_edge_and_stops_at_the_tokenizers_eos(tmp_path, monkeypatch):
+    """The engine teacher ends answers at the same ids as the transformers teacher (eos_ids_of(tokenizer)), not
+    only at dllm.eos_token_ids, and a prompt a few tokens short of the context gets those few tokens."""
+    from unmask.engine import LLM, SamplingParams
+    from unmask.engine.checkpoint import write_checkpoint
+    import unmask.training.distill as distill_mod
+
+    lm = tiny.loaded(seed=3)
+    write_checkpoint(tmp_path / "a2d", lm.model, lm.tokenizer, lm.dllm)
+    llm = LLM(str(tmp_path / "a2d"))
+    item = {"prompt": "Name three colours."}
+    ids = llm.apply_chat_template([{"role": "user", "content": item["prompt"]}])
+    free = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0, block_size=1, speculative=False,
+                                              ignore_eos=True))[0].outputs[0].token_ids
+    stop_at = free[2]
+    assert stop_at not in free[:2] and stop_at not in lm.dllm.eos_token_ids
+    real = distill_mod.eos_ids_of
+    monkeypatch.setattr(distill_mod, "eos_ids_of", lambda tok, extra=None: real(tok, extra) | {stop_at})
+    teacher = distill_mod.EngineTeacher(tmp_path / "a2d", batch_size=2)
+    rec = teacher.answer([dict(item)], 6)[0]
+    assert rec["completion_ids"] == free[:3] and rec["finished"]
+    # a prompt 3 tokens short of the context: 3 tokens, not a ParamError
+    teacher.context = len(ids) + 3
+    teacher.llm.model.max_context = len(ids) + 3
+    monkeypatch.setattr(distill_mod, "eos_ids_of", real)
+    teacher.stop_ids = []
+    rec = teacher.answer([dict(item)], 6)[0]
+    got = rec["completion_ids"]
+    assert got == free[: len(got)] and (len(got) == 3 or got[-1] in lm.dllm.eos_token_ids)

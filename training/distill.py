@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,7 +86,8 @@ def load_parent(path: str | os.PathLike, device: str | torch.device = "cpu", dty
 
 
 def read_prompts(path: str | os.PathLike) -> list[dict]:
-    """Prompts as ``[{"prompt": str} | {"messages": [...]}]`` with a ``key`` (the JSON used to skip done ones).
+    """Prompts as ``[{"prompt": str} | {"messages": [...]}]`` with a ``key`` (the JSON used to skip done ones) and
+    ``where`` (``file:line``, for messages about the prompt).
 
     Raises:
         DataError: missing/empty file, invalid JSON or fields (``file:line: reason``).
@@ -114,6 +116,7 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
             else:
                 raise DataError(f"{where}: expected `prompt` (string) or `messages` (non-empty list)")
         item["key"] = json.dumps(item.get("messages", item.get("prompt")), ensure_ascii=False, sort_keys=True)
+        item["where"] = where
         out.append(item)
     if not out:
         raise DataError(f"{path}: no prompts")
@@ -204,15 +207,46 @@ def generate_batch(model, tok, items: list[dict], max_new_tokens: int, top_k_dis
     return records
 
 
+class TransformersTeacher:
+    """The AR parent run by transformers as a distillation teacher: greedy answers in left-padded batches.
+
+    Args:
+        path: see :func:`load_parent`.
+        device: ``cpu`` | ``cuda`` | ``auto``.
+
+    Attributes:
+        context: the parent's context length in tokens (``max_position_embeddings``).
+
+    Raises:
+        DataError: see :func:`load_parent`.
+    """
+
+    def __init__(self, path: str | os.PathLike, device: str = "cpu"):
+        self.model, self.tokenizer = load_parent(path, device=device)
+        self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+
+    def prompt_length(self, item: dict) -> int:
+        """Tokens of ``item``'s chat-rendered prompt (generation prompt included)."""
+        return len(self.tokenizer(_prompt_text(self.tokenizer, item), add_special_tokens=False).input_ids)
+
+    def answer(self, items: list[dict], max_new_tokens: int, top_k_dist: int = 0) -> list[dict]:
+        """Greedy answers for ``items`` (see :func:`generate_batch`)."""
+        return generate_batch(self.model, self.tokenizer, items, max_new_tokens, top_k_dist)
+
+
 class EngineTeacher:
     """The engine as a distillation teacher: greedy ``block_size=1`` answers of an a2d checkpoint.
 
     Args:
         checkpoint: an a2d checkpoint directory with causal committed context (``prefix_causal`` or
-            ``block_causal`` attention) and the logit shift, e.g. the output of ``unmask convert``. Its
-            ``dllm.eos_token_ids`` end an answer (the transformers teacher uses the tokenizer's EOS ids).
+            ``block_causal`` attention) and the logit shift, e.g. the output of ``unmask convert``. An answer
+            ends at the same ids as with the transformers teacher (:func:`~unmask.training.data.eos_ids_of`: the
+            tokenizer's EOS and end-of-turn ids) and at ``dllm.eos_token_ids``.
         batch_size: sequences decoded together (continuous batching).
         device: ``cpu`` | ``cuda`` | ``auto``.
+
+    Attributes:
+        context: the checkpoint's context length in tokens.
 
     Raises:
         DataError: the checkpoint cannot be loaded, has no logit shift or has bidirectional attention (block-1
@@ -237,16 +271,38 @@ class EngineTeacher:
             raise DataError(f"{p}: dllm.attention is bidirectional; --engine needs causal committed context "
                             f"(prefix_causal or block_causal) for block_size=1 to be the parent's AR decoding")
         self.tokenizer = self.llm.tokenizer
+        self.context = int(self.llm.model.max_context)
+        dllm_eos = set(self.llm.model.dllm.eos_token_ids)
+        self.stop_ids = sorted(eos_ids_of(self.tokenizer) - dllm_eos)  # ids the engine would not stop at itself
+
+    def _prompt_ids(self, item: dict) -> list[int]:
+        return self.llm.apply_chat_template(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
+
+    def prompt_length(self, item: dict) -> int:
+        """Tokens of ``item``'s chat-rendered prompt (generation prompt included)."""
+        return len(self._prompt_ids(item))
 
     def answer(self, items: list[dict], max_new_tokens: int) -> list[dict]:
-        """Greedy answers for ``items`` (records as in the module docstring, without ``teacher``)."""
+        """Greedy answers for ``items`` (records as in the module docstring, without ``teacher``). A prompt too
+        close to the end of the context gets the tokens that fit (``finished`` False if none was EOS).
+
+        Raises:
+            ParamError: a prompt leaves no room in the context (:func:`distill` skips those beforehand).
+        """
         from unmask.engine import SamplingParams
 
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, block_size=1, speculative=False)
-        prompts = [self.llm.apply_chat_template(it.get("messages") or [{"role": "user", "content": it["prompt"]}])
-                   for it in items]
+        prompts = [self._prompt_ids(it) for it in items]
+        by_budget: dict[int, list[int]] = {}  # one continuous-batching run per answer budget (nearly always one)
+        for i, ids in enumerate(prompts):
+            by_budget.setdefault(min(max_new_tokens, self.context - len(ids)), []).append(i)
+        results = [None] * len(items)
+        for budget, idx in by_budget.items():
+            params = SamplingParams(max_tokens=budget, temperature=0.0, block_size=1, speculative=False,
+                                    stop_token_ids=self.stop_ids)
+            for i, res in zip(idx, self.llm.generate([prompts[i] for i in idx], params)):
+                results[i] = res
         records = []
-        for it, res in zip(items, self.llm.generate(prompts, params)):
+        for it, res in zip(items, results):
             out = res.outputs[0]
             ids = list(out.token_ids)
             rec = {"prompt": it.get("prompt"), "completion": self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -266,8 +322,11 @@ def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | o
         engine: answer with unmask's engine from an a2d checkpoint (:class:`EngineTeacher`) instead of
             transformers; records are then written every ``4 * batch_size`` prompts.
 
+    A prompt that fills the teacher's context (no room for one new token) is not answered: a warning names its
+    ``file:line`` and it is counted in ``too_long`` (a rerun warns again and goes on; it never stops the run).
+
     Returns:
-        ``{"total", "skipped", "written"}`` counts.
+        ``{"total", "skipped", "written", "too_long"}`` counts (``skipped``: already answered in ``out``).
 
     Raises:
         DataError: bad prompt file or teacher path. ValueError: non-positive sizes, or ``top_k_dist`` with
@@ -283,7 +342,7 @@ def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | o
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_keys(out)
     todo = [it for it in items if it["key"] not in done]
-    stats = {"total": len(items), "skipped": len(items) - len(todo), "written": 0}
+    stats = {"total": len(items), "skipped": len(items) - len(todo), "written": 0, "too_long": 0}
     if not todo:
         return stats
     if engine:
@@ -293,14 +352,24 @@ def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | o
         def answer(chunk):
             return runner.answer(chunk, max_new_tokens)
     else:
-        model, tok = load_parent(teacher, device=device)
+        runner = TransformersTeacher(teacher, device=device)
         chunk_size = batch_size
 
         def answer(chunk):
-            return generate_batch(model, tok, chunk, max_new_tokens, top_k_dist)
+            return runner.answer(chunk, max_new_tokens, top_k_dist)
+    fits = []
+    for it in todo:
+        n = runner.prompt_length(it)
+        if n >= runner.context:
+            warnings.warn(f"{it['where']}: the prompt has {n} tokens and fills the teacher's context of "
+                          f"{runner.context} tokens; skipped", stacklevel=2)
+            stats["too_long"] += 1
+        else:
+            fits.append(it)
+    todo = fits
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(items), initial=stats["skipped"], desc="distill", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(items), initial=stats["skipped"] + stats["too_long"], desc="distill", unit="prompt", disable=not progress)
     with open(out, "a", encoding="utf-8") as fh:
         for i in range(0, len(todo), chunk_size):
             chunk = todo[i: i + chunk_size]
