@@ -454,13 +454,21 @@ def load_draft_head(directory: str | Path, verifier_model, mask_token_id: int, d
     return DraftHeadRuntime(head, emb.detach(), lm_rows)
 
 
-def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor:
+def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: list[int], never: list[int] = ()) -> torch.Tensor:
     """The ``size`` most frequent ids of ``counts`` (``[V]`` int64 token counts), with every id of ``always``
-    (EOS ids) included; ascending. Raises ``ValueError`` when ``size`` exceeds the vocabulary."""
+    (EOS ids) included and no id of ``never`` (the model's ``never_generate_ids``: the mask token, padding rows; a
+    draft of one would always be rejected, and with few answers zero-count ids fill the vocabulary); ascending.
+
+    Raises:
+        ValueError: ``size`` exceeds the vocabulary less ``never``.
+    """
     V = counts.numel()
-    if size > V:
-        raise ValueError(f"draft vocabulary size {size} exceeds the model's vocabulary {V}")
+    never = sorted(set(int(t) for t in never if 0 <= int(t) < V) - set(int(t) for t in always))
+    if size > V - len(never):
+        raise ValueError(f"draft vocabulary size {size} exceeds the model's vocabulary {V} less its "
+                         f"{len(never)} never-generated ids")
     scores = counts.to(torch.float64).clone()
+    scores[never] = -math.inf
     for t in always:
         scores[t] = math.inf
     return torch.sort(torch.topk(scores, size).indices).values

@@ -363,3 +363,17 @@ def test_resume_rejects_other_head_shapes(trained):
             train_head(HeadTrainConfig(**{**cfg.__dict__, name: value, "max_steps": 500}))
     with pytest.raises(TrainError, match="--num-layers"):
         train_head(HeadTrainConfig(**{**cfg.__dict__, "num_layers": 2}))
+
+
+def test_draft_vocabulary_never_holds_never_generated_ids():
+    """With fewer seen tokens than draft-vocabulary slots, zero-count ids fill it; the mask token and the other
+    never-generated ids must not be among them (a draft of one is always rejected), EOS ids always are."""
+    from unmask.engine.draft_head import draft_vocab_from_counts
+
+    counts = torch.zeros(10, dtype=torch.long)
+    counts[[1, 4]] = torch.tensor([5, 3])
+    vocab = draft_vocab_from_counts(counts, 8, always=[0], never=[9, 8])
+    assert vocab.tolist() == sorted(vocab.tolist()) and {0, 1, 4} <= set(vocab.tolist())
+    assert not {8, 9} & set(vocab.tolist()) and len(vocab) == 8
+    with pytest.raises(ValueError, match="never-generated"):
+        draft_vocab_from_counts(counts, 9, always=[0], never=[9, 8])

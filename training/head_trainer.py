@@ -301,7 +301,7 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
         counts = torch.zeros(V, dtype=torch.long)
         for x, a in zip(store.ids, store.answer):
             counts += torch.bincount(x[a], minlength=V)[:V]
-        vocab = draft_vocab_from_counts(counts, K, list(dllm.eos_token_ids))
+        vocab = draft_vocab_from_counts(counts, K, list(dllm.eos_token_ids), list(dllm.never_generate_ids))
         coverage = float(counts[vocab].sum()) / max(1, int(counts.sum()))
         hcfg = DraftHeadConfig.from_verifier(model.config, dllm.mask_token_id, window=cfg.window,
                                              draft_vocab_size=K, num_layers=cfg.num_layers,
