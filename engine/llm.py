@@ -135,25 +135,57 @@ class LLM:
         params = params or SamplingParams()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = list(prompts)
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        # lookahead = every prompt: all requests are built (and checked) before the first step runs
+        for i, out in self.generate_iter(((p, params) for p in prompts), n=n, lookahead=len(prompts)):
+            outputs[i] = out
+        return outputs
+
+    def generate_iter(self, requests, n: int = 1, lookahead: int | None = None
+                      ) -> Iterator[tuple[int, RequestOutput]]:
+        """Continuous batching over a stream of requests: yields ``(index, RequestOutput)`` as each request
+        finishes (completion order, not input order), reading ``requests`` lazily.
+
+        Args:
+            requests: iterable of ``(prompt, SamplingParams)`` (a prompt: string or token ids); each request has
+                its own parameters (batch invariance: its tokens are those it gets alone).
+            n: choices per request.
+            lookahead: requests read ahead of the running batch (default ``max_batch_size``: a finished request's
+                slot is refilled at the next step, so the batch never drains while requests remain).
+
+        Raises:
+            ParamError: a request's parameters are invalid for this model (names the field); the requests that
+                finished before it have been yielded.
+        """
         sched = Scheduler(self.denoiser, max_batch_size=self.max_batch_size)
-        outputs: dict[str, RequestOutput] = {}
-        seqs: dict[str, list[Sequence]] = {}
-        t0 = time.time()
-        for prompt in prompts:
-            rid = f"gen-{next(_ids)}"
-            ids = self.encode(prompt)
-            seqs[rid] = self.make_sequences(ids, params, rid, n)
-            outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
-            for s in seqs[rid]:
-                sched.waiting.append(s)
-        while sched.has_work():
+        ahead = self.max_batch_size if lookahead is None else max(1, lookahead)
+        pending: dict[str, tuple[int, RequestOutput, list[Sequence], float]] = {}
+        source = enumerate(requests)
+        exhausted = False
+        while True:
+            while not exhausted and len(sched.waiting) + len(sched.running) < self.max_batch_size + ahead:
+                nxt = next(source, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                i, (prompt, params) = nxt
+                rid = f"gen-{next(_ids)}"
+                ids = self.encode(prompt)
+                seqs = self.make_sequences(ids, params or SamplingParams(), rid, n)
+                pending[rid] = (i, RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids), seqs,
+                                time.time())
+                sched.waiting.extend(seqs)
+            if not sched.has_work():
+                return
             sched.step()
-        for rid, out in outputs.items():
-            out.outputs = [completion_from(s, i) for i, s in enumerate(seqs[rid])]
-            out.seconds = max((s.finish_time or time.time()) for s in seqs[rid]) - t0
-            firsts = [s.first_token_time for s in seqs[rid] if s.first_token_time]
-            out.time_to_first_token = (min(firsts) - t0) if firsts else None
-        return list(outputs.values())
+            for rid in [r for r, (_, _, seqs, _) in pending.items() if all(s.finished for s in seqs)]:
+                i, out, seqs, t0 = pending.pop(rid)
+                out.outputs = [completion_from(s, j) for j, s in enumerate(seqs)]
+                out.seconds = max((s.finish_time or time.time()) for s in seqs) - t0
+                firsts = [s.first_token_time for s in seqs if s.first_token_time]
+                out.time_to_first_token = (min(firsts) - t0) if firsts else None
+                yield i, out
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              chat_template: str | None = None) -> RequestOutput:

@@ -143,6 +143,49 @@ def test_request_joining_mid_flight_gets_same_tokens(llms):
     assert late.output_ids == alone
 
 
+def test_generate_iter_streams_requests_through_a_full_batch(llms, monkeypatch):
+    """generate_iter: requests with their own parameters, read lazily, yielded as they finish (completion order)
+    with the tokens each gets alone; a finished request's slot is refilled at the next step, so the batch stays full
+    while requests remain."""
+    llm = llms["prefix_causal"]
+    from unmask.engine.scheduler import Scheduler
+
+    reqs = [(PROMPTS[i % 3], SamplingParams(max_tokens=m, temperature=t, seed=i, ignore_eos=True, block_size=1))
+            for i, (m, t) in enumerate([(9, 0), (3, 0.8), (6, 0), (2, 0), (7, 0.5)])]
+    alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in reqs]
+    read, running = [], []
+    real_step = Scheduler.step
+
+    def step(self):
+        events = real_step(self)
+        running.append(len(self.running) + sum(1 for e in events if e.finished))
+        return events
+
+    monkeypatch.setattr(Scheduler, "step", step)
+
+    def source():
+        for i, r in enumerate(reqs):
+            read.append(i)
+            yield r
+
+    old_batch = llm.max_batch_size
+    llm.max_batch_size = 2
+    try:
+        it = llm.generate_iter(source(), lookahead=1)
+        first_i, first = next(it)
+        assert len(read) == 3  # 2 running + 1 ahead, not all 5
+        got = dict([(first_i, first)] + list(it))
+    finally:
+        llm.max_batch_size = old_batch
+    assert first_i == 1  # the shortest of the first two requests finishes first
+    assert {i: o.outputs[0].token_ids for i, o in got.items()} == dict(enumerate(alone))
+    # one token per step each: 27 tokens = 11 steps with both slots busy, then the last (7-token) request's
+    # remaining 5 alone; a batch that waited for its slowest member before refilling would show 1-slot steps earlier
+    assert running == [2] * 11 + [1] * 5
+    with pytest.raises(ParamError, match="max_tokens"):
+        list(llm.generate_iter([(PROMPTS[0], SamplingParams(max_tokens=10 ** 6))]))
+
+
 def test_abort_frees_slot_and_cache(llms):
     llm = llms["prefix_causal"]
     from unmask.engine.scheduler import Scheduler

@@ -10,12 +10,13 @@ appends one JSON line per prompt to ``out``::
 ``completion_ids`` are the generated ids up to and including the first EOS/end-of-turn (``finished`` False when
 ``max_new_tokens`` ran out first); ``teacher`` holds, for every completion token, the parent's top-k next-token
 distribution it was generated from (log-probabilities of the raw logits) - soft targets for ``--teacher-kl``.
-Lines are flushed after every batch; a rerun skips prompts already in ``out``, so an interrupted run resumes.
+Lines are flushed and fsynced as they are written; a rerun skips prompts already in ``out``, so an interrupted run
+resumes.
 
 With ``engine=True`` the teacher is a causal a2d checkpoint (e.g. the untrained prefix-causal conversion of the parent,
 which the logit shift makes exactly its parent at ``block_size=1``) and unmask's own engine answers: one token per
-forward, greedy, with continuous batching within chunks of ``4 x batch_size`` prompts (a finished answer's slot is
-refilled from the chunk; the batch drains at the chunk's end, when the chunk is written) and, on a CPU,
+forward, greedy, with continuous batching over the whole file (a finished answer's slot is refilled at the next
+step and its record written at once, so records are in completion order) and, on a CPU,
 the fbgemm-packed fp16 linear layers the server runs. The tokens are then the served checkpoint's own greedy
 answers (what a draft head must predict) and come ~2x faster than transformers' padded batches on a 2-core CPU;
 no ``teacher`` distributions (``top_k_dist`` must be 0).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -221,17 +223,22 @@ class TransformersTeacher:
         DataError: see :func:`load_parent`.
     """
 
-    def __init__(self, path: str | os.PathLike, device: str = "cpu"):
+    def __init__(self, path: str | os.PathLike, batch_size: int, device: str = "cpu", top_k_dist: int = 0):
         self.model, self.tokenizer = load_parent(path, device=device)
+        self.batch_size, self.top_k_dist = batch_size, top_k_dist
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
 
     def prompt_length(self, item: dict) -> int:
         """Tokens of ``item``'s chat-rendered prompt (generation prompt included)."""
         return len(self.tokenizer(_prompt_text(self.tokenizer, item), add_special_tokens=False).input_ids)
 
-    def answer(self, items: list[dict], max_new_tokens: int, top_k_dist: int = 0) -> list[dict]:
-        """Greedy answers for ``items`` (see :func:`generate_batch`)."""
-        return generate_batch(self.model, self.tokenizer, items, max_new_tokens, top_k_dist)
+    def answer_iter(self, items: list[dict], max_new_tokens: int) -> Iterator[tuple[int, dict]]:
+        """Greedy answers for ``items``, ``batch_size`` at a time (see :func:`generate_batch`): ``(index,
+        record)`` in order, a batch's records together."""
+        for lo in range(0, len(items), self.batch_size):
+            chunk = items[lo: lo + self.batch_size]
+            yield from enumerate(generate_batch(self.model, self.tokenizer, chunk, max_new_tokens, self.top_k_dist),
+                                 start=lo)
 
 
 class EngineTeacher:
@@ -282,35 +289,38 @@ class EngineTeacher:
         """Tokens of ``item``'s chat-rendered prompt (generation prompt included)."""
         return len(self._prompt_ids(item))
 
-    def answer(self, items: list[dict], max_new_tokens: int) -> list[dict]:
-        """Greedy answers for ``items`` (records as in the module docstring, without ``teacher``). A prompt too
-        close to the end of the context gets the tokens that fit (``finished`` False if none was EOS).
+    def answer_iter(self, items, max_new_tokens: int) -> Iterator[tuple[int, dict]]:
+        """Greedy answers for ``items`` (an iterable, read lazily) as they finish, in completion order:
+        ``(index in items, record)``, records as in the module docstring, without ``teacher``. Continuous batching: a finished answer's slot is refilled
+        at the next step. A prompt too close to the end of the context gets the tokens that fit (``finished``
+        False if none was EOS).
 
         Raises:
             ParamError: a prompt leaves no room in the context (:func:`distill` skips those beforehand).
         """
         from unmask.engine import SamplingParams
 
-        prompts = [self._prompt_ids(it) for it in items]
-        by_budget: dict[int, list[int]] = {}  # one continuous-batching run per answer budget (nearly always one)
-        for i, ids in enumerate(prompts):
-            by_budget.setdefault(min(max_new_tokens, self.context - len(ids)), []).append(i)
-        results = [None] * len(items)
-        for budget, idx in by_budget.items():
-            params = SamplingParams(max_tokens=budget, temperature=0.0, block_size=1, speculative=False,
-                                    stop_token_ids=self.stop_ids)
-            for i, res in zip(idx, self.llm.generate([prompts[i] for i in idx], params)):
-                results[i] = res
-        records = []
-        for it, res in zip(items, results):
-            out = res.outputs[0]
+        queued: list[dict] = []
+
+        def requests():
+            for it in items:
+                ids = self._prompt_ids(it)
+                queued.append(it)
+                yield ids, SamplingParams(max_tokens=min(max_new_tokens, self.context - len(ids)), temperature=0.0,
+                                          block_size=1, speculative=False, stop_token_ids=self.stop_ids)
+
+        for i, res in self.llm.generate_iter(requests()):
+            it, out = queued[i], res.outputs[0]
             ids = list(out.token_ids)
             rec = {"prompt": it.get("prompt"), "completion": self.tokenizer.decode(ids, skip_special_tokens=True),
                    "completion_ids": ids, "finished": out.finish_reason == "stop"}
             if "messages" in it:
                 rec["messages"] = it["messages"] + [{"role": "assistant", "content": rec["completion"]}]
-            records.append(rec)
-        return records
+            yield i, rec
+
+    def answer(self, items: list[dict], max_new_tokens: int) -> list[dict]:
+        """:meth:`answer_iter` in the order of ``items``."""
+        return [rec for _, rec in sorted(self.answer_iter(items, max_new_tokens), key=lambda x: x[0])]
 
 
 def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | os.PathLike, max_new_tokens: int = 128,
@@ -320,7 +330,8 @@ def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | o
 
     Args:
         engine: answer with unmask's engine from an a2d checkpoint (:class:`EngineTeacher`) instead of
-            transformers; records are then written every ``4 * batch_size`` prompts.
+            transformers: continuous batching over the whole file, each record written (and fsynced) as its answer
+            finishes, so records are in completion order. Without it records are written a batch at a time.
 
     A prompt that fills the teacher's context (no room for one new token) is not answered: a warning names its
     ``file:line`` and it is counted in ``too_long`` (a rerun warns again and goes on; it never stops the run).
@@ -345,18 +356,8 @@ def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | o
     stats = {"total": len(items), "skipped": len(items) - len(todo), "written": 0, "too_long": 0}
     if not todo:
         return stats
-    if engine:
-        runner = EngineTeacher(teacher, batch_size, device=device)
-        chunk_size = 4 * batch_size  # one continuous-batching run per chunk: slots are refilled as answers finish
-
-        def answer(chunk):
-            return runner.answer(chunk, max_new_tokens)
-    else:
-        runner = TransformersTeacher(teacher, device=device)
-        chunk_size = batch_size
-
-        def answer(chunk):
-            return runner.answer(chunk, max_new_tokens, top_k_dist)
+    runner = (EngineTeacher(teacher, batch_size, device=device) if engine
+              else TransformersTeacher(teacher, batch_size, device=device, top_k_dist=top_k_dist))
     fits = []
     for it in todo:
         n = runner.prompt_length(it)
@@ -369,15 +370,14 @@ def distill(teacher: str | os.PathLike, prompts: str | os.PathLike, out: str | o
     todo = fits
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(items), initial=stats["skipped"] + stats["too_long"], desc="distill", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(items), initial=stats["skipped"] + stats["too_long"], desc="distill", unit="prompt",
+               disable=not progress)
     with open(out, "a", encoding="utf-8") as fh:
-        for i in range(0, len(todo), chunk_size):
-            chunk = todo[i: i + chunk_size]
-            for rec in answer(chunk):
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        for _, rec in runner.answer_iter(todo, max_new_tokens):
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
             fh.flush()
-            os.fsync(fh.fileno())
-            stats["written"] += len(chunk)
-            bar.update(len(chunk))
+            os.fsync(fh.fileno())  # a kill loses at most the answer being written (a torn last line)
+            stats["written"] += 1
+            bar.update(1)
     bar.close()
     return stats
