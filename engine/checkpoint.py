@@ -6,8 +6,10 @@ so a crash never leaves a half-written checkpoint under the final name. ``out`` 
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -66,8 +68,7 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode) as fh:
                 fh.write(content)
-        (tmp / WRITER_MARKER).unlink()
-        _fsync_tree(tmp)
+        _fsync_tree(tmp)  # the marker stays until publish_directory: a kill while flushing leaves a claimed tmp
         publish_directory(tmp, out)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,7 +98,8 @@ def publish_directory(ready: Path, out: Path) -> Path:
 
 
 def remove_stale_temporaries(out: Path) -> None:
-    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` / ``<out>.verify-<pid>`` left by a writer that was killed.
+    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` / ``<out>.verify-<pid>`` left by a writer that was killed,
+    and nested ones such as an export's ``<out>.verify-<pid>.tmp-<pid>`` (one pid throughout).
 
     Only directories that carry this module's :data:`WRITER_MARKER` naming this host and a pid that no longer
     runs are deleted: a user's own ``<out>.old-2024`` directory, or the staging directory of a writer in another
@@ -106,9 +108,14 @@ def remove_stale_temporaries(out: Path) -> None:
     if not out.parent.is_dir():
         return
     host = socket.gethostname()
-    for p in out.parent.glob(f"{out.name}.*-*"):
-        kind, _, pid = p.name[len(out.name) + 1:].partition("-")
-        if kind not in ("tmp", "old", "verify") or not pid.isdigit() or int(pid) == os.getpid():
+    name = re.compile(re.escape(out.name) + r"((?:\.(?:tmp|old|verify)-\d+)+)")
+    for p in out.parent.glob(f"{glob.escape(out.name)}.*-*"):
+        m = name.fullmatch(p.name)
+        pids = set(re.findall(r"-(\d+)", m.group(1))) if m else set()
+        if len(pids) != 1:
+            continue
+        pid = pids.pop()
+        if int(pid) == os.getpid():
             continue
         try:
             marker_host, marker_pid = (p / WRITER_MARKER).read_text().split()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,19 +112,43 @@ def test_stale_temporary_of_a_killed_writer_is_removed(ckpt, tmp_path):
     _, m = ckpt
     pid = _dead_pid()
     stale = tmp_path / f"out.tmp-{pid}"
-    stale.mkdir()
-    (stale / "config.json").write_text("{}")
-    (stale / WRITER_MARKER).write_text(f"{socket.gethostname()} {pid}\n")
+    nested = tmp_path / f"out.verify-{pid}.tmp-{pid}"  # an export's staging checkpoint (unmask export)
+    for d in (stale, nested):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        (d / WRITER_MARKER).write_text(f"{socket.gethostname()} {pid}\n")
     # look alike, but not ours: a user's directories, a writer of another host (container) - never deleted
-    mine = [tmp_path / "out.old-99999999", tmp_path / "out.old-20240101", tmp_path / f"out.verify-{pid}"]
+    mine = [tmp_path / "out.old-99999999", tmp_path / "out.old-20240101", tmp_path / f"out.verify-{pid}",
+            tmp_path / f"out.verify-{pid}.tmp-1"]
     for d in mine:
         d.mkdir()
         (d / "keep.txt").write_text("x")
     (mine[2] / WRITER_MARKER).write_text(f"another-host {pid}\n")
+    (mine[3] / WRITER_MARKER).write_text(f"{socket.gethostname()} {pid}\n")  # two pids in one name: not ours
     write_checkpoint(tmp_path / "out", m.model, m.tokenizer, m.dllm)
-    assert not stale.exists() and (tmp_path / "out" / "config.json").is_file()
+    assert not stale.exists() and not nested.exists() and (tmp_path / "out" / "config.json").is_file()
     assert all((d / "keep.txt").is_file() for d in mine)
     assert not (tmp_path / "out" / WRITER_MARKER).exists()
+
+
+def test_writer_killed_while_flushing_leaves_a_temporary_the_next_write_removes(tmp_path):
+    """kill -9 during the final fsync (seconds for a real model) used to leave an unclaimed <out>.tmp-<pid>: the
+    writer marker was removed before flushing, so no later write could tell it was a dead writer's."""
+    from unmask.engine.checkpoint import WRITER_MARKER
+
+    script = (
+        "import os, sys; sys.path.insert(0, {tests!r}); import tiny\n"
+        "import unmask.engine.checkpoint as c\n"
+        "c._fsync_tree = lambda root: os._exit(9)\n"
+        "m = tiny.loaded(); c.write_checkpoint({out!r}, m.model, m.tokenizer, m.dllm)\n"
+    ).format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"))
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert child.returncode == 9, child.stderr
+    left = list(tmp_path.glob("out.tmp-*"))
+    assert len(left) == 1 and (left[0] / WRITER_MARKER).is_file() and not (tmp_path / "out").exists()
+    m = loaded()
+    write_checkpoint(tmp_path / "out", m.model, m.tokenizer, m.dllm)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_training_output_dir_resolves_to_latest(ckpt, tmp_path):
