@@ -50,9 +50,10 @@ def register(sub, name):
     p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
     p.add_argument("--max-model-len", type=int, default=None, help="lower the context length (tokens)")
     p.add_argument("--max-cached-tokens", type=int, default=None,
-                   help="KV budget in canvas tokens over the running batch (default: unlimited)")
+                   help="KV budget in canvas tokens over the running batch (default: unlimited); requests wait "
+                        "for room, one that alone exceeds it is a 400")
     p.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens when a request sends none (lowered to the remaining context)")
+                   help="max_tokens when a request sends none (lowered to the remaining context and KV budget)")
     p.add_argument("--request-timeout", type=float, default=None, help="abort requests after this many seconds")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")

@@ -131,7 +131,8 @@ class AsyncEngine:
         max_queue: most sequences waiting for a batch slot; a submit beyond it raises :class:`QueueFull`
             (HTTP 429). A request with ``n`` choices counts ``n``.
         max_cached_tokens: KV budget in canvas tokens (see :class:`Scheduler`); a request that can never fit raises
-            :class:`CacheFull` (HTTP 503). ``None`` = unlimited.
+            :class:`ParamError` (HTTP 400; an unset ``max_tokens`` is lowered to fit first), one that fits the budget
+            but not what is left of it waits in the queue. ``None`` = unlimited.
 
     Counters (read from any thread; updated by the engine thread after every step):
         ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished
@@ -195,13 +196,13 @@ class AsyncEngine:
             request_id: unique id (default: generated). n: number of choices.
             fit_max_tokens: ``params.max_tokens`` is a default rather than the client's value: lower it until the
                 canvas fits the model's context (DESIGN.md section 10: "lowered to the remaining context when
-                unset").
+                unset") and the KV budget.
 
         Raises:
             ParamError: invalid or unsatisfiable parameters (names the field; e.g. ``max_tokens`` when prompt +
-                generation region exceed the context, with both numbers).
+                generation region exceed the context, with both numbers, or when the request alone exceeds the KV
+                budget: retrying could never help, so it is a client error, not :class:`CacheFull`).
             QueueFull: ``max_queue`` sequences are already waiting (retry later).
-            CacheFull: the request alone exceeds the KV budget.
             EngineClosed: the engine is shut down or its thread died.
         """
         loop = asyncio.get_running_loop()
@@ -209,9 +210,6 @@ class AsyncEngine:
             raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
         request_id = request_id or f"req-{next(_auto_ids)}"
         seqs = self._build(list(prompt_ids), params, request_id, n, fit_max_tokens)
-        need = seqs[0].length * len(seqs[0].lanes)
-        if self.max_cached_tokens is not None and need > self.max_cached_tokens:
-            raise CacheFull(f"request needs {need} cached tokens; the engine's KV budget is {self.max_cached_tokens}")
         stream = RequestStream(self, request_id, seqs, loop)
         with self._cond:
             if request_id in self._requests:
@@ -249,16 +247,33 @@ class AsyncEngine:
     # ------------------------------------------------------------------ helpers
     def _build(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int,
                fit: bool) -> list[Sequence]:
+        """The request's sequences; with ``fit``, ``max_tokens`` lowered until the canvas fits both the model's
+        context and the KV budget. Raises ParamError (names the field) when it cannot fit either."""
+        budget = self.max_cached_tokens
+
+        def need(seqs):  # cached tokens the request reserves (canvas x lanes; CFG has two)
+            return seqs[0].length * len(seqs[0].lanes)
+
+        def over_budget(seqs) -> bool:
+            return budget is not None and need(seqs) > budget
+
         if not fit:
-            return make_sequences(self.model, prompt_ids, params, request_id, n, choice_ids=True)
+            seqs = make_sequences(self.model, prompt_ids, params, request_id, n, choice_ids=True)
+            if over_budget(seqs):
+                lanes = len(seqs[0].lanes)
+                raise ParamError("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                               f"needs {need(seqs)} cached tokens ({lanes} lane(s), generation region "
+                                               f"rounded up to whole blocks); the server's KV budget "
+                                               f"(--max-cached-tokens) is {budget}, so this request can never run")
+            return seqs
         # lower max_tokens to what fits (prompt + max_tokens + suffix <= context: the first guess fits unless the
-        # request has an infilling suffix)
+        # request has an infilling suffix; then the KV budget)
         ctx = self.model.max_context
         m = min(params.max_tokens, ctx - len(prompt_ids))
         last: ParamError | None = None
         while m >= 1:
             try:
-                return make_sequences(self.model, prompt_ids, replace(params, max_tokens=m,
+                seqs = make_sequences(self.model, prompt_ids, replace(params, max_tokens=m,
                                                                       min_tokens=min(params.min_tokens, m)),
                                       request_id, n, choice_ids=True)
             except ParamError as exc:
@@ -266,6 +281,13 @@ class AsyncEngine:
                     raise
                 last = exc
                 m -= 1
+                continue
+            if not over_budget(seqs):
+                return seqs
+            m -= max(1, (need(seqs) - budget) // len(seqs[0].lanes))
+        if budget is not None and last is None:
+            raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; with the server's KV budget "
+                                       f"(--max-cached-tokens) of {budget} cached tokens no generation fits")
         raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; the model's context of {ctx} tokens "
                                    f"leaves no room to generate" + (f" ({last.reason})" if last else ""))
 

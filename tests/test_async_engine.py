@@ -152,8 +152,18 @@ def test_submit_errors_are_synchronous(model):
             with pytest.raises(ParamError) as e:
                 engine.submit([5], SamplingParams(max_tokens=4), "x", n=0)
             assert e.value.field == "n"
-            with pytest.raises(CacheFull):
-                engine.submit([5] * 90, SamplingParams(max_tokens=20), "x")
+            with pytest.raises(ParamError, match=r"needs \d+ cached tokens.*KV budget.*is 100.*never") as e:
+                engine.submit([5] * 90, SamplingParams(max_tokens=20), "x")  # can never fit: a client error
+            assert e.value.field == "max_tokens"
+            # an unset max_tokens (the server's default) is lowered to fit the budget as well as the context
+            fitted = engine.submit([5] * 90, SamplingParams(max_tokens=256, ignore_eos=True), "fit",
+                                   fit_max_tokens=True)
+            assert fitted.sequences[0].length <= 100 and fitted.sequences[0].max_tokens >= 1
+            fitted.abort()
+            await collect(fitted)
+            with pytest.raises(ParamError, match="KV budget") as e:
+                engine.submit([5] * 101, SamplingParams(max_tokens=256), "y", fit_max_tokens=True)
+            assert e.value.field == "prompt"
             a = engine.submit([5, 6], SamplingParams(max_tokens=80, temperature=0, seed=0, ignore_eos=True), "a")
             await a.__anext__()  # a is running: the queue is empty again
             b = engine.submit([5, 6], SamplingParams(max_tokens=4, temperature=0, seed=0), "b")

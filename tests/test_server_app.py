@@ -132,11 +132,16 @@ def test_engine_fault_is_500_or_stream_error_then_serves(model, monkeypatch):
         assert client.post("/v1/chat/completions", json=body).status_code == 200
 
 
-def test_cache_full_and_engine_closed_are_503(model):
+def test_over_budget_request_is_400_and_engine_closed_is_503(model):
+    """A request that alone exceeds the KV budget can never run: 400 naming max_tokens and the budget (a 503 would
+    make OpenAI clients retry it forever); without max_tokens the default is lowered to fit."""
     engine = AsyncEngine(model, max_cached_tokens=40)
     with TestClient(build_app(engine, "m")) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": "x " * 30, "max_tokens": 16})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "cache_full" and r.headers["retry-after"]
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "--max-cached-tokens" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x " * 10})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4}).status_code == 200
         engine.shutdown()
         r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4})
