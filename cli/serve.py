@@ -214,7 +214,14 @@ def run(args: argparse.Namespace) -> int:
              args.host, args.port, " (API key required)" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=10, lifespan="on")
-    server = uvicorn.Server(config)
+    state = app.state.unmask
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # the signal handler uvicorn installs: shutdown starts here
+            state.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     stopped_by = _absorb_reraised_signals()
     try:
         server.run()

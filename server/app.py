@@ -59,6 +59,15 @@ class ServerState:
         self.tokenizer = self.engine.model.tokenizer
         self.token_text = TokenTexts(self.tokenizer)
         self.max_context = self.engine.model.max_context
+        self.shutdown = asyncio.Event()  # set when the server starts shutting down (SIGTERM/SIGINT)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set at start-up
+
+    def begin_shutdown(self) -> None:
+        """Mark the server as shutting down: in-flight non-streamed requests are answered with a JSON 503
+        ``server_shutdown`` at once (their engine requests aborted) instead of running into uvicorn's graceful-
+        shutdown timeout and a plain-text 500. Safe from a signal handler or another thread."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.shutdown.set)
 
 
 class GuardMiddleware:
@@ -179,6 +188,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        state.loop = asyncio.get_running_loop()
         yield
         if shutdown_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
@@ -319,7 +329,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
                                               state.request_timeout, shutdown),
                                    ping=15, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                    shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
-    result = await collect(run, request, state.request_timeout)
+    result = await collect(run, request, state.request_timeout, state.shutdown)
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     return JSONResponse(result)

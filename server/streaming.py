@@ -215,13 +215,14 @@ async def _merge(streams: list[RequestStream]):
             t.cancel()
 
 
-async def collect(run: Run, request, timeout: float | None) -> dict | None:
-    """Run a non-streamed request to the end while watching for a client disconnect.
+async def collect(run: Run, request, timeout: float | None, shutdown: asyncio.Event | None = None) -> dict | None:
+    """Run a non-streamed request to the end while watching for a client disconnect and a server shutdown.
 
     Returns the response body, or None when the client went away (the engine requests are aborted).
 
     Raises:
-        APIError (timeout -> 503), EngineError (500), EngineClosed (503): the engine requests are aborted first.
+        APIError (timeout -> 503; ``shutdown`` set -> 503 ``server_shutdown``), EngineError (500), EngineClosed
+        (503): the engine requests are aborted first.
     """
 
     async def drain():
@@ -230,13 +231,19 @@ async def collect(run: Run, request, timeout: float | None) -> dict | None:
 
     consume = asyncio.create_task(drain())
     watch = asyncio.create_task(_wait_disconnect(request))
+    stop = asyncio.create_task(shutdown.wait()) if shutdown is not None else None
     try:
-        done, _ = await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if consume not in done:  # the client disconnected
+        done, _ = await asyncio.wait({consume, watch} | ({stop} if stop else set()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if consume not in done:
             consume.cancel()
             run.abort()
-            run.finish(499, "abort")
-            return None
+            if watch in done:  # the client disconnected
+                run.finish(499, "abort")
+                return None
+            run.finish(503, "abort")
+            raise APIError(503, "the server is shutting down; retry on another instance or later",
+                           code="server_shutdown", headers={"Retry-After": "1"})
         try:
             consume.result()
         except Exception as exc:
@@ -248,9 +255,11 @@ async def collect(run: Run, request, timeout: float | None) -> dict | None:
         return run.response_body()
     finally:
         watch.cancel()
+        if stop is not None:
+            stop.cancel()
         if not consume.done():
             consume.cancel()
-        if not run.done:  # cancelled from outside (server shutdown)
+        if not run.done:  # cancelled from outside
             run.abort()
             run.finish(499, "abort")
 

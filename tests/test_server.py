@@ -89,9 +89,23 @@ def server(tmp_path_factory):
         except httpx.HTTPError as exc:  # pragma: no cover - reported by the assertion below
             tail.append(repr(exc))
 
+    plain: dict = {}
+
+    def long_plain():  # a non-streamed request in flight: a JSON 503 at once, not uvicorn's 500 after 10 s
+        body = {"model": MODEL, "prompt": "Two", "max_tokens": 480, "ignore_eos": True, "cache": "none"}
+        try:
+            r = httpx.post(base + C, json=body, headers=AUTH, timeout=60)
+            plain.update(status=r.status_code, body=r.text, at=time.time())
+        except httpx.HTTPError as exc:  # pragma: no cover - reported by the assertion below
+            plain.update(status=None, body=repr(exc), at=time.time())
+
     reader = threading.Thread(target=long_stream, daemon=True)
     reader.start()
+    poster = threading.Thread(target=long_plain, daemon=True)
+    poster.start()
     started.wait(30)
+    time.sleep(0.5)
+    sent = time.time()
     proc.send_signal(signal.SIGTERM)
     try:
         rc = proc.wait(timeout=30)
@@ -104,6 +118,10 @@ def server(tmp_path_factory):
     assert "Application shutdown complete" in log_path.read_text()
     reader.join(10)
     assert tail[-1] == "[DONE]" and json.loads(tail[-2])["error"]["code"] == "server_shutdown", tail[-3:]
+    poster.join(10)
+    assert plain["status"] == 503, plain
+    assert json.loads(plain["body"])["error"]["code"] == "server_shutdown" and plain["at"] - sent < 5, plain
+    assert "Exception in ASGI application" not in log_path.read_text()
 
 
 @pytest.fixture(scope="module")
