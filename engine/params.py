@@ -49,8 +49,10 @@ class SamplingParams:
             (``dllm.default_sampling.temperature``), else 1.0.
         top_k: keep the k most likely tokens (0 = off). top_p: nucleus filter (1.0 = off).
         steps: total denoising steps for the whole generation (LLaDA's ``steps``), split over the blocks as evenly
-            as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step
-            (unless the checkpoint's default threshold applies, see :meth:`with_defaults`).
+            as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step:
+            ``max_tokens`` rounded up to whole blocks (the canvas's masked positions; a request stops as soon as its
+            first ``max_tokens`` are revealed), unless the checkpoint's default threshold applies (see
+            :meth:`with_defaults`).
         block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``.
         sub_block_size: decoding window inside a block (Fast-dLLM v2's sub-blocks): positions are revealed window
             by window, left to right, while attention and caching stay per block; the step budget is split over

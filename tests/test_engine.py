@@ -69,6 +69,20 @@ def test_one_token_per_step_when_steps_cover_positions(llms):
     assert [ev.step for ev in evs] == list(range(8))
 
 
+@pytest.mark.parametrize("attention", ["prefix_causal", "bidirectional"])
+@pytest.mark.parametrize("max_tokens", [5, 6, 7])
+def test_default_steps_reveal_one_token_per_step_when_max_tokens_is_not_a_block_multiple(llms, attention,
+                                                                                        max_tokens):
+    """The default step budget covers the whole canvas (max_tokens rounded up to the block): one token per step in
+    every block. It used to be max_tokens, shared with the last block's hidden positions, so every block revealed
+    more than one token in some step (max_tokens=6, block 4: 3 steps for the first block's 4 masks)."""
+    p = SamplingParams(max_tokens=max_tokens, block_size=4, temperature=0, ignore_eos=True)
+    evs = _events(llms[attention], PROMPTS[1], p)
+    assert all(len(ev.revealed) <= 1 for ev in evs)  # hidden tail reveals are not shown: 0 or 1 visible
+    assert [len(ev.revealed) for ev in evs if ev.block == 0] == [1, 1, 1, 1]
+    assert sum(len(ev.revealed) for ev in evs) == max_tokens and evs[-1].finished
+
+
 def test_threshold_one_reveals_exactly_one_per_step(llms):
     p = SamplingParams(max_tokens=8, block_size=4, temperature=0, threshold=1.0, ignore_eos=True)
     evs = _events(llms["bidirectional"], PROMPTS[0], p)
