@@ -74,7 +74,8 @@ def test_concurrent_requests_equal_llm_generate_alone(model):
             assert mine[-1].text == seq.text
             texts = [ev.text for ev in mine]
             assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "stream text must only grow"
-            assert [ev.step for ev in mine if ev.revealed] == list(range(len([ev for ev in mine if ev.revealed])))
+            steps = [ev.step for ev in mine if ev.revealed]  # a step may reveal only the hidden tail of the last
+            assert steps == sorted(set(steps)) and steps[0] == 0  # block (max_tokens not a block multiple)
         assert got == want
         assert stream.finished and stream.queue_time is not None
 
