@@ -290,6 +290,13 @@ def _check_model(requested: str, served: str) -> None:
         raise _unknown_model(requested)
 
 
+def _rename_param(err: APIError, old: str, new: str) -> None:
+    """Name the request's own field in an engine error: ``param`` and the message's leading ``old:``."""
+    err.param = new
+    if err.message.startswith(f"{old}:"):
+        err.message = f"{new}:{err.message[len(old) + 1:]}"
+
+
 async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], arrival: float, request: Request,
                  logprobs: bool, top_logprobs: int):
     """Submit one engine request per prompt and answer with JSON or SSE."""
@@ -313,10 +320,10 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
             s.abort()
         err = from_exception(exc)
         if kind == "chat" and err.param == "prompt":   # the chat prompt is the rendered `messages`
-            err.param = "messages"
+            _rename_param(err, "prompt", "messages")
             err.message = err.message.replace("the prompt (", "the messages (rendered prompt: ", 1)
         if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-            err.param = "max_completion_tokens"  # the chat request's own name for it
+            _rename_param(err, "max_tokens", "max_completion_tokens")  # the chat request's own name for it
         if err.code in ("queue_full", "cache_full"):
             # earlier prompts of this request may have run a step before a later one was refused
             state.metrics.record_failure(err.code, [(len(ids), s.sequences) for ids, s in zip(prompts, streams)])

@@ -99,6 +99,15 @@ def param_path(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+# pydantic error types that only say "not this member's type" (one per member of a union field)
+_TYPE_MISMATCH = frozenset({"string_type", "list_type", "int_type", "int_parsing", "int_from_float", "float_type",
+                            "float_parsing", "bool_type", "bool_parsing", "dict_type", "model_type",
+                            "model_attributes_type", "is_instance_of", "none_required"})
+
+#: FastAPI's detail when the body is not decodable JSON (not UTF-8, or nested beyond the parser's recursion limit)
+_BODY_PARSE_DETAIL = "There was an error parsing the body"
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first meaningful pydantic error as a 400 that names the field."""
     errors = exc.errors()
@@ -112,6 +121,20 @@ def validation_error(exc: RequestValidationError) -> APIError:
         code = "unsupported_field" if err["type"] == "unsupported_field" else "invalid_value"
         return APIError(400, f"{field}: {ctx.get('why')}", param=field, code=code)
     err = errors[0]
+    if err.get("type") in _TYPE_MISMATCH and len(loc_field := tuple(err.get("loc", ()))[:2]) == 2:
+        # a union field (``prompt``, ``content``, ...) reports one error per member; a constraint error of the
+        # member the value's shape matched (too many prompts, a negative token id) says more than "should be a
+        # valid string" from the first member
+        specific = [e for e in errors if tuple(e.get("loc", ()))[:2] == loc_field
+                    and e.get("type") not in _TYPE_MISMATCH]
+        if specific:
+            err = specific[0]
+        else:
+            msgs = list(dict.fromkeys(e.get("msg", "") for e in errors if tuple(e.get("loc", ()))[:2] == loc_field))
+            if len(msgs) > 1:  # every member of the union refused the value's type
+                param = param_path(loc_field)
+                return APIError(400, f"{param}: none of the accepted forms matches ({'; '.join(msgs)})",
+                                param=param, code="invalid_value")
     kind = err.get("type", "")
     if kind == "json_invalid":
         ctx = err.get("ctx") or {}
@@ -154,6 +177,9 @@ def install_handlers(app) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == _BODY_PARSE_DETAIL:
+            return _rejected(request, APIError(400, "invalid JSON body: it must be UTF-8 encoded JSON (RFC 8259) "
+                                                    "nested at most a few hundred levels deep", code="invalid_json"))
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
                                                           f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
         return _rejected(request, APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(

@@ -262,3 +262,32 @@ def test_checkpoint_default_threshold_and_explicit_null_over_http():
             assert r.status_code == 200, r.text
             nfe[name] = r.json()["usage"]["nfe"]
         assert nfe == {"default": 2, "null": 8, "steps": 4}  # 2 blocks of 4; null = no threshold: 1 token/step
+
+
+def test_error_messages_name_the_clients_field_and_the_real_reason(model):
+    """Union fields report the constraint the value broke (not the first member's type error), renamed fields keep
+    param and message in agreement, and undecodable bodies say why."""
+    engine = AsyncEngine(model)
+    with TestClient(build_app(engine, "m")) as client:
+        def err(path, **kw):
+            r = client.post(path, **kw)
+            assert r.status_code == 400, r.text
+            return r.json()["error"]
+
+        e = err("/v1/completions", json={"model": "m", "prompt": [-1]})
+        assert e["param"] == "prompt.0" and "greater than or equal to 0" in e["message"]
+        e = err("/v1/completions", json={"model": "m", "prompt": ["a"] * 33})
+        assert e["param"] == "prompt" and "at most 32" in e["message"]
+        e = err("/v1/completions", json={"model": "m", "prompt": 5})
+        assert e["param"] == "prompt" and "none of the accepted forms" in e["message"]
+        e = err("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": []}]})
+        assert e["param"] == "messages.0.content" and "at least 1" in e["message"]
+        e = err("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_completion_tokens": 600})
+        assert e["param"] == "max_completion_tokens" and e["message"].startswith("max_completion_tokens:")
+        e = err("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi " * 600}]})
+        assert e["param"] == "messages" and e["message"].startswith("messages:")
+        for raw in (b'{"model": "m", "prompt": "\xff"}', b"[" * 100000):
+            e = err("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert e["code"] == "invalid_json" and "UTF-8" in e["message"]
+        assert client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2}).status_code == 200
