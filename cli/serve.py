@@ -41,8 +41,8 @@ def register(sub, name):
                                    "denoising step, Prometheus /metrics).")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or hub id (default: the A2D SmolLM2 default model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
     p.add_argument("--api-key", default=os.environ.get("UNMASK_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $UNMASK_API_KEY, else none)")

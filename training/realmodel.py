@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,5 +101,7 @@ def ensure_default_converted(block_size: int = 1, out: str | os.PathLike | None 
         return out
     gguf = smollm2_gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[unmask] converting {gguf.name} once into {out} (about a minute; later starts reuse it)",
+          file=sys.stderr, flush=True)
     return convert_checkpoint(gguf.parent, out, attention="prefix_causal", block_size=block_size, logit_shift=True,
                               gguf_file=gguf.name)

@@ -77,9 +77,10 @@ class RecipeConfig:
         default_threshold: decoding default written into the export (``unmask export --default-threshold``):
             requests that give neither ``steps`` nor ``threshold`` decode with this confidence threshold
             (None = one token per step).
-        default_speculative: written into the export (``unmask export --default-speculative``): greedy requests
-            that give neither ``steps`` nor ``threshold`` decode self-speculatively (the model's ``block_size=1``
-            answer in fewer forwards; ``benchmarks/results/speculative/``). Default on.
+        default_speculative: written into the export (``unmask export --default-speculative``): requests that
+            give neither ``steps`` nor ``threshold`` decode self-speculatively (greedy: the model's ``block_size=1``
+            answer in fewer forwards; temperature > 0: speculative sampling, distributed as ``block_size=1``
+            sampling; ``benchmarks/results/speculative/``). Default on.
     """
 
     work: str = ""
@@ -666,6 +667,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="decoding default stored in the export: requests without steps/threshold get "
                         "confidence-threshold decoding at this value (default: one token per step)")
     p.add_argument("--default-speculative", action=argparse.BooleanOptionalAction, default=d.default_speculative,
-                   help="decoding default stored in the export: greedy requests without steps/threshold decode "
-                        "self-speculatively (default: on)")
+                   help="decoding default stored in the export: requests without steps/threshold decode "
+                        "self-speculatively (greedy: the block_size=1 answer; temperature > 0: speculative "
+                        "sampling) (default: on)")
     return p
