@@ -1,4 +1,5 @@
-"""``unmask generate MODEL --prompt TEXT``: one generation from the command line."""
+"""``unmask generate [MODEL] --prompt TEXT``: one generation from the command line (no MODEL: the model ``unmask
+serve`` serves by default)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,9 @@ def register(sub, name):
     """Add the ``unmask generate`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="generate text with a diffusion LM",
                        description="Generate with block-wise iterative unmasking.")
-    p.add_argument("model", help="checkpoint directory (or hub id)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (or hub id); default: the model `unmask serve` serves by default (the "
+                        "trained SmolLM2 A2D if the recipe made one, else the untrained conversion at block size 1)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -83,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.model is None:
+        from unmask.cli.serve import default_model
+
+        args.model, default_block, what = default_model()
+        if args.block_size is None and default_block is not None:
+            params.block_size = default_block
+        print(f"[unmask] no MODEL given: generating with {what}", file=sys.stderr, flush=True)
     from unmask.engine.detokenize import TokenTexts
     from unmask.engine.llm import LLM
 

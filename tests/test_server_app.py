@@ -291,3 +291,26 @@ def test_error_messages_name_the_clients_field_and_the_real_reason(model):
             e = err("/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert e["code"] == "invalid_json" and "UTF-8" in e["message"]
         assert client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_generate_without_model_uses_the_serve_default(monkeypatch, tmp_path, capsys):
+    """`unmask generate` with no MODEL decodes the model `unmask serve` serves by default, at its default block
+    size (1 for the untrained conversion: exactly the AR parent)."""
+    from unmask.cli.main import main as cli_main
+    from unmask.engine.checkpoint import write_checkpoint
+
+    m = loaded(block_size=4)
+    write_checkpoint(tmp_path / "conv", m.model, m.tokenizer, m.dllm)
+    fake = types.ModuleType("unmask.training.realmodel")
+    fake.default_trained_dir = lambda: tmp_path / "none"
+    fake.ensure_default_converted = lambda: tmp_path / "conv"
+    monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
+    assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--json", "--weights", "native"]) == 0
+    out = capsys.readouterr()
+    obj = json.loads(out.out)
+    assert "no MODEL given" in out.err and "UNTRAINED" in out.err
+    from unmask.engine import LLM, SamplingParams
+
+    ref = LLM(str(tmp_path / "conv"), weights="native").generate(
+        "Hello", SamplingParams(max_tokens=5, temperature=0, block_size=1, seed=0))[0].outputs[0]
+    assert obj["token_ids"] == ref.token_ids and obj["nfe"] == ref.nfe
