@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
+        how = {"recipe": "rerun the same command", "train-head": "rerun the same command",
+               "distill-data": "rerun the same command", "train": "rerun it with --resume"}.get(args.command)
+        print(f"\nunmask {args.command}: interrupted" + (f"; {how} to continue where it stopped" if how else ""),
+              file=sys.stderr)
         return 130
     except UsageError as exc:
         print(f"unmask {args.command}: error: {exc}", file=sys.stderr)

@@ -170,3 +170,15 @@ def test_engine_teacher_clamps_answers_at_the_context_edge_and_stops_at_the_toke
     rec = teacher.answer([dict(item)], 6)[0]
     got = rec["completion_ids"]
     assert got == free[: len(got)] and (len(got) == 3 or got[-1] in lm.dllm.eos_token_ids)
+
+
+def test_ctrl_c_says_how_to_resume(monkeypatch, capsys):
+    """Ctrl-C exits 130 and a resumable command says how to continue."""
+    import unmask.cli.distill as distill_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_cli, "run", interrupted)
+    assert cli_main(["distill-data", "--teacher", "t", "--prompts", "p", "--out", "o"]) == 130
+    assert "interrupted; rerun the same command to continue" in capsys.readouterr().err
