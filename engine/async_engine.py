@@ -266,12 +266,13 @@ class AsyncEngine:
                                                f"rounded up to whole blocks); the server's KV budget "
                                                f"(--max-cached-tokens) is {budget}, so this request can never run")
             return seqs
-        # lower max_tokens to what fits (prompt + max_tokens + suffix <= context: the first guess fits unless the
-        # request has an infilling suffix; then the KV budget)
+        # the largest max_tokens that fits the context (prompt + generation region + suffix) and the KV budget:
+        # both grow with max_tokens (the canvas is rounded up to whole blocks), so bisect
         ctx = self.model.max_context
-        m = min(params.max_tokens, ctx - len(prompt_ids))
         last: ParamError | None = None
-        while m >= 1:
+
+        def build(m: int) -> list[Sequence] | None:
+            nonlocal last
             try:
                 seqs = make_sequences(self.model, prompt_ids, replace(params, max_tokens=m,
                                                                       min_tokens=min(params.min_tokens, m)),
@@ -280,11 +281,22 @@ class AsyncEngine:
                 if exc.field != "max_tokens":
                     raise
                 last = exc
-                m -= 1
-                continue
-            if not over_budget(seqs):
-                return seqs
-            m -= max(1, (need(seqs) - budget) // len(seqs[0].lanes))
+                return None
+            return None if over_budget(seqs) else seqs
+
+        hi = min(params.max_tokens, ctx - len(prompt_ids))
+        best = build(hi) if hi >= 1 else None
+        if best is None and hi > 1:
+            lo = 0  # invariant: build(lo) fits or lo == 0; build(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                got = build(mid)
+                if got is not None:
+                    lo, best = mid, got
+                else:
+                    hi = mid
+        if best is not None:
+            return best
         if budget is not None and last is None:
             raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; with the server's KV budget "
                                        f"(--max-cached-tokens) of {budget} cached tokens no generation fits")

@@ -152,7 +152,8 @@ class LLM:
                 its own parameters (batch invariance: its tokens are those it gets alone).
             n: choices per request.
             lookahead: requests read ahead of the running batch (default ``max_batch_size``: a finished request's
-                slot is refilled at the next step, so the batch never drains while requests remain).
+                slot is refilled at the next step, so the batch never drains while requests remain); counted as
+                ``lookahead x n`` sequences.
 
         Raises:
             ParamError: a request's parameters are invalid for this model (names the field); the requests that
@@ -164,7 +165,7 @@ class LLM:
         source = enumerate(requests)
         exhausted = False
         while True:
-            while not exhausted and len(sched.waiting) + len(sched.running) < self.max_batch_size + ahead:
+            while not exhausted and len(sched.waiting) + len(sched.running) < self.max_batch_size + ahead * n:
                 nxt = next(source, None)
                 if nxt is None:
                     exhausted = True

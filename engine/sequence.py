@@ -193,10 +193,11 @@ class Sequence:
         first_block_start = self.origin + ((P - self.origin) // bs) * bs
         self.blocks = [(s, min(s + bs, gen_end)) for s in range(first_block_start, gen_end, bs)]
         self.threshold = params.threshold
-        total_masks = int((self.canvas[P:P + self.gen_len] == mask_id).sum())
-        # default steps = one per masked canvas position: max_tokens when it fills whole blocks (DESIGN.md section
-        # 10), else max_tokens rounded up to the block; with ``max_tokens`` the budget would be shared with the
-        # hidden positions of the last block and every block would reveal more than one token per step
+        # default steps = one per masked canvas position, window by window: max_tokens when it fills whole blocks
+        # (DESIGN.md section 10), else max_tokens rounded up to the block; with ``max_tokens`` split evenly the
+        # budget would be shared with the hidden positions of the last block (and a partial first block under
+        # absolute alignment, or uneven sub-block windows, would get an even share), so some steps would reveal
+        # more than one token
         # decoding windows: a block is revealed window by window (Fast-dLLM v2's sub-blocks; a window is the whole
         # block elsewhere); the step budget is split over the windows that hold generation positions
         self.window_size = min(params.sub_block_size or dllm.sub_block_size or bs, bs)
@@ -206,7 +207,10 @@ class Sequence:
                 lo, hi = max(ws, P), min(ws + self.window_size, e)
                 if lo < hi:
                     self.windows.append((b, lo, hi))
-        self.window_steps = split_steps(params.steps or total_masks or 1, len(self.windows))
+        if params.steps is None:  # one step per masked position of each window (its own count, not an even split)
+            self.window_steps = [max(1, int((self.canvas[lo:hi] == mask_id).sum())) for _, lo, hi in self.windows]
+        else:
+            self.window_steps = split_steps(params.steps, len(self.windows))
 
         self.cache_mode = self._resolve_cache(params.cache)
         self.lanes = [Lane("cond", LaneCache(L))] + ([Lane("uncond", LaneCache(L))] if params.cfg_scale > 0 else [])

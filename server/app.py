@@ -59,15 +59,31 @@ class ServerState:
         self.tokenizer = self.engine.model.tokenizer
         self.token_text = TokenTexts(self.tokenizer)
         self.max_context = self.engine.model.max_context
-        self.shutdown = asyncio.Event()  # set when the server starts shutting down (SIGTERM/SIGINT)
-        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set at start-up
+        # set when the server starts shutting down (SIGTERM/SIGINT); made per serving loop at start-up (an
+        # asyncio.Event belongs to the first loop that waits on it)
+        self.shutdown: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def serving(self) -> None:
+        """Start-up on the running loop: a fresh shutdown event bound to it."""
+        self.loop = asyncio.get_running_loop()
+        self.shutdown = asyncio.Event()
+
+    def shutdown_event(self) -> asyncio.Event | None:
+        """The shutdown event when called on the serving loop, else ``None`` (e.g. a test client's own loop)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return self.shutdown if running is self.loop else None
 
     def begin_shutdown(self) -> None:
         """Mark the server as shutting down: in-flight non-streamed requests are answered with a JSON 503
         ``server_shutdown`` at once (their engine requests aborted) instead of running into uvicorn's graceful-
         shutdown timeout and a plain-text 500. Safe from a signal handler or another thread."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.shutdown.set)
+        loop, event = self.loop, self.shutdown
+        if loop is not None and event is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(event.set)
 
 
 class GuardMiddleware:
@@ -188,7 +204,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.loop = asyncio.get_running_loop()
+        state.serving()
         yield
         if shutdown_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
@@ -336,7 +352,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
                                               state.request_timeout, shutdown),
                                    ping=15, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                    shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
-    result = await collect(run, request, state.request_timeout, state.shutdown)
+    result = await collect(run, request, state.request_timeout, state.shutdown_event())
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     return JSONResponse(result)

@@ -108,6 +108,15 @@ _TYPE_MISMATCH = frozenset({"string_type", "list_type", "int_type", "int_parsing
 _BODY_PARSE_DETAIL = "There was an error parsing the body"
 
 
+def _union_loc(loc: tuple) -> tuple | None:
+    """The location of the union field an error belongs to: ``loc`` up to its first member tag (``("body",
+    "messages", 1, "content", "str")`` -> ``("body", "messages", 1, "content")``); ``None`` when no tag."""
+    for i, part in enumerate(loc):
+        if i > 1 and isinstance(part, str) and _TAG.match(part):
+            return loc[:i]
+    return None
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first meaningful pydantic error as a 400 that names the field."""
     errors = exc.errors()
@@ -121,18 +130,19 @@ def validation_error(exc: RequestValidationError) -> APIError:
         code = "unsupported_field" if err["type"] == "unsupported_field" else "invalid_value"
         return APIError(400, f"{field}: {ctx.get('why')}", param=field, code=code)
     err = errors[0]
-    if err.get("type") in _TYPE_MISMATCH and len(loc_field := tuple(err.get("loc", ()))[:2]) == 2:
+    union = _union_loc(tuple(err.get("loc", ())))
+    if err.get("type") in _TYPE_MISMATCH and union is not None:
         # a union field (``prompt``, ``content``, ...) reports one error per member; a constraint error of the
         # member the value's shape matched (too many prompts, a negative token id) says more than "should be a
         # valid string" from the first member
-        specific = [e for e in errors if tuple(e.get("loc", ()))[:2] == loc_field
-                    and e.get("type") not in _TYPE_MISMATCH]
+        same = [e for e in errors if _union_loc(tuple(e.get("loc", ()))) == union]
+        specific = [e for e in same if e.get("type") not in _TYPE_MISMATCH]
         if specific:
             err = specific[0]
         else:
-            msgs = list(dict.fromkeys(e.get("msg", "") for e in errors if tuple(e.get("loc", ()))[:2] == loc_field))
+            msgs = list(dict.fromkeys(e.get("msg", "") for e in same))
             if len(msgs) > 1:  # every member of the union refused the value's type
-                param = param_path(loc_field)
+                param = param_path(union)
                 return APIError(400, f"{param}: none of the accepted forms matches ({'; '.join(msgs)})",
                                 param=param, code="invalid_value")
     kind = err.get("type", "")

@@ -233,8 +233,14 @@ async def collect(run: Run, request, timeout: float | None, shutdown: asyncio.Ev
     watch = asyncio.create_task(_wait_disconnect(request))
     stop = asyncio.create_task(shutdown.wait()) if shutdown is not None else None
     try:
-        done, _ = await asyncio.wait({consume, watch} | ({stop} if stop else set()),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        waiting = {consume, watch} | ({stop} if stop else set())
+        while True:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if done == {stop} and stop.exception() is not None:  # no usable shutdown signal: keep serving
+                log.warning("%s: shutdown watcher failed (%r); serving on without it", run.id, stop.exception())
+                waiting.discard(stop)
+                continue
+            break
         if consume not in done:
             consume.cancel()
             run.abort()

@@ -159,7 +159,19 @@ def test_submit_errors_are_synchronous(model):
             # an unset max_tokens (the server's default) is lowered to fit the budget as well as the context
             fitted = engine.submit([5] * 90, SamplingParams(max_tokens=256, ignore_eos=True), "fit",
                                    fit_max_tokens=True)
-            assert fitted.sequences[0].length <= 100 and fitted.sequences[0].max_tokens >= 1
+            from unmask.engine.llm import make_sequences
+
+            def canvas(m):  # tokens the request would reserve with max_tokens = m
+                return make_sequences(model, [5] * 90, SamplingParams(max_tokens=m), "probe")[0].length
+            largest = max(m for m in range(1, 11) if canvas(m) <= 100)  # the canvas is rounded up to whole blocks
+            assert fitted.sequences[0].length <= 100 and fitted.sequences[0].max_tokens == largest
+            fitted.abort()
+            await collect(fitted)
+            # block 32: the canvas grows in steps of 32, and the largest fit (96) is not the first one below the
+            # overshoot (a subtract-the-excess search stopped at 66)
+            fitted = engine.submit([5] * 3, SamplingParams(max_tokens=256, block_size=32, ignore_eos=True), "fit32",
+                                   fit_max_tokens=True)
+            assert fitted.sequences[0].max_tokens == 96 and fitted.sequences[0].length == 99
             fitted.abort()
             await collect(fitted)
             with pytest.raises(ParamError, match="KV budget") as e:

@@ -83,6 +83,23 @@ def test_default_steps_reveal_one_token_per_step_when_max_tokens_is_not_a_block_
     assert sum(len(ev.revealed) for ev in evs) == max_tokens and evs[-1].finished
 
 
+@pytest.mark.parametrize("max_tokens", [5, 7, 9])
+@pytest.mark.parametrize("kind", ["absolute", "sub_block"])
+def test_default_steps_are_one_per_position_in_uneven_windows(max_tokens, kind):
+    """Windows of unequal size get their own step counts by default: a partial first block under absolute block
+    alignment (SDAR, Fast-dLLM v2) and sub-block windows that do not divide the block (an even split of the budget
+    revealed 2 tokens in some steps there)."""
+    if kind == "absolute":
+        m = loaded(attention="block_causal", block_size=4, block_alignment="absolute", fixed_block_size=True)
+        p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    else:
+        m = loaded(attention="block_causal", block_size=8, block_alignment="absolute", fixed_block_size=True)
+        p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, sub_block_size=3)
+    evs = list(LLM(m).stream(PROMPTS[0], p))
+    assert all(len(ev.revealed) <= 1 for ev in evs)
+    assert sum(len(ev.revealed) for ev in evs) == max_tokens and evs[-1].finished
+
+
 def test_threshold_one_reveals_exactly_one_per_step(llms):
     p = SamplingParams(max_tokens=8, block_size=4, temperature=0, threshold=1.0, ignore_eos=True)
     evs = _events(llms["bidirectional"], PROMPTS[0], p)
@@ -625,3 +642,21 @@ def test_prefill_joining_one_row_steps_runs_apart_and_changes_nothing(llms):
     while sched.has_work():
         sched.step()
     assert [s.output_ids for s in seqs] == alone
+
+
+def test_generate_checks_every_request_before_the_first_step_with_several_choices(llms, monkeypatch):
+    """generate() builds (and so validates) every request before any step runs, also with n > 1 (the read-ahead
+    counts sequences): a bad last prompt must not cost the others' decoding first."""
+    llm = llms["prefix_causal"]
+    from unmask.engine.scheduler import Scheduler
+
+    stepped = []
+    monkeypatch.setattr(Scheduler, "step", lambda self: stepped.append(1) or [])
+    old = llm.max_batch_size
+    llm.max_batch_size = 2
+    try:
+        with pytest.raises(ParamError):
+            llm.generate(["Hi", "Hey", "x " * 600], SamplingParams(max_tokens=4), n=3)
+    finally:
+        llm.max_batch_size = old
+    assert not stepped

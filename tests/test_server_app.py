@@ -282,6 +282,9 @@ def test_error_messages_name_the_clients_field_and_the_real_reason(model):
         assert e["param"] == "prompt" and "none of the accepted forms" in e["message"]
         e = err("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": []}]})
         assert e["param"] == "messages.0.content" and "at least 1" in e["message"]
+        e = err("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "a"},
+                                                                       {"role": "user", "content": 7}]})
+        assert e["param"] == "messages.1.content" and "none of the accepted forms" in e["message"]
         e = err("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                               "max_completion_tokens": 600})
         assert e["param"] == "max_completion_tokens" and e["message"].startswith("max_completion_tokens:")
@@ -314,3 +317,19 @@ def test_generate_without_model_uses_the_serve_default(monkeypatch, tmp_path, ca
     ref = LLM(str(tmp_path / "conv"), weights="native").generate(
         "Hello", SamplingParams(max_tokens=5, temperature=0, block_size=1, seed=0))[0].outputs[0]
     assert obj["token_ids"] == ref.token_ids and obj["nfe"] == ref.nfe
+
+
+def test_plain_requests_are_not_shut_down_on_other_event_loops(model):
+    """The shutdown event belongs to the serving loop: requests on another loop (a TestClient without `with`, a
+    second app start) used to get 503 server_shutdown because waiting on the first loop's event failed at once."""
+    engine = AsyncEngine(model)
+    app = build_app(engine, "m", shutdown_engine=False)
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 2}
+    try:
+        bare = TestClient(app)
+        assert [bare.post("/v1/completions", json=body).status_code for _ in range(2)] == [200, 200]
+        for _ in range(2):
+            with TestClient(app) as client:
+                assert [client.post("/v1/completions", json=body).status_code for _ in range(2)] == [200, 200]
+    finally:
+        engine.shutdown()

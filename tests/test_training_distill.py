@@ -139,6 +139,36 @@ def test_distill_skips_prompts_that_fill_the_context_and_keeps_going(tmp_path, c
         assert stats == {"total": 3, "skipped": 2 * attempt, "written": 2 * (1 - attempt), "too_long": 1}
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["prompt"] for r in recs) == ["Hi", "Name three colours."]
+    # a prompt 2 tokens short of the context gets 2 tokens (transformers would run past the positions it knows)
+    near = _prompt_with_tokens(lm.tokenizer, ctx - 2)
+    prompts.write_text(json.dumps({"prompt": near}) + "\n")
+    out2 = tmp_path / "near.jsonl"
+    assert cli_main(args[:args.index("--out") + 1] + [str(out2)] + args[args.index("--out") + 2:]) == 0
+    rec = json.loads(out2.read_text())
+    assert 1 <= len(rec["completion_ids"]) <= 2
+
+
+def _prompt_with_tokens(tok, n_tokens):
+    """A user prompt whose chat-rendered prompt has exactly ``n_tokens`` tokens (found by search)."""
+    def count(text):
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+        return len(tok(rendered, add_special_tokens=False).input_ids)
+
+    for filler in ("a", "b c", "word", "x"):
+        lo, hi = 0, 4 * n_tokens  # count(filler * k) grows with k: bisect for the exact length
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if count(" ".join([filler] * mid)) < n_tokens:
+                lo = mid + 1
+            else:
+                hi = mid
+        for k in (lo, lo + 1):
+            for tail in ("", " z", " q"):
+                text = " ".join([filler] * k) + tail
+                if count(text) == n_tokens:
+                    return text
+    raise AssertionError(f"no prompt of {n_tokens} tokens found")
 
 
 def test_engine_teacher_clamps_answers_at_the_context_edge_and_stops_at_the_tokenizers_eos(tmp_path, monkeypatch):

@@ -234,11 +234,17 @@ class TransformersTeacher:
 
     def answer_iter(self, items: list[dict], max_new_tokens: int) -> Iterator[tuple[int, dict]]:
         """Greedy answers for ``items``, ``batch_size`` at a time (see :func:`generate_batch`): ``(index,
-        record)`` in order, a batch's records together."""
-        for lo in range(0, len(items), self.batch_size):
-            chunk = items[lo: lo + self.batch_size]
-            yield from enumerate(generate_batch(self.model, self.tokenizer, chunk, max_new_tokens, self.top_k_dist),
-                                 start=lo)
+        record)``, a batch's records together. A prompt within ``max_new_tokens`` of the end of the context is
+        answered alone with the tokens that fit (``finished`` False if none was EOS), after the others."""
+        room = {i: self.context - self.prompt_length(it) for i, it in enumerate(items)}
+        fits = [i for i in range(len(items)) if room[i] >= max_new_tokens]
+        for lo in range(0, len(fits), self.batch_size):
+            idx = fits[lo: lo + self.batch_size]
+            recs = generate_batch(self.model, self.tokenizer, [items[i] for i in idx], max_new_tokens,
+                                  self.top_k_dist)
+            yield from zip(idx, recs)
+        for i in (i for i in range(len(items)) if 1 <= room[i] < max_new_tokens):
+            yield i, generate_batch(self.model, self.tokenizer, [items[i]], room[i], self.top_k_dist)[0]
 
 
 class EngineTeacher:
