@@ -19,7 +19,7 @@ from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.model import load_model
 from unmask.training.export import ExportError, export, load_quantized_fresh, probe_ids, write_quantized
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _FRESH = """
 import sys, torch

@@ -50,7 +50,7 @@ def server(tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("log") / "server.log"
     ckpt = str(tmp_path_factory.mktemp("ckpt") / "tiny-a2d")
-    script = SERVE.format(tests=os.path.dirname(os.path.abspath(__file__)), ckpt=ckpt)
+    script = SERVE.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ckpt=ckpt)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:

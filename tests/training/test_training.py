@@ -23,7 +23,7 @@ from unmask.engine.params import SamplingParams
 from unmask.training.export import export
 from unmask.training.trainer import TrainConfig, TrainError, resolve_latest, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = [
     {"prompt": "What is two plus two?", "completion": "Two plus two is four."},
     {"prompt": "Name a quick animal.", "completion": "The quick brown fox."},

@@ -9,7 +9,7 @@ import pytest
 
 from unmask.training.recipes import prompts as P
 
-DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 
 
 @pytest.fixture(scope="module")

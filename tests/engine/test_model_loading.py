@@ -141,7 +141,7 @@ def test_writer_killed_while_flushing_leaves_a_temporary_the_next_write_removes(
         "import unmask.engine.checkpoint as c\n"
         "c._fsync_tree = lambda root: os._exit(9)\n"
         "m = tiny.loaded(); c.write_checkpoint({out!r}, m.model, m.tokenizer, m.dllm)\n"
-    ).format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"))
+    ).format(tests=str(Path(__file__).resolve().parents[1]), out=str(tmp_path / "out"))
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert child.returncode == 9, child.stderr
     left = list(tmp_path.glob("out.tmp-*"))
