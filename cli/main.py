@@ -23,9 +23,20 @@ COMMANDS = {
 }
 
 
+def package_version() -> str:
+    """The installed distribution's version (``pyproject.toml``), or ``"unknown"`` when unmask is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("unmask")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``unmask`` parser with one sub-command per :data:`COMMANDS` module present (each sets ``_run``)."""
     parser = argparse.ArgumentParser(prog="unmask", description="Diffusion LM inference server and A2D training")
+    parser.add_argument("--version", action="version", version=f"unmask {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, module in COMMANDS.items():
