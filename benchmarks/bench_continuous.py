@@ -50,7 +50,7 @@ def run_once(llm, prompt_ids, params, batch: int, overhead_rows: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the comparison and write ``results/<name>.{json,md}``; returns 0 (1 if the two modes' tokens differ)."""
+    """Run the comparison and write ``results/bench_continuous.{json,md}``; returns 0 (1 if the two modes' tokens differ)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="servable checkpoint (default: the converted SmolLM2)")
     ap.add_argument("--prompts", type=int, default=64)
@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--name", default="bench_continuous")
     bc.add_weights_argument(ap)
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             "same_tokens": same,
             "runs": {m: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for m, rs in runs.items()}}
     print(md)
-    bc.write_results(args.name, data, md)
+    bc.write_results(bc.result_name("bench_continuous"), data, md)
     return 0 if same else 1
 
 

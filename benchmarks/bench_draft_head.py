@@ -3,7 +3,7 @@ threshold, against one-token-per-forward decoding of the same checkpoint (the ve
 
 Greedy, batch 1, the first ``--prompts`` prompts of the 60-prompt evaluation grid (chat template), ``--repeats``
 timed passes each (median tokens/s per prompt, then the median over prompts). Every setting returns the same tokens
-(exact verification), which the benchmark checks. Writes ``benchmarks/results/<--name>.{json,md}``.
+(exact verification), which the benchmark checks. Writes ``benchmarks/results/bench_draft_head.{json,md}`` (a rerun overwrites them).
 
 Usage::
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, markdown_table, set_threads, write_results  # noqa: E402
+from bench_common import environment, markdown_table, result_name, set_threads, write_results  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--name", default="bench_draft_head")
     args = ap.parse_args()
     set_threads(args.threads)
     from unmask.engine import LLM, SamplingParams
@@ -90,7 +89,7 @@ def main() -> None:
           f"{args.prompts} grid prompts, <= {args.max_tokens} tokens, median of {args.repeats} passes per prompt; "
           "b1 = the same checkpoint one token per forward (the verifier alone).\n\n"
           + markdown_table(["setting", "TPF", "tok/s (median)", "x b1", "answers = b1"], rows))
-    write_results(args.name, {"settings": vars(args), "environment": environment(args.threads),
+    write_results(result_name("bench_draft_head"), {"settings": vars(args), "environment": environment(args.threads),
                               "results": results}, md)
 
 

@@ -17,7 +17,7 @@ quantized activations) - the kernels behind ``unmask serve --weights fp16``, aga
 
     .venv/bin/python benchmarks/bench_gemm_rows.py --threads 2 --rows 1,2,4,8,16,20,32 --formats fp32,fp16,int8
 
-Output: ``results/bench_gemm_rows.json`` / ``.md`` (``--name`` picks another name): milliseconds per 30-layer
+Output: ``results/bench_gemm_rows.json`` / ``.md`` (a rerun overwrites them): milliseconds per 30-layer
 pass of the seven linear layers (median of ``--repeats``), GFLOP/s, and the time ratio of each row count to the
 smallest of the same format.
 """
@@ -39,7 +39,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default="fp32", help="comma-separated: fp32 (MKL), fp16 / int8 (fbgemm packed)")
-    ap.add_argument("--name", default="bench_gemm_rows", help="results file name")
     args = ap.parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = sorted(set(formats) - {"fp32", "fp16", "int8"})
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
           "linears). A cached step forwards 32 rows; a no-cache step over a 256-token generation "
           "~190 on average: the cache's speedup on this machine is bounded by the time ratio between those rows, "
           "not by the row ratio.\n\n" + table)
-    bc.write_results(args.name, {"settings": vars(args), "environment": env, "runs": results}, md)
+    bc.write_results(bc.result_name("bench_gemm_rows"), {"settings": vars(args), "environment": env, "runs": results}, md)
     print(md)
     return 0
 

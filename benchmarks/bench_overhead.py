@@ -164,11 +164,9 @@ def main(argv=None) -> int:
         ax.set_ylabel("ms (median over repeats)")
         ax.set_title(f"Per-step engine overhead: {100 * overhead:.1f}%")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        bc.save_figure(fig, path)
 
-    name = ("bench_overhead" + (f"_block{args.block_size}" if args.block_size != 32 else "")
-            + ("_compile" if args.compile else ""))
+    name = bc.result_name("bench_overhead", args.block_size) + ("_compile" if args.compile else "")
     out = bc.write_results(name, data, md, plot)
     print(md)
     print(f"wrote {out}")

@@ -45,8 +45,6 @@ def main(argv=None) -> int:
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     bc.add_weights_argument(ap)
-    ap.add_argument("--name", default="bench_vanilla_fast",
-                    help="result name: results/<name>.json/.md/.png and the harness files in results/<name>/")
     args = ap.parse_args(argv)
     model = args.model or default_model()
     if not model or not Path(model).expanduser().is_dir():
@@ -56,7 +54,8 @@ def main(argv=None) -> int:
     bc.set_threads(args.threads)
     env = bc.environment(args.threads)
     vanilla = VANILLA.format(n=args.max_tokens)
-    out_dir = bc.RESULTS / args.name
+    result = bc.result_name("bench_vanilla_fast")
+    out_dir = bc.RESULTS / result
     eargs = ev.add_arguments(argparse.ArgumentParser()).parse_args([
         "--no-defaults", "--model", f"trained={model}", "--grid", vanilla, *args.fast,
         "--grid-prompts", str(args.prompts), "--speed-prompts", str(args.speed_prompts),
@@ -76,13 +75,13 @@ def main(argv=None) -> int:
                      r["gen_ppl"], r["rep3"], r["distinct2"], r["eos_rate"]])
     md = (f"Model `{model}`, {args.prompts} prompts of the 60-prompt grid subset (answer accuracy on the checkable "
           f"ones), greedy, <= {args.max_tokens} new tokens; speed = median over {args.speed_prompts} prompts at "
-          f"batch 1. Harness files: `{args.name}/`.\n\n" + bc.markdown_table(header, rows))
+          f"batch 1. Harness files: `{result}/`.\n\n" + bc.markdown_table(header, rows))
     data = {"settings": {"model": model, "vanilla": vanilla, "fast": args.fast, "max_tokens": args.max_tokens,
                          "prompts": args.prompts, "speed_prompts": args.speed_prompts},
             "environment": env, "runs": runs,
             "speedup_vs_vanilla": {n: (r["tokens_per_s_b1_median"] / base) if base else None
                                    for n, r in runs.items() if n != "parent"}}
-    bc.write_results(args.name, data, md)
+    bc.write_results(result, data, md)
     print(md)
     return 0
 

