@@ -101,8 +101,10 @@ def _attach_verifier(loaded: LoadedModel, path: Path):
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from exc
     verifier.eval()
+    from ..routed import route_to_verifier
+
     try:
-        loaded.attach_verifier(verifier)
+        route_to_verifier(loaded, verifier)
     except ValueError as exc:
         raise CheckpointError(f"{where}: {vpath}: {exc}") from exc
     return verifier

@@ -236,8 +236,8 @@ def test_tied_embeddings_route_at_both_ends():
     rows[0, -2:] = True
     with torch.no_grad():
         hv = verifier.model.base_model(input_ids=ids, position_ids=pos).last_hidden_state
-        hr = routed.hidden_states(ids, pos, None, drafter_rows=rows)
+        hr = routed.hidden_states(ids, pos, None, variant_rows=~rows)
         assert torch.allclose(hr[~rows], hv[~rows], atol=1e-5)  # causal rows never see later rows
-        lr = routed.logits(hr[0], drafter_rows=rows[0])
+        lr = routed.logits(hr[0], variant_rows=~rows[0])
         assert torch.allclose(lr[:-2], verifier.model.lm_head(hv[0, :-2]).float(), atol=1e-4)
         assert torch.allclose(lr[-2:], drafter.model.lm_head(hr[0, -2:]).float(), atol=1e-4)
