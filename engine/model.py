@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
-from .config import CheckpointError, DllmConfig
+from .config import CheckpointError, DllmConfig, read_json_file
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -238,18 +237,17 @@ def read_config(path: str | Path) -> dict:
     """``config.json`` of a checkpoint directory as a dict.
 
     Raises:
-        CheckpointError: the directory or file is missing, or the JSON is invalid (with line and column).
+        CheckpointError: the directory or file is missing, or the JSON is invalid (with line and column) or not an
+            object.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory with config.json)")
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
+    config = read_json_file(cfg_file)
+    if config is None:
         raise CheckpointError(f"{cfg_file}: missing (expected a Hugging Face checkpoint directory)")
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_file}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+    return config
 
 
 def resolve_model_path(name_or_path: str) -> Path:
