@@ -128,12 +128,10 @@ class DllmConfig:
 
     def validate(self, where: str = "config.json:dllm") -> None:
         """Raise :class:`CheckpointError` naming the field when a value is out of range."""
-        if self.family not in FAMILIES:
-            raise CheckpointError(f"{where}.family: {self.family!r} is not one of {FAMILIES}")
-        if self.attention not in ATTENTION_MODES:
-            raise CheckpointError(f"{where}.attention: {self.attention!r} is not one of {ATTENTION_MODES}")
-        if self.block_alignment not in BLOCK_ALIGNMENTS:
-            raise CheckpointError(f"{where}.block_alignment: {self.block_alignment!r} is not one of {BLOCK_ALIGNMENTS}")
+        for key, allowed in (("family", FAMILIES), ("attention", ATTENTION_MODES),
+                             ("block_alignment", BLOCK_ALIGNMENTS)):
+            if getattr(self, key) not in allowed:
+                raise CheckpointError(f"{where}.{key}: {getattr(self, key)!r} is not one of {allowed}")
         check_int(where, "block_size", self.block_size, 1)
         check_int(where, "mask_token_id", self.mask_token_id, 0)
         if not self.eos_token_ids:

@@ -194,7 +194,7 @@ def _ids(value) -> list[int]:
 
 def resolve_mask_token_id(path: Path, config: dict, tokenizer, mask_tokens: tuple[str, ...], default: int,
                           vocab_rows: int) -> int:
-    """The family's ``[MASK]`` id, from the checkpoint (DESIGN.md section 3: never hard-coded when present).
+    """The family's ``[MASK]`` id, from the checkpoint (docs/design.md section 3: never hard-coded when present).
 
     Order: ``config.json`` ``mask_token_id``; ``generation_config.json`` ``mask_token_id``; the family's mask
     token string in the tokenizer (``mask_tokens``); ``tokenizer.mask_token_id``; finally the published ``default``.
