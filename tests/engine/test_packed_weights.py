@@ -56,6 +56,12 @@ def test_pack_count_and_idempotence():
         route_to_verifier(lm, tiny.loaded().model)
     with pytest.raises(ValueError, match="compile"):
         LLM(lm, compile=True)
+    with pytest.raises(ValueError, match="compile"):
+        lm.enable_compile()
+    native = tiny.loaded()
+    native.enable_compile()  # lazy: nothing is traced before a forward
+    native.enable_compile()  # idempotent
+    assert native.decoder_path == "compiled"
 
 
 def test_format_resolution_and_errors():
