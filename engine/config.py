@@ -1,13 +1,17 @@
 """The diffusion-specific description of a checkpoint: the ``dllm`` section of ``config.json``.
 
 Every family adapter (``unmask.engine.families``) produces a :class:`DllmConfig`; the denoiser, the server and
-the trainer read only this object, never family-specific fields. See DESIGN.md sections 3, 6 and 10.
+the trainer read only this object, never family-specific fields. See docs/design.md sections 3, 6 and 10.
+Also the checkpoint-file helpers every reader shares: :func:`read_json_file`, :func:`dataclass_from_dict`,
+:func:`check_int` (errors are :class:`CheckpointError` naming the file and field).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .params import MAX_SPECULATIVE_BLOCK
@@ -26,6 +30,53 @@ class CheckpointError(ValueError):
     """
 
 
+def read_json_file(path: str | Path) -> dict | None:
+    """A JSON object from ``path``, or None when the file does not exist.
+
+    Raises:
+        CheckpointError: the file exists but is not valid JSON (names file, line and column) or not an object.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def dataclass_from_dict(cls, data: Any, where: str, required: tuple[str, ...] = ()):
+    """``cls(**data)`` for a dataclass ``cls`` read from a JSON object.
+
+    Raises:
+        CheckpointError: (message starts with ``where``) ``data`` is not an object, holds unknown keys (named),
+            lacks one of ``required`` (named), or the constructor rejects it.
+    """
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where}: must be an object, got {type(data).__name__}")
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise CheckpointError(f"{where}: unknown field(s) {unknown}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise CheckpointError(f"{where}: missing field(s) {missing}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+
+
+def check_int(where: str, name: str, value: Any, lo: int) -> None:
+    """Raise :class:`CheckpointError` ``{where}.{name}: must be a positive (lo=1) / non-negative (lo=0) integer``
+    unless ``value`` is an int (not a bool) >= ``lo``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        kind = "positive" if lo == 1 else "non-negative"
+        raise CheckpointError(f"{where}.{name}: must be a {kind} integer, got {value!r}")
+
+
 @dataclass
 class DllmConfig:
     """Diffusion settings of one checkpoint.
@@ -33,14 +84,14 @@ class DllmConfig:
     Attributes:
         family: one of ``FAMILIES``.
         mask_token_id: id of the ``[MASK]`` noise token (from the checkpoint, never hard-coded in the engine).
-        attention: ``bidirectional`` | ``prefix_causal`` | ``block_causal`` (DESIGN.md section 2).
+        attention: ``bidirectional`` | ``prefix_causal`` | ``block_causal`` (docs/design.md section 2).
         block_size: block size the checkpoint was trained with; the default for requests.
         logit_shift: True when the logits for position j are read from output j-1 (AR-initialised models).
         eos_token_ids: ids that end generation (EOS and end-of-turn), in order of preference.
         pad_token_id: id used for padding rows in a batch (never generated); may equal an EOS id.
         block_alignment: ``generation`` = blocks start at the first generated position (bidirectional and
             prefix-causal models); ``absolute`` = blocks aligned to position 0 as the family was trained
-            (SDAR, Fast-dLLM v2): the prompt's last partial block is completed first (DESIGN.md section 10).
+            (SDAR, Fast-dLLM v2): the prompt's last partial block is completed first (docs/design.md section 10).
         fixed_block_size: True when requests may not choose another block size (block-causal families).
         sub_block_size: Fast-dLLM v2's per-request decoding window inside a block (None elsewhere).
         default_sampling: default request fields, :data:`DEFAULT_SAMPLING_FIELDS` only (e.g.
@@ -77,29 +128,22 @@ class DllmConfig:
 
     def validate(self, where: str = "config.json:dllm") -> None:
         """Raise :class:`CheckpointError` naming the field when a value is out of range."""
-        if self.family not in FAMILIES:
-            raise CheckpointError(f"{where}.family: {self.family!r} is not one of {FAMILIES}")
-        if self.attention not in ATTENTION_MODES:
-            raise CheckpointError(f"{where}.attention: {self.attention!r} is not one of {ATTENTION_MODES}")
-        if self.block_alignment not in BLOCK_ALIGNMENTS:
-            raise CheckpointError(f"{where}.block_alignment: {self.block_alignment!r} is not one of {BLOCK_ALIGNMENTS}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise CheckpointError(f"{where}.block_size: must be a positive integer, got {self.block_size!r}")
-        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
-            raise CheckpointError(f"{where}.mask_token_id: must be a non-negative integer, got {self.mask_token_id!r}")
+        for key, allowed in (("family", FAMILIES), ("attention", ATTENTION_MODES),
+                             ("block_alignment", BLOCK_ALIGNMENTS)):
+            if getattr(self, key) not in allowed:
+                raise CheckpointError(f"{where}.{key}: {getattr(self, key)!r} is not one of {allowed}")
+        check_int(where, "block_size", self.block_size, 1)
+        check_int(where, "mask_token_id", self.mask_token_id, 0)
         if not self.eos_token_ids:
             raise CheckpointError(f"{where}.eos_token_ids: at least one EOS id is required")
-        if self.verifier is not None:
-            if not isinstance(self.verifier, str) or not self.verifier.strip():
-                raise CheckpointError(f"{where}.verifier: must be a non-empty directory path, got {self.verifier!r}")
+        for key in ("verifier", "draft_head"):  # directories of a checkpoint's optional capabilities
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise CheckpointError(f"{where}.{key}: must be a non-empty directory path, got {value!r}")
             if not (self.attention == "prefix_causal" and self.logit_shift):
-                raise CheckpointError(f"{where}.verifier: needs prefix_causal attention with the logit shift "
-                                      f"(this checkpoint: {self.attention}, logit_shift={self.logit_shift})")
-        if self.draft_head is not None:
-            if not isinstance(self.draft_head, str) or not self.draft_head.strip():
-                raise CheckpointError(f"{where}.draft_head: must be a non-empty directory path, got {self.draft_head!r}")
-            if not (self.attention == "prefix_causal" and self.logit_shift):
-                raise CheckpointError(f"{where}.draft_head: needs prefix_causal attention with the logit shift "
+                raise CheckpointError(f"{where}.{key}: needs prefix_causal attention with the logit shift "
                                       f"(this checkpoint: {self.attention}, logit_shift={self.logit_shift})")
         if not isinstance(self.default_sampling, dict):
             raise CheckpointError(f"{where}.default_sampling: must be an object, got "
@@ -145,17 +189,5 @@ class DllmConfig:
         Raises:
             CheckpointError: a required key is missing, a key is unknown, or a value is invalid.
         """
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{where}: must be an object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise CheckpointError(f"{where}: unknown field(s) {unknown}")
-        required = ("family", "mask_token_id", "attention", "block_size", "logit_shift", "eos_token_ids")
-        missing = [k for k in required if k not in data]
-        if missing:
-            raise CheckpointError(f"{where}: missing field(s) {missing}")
-        try:
-            return cls(**data)
-        except TypeError as exc:  # pragma: no cover - defensive
-            raise CheckpointError(f"{where}: {exc}") from exc
+        return dataclass_from_dict(cls, data, where, required=(
+            "family", "mask_token_id", "attention", "block_size", "logit_shift", "eos_token_ids"))

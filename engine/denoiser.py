@@ -37,19 +37,8 @@ class Denoiser:
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
         self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
         self.compiled = bool(compile)
-        self._compiled_forward = None
-        if compile and model.weight_format != "native":
-            raise ValueError(f"compile: torch.compile does not trace fbgemm-packed ({model.weight_format}) linear "
-                             f"layers; load with weights='native' to compile")
         if compile:
-            decoder = torch.compile(model.model.base_model, dynamic=True)
-            kw = model._cache_kw
-
-            def hidden_states(input_ids, position_ids, attention_mask, cache=None):
-                return decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                               use_cache=False, **{kw: cache}).last_hidden_state
-
-            self._compiled_forward = hidden_states
+            model.enable_compile()
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[StepEvent]:
@@ -126,9 +115,9 @@ class Denoiser:
         start = torch.zeros(B, Q, dtype=torch.long, device=dev)
         committed = torch.zeros(B, Q, dtype=torch.bool, device=dev)
         valid = torch.zeros(B, Q, dtype=torch.bool, device=dev)
-        # with a verifier (unmask.engine.routed): the causal rows of speculative requests run the verifier's weights
-        routed = self.model.router is not None
-        drafter_rows = torch.ones(B, Q, dtype=torch.bool, device=dev) if routed else None
+        # with a row variant (a verifier, unmask.engine.routed): the causal rows of speculative requests run it
+        routed = self.model.has_row_variant
+        variant_rows = torch.zeros(B, Q, dtype=torch.bool, device=dev) if routed else None
         lanes = []
         for b, (seq, li, inp) in enumerate(rows):
             n = int(inp.chunk.numel())
@@ -139,7 +128,7 @@ class Denoiser:
             committed[b, :n] = inp.committed
             valid[b, :n] = True
             if routed and isinstance(seq, SpeculativeSequence):
-                drafter_rows[b, :n] = ~inp.committed
+                variant_rows[b, :n] = inp.committed
             lane_cache = seq.lanes[li].cache
             if inp.replace_cache:
                 lane_cache.reset()  # refilled by this forward: keep the buffers
@@ -151,13 +140,7 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
-        if self._compiled_forward is not None:
-            with self.model.routing(drafter_rows):
-                hidden = self._compiled_forward(input_ids, pos, mask, cache=kv)
-        elif routed:
-            hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, drafter_rows=drafter_rows)
-        else:
-            hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv)
+        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant_rows)
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call
@@ -177,8 +160,8 @@ class Denoiser:
             gather_rows.extend([b] * (len(idx) + len(extra)))
         g_rows = torch.tensor(gather_rows, dtype=torch.long, device=dev)
         g_cols = torch.tensor(gather_cols, dtype=torch.long, device=dev)
-        logits = (self.model.logits(hidden[g_rows, g_cols], drafter_rows=drafter_rows[g_rows, g_cols]) if routed
-                  else self.model.logits(hidden[g_rows, g_cols]))
+        logits = self.model.logits(hidden[g_rows, g_cols],
+                                   variant_rows=variant_rows[g_rows, g_cols] if routed else None)
 
         out = []
         for b, (seq, li, inp) in enumerate(rows):

@@ -159,7 +159,7 @@ def fuse_projections(decoder: nn.Module, make_linear=_dense_linear) -> bool:
     Args:
         decoder: a transformers decoder stack (``LlamaModel``, ``Qwen2Model``, ``Qwen3Model``).
         make_linear: ``(weight [out, in] float32, bias [out] | None) -> module`` building each fused layer; the
-            default is a float32 ``nn.Linear``; ``LoadedModel.pack_weights`` passes the fp16 packer, so that one
+            default is a float32 ``nn.Linear``; ``packed_weights.pack_model`` passes the fp16 packer, so that one
             layer at a time exists in float32 (an nf4 checkpoint is never dequantized whole).
 
     Returns:

@@ -2,21 +2,34 @@
 
 ``load_model`` detects the family (``config.json`` ``dllm.family``; foreign checkpoints by ``architectures`` /
 ``model_type``; ``family=`` overrides) and hands over to the family adapter in ``unmask.engine.families``.
-The denoiser only calls :meth:`LoadedModel.hidden_states` and :meth:`LoadedModel.logits`.
+The denoiser only calls :meth:`LoadedModel.hidden_states`, :meth:`LoadedModel.logits` (and once
+:meth:`LoadedModel.enable_compile`).
+
+Optional capabilities, one seam each (docs/design.md section 13); the core path reads the same without them:
+
+* per-row weight selection: a :class:`RowVariant` (``LoadedModel.row_variant``, ``variant_rows=``). Verifier
+  routing (:mod:`unmask.engine.routed`) is its first implementation; a per-row LoRA adapter on mask rows is meant
+  to be the second (see :class:`RowVariant`);
+* CPU weight packing: :func:`unmask.engine.packed_weights.pack_model` (``load_model(weights=...)`` calls it once),
+  which also installs the fused decoder forward (``LoadedModel.decoder_forward``,
+  :mod:`unmask.engine.fused_decoder`) for Llama-architecture models;
+* the draft head: ``LoadedModel.draft_head`` (:mod:`unmask.engine.draft_head`), read only by speculative requests.
+
+Whether checkpoint-default speculative requests draft is not the model's business: the engine's decoding plan
+decides it from the engine option ``default_drafts`` and :attr:`LoadedModel.device`.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
-from .config import CheckpointError, DllmConfig
+from .config import CheckpointError, DllmConfig, read_json_file
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -52,9 +65,36 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return table[dtype]
 
 
+class RowVariant(Protocol):
+    """The row-variant seam: other weights for some rows of one batched forward (per-row weight selection).
+
+    The denoiser marks, per forward, which rows run the variant (``variant_rows``: ``[B, Q]`` bool inside the
+    decoder, ``[N]`` bool for the LM head; True = the variant); :class:`LoadedModel` enters
+    ``select(variant_rows)`` around the decoder forward and the LM head, and the variant's modules (installed in
+    the transformers module when it was attached) split their input rows by it. Every other row runs the model's
+    own weights; ``None`` (or no True row) is the plain forward. Attention is shared, so the rule of which rows may
+    see which (``unmask.engine.attention``) is unchanged.
+
+    Implementations:
+
+    * :class:`unmask.engine.routed.RowRouter` (today): a *verifier* checkpoint's weights on the causal rows of
+      speculative requests (``dllm.verifier``; docs/design.md section 13).
+    * a per-row low-rank adapter (next, the default-model issue): LoRA weights added on the mask rows. It wraps
+      each adapted linear so that ``y = W x + (B A x)`` on the variant rows only, with the row index that
+      ``select`` stores in the adapter's shared state, exactly as ``RowRouter`` stores its row index for its
+      :class:`~unmask.engine.routed.RoutedModule` s; it is attached with :meth:`LoadedModel.attach_row_variant`.
+    """
+
+    def select(self, variant_rows: torch.Tensor) -> ContextManager[None]:
+        """Context in which the variant's modules run ``variant_rows`` (bool, the leading dimensions of every
+        variant module's input during the forward) with the variant's weights."""
+        ...
+
+
 @dataclass
 class LoadedModel:
-    """A model ready for the denoiser.
+    """A model ready for the denoiser: the core every request uses, plus optional capabilities, each behind one
+    seam (the main path reads the same without them).
 
     Attributes:
         model: a transformers causal-LM module (``.base_model`` -> decoder stack, output embeddings -> LM head),
@@ -64,16 +104,16 @@ class LoadedModel:
         path: where it was loaded from.
         device, dtype: where the weights live.
         max_context: the longest canvas (prompt + generation + suffix) the model accepts, in tokens.
-        router: a ``routed.RowRouter`` when the checkpoint has a verifier (``dllm.verifier``), else None.
-        weight_format: how the linear layers run: ``native`` (as loaded) or ``fp16`` (fbgemm-packed, see
-            :mod:`unmask.engine.packed_weights`; set by :meth:`pack_weights`, which also fuses the projections of
-            Llama-architecture models and runs them through :class:`~unmask.engine.fused_decoder.FusedDecoder`).
-        draft_policy: whether requests that get speculative decoding from the checkpoint's default (without asking
-            for it, a draft block, branches, epsilon or ratio) draft: ``on``, ``off`` (one token per forward through the
-            same verifying path: the same tokens, or for sampling the same distribution), ``auto`` (off on a CPU,
-            on elsewhere; see :meth:`drafts_by_default`).
-        draft_head: a :class:`~unmask.engine.draft_head.DraftHeadRuntime` when the checkpoint has one
-            (``dllm.draft_head``): speculative requests then draft with it.
+        row_variant: a :class:`RowVariant` (per-row weight selection) or None; attached with
+            :meth:`attach_row_variant`.
+        weight_format: how the linear layers run: ``native`` (as loaded) or ``fp16`` (fbgemm-packed; set by
+            :func:`unmask.engine.packed_weights.pack_model`, the packing seam).
+        decoder_forward: a replacement forward of the decoder stack, ``(input_ids, position_ids, attention_mask,
+            cache) -> [B, Q, H]`` with the transformers forward's meaning (the fused-decoder seam:
+            :class:`~unmask.engine.fused_decoder.FusedDecoder`, installed by ``pack_model``), or None for the
+            transformers forward.
+        draft_head: the draft-head seam: a :class:`~unmask.engine.draft_head.DraftHeadRuntime` when the checkpoint
+            has one (``dllm.draft_head``); speculative requests then draft with it (``draft(...)``).
     """
 
     model: Any
@@ -83,9 +123,9 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_context: int
-    router: Any = None
+    row_variant: RowVariant | None = None
     weight_format: str = "native"
-    draft_policy: str = "auto"
+    decoder_forward: Callable[..., torch.Tensor] | None = None
     draft_head: Any = None
 
     def __post_init__(self) -> None:
@@ -95,123 +135,119 @@ class LoadedModel:
         self._vocab_size = int(self._head.weight.shape[0])
         params = inspect.signature(self._decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._fused = None  # a FusedDecoder once pack_weights fused the projections
-
-    @property
-    def decoder_path(self) -> str:
-        """Which forward runs the decoder: ``fused`` (:class:`~unmask.engine.fused_decoder.FusedDecoder`, packed
-        Llama-architecture models) or ``transformers`` (the model's own forward)."""
-        return "fused" if self._fused is not None else "transformers"
-
-    def attach_verifier(self, verifier_model) -> None:
-        """Route the causal rows of speculative requests to ``verifier_model``'s weights
-        (:func:`unmask.engine.routed.attach_verifier`; raises its ``ValueError`` for another architecture)."""
-        from .routed import attach_verifier
-
-        if self.weight_format != "native":
-            raise ValueError("attach the verifier before packing the weights (load_model does both in that order)")
-        self.router = attach_verifier(self.model, verifier_model)
-        self._head = self.model.get_output_embeddings()
-
-    def pack_weights(self, weight_format: str) -> None:
-        """Run the linear layers in ``weight_format`` (``auto`` | ``native`` | ``fp16``, see
-        :mod:`unmask.engine.packed_weights`); once per model, after any verifier is attached. Inference only.
-
-        Raises:
-            ValueError: (names ``weights``) an unknown format or one this device cannot run; packing twice.
-        """
-        from .fused_decoder import FusedDecoder, fuse_projections
-        from .packed_weights import fp16_linear, pack_linears_fp16, resolve_weight_format
-
-        fmt = resolve_weight_format(weight_format, self.device, self.dtype)
-        if fmt == self.weight_format:
-            return
-        if self.weight_format != "native":
-            raise ValueError(f"weights: the linear layers are already packed as {self.weight_format}; load the "
-                             f"checkpoint again for {fmt}")
-        # q|k|v and gate|up become one packed GEMM each (fused layer by layer), then every other linear is packed
-        fused = fuse_projections(self._decoder, make_linear=fp16_linear)
-        pack_linears_fp16(self.model)
-        if self.draft_head is not None:
-            self.draft_head.pack_fp16()
-        self._head = self.model.get_output_embeddings()
-        self.weight_format = fmt
-        self._fused = FusedDecoder(self._decoder) if fused else None
-
-    def drafts_by_default(self) -> bool:
-        """Whether checkpoint-default speculative requests draft (``draft_policy``). ``auto``: not on a CPU, where a
-        speculative step forwards ~20 rows and costs ~2x a 1-row step while revealing 1.5-1.9 tokens (measured on
-        the 2-core CPU, packed + fused: 22.3 vs 30.2 tokens/s for the same answers on the served model, 12.6 vs
-        28.2 with a verifier, whose steps run two weight sets; README "Fused decoder forward and in-place KV
-        buffers"); on a GPU rows are ~free. With a draft head (``draft_head``) ``auto`` is on everywhere: a step then
-        forwards only the context and the drafts (no mask groups), plus a few one-layer head forwards.
-
-        Raises:
-            ValueError: (names ``draft_policy``) not one of auto, on, off.
-        """
-        if self.draft_policy not in ("auto", "on", "off"):
-            raise ValueError(f"draft_policy: {self.draft_policy!r} is not one of auto, on, off")
-        if self.draft_policy == "auto":
-            return self.draft_head is not None or self.device.type != "cpu"
-        return self.draft_policy == "on"
+        self.compiled = False
 
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head (logits width)."""
         return self._vocab_size
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      cache=None, drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Last hidden states ``[B, Q, H]`` for ``input_ids``/``position_ids`` ``[B, Q]`` int64 and a boolean mask
-        ``[B, 1, Q, C + Q]`` (C = cached keys in ``cache``, a :class:`~unmask.engine.kv_cache.BatchKV`).
+    @property
+    def has_row_variant(self) -> bool:
+        """Whether forwards may route rows to a :class:`RowVariant` (``variant_rows`` then matters)."""
+        return self.row_variant is not None
 
-        ``drafter_rows`` (``[B, Q]`` bool, models with a verifier only): rows that run the model's own weights;
-        the others run the verifier's (``unmask.engine.routed``). ``None``: every row runs the model's weights.
+    @property
+    def router(self) -> RowVariant | None:
+        """Compatibility alias of :attr:`row_variant` (tests read ``model.router``)."""
+        return self.row_variant
+
+    @property
+    def decoder_path(self) -> str:
+        """Which forward runs the decoder: ``fused`` (:attr:`decoder_forward` set), ``compiled``
+        (:meth:`enable_compile`) or ``transformers`` (the model's own forward)."""
+        if self.decoder_forward is not None:
+            return "fused"
+        return "compiled" if self.compiled else "transformers"
+
+    def attach_row_variant(self, variant: RowVariant) -> None:
+        """Use ``variant`` for the rows marked in ``variant_rows`` (its modules are already in :attr:`model`).
+
+        Raises:
+            ValueError: a variant is attached already, or the weights are packed (attach before packing).
         """
-        if self._fused is not None:
-            with self.routing(drafter_rows):
-                return self._fused(input_ids, position_ids, attention_mask, cache)
-        kwargs = {self._cache_kw: cache, "use_cache": False}
-        with self.routing(drafter_rows):
+        if self.row_variant is not None:
+            raise ValueError("row variant: this model has one already")
+        if self.weight_format != "native":
+            raise ValueError("attach the verifier before packing the weights (load_model does both in that order)")
+        self.row_variant = variant
+        self.refresh_head()
+
+    def refresh_head(self) -> None:
+        """Re-read the LM head from :attr:`model` after a seam replaced modules in it (routing, packing)."""
+        self._head = self.model.get_output_embeddings()
+
+    def attach_verifier(self, verifier_model) -> None:
+        """Compatibility alias of :func:`unmask.engine.routed.route_to_verifier` (``tests/tiny.py`` calls it)."""
+        from .routed import route_to_verifier
+
+        route_to_verifier(self, verifier_model)
+
+    def enable_compile(self) -> None:
+        """Run the transformers decoder forward through ``torch.compile(dynamic=True)`` from now on (same results;
+        the first forwards of each new shape pay the compilation). Off by default: it did not pay on the CPU
+        measured (docs/design.md section 9). Idempotent.
+
+        Raises:
+            ValueError: (names ``compile``) the weights are packed: torch.compile does not trace fbgemm's kernels.
+        """
+        if self.weight_format != "native":
+            raise ValueError(f"compile: torch.compile does not trace fbgemm-packed ({self.weight_format}) linear "
+                             f"layers; load with weights='native' to compile")
+        if not self.compiled:
+            self._decoder = torch.compile(self.model.base_model, dynamic=True)
+            self.compiled = True
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      cache=None, variant_rows: torch.Tensor | None = None, *,
+                      drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states ``[B, Q, H]`` (the model's dtype) for ``input_ids``/``position_ids`` ``[B, Q]`` int64
+        and a boolean mask ``[B, 1, Q, C + Q]`` (True = may attend; C = cached keys in ``cache``, a
+        :class:`~unmask.engine.kv_cache.BatchKV`; None = causal, as transformers).
+
+        ``variant_rows``: ``[B, Q]`` bool, the rows that run the :class:`RowVariant` (ignored without one); None =
+        every row runs the model's weights. ``drafter_rows`` is the old spelling, its complement (compatibility).
+
+        Raises:
+            RuntimeError: ``variant_rows``' shape is not ``[B, Q]`` (a routed module names both shapes).
+        """
+        with self._select(variant_rows, drafter_rows):
+            if self.decoder_forward is not None:
+                return self.decoder_forward(input_ids, position_ids, attention_mask, cache)
             out = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                **kwargs)
+                                use_cache=False, **{self._cache_kw: cache})
         return out.last_hidden_state
 
-    def logits(self, hidden: torch.Tensor, drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits (``drafter_rows``: ``[N]`` bool, as in
+    def logits(self, hidden: torch.Tensor, variant_rows: torch.Tensor | None = None, *,
+               drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits (``variant_rows``: ``[N]`` bool, as in
         :meth:`hidden_states`)."""
-        with self.routing(drafter_rows):
+        with self._select(variant_rows, drafter_rows):
             return self._head(hidden).float()
 
-    @contextlib.contextmanager
-    def routing(self, drafter_rows: torch.Tensor | None):
-        """Context in which routed modules split rows by ``drafter_rows`` (a no-op without a verifier)."""
-        if self.router is None or drafter_rows is None:
-            yield
-            return
-        self.router.drafter_rows = drafter_rows
-        try:
-            yield
-        finally:
-            self.router.drafter_rows = None
+    def _select(self, variant_rows: torch.Tensor | None, drafter_rows: torch.Tensor | None):
+        if drafter_rows is not None:
+            variant_rows = ~drafter_rows
+        if self.row_variant is None or variant_rows is None:
+            return contextlib.nullcontext()
+        return self.row_variant.select(variant_rows)
 
 
 def read_config(path: str | Path) -> dict:
     """``config.json`` of a checkpoint directory as a dict.
 
     Raises:
-        CheckpointError: the directory or file is missing, or the JSON is invalid (with line and column).
+        CheckpointError: the directory or file is missing, or the JSON is invalid (with line and column) or not an
+            object.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory with config.json)")
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
+    config = read_json_file(cfg_file)
+    if config is None:
         raise CheckpointError(f"{cfg_file}: missing (expected a Hugging Face checkpoint directory)")
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_file}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+    return config
 
 
 def resolve_model_path(name_or_path: str) -> Path:
@@ -262,9 +298,9 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     name = family or detect_family(config, path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    from .packed_weights import resolve_weight_format
+    from .packed_weights import pack_model, resolve_weight_format
 
     fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read
     loaded = get_family(name).load(path, config, dev, dt)
-    loaded.pack_weights(fmt)
+    pack_model(loaded, fmt)
     return loaded

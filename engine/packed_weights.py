@@ -7,10 +7,14 @@ against every weight matrix. MKL's float32 GEMM handles such skinny products poo
 cheap: the seven linear layers of SmolLM2-135M run 1.6x (1 row) to 2.4x (2-4 rows) faster. This module swaps every
 linear layer (``nn.Linear`` and bitsandbytes' ``Linear4bit``/``Linear8bitLt``, dequantized first) for
 :class:`PackedFp16Linear` (the kernel of ``torch.ao.nn.quantized.dynamic.Linear`` with fp16 weights): activations and accumulation stay float32, so a row's
-result does not depend on the other rows of the batch beyond float32 rounding (the batch invariance of DESIGN.md
+result does not depend on the other rows of the batch beyond float32 rounding (the batch invariance of docs/design.md
 section 10 holds as with MKL), and the weights move by fp16 rounding only (relative ~2^-11, far below nf4's
 quantization error). fbgemm's int8 dynamic linears would be faster still, but they quantize activations per
 tensor, i.e. over the whole batch, so a request's tokens would depend on its batch mates: not offered.
+
+The seam: :func:`pack_model` is the one entry point (``load_model(weights=...)`` calls it once); it also installs the
+fused decoder forward (:mod:`unmask.engine.fused_decoder`) on Llama-architecture models and packs a draft head
+(docs/design.md section 13).
 
 Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; float32 models on a CPU with fbgemm only),
 ``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``).
@@ -144,3 +148,33 @@ def pack_linears_fp16(model: nn.Module) -> int:
     if left:
         raise ValueError(f"weights: {', '.join(left)} layers were left unpacked")
     return count
+
+
+def pack_model(loaded, weight_format: str) -> None:
+    """Run the linear layers of ``loaded`` (a :class:`~unmask.engine.model.LoadedModel`, any row variant attached
+    already) in ``weight_format`` (``auto`` | ``native`` | ``fp16``); once per model. Inference only.
+
+    For ``fp16``: q|k|v and gate|up become one packed GEMM each (:func:`~unmask.engine.fused_decoder.fuse_projections`,
+    layer by layer), every other linear is packed, the draft head too, and Llama-architecture decoders get
+    ``loaded.decoder_forward`` = a :class:`~unmask.engine.fused_decoder.FusedDecoder`. ``native`` (or the format
+    already in place) changes nothing.
+
+    Raises:
+        ValueError: (names ``weights``) an unknown format or one this device cannot run; packing twice.
+    """
+    from .fused_decoder import FusedDecoder, fuse_projections
+
+    fmt = resolve_weight_format(weight_format, loaded.device, loaded.dtype)
+    if fmt == loaded.weight_format:
+        return
+    if loaded.weight_format != "native":
+        raise ValueError(f"weights: the linear layers are already packed as {loaded.weight_format}; load the "
+                         f"checkpoint again for {fmt}")
+    decoder = loaded.model.base_model
+    fused = fuse_projections(decoder, make_linear=fp16_linear)
+    pack_linears_fp16(loaded.model)
+    if loaded.draft_head is not None:
+        loaded.draft_head.pack_fp16()
+    loaded.refresh_head()
+    loaded.weight_format = fmt
+    loaded.decoder_forward = FusedDecoder(decoder) if fused else None

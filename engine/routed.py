@@ -4,17 +4,23 @@ Self-speculative decoding (``unmask.engine.speculative``) verifies diffusion dra
 path, so its output is the A2D model's ``block_size=1`` greedy decoding - which training moves away from the AR
 parent's. A checkpoint may instead name a *verifier*: a checkpoint of the same architecture and tokenizer (the
 untrained conversion of the parent is the intended one). Every linear layer, norm and embedding of the model is
-then a :class:`RoutedModule` holding both weight sets; before a forward the denoiser marks which rows are
-*drafter rows* (mask tokens of speculative requests, and every row of ordinary diffusion requests) and the others
-(the causal context and drafts of speculative requests) run the verifier's weights. Attention is shared: a mask row
+then a :class:`RoutedModule` holding both weight sets; before a forward the denoiser marks the *variant rows* (the
+causal context and drafts of speculative requests), which run the verifier's weights; the others, the *drafter rows*
+(mask tokens of speculative requests, and every row of ordinary diffusion requests), run the model's own. Attention is shared: a mask row
 attends to the verifier's keys/values of the context, and causal rows never attend to mask rows (prefix-causal
 mask), so the causal rows compute exactly the verifier's own forward and a speculative request's output is the
 verifier's greedy decoding token for token - for the parent's conversion, the AR parent's output - while the
 drafter supplies the drafts. This is draft-then-verify speculative decoding (Leviathan et al. 2023) with the
 diffusion model as the drafter and both models in one batched forward (per-row weight selection as in multi-LoRA
 serving, e.g. Punica/S-LoRA), at the FLOPs of one model's forward.
+
+The seam: :class:`RowRouter` is a :class:`unmask.engine.model.RowVariant` (``select(variant_rows)``), attached with
+:func:`route_to_verifier`; :class:`~unmask.engine.model.LoadedModel` knows nothing else of routing
+(docs/design.md section 13).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -43,6 +49,16 @@ class RowRouter:
         flat = rows.reshape(-1)
         self.drafter_index = flat.nonzero().flatten()
         self.verifier_index = (~flat).nonzero().flatten()
+
+    @contextlib.contextmanager
+    def select(self, variant_rows: torch.Tensor):
+        """The :class:`~unmask.engine.model.RowVariant` seam: inside, the ``variant_rows`` (bool) run the verifier's
+        weights and the other rows the drafter's (``drafter_rows = ~variant_rows``)."""
+        self.drafter_rows = ~variant_rows
+        try:
+            yield
+        finally:
+            self.drafter_rows = None
 
 
 class RoutedModule(nn.Module):
@@ -151,4 +167,19 @@ def attach_verifier(drafter: nn.Module, verifier: nn.Module) -> RowRouter:
         if id(d) not in routed:
             routed[id(d)] = RoutedModule(d, v_mods[name], router)
         setattr(parent, attr, routed[id(d)])
+    return router
+
+
+def route_to_verifier(loaded, verifier_model) -> RowRouter:
+    """Make ``verifier_model`` (a transformers causal LM of the same architecture) the row variant of ``loaded``
+    (a :class:`~unmask.engine.model.LoadedModel` with native weights): :func:`attach_verifier` on its module, then
+    :meth:`~unmask.engine.model.LoadedModel.attach_row_variant`.
+
+    Raises:
+        ValueError: the weights are packed already (before anything changes), or :func:`attach_verifier`'s errors.
+    """
+    if loaded.weight_format != "native":
+        raise ValueError("attach the verifier before packing the weights (load_model does both in that order)")
+    router = attach_verifier(loaded.model, verifier_model)
+    loaded.attach_row_variant(router)
     return router

@@ -1,7 +1,7 @@
 """``a2d``: our own checkpoints (``unmask convert`` / ``unmask train`` / ``unmask export`` outputs).
 
 Any Hugging Face causal-LM layout (Llama, Qwen2, Qwen3, ...) whose ``config.json`` has a ``dllm`` section; the
-section is the single source of mask id, attention mode, block size, logit shift and EOS ids (DESIGN.md section 6).
+section is the single source of mask id, attention mode, block size, logit shift and EOS ids (docs/design.md section 6).
 """
 from __future__ import annotations
 
@@ -101,8 +101,10 @@ def _attach_verifier(loaded: LoadedModel, path: Path):
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from exc
     verifier.eval()
+    from ..routed import route_to_verifier
+
     try:
-        loaded.attach_verifier(verifier)
+        route_to_verifier(loaded, verifier)
     except ValueError as exc:
         raise CheckpointError(f"{where}: {vpath}: {exc}") from exc
     return verifier

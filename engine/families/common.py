@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEFAULT_SAMPLING_FIELDS, CheckpointError
+from ..config import DEFAULT_SAMPLING_FIELDS, CheckpointError, read_json_file  # noqa: F401 (re-exported)
 
 
 def load_tokenizer(path: Path):
@@ -51,26 +51,6 @@ def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: 
 #: we map it onto; dropped before building the transformers config so that a re-saved model is a plain one.
 FOREIGN_META_KEYS = ("architectures", "auto_map", "model_type", "attn_implementation", "_attn_implementation",
                      "torch_dtype", "dtype", "transformers_version", "_name_or_path", "quantization_config")
-
-
-def read_json_file(path: Path) -> dict | None:
-    """A JSON object from ``path``, or None when the file does not exist.
-
-    Raises:
-        CheckpointError: the file exists but is not valid JSON (names file, line and column) or not an object.
-    """
-    import json
-
-    path = Path(path)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -214,7 +194,7 @@ def _ids(value) -> list[int]:
 
 def resolve_mask_token_id(path: Path, config: dict, tokenizer, mask_tokens: tuple[str, ...], default: int,
                           vocab_rows: int) -> int:
-    """The family's ``[MASK]`` id, from the checkpoint (DESIGN.md section 3: never hard-coded when present).
+    """The family's ``[MASK]`` id, from the checkpoint (docs/design.md section 3: never hard-coded when present).
 
     Order: ``config.json`` ``mask_token_id``; ``generation_config.json`` ``mask_token_id``; the family's mask
     token string in the tokenizer (``mask_tokens``); ``tokenizer.mask_token_id``; finally the published ``default``.

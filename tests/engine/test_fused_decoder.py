@@ -12,7 +12,7 @@ from unmask.engine import LLM, SamplingParams
 from unmask.engine.config import DllmConfig
 from unmask.engine.fused_decoder import FusedDecoder, ProjectionSlice, fuse_projections, unsupported_reason
 from unmask.engine.model import LoadedModel
-from unmask.engine.packed_weights import PackedFp16Linear, fbgemm_available
+from unmask.engine.packed_weights import PackedFp16Linear, fbgemm_available, pack_model
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="the fused path runs with fbgemm-packed weights")
 
@@ -71,21 +71,21 @@ class _PathRecorder:
     (the fused path's output is the one decoding continues with)."""
 
     def __init__(self, lm: LoadedModel):
-        self.lm, self.fused = lm, lm._fused
+        self.lm, self.fused = lm, lm.decoder_forward
         self.orig = lm.hidden_states
         self.records: list[dict] = []
         lm.hidden_states = self
 
-    def __call__(self, input_ids, position_ids, attention_mask, cache=None, drafter_rows=None):
-        self.lm._fused = None
+    def __call__(self, input_ids, position_ids, attention_mask, cache=None, variant_rows=None):
+        self.lm.decoder_forward = None
         try:
-            ref = self.orig(input_ids, position_ids, attention_mask, cache=cache, drafter_rows=drafter_rows)
+            ref = self.orig(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows)
         finally:
-            self.lm._fused = self.fused
-        out = self.orig(input_ids, position_ids, attention_mask, cache=cache, drafter_rows=drafter_rows)
+            self.lm.decoder_forward = self.fused
+        out = self.orig(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows)
         self.records.append({"shape": tuple(input_ids.shape), "cached": cache.cached_len if cache is not None else 0,
                              "uniform": cache is None or len({lane.length for lane in cache.lanes}) == 1,
-                             "routed": drafter_rows is not None and bool(drafter_rows.any()) and not bool(drafter_rows.all()),
+                             "routed": variant_rows is not None and bool(variant_rows.any()) and not bool(variant_rows.all()),
                              "rel": float((out - ref).norm() / ref.norm()), "abs": float((out - ref).abs().max())})
         return out
 
@@ -93,8 +93,8 @@ class _PathRecorder:
 @pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha", "qwen2", "qwen3", "routed"])
 def test_fused_forward_equals_transformers_forward_in_real_decoding(kind):
     lm = _model(kind)
-    lm.pack_weights("fp16")
-    assert lm.decoder_path == "fused" and isinstance(lm._fused, FusedDecoder)
+    pack_model(lm, "fp16")
+    assert lm.decoder_path == "fused" and isinstance(lm.decoder_forward, FusedDecoder)
     rec = _PathRecorder(lm)
     llm = LLM(lm)
     with torch.no_grad():
@@ -119,18 +119,18 @@ def test_fused_forward_equals_transformers_forward_in_real_decoding(kind):
 def test_fused_generation_matches_the_transformers_path_token_for_token():
     """Decoding end to end: the same tokens through either path (greedy; sharp tiny model)."""
     lm = tiny.loaded(initializer_range=0.5)
-    lm.pack_weights("fp16")
+    pack_model(lm, "fp16")
     llm = LLM(lm)
     params = SamplingParams(max_tokens=12, temperature=0, block_size=4, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    lm._fused = None
+    lm.decoder_forward = None
     ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert fused == ref
 
 
 def test_projections_are_merged_and_stored_once():
     lm = tiny.loaded()
-    lm.pack_weights("fp16")
+    pack_model(lm, "fp16")
     attn, mlp = lm.model.model.layers[0].self_attn, lm.model.model.layers[0].mlp
     assert isinstance(attn.qkv_proj, PackedFp16Linear) and isinstance(mlp.gate_up_proj, PackedFp16Linear)
     assert attn.qkv_proj.out_features == 64 + 2 * 32 and mlp.gate_up_proj.out_features == 2 * 128
@@ -147,7 +147,7 @@ def test_projections_are_merged_and_stored_once():
 def test_unsupported_architectures_keep_the_transformers_forward():
     sliding = _qwen("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert "sliding" in unsupported_reason(sliding.model.model)
-    sliding.pack_weights("fp16")
+    pack_model(sliding, "fp16")
     assert sliding.decoder_path == "transformers"
     assert not any(isinstance(m, ProjectionSlice) for m in sliding.model.modules())
     out = LLM(sliding).generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -162,12 +162,12 @@ def test_unsupported_architectures_keep_the_transformers_forward():
 
 def test_no_mask_means_causal_as_in_transformers():
     lm = tiny.loaded(initializer_range=0.3)
-    lm.pack_weights("fp16")
+    pack_model(lm, "fp16")
     ids, pos = torch.tensor([[5, 9, 11, 3, 7]]), torch.arange(5)[None]
     with torch.no_grad():
         fused = lm.hidden_states(ids, pos, None)
         prefix = lm.hidden_states(ids[:, :3], pos[:, :3], None)
-        lm._fused = None
+        lm.decoder_forward = None
         ref = lm.hidden_states(ids, pos, None)
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused[:, :3], prefix, rtol=1e-5, atol=1e-5)  # earlier rows never see later ones

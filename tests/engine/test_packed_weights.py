@@ -11,7 +11,8 @@ import tiny
 from unmask.engine import LLM, SamplingParams
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.model import load_model
-from unmask.engine.packed_weights import fbgemm_available, pack_linears_fp16, resolve_weight_format
+from unmask.engine.packed_weights import fbgemm_available, pack_linears_fp16, pack_model, resolve_weight_format
+from unmask.engine.routed import route_to_verifier
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="fp16 packing needs an fbgemm (x86) torch build")
 
@@ -20,7 +21,7 @@ PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. One two"
 
 def _packed(model=None, **kw):
     lm = model or tiny.loaded(**kw)
-    lm.pack_weights("fp16")
+    pack_model(lm, "fp16")
     return lm
 
 
@@ -45,16 +46,22 @@ def test_every_linear_layer_is_packed_and_logits_stay_close():
 def test_pack_count_and_idempotence():
     lm = tiny.loaded()
     assert pack_linears_fp16(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Sequential(nn.Linear(3, 2)))) == 2
-    lm.pack_weights("fp16")
-    lm.pack_weights("fp16")  # no-op
-    lm.pack_weights("auto")  # no-op
+    pack_model(lm, "fp16")
+    pack_model(lm, "fp16")  # no-op
+    pack_model(lm, "auto")  # no-op
     with pytest.raises(ValueError, match="already packed"):
-        lm.pack_weights("native")
+        pack_model(lm, "native")
     assert lm.weight_format == "fp16"
     with pytest.raises(ValueError, match="before packing"):
-        lm.attach_verifier(tiny.loaded().model)
+        route_to_verifier(lm, tiny.loaded().model)
     with pytest.raises(ValueError, match="compile"):
         LLM(lm, compile=True)
+    with pytest.raises(ValueError, match="compile"):
+        lm.enable_compile()
+    native = tiny.loaded()
+    native.enable_compile()  # lazy: nothing is traced before a forward
+    native.enable_compile()  # idempotent
+    assert native.decoder_path == "compiled"
 
 
 def test_format_resolution_and_errors():
@@ -126,8 +133,8 @@ def test_verifier_routed_model_packs_both_weight_sets():
     """Routed modules hold packed drafter and verifier layers: speculative answers are still the (packed)
     verifier's own block_size=1 greedy answers."""
     routed, verifier = tiny.loaded_with_verifier(initializer_range=0.5)
-    routed.pack_weights("fp16")
-    verifier.pack_weights("fp16")
+    pack_model(routed, "fp16")
+    pack_model(verifier, "fp16")
     assert not any(type(m) is nn.Linear for m in routed.model.modules())
     r_llm, v_llm = LLM(routed), LLM(verifier)
     for p in PROMPTS:

@@ -236,8 +236,80 @@ def test_tied_embeddings_route_at_both_ends():
     rows[0, -2:] = True
     with torch.no_grad():
         hv = verifier.model.base_model(input_ids=ids, position_ids=pos).last_hidden_state
-        hr = routed.hidden_states(ids, pos, None, drafter_rows=rows)
+        hr = routed.hidden_states(ids, pos, None, variant_rows=~rows)
         assert torch.allclose(hr[~rows], hv[~rows], atol=1e-5)  # causal rows never see later rows
-        lr = routed.logits(hr[0], drafter_rows=rows[0])
+        lr = routed.logits(hr[0], variant_rows=~rows[0])
         assert torch.allclose(lr[:-2], verifier.model.lm_head(hv[0, :-2]).float(), atol=1e-4)
         assert torch.allclose(lr[-2:], drafter.model.lm_head(hr[0, -2:]).float(), atol=1e-4)
+
+
+# ---------------------------------------------------------------- the row-variant seam (unmask.engine.model.RowVariant)
+class _HeadOffset(torch.nn.Module):
+    """A second RowVariant, in the shape a per-row LoRA adapter takes: it wraps one module (the LM head) and adds
+    its delta (here a constant logit offset) on the variant rows only, with the rows ``select`` stores."""
+
+    def __init__(self, head, offset: float):
+        super().__init__()
+        self.head, self.offset, self.rows = head, offset, None
+
+    @property
+    def weight(self):
+        return self.head.weight
+
+    def forward(self, x):
+        out = self.head(x)
+        if self.rows is None:
+            return out
+        return out + self.offset * self.rows[..., None].to(out.dtype)
+
+    def select(self, variant_rows):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.rows = variant_rows
+            try:
+                yield
+            finally:
+                self.rows = None
+        return ctx()
+
+
+def test_a_second_row_variant_plugs_into_the_same_seam():
+    plain = loaded(attention="prefix_causal", seed=1, initializer_range=0.5)
+    lm = loaded(attention="prefix_causal", seed=1, initializer_range=0.5)
+    adapter = _HeadOffset(lm.model.get_output_embeddings(), 3.0)
+    lm.model.set_output_embeddings(adapter)
+    assert not lm.has_row_variant
+    lm.attach_row_variant(adapter)
+    assert lm.has_row_variant and lm.router is adapter
+    with pytest.raises(ValueError, match="has one already"):
+        lm.attach_row_variant(adapter)
+    h = torch.randn(4, plain.model.config.hidden_size)
+    rows = torch.tensor([True, False, False, True])
+    with torch.no_grad():
+        ref = plain.logits(h)
+        got = lm.logits(h, variant_rows=rows)
+        assert torch.equal(lm.logits(h), ref) and torch.equal(got[~rows], ref[~rows])
+        assert torch.allclose(got[rows], ref[rows] + 3.0)
+        assert torch.equal(lm.logits(h, drafter_rows=~rows), got)  # the old spelling, the complement
+    # ordinary requests run no variant row; speculative ones run their causal rows through it (the offset is the
+    # same on every id there, so greedy verification picks the same tokens)
+    for params in (SamplingParams(max_tokens=8, temperature=0, block_size=4, ignore_eos=True),
+                   SamplingParams(max_tokens=8, temperature=0, block_size=4, speculative=True, ignore_eos=True)):
+        assert [o.outputs[0].token_ids for o in LLM(lm).generate(PROMPTS, params)] == \
+               [o.outputs[0].token_ids for o in LLM(plain).generate(PROMPTS, params)]
+
+
+def test_variant_rows_select_the_verifier_rows():
+    routed, verifier = loaded_with_verifier(initializer_range=0.5)
+    assert routed.has_row_variant and isinstance(routed.row_variant, RowRouter) and not verifier.has_row_variant
+    ids = torch.tensor([verifier.tokenizer("Hello world, one two").input_ids])
+    pos = torch.arange(ids.shape[1])[None]
+    rows = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        hv = verifier.hidden_states(ids, pos, None)
+        assert torch.allclose(routed.hidden_states(ids, pos, None, variant_rows=rows), hv, atol=1e-5)
+        assert torch.equal(routed.hidden_states(ids, pos, None, variant_rows=~rows),
+                           routed.hidden_states(ids, pos, None))
+    assert routed.row_variant.drafter_rows is None  # the selection ends with the forward
