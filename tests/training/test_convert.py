@@ -26,16 +26,6 @@ VOCAB = 320  # tokens of the tiny tokenizer (incl. <|endoftext|>, <|im_start|>, 
 NEAR_TIE = 1e-4  # DESIGN.md section 10: a token may differ only where the parent's top-2 logits differ by less
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; with several busy processes on 2 cores, multi-threaded matmuls of
-    64-wide layers cost 50x more (measured: 12 s vs 0.25 s for 16 steps)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ------------------------------------------------------------------------------------------------ tiny parents
 def make_qwen2(vocab_size: int, seed: int = 0):
     """A tiny random Qwen2ForCausalLM (q/k/v biases, untied head), logits scaled so that argmax is decisive."""

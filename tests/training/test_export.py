@@ -33,14 +33,6 @@ for q, cfg in (("nf4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def src_and_reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("export")

@@ -14,14 +14,6 @@ from unmask.training.data import load_dataset
 from unmask.training.trainer import TrainConfig, train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_distill_resume_topk_and_train(tmp_path, capsys):
     from unmask.engine.checkpoint import write_checkpoint
 
