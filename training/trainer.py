@@ -1,4 +1,4 @@
-"""The A2D fine-tuning loop (DESIGN.md sections 7 and 10, issue 4).
+"""The A2D fine-tuning loop (docs/design.md sections 7 and 10, issue 4).
 
 Built on accelerate: one CPU process by default; the same call under ``accelerate launch`` / ``torchrun`` runs DDP
 (gloo on CPU, NCCL on GPU), bf16 autocast on GPU. Each optimizer step consumes ``batch_size * grad_accum *
