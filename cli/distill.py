@@ -10,9 +10,10 @@ def register(sub, name):
     """Add the ``unmask distill-data`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="self-distillation data: the AR parent answers a prompt file",
                        description="Generate training targets with the AR parent (appends; reruns resume).")
-    p.add_argument("--teacher", required=True, help="AR model: Hugging Face directory or GGUF file/directory")
-    p.add_argument("--prompts", required=True, help="JSONL (`prompt` or `messages`) or text (one prompt per line)")
-    p.add_argument("--out", required=True, help="output JSONL (appended)")
+    for flag, text in (("--teacher", "AR model: Hugging Face directory or GGUF file/directory"),
+                       ("--prompts", "JSONL (`prompt` or `messages`) or text (one prompt per line)"),
+                       ("--out", "output JSONL (appended)")):
+        p.add_argument(flag, required=True, help=text)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--top-k-dist", type=int, default=0, help="store the parent's top-K distribution per token")

@@ -1,4 +1,4 @@
-"""A2D conversion: an autoregressive Hugging Face causal LM -> an ``a2d`` diffusion checkpoint (DESIGN.md section 7).
+"""A2D conversion: an autoregressive Hugging Face causal LM -> an ``a2d`` diffusion checkpoint (docs/design.md section 7).
 
 What :func:`convert_checkpoint` does, in order:
 
@@ -6,7 +6,7 @@ What :func:`convert_checkpoint` does, in order:
    GGUF file through transformers' ``gguf_file`` (de-quantised to float32). A GGUF-loaded model cannot be saved by
    transformers 5 ("quantized with gguf and is not serializable"), so the weights are moved into a plain model of
    the same class built from the config without its ``quantization_config`` (strict state-dict load: logits are
-   identical; DESIGN.md section 8).
+   identical; docs/design.md section 8).
 2. Choose the mask token: the source's ``dllm.mask_token_id`` when it already is a diffusion checkpoint; else the
    tokenizer's declared ``mask_token``; else ``mask_token`` when it is already in the vocabulary; else a reserved /
    unused special token (``<|reserved_special_token_0|>``, ``<unused0>``); else ``mask_token`` is added as a new
@@ -23,7 +23,7 @@ What :func:`convert_checkpoint` does, in order:
    end-of-turn ids, pad id, default sampling ``temperature: 0``).
 
 With ``prefix_causal`` (or ``block_causal``) attention, logit shift and ``block_size=1`` the converted model decodes
-exactly its AR parent's greedy output (DESIGN.md section 4); ``tests/test_convert.py`` checks that.
+exactly its AR parent's greedy output (docs/design.md section 4); ``tests/test_convert.py`` checks that.
 """
 from __future__ import annotations
 
@@ -52,16 +52,18 @@ class ConversionError(ValueError):
 
 # ---------------------------------------------------------------------------------------------------- source
 def resolve_source(src: str | os.PathLike, gguf_file: str | None = None) -> tuple[Path, str | None]:
-    """Where the AR parent is: ``(directory, gguf file name or None)``.
+    """Where a model is (training's one source resolver: the AR parent of conversion and distillation, the source
+    of an export): ``(directory, gguf file name or None)``.
 
-    Rules: ``src`` may be a ``.gguf`` file; a directory with ``gguf_file`` names a GGUF file inside it; a directory
-    without ``config.json`` holding exactly one ``.gguf`` file uses that file; a directory with ``config.json`` is a
-    Hugging Face checkpoint. A hub id (``org/name``) is resolved through huggingface_hub where a network (or the
-    local hub cache) exists.
+    Rules: ``src`` may be a ``.gguf`` file; a directory with ``gguf_file`` names a GGUF file inside it; a training
+    ``OUT`` (with a ``latest`` file) is its latest checkpoint; a directory with ``config.json`` is a Hugging Face
+    checkpoint; a directory without ``config.json`` holding exactly one ``.gguf`` file uses that file. A hub id
+    (``org/name``) is resolved through huggingface_hub where a network (or the local hub cache) exists.
 
     Raises:
-        ConversionError: ``src`` does not exist, the GGUF file is missing, or the directory holds several GGUF
-            files and no ``config.json`` (the message lists them and asks for ``--gguf-file``).
+        ConversionError: ``src`` does not exist, the GGUF file is missing, the directory holds several GGUF files
+            and no ``config.json`` (the message lists them and asks for ``--gguf-file``), or ``latest`` does not
+            name a checkpoint.
     """
     p = Path(src).expanduser()
     if not p.exists():
@@ -82,6 +84,13 @@ def resolve_source(src: str | os.PathLike, gguf_file: str | None = None) -> tupl
             found = sorted(x.name for x in p.glob("*.gguf"))
             raise ConversionError(f"--gguf-file: {p / gguf_file} does not exist (GGUF files in {p}: {found or 'none'})")
         return p, gguf_file
+    if (p / "latest").is_file():
+        from .trainer import TrainError, resolve_latest
+
+        try:
+            return resolve_latest(p), None
+        except TrainError as exc:
+            raise ConversionError(str(exc)) from exc
     if (p / "config.json").is_file():
         return p, None
     ggufs = sorted(x.name for x in p.glob("*.gguf"))
@@ -106,7 +115,7 @@ def _no_init():
 
 
 def plain_copy_of_gguf_model(model):
-    """A serialisable copy of a GGUF-loaded model (DESIGN.md section 8).
+    """A serialisable copy of a GGUF-loaded model (docs/design.md section 8).
 
     transformers 5 refuses ``save_pretrained`` on a model loaded with ``gguf_file`` ("quantized with gguf and is
     not serializable") although its weights are already de-quantised. This builds a model of the same class from a
@@ -130,19 +139,29 @@ def plain_copy_of_gguf_model(model):
     return plain.eval()
 
 
-def load_parent(src_dir: Path, gguf_file: str | None, dtype: str | torch.dtype = "float32"):
-    """Load the AR parent as ``(model, tokenizer)`` on CPU with sdpa attention (a GGUF parent through transformers'
-    ``gguf_file``, returned as a plain serialisable model).
+def load_parent(src: str | os.PathLike, gguf_file: str | None = None, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu"):
+    """Load the AR parent (training's one parent loader: conversion, the distillation teacher, the KL teacher, the
+    quality benchmark) as ``(model, tokenizer)``: eval mode, frozen, sdpa attention, loaded on CPU and moved to
+    ``device``. ``src`` and ``gguf_file`` are located by :func:`resolve_source` (a Hugging Face directory - an a2d
+    checkpoint also works: run causally it is its parent -, a GGUF file or a directory holding one); a GGUF parent
+    goes through transformers' ``gguf_file`` and is returned as a plain serialisable model.
 
     Raises:
-        ConversionError: the weights or the tokenizer cannot be loaded (the message names the path).
+        ConversionError: see :func:`resolve_source`; ``dtype`` or ``device`` is not usable, or the weights or the
+            tokenizer cannot be loaded (the message names the path); a quantized non-GGUF source.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unmask.engine.model import resolve_dtype
+    from unmask.engine.model import resolve_device, resolve_dtype
 
+    src_dir, gguf_file = resolve_source(src, gguf_file)
     try:
-        torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+        dev = resolve_device(device)
+    except ValueError as exc:
+        raise ConversionError(f"--{exc}") from exc
+    try:
+        torch_dtype = resolve_dtype(dtype, dev)
     except ValueError as exc:
         raise ConversionError(f"--dtype: {exc}") from exc
     where = src_dir / gguf_file if gguf_file else src_dir
@@ -162,7 +181,10 @@ def load_parent(src_dir: Path, gguf_file: str | None, dtype: str | torch.dtype =
             model = plain_copy_of_gguf_model(model)
         else:
             raise ConversionError(f"SRC: {where} is quantized ({method}); convert the full-precision model")
-    return model.eval(), tokenizer
+    model.to(dev).eval()
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    return model, tokenizer
 
 
 # ---------------------------------------------------------------------------------------------------- mask token
@@ -233,33 +255,28 @@ def add_mask_rows(model, mask_id: int, num_real_tokens: int, initialise: bool = 
             head.bias[mask_id] = head.bias[real].float().mean().to(head.bias.dtype)
 
 
-def eos_ids_of(tokenizer, model) -> list[int]:
-    """EOS and end-of-turn ids, in order of preference: the tokenizer's EOS, the generation config's EOS id(s),
-    then the known end-of-turn tokens present in the vocabulary (``<|im_end|>``, ``<|eot_id|>``, ...).
+def eos_ids_of(tokenizer, model=None, extra=None) -> list[int]:
+    """Training's one EOS rule, built on the engine's :func:`~unmask.engine.families.common.resolve_eos_token_ids`:
+    EOS and end-of-turn ids in order of preference - the tokenizer's EOS, then (with ``model``) the generation
+    config's and the model config's EOS id(s), then the known end-of-turn tokens present in the vocabulary
+    (``END_OF_TURN_TOKENS``: ``<|im_end|>``, ``<|eot_id|>``, ...), then ``extra`` (e.g. ``dllm.eos_token_ids``).
+    The conversion writes this list into ``dllm.eos_token_ids``; the data loader and the distillation teachers end
+    answers at (the set of) it.
 
-    Raises:
-        ConversionError: no EOS id at all (the checkpoint could never stop).
+    Returns:
+        the ids without duplicates; empty when there is no EOS at all (:func:`convert_model` refuses that).
     """
-    ids: list[int] = []
+    from unmask.engine.families.common import resolve_eos_token_ids
 
-    def add(x):
-        if x is None:
-            return
-        for v in (x if isinstance(x, (list, tuple)) else [x]):
-            if isinstance(v, int) and v >= 0 and v not in ids:
-                ids.append(int(v))
-
-    add(tokenizer.eos_token_id)
-    gen = getattr(model, "generation_config", None)
-    add(getattr(gen, "eos_token_id", None))
-    add(getattr(model.config, "eos_token_id", None))
-    vocab = tokenizer.get_vocab()
-    for name in END_OF_TURN_TOKENS:
-        if name in vocab:
-            add(vocab[name])
-    if not ids:
-        raise ConversionError("tokenizer: no EOS token (eos_token unset and no known end-of-turn token)")
-    return ids
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    config = {"eos_token_id": getattr(model.config, "eos_token_id", None)} if model is not None else {}
+    try:
+        ids = resolve_eos_token_ids(None, config, tokenizer, END_OF_TURN_TOKENS, [], None,
+                                    generation_config={"eos_token_id": getattr(gen, "eos_token_id", None)},
+                                    tokenizer_first=True)
+    except CheckpointError:
+        ids = []
+    return ids + [t for t in dict.fromkeys(int(t) for t in extra or []) if t not in ids]
 
 
 # ---------------------------------------------------------------------------------------------------- convert
@@ -292,8 +309,7 @@ def convert_checkpoint(src, out, attention="prefix_causal", block_size=4, logit_
     if not isinstance(mask_token, str) or not mask_token:
         raise ConversionError(f"mask_token: must be a non-empty string, got {mask_token!r}")
     _check_out(out)
-    src_dir, gguf = resolve_source(src, gguf_file)
-    model, tokenizer = load_parent(src_dir, gguf, dtype)
+    model, tokenizer = load_parent(src, gguf_file, dtype)
     return convert_model(model, tokenizer, out, attention=attention, block_size=block_size, logit_shift=logit_shift,
                          mask_token=mask_token)
 
@@ -335,6 +351,8 @@ def convert_model(model, tokenizer, out, attention="prefix_causal", block_size=4
         raise ConversionError(f"SRC: LM head has {head_rows} rows but the embedding has {rows}; unsupported layout")
 
     eos = eos_ids_of(tokenizer, model)
+    if not eos:
+        raise ConversionError("tokenizer: no EOS token (eos_token unset and no known end-of-turn token)")
     pad = tokenizer.pad_token_id
     if pad is None or pad == mask_id:
         pad = eos[0]

@@ -1,6 +1,6 @@
 """Training data for A2D fine-tuning: JSONL chats rendered by the chat template, labels on assistant tokens only.
 
-Input lines (DESIGN.md section 7, issue 4), one JSON object per line:
+Input lines (docs/design.md section 7, issue 4), one JSON object per line:
 
 * ``{"messages": [{"role": "system"|"user"|"assistant"|..., "content": str}, ...]}`` - every assistant turn is
   trained, everything else is context;
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .convert import eos_ids_of  # training's one EOS rule (re-exported here for the data loader's callers)
 
 
 class DataError(ValueError):
@@ -176,19 +178,6 @@ def tokenize_chat(tokenizer, messages: list[dict], eos_ids: set[int], where: str
     return ids, spans
 
 
-def eos_ids_of(tokenizer, extra: list[int] | None = None) -> set[int]:
-    """EOS and end-of-turn ids of a tokenizer (``eos_token_id`` plus ``<|im_end|>``/``<|eot_id|>``/
-    ``<|end|>``/``<end_of_turn>`` where they exist) plus ``extra`` (e.g. ``dllm.eos_token_ids``)."""
-    out = set(extra or [])
-    if tokenizer.eos_token_id is not None:
-        out.add(int(tokenizer.eos_token_id))
-    vocab = tokenizer.get_vocab()
-    for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
-        if name in vocab:
-            out.add(int(vocab[name]))
-    return out
-
-
 def _line_messages(obj: dict, where: str) -> list[dict]:
     if "messages" in obj:
         return _check_messages(obj["messages"], where)
@@ -330,7 +319,7 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, eos_ids: set[int] | 
         raise DataError(f"seq_len: must be at least 2, got {seq_len}")
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    eos_ids = eos_ids if eos_ids is not None else eos_ids_of(tokenizer)
+    eos_ids = set(eos_ids) if eos_ids is not None else set(eos_ids_of(tokenizer))
     examples, dropped, top_k, lines = [], 0, 0, 0
     for _lineno, where, line in text_lines(path):
         lines += 1

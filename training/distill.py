@@ -34,57 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .data import DataError, eos_ids_of, parse_json_line, text_lines
-
-
-def _find_gguf(path: Path) -> Path | None:
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").is_file():
-        files = sorted(path.glob("*.gguf"))
-        if len(files) == 1:
-            return files[0]
-        if len(files) > 1:
-            raise DataError(f"{path}: holds {len(files)} .gguf files; name one")
-    return None
-
-
-def load_parent(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Load an AR parent: ``(model, tokenizer)`` in eval mode with sdpa attention.
-
-    Args:
-        path: a Hugging Face causal-LM directory (an a2d checkpoint also works: run causally it is its parent),
-            a ``.gguf`` file, or a directory with exactly one ``.gguf`` file (transformers ``gguf_file``).
-
-    Raises:
-        DataError: the path does not exist or holds no loadable model, or ``device`` is not usable.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from unmask.engine.model import resolve_device
-
-    try:
-        dev = resolve_device(device)
-    except ValueError as exc:
-        raise DataError(f"--{exc}") from exc
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"{p}: no such file or directory (teacher)")
-    gguf = _find_gguf(p)
-    try:
-        if gguf is not None:
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
-                                                         attn_implementation="sdpa")
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation="sdpa")
-            tok = AutoTokenizer.from_pretrained(str(p))
-    except (OSError, ValueError, KeyError) as exc:
-        raise DataError(f"{p}: cannot load the teacher model ({exc})") from exc
-    model.to(dev).eval()
-    for prm in model.parameters():
-        prm.requires_grad_(False)
-    return model, tok
+from .convert import ConversionError, eos_ids_of, load_parent
+from .data import DataError, parse_json_line, text_lines
 
 
 def read_prompts(path: str | os.PathLike) -> list[dict]:
@@ -179,7 +130,7 @@ def generate_batch(model, tok, items: list[dict], max_new_tokens: int, top_k_dis
         tok.pad_token = tok.eos_token
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     tok.padding_side = pad_side
-    eos = sorted(eos_ids_of(tok))
+    eos = sorted(set(eos_ids_of(tok)))
     out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                          pad_token_id=tok.pad_token_id, return_dict_in_generate=True,
                          output_logits=bool(top_k_dist), temperature=None, top_p=None, top_k=None)
@@ -224,7 +175,10 @@ class TransformersTeacher:
     """
 
     def __init__(self, path: str | os.PathLike, batch_size: int, device: str = "cpu", top_k_dist: int = 0):
-        self.model, self.tokenizer = load_parent(path, device=device)
+        try:
+            self.model, self.tokenizer = load_parent(path, device=device)
+        except ConversionError as exc:
+            raise DataError(f"teacher: {exc}") from exc
         self.batch_size, self.top_k_dist = batch_size, top_k_dist
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
 
@@ -253,7 +207,7 @@ class EngineTeacher:
     Args:
         checkpoint: an a2d checkpoint directory with causal committed context (``prefix_causal`` or
             ``block_causal`` attention) and the logit shift, e.g. the output of ``unmask convert``. An answer
-            ends at the same ids as with the transformers teacher (:func:`~unmask.training.data.eos_ids_of`: the
+            ends at the same ids as with the transformers teacher (:func:`~unmask.training.convert.eos_ids_of`: the
             tokenizer's EOS and end-of-turn ids) and at ``dllm.eos_token_ids``.
         batch_size: sequences decoded together (continuous batching).
         device: ``cpu`` | ``cuda`` | ``auto``.
@@ -286,7 +240,7 @@ class EngineTeacher:
         self.tokenizer = self.llm.tokenizer
         self.context = int(self.llm.model.max_context)
         dllm_eos = set(self.llm.model.dllm.eos_token_ids)
-        self.stop_ids = sorted(eos_ids_of(self.tokenizer) - dllm_eos)  # ids the engine would not stop at itself
+        self.stop_ids = sorted(set(eos_ids_of(self.tokenizer)) - dllm_eos)  # ids the engine would not stop at itself
 
     def _prompt_ids(self, item: dict) -> list[int]:
         return self.llm.apply_chat_template(item.get("messages") or [{"role": "user", "content": item["prompt"]}])

@@ -1,8 +1,8 @@
-"""Export a trained checkpoint as a servable (optionally bitsandbytes-quantized) checkpoint (DESIGN.md sections 6, 10).
+"""Export a trained checkpoint as a servable (optionally bitsandbytes-quantized) checkpoint (docs/design.md sections 6, 10).
 
 ``export(src, out, quantization)``: ``src`` is a servable directory or a training ``OUT`` (its ``latest``
 checkpoint). Training checkpoints already hold the LoRA adapters merged into the full-precision base (never into
-dequantized NF4 weights, DESIGN.md section 10), so export loads full-precision weights, quantizes them with
+dequantized NF4 weights, docs/design.md section 10), so export loads full-precision weights, quantizes them with
 bitsandbytes (``nf4`` = 4-bit NormalFloat with float32 compute on CPU / bf16 on CUDA, ``int8`` = LLM.int8(),
 ``none`` = plain copy in ``dtype``) and writes the result with ``write_checkpoint`` (atomic; the
 ``quantization_config`` goes into ``config.json``).
@@ -23,31 +23,14 @@ import torch
 
 from unmask.engine.checkpoint import mark_temporary, publish_directory, remove_stale_temporaries, write_checkpoint
 
+from .convert import ConversionError, resolve_source
+
 QUANTIZATIONS = ("none", "nf4", "int8")
 VERIFIER_DIR = "verifier"  # where an export places the source's verifier (named relatively in dllm.verifier)
 
 
 class ExportError(RuntimeError):
     """Bad source/output, or a quantized model that ran a forward was about to be written."""
-
-
-def resolve_source(src: str | os.PathLike) -> Path:
-    """A servable directory as is; a training OUT (with ``latest``) -> its latest checkpoint.
-
-    Raises:
-        ExportError: neither.
-    """
-    p = Path(src)
-    if (p / "latest").is_file():
-        from .trainer import TrainError, resolve_latest
-
-        try:
-            return resolve_latest(p)
-        except TrainError as exc:
-            raise ExportError(str(exc)) from exc
-    if (p / "config.json").is_file():
-        return p
-    raise ExportError(f"{p}: neither a checkpoint directory (config.json) nor a training output (latest)")
 
 
 def quantization_config(quantization: str, device: torch.device):
@@ -152,7 +135,13 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         dt = resolve_dtype(dtype, dev)
     except ValueError as exc:
         raise ExportError(f"--dtype: {exc}") from exc
-    srcp = resolve_source(src)
+    srcp = Path(src)
+    if not ((srcp / "latest").is_file() or (srcp / "config.json").is_file()):
+        raise ExportError(f"{srcp}: neither a checkpoint directory (config.json) nor a training output (latest)")
+    try:
+        srcp, _ = resolve_source(srcp)  # a training OUT -> its latest checkpoint
+    except ConversionError as exc:
+        raise ExportError(str(exc)) from exc
     cfg = read_config(srcp)
     if isinstance(cfg.get("quantization_config"), dict):
         raise ExportError(f"{srcp}: is already quantized; export from the full-precision checkpoint")

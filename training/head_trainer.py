@@ -271,7 +271,7 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    ds = load_dataset(cfg.data, tokenizer, cfg.seq_len, eos_ids_of(tokenizer, dllm.eos_token_ids))
+    ds = load_dataset(cfg.data, tokenizer, cfg.seq_len, set(eos_ids_of(tokenizer, extra=dllm.eos_token_ids)))
     prepare_output(vpath, out, cfg.max_drafts)
     state_dir = out / STATE_DIR
     state_dir.mkdir(exist_ok=True)

@@ -1,6 +1,6 @@
 """Masked-diffusion training objectives built on the engine's one attention-mask builder.
 
-Objectives (DESIGN.md section 7, issue 4):
+Objectives (docs/design.md section 7, issue 4):
 
 * ``mdlm`` on a ``bidirectional`` checkpoint: per sequence ``t ~ U(eps, 1)``, each answer token replaced by the
   mask token with probability ``t``, one forward over the whole (bidirectional) sequence;
@@ -96,7 +96,40 @@ class Noise:
 
 
 @dataclass
-class Layout:
+class ForwardRows:
+    """The fields every training forward has (:class:`Layout`, :class:`DraftLayout`): the rows forwarded and the
+    outputs scored.
+
+    Attributes:
+        input_ids, position_ids: ``[B, T]`` int64; attention_mask: ``[B, 1, T, K]`` bool (True = may attend).
+        valid: ``[B, T]`` bool (False = padding).
+        src_row, src_col: ``[N]`` int64 output (row, column) whose logits predict each scored token.
+        labels: ``[N]`` int64 the clean token ids they predict.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    valid: torch.Tensor
+    src_row: torch.Tensor
+    src_col: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens forwarded (valid entries of ``input_ids``), for tokens/s."""
+        return int(self.valid.sum())
+
+    def to(self, device):
+        """Move every tensor field to ``device`` in place; returns self."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
+
+@dataclass
+class Layout(ForwardRows):
     """Inputs of one training forward and where its losses are read.
 
     Attributes:
@@ -109,30 +142,11 @@ class Layout:
         block_offsets: ``[(row, start, end, offset)]`` where each forwarded noisy copy sits along the T axis.
     """
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    valid: torch.Tensor
-    src_row: torch.Tensor
-    src_col: torch.Tensor
-    labels: torch.Tensor
     label_row: torch.Tensor
     label_pos: torch.Tensor
     inv_t: torch.Tensor
     norm: float
     block_offsets: list[tuple[int, int, int, int]] = field(default_factory=list)
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens forwarded (valid entries of ``input_ids``), for tokens/s."""
-        return int(self.valid.sum())
-
-    def to(self, device) -> "Layout":
-        """Move every tensor field to ``device`` in place; returns self."""
-        for name in ("input_ids", "position_ids", "attention_mask", "valid", "src_row", "src_col", "labels",
-                     "label_row", "label_pos", "inv_t"):
-            setattr(self, name, getattr(self, name).to(device))
-        return self
 
 
 # ---------------------------------------------------------------------------------------------- blocks and groups
@@ -140,7 +154,7 @@ def answer_blocks(spans: list[tuple[int, int]], block_size: int | None, alignmen
                   ) -> list[tuple[int, int, int]]:
     """Blocks ``(start, end, span_start)`` covering the answer spans, as the engine lays them out.
 
-    ``generation``: blocks start at each span's first token (DESIGN.md section 10); ``absolute``: blocks are the
+    ``generation``: blocks start at each span's first token (docs/design.md section 10); ``absolute``: blocks are the
     multiples of ``block_size`` from position 0 that intersect the span (the first may start in the prompt).
     The last block of a span ends at the span's end (its EOS). ``block_size=None``: one block per span.
     """
@@ -481,7 +495,7 @@ def finite(x: float) -> bool:
 
 # ---------------------------------------------------------------------------------------------- draft objective
 @dataclass
-class DraftLayout:
+class DraftLayout(ForwardRows):
     """Inputs of one ``draft`` forward (see the module docstring) and where its losses are read.
 
     Attributes:
@@ -499,29 +513,10 @@ class DraftLayout:
     context_ids: torch.Tensor
     context_mask: torch.Tensor
     context_valid: torch.Tensor
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    valid: torch.Tensor
-    src_row: torch.Tensor
-    src_col: torch.Tensor
-    labels: torch.Tensor
     draft_index: torch.Tensor
     group: torch.Tensor
     inv_t: torch.Tensor
     norm: float
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens forwarded with gradients (valid draft rows), for tokens/s."""
-        return int(self.valid.sum())
-
-    def to(self, device) -> "DraftLayout":
-        """Move every tensor field to ``device`` in place; returns self."""
-        for name, value in vars(self).items():
-            if isinstance(value, torch.Tensor):
-                setattr(self, name, value.to(device))
-        return self
 
 
 DRAFT_GROUP_BASE = 1 << 40  # attention-group ids of draft groups: above every position (context tokens use pos)

@@ -1,4 +1,4 @@
-"""The A2D fine-tuning loop (DESIGN.md sections 7 and 10, issue 4).
+"""The A2D fine-tuning loop (docs/design.md sections 7 and 10, issue 4).
 
 Built on accelerate: one CPU process by default; the same call under ``accelerate launch`` / ``torchrun`` runs DDP
 (gloo on CPU, NCCL on GPU), bf16 autocast on GPU. Each optimizer step consumes ``batch_size * grad_accum *
@@ -260,7 +260,7 @@ class Teacher:
     """The AR parent run in-process: its next-token log-probabilities for scored answer tokens."""
 
     def __init__(self, path: str, device, student_vocab: int):
-        from .distill import load_parent
+        from .convert import load_parent
 
         self.model, _ = load_parent(path, device=device)
         v = self.model.get_output_embeddings().weight.shape[0]
@@ -553,7 +553,7 @@ class Trainer:
             dllm.verifier = str((Path(cfg.model) / Path(dllm.verifier)).resolve())
         # a draft head read the source's hidden states; it does not carry over to retrained weights
         dllm.draft_head = None
-        eos = eos_ids_of(self.tm.tokenizer, dllm.eos_token_ids)
+        eos = set(eos_ids_of(self.tm.tokenizer, extra=dllm.eos_token_ids))
         try:
             self.data = load_dataset(cfg.data, self.tm.tokenizer, cfg.seq_len, eos)
             self.eval_data = load_dataset(cfg.eval_data, self.tm.tokenizer, cfg.seq_len, eos) if cfg.eval_data else None

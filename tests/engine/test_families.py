@@ -21,15 +21,6 @@ from tiny import (family_tokenizer, llada_config_dict, llama_to_llada_state_dict
 V = 336  # embedding rows: the tokenizer (321-322 tokens) rounded up, as published vocabularies are
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on shared 2-core machines: one intra-op thread is much faster than two fighting threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _qwen2(seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -21,15 +21,6 @@ from tiny import family_tokenizer, llada_replica_state_dict, save_foreign_checkp
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "llada_golden.json").read_text())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on shared 2-core machines: one intra-op thread is ~10x faster than two fighting threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llada_llm(tmp_path_factory):
     from unmask.engine import LLM

@@ -1,4 +1,4 @@
-"""Quantized export round trip (DESIGN.md section 10): saved tensors equal a fresh-process quantization of the same
+"""Quantized export round trip (docs/design.md section 10): saved tensors equal a fresh-process quantization of the same
 weights, reloaded logits equal the exporter's - also after the exporting process ran a forward on a quantized model
 (the bitsandbytes 0.50 AVX512-BF16 repack trap), and a model that ran a forward is never written."""
 from __future__ import annotations
@@ -31,14 +31,6 @@ for q, cfg in (("nf4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type
     m = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, device_map={"": "cpu"}, dtype=torch.float32)
     m.save_pretrained(f"{out}/{q}")
 """
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

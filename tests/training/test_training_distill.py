@@ -14,14 +14,6 @@ from unmask.training.data import load_dataset
 from unmask.training.trainer import TrainConfig, train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_distill_resume_topk_and_train(tmp_path, capsys):
     from unmask.engine.checkpoint import write_checkpoint
 
@@ -188,7 +180,7 @@ def test_engine_teacher_clamps_answers_at_the_context_edge_and_stops_at_the_toke
     stop_at = free[2]
     assert stop_at not in free[:2] and stop_at not in lm.dllm.eos_token_ids
     real = distill_mod.eos_ids_of
-    monkeypatch.setattr(distill_mod, "eos_ids_of", lambda tok, extra=None: real(tok, extra) | {stop_at})
+    monkeypatch.setattr(distill_mod, "eos_ids_of", lambda tok, model=None, extra=None: [*real(tok, model, extra), stop_at])
     teacher = distill_mod.EngineTeacher(tmp_path / "a2d", batch_size=2)
     rec = teacher.answer([dict(item)], 6)[0]
     assert rec["completion_ids"] == free[:3] and rec["finished"]

@@ -18,15 +18,6 @@ from unmask.training.losses import (Layout, Noise, NoisyBlock, answer_blocks, bu
 LN = math.log
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is several times faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _layout(labels, inv_t, norm):
     n = len(labels)
     z = torch.zeros(n, dtype=torch.long)

