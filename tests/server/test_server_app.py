@@ -72,10 +72,11 @@ def _metric(text, name):
 
 
 def test_failed_requests_count_the_work_they_did():
+    from unmask.server.accounting import Work
     from unmask.server.metrics import Metrics
 
-    ran = types.SimpleNamespace(num_output_tokens=3, nfe=4, step=4, proposed_drafts=5, accepted_drafts=2)
-    queued = types.SimpleNamespace(num_output_tokens=0, nfe=0, step=0, proposed_drafts=0, accepted_drafts=0)
+    ran = Work(tokens=3, nfe=4, steps=4, drafts_proposed=5, drafts_accepted=2)
+    queued = Work()
     m = Metrics("m")
     m.record_failure("abort", [(10, [ran, ran])])
     m.record_failure("queue_full", [(7, [queued])])  # never ran: its prompt was not processed
@@ -224,6 +225,25 @@ def test_server_does_not_import_training():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any("training" in n for n in names), f"{path.name}:{node.lineno} imports {names}"
+
+
+def test_server_uses_only_the_engines_public_api():
+    """The outputs-only boundary: unmask.server imports from ``unmask.engine`` and ``unmask.engine.limits`` only,
+    and never touches live sequences (``.sequences``, ``output_ids``, ``eos_ids``, ``draft_block`` of a sequence)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import unmask.server
+
+    for path in Path(unmask.server.__file__).parent.glob("*.py"):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("unmask"):
+                assert node.module in ("unmask.engine", "unmask.engine.limits"), f"{path.name}: {node.module}"
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("unmask") for a in node.names), f"{path.name}:{node.lineno}"
+        assert not re.search(r"\.(sequences|output_ids|eos_ids|blocks_done_steps)\b", source), path.name
 
 
 def test_tiny_positive_temperature_is_argmax_not_a_filtered_token(model):
