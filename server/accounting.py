@@ -63,8 +63,8 @@ def decoding(outputs: list[CompletionOutput | None], resolved) -> str:
     spec = [o for o in outputs if o is not None and o.speculative]
     if spec:
         block = spec[0].draft_block
-    elif resolved is not None and getattr(resolved, "speculative", False):
-        block = getattr(resolved, "draft_block", None)
+    elif resolved.speculative:
+        block = resolved.draft_block
     else:
         return "diffusion"
     return "speculative, one token per forward (no drafts)" if block == 1 else f"speculative, draft block {block}"

@@ -5,9 +5,9 @@ whether logprobs were asked for; it builds the non-streamed body from the choice
 each stream chunk from a :class:`StepEvent` or a piece of text. It reads nothing but those outputs (and the token
 texts of the tokenizer).
 
-Logprobs: an EOS that ended a choice (``CompletionOutput.ended_by_eos``) is counted in usage but never rendered, so it
-has no logprob entry; JSON has no -inf, so a log-probability below -9999.0 is sent as -9999.0 (vLLM's "impossible";
-the engine only reveals finite ones).
+Logprobs: an EOS that ended a choice (``ended_by_eos`` with ``finish_reason`` ``stop``; with ``ignore_eos`` an EOS
+id is an ordinary token) is counted in usage but never rendered, so it has no logprob entry; JSON has no -inf, so a
+log-probability below -9999.0 is sent as -9999.0 (vLLM's "impossible"; the engine only reveals finite ones).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Render:
     # ------------------------------------------------------------------ logprobs
     def _token_entries(self, out: CompletionOutput) -> list[tuple[str, float]]:
         ids, lps = list(out.token_ids), list(out.logprobs or [])[: len(out.token_ids)]
-        if ids and out.ended_by_eos:  # EOS: counted, never rendered
+        if ids and out.ended_by_eos and out.finish_reason == "stop":  # EOS: counted, never rendered
             ids, lps = ids[:-1], lps[:-1]
         return [(self.token_text(t), lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR) for t, lp in zip(ids, lps)]
 

@@ -102,6 +102,5 @@ class Run:
             work = self._work()
             metrics.record_failure(failure, [(len(ids), work[p * self.n:(p + 1) * self.n])
                                              for p, ids in enumerate(self.prompt_ids)])
-        resolved = getattr(self.streams[0], "resolved", None) if self.streams else None
         log_line(self.id, status, u, end - self.arrival, [o.finish_reason if o else None for o in outputs],
-                 decoding(outputs, resolved), failure)
+                 decoding(outputs, self.streams[0].resolved), failure)
