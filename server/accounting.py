@@ -41,6 +41,12 @@ class Work:
         return cls(ev.num_tokens, ev.nfe, ev.step + 1, ev.drafts_proposed, ev.drafts_accepted)
 
 
+def finished_work(stream) -> list[Work]:
+    """Each choice's work as far as a stream's outputs tell (``Work()`` for a choice that has not finished): for a
+    request refused before any of its events was read."""
+    return [Work.of_output(o) if o is not None else Work() for o in stream.outputs]
+
+
 def usage(prompt_tokens: int, work: list[Work]) -> Usage:
     """OpenAI usage (+ ``nfe``, ``denoising_steps``) of all choices."""
     completion = sum(w.tokens for w in work)

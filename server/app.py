@@ -32,7 +32,7 @@ from unmask.engine.limits import CACHE_MODES
 
 from . import protocol as P
 from . import responses as R
-from .accounting import Work
+from .accounting import finished_work
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
 from .metrics import Metrics
@@ -343,10 +343,9 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
         if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
             _rename_param(err, "max_tokens", "max_completion_tokens")  # the chat request's own name for it
         if err.code in ("queue_full", "cache_full"):
-            # earlier prompts of this request may have run a step before a later one was refused
-            state.metrics.record_failure(err.code, [(len(ids), [Work.of_output(o) if o is not None else Work()
-                                                                for o in s.outputs])
-                                                    for ids, s in zip(prompts, streams)])
+            # earlier prompts of this request may have run before a later one was refused: their work as far as
+            # their outputs tell (none of their events was read)
+            state.metrics.record_failure(err.code, [(len(ids), finished_work(s)) for ids, s in zip(prompts, streams)])
         raise err from exc
     render = Render(kind, response_id, int(arrival), state.model_name, state.token_text, logprobs=logprobs,
                     top_logprobs=top_logprobs, include_usage=body.include_usage)
