@@ -328,7 +328,9 @@ def test_generate_without_model_uses_the_serve_default(monkeypatch, tmp_path, ca
     fake.default_trained_dir = lambda: tmp_path / "none"
     fake.ensure_default_converted = lambda: tmp_path / "conv"
     monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
-    assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--json", "--weights", "native"]) == 0
+    # greedy (--temperature 0: `unmask generate` otherwise takes the checkpoint's default temperature)
+    assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--json", "--weights", "native",
+                     "--temperature", "0"]) == 0
     out = capsys.readouterr()
     obj = json.loads(out.out)
     assert "no MODEL given" in out.err and "UNTRAINED" in out.err
