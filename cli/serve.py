@@ -41,7 +41,8 @@ def register(sub, name):
                                    "denoising step, Prometheus /metrics).")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or hub id (default: the A2D SmolLM2 default model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
     p.add_argument("--api-key", default=os.environ.get("UNMASK_API_KEY"),
@@ -164,9 +165,7 @@ def run(args: argparse.Namespace) -> int:
         model_path, default_block, what = default_model()
     import uvicorn
 
-    from unmask.engine import CheckpointError
-    from unmask.engine.async_engine import AsyncEngine
-    from unmask.engine.model import load_model
+    from unmask.engine import AsyncEngine, CheckpointError, load_model
     from unmask.server.app import build_app
 
     import torch
@@ -177,7 +176,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     threads = server_threads(args.threads, loaded.device.type, torch.get_num_threads(), os.environ)
     torch.set_num_threads(threads)
-    loaded.draft_policy = args.default_drafts
     if args.max_model_len is not None:
         if args.max_model_len > loaded.max_context:
             raise UsageError(f"--max-model-len: {args.max_model_len} exceeds the model's context of "
@@ -190,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{loaded.dllm.block_size} only")
         loaded.dllm.block_size = block
     name = args.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
-    engine = AsyncEngine(loaded, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                         max_cached_tokens=args.max_cached_tokens)
+    engine = _engine(AsyncEngine, loaded, args)
     app = build_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens,
                     request_timeout=args.request_timeout, chat_template=chat_template,
                     cors_origins=args.cors_origins, default_cache=args.cache)
@@ -202,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if d.default_sampling.get("speculative"):
         how = (f"verified by {Path(loaded.path) / Path(d.verifier).expanduser()}" if d.verifier
                else "self-verified")
-        drafts = ("with drafts" if loaded.drafts_by_default() else
+        drafts = ("with drafts" if _drafts_by_default(loaded, args.default_drafts) else
                   "without drafts, i.e. one token per forward (on a CPU drafting costs more than it saves; the "
                   "answers are the same; --default-drafts on to draft)")
         decoding = (f"[requests without steps/threshold: causal-path decoding {how}, {drafts}; "
@@ -230,6 +227,29 @@ def run(args: argparse.Namespace) -> int:
     if stopped_by:
         log.info("stopped by %s after a graceful shutdown", signal.Signals(stopped_by[0]).name)
     return 0
+
+
+def _engine(engine_cls, loaded, args):
+    """The serving engine with the command line's options (``--default-drafts`` is the engine option
+    ``default_drafts``)."""
+    import inspect
+
+    options = dict(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                   max_cached_tokens=args.max_cached_tokens)
+    if "default_drafts" in inspect.signature(engine_cls).parameters:
+        return engine_cls(loaded, default_drafts=args.default_drafts, **options)
+    loaded.draft_policy = args.default_drafts  # transitional: an engine from before the default_drafts option
+    return engine_cls(loaded, **options)
+
+
+def _drafts_by_default(loaded, policy: str) -> bool:
+    """Whether requests that get speculative decoding from the checkpoint's default draft: the decoding plan's rule
+    (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU, or with a draft head)."""
+    try:
+        from unmask.engine.plan import drafts_by_default
+    except ImportError:  # transitional: an engine whose plan has no such rule yet; the same rule
+        return (loaded.draft_head is not None or loaded.device.type != "cpu") if policy == "auto" else policy == "on"
+    return drafts_by_default(policy, loaded.device.type, loaded.draft_head is not None)
 
 
 def _absorb_reraised_signals() -> list[int]:

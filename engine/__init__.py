@@ -1,32 +1,34 @@
 """unmask engine: block-wise iterative unmasking for diffusion language models.
 
-Public API (vLLM style)::
+Public API (vLLM style; the server imports only from here and from ``unmask.engine.limits``)::
 
     from unmask.engine import LLM, SamplingParams
     llm = LLM("path/to/checkpoint")
     print(llm.generate("Hello", SamplingParams(max_tokens=32, temperature=0))[0].outputs[0].text)
 """
 from .config import CheckpointError, DllmConfig
-from .params import ParamError, SamplingParams
+from .limits import ParamError
+from .outputs import CompletionOutput, RequestOutput, Revealed, StepEvent
+from .params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "ParamError", "DllmConfig", "CheckpointError", "AsyncEngine", "load_model",
-           "RequestOutput", "CompletionOutput", "StepEvent"]
+__all__ = ["LLM", "Engine", "AsyncEngine", "RequestStream", "SamplingParams", "SpeculativeOptions", "ParamError",
+           "DllmConfig", "CheckpointError", "load_model", "RequestOutput", "CompletionOutput", "StepEvent",
+           "Revealed", "QueueFull", "CacheFull", "EngineError", "EngineClosed", "encode_prompt", "chat_prompt_ids",
+           "TokenTexts", "DecodingPlan"]
+
+_LAZY = {  # name -> module: importing the package must not import torch-heavy modules eagerly
+    "LLM": "llm", "encode_prompt": "llm", "chat_prompt_ids": "llm",
+    "Engine": "engine", "AsyncEngine": "async_engine", "RequestStream": "async_engine",
+    "EngineError": "async_engine", "EngineClosed": "async_engine",
+    "QueueFull": "scheduler", "CacheFull": "scheduler",
+    "load_model": "model", "TokenTexts": "detokenize", "SpeculativeOptions": "params", "DecodingPlan": "plan",
+}
 
 
-def __getattr__(name):  # lazy: importing the package must not import torch-heavy modules eagerly
-    if name == "LLM":
-        from .llm import LLM
-        return LLM
-    if name == "AsyncEngine":
-        from .async_engine import AsyncEngine
-        return AsyncEngine
-    if name == "load_model":
-        from .model import load_model
-        return load_model
-    if name in ("RequestOutput", "CompletionOutput"):
-        from . import outputs
-        return getattr(outputs, name)
-    if name == "StepEvent":
-        from .sequence import StepEvent
-        return StepEvent
-    raise AttributeError(name)
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -28,9 +28,10 @@ from dataclasses import replace
 from .denoiser import Denoiser
 from .llm import make_sequences
 from .model import LoadedModel
+from .outputs import CompletionOutput, StepEvent
 from .params import ParamError, SamplingParams
 from .scheduler import CacheFull, QueueFull, Scheduler
-from .sequence import Sequence, StepEvent
+from .sequence import Sequence
 
 __all__ = ["AsyncEngine", "RequestStream", "EngineError", "EngineClosed", "QueueFull", "CacheFull", "ParamError"]
 
@@ -54,10 +55,10 @@ class RequestStream(AsyncIterator[StepEvent]):
     after the last choice's ``finished`` event. :meth:`index_of` gives an event's choice index.
 
     Attributes:
-        request_id: the id given to :meth:`AsyncEngine.submit`.
-        sequences: one :class:`Sequence` per choice (index = choice index). After a choice's finished event its
-            ``output_ids``, ``text``, ``finish_reason``, ``nfe``, ``step``, ``logprobs`` and
-            ``blocks_done_steps`` are final.
+        request_id: the id given to :meth:`AsyncEngine.submit`. n: number of choices.
+        outputs: one :class:`CompletionOutput` per choice (index = choice index), ``None`` until that choice's
+            finished event (set before the event is delivered).
+        resolved: the resolved :class:`~unmask.engine.plan.DecodingPlan` of choice 0 (read-only).
         submitted: wall time (``time.time()``, seconds) of the submit.
         first_step_time: wall time at which the engine started the request's first step (None before); queue
             time = ``first_step_time - submitted``.
@@ -70,13 +71,15 @@ class RequestStream(AsyncIterator[StepEvent]):
     def __init__(self, engine: "AsyncEngine", request_id: str, sequences: list[Sequence],
                  loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
-        self.sequences = sequences
+        self.sequences = sequences  # engine side only: callers read outputs, resolved and the events
+        self.n = len(sequences)
+        self.outputs: list[CompletionOutput | None] = [None] * len(sequences)
+        self.resolved = sequences[0].plan
         self.submitted = time.time()
         self.first_step_time: float | None = None
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._index = {seq.request_id: i for i, seq in enumerate(sequences)}
         self._open = len(sequences)  # choices not finished yet (engine thread only)
         self._closed = False
 
@@ -98,12 +101,12 @@ class RequestStream(AsyncIterator[StepEvent]):
 
     def index_of(self, event: StepEvent) -> int:
         """Choice index (0..n-1) of one of this request's events."""
-        return self._index[event.request_id]
+        return event.index
 
     @property
     def finished(self) -> bool:
         """True when every choice has finished (stop, length or abort)."""
-        return all(s.finished for s in self.sequences)
+        return all(o is not None for o in self.outputs)
 
     @property
     def queue_time(self) -> float | None:
@@ -164,7 +167,7 @@ class AsyncEngine:
         self._aborts: set[str] = set()  # guarded by _cond
         self._queued_seqs = 0  # sequences in _inbox + scheduler.waiting; guarded by _cond
         self._requests: dict[str, RequestStream] = {}  # guarded by _cond (written by both sides)
-        self._owner: dict[str, RequestStream] = {}  # sequence id -> request; engine thread only
+        self._owner: dict[str, RequestStream] = {}  # request id -> its stream; engine thread only
         self._stopping = False
         self.num_running = 0
         self.num_waiting = 0
@@ -174,6 +177,21 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ public API (event-loop side)
+    @property
+    def tokenizer(self):
+        """The served model's Hugging Face tokenizer."""
+        return self.model.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        """The model's context length in tokens."""
+        return self.model.max_context
+
+    @property
+    def dllm(self):
+        """The model's :class:`~unmask.engine.config.DllmConfig`."""
+        return self.model.dllm
+
     @property
     def nfe(self) -> int:
         """Batched model forwards run so far (engine-level NFE)."""
@@ -258,7 +276,7 @@ class AsyncEngine:
             return budget is not None and need(seqs) > budget
 
         if not fit:
-            seqs = make_sequences(self.model, prompt_ids, params, request_id, n, choice_ids=True)
+            seqs = make_sequences(self.model, prompt_ids, params, request_id, n)
             if over_budget(seqs):
                 lanes = len(seqs[0].lanes)
                 raise ParamError("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -276,7 +294,7 @@ class AsyncEngine:
             try:
                 seqs = make_sequences(self.model, prompt_ids, replace(params, max_tokens=m,
                                                                       min_tokens=min(params.min_tokens, m)),
-                                      request_id, n, choice_ids=True)
+                                      request_id, n)
             except ParamError as exc:
                 if exc.field != "max_tokens":
                     raise
@@ -316,8 +334,8 @@ class AsyncEngine:
                     new, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, set()
                 for stream, seqs in new:
+                    self._owner[stream.request_id] = stream
                     for seq in seqs:
-                        self._owner[seq.request_id] = stream
                         sched.waiting.append(seq)  # admission was checked at submit
                 for rid in aborts:
                     self._abort_now(rid)
@@ -353,9 +371,10 @@ class AsyncEngine:
                 stream.first_step_time = t_step
             puts.append((stream, ev))
             if ev.finished:
-                del self._owner[ev.request_id]
+                stream.outputs[ev.index] = ev.output
                 stream._open -= 1
                 if stream._open == 0:
+                    del self._owner[ev.request_id]
                     puts.append((stream, _END))
                     with self._cond:
                         self._requests.pop(stream.request_id, None)
@@ -370,10 +389,7 @@ class AsyncEngine:
         stream = self._requests.get(request_id)
         if stream is None:
             return
-        events = []
-        for seq in stream.sequences:
-            if not seq.finished and seq.request_id in self._owner:
-                events.extend(self.scheduler.abort(seq.request_id))
+        events = self.scheduler.abort(request_id) if request_id in self._owner else []
         puts = self._deliver(events, time.time())
         self._update_counters()
         self._flush(puts)
@@ -381,10 +397,8 @@ class AsyncEngine:
     def _fail_running(self, error: BaseException) -> None:
         failed = []
         for stream in {self._owner[s.request_id] for s in self.scheduler.running if s.request_id in self._owner}:
-            for seq in stream.sequences:
-                if seq.request_id in self._owner:
-                    self.scheduler.abort(seq.request_id)
-                    del self._owner[seq.request_id]
+            self.scheduler.abort(stream.request_id)
+            del self._owner[stream.request_id]
             failed.append(stream)
             with self._cond:
                 self._requests.pop(stream.request_id, None)

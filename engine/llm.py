@@ -8,10 +8,10 @@ from dataclasses import replace
 
 from .denoiser import Denoiser
 from .model import LoadedModel, load_model
-from .outputs import RequestOutput, completion_from
+from .outputs import RequestOutput, StepEvent
 from .params import MAX_SEED, ParamError, SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, StepEvent
+from .sequence import Sequence
 from .speculative import SpeculativeSequence
 
 _ids = itertools.count()
@@ -52,8 +52,7 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
             at random once per request).
         prompt_ids: prompt token ids. params: the request's parameters. request_id: id put on the events.
         n: number of choices (>= 1).
-        choice_ids: give choice i the id ``f"{request_id}-{i}"`` instead of ``request_id`` (so that events of
-            different choices can be told apart).
+        choice_ids: ignored (kept for old callers): every choice carries ``request_id`` and its ``index``.
 
     A request that gets speculative decoding only from the checkpoint's default, without naming a draft block,
     branches, epsilon or ratio, drafts only where the model's ``draft_policy`` says so
@@ -73,9 +72,9 @@ def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingPa
         resolved = replace(resolved, block_size=1)
     kind = SpeculativeSequence if resolved.speculative else Sequence
     extra = {"draft_head": model.draft_head} if resolved.speculative else {}
-    return [kind(f"{request_id}-{i}" if choice_ids else request_id, prompt_ids,
-                     replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm, model.tokenizer,
-                     model.max_context, model.device, vocab_size=model.vocab_size, **extra) for i in range(n)]
+    return [kind(request_id, prompt_ids, replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm,
+                 model.tokenizer, model.max_context, model.device, vocab_size=model.vocab_size, index=i, **extra)
+            for i in range(n)]
 
 
 class LLM:
@@ -182,7 +181,7 @@ class LLM:
             sched.step()
             for rid in [r for r, (_, _, seqs, _) in pending.items() if all(s.finished for s in seqs)]:
                 i, out, seqs, t0 = pending.pop(rid)
-                out.outputs = [completion_from(s, j) for j, s in enumerate(seqs)]
+                out.outputs = [s.completion() for s in seqs]
                 out.seconds = max((s.finish_time or time.time()) for s in seqs) - t0
                 firsts = [s.first_token_time for s in seqs if s.first_token_time]
                 out.time_to_first_token = (min(firsts) - t0) if firsts else None
@@ -204,6 +203,6 @@ class LLM:
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         """RequestOutput of a single finished sequence."""
-        return RequestOutput(seq.request_id, None, seq.prompt_ids, [completion_from(seq)],
+        return RequestOutput(seq.request_id, None, seq.prompt_ids, [seq.completion()],
                              seconds=(seq.finish_time or time.time()) - seq.created,
                              time_to_first_token=(seq.first_token_time - seq.created) if seq.first_token_time else None)

@@ -1,22 +1,46 @@
-"""Finished-request objects returned by :class:`~unmask.engine.llm.LLM` (vLLM's shapes)."""
+"""The engine's output objects: what every caller (``LLM``, ``AsyncEngine``, the server) reads, and nothing else
+(docs/design.md section 4, step 8; vLLM's shapes).
+
+* :class:`StepEvent`: one per choice per denoising step (frozen); the finished one carries the choice's
+  :class:`CompletionOutput` (aborts too: the partial output).
+* :class:`CompletionOutput`: one finished choice (frozen): text, token ids, logprobs, usage counters.
+* :class:`RequestOutput`: one finished request: prompt and choices.
+
+Token counting (docs/design.md section 10): ``token_ids`` runs up to and including the first EOS/stop id;
+``ended_by_eos`` says the last id is such an id (counted in usage, never rendered in ``text``).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import Sequence
+
+@dataclass(frozen=True)
+class Revealed:
+    """A token revealed in one step. ``position`` counts from the first generated position; ``confidence`` is the
+    candidate's probability (float), ``logprob`` its natural log-probability."""
+
+    position: int
+    token_id: int
+    confidence: float
+    logprob: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompletionOutput:
     """One choice.
 
     Attributes:
         index: choice index (``n`` > 1 gives seeds seed, seed+1, ...).
         text: generated text (EOS not rendered, cut before a stop string).
-        token_ids: generated ids up to and including the first EOS (DESIGN.md section 10 counting).
+        token_ids: generated ids up to and including the first EOS (docs/design.md section 10 counting).
         finish_reason: ``stop`` | ``length`` | ``abort``.
         logprobs: per returned token, its log-probability at the step it was revealed (natural log), or None.
         steps: denoising steps. nfe: model forwards (CFG counts two per step).
+        ended_by_eos: the last of ``token_ids`` is an EOS/stop id (counted in usage, not rendered).
+        steps_per_block: denoising steps of each finished block, in order.
+        drafts_proposed / drafts_accepted: draft tokens verified / accepted (self-speculative decoding; else 0).
+        speculative: decoded self-speculatively. draft_block: its draft block (``None`` otherwise).
+        first_token_time / finish_time: wall times (``time.time()``) of the first shown text and of the finish.
     """
 
     index: int
@@ -26,11 +50,53 @@ class CompletionOutput:
     logprobs: list[float] | None
     steps: int
     nfe: int
+    ended_by_eos: bool = False
+    steps_per_block: list[int] = field(default_factory=list)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    speculative: bool = False
+    draft_block: int | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
     @property
     def tokens_per_forward(self) -> float:
         """TPF = generated tokens / NFE."""
         return len(self.token_ids) / self.nfe if self.nfe else 0.0
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one denoising step did to one choice of a request (docs/design.md section 4, step 8).
+
+    Attributes:
+        request_id: the request (the same for every choice). index: the choice (0..n-1).
+        block: block index. step: denoising step of the choice, from 0, across blocks.
+        nfe: model forwards the choice has taken part in so far (CFG counts twice).
+        revealed: tokens revealed in this step.
+        canvas: ``[max_tokens]`` token id per generated position, ``None`` where still masked.
+        text: the final, stream-safe text so far (UTF-8 complete, no stop-string prefix); grows monotonically.
+        num_tokens: tokens generated so far (the revealed left-to-right prefix; on the finished event
+            ``len(output.token_ids)``).
+        drafts_proposed / drafts_accepted: speculative counters so far (0 for plain decoding).
+        finished: True on the choice's last event; then ``finish_reason`` is ``stop`` | ``length`` | ``abort``
+            and ``output`` is the choice's :class:`CompletionOutput` (partial for an abort).
+    """
+
+    request_id: str
+    block: int
+    step: int
+    nfe: int
+    revealed: list[Revealed]
+    canvas: list[int | None]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    index: int = 0
+    num_tokens: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    output: CompletionOutput | None = None
 
 
 @dataclass
@@ -48,10 +114,3 @@ class RequestOutput:
     def finished(self) -> bool:
         """True when every choice has a ``finish_reason`` (vacuously True with no choices)."""
         return all(o.finish_reason is not None for o in self.outputs)
-
-
-def completion_from(seq: Sequence, index: int = 0) -> CompletionOutput:
-    """Build a :class:`CompletionOutput` from a finished sequence."""
-    lp = seq.logprobs[: len(seq.output_ids)].tolist() if seq.params.logprobs else None
-    return CompletionOutput(index=index, text=seq.text, token_ids=list(seq.output_ids),
-                            finish_reason=seq.finish_reason, logprobs=lp, steps=seq.step, nfe=seq.nfe)

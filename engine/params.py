@@ -1,41 +1,16 @@
 """Per-request sampling parameters, in the style of vLLM's ``SamplingParams`` (DESIGN.md sections 4 and 10)."""
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, replace
 
-REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random")
-CACHE_MODES = ("auto", "none", "prefix", "dual")
-MAX_SEED = 2**63 - 1
-MAX_SPECULATIVE_BLOCK = 32  # self-speculative steps forward up to ~block_size^2 rows: the draft block is bounded
+from .limits import (CACHE_MODES, MAX_SEED, MAX_SPECULATIVE_BLOCK, MAX_STOP, REMASKING_STRATEGIES, ParamError,
+                     check, check_number)
+
+__all__ = ["SamplingParams", "ParamError", "MAX_SEED", "CACHE_MODES", "REMASKING_STRATEGIES"]
+
 SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio",
                            "speculative_no_repeat_ngram")  # need speculative
-
-
-class ParamError(ValueError):
-    """An invalid request parameter; ``field`` names it (the server turns this into a 400 with ``param``)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.reason = message
-
-
-def _check_number(name: str, value, lo=None, hi=None, integer=False, lo_open=False):
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ParamError(name, f"must be a number, got {type(value).__name__}")
-    if isinstance(value, float):  # Python ints are exact at any size; only floats can be inf/nan or fractional
-        if not math.isfinite(value):
-            raise ParamError(name, f"must be finite, got {value!r}")
-        if integer and not value.is_integer():
-            raise ParamError(name, f"must be an integer, got {value!r}")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise ParamError(name, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and value > hi:
-        raise ParamError(name, f"must be <= {hi}, got {value!r}")
 
 
 @dataclass
@@ -141,37 +116,37 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Check every field; raise :class:`ParamError` naming the first bad one."""
-        _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
-        _check_number("temperature", self.temperature, lo=0, hi=100)
-        _check_number("top_k", self.top_k, lo=0, integer=True)
-        _check_number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
-        _check_number("steps", self.steps, lo=1, integer=True)
-        _check_number("block_size", self.block_size, lo=1, integer=True)
-        _check_number("sub_block_size", self.sub_block_size, lo=1, integer=True)
-        _check_number("threshold", self.threshold, lo=0, hi=1)
-        _check_number("cfg_scale", self.cfg_scale, lo=0, hi=100)
-        _check_number("seed", self.seed, lo=0, hi=MAX_SEED, integer=True)
-        _check_number("presence_penalty", self.presence_penalty, lo=-2, hi=2)
-        _check_number("frequency_penalty", self.frequency_penalty, lo=-2, hi=2)
-        _check_number("repetition_penalty", self.repetition_penalty, lo=0, hi=100, lo_open=True)
-        _check_number("min_tokens", self.min_tokens, lo=0, integer=True)
+        check("max_tokens", self.max_tokens)
+        check("temperature", self.temperature)
+        check("top_k", self.top_k)
+        check("top_p", self.top_p)
+        check("steps", self.steps)
+        check("block_size", self.block_size)
+        check("sub_block_size", self.sub_block_size)
+        check("threshold", self.threshold)
+        check("cfg_scale", self.cfg_scale)
+        check("seed", self.seed)
+        check("presence_penalty", self.presence_penalty)
+        check("frequency_penalty", self.frequency_penalty)
+        check("repetition_penalty", self.repetition_penalty)
+        check("min_tokens", self.min_tokens)
         if self.remasking not in REMASKING_STRATEGIES:
             raise ParamError("remasking", f"must be one of {list(REMASKING_STRATEGIES)}, got {self.remasking!r}")
         if self.cache not in CACHE_MODES:
             raise ParamError("cache", f"must be one of {list(CACHE_MODES)}, got {self.cache!r}")
-        if not isinstance(self.stop, list) or len(self.stop) > 4:
-            raise ParamError("stop", "must be a string or a list of at most 4 strings")
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP:
+            raise ParamError("stop", f"must be a string or a list of at most {MAX_STOP} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ParamError("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
-            _check_number("stop_token_ids", t, lo=0, integer=True)
+            check("stop_token_ids", t)
         if self.speculative is not None and not isinstance(self.speculative, bool):
             raise ParamError("speculative", f"must be a boolean, got {self.speculative!r}")
-        _check_number("speculative_branches", self.speculative_branches, lo=0, integer=True)
-        _check_number("speculative_epsilon", self.speculative_epsilon, lo=0, hi=1, lo_open=True)
-        _check_number("speculative_ratio", self.speculative_ratio, lo=0, hi=1, lo_open=True)
-        _check_number("speculative_no_repeat_ngram", self.speculative_no_repeat_ngram, lo=0, hi=64, integer=True)
+        check("speculative_branches", self.speculative_branches)
+        check("speculative_epsilon", self.speculative_epsilon)
+        check("speculative_ratio", self.speculative_ratio)
+        check("speculative_no_repeat_ngram", self.speculative_no_repeat_ngram)
         if self.speculative_epsilon is not None and self.speculative_ratio is not None:
             raise ParamError("speculative_ratio", "choose one relaxed acceptance rule: speculative_epsilon (typical "
                                                   "acceptance) or speculative_ratio, not both")
@@ -183,8 +158,8 @@ class SamplingParams:
         if not isinstance(self.constraints, dict):
             raise ParamError("constraints", "must be a mapping {generated position: token id}")
         for pos, tok in self.constraints.items():
-            _check_number("constraints", pos, lo=0, hi=self.max_tokens - 1, integer=True)
-            _check_number("constraints", tok, lo=0, integer=True)
+            check_number("constraints", pos, lo=0, hi=self.max_tokens - 1, integer=True)
+            check_number("constraints", tok, lo=0, integer=True)
         if self.suffix is not None and not isinstance(self.suffix, (str, list)):
             raise ParamError("suffix", "must be a string or a list of token ids")
 

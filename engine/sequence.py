@@ -17,6 +17,8 @@ from .attention import canvas_groups
 from .config import DllmConfig
 from .detokenize import decode, find_stop, stream_safe
 from .kv_cache import LaneCache
+from .outputs import CompletionOutput, Revealed, StepEvent
+from .plan import DecodingPlan
 from .params import ParamError, SamplingParams
 from .sampler import Candidates, reveal_count, select_reveals
 
@@ -29,40 +31,6 @@ def split_steps(total_steps: int, num_blocks: int) -> list[int]:
     total_steps = max(total_steps, num_blocks)
     base, rem = divmod(total_steps, num_blocks)
     return [base + (1 if i < rem else 0) for i in range(num_blocks)]
-
-
-@dataclass
-class Revealed:
-    """A token revealed in one step. ``position`` counts from the first generated position."""
-
-    position: int
-    token_id: int
-    confidence: float
-    logprob: float
-
-
-@dataclass
-class StepEvent:
-    """What one denoising step did to one request (DESIGN.md section 4, step 8).
-
-    Attributes:
-        request_id: the request. block: block index. step: denoising step of the request, from 0, across blocks.
-        nfe: model forwards the request has taken part in so far (CFG counts twice).
-        revealed: tokens revealed in this step.
-        canvas: ``[max_tokens]`` token id per generated position, ``None`` where still masked.
-        text: the final, stream-safe text so far (UTF-8 complete, no stop-string prefix); grows monotonically.
-        finished: True on the request's last event; then ``finish_reason`` is ``stop`` | ``length`` | ``abort``.
-    """
-
-    request_id: str
-    block: int
-    step: int
-    nfe: int
-    revealed: list[Revealed]
-    canvas: list[int | None]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -129,7 +97,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, dllm: DllmConfig,
-                 tokenizer, max_context: int, device: torch.device | str = "cpu", vocab_size: int | None = None):
+                 tokenizer, max_context: int, device: torch.device | str = "cpu", vocab_size: int | None = None,
+                 index: int = 0):
         if not prompt_ids:
             raise ParamError("prompt", "must contain at least one token")
         if vocab_size is not None:
@@ -139,6 +108,7 @@ class Sequence:
             if isinstance(params.suffix, list):
                 _check_token_ids("suffix", params.suffix, vocab_size)
         self.request_id = request_id
+        self.index = index
         self.params = params
         self.dllm = dllm
         self.tokenizer = tokenizer
@@ -376,9 +346,39 @@ class Sequence:
         self.step_in_block += 1
         self.step_in_window += 1
         self._skip_empty_blocks()
-        return StepEvent(request_id=self.request_id, block=block, step=step, nfe=self.nfe, revealed=revealed,
-                         canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
-                         finish_reason=self.finish_reason)
+        return self.event(block, step, revealed)
+
+    def event(self, block: int, step: int, revealed: list[Revealed]) -> StepEvent:
+        """The :class:`StepEvent` of the state now (``output`` set once finished)."""
+        return StepEvent(request_id=self.request_id, index=self.index, block=block, step=step, nfe=self.nfe,
+                         revealed=revealed, canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
+                         finish_reason=self.finish_reason, num_tokens=self.num_output_tokens,
+                         drafts_proposed=self.proposed_drafts, drafts_accepted=self.accepted_drafts,
+                         output=self.completion() if self.finished else None)
+
+    @property
+    def plan(self) -> DecodingPlan:
+        """The resolved decoding plan (read-only)."""
+        p = self.params
+        speculative = bool(p.speculative)
+        return DecodingPlan(speculative=speculative, block_size=self.block_size,
+                            draft_block=self.block_size if speculative else None,
+                            temperature=float(p.temperature or 0.0), threshold=p.threshold, seed=int(p.seed or 0),
+                            top_k=p.top_k, top_p=p.top_p, steps=p.steps, remasking=p.remasking, cache=self.cache_mode,
+                            cfg_scale=p.cfg_scale)
+
+    def completion(self) -> CompletionOutput:
+        """The choice's :class:`CompletionOutput` (final once finished; partial after an abort)."""
+        ids = list(self.output_ids)
+        lp = self.logprobs[: len(ids)].tolist() if self.params.logprobs else None
+        speculative = bool(self.params.speculative)
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=ids, finish_reason=self.finish_reason, logprobs=lp,
+            steps=self.step, nfe=self.nfe, ended_by_eos=bool(ids) and ids[-1] in self.eos_ids,
+            steps_per_block=list(self.blocks_done_steps), drafts_proposed=self.proposed_drafts,
+            drafts_accepted=self.accepted_drafts, speculative=speculative,
+            draft_block=self.block_size if speculative else None, first_token_time=self.first_token_time,
+            finish_time=self.finish_time)
 
     def canvas_view(self) -> list[int | None]:
         """The first ``max_tokens`` generated positions: token id or ``None`` where masked."""
@@ -446,9 +446,7 @@ class Sequence:
 
     def final_event(self) -> StepEvent:
         """The last event of a sequence that finished without a further step."""
-        return StepEvent(request_id=self.request_id, block=self.block_idx, step=self.step, nfe=self.nfe,
-                         revealed=[], canvas=self.canvas_view(), text=self.stream_text, finished=True,
-                         finish_reason=self.finish_reason)
+        return self.event(self.block_idx, self.step, [])
 
     @property
     def num_output_tokens(self) -> int:
@@ -468,9 +466,7 @@ class Sequence:
         self.finish_time = time.time()
         for lane in self.lanes:
             lane.cache.clear()
-        return StepEvent(request_id=self.request_id, block=self.block_idx, step=self.step, nfe=self.nfe,
-                         revealed=[], canvas=self.canvas_view(), text=self.stream_text, finished=True,
-                         finish_reason="abort")
+        return self.event(self.block_idx, self.step, [])
 
     def release(self) -> None:
         """Free cached KV (called when the sequence leaves the batch)."""

@@ -42,7 +42,8 @@ from .config import DllmConfig
 from .params import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .params import ParamError, SamplingParams
 from .sampler import MIN_SAMPLING_TEMPERATURE, filter_top_k_top_p, log_normalizer
-from .sequence import LaneInput, Revealed, Sequence, StepEvent
+from .outputs import Revealed, StepEvent
+from .sequence import LaneInput, Sequence
 
 MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
 DEFAULT_BRANCHES = 3       # fallback groups when the request does not say (block 4: every draft has one)
@@ -388,7 +389,4 @@ class SpeculativeSequence(Sequence):
             if features is not None:
                 self._extend_head_context(features, lay["feature_first"])
             self._head_drafts()
-        event = StepEvent(request_id=self.request_id, block=block, step=step, nfe=self.nfe, revealed=revealed,
-                          canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
-                          finish_reason=self.finish_reason)
-        return event, commit
+        return self.event(block, step, revealed), commit

@@ -1,13 +1,15 @@
-"""The FastAPI app: OpenAI-compatible routes over an :class:`~unmask.engine.async_engine.AsyncEngine`.
+"""The FastAPI app: OpenAI-compatible routes over an :class:`~unmask.engine.AsyncEngine`.
 
 ``build_app(engine, model_name, ...)`` returns a new app each call (own Prometheus registry, own state), so tests
-and embedders can build several in one process. Routes (DESIGN.md section 5):
+and embedders can build several in one process. Routes (docs/design.md section 5):
 
 * ``GET /v1/models``, ``GET /v1/models/{id}`` (404 for an unknown id)
 * ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``)
 * ``GET /health`` (engine counters; 503 when the engine is down), ``GET /metrics`` (Prometheus text, no redirect)
 
-The server depends on the engine only (never on ``unmask.training``).
+The server depends on the engine's public API only (``unmask.engine`` and ``unmask.engine.limits``; never on
+``unmask.training``), and reads only the engine's outputs (step events, completion outputs, the request stream's
+resolved plan).
 """
 from __future__ import annotations
 
@@ -25,21 +27,24 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
-from unmask.engine.async_engine import AsyncEngine
-from unmask.engine.detokenize import TokenTexts
-from unmask.engine.llm import chat_prompt_ids, encode_prompt
-from unmask.engine.params import CACHE_MODES, ParamError
+from unmask.engine import AsyncEngine, ParamError, TokenTexts, chat_prompt_ids, encode_prompt
+from unmask.engine.limits import CACHE_MODES
 
 from . import protocol as P
+from . import responses as R
+from .accounting import finished_work
+from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
 from .metrics import Metrics
-from .streaming import Run, collect, sse_events
+from .render import Render
+from .run import Run
+from .sse import sse_events
 
 log = logging.getLogger("unmask.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 SHUTDOWN_GRACE_SECONDS = 3.0  # open streams get an error event + [DONE] before the connection closes
-_ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
+_ERRORS = {code: {"model": R.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
 
 
 @dataclass
@@ -56,9 +61,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.tokenizer = self.engine.model.tokenizer
+        self.tokenizer = self.engine.tokenizer
         self.token_text = TokenTexts(self.tokenizer)
-        self.max_context = self.engine.model.max_context
+        self.max_context = self.engine.max_context
         # set when the server starts shutting down (SIGTERM/SIGINT); made per serving loop at start-up (an
         # asyncio.Event belongs to the first loop that waits on it)
         self.shutdown: asyncio.Event | None = None
@@ -221,23 +226,22 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": state.created, "owned_by": "unmask",
-                "max_model_len": state.max_context}
+    def model_card() -> R.ModelCard:
+        return R.ModelCard(id=model_name, created=state.created, max_model_len=state.max_context)
 
-    @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
+    @app.get("/v1/models", response_model=R.ModelList, responses=_ERRORS)
     async def list_models():
         """The served model."""
-        return {"object": "list", "data": [model_card()]}
+        return R.ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=_ERRORS)
+    @app.get("/v1/models/{model_id:path}", response_model=R.ModelCard, responses=_ERRORS)
     async def get_model(model_id: str):
         """One model by id (404 for an unknown id)."""
         if model_id != model_name:
             raise _unknown_model(model_id)
         return model_card()
 
-    @app.post("/v1/completions", response_model=P.CompletionResponse, responses={
+    @app.post("/v1/completions", response_model=R.CompletionResponse, responses={
         **_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"}})
     async def completions(body: P.CompletionRequest, request: Request):
         """OpenAI completions (``prompt``: string, strings, token ids, or lists of token ids)."""
@@ -249,7 +253,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         return await _serve(state, "completion", body, prompts, arrival, request,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
 
-    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={
+    @app.post("/v1/chat/completions", response_model=R.ChatCompletionResponse, responses={
         **_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"}})
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
@@ -319,9 +323,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     engine = state.engine
     explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
     max_tokens = explicit if explicit is not None else state.default_max_tokens
-    params = body.sampling_params(max_tokens, logprobs)  # ParamError -> 400
-    if "cache" not in body.model_fields_set:
-        params.cache = state.default_cache
+    params = body.sampling_params(max_tokens, logprobs, state.default_cache)  # ParamError -> 400
     if len(prompts) * body.n > engine.max_queue:
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's queue of "
                             f"{engine.max_queue} sequences", param="n", code="invalid_value")
@@ -341,15 +343,16 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
         if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
             _rename_param(err, "max_tokens", "max_completion_tokens")  # the chat request's own name for it
         if err.code in ("queue_full", "cache_full"):
-            # earlier prompts of this request may have run a step before a later one was refused
-            state.metrics.record_failure(err.code, [(len(ids), s.sequences) for ids, s in zip(prompts, streams)])
+            # earlier prompts of this request may have run before a later one was refused: their work as far as
+            # their outputs tell (none of their events was read)
+            state.metrics.record_failure(err.code, [(len(ids), finished_work(s)) for ids, s in zip(prompts, streams)])
         raise err from exc
-    run = Run(state, kind, response_id, int(arrival), prompts, streams, body.n, arrival, logprobs=logprobs,
-              top_logprobs=top_logprobs)
+    render = Render(kind, response_id, int(arrival), state.model_name, state.token_text, logprobs=logprobs,
+                    top_logprobs=top_logprobs, include_usage=body.include_usage)
+    run = Run(state, render, prompts, streams, body.n, arrival)
     if body.stream:
         shutdown = anyio.Event()
-        return EventSourceResponse(sse_events(run, body.include_usage, body.include_denoising,
-                                              state.request_timeout, shutdown),
+        return EventSourceResponse(sse_events(run, body.include_denoising, state.request_timeout, shutdown),
                                    ping=15, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                    shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
     result = await collect(run, request, state.request_timeout, state.shutdown_event())

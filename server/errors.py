@@ -1,6 +1,6 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status.
 
-Status codes (DESIGN.md section 5, issue 3):
+Status codes (docs/design.md section 5, issue 3):
 
 ======  ==========================================================================================
 400     invalid JSON or field value (``param`` names the field), unsupported field, prompt + max_tokens
@@ -26,8 +26,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from unmask.engine.async_engine import CacheFull, EngineClosed, EngineError, QueueFull
-from unmask.engine.params import ParamError
+from unmask.engine import CacheFull, EngineClosed, EngineError, ParamError, QueueFull
+
+from .responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("unmask.server")
 
@@ -58,11 +59,18 @@ class APIError(Exception):
 
     def body(self) -> dict:
         """The OpenAI error body as a dict."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                               code=self.code)).model_dump()
 
     def response(self) -> JSONResponse:
         """The error as a ``JSONResponse`` with this error's status and headers."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def shutdown_error() -> APIError:
+    """The 503 of a request cut short because the server is shutting down (retry elsewhere)."""
+    return APIError(503, "the server is shutting down; retry on another instance or later", code="server_shutdown",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def from_exception(exc: BaseException) -> APIError:
@@ -165,7 +173,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 def _rejected(request: Request, err: APIError) -> JSONResponse:
     """The error response, with the request's one log line (requests that reach the engine log in
-    ``streaming.Run.finish`` instead)."""
+    ``run.Run.finish`` instead)."""
     log.info("%s %s status=%d code=%s param=%s", request.method, request.url.path, err.status, err.code, err.param)
     return err.response()
 

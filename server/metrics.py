@@ -1,4 +1,4 @@
-"""Prometheus metrics of one app (DESIGN.md section 10: vLLM's names with the ``unmask:`` prefix).
+"""Prometheus metrics of one app (docs/design.md section 10: vLLM's names with the ``unmask:`` prefix).
 
 Every metric lives in the app's own ``CollectorRegistry``, so building the app twice in one process never raises
 "Duplicated timeseries". Label ``model_name`` on all of them.
@@ -17,7 +17,7 @@ What moves when (values move exactly with the requests served):
   ``request_failure_total{reason}`` += 1 with reason ``abort`` | ``timeout`` | ``error`` | ``queue_full`` |
   ``cache_full``, and the work it got before it ended is still counted (vLLM counts tokens as they are generated;
   here they are counted when the request ends): ``generation_tokens_total`` += the tokens it had revealed (the
-  left-to-right prefix an aborted request keeps, ``Sequence.num_output_tokens``), ``nfe_total`` and
+  left-to-right prefix an aborted request keeps, ``StepEvent.num_tokens``), ``nfe_total`` and
   ``denoising_steps_total`` += its forwards and steps, ``prompt_tokens_total`` += each of its prompts that ran at
   least one forward (so ``rate(generation_tokens_total)`` is the work done, cancelled streams included), and the
   drafts it verified / accepted; 4xx
@@ -91,21 +91,21 @@ class Metrics:
         for reason in ("stop", "length"):
             self.request_success.labels(model_name, reason)
 
-    def record_success(self, prompt_tokens: int, sequences, arrival: float, end: float, first_token: float | None,
+    def record_success(self, prompt_tokens: int, outputs, arrival: float, end: float, first_token: float | None,
                        queue_time: float | None) -> None:
-        """Count one completed request. ``sequences``: its finished engine sequences (all choices of all prompts);
-        times are ``time.time()`` seconds."""
+        """Count one completed request. ``outputs``: the :class:`CompletionOutput` of each of its choices (all
+        prompts); times are ``time.time()`` seconds."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(sum(len(s.output_ids) for s in sequences))
-        self.nfe.labels(m).inc(sum(s.nfe for s in sequences))
-        self.denoising_steps.labels(m).inc(sum(s.step for s in sequences))
-        self._count_drafts(sequences)
-        for s in sequences:
-            self.request_success.labels(m, s.finish_reason).inc()
-            if s.nfe:
-                self.tpf.labels(m).observe(len(s.output_ids) / s.nfe)
-            for steps in s.blocks_done_steps:
+        self.generation_tokens.labels(m).inc(sum(len(o.token_ids) for o in outputs))
+        self.nfe.labels(m).inc(sum(o.nfe for o in outputs))
+        self.denoising_steps.labels(m).inc(sum(o.steps for o in outputs))
+        self._count_drafts(outputs)
+        for o in outputs:
+            self.request_success.labels(m, o.finish_reason).inc()
+            if o.nfe:
+                self.tpf.labels(m).observe(len(o.token_ids) / o.nfe)
+            for steps in o.steps_per_block:
                 self.steps_per_block.labels(m).observe(steps)
         self.e2e.labels(m).observe(max(0.0, end - arrival))
         if queue_time is not None:
@@ -115,24 +115,25 @@ class Metrics:
 
     def record_failure(self, reason: str, prompts=()) -> None:
         """Count one request that failed after admission (``abort`` | ``timeout`` | ``error`` | ...), and the work
-        it did before it ended. ``prompts``: ``(prompt_tokens, sequences)`` per prompt of the request (its engine
-        sequences, any state): their revealed tokens (``num_output_tokens``), NFE and steps, and the prompt's
-        tokens when one of its sequences ran at least one forward."""
+        it did before it ended. ``prompts``: ``(prompt_tokens, work)`` per prompt of the request, ``work`` one
+        :class:`~unmask.server.accounting.Work` per choice: its tokens (the revealed prefix), NFE, steps and drafts,
+        and the prompt's tokens when one of its choices ran at least one forward."""
         m = self.model_name
         self.request_failure.labels(m, reason).inc()
-        for prompt_tokens, sequences in prompts:
-            nfe = sum(s.nfe for s in sequences)
+        for prompt_tokens, work in prompts:
+            nfe = sum(w.nfe for w in work)
             if nfe:
                 self.prompt_tokens.labels(m).inc(prompt_tokens)
                 self.nfe.labels(m).inc(nfe)
-            self.generation_tokens.labels(m).inc(sum(s.num_output_tokens for s in sequences))
-            self.denoising_steps.labels(m).inc(sum(s.step for s in sequences))
-            self._count_drafts(sequences)
+            self.generation_tokens.labels(m).inc(sum(w.tokens for w in work))
+            self.denoising_steps.labels(m).inc(sum(w.steps for w in work))
+            self._count_drafts(work)
 
-    def _count_drafts(self, sequences) -> None:
-        """Add the drafts the sequences verified and accepted (0 for sequences not decoded self-speculatively)."""
-        self.drafts.labels(self.model_name).inc(sum(s.proposed_drafts for s in sequences))
-        self.accepted.labels(self.model_name).inc(sum(s.accepted_drafts for s in sequences))
+    def _count_drafts(self, items) -> None:
+        """Add the drafts verified and accepted (0 for choices not decoded self-speculatively); ``items``: outputs
+        or :class:`~unmask.server.accounting.Work`, both with ``drafts_proposed`` / ``drafts_accepted``."""
+        self.drafts.labels(self.model_name).inc(sum(i.drafts_proposed for i in items))
+        self.accepted.labels(self.model_name).inc(sum(i.drafts_accepted for i in items))
 
     def render(self) -> tuple[bytes, str]:
         """Exposition text and its content type."""

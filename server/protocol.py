@@ -1,9 +1,10 @@
-"""Request and response models of the OpenAI-compatible API (DESIGN.md sections 5 and 10).
+"""Request models of the OpenAI-compatible API (docs/design.md sections 5 and 10; responses: :mod:`.responses`).
 
 Requests follow the OpenAI API (``/v1/completions``, ``/v1/chat/completions``) with our diffusion knobs as extra
 top-level fields, the way vLLM adds its extras. Validation is strict so that the published OpenAPI schema says
 exactly what is accepted: no type coercion (``"0.5"`` is not a number, ``1`` is not a boolean), NaN/inf rejected,
-ranges and enums in the schema, unknown fields rejected (``additionalProperties: false``). Fields of the OpenAI API
+ranges (:data:`unmask.engine.limits.RANGES`, the one declaration the CLI and the Python API check too) and
+enums in the schema, unknown fields rejected (``additionalProperties: false``). Fields of the OpenAI API
 that this server does not implement (tools, function calling, non-text ``response_format``, ``logit_bias``, ...)
 are rejected with a 400 that names the field rather than ignored.
 
@@ -19,11 +20,20 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from unmask.engine.params import CACHE_MODES, REMASKING_STRATEGIES, SamplingParams
+from unmask.engine import SamplingParams
+from unmask.engine.limits import CACHE_MODES, MAX_STOP, RANGES, REMASKING_STRATEGIES
 
-MAX_SEED = 2**63 - 1
-MAX_N = 16
-MAX_PROMPTS = 32
+# the server's own caps on request size (not decoding ranges: those are RANGES)
+MAX_N = 16                 # choices per prompt (and best_of)
+MAX_PROMPTS = 32           # prompts per completions request
+MAX_MESSAGES = 1024        # chat messages per request
+MAX_STOP_CHARS = 1024      # characters per stop string
+MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request
+MAX_TOKEN_ID = 2**31 - 1   # a token id fits int32 (the vocabulary check is the engine's)
+MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
+MAX_MESSAGE_NAME_CHARS = 256
+MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
+TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
 # OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored)
 UNSUPPORTED_FIELDS = {
@@ -46,8 +56,19 @@ UNSUPPORTED_FIELDS = {
 
 RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
 CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+TokenId = Annotated[int, Field(ge=RANGES["stop_token_ids"].lo, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def ranged(name: str, default: Any, *, lo: float | None = None, **kw) -> Any:
+    """A ``Field`` whose bounds are ``RANGES[name]`` (``lo`` overrides the lower bound)."""
+    r = RANGES[name]
+    lo = r.lo if lo is None else lo
+    if lo is not None:
+        kw["gt" if r.lo_open else "ge"] = lo
+    if r.hi is not None:
+        kw["le"] = r.hi
+    return Field(default, **kw)
 
 
 class _Strict(BaseModel):
@@ -56,7 +77,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     """``stream_options``: ``include_usage`` (OpenAI) adds a final chunk with ``choices: []`` and the usage;
-    ``include_denoising`` (ours) streams every denoising step (DESIGN.md section 10)."""
+    ``include_denoising`` (ours) streams every denoising step (docs/design.md section 10)."""
 
     include_usage: bool = False
     include_denoising: bool = False
@@ -71,61 +92,63 @@ class ResponseFormat(_Strict):
 class _Common(_Strict):
     """Fields shared by completions and chat completions (OpenAI + our diffusion extras)."""
 
-    model: str = Field(min_length=1, max_length=512, description="a model id from GET /v1/models")
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: the server's "
-                                   "--default-max-tokens, lowered to the remaining context")
-    temperature: float | None = Field(None, ge=0, le=2, description="0 = argmax; default from the checkpoint")
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N, description="choices; choice i uses seed + i")
-    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = Field(
-        None, description="a string or at most 4 non-empty strings; text is cut before the first one")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS, description="a model id from GET /v1/models")
+    max_tokens: int | None = ranged("max_tokens", None, description="most tokens to generate; default: the "
+                                    "server's --default-max-tokens, lowered to the remaining context")
+    temperature: float | None = ranged("temperature", None, description="0 = argmax; default from the checkpoint")
+    top_p: float = ranged("top_p", 1.0)
+    n: int = ranged("n", 1, le=MAX_N, description="choices; choice i uses seed + i")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"a string or at most {MAX_STOP} non-empty strings; text is cut before the first one")
+    seed: int | None = ranged("seed", None)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=512, description="accepted, recorded nowhere (OpenAI end-user id)")
-    safety_identifier: str | None = Field(None, max_length=512, description="accepted like user; no effect")
-    prompt_cache_key: str | None = Field(None, max_length=512, description="accepted; the KV cache is per request")
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                             description="accepted, recorded nowhere (OpenAI end-user id)")
+    safety_identifier: str | None = Field(None, max_length=MAX_NAME_CHARS, description="accepted like user; no effect")
+    prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                                         description="accepted; the KV cache is per request")
+    presence_penalty: float = ranged("presence_penalty", 0.0)
+    frequency_penalty: float = ranged("frequency_penalty", 0.0)
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}")
-    # --- diffusion extras (DESIGN.md section 5) ---
-    steps: int | None = Field(None, ge=1, le=1_000_000,
-                              description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
-                                          "(one token per step) unless the checkpoint sets a default threshold")
-    block_size: int | None = Field(None, ge=1, le=65536, description="block length; default from the checkpoint")
-    sub_block_size: int | None = Field(None, ge=1, le=65536,
-                                       description="decoding window inside a block (Fast-dLLM v2 sub-blocks); "
-                                                   "default from the checkpoint, else the whole block")
+    # --- diffusion extras (docs/design.md section 5) ---
+    steps: int | None = ranged("steps", None,
+                               description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
+                                           "(one token per step) unless the checkpoint sets a default threshold")
+    block_size: int | None = ranged("block_size", None, description="block length; default from the checkpoint")
+    sub_block_size: int | None = ranged("sub_block_size", None,
+                                        description="decoding window inside a block (Fast-dLLM v2 sub-blocks); "
+                                                    "default from the checkpoint, else the whole block")
     remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed")
-    threshold: float | None = Field(None, ge=0, le=1,
-                                    description="confidence-threshold parallel decoding (steps is then ignored); "
+    threshold: float | None = ranged("threshold", None,
+                                     description="confidence-threshold parallel decoding (steps is then ignored); "
                                                 "absent: the checkpoint's default threshold when it has one, "
                                                 "steps is absent and remasking is low_confidence; null: no "
                                                 "threshold (quota decoding)")
-    cfg_scale: float = Field(0.0, ge=0, le=100, description="classifier-free guidance scale; 0 = off")
-    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    repetition_penalty: float = Field(1.0, gt=0, le=100, description="vLLM's repetition penalty; 1 = off")
-    min_tokens: int = Field(0, ge=0, description="EOS/stop tokens forbidden before this many tokens")
+    cfg_scale: float = ranged("cfg_scale", 0.0, description="classifier-free guidance scale; 0 = off")
+    top_k: int = ranged("top_k", 0, lo=TOP_K_OFF, description="0 or -1 = off")
+    repetition_penalty: float = ranged("repetition_penalty", 1.0, description="vLLM's repetition penalty; 1 = off")
+    min_tokens: int = ranged("min_tokens", 0, description="EOS/stop tokens forbidden before this many tokens")
     ignore_eos: bool = False
     cache: CacheName = Field("auto", description="KV-cache policy: auto | none | prefix | dual")
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     speculative: bool | None = Field(None, description="self-speculative decoding: mask-block drafts verified by "
                                                         "the model's causal path (prefix_causal models); greedy: "
                                                         "output identical to block_size=1 greedy decoding; "
                                                         "temperature > 0: speculative sampling, distributed as "
                                                         "block_size=1 sampling of the verifying model; "
                                                         "absent: the checkpoint's default; false: off")
-    speculative_branches: int | None = Field(None, ge=0, le=65536,
-                                             description="fallback draft groups per step; default min(3, block_size - 1)")
-    speculative_epsilon: float | None = Field(None, gt=0, le=1,
-                                              description="typical acceptance of drafts (Medusa; greedy requests); "
+    speculative_branches: int | None = ranged(
+        "speculative_branches", None, description="fallback draft groups per step; default min(3, block_size - 1)")
+    speculative_epsilon: float | None = ranged("speculative_epsilon", None,
+                                               description="typical acceptance of drafts (Medusa; greedy requests); "
                                                           "absent: exact")
-    speculative_ratio: float | None = Field(None, gt=0, le=1,
-                                            description="relaxed verification of drafts (greedy requests): keep a "
+    speculative_ratio: float | None = ranged("speculative_ratio", None,
+                                             description="relaxed verification of drafts (greedy requests): keep a "
                                                         "draft whose causal probability is >= ratio x the top "
                                                         "token's; absent: exact")
-    speculative_no_repeat_ngram: int | None = Field(None, ge=0, le=64,
-                                                    description="loop guard of the relaxed rules: a draft kept "
+    speculative_no_repeat_ngram: int | None = ranged("speculative_no_repeat_ngram", None,
+                                                     description="loop guard of the relaxed rules: a draft kept "
                                                                 "only by speculative_epsilon/ratio must not complete "
                                                                 "an n-gram of this many tokens already generated; "
                                                                 "absent: 3 (with a relaxed rule); 0: off")
@@ -168,21 +191,24 @@ class _Common(_Strict):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: bool, default_cache: str = "auto") -> SamplingParams:
         """The engine's :class:`SamplingParams` (raises ``ParamError`` naming the field). An explicit
         ``"threshold": null`` turns the checkpoint's default threshold off: quota decoding, ``steps`` or one token
-        per step."""
+        per step. ``default_cache``: the server's KV-cache policy for a request that sends no ``cache``."""
         steps = self.steps
         if steps is None and self.threshold is None and "threshold" in self.model_fields_set:
             steps = max_tokens
-        return SamplingParams(
+        # the flat speculative_* fields: SamplingParams.from_flat groups them (an engine from before it took them flat)
+        build = getattr(SamplingParams, "from_flat", SamplingParams)
+        return build(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
             steps=steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
             remasking=self.remasking, threshold=self.threshold,
             cfg_scale=self.cfg_scale, seed=self.seed, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, cache=self.cache, logprobs=logprobs,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            cache=self.cache if "cache" in self.model_fields_set else default_cache, logprobs=logprobs,
             suffix=getattr(self, "suffix", None), speculative=self.speculative,
             speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon,
             speculative_ratio=self.speculative_ratio,
@@ -209,9 +235,9 @@ class CompletionRequest(_Common):
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of those")
     suffix: str | None = Field(None, description="text after the generated region (infilling; bidirectional "
                                                  "models only)")
-    logprobs: int | None = Field(None, ge=0, le=1, description="log-probability of each token at the step it was "
-                                 "revealed (only the revealed token is recorded, so at most 1)")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probability of each token at the "
+                                 "step it was revealed (only the revealed token is recorded, so at most 1)")
+    best_of: int | None = ranged("n", None, le=MAX_N, description="only best_of == n is supported")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (one entry per prompt)."""
@@ -243,7 +269,7 @@ class ChatMessage(_Strict):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(min_length=1)]
-    name: str | None = Field(None, max_length=256)
+    name: str | None = Field(None, max_length=MAX_MESSAGE_NAME_CHARS)
 
     def as_template_dict(self) -> dict:
         """``{"role", "content"[, "name"]}`` for the chat template; text parts are joined without a separator."""
@@ -257,10 +283,12 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
-    max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens (takes precedence)")
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: int | None = ranged("max_tokens", None,
+                                               description="same as max_tokens (takes precedence)")
     logprobs: bool = Field(False, description="log-probability of each token at the step it was revealed")
-    top_logprobs: int | None = Field(None, ge=0, le=1, description="only the revealed token is recorded (<= 1)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="only the revealed token is recorded (<= 1)")
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -269,129 +297,3 @@ class ChatCompletionRequest(_Common):
             raise PydanticCustomError("invalid_field", "{field}: {why}",
                                       {"field": "top_logprobs", "why": "requires logprobs to be true"})
         return self
-
-
-# ---------------------------------------------------------------------------------------------- responses
-class Usage(BaseModel):
-    """Token counts (``prompt_tokens + completion_tokens == total_tokens``); completion tokens count up to and
-    including the first EOS. Extras: ``nfe`` (model forwards of all choices, CFG counts twice) and
-    ``denoising_steps``."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    nfe: int = 0
-    denoising_steps: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions ``logprobs``: per rendered token its text, log-probability (natural log, at the step it
-    was revealed), the one recorded alternative (itself) and its character offset (sum of the previous tokens' text
-    lengths)."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    """One ``text_completion`` choice (index = prompt index * n + i)."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class CompletionResponse(BaseModel):
-    """``POST /v1/completions`` response body (``created``: unix seconds)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class TopLogprob(BaseModel):
-    """A token, its log-probability (natural log) and its UTF-8 bytes (None when its text has U+FFFD)."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    """A chat content token with its alternatives (empty, or the token itself when ``top_logprobs`` is 1)."""
-
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    """Chat ``logprobs``: one entry per rendered token (EOS excluded); ``refusal`` is always None."""
-
-    content: list[TokenLogprob] | None = None
-    refusal: list[TokenLogprob] | None = None
-
-
-class AssistantMessage(BaseModel):
-    """The generated chat message (``refusal`` is always None)."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str
-    refusal: str | None = None
-
-
-class ChatChoice(BaseModel):
-    """One ``chat.completion`` choice (index = prompt index * n + i)."""
-
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class ChatCompletionResponse(BaseModel):
-    """``POST /v1/chat/completions`` response body (``created``: unix seconds)."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ModelCard(BaseModel):
-    """``GET /v1/models/{id}``: the served model (``created``: unix seconds of server start; ``max_model_len``:
-    context length in tokens)."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "unmask"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    """``GET /v1/models``: the one served model."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    """The ``error`` object of an OpenAI error body (see :mod:`unmask.server.errors` for statuses and types)."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI error body."""
-
-    error: ErrorDetail

@@ -244,3 +244,43 @@ def test_shutdown_closes_open_streams(model):
             engine.submit([5], SamplingParams(max_tokens=2), "late")
 
     run(main())
+
+
+def test_stream_outputs_boundary(model):
+    """The server reads only the output objects: events carry the choice index, counters and, on the finished
+    event, the CompletionOutput; ``stream.outputs`` and ``stream.resolved`` hold the rest."""
+    async def main():
+        engine = AsyncEngine(model, max_batch_size=4)
+        try:
+            assert engine.tokenizer is model.tokenizer and engine.max_context == model.max_context
+            assert engine.dllm is model.dllm
+            stream = engine.submit(model.tokenizer("Hello there").input_ids,
+                                   SamplingParams(max_tokens=6, temperature=0, logprobs=True), "out", n=2)
+            return stream, await collect(stream)
+        finally:
+            engine.shutdown()
+
+    stream, events = run(main())
+    assert stream.n == 2 and stream.finished and all(o is not None for o in stream.outputs)
+    assert {ev.request_id for ev in events} == {"out"} and {ev.index for ev in events} == {0, 1}
+    assert stream.resolved.speculative is False and stream.resolved.temperature == 0.0
+    for i in range(2):
+        mine = [ev for ev in events if ev.index == i]
+        assert [ev.output is not None for ev in mine] == [False] * (len(mine) - 1) + [True]
+        out = mine[-1].output
+        assert out is stream.outputs[i] and out.index == i and mine[-1].num_tokens == len(out.token_ids)
+        assert len(out.logprobs) == len(out.token_ids) and out.steps == mine[-1].step + 1 or out.steps >= 1
+        assert out.ended_by_eos == (out.finish_reason == "stop" and out.token_ids[-1] in model.dllm.eos_token_ids)
+        assert [ev.num_tokens for ev in mine] == sorted(ev.num_tokens for ev in mine)
+
+
+def test_limits_are_openai_ranges():
+    from unmask.engine import limits
+
+    assert limits.RANGES["temperature"] == limits.Range(0, 2)
+    SamplingParams(temperature=2)
+    with pytest.raises(ParamError, match=r"temperature: must be <= 2, got 2.5"):
+        SamplingParams(temperature=2.5)
+    with pytest.raises(ParamError, match="seed"):
+        limits.check("seed", limits.MAX_SEED + 1)
+    assert limits.MAX_STOP == 4 and "dual" in limits.CACHE_MODES and "margin" in limits.REMASKING_STRATEGIES

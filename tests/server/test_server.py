@@ -282,7 +282,7 @@ def _check_stream(payloads, n, chat=True):
             texts[i] += ch["delta"].get("content") or ""
         else:
             texts[i] += ch["text"]
-        if "denoising" in c:  # exactly the DESIGN.md section 10 shape
+        if "denoising" in c:  # exactly the docs/design.md section 10 shape
             assert ch == ({"index": i, "delta": {}, "finish_reason": None} if chat
                           else {"index": i, "text": "", "finish_reason": None})
             assert set(c["denoising"]) == {"index", "block", "step", "nfe", "revealed", "canvas"}

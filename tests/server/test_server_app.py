@@ -60,10 +60,11 @@ def _metric(text, name):
 
 
 def test_failed_requests_count_the_work_they_did():
+    from unmask.server.accounting import Work
     from unmask.server.metrics import Metrics
 
-    ran = types.SimpleNamespace(num_output_tokens=3, nfe=4, step=4, proposed_drafts=5, accepted_drafts=2)
-    queued = types.SimpleNamespace(num_output_tokens=0, nfe=0, step=0, proposed_drafts=0, accepted_drafts=0)
+    ran = Work(tokens=3, nfe=4, steps=4, drafts_proposed=5, drafts_accepted=2)
+    queued = Work()
     m = Metrics("m")
     m.record_failure("abort", [(10, [ran, ran])])
     m.record_failure("queue_full", [(7, [queued])])  # never ran: its prompt was not processed
@@ -214,6 +215,25 @@ def test_server_does_not_import_training():
             assert not any("training" in n for n in names), f"{path.name}:{node.lineno} imports {names}"
 
 
+def test_server_uses_only_the_engines_public_api():
+    """The outputs-only boundary: unmask.server imports from ``unmask.engine`` and ``unmask.engine.limits`` only,
+    and never touches live sequences (``.sequences``, ``output_ids``, ``eos_ids``, ``draft_block`` of a sequence)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import unmask.server
+
+    for path in Path(unmask.server.__file__).parent.glob("*.py"):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("unmask"):
+                assert node.module in ("unmask.engine", "unmask.engine.limits"), f"{path.name}: {node.module}"
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("unmask") for a in node.names), f"{path.name}:{node.lineno}"
+        assert not re.search(r"\.(sequences|output_ids|eos_ids|blocks_done_steps)\b", source), path.name
+
+
 def test_tiny_positive_temperature_is_argmax_not_a_filtered_token(model):
     """Engine bug found by the schemathesis run: temperature 5e-324 made l / T overflow to -inf for every token, so
     argmax picked index 0 even when top-k had filtered it (logprob -inf -> the JSON response failed with a 500)."""
@@ -296,7 +316,9 @@ def test_generate_without_model_uses_the_serve_default(monkeypatch, tmp_path, ca
     fake.default_trained_dir = lambda: tmp_path / "none"
     fake.ensure_default_converted = lambda: tmp_path / "conv"
     monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
-    assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--json", "--weights", "native"]) == 0
+    # greedy (--temperature 0: `unmask generate` otherwise takes the checkpoint's default temperature)
+    assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--json", "--weights", "native",
+                     "--temperature", "0"]) == 0
     out = capsys.readouterr()
     obj = json.loads(out.out)
     assert "no MODEL given" in out.err and "UNTRAINED" in out.err

@@ -1,0 +1,137 @@
+"""Engine outputs -> the response models of :mod:`unmask.server.responses` (docs/design.md sections 5 and 10).
+
+One :class:`Render` per response knows its kind (``chat`` | ``completion``), id, ``created``, the served name and
+whether logprobs were asked for; it builds the non-streamed body from the choices' :class:`CompletionOutput` and
+each stream chunk from a :class:`StepEvent` or a piece of text. It reads nothing but those outputs (and the token
+texts of the tokenizer).
+
+Logprobs: an EOS that ended a choice (``ended_by_eos`` with ``finish_reason`` ``stop``; with ``ignore_eos`` an EOS
+id is an ordinary token) is counted in usage but never rendered, so it has no logprob entry; JSON has no -inf, so a
+log-probability below -9999.0 is sent as -9999.0 (vLLM's "impossible"; the engine only reveals finite ones).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from unmask.engine import CompletionOutput, StepEvent
+
+from .responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                        ChatLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, Delta,
+                        Denoising, RevealedToken, TokenLogprob, TopLogprob, Usage, UsageChunk)
+
+LOGPROB_FLOOR = -9999.0
+
+
+class Render:
+    """Builds the bodies and chunks of one response.
+
+    Args:
+        kind: ``chat`` | ``completion``. response_id: ``chatcmpl-...`` / ``cmpl-...``. created: unix seconds.
+        model: the served model name. token_text: token id -> its text (``TokenTexts``).
+        logprobs: whether logprobs were asked for. top_logprobs: chat: list the one alternative (the token itself).
+        include_usage: stream chunks carry ``"usage": null`` (and a last usage chunk follows).
+    """
+
+    def __init__(self, kind: str, response_id: str, created: int, model: str, token_text: Callable[[int], str],
+                 logprobs: bool = False, top_logprobs: int = 0, include_usage: bool = False):
+        self.chat = kind == "chat"
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self.include_usage = include_usage
+
+    # ------------------------------------------------------------------ logprobs
+    def _token_entries(self, out: CompletionOutput) -> list[tuple[str, float]]:
+        ids, lps = list(out.token_ids), list(out.logprobs or [])[: len(out.token_ids)]
+        if ids and out.ended_by_eos and out.finish_reason == "stop":  # EOS: counted, never rendered
+            ids, lps = ids[:-1], lps[:-1]
+        return [(self.token_text(t), lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR) for t, lp in zip(ids, lps)]
+
+    def completion_logprobs(self, out: CompletionOutput) -> CompletionLogprobs | None:
+        """Legacy-completions ``logprobs`` of one choice, or None when off."""
+        if not self.logprobs:
+            return None
+        entries = self._token_entries(out)
+        offsets, pos = [], 0
+        for tok, _ in entries:
+            offsets.append(pos)
+            pos += len(tok)
+        return CompletionLogprobs(tokens=[t for t, _ in entries], token_logprobs=[lp for _, lp in entries],
+                                  top_logprobs=[{t: lp} for t, lp in entries], text_offset=offsets)
+
+    def chat_logprobs(self, out: CompletionOutput) -> ChatLogprobs | None:
+        """Chat ``logprobs`` of one choice (``bytes`` None for a token with U+FFFD), or None when off."""
+        if not self.logprobs:
+            return None
+        content = []
+        for tok, lp in self._token_entries(out):
+            b = None if "\ufffd" in tok else list(tok.encode("utf-8"))
+            top = [TopLogprob(token=tok, logprob=lp, bytes=b)] if self.top_logprobs else []
+            content.append(TokenLogprob(token=tok, logprob=lp, bytes=b, top_logprobs=top))
+        return ChatLogprobs(content=content, refusal=None)
+
+    # ------------------------------------------------------------------ the non-streamed body
+    def body(self, outputs: list[CompletionOutput], usage: Usage) -> dict:
+        """The ``chat.completion`` / ``text_completion`` object (choice i = ``outputs[i]``), as a JSON-ready dict."""
+        if self.chat:
+            return ChatCompletionResponse(
+                id=self.id, created=self.created, model=self.model, usage=usage,
+                choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), logprobs=self.chat_logprobs(o),
+                                    finish_reason=o.finish_reason) for i, o in enumerate(outputs)]).model_dump()
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, usage=usage,
+            choices=[CompletionChoice(index=i, text=o.text, logprobs=self.completion_logprobs(o),
+                                      finish_reason=o.finish_reason) for i, o in enumerate(outputs)]).model_dump()
+
+    # ------------------------------------------------------------------ stream chunks (JSON-ready dicts)
+    def _chunk(self, choice, denoising: Denoising | None = None) -> dict:
+        head = {"id": self.id, "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            head["usage"] = None
+        if denoising is not None:
+            head["denoising"] = denoising
+        if self.chat:
+            chunk = ChatCompletionChunk(object="chat.completion.chunk", **head)
+        else:
+            chunk = CompletionChunk(object="text_completion", **head)
+        return chunk.model_dump(exclude_unset=True)
+
+    def role_chunk(self, index: int) -> dict:
+        """The first chunk of a chat choice: ``delta = {"role": "assistant", "content": ""}``."""
+        return self._chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""), logprobs=None,
+                                           finish_reason=None))
+
+    def text_chunk(self, index: int, text: str) -> dict:
+        """A content delta of one choice."""
+        if self.chat:
+            return self._chunk(ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=None,
+                                               finish_reason=None))
+        return self._chunk(CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None))
+
+    def finish_chunk(self, index: int, out: CompletionOutput) -> dict:
+        """The last chunk of one choice: its ``finish_reason`` and logprobs, no new text."""
+        if self.chat:
+            return self._chunk(ChatChunkChoice(index=index, delta=Delta(), logprobs=self.chat_logprobs(out),
+                                               finish_reason=out.finish_reason))
+        return self._chunk(CompletionChoice(index=index, text="", logprobs=self.completion_logprobs(out),
+                                            finish_reason=out.finish_reason))
+
+    def denoising_chunk(self, index: int, ev: StepEvent) -> dict:
+        """One denoising step of choice ``index``: empty delta / text, no logprobs, a ``denoising`` object."""
+        texts = self.token_text
+        denoising = Denoising(index=index, block=ev.block, step=ev.step, nfe=ev.nfe,
+                              revealed=[RevealedToken(position=r.position, token_id=r.token_id, text=texts(r.token_id),
+                                                      confidence=r.confidence) for r in ev.revealed],
+                              canvas=[None if t is None else texts(t) for t in ev.canvas])
+        choice = (ChatChunkChoice(index=index, delta=Delta(), finish_reason=None) if self.chat
+                  else CompletionChoice(index=index, text="", finish_reason=None))
+        return self._chunk(choice, denoising)
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The last chunk with ``include_usage``: ``choices: []`` and the request's usage."""
+        return UsageChunk(id=self.id, object="chat.completion.chunk" if self.chat else "text_completion",
+                          created=self.created, model=self.model, choices=[], usage=usage).model_dump(
+                              exclude_unset=True)

@@ -1,0 +1,106 @@
+"""One API request in flight (:class:`Run`): its engine streams, what each choice has done so far, its end.
+
+A request with ``P`` prompts is ``P`` engine requests of ``n`` choices each (choice index ``p * n + i``). The run
+watches every event that passes (:meth:`Run.events`), keeping per choice the last :class:`Work` and the finished
+:class:`CompletionOutput`; from those it answers usage and, once (:meth:`Run.finish`), records the metrics and
+writes the request's log line. It reads only the engine's outputs.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from unmask.engine import CompletionOutput, RequestStream, StepEvent
+
+from .accounting import Work, decoding, log_line, usage
+from .merge import choice_events
+from .render import Render
+from .responses import Usage
+
+
+class Run:
+    """A submitted API request.
+
+    Args:
+        state: the app's :class:`~unmask.server.app.ServerState` (metrics).
+        render: builds this response's bodies and chunks.
+        prompt_ids: token ids per prompt. streams: engine streams, one per prompt. n: choices per prompt.
+        arrival: ``time.time()`` when the request arrived.
+    """
+
+    def __init__(self, state, render: Render, prompt_ids: list[list[int]], streams: list[RequestStream], n: int,
+                 arrival: float):
+        self.state = state
+        self.render = render
+        self.id = render.id
+        self.prompt_ids = prompt_ids
+        self.streams = streams
+        self.n = n
+        self.arrival = arrival
+        self.num_choices = len(streams) * n
+        self.work = [Work()] * self.num_choices
+        self.outputs: list[CompletionOutput | None] = [None] * self.num_choices
+        self.first_content_time: float | None = None
+        self.done = False
+
+    async def events(self, timeout: float | None) -> AsyncIterator[tuple[int, StepEvent]]:
+        """``(choice index, event)`` for every engine event of every prompt, until all choices finished.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds after arrival. EngineError / EngineClosed from the engine.
+        """
+        deadline = None if timeout is None else self.arrival + timeout
+        async for c, ev in choice_events(self.streams, self.n, deadline, timeout):
+            self.work[c] = Work.of_event(ev)
+            if ev.output is not None:
+                self.outputs[c] = ev.output
+            yield c, ev
+
+    def abort(self) -> None:
+        """Cancel every unfinished engine request of this run (idempotent)."""
+        for s in self.streams:
+            if not all(o is not None for o in s.outputs):
+                s.abort()
+
+    def _output(self, c: int) -> CompletionOutput | None:
+        """Choice ``c``'s output: seen on its finished event, or filled in by the engine since."""
+        if self.outputs[c] is None:
+            p, i = divmod(c, self.n)
+            outs = self.streams[p].outputs
+            if i < len(outs) and outs[i] is not None:
+                self.outputs[c] = outs[i]
+        return self.outputs[c]
+
+    def _work(self) -> list[Work]:
+        return [Work.of_output(o) if (o := self._output(c)) is not None else self.work[c]
+                for c in range(self.num_choices)]
+
+    def usage(self) -> Usage:
+        """OpenAI usage (+ ``nfe``, ``denoising_steps``); an unfinished (failed) choice counts its work so far."""
+        return usage(sum(len(p) for p in self.prompt_ids), self._work())
+
+    def body(self) -> dict:
+        """The non-streamed response (every choice finished)."""
+        return self.render.body([self._output(c) for c in range(self.num_choices)], self.usage())
+
+    def finish(self, status: int, failure: str | None = None) -> None:
+        """Record metrics and write the request's log line (once)."""
+        if self.done:
+            return
+        self.done = True
+        end = time.time()
+        u = self.usage()
+        outputs = [self._output(c) for c in range(self.num_choices)]
+        metrics = self.state.metrics
+        if failure is None:
+            firsts = [o.first_token_time for o in outputs if o.first_token_time]
+            first = self.first_content_time or (min(firsts) if firsts else None)
+            queue_times = [s.queue_time for s in self.streams if s.queue_time is not None]
+            metrics.record_success(u.prompt_tokens, outputs, self.arrival, end, first,
+                                   min(queue_times) if queue_times else None)
+        else:
+            work = self._work()
+            metrics.record_failure(failure, [(len(ids), work[p * self.n:(p + 1) * self.n])
+                                             for p, ids in enumerate(self.prompt_ids)])
+        log_line(self.id, status, u, end - self.arrival, [o.finish_reason if o else None for o in outputs],
+                 decoding(outputs, self.streams[0].resolved), failure)

@@ -1,0 +1,90 @@
+"""The server-sent events of a streamed request (docs/design.md sections 5 and 10, issue 3).
+
+Streaming rules:
+
+* every chunk of a response carries the same ``id`` and ``created`` (seconds);
+* chat: the first chunk of each choice carries ``delta.role = "assistant"``;
+* content deltas are differences of ``StepEvent.text``, the engine's stream-safe text (a left-to-right prefix
+  that is final, never ends inside a multi-byte character, never ends with a stop-string prefix), so joined deltas
+  equal the non-streamed text for the same seed;
+* ``finish_reason`` is null until the last chunk of each choice;
+* with ``stream_options.include_denoising`` each denoising step of each choice is one extra chunk with empty
+  delta/text and a top-level ``denoising`` object (docs/design.md section 10);
+* with ``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk has ``choices: []`` and
+  the usage;
+* ``data: [DONE]`` ends every stream, also after an error, which is sent as ``data: {"error": {...}}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from .accounting import failure_reason
+from .errors import APIError, from_exception, shutdown_error
+from .run import Run
+
+log = logging.getLogger("unmask.server")
+
+
+def dumps(obj) -> str:
+    """Compact JSON (UTF-8 text kept as is)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def sse_events(run: Run, include_denoising: bool, timeout: float | None, shutdown_event=None):
+    """The SSE ``data:`` payloads of a streamed request (strings; sse-starlette frames them).
+
+    ``shutdown_event`` (an ``anyio.Event`` that sse-starlette sets when the server shuts down): the engine requests
+    are aborted and the stream ends with an error event (``server_shutdown``) and ``[DONE]`` instead of a cut
+    connection."""
+    render = run.render
+    sent = [""] * run.num_choices
+    shutting_down = False
+
+    async def on_shutdown():
+        nonlocal shutting_down
+        await shutdown_event.wait()
+        shutting_down = True
+        run.abort()
+
+    watcher = asyncio.create_task(on_shutdown()) if shutdown_event is not None else None
+    try:
+        if render.chat:
+            for i in range(run.num_choices):
+                yield dumps(render.role_chunk(i))
+        async for c, ev in run.events(timeout):
+            if include_denoising and ev.revealed:
+                yield dumps(render.denoising_chunk(c, ev))
+            if len(ev.text) > len(sent[c]):
+                if ev.text.startswith(sent[c]):
+                    delta, sent[c] = ev.text[len(sent[c]):], ev.text
+                    if run.first_content_time is None:
+                        run.first_content_time = time.time()
+                    yield dumps(render.text_chunk(c, delta))
+                else:  # pragma: no cover - the engine guarantees a growing prefix
+                    log.warning("%s: choice %d text is not an extension of what was streamed", run.id, c)
+            if ev.finished:
+                if ev.finish_reason == "abort":
+                    if shutting_down:
+                        raise shutdown_error()
+                    raise APIError(503, "the request was aborted by the server", code="aborted")
+                yield dumps(render.finish_chunk(c, ev.output))
+        if render.include_usage:
+            yield dumps(render.usage_chunk(run.usage()))
+        run.finish(200)
+    except Exception as exc:
+        run.abort()
+        err = from_exception(exc)
+        if err.status >= 500 and not isinstance(exc, (TimeoutError, APIError)):
+            log.error("%s: stream failed", run.id, exc_info=exc)
+        run.finish(err.status, failure_reason(exc, err))
+        yield dumps(err.body())
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if not run.done:  # client disconnected (cancelled) or the generator was closed
+            run.abort()
+            run.finish(499, "abort")
+    yield "[DONE]"
