@@ -68,10 +68,6 @@ class LoadedModel:
         weight_format: how the linear layers run: ``native`` (as loaded) or ``fp16`` (fbgemm-packed, see
             :mod:`unmask.engine.packed_weights`; set by :meth:`pack_weights`, which also fuses the projections of
             Llama-architecture models and runs them through :class:`~unmask.engine.fused_decoder.FusedDecoder`).
-        draft_policy: whether requests that get speculative decoding from the checkpoint's default (without asking
-            for it, a draft block, branches, epsilon or ratio) draft: ``on``, ``off`` (one token per forward through the
-            same verifying path: the same tokens, or for sampling the same distribution), ``auto`` (off on a CPU,
-            on elsewhere; see :meth:`drafts_by_default`).
         draft_head: a :class:`~unmask.engine.draft_head.DraftHeadRuntime` when the checkpoint has one
             (``dllm.draft_head``): speculative requests then draft with it.
     """
@@ -85,7 +81,6 @@ class LoadedModel:
     max_context: int
     router: Any = None
     weight_format: str = "native"
-    draft_policy: str = "auto"
     draft_head: Any = None
 
     def __post_init__(self) -> None:
@@ -138,58 +133,58 @@ class LoadedModel:
         self.weight_format = fmt
         self._fused = FusedDecoder(self._decoder) if fused else None
 
-    def drafts_by_default(self) -> bool:
-        """Whether checkpoint-default speculative requests draft (``draft_policy``). ``auto``: not on a CPU, where a
-        speculative step forwards ~20 rows and costs ~2x a 1-row step while revealing 1.5-1.9 tokens (measured on
-        the 2-core CPU, packed + fused: 22.3 vs 30.2 tokens/s for the same answers on the served model, 12.6 vs
-        28.2 with a verifier, whose steps run two weight sets; README "Fused decoder forward and in-place KV
-        buffers"); on a GPU rows are ~free. With a draft head (``draft_head``) ``auto`` is on everywhere: a step then
-        forwards only the context and the drafts (no mask groups), plus a few one-layer head forwards.
-
-        Raises:
-            ValueError: (names ``draft_policy``) not one of auto, on, off.
-        """
-        if self.draft_policy not in ("auto", "on", "off"):
-            raise ValueError(f"draft_policy: {self.draft_policy!r} is not one of auto, on, off")
-        if self.draft_policy == "auto":
-            return self.draft_head is not None or self.device.type != "cpu"
-        return self.draft_policy == "on"
-
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head (logits width)."""
         return self._vocab_size
 
+    @property
+    def has_row_variant(self) -> bool:
+        """Whether some rows can run other weights than the model's own (a checkpoint's verifier today)."""
+        return self.router is not None
+
+    def enable_compile(self) -> None:
+        """Run the decoder forward through ``torch.compile(dynamic=True)`` (same results; the first steps of each
+        new shape pay the compilation; measured in ``benchmarks/bench_overhead.py --compile``).
+
+        Raises:
+            ValueError: (names ``compile``) the linear layers are packed (torch.compile does not trace them).
+        """
+        if self.weight_format != "native":
+            raise ValueError(f"compile: torch.compile does not trace fbgemm-packed ({self.weight_format}) linear "
+                             f"layers; load with weights='native' to compile")
+        self._decoder = torch.compile(self.model.base_model, dynamic=True)
+
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      cache=None, drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      cache=None, variant_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Last hidden states ``[B, Q, H]`` for ``input_ids``/``position_ids`` ``[B, Q]`` int64 and a boolean mask
         ``[B, 1, Q, C + Q]`` (C = cached keys in ``cache``, a :class:`~unmask.engine.kv_cache.BatchKV`).
 
-        ``drafter_rows`` (``[B, Q]`` bool, models with a verifier only): rows that run the model's own weights;
-        the others run the verifier's (``unmask.engine.routed``). ``None``: every row runs the model's weights.
+        ``variant_rows`` (``[B, Q]`` bool): rows that run the model's row variant (the verifier's weights,
+        ``unmask.engine.routed``); ``None``: every row runs the model's own weights.
         """
         if self._fused is not None:
-            with self.routing(drafter_rows):
+            with self.routing(variant_rows):
                 return self._fused(input_ids, position_ids, attention_mask, cache)
         kwargs = {self._cache_kw: cache, "use_cache": False}
-        with self.routing(drafter_rows):
+        with self.routing(variant_rows):
             out = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                 **kwargs)
         return out.last_hidden_state
 
-    def logits(self, hidden: torch.Tensor, drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits (``drafter_rows``: ``[N]`` bool, as in
+    def logits(self, hidden: torch.Tensor, variant_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits (``variant_rows``: ``[N]`` bool, as in
         :meth:`hidden_states`)."""
-        with self.routing(drafter_rows):
+        with self.routing(variant_rows):
             return self._head(hidden).float()
 
     @contextlib.contextmanager
-    def routing(self, drafter_rows: torch.Tensor | None):
-        """Context in which routed modules split rows by ``drafter_rows`` (a no-op without a verifier)."""
-        if self.router is None or drafter_rows is None:
+    def routing(self, variant_rows: torch.Tensor | None):
+        """Context in which routed modules run ``variant_rows`` on the verifier (a no-op without one)."""
+        if self.router is None or variant_rows is None:
             yield
             return
-        self.router.drafter_rows = drafter_rows
+        self.router.drafter_rows = ~variant_rows
         try:
             yield
         finally:
