@@ -1,6 +1,6 @@
 """Self-speculative decoding: diffusion drafts verified by the model's own causal path.
 
-A ``prefix_causal`` A2D model with the logit shift (DESIGN.md sections 2 and 4) is two models in one: its committed
+A ``prefix_causal`` A2D model with the logit shift (docs/design.md sections 2 and 4) is two models in one: its committed
 context is strictly causal, so the output at a committed position ``j`` is an autoregressive prediction of token
 ``j + 1`` (``block_size=1`` decoding *is* that AR model), while a block of mask tokens after the context is a
 diffusion drafter that predicts several later tokens at once. One forward can therefore *verify* draft tokens
