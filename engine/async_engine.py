@@ -69,7 +69,7 @@ class RequestStream(AsyncIterator[StepEvent]):
     def __init__(self, engine: "AsyncEngine", request_id: str, sequences: list[Request],
                  loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
-        self.sequences = sequences  # engine side only: callers read outputs, resolved and the events
+        self._choices = sequences  # engine side only: callers read outputs, resolved and the events
         self.n = len(sequences)
         self.outputs: list[CompletionOutput | None] = [None] * len(sequences)
         self.resolved = sequences[0].plan

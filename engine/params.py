@@ -44,6 +44,12 @@ class SpeculativeOptions:
     no_repeat_ngram: int | None = None
 
 
+def _flat_option(name: str) -> property:
+    """Read-only ``SamplingParams.speculative_<name>``: ``speculative_options.<name>``, ``None`` without options."""
+    return property(lambda self: getattr(self.speculative_options, name) if self.speculative_options else None,
+                    doc=f"``speculative_options.{name}`` (``None`` without options; the HTTP field's name).")
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded.
@@ -187,25 +193,10 @@ class SamplingParams:
         return resolve_params(self, default_sampling, model_block_size)
 
     # ------------------------------------------------------------------ speculative options, flat (HTTP) names
-    @property
-    def speculative_branches(self) -> int | None:
-        """``speculative_options.branches`` (``None`` without options)."""
-        return self.speculative_options.branches if self.speculative_options else None
-
-    @property
-    def speculative_epsilon(self) -> float | None:
-        """``speculative_options.epsilon`` (``None`` without options)."""
-        return self.speculative_options.epsilon if self.speculative_options else None
-
-    @property
-    def speculative_ratio(self) -> float | None:
-        """``speculative_options.ratio`` (``None`` without options)."""
-        return self.speculative_options.ratio if self.speculative_options else None
-
-    @property
-    def speculative_no_repeat_ngram(self) -> int | None:
-        """``speculative_options.no_repeat_ngram`` (``None`` without options)."""
-        return self.speculative_options.no_repeat_ngram if self.speculative_options else None
+    speculative_branches = _flat_option("branches")
+    speculative_epsilon = _flat_option("epsilon")
+    speculative_ratio = _flat_option("ratio")
+    speculative_no_repeat_ngram = _flat_option("no_repeat_ngram")
 
     @classmethod
     def from_flat(cls, **fields) -> "SamplingParams":

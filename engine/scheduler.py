@@ -23,8 +23,6 @@ from .limits import ParamError
 from .outputs import StepEvent
 from .request import Request
 
-Sequence = Request  # the queue holds choices of any strategy
-
 
 class QueueFull(RuntimeError):
     """The waiting queue holds ``max_queue`` sequences (HTTP 429)."""
@@ -54,8 +52,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_cached_tokens = max_cached_tokens
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
 
     @staticmethod
     def need(seq: Request) -> int:
