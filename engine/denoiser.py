@@ -36,6 +36,7 @@ class Denoiser:
         self.device = model.device
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
         self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
+        self.compiled = bool(compile)
         if compile:
             model.enable_compile()
 
