@@ -156,6 +156,9 @@ class AsyncEngine:
         if max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
         self.model = loaded_model
+        # read-only for the server: the tokenizer, the context length in tokens, the DllmConfig
+        self.tokenizer, self.dllm = loaded_model.tokenizer, loaded_model.dllm
+        self.max_context = loaded_model.max_context
         self.engine = Engine(loaded_model, max_batch_size=max_batch_size, max_queue=max_queue,
                              max_cached_tokens=max_cached_tokens, default_drafts=default_drafts)
         self.denoiser = self.engine.denoiser
@@ -178,21 +181,6 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ public API (event-loop side)
-    @property
-    def tokenizer(self):
-        """The served model's Hugging Face tokenizer."""
-        return self.model.tokenizer
-
-    @property
-    def max_context(self) -> int:
-        """The model's context length in tokens."""
-        return self.model.max_context
-
-    @property
-    def dllm(self):
-        """The model's :class:`~unmask.engine.config.DllmConfig`."""
-        return self.model.dllm
-
     @property
     def nfe(self) -> int:
         """Batched model forwards run so far (engine-level NFE)."""

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from .limits import (CACHE_MODES, MAX_SEED, MAX_SPECULATIVE_BLOCK, MAX_STOP, REMASKING_STRATEGIES, ParamError,
                      check, check_number)
 
-__all__ = ["SamplingParams", "SpeculativeOptions", "ParamError", "MAX_SEED", "MAX_SPECULATIVE_BLOCK", "CACHE_MODES", "REMASKING_STRATEGIES"]
+__all__ = ["SamplingParams", "SpeculativeOptions", "ParamError", "MAX_SEED", "MAX_SPECULATIVE_BLOCK", "CACHE_MODES",
+           "REMASKING_STRATEGIES"]
 
 SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio",
                            "speculative_no_repeat_ngram")  # need speculative

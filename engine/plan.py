@@ -50,12 +50,15 @@ class DecodingPlan:
     block_size: int
     draft_block: int | None
     window_size: int
+    # sampling
     temperature: float
     sampling: bool
     threshold: float | None
     seed: int
+    # forwards
     cache: str
     lanes: int
+    # self-speculative decoding
     branches: int = 0
     epsilon: float | None = None
     ratio: float | None = None

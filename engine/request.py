@@ -136,13 +136,8 @@ class Request:
             check_token_ids("constraints", list(params.constraints.values()), vocab_size)
             if isinstance(params.suffix, list):
                 check_token_ids("suffix", params.suffix, vocab_size)
-        self.request_id = request_id
-        self.index = index
-        self.plan = plan
-        self.params = params
-        self.dllm = dllm
-        self.tokenizer = tokenizer
-        self.device = torch.device(device)
+        self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
+        self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
         self.prompt_ids = list(prompt_ids)
         P = self.prompt_len = len(prompt_ids)
         suffix = suffix_ids(params, tokenizer)
@@ -174,14 +169,12 @@ class Request:
         self.stopper = StopChecker(tokenizer, params.stop, params.min_tokens, self.eos_ids, self.max_tokens)
 
         self.win_idx = self.block_idx = self.step_in_block = self.step_in_window = 0
-        self.step = 0
-        self.nfe = 0
-        self.finished = False
-        self.finish_reason: str | None = None
+        self.step = self.nfe = 0
+        self.finished, self.finish_reason = False, None  # finish_reason: stop | length | abort once finished
         self.output_ids: list[int] = []
         self.text = ""
         self.created = time.time()
-        self.first_token_time: float | None = None
+        self.first_token_time: float | None = None  # wall times (time.time())
         self.finish_time: float | None = None
         self.blocks_done_steps: list[int] = []
         self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
