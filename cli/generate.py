@@ -25,7 +25,8 @@ def register(sub, name):
     p.add_argument("--remasking", default="low_confidence",
                    help="low_confidence | margin | entropy | random")
     p.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the checkpoint's default temperature (else 1.0, or 0 when speculative)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--cfg-scale", type=float, default=0.0)
@@ -60,8 +61,9 @@ def register(sub, name):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Generate one completion and print its text, or with ``--json`` one JSON object (``seconds``: wall clock);
-    returns 0.
+    """Generate one completion (a thin wrapper of :meth:`unmask.engine.LLM.stream`) and print its text, or with
+    ``--json`` one JSON object (``seconds``: wall clock of the decoding); returns 0. ``--temperature`` unset = the
+    checkpoint's default (``unmask.engine.plan``).
 
     Raises:
         UsageError: bad sampling option (named ``--option``), unloadable checkpoint or bad prompt.
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from unmask.engine import CheckpointError, ParamError, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size,
+        params = SamplingParams.from_flat(max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size,
                                 remasking=args.remasking, threshold=args.threshold, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale, seed=args.seed,
                                 suffix=args.suffix, stop=args.stop, cache=args.cache, speculative=args.speculative,
@@ -93,32 +95,26 @@ def run(args: argparse.Namespace) -> int:
         if args.block_size is None and default_block is not None:
             params.block_size = default_block
         print(f"[unmask] no MODEL given: generating with {what}", file=sys.stderr, flush=True)
-    from unmask.engine.detokenize import TokenTexts
-    from unmask.engine.llm import LLM
+    from unmask.engine import LLM, TokenTexts
 
     try:
         llm = LLM(args.model, family=args.family, device=args.device, dtype=args.dtype, max_batch_size=1,
                   weights=args.weights)
         prompt_ids = (llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
                       else llm.encode(args.prompt))
-        seq = llm.make_sequences(prompt_ids, params, "cli")[0]
+        texts = TokenTexts(llm.tokenizer)
+        out = None
+        t0 = time.perf_counter()
+        for ev in llm.stream(prompt_ids, params, request_id="cli"):
+            if args.show_steps:
+                canvas = "".join("_" if t is None else texts(t) for t in ev.canvas)
+                print(f"[block {ev.block} step {ev.step} nfe {ev.nfe}] {canvas}", file=sys.stderr, flush=True)
+            out = ev.output or out
     except ParamError as exc:  # a rule between options (e.g. a relaxed rule with a temperature): name the option
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
     except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
-    from unmask.engine.scheduler import Scheduler
-
-    texts = TokenTexts(llm.tokenizer)
-    sched = Scheduler(llm.denoiser, max_batch_size=1)
-    sched.add(seq)
-    t0 = time.perf_counter()
-    while sched.has_work():
-        for ev in sched.step():
-            if args.show_steps:
-                canvas = "".join("_" if t is None else texts(t) for t in ev.canvas)
-                print(f"[block {ev.block} step {ev.step} nfe {ev.nfe}] {canvas}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
-    out = llm.output_of(seq).outputs[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "steps": out.steps, "nfe": out.nfe, "seconds": round(seconds, 4),

@@ -1,11 +1,11 @@
 """The engine the server talks to: one background thread owns the model and the scheduler; asyncio code submits
-requests and consumes their :class:`~unmask.engine.sequence.StepEvent` streams (DESIGN.md sections 1 and 4,
-"Scheduling").
+requests and consumes their :class:`~unmask.engine.outputs.StepEvent` streams (docs/design.md sections 1 and 4,
+"Scheduling"). The loop itself is :class:`~unmask.engine.engine.Engine`'s; this module adds the thread.
 
 Threading model:
 
-* The **engine thread** is the only code that touches the :class:`~unmask.engine.scheduler.Scheduler`, the
-  sequences' canvases and the model. It sleeps on a condition variable while there is no work, otherwise it
+* The **engine thread** is the only code that drives the :class:`~unmask.engine.engine.Engine` (its scheduler,
+  the requests' canvases and the model). It sleeps on a condition variable while there is no work, otherwise it
   moves newly submitted sequences into the scheduler, applies pending aborts, and runs one step.
 * The **event loop** side calls :meth:`AsyncEngine.submit` (validation, building the sequences, admission checks:
   all synchronous, so errors surface as exceptions at the call) and iterates the returned
@@ -23,15 +23,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
-from .denoiser import Denoiser
-from .llm import make_sequences
+from .engine import Engine
 from .model import LoadedModel
 from .outputs import CompletionOutput, StepEvent
 from .params import ParamError, SamplingParams
-from .scheduler import CacheFull, QueueFull, Scheduler
-from .sequence import Sequence
+from .request import Request
+from .scheduler import CacheFull, QueueFull
 
 __all__ = ["AsyncEngine", "RequestStream", "EngineError", "EngineClosed", "QueueFull", "CacheFull", "ParamError"]
 
@@ -68,10 +66,10 @@ class RequestStream(AsyncIterator[StepEvent]):
         EngineClosed: the engine shut down before the request finished.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, sequences: list[Sequence],
+    def __init__(self, engine: "AsyncEngine", request_id: str, sequences: list[Request],
                  loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
-        self.sequences = sequences  # engine side only: callers read outputs, resolved and the events
+        self._choices = sequences  # engine side only: callers read outputs, resolved and the events
         self.n = len(sequences)
         self.outputs: list[CompletionOutput | None] = [None] * len(sequences)
         self.resolved = sequences[0].plan
@@ -136,11 +134,13 @@ class AsyncEngine:
         max_cached_tokens: KV budget in canvas tokens (see :class:`Scheduler`); a request that can never fit raises
             :class:`ParamError` (HTTP 400; an unset ``max_tokens`` is lowered to fit first), one that fits the budget
             but not what is left of it waits in the queue. ``None`` = unlimited.
+        default_drafts: ``auto`` | ``on`` | ``off``: whether requests that get speculative decoding only from the
+            checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
 
     Counters (read from any thread; updated by the engine thread after every step):
         ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished
         requests. ``nfe``: batched model forwards run by the engine (engine-level NFE; a request's own NFE is
-        ``Sequence.nfe``). ``steps``: scheduler steps run.
+        ``CompletionOutput.nfe``). ``steps``: scheduler steps run.
 
     Example::
 
@@ -152,18 +152,22 @@ class AsyncEngine:
     """
 
     def __init__(self, loaded_model: LoadedModel, max_batch_size: int = 16, max_queue: int = 256,
-                 max_cached_tokens: int | None = None):
+                 max_cached_tokens: int | None = None, default_drafts: str = "auto"):
         if max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
         self.model = loaded_model
-        self.denoiser = Denoiser(loaded_model)
-        self.scheduler = Scheduler(self.denoiser, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   max_cached_tokens=max_cached_tokens)
+        # read-only for the server: the tokenizer, the context length in tokens, the DllmConfig
+        self.tokenizer, self.dllm = loaded_model.tokenizer, loaded_model.dllm
+        self.max_context = loaded_model.max_context
+        self.engine = Engine(loaded_model, max_batch_size=max_batch_size, max_queue=max_queue,
+                             max_cached_tokens=max_cached_tokens, default_drafts=default_drafts)
+        self.denoiser = self.engine.denoiser
+        self.scheduler = self.engine.scheduler
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_cached_tokens = max_cached_tokens
         self._cond = threading.Condition()
-        self._inbox: list[tuple[RequestStream, list[Sequence]]] = []  # guarded by _cond
+        self._inbox: list[tuple[RequestStream, list[Request]]] = []  # guarded by _cond
         self._aborts: set[str] = set()  # guarded by _cond
         self._queued_seqs = 0  # sequences in _inbox + scheduler.waiting; guarded by _cond
         self._requests: dict[str, RequestStream] = {}  # guarded by _cond (written by both sides)
@@ -177,21 +181,6 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ public API (event-loop side)
-    @property
-    def tokenizer(self):
-        """The served model's Hugging Face tokenizer."""
-        return self.model.tokenizer
-
-    @property
-    def max_context(self) -> int:
-        """The model's context length in tokens."""
-        return self.model.max_context
-
-    @property
-    def dllm(self):
-        """The model's :class:`~unmask.engine.config.DllmConfig`."""
-        return self.model.dllm
-
     @property
     def nfe(self) -> int:
         """Batched model forwards run so far (engine-level NFE)."""
@@ -213,7 +202,7 @@ class AsyncEngine:
             params: sampling parameters (``temperature``/``seed`` ``None`` = checkpoint default / random).
             request_id: unique id (default: generated). n: number of choices.
             fit_max_tokens: ``params.max_tokens`` is a default rather than the client's value: lower it until the
-                canvas fits the model's context (DESIGN.md section 10: "lowered to the remaining context when
+                canvas fits the model's context (docs/design.md section 10: "lowered to the remaining context when
                 unset") and the KV budget.
 
         Raises:
@@ -227,13 +216,13 @@ class AsyncEngine:
         if not self.alive:
             raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
         request_id = request_id or f"req-{next(_auto_ids)}"
-        seqs = self._build(list(prompt_ids), params, request_id, n, fit_max_tokens)
+        seqs = self.engine.make_request(list(prompt_ids), params, request_id, n, fit_max_tokens)
+        self.scheduler.check_fits(seqs)
         stream = RequestStream(self, request_id, seqs, loop)
         with self._cond:
             if request_id in self._requests:
                 raise ParamError("request_id", f"{request_id!r} is already in flight")
-            if self._queued_seqs + len(seqs) > self.max_queue:
-                raise QueueFull(f"waiting queue is full ({self._queued_seqs} of {self.max_queue} sequences waiting)")
+            self.scheduler.check_queue(len(seqs), self._queued_seqs)
             self._queued_seqs += len(seqs)
             self._requests[request_id] = stream
             self._inbox.append((stream, seqs))
@@ -262,72 +251,13 @@ class AsyncEngine:
         """Counters as a dict: running/waiting requests, engine NFE, steps (for /health and logs)."""
         return {"running": self.num_running, "waiting": self.num_waiting, "nfe": self.nfe, "steps": self.steps}
 
-    # ------------------------------------------------------------------ helpers
-    def _build(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int,
-               fit: bool) -> list[Sequence]:
-        """The request's sequences; with ``fit``, ``max_tokens`` lowered until the canvas fits both the model's
-        context and the KV budget. Raises ParamError (names the field) when it cannot fit either."""
-        budget = self.max_cached_tokens
-
-        def need(seqs):  # cached tokens the request reserves (canvas x lanes; CFG has two)
-            return seqs[0].length * len(seqs[0].lanes)
-
-        def over_budget(seqs) -> bool:
-            return budget is not None and need(seqs) > budget
-
-        if not fit:
-            seqs = make_sequences(self.model, prompt_ids, params, request_id, n)
-            if over_budget(seqs):
-                lanes = len(seqs[0].lanes)
-                raise ParamError("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                               f"needs {need(seqs)} cached tokens ({lanes} lane(s), generation region "
-                                               f"rounded up to whole blocks); the server's KV budget "
-                                               f"(--max-cached-tokens) is {budget}, so this request can never run")
-            return seqs
-        # the largest max_tokens that fits the context (prompt + generation region + suffix) and the KV budget:
-        # both grow with max_tokens (the canvas is rounded up to whole blocks), so bisect
-        ctx = self.model.max_context
-        last: ParamError | None = None
-
-        def build(m: int) -> list[Sequence] | None:
-            nonlocal last
-            try:
-                seqs = make_sequences(self.model, prompt_ids, replace(params, max_tokens=m,
-                                                                      min_tokens=min(params.min_tokens, m)),
-                                      request_id, n)
-            except ParamError as exc:
-                if exc.field != "max_tokens":
-                    raise
-                last = exc
-                return None
-            return None if over_budget(seqs) else seqs
-
-        hi = min(params.max_tokens, ctx - len(prompt_ids))
-        best = build(hi) if hi >= 1 else None
-        if best is None and hi > 1:
-            lo = 0  # invariant: build(lo) fits or lo == 0; build(hi) does not
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                got = build(mid)
-                if got is not None:
-                    lo, best = mid, got
-                else:
-                    hi = mid
-        if best is not None:
-            return best
-        if budget is not None and last is None:
-            raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; with the server's KV budget "
-                                       f"(--max-cached-tokens) of {budget} cached tokens no generation fits")
-        raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; the model's context of {ctx} tokens "
-                                   f"leaves no room to generate" + (f" ({last.reason})" if last else ""))
-
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        sched = self.scheduler
+        engine = self.engine
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._inbox or self._aborts or sched.has_work()):
+                    while not (self._stopping or self._inbox or self._aborts or engine.has_unfinished()):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -335,16 +265,15 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, set()
                 for stream, seqs in new:
                     self._owner[stream.request_id] = stream
-                    for seq in seqs:
-                        sched.waiting.append(seq)  # admission was checked at submit
+                    engine.enqueue(seqs)  # admission was checked at submit
                 for rid in aborts:
                     self._abort_now(rid)
-                if not sched.has_work():
+                if not engine.has_unfinished():
                     self._update_counters()
                     continue
                 t_step = time.time()
                 try:
-                    events = sched.step()
+                    events = engine.step()
                 except Exception as exc:  # a genuine fault: fail the requests in the batch, keep serving
                     log.exception("engine step failed")
                     self._fail_running(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
@@ -389,7 +318,7 @@ class AsyncEngine:
         stream = self._requests.get(request_id)
         if stream is None:
             return
-        events = self.scheduler.abort(request_id) if request_id in self._owner else []
+        events = self.engine.abort(request_id) if request_id in self._owner else []
         puts = self._deliver(events, time.time())
         self._update_counters()
         self._flush(puts)
@@ -397,7 +326,7 @@ class AsyncEngine:
     def _fail_running(self, error: BaseException) -> None:
         failed = []
         for stream in {self._owner[s.request_id] for s in self.scheduler.running if s.request_id in self._owner}:
-            self.scheduler.abort(stream.request_id)
+            self.engine.abort(stream.request_id)
             del self._owner[stream.request_id]
             failed.append(stream)
             with self._cond:

@@ -1,9 +1,13 @@
-"""One batched denoising step over many sequences (DESIGN.md section 4, steps 1-8).
+"""One batched denoising step over many requests (docs/design.md section 4, steps 1-8).
 
-Each sequence contributes one row per lane (two under CFG). Rows are right-padded to the longest chunk; the keys
+Each request contributes one row per lane (two under CFG). Rows are right-padded to the longest chunk; the keys
 of a row are its lane's cached KV (padded to the longest cache) followed by its chunk. The boolean mask comes from
 the shared builder (``unmask.engine.attention``), so padding never changes a row's result: a row decodes the same
-tokens alone or in any batch (batch invariance, DESIGN.md section 10).
+tokens alone or in any batch (batch invariance, docs/design.md section 10).
+
+The denoiser knows requests only through the strategy protocol (``unmask.engine.request.DecodingStrategy``:
+``lane_inputs``, ``variant_rows``, ``consume``) and the model only through its seam (``hidden_states`` and
+``logits`` with ``variant_rows``): one forward path, whatever the strategy.
 """
 from __future__ import annotations
 
@@ -12,20 +16,16 @@ import torch
 from .attention import build_attention_mask
 from .kv_cache import BatchKV
 from .model import LoadedModel
-from .sampler import classifier_free_guidance, sample_candidates
-from .sequence import LaneInput, Sequence, StepEvent
-from .speculative import SpeculativeSequence
+from .outputs import StepEvent
+from .request import DecodingStrategy, LaneInput
 
 
 class Denoiser:
-    """Runs steps for a list of sequences on one model.
+    """Runs steps for a list of requests on one model.
 
     Args:
-        model: the loaded model.
-        compile: run the decoder forward through ``torch.compile(dynamic=True)`` (same results; the first steps
-            of each new shape pay the compilation). Measured in ``benchmarks/bench_overhead.py --compile``; off by
-            default because it did not pay on the CPU measured (see the README "Performance" section). Needs
-            ``native`` weights.
+        model: the loaded model (``model.enable_compile()`` compiles its decoder forward).
+        compile: call ``model.enable_compile()`` first (kept for old callers).
 
     Raises:
         ValueError: ``compile`` on a model with packed weights (names ``compile``).
@@ -41,7 +41,7 @@ class Denoiser:
             model.enable_compile()
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence]) -> list[StepEvent]:
+    def step(self, seqs: list[DecodingStrategy]) -> list[StepEvent]:
         """Run one denoising step for every sequence in ``seqs`` (none may be finished).
 
         The sequences' rows go through one forward, or a few when their chunks differ so much in length that
@@ -67,45 +67,30 @@ class Denoiser:
     #: ~30 ms and each further row ~4 ms (``benchmarks/bench_gemm_rows.py``): ~8 rows; GPUs are higher.
     forward_overhead_rows = 16
 
-    def _step_group(self, seqs: list[Sequence], inputs: list[list[LaneInput]]) -> list[StepEvent]:
+    def _step_group(self, seqs: list[DecodingStrategy], inputs: list[list[LaneInput]]) -> list[StepEvent]:
         """One forward for ``seqs`` whose lane inputs (``inputs[i]`` for ``seqs[i]``) were already taken."""
-        rows: list[tuple[Sequence, int, LaneInput]] = []
-        for seq, lane_ins in zip(seqs, inputs):
-            for li, lane_in in enumerate(lane_ins):
-                rows.append((seq, li, lane_in))
+        rows = [(seq, li, lane_in) for seq, lane_ins in zip(seqs, inputs) for li, lane_in in enumerate(lane_ins)]
         logits_by_row, kv, hidden = self._forward(rows)
         events = []
         r = 0
-        for seq in seqs:
-            n_lanes = len(seq.lanes)
+        for seq, lane_ins in zip(seqs, inputs):
+            n_lanes = len(lane_ins)
             seq.nfe += n_lanes
-            if isinstance(seq, SpeculativeSequence):  # one lane; its commit is decided by the verification
-                _, _, inp = rows[r]
-                features = hidden[r, inp.feature_rows] if inp.feature_rows is not None else None
-                event, commit = seq.verify(logits_by_row[r], self.forbidden, features=features)
-                if commit.numel():
-                    kv.commit(r, commit.to(self.device), seq.lanes[0].cache, inp.chunk[commit], inp.grp[commit])
-                events.append(event)
-                r += 1
-                continue
-            cond = logits_by_row[r]
-            if n_lanes == 2:
-                cond = classifier_free_guidance(cond, logits_by_row[r + 1], seq.params.cfg_scale)
+            feature_rows = lane_ins[0].feature_rows
+            features = hidden[r, feature_rows] if feature_rows is not None else None
+            event, commits = seq.consume(logits_by_row[r: r + n_lanes], features, self.forbidden)
+            for li, (inp, commit) in enumerate(zip(lane_ins, commits)):
+                if commit is not None and commit.numel():
+                    commit = commit.to(self.device)
+                    kv.commit(r + li, commit, seq.lanes[li].cache, inp.chunk[commit], inp.grp[commit])
+            events.append(event)
             r += n_lanes
-            masked = seq.masked_positions()
-            cands = sample_candidates(
-                cond, seq.params, seq.generator, forbidden_ids=self.forbidden,
-                forbidden_rows=seq.min_tokens_rows(masked), row_forbidden_ids=seq.min_tokens_ids.to(self.device),
-                context_ids=seq.context_ids() if _has_penalty(seq) else None,
-            )
-            events.append(seq.apply(cands, masked))
         return events
 
-    def _forward(self, rows: list[tuple[Sequence, int, LaneInput]]
+    def _forward(self, rows: list[tuple[DecodingStrategy, int, LaneInput]]
                  ) -> tuple[list[torch.Tensor], BatchKV, torch.Tensor]:
-        """Batched forward; commits KV into lane caches (rows whose ``commit`` is not ``None``); returns the
-        ``[N_r, V]`` logits per row (needed outputs), the forward's :class:`BatchKV` (for later commits) and the
-        ``[B, Q, H]`` last hidden states (for draft heads)."""
+        """Batched forward; returns the ``[N_r, V]`` logits per row (needed outputs), the forward's
+        :class:`BatchKV` (for the commits) and the ``[B, Q, H]`` last hidden states (for draft heads)."""
         dev = self.device
         B = len(rows)
         Q = max(int(inp.chunk.numel()) for _, _, inp in rows)
@@ -115,9 +100,8 @@ class Denoiser:
         start = torch.zeros(B, Q, dtype=torch.long, device=dev)
         committed = torch.zeros(B, Q, dtype=torch.bool, device=dev)
         valid = torch.zeros(B, Q, dtype=torch.bool, device=dev)
-        # with a row variant (a verifier, unmask.engine.routed): the causal rows of speculative requests run it
-        routed = self.model.has_row_variant
-        variant_rows = torch.zeros(B, Q, dtype=torch.bool, device=dev) if routed else None
+        # rows that run the model's row variant (today: a verifier for the causal rows of speculative requests)
+        variant = torch.zeros(B, Q, dtype=torch.bool, device=dev) if self.model.has_row_variant else None
         lanes = []
         for b, (seq, li, inp) in enumerate(rows):
             n = int(inp.chunk.numel())
@@ -127,8 +111,10 @@ class Denoiser:
             start[b, :n] = inp.start
             committed[b, :n] = inp.committed
             valid[b, :n] = True
-            if routed and isinstance(seq, SpeculativeSequence):
-                variant_rows[b, :n] = inp.committed
+            if variant is not None:
+                rows_variant = seq.variant_rows(inp)
+                if rows_variant is not None:
+                    variant[b, :n] = rows_variant
             lane_cache = seq.lanes[li].cache
             if inp.replace_cache:
                 lane_cache.reset()  # refilled by this forward: keep the buffers
@@ -140,7 +126,7 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
-        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant_rows)
+        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant)
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call
@@ -161,7 +147,7 @@ class Denoiser:
         g_rows = torch.tensor(gather_rows, dtype=torch.long, device=dev)
         g_cols = torch.tensor(gather_cols, dtype=torch.long, device=dev)
         logits = self.model.logits(hidden[g_rows, g_cols],
-                                   variant_rows=variant_rows[g_rows, g_cols] if routed else None)
+                                   variant_rows=variant[g_rows, g_cols] if variant is not None else None)
 
         out = []
         for b, (seq, li, inp) in enumerate(rows):
@@ -175,8 +161,6 @@ class Denoiser:
             else:
                 row_logits = got
             out.append(row_logits)
-            if inp.commit is not None and inp.commit.numel():
-                kv.commit(b, inp.commit, lane_cache, inp.chunk[inp.commit], inp.grp[inp.commit])
             if n_extra or carry_at >= 0:
                 lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
@@ -218,8 +202,3 @@ def plan_forwards(widths: list[int], lanes: list[int], overhead_rows: int) -> li
         groups.append(sorted(order[cut[j]:j]))
         j = cut[j]
     return groups[::-1]
-
-
-def _has_penalty(seq: Sequence) -> bool:
-    p = seq.params
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0

@@ -19,6 +19,7 @@ MAX_SEED = 2**63 - 1
 MAX_STOP = 4
 MAX_SPECULATIVE_BLOCK = 32  # self-speculative steps forward up to ~block_size^2 rows: the draft block is bounded
 MAX_NO_REPEAT_NGRAM = 64
+MIN_SAMPLING_TEMPERATURE = 1e-100  # below this a positive temperature decodes as argmax (l / T would overflow)
 
 
 class ParamError(ValueError):

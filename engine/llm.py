@@ -4,15 +4,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 from .denoiser import Denoiser
 from .model import LoadedModel, load_model
-from .outputs import RequestOutput, StepEvent
-from .params import MAX_SEED, ParamError, SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .speculative import SpeculativeSequence
+from .engine import Engine, make_requests
+from .outputs import CompletionOutput, RequestOutput, StepEvent
+from .limits import ParamError
+from .params import SamplingParams
+from .request import Request
 
 _ids = itertools.count()
 
@@ -41,40 +40,10 @@ def chat_prompt_ids(tokenizer, messages: list[dict], chat_template: str | None =
 
 
 def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                   n: int = 1, choice_ids: bool = False) -> list[Sequence]:
-    """The sequences of one request: ``n`` choices with seeds seed, seed+1, ... (DESIGN.md section 10).
-
-    Shared by :class:`LLM` and :class:`~unmask.engine.async_engine.AsyncEngine` so that both decode a request
-    identically.
-
-    Args:
-        model: the loaded model (its ``dllm.default_sampling`` resolves ``temperature``; a missing seed is drawn
-            at random once per request).
-        prompt_ids: prompt token ids. params: the request's parameters. request_id: id put on the events.
-        n: number of choices (>= 1).
-        choice_ids: ignored (kept for old callers): every choice carries ``request_id`` and its ``index``.
-
-    A request that gets speculative decoding only from the checkpoint's default, without naming a draft block,
-    branches, epsilon or ratio, drafts only where the model's ``draft_policy`` says so
-    (:meth:`~unmask.engine.model.LoadedModel.drafts_by_default`); otherwise it decodes one token per forward
-    (draft block 1) through the same verifying path - the same tokens, or for sampling the same distribution.
-
-    Raises:
-        ParamError: ``n`` is not a positive integer, or a parameter this model cannot honour (names the field).
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ParamError("n", f"must be a positive integer, got {n!r}")
-    resolved = params.with_defaults(model.dllm.default_sampling, model.dllm.block_size)
-    if (resolved.speculative and params.speculative is None and params.block_size is None
-            and params.speculative_branches is None and params.speculative_epsilon is None
-            and params.speculative_ratio is None and params.speculative_no_repeat_ngram is None
-            and not model.drafts_by_default()):
-        resolved = replace(resolved, block_size=1)
-    kind = SpeculativeSequence if resolved.speculative else Sequence
-    extra = {"draft_head": model.draft_head} if resolved.speculative else {}
-    return [kind(request_id, prompt_ids, replace(resolved, seed=(resolved.seed + i) % (MAX_SEED + 1)), model.dllm,
-                 model.tokenizer, model.max_context, model.device, vocab_size=model.vocab_size, index=i, **extra)
-            for i in range(n)]
+                   n: int = 1, choice_ids: bool = False, default_drafts: str = "auto") -> list[Request]:
+    """Compatibility alias of :func:`unmask.engine.engine.make_requests` (``choice_ids`` is ignored: every choice
+    carries ``request_id`` and its ``index``)."""
+    return make_requests(model, prompt_ids, params, request_id, n, default_drafts)
 
 
 class LLM:
@@ -95,13 +64,21 @@ class LLM:
     """
 
     def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
-                 dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto"):
+                 dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto",
+                 default_drafts: str = "auto"):
         if compile and weights == "auto":
             weights = "native"  # torch.compile traces the weights as loaded, not fbgemm's packed kernels
         self.model = (model if isinstance(model, LoadedModel)
                       else load_model(model, family, device, dtype, weights=weights))
         self.denoiser = Denoiser(self.model, compile=compile)
         self.max_batch_size = max_batch_size
+        self.default_drafts = default_drafts
+        self._engine(1)  # validates default_drafts
+
+    def _engine(self, max_batch_size: int) -> Engine:
+        """A fresh engine loop over this model (one per call: calls never share a batch), sharing the denoiser."""
+        return Engine(self.model, max_batch_size=max_batch_size, default_drafts=self.default_drafts,
+                      denoiser=self.denoiser)
 
     @property
     def tokenizer(self):
@@ -118,9 +95,9 @@ class LLM:
         return chat_prompt_ids(self.tokenizer, messages, chat_template)
 
     def make_sequences(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1
-                       ) -> list[Sequence]:
-        """Sequences for one request (see :func:`make_sequences`)."""
-        return make_sequences(self.model, prompt_ids, params, request_id, n)
+                       ) -> list[Request]:
+        """The choices of one request, not queued (see :func:`unmask.engine.engine.make_requests`)."""
+        return make_requests(self.model, prompt_ids, params, request_id, n, self.default_drafts)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None,
@@ -158,13 +135,13 @@ class LLM:
             ParamError: a request's parameters are invalid for this model (names the field); the requests that
                 finished before it have been yielded.
         """
-        sched = Scheduler(self.denoiser, max_batch_size=self.max_batch_size)
+        engine = self._engine(self.max_batch_size)
         ahead = self.max_batch_size if lookahead is None else max(1, lookahead)
-        pending: dict[str, tuple[int, RequestOutput, list[Sequence], float]] = {}
+        pending: dict[str, tuple[int, RequestOutput, list, float]] = {}
         source = enumerate(requests)
         exhausted = False
         while True:
-            while not exhausted and len(sched.waiting) + len(sched.running) < self.max_batch_size + ahead * n:
+            while not exhausted and engine.num_unfinished < self.max_batch_size + ahead * n:
                 nxt = next(source, None)
                 if nxt is None:
                     exhausted = True
@@ -172,37 +149,43 @@ class LLM:
                 i, (prompt, params) = nxt
                 rid = f"gen-{next(_ids)}"
                 ids = self.encode(prompt)
-                seqs = self.make_sequences(ids, params or SamplingParams(), rid, n)
-                pending[rid] = (i, RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids), seqs,
+                engine.add_request(ids, params or SamplingParams(), rid, n)
+                pending[rid] = (i, RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids), [None] * n,
                                 time.time())
-                sched.waiting.extend(seqs)
-            if not sched.has_work():
+            if not engine.has_unfinished():
                 return
-            sched.step()
-            for rid in [r for r, (_, _, seqs, _) in pending.items() if all(s.finished for s in seqs)]:
-                i, out, seqs, t0 = pending.pop(rid)
-                out.outputs = [s.completion() for s in seqs]
-                out.seconds = max((s.finish_time or time.time()) for s in seqs) - t0
-                firsts = [s.first_token_time for s in seqs if s.first_token_time]
-                out.time_to_first_token = (min(firsts) - t0) if firsts else None
-                yield i, out
+            for ev in engine.step():
+                if not ev.finished:
+                    continue
+                i, out, outs, t0 = pending[ev.request_id]
+                outs[ev.index] = ev.output
+                if all(o is not None for o in outs):
+                    del pending[ev.request_id]
+                    yield i, _request_output(out, outs, t0)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              chat_template: str | None = None) -> RequestOutput:
         """Generate one answer to a chat (``[{"role", "content"}, ...]``)."""
         return self.generate([self.apply_chat_template(messages, chat_template)], params)[0]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StepEvent]:
-        """Yield a :class:`StepEvent` per denoising step of one prompt; the last has ``finished=True``."""
-        params = params or SamplingParams()
-        seq = self.make_sequences(self.encode(prompt), params, f"stream-{next(_ids)}")[0]
-        sched = Scheduler(self.denoiser, max_batch_size=1)
-        sched.waiting.append(seq)
-        while sched.has_work():
-            yield from sched.step()
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StepEvent]:
+        """Yield a :class:`StepEvent` per denoising step of one prompt; the last has ``finished=True`` and the
+        :class:`~unmask.engine.outputs.CompletionOutput` in ``output``.
 
-    def output_of(self, seq: Sequence) -> RequestOutput:
-        """RequestOutput of a single finished sequence."""
-        return RequestOutput(seq.request_id, None, seq.prompt_ids, [seq.completion()],
-                             seconds=(seq.finish_time or time.time()) - seq.created,
-                             time_to_first_token=(seq.first_token_time - seq.created) if seq.first_token_time else None)
+        Raises:
+            ParamError: invalid parameters for this model (names the field), at the first ``next``.
+        """
+        engine = self._engine(1)
+        engine.add_request(self.encode(prompt), params or SamplingParams(), request_id or f"stream-{next(_ids)}")
+        while engine.has_unfinished():
+            yield from engine.step()
+
+
+def _request_output(out: RequestOutput, outs: list[CompletionOutput], t0: float) -> RequestOutput:
+    """``out`` with its choices and timing (``seconds`` from ``t0`` to the last finish; the first shown text)."""
+    out.outputs = list(outs)
+    out.seconds = max((o.finish_time or time.time()) for o in outs) - t0
+    firsts = [o.first_token_time for o in outs if o.first_token_time]
+    out.time_to_first_token = (min(firsts) - t0) if firsts else None
+    return out

@@ -1,16 +1,54 @@
-"""Per-request sampling parameters, in the style of vLLM's ``SamplingParams`` (DESIGN.md sections 4 and 10)."""
+"""Per-request sampling parameters, in the style of vLLM's ``SamplingParams`` (docs/design.md sections 4 and 10)."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .limits import (CACHE_MODES, MAX_SEED, MAX_SPECULATIVE_BLOCK, MAX_STOP, REMASKING_STRATEGIES, ParamError,
                      check, check_number)
 
-__all__ = ["SamplingParams", "ParamError", "MAX_SEED", "CACHE_MODES", "REMASKING_STRATEGIES"]
+__all__ = ["SamplingParams", "SpeculativeOptions", "ParamError", "MAX_SEED", "MAX_SPECULATIVE_BLOCK", "CACHE_MODES",
+           "REMASKING_STRATEGIES"]
 
 SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio",
                            "speculative_no_repeat_ngram")  # need speculative
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Options of self-speculative decoding (``SamplingParams(speculative=True, speculative_options=...)``); each
+    ``None`` = the default, and every set one needs ``speculative`` (HTTP: the flat ``speculative_*`` fields, which
+    :meth:`SamplingParams.from_flat` maps here; errors name those flat fields).
+
+    Attributes:
+        branches: fallback mask groups per step (drafts for when draft i is the first rejected),
+            ``0..block_size - 1``; ``None`` = ``min(3, block_size - 1)``. More rows per forward, fewer wasted steps.
+        epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact verification: a
+            draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) * exp(-H))`` (H = entropy
+            of the causal distribution). In (0, 1]; ``None`` = exact (output = greedy). Greedy requests only.
+        ratio: relaxed verification by the probability gap to the top token: a draft is also accepted when its
+            causal probability is at least ``ratio`` times the causal argmax's (SpecDec's relaxed top-beta
+            verification, Xia et al. 2023, ``tau = -log(ratio)``; ``top_k``/``top_p`` act as the top-beta cap).
+            Only keeps near-ties of the causal path, whatever its entropy. In (0, 1]; ``None`` = exact. Greedy
+            requests only; not together with ``epsilon``.
+        no_repeat_ngram: the loop guard of the relaxed rules: a draft they would keep although it is not the causal
+            argmax is rejected (the argmax is taken instead) when it completes an n-gram of this many tokens that
+            the generated text already contains (``benchmarks/results/loop-guard/``); the causal argmax itself is
+            never blocked. ``None`` = 3 when ``epsilon`` or ``ratio`` is set; 0 = off; at most 64. A value > 0
+            needs a relaxed rule.
+    """
+
+    FIELDS = ("branches", "epsilon", "ratio", "no_repeat_ngram")
+
+    branches: int | None = None
+    epsilon: float | None = None
+    ratio: float | None = None
+    no_repeat_ngram: int | None = None
+
+
+def _flat_option(name: str) -> property:
+    """Read-only ``SamplingParams.speculative_<name>``: ``speculative_options.<name>``, ``None`` without options."""
+    return property(lambda self: getattr(self.speculative_options, name) if self.speculative_options else None,
+                    doc=f"``speculative_options.{name}`` (``None`` without options; the HTTP field's name).")
 
 
 @dataclass
@@ -27,7 +65,7 @@ class SamplingParams:
             as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step:
             ``max_tokens`` rounded up to whole blocks (the canvas's masked positions; a request stops as soon as its
             first ``max_tokens`` are revealed), unless the checkpoint's default threshold applies (see
-            :meth:`with_defaults`).
+            ``unmask.engine.plan``).
         block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``.
         sub_block_size: decoding window inside a block (Fast-dLLM v2's sub-blocks): positions are revealed window
             by window, left to right, while attention and caching stay per block; the step budget is split over
@@ -56,26 +94,9 @@ class SamplingParams:
             verifying model (the causal path, or the checkpoint's verifier) would draw it. ``prefix_causal`` models with the logit shift only (``temperature`` ``None`` resolves to the
             checkpoint's, else 0); ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block. ``None`` =
             the checkpoint's ``dllm.default_sampling.speculative`` where the request allows it (see
-            :meth:`with_defaults`), else off.
-        speculative_branches: fallback mask groups per step (drafts for when draft i is the first rejected),
-            ``0..block_size - 1``; ``None`` = ``min(3, block_size - 1)``. More rows per forward, fewer wasted steps.
-        speculative_epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact
-            verification: a draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) *
-            exp(-H))`` (H = entropy of the causal distribution). In (0, 1]; ``None`` = exact (output = greedy).
-            Greedy requests only.
-        speculative_ratio: relaxed verification by the probability gap to the top token instead of exact
-            verification: a draft is also accepted when its causal probability is at least ``ratio`` times the
-            causal argmax's (the tolerance of SpecDec's relaxed top-beta verification, Xia et al. 2023, with
-            ``tau = -log(ratio)``; ``top_k``/``top_p`` act as the top-beta cap, since drafts outside the filter are
-            always rejected). Unlike typical acceptance it only keeps near-ties of the causal path (the parent's, for
-            a checkpoint with a verifier), whatever its entropy. In (0, 1] (1 = exact up to exact ties); ``None`` = exact.
-            Greedy requests only; not together with ``speculative_epsilon``.
-        speculative_no_repeat_ngram: the loop guard of the relaxed rules: a draft they would keep although it is not
-            the causal argmax is rejected (the argmax is taken instead) when it completes an n-gram of this many
-            tokens that the generated text already contains. Lossy acceptance otherwise drifts into repetition
-            loops the exact path would not have entered (``benchmarks/results/loop-guard/``); the causal argmax itself
-            is never blocked, so exact-path repetition stays as it is. ``None`` = 3 when ``speculative_epsilon`` or
-            ``speculative_ratio`` is set; 0 = off; at most 64. A value > 0 needs a relaxed rule.
+            ``unmask.engine.plan``), else off.
+        speculative_options: :class:`SpeculativeOptions` (branches, epsilon, ratio, no_repeat_ngram), ``None`` =
+            every default; read flat as ``speculative_branches`` etc. (the HTTP names).
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -104,14 +125,16 @@ class SamplingParams:
     cache: str = "auto"
     logprobs: bool = False
     speculative: bool | None = None
-    speculative_branches: int | None = None
-    speculative_epsilon: float | None = None
-    speculative_ratio: float | None = None
-    speculative_no_repeat_ngram: int | None = None
+    speculative_options: SpeculativeOptions | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        opts = self.speculative_options
+        if opts is not None and not isinstance(opts, SpeculativeOptions):
+            raise ParamError("speculative_options", f"must be a SpeculativeOptions, got {type(opts).__name__}")
+        if opts is not None and all(getattr(opts, f) is None for f in SpeculativeOptions.FIELDS):
+            self.speculative_options = None  # all defaults: the same request as none
         self.validate()
 
     def validate(self) -> None:
@@ -165,58 +188,32 @@ class SamplingParams:
 
     def with_defaults(self, default_sampling: dict | None = None, model_block_size: int | None = None
                       ) -> "SamplingParams":
-        """A copy with ``temperature``, ``threshold`` and ``seed`` resolved from the checkpoint's
-        ``dllm.default_sampling`` (validated by :class:`~unmask.engine.config.DllmConfig`) and a random seed.
+        """Compatibility alias of :func:`unmask.engine.plan.resolve_params` (the one place of the defaults)."""
+        from .plan import resolve_params
 
-        ``temperature``: the request's, else the checkpoint's, else 1.0. ``threshold``: the checkpoint's only when
-        the request sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"`` (a step
-        count or another remasking order asks for quota decoding). ``speculative``: the request's, else the
-        checkpoint's when the request is one self-speculative decoding can serve as asked (no ``steps`` or
-        ``threshold``, ``remasking="low_confidence"``, no CFG, no penalties, a draft block - the request's, else
-        ``model_block_size`` - of at most 32), else off; greedy and sampling requests alike (sampling ones are
-        verified by speculative sampling). A speculative request whose temperature neither it nor the checkpoint
-        sets decodes greedily (0 instead of 1.0) and takes no default threshold (it does not use one).
+        return resolve_params(self, default_sampling, model_block_size)
+
+    # ------------------------------------------------------------------ speculative options, flat (HTTP) names
+    speculative_branches = _flat_option("branches")
+    speculative_epsilon = _flat_option("epsilon")
+    speculative_ratio = _flat_option("ratio")
+    speculative_no_repeat_ngram = _flat_option("no_repeat_ngram")
+
+    @classmethod
+    def from_flat(cls, **fields) -> "SamplingParams":
+        """Build from flat fields as the HTTP API and the CLI name them: every :class:`SamplingParams` field plus
+        ``speculative_branches``, ``speculative_epsilon``, ``speculative_ratio`` and
+        ``speculative_no_repeat_ngram``, which go into :attr:`speculative_options` (``None`` values are unset).
+
+        Example: ``SamplingParams.from_flat(max_tokens=32, speculative=True, speculative_epsilon=0.03)``.
 
         Raises:
-            ParamError: ``speculative_branches`` / ``speculative_epsilon`` / ``speculative_ratio`` /
-                ``speculative_no_repeat_ngram`` on a request that is not speculative.
+            ParamError: as the constructor (the flat name in ``field``, e.g. ``speculative_epsilon``).
         """
-        defaults = default_sampling or {}
-        speculative = self.speculative
-        if speculative is None:
-            speculative = bool(defaults.get("speculative", False)) and self._fits_speculative(model_block_size)
-        for name in SPECULATIVE_ONLY_FIELDS:
-            if getattr(self, name) is not None and not speculative:
-                if not defaults.get("speculative", False):
-                    why = "this checkpoint does not decode speculatively by default: set speculative=true"
-                else:
-                    conflicts = self._speculative_conflicts(model_block_size)
-                    why = (f"the request also sets {', '.join(conflicts)}, which self-speculative decoding does not "
-                           f"do, so it keeps the ordinary decoding: drop {name}, or drop {' and '.join(conflicts)} "
-                           "to get the speculative default")
-                raise ParamError(name, f"only applies with self-speculative decoding; {why}")
-        temperature = self.temperature
-        if temperature is None:
-            temperature = float(defaults.get("temperature", 0.0 if speculative else 1.0))
-        threshold = self.threshold
-        if (threshold is None and self.steps is None and self.remasking == "low_confidence" and not speculative
-                and defaults.get("threshold") is not None):
-            threshold = float(defaults["threshold"])
-        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(7), "little")
-        return replace(self, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
-
-    def _speculative_conflicts(self, model_block_size: int | None) -> list[str]:
-        """The fields of this request that self-speculative decoding ignores or refuses (empty: a checkpoint's
-        speculative default may apply), e.g. ``["steps", "cfg_scale"]``."""
-        block = self.block_size or model_block_size
-        checks = [("steps", self.steps is not None), ("threshold", self.threshold is not None),
-                  ("remasking", self.remasking != "low_confidence"), ("cfg_scale", self.cfg_scale != 0),
-                  ("presence_penalty", self.presence_penalty != 0), ("frequency_penalty", self.frequency_penalty != 0),
-                  ("repetition_penalty", self.repetition_penalty != 1.0),
-                  (f"block_size over {MAX_SPECULATIVE_BLOCK}", block is not None and block > MAX_SPECULATIVE_BLOCK)]
-        return [name for name, bad in checks if bad]
-
-    def _fits_speculative(self, model_block_size: int | None) -> bool:
-        """Whether a checkpoint's speculative default may apply: the request asks for nothing that self-speculative
-        decoding ignores or refuses (a request outside it silently keeps the ordinary decoding)."""
-        return not self._speculative_conflicts(model_block_size)
+        flat = {name: fields.pop(f"speculative_{name}", None) for name in SpeculativeOptions.FIELDS}
+        if any(v is not None for v in flat.values()):
+            if fields.get("speculative_options") is not None:
+                raise ParamError("speculative_options", "give either speculative_options or the flat speculative_* "
+                                                        "fields, not both")
+            fields["speculative_options"] = SpeculativeOptions(**flat)
+        return cls(**fields)

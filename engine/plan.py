@@ -1,7 +1,32 @@
-"""The resolved decoding plan of one request (docs/design.md sections 4 and 10)."""
+"""Parameters resolved once: (request parameters x checkpoint config x engine options) -> a frozen decoding plan.
+
+Every default and every eligibility rule of a request lives here and nowhere else (docs/design.md sections 4
+and 10):
+
+* request-level defaults (:func:`resolve_params`): ``temperature`` (the request's, else the checkpoint's
+  ``dllm.default_sampling``, else 1.0; 0 for a speculative request), ``threshold`` (the checkpoint's only for a
+  request that sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"``), ``seed``
+  (random when unset), ``speculative`` (the request's, else the checkpoint's where the request allows it);
+* the engine's draft policy (:func:`drafts_by_default`, engine option ``default_drafts``): a request that gets
+  speculative decoding only from the checkpoint's default drafts (block ``block_size``) only where the policy
+  says so, else it decodes one token per forward (draft block 1) through the same verifying path;
+* the model's rules (:func:`resolve`): a fixed block size, infilling on bidirectional models only, self-speculative
+  decoding on ``prefix_causal`` models with the logit shift only, the cache mode.
+
+Errors: :class:`~unmask.engine.limits.ParamError` naming the field (HTTP 400).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
+
+from .config import DllmConfig
+from .limits import MAX_SEED, MAX_SPECULATIVE_BLOCK, MIN_SAMPLING_TEMPERATURE, ParamError
+from .params import SPECULATIVE_ONLY_FIELDS, SamplingParams
+
+DEFAULT_BRANCHES = 3         # fallback groups when the request does not say (block 4: every draft has one)
+DEFAULT_NO_REPEAT_NGRAM = 3  # loop guard of the relaxed rules when the request does not say
+DRAFT_POLICIES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -9,20 +34,193 @@ class DecodingPlan:
     """How one choice is decoded, every default resolved (read-only).
 
     Attributes:
-        speculative: self-speculative decoding. block_size: block length (for speculative decoding: the draft
-        block). draft_block: the draft block when speculative, else ``None``. temperature: resolved (0 = argmax).
-        threshold: resolved threshold or ``None`` (quota decoding). seed: the choice's seed.
+        params: the request's :class:`SamplingParams` with every default applied (``temperature``, ``threshold``,
+            ``seed``, ``speculative``, ``block_size`` set); the sampler and the stop rules read it.
+        speculative: self-speculative decoding. block_size: block length (speculative: the draft block).
+        draft_block: the draft block when speculative, else ``None``. window_size: decoding window in a block.
+        temperature: resolved (0 = argmax). sampling: temperature above :data:`MIN_SAMPLING_TEMPERATURE`.
+        threshold: threshold decoding's threshold, ``None`` = quota decoding. seed: the choice's seed.
+        cache: ``none`` | ``exact`` | ``prefix`` | ``dual`` (resolved from ``params.cache``).
+        lanes: canvas variants forwarded per step (2 under CFG, else 1).
+        branches / epsilon / ratio / no_repeat_ngram: speculative decoding's options, resolved (0/None otherwise).
     """
 
+    params: SamplingParams
     speculative: bool
     block_size: int
     draft_block: int | None
+    window_size: int
+    # sampling
     temperature: float
+    sampling: bool
     threshold: float | None
     seed: int
+    # forwards
+    cache: str
+    lanes: int
+    # self-speculative decoding
+    branches: int = 0
+    epsilon: float | None = None
+    ratio: float | None = None
+    no_repeat_ngram: int = 0
     top_k: int = 0
     top_p: float = 1.0
     steps: int | None = None
     remasking: str = "low_confidence"
-    cache: str = "auto"
     cfg_scale: float = 0.0
+
+    def for_choice(self, index: int) -> "DecodingPlan":
+        """The plan of choice ``index`` of an ``n > 1`` request: seed ``(seed + index) mod 2**63``."""
+        seed = (self.seed + index) % (MAX_SEED + 1)
+        return replace(self, seed=seed, params=replace(self.params, seed=seed))
+
+
+def speculative_conflicts(params: SamplingParams, model_block_size: int | None) -> list[str]:
+    """The fields of a request that self-speculative decoding ignores or refuses (empty: a checkpoint's
+    speculative default may apply), e.g. ``["steps", "cfg_scale"]``."""
+    block = params.block_size or model_block_size
+    checks = [("steps", params.steps is not None), ("threshold", params.threshold is not None),
+              ("remasking", params.remasking != "low_confidence"), ("cfg_scale", params.cfg_scale != 0),
+              ("presence_penalty", params.presence_penalty != 0), ("frequency_penalty", params.frequency_penalty != 0),
+              ("repetition_penalty", params.repetition_penalty != 1.0),
+              (f"block_size over {MAX_SPECULATIVE_BLOCK}", block is not None and block > MAX_SPECULATIVE_BLOCK)]
+    return [name for name, bad in checks if bad]
+
+
+def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
+                   model_block_size: int | None = None) -> SamplingParams:
+    """A copy of ``params`` with ``temperature``, ``threshold``, ``seed`` and ``speculative`` resolved from the
+    checkpoint's ``dllm.default_sampling`` (validated by :class:`~unmask.engine.config.DllmConfig`) and a random
+    seed (see the module docstring for the rules).
+
+    Raises:
+        ParamError: ``speculative_branches`` / ``speculative_epsilon`` / ``speculative_ratio`` /
+            ``speculative_no_repeat_ngram`` on a request that is not speculative.
+    """
+    defaults = default_sampling or {}
+    speculative = params.speculative
+    if speculative is None:
+        speculative = (bool(defaults.get("speculative", False))
+                       and not speculative_conflicts(params, model_block_size))
+    for name in SPECULATIVE_ONLY_FIELDS:
+        if getattr(params, name) is not None and not speculative:
+            if not defaults.get("speculative", False):
+                why = "this checkpoint does not decode speculatively by default: set speculative=true"
+            else:
+                conflicts = speculative_conflicts(params, model_block_size)
+                why = (f"the request also sets {', '.join(conflicts)}, which self-speculative decoding does not "
+                       f"do, so it keeps the ordinary decoding: drop {name}, or drop {' and '.join(conflicts)} "
+                       "to get the speculative default")
+            raise ParamError(name, f"only applies with self-speculative decoding; {why}")
+    temperature = params.temperature
+    if temperature is None:
+        temperature = float(defaults.get("temperature", 0.0 if speculative else 1.0))
+    threshold = params.threshold
+    if (threshold is None and params.steps is None and params.remasking == "low_confidence" and not speculative
+            and defaults.get("threshold") is not None):
+        threshold = float(defaults["threshold"])
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+    return replace(params, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
+
+
+def drafts_by_default(default_drafts: str, device_type: str, has_draft_head: bool) -> bool:
+    """Whether checkpoint-default speculative requests draft. ``auto``: not on a CPU, where a forward's cost grows
+    with its rows so that mask-group drafts cost more than they save (``benchmarks/results/``); on a GPU rows are
+    ~free. With a draft head ``auto`` is on everywhere (a step forwards only the context and the drafts).
+
+    Raises:
+        ValueError: (names ``default_drafts``) not one of auto, on, off.
+    """
+    if default_drafts not in DRAFT_POLICIES:
+        raise ValueError(f"default_drafts: {default_drafts!r} is not one of auto, on, off")
+    if default_drafts == "auto":
+        return has_draft_head or device_type != "cpu"
+    return default_drafts == "on"
+
+
+def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
+    """Raise :class:`ParamError` when this (resolved) request cannot be decoded self-speculatively: it needs a
+    ``prefix_causal`` model with the logit shift (the causal path is then an AR model), no CFG and no penalties
+    (they would make the verifier differ from ``block_size=1`` decoding), a draft block of at most
+    :data:`MAX_SPECULATIVE_BLOCK`; the relaxed acceptance rules are greedy only, the loop guard needs one."""
+    if dllm.attention != "prefix_causal" or not dllm.logit_shift:
+        raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
+                                        f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
+    for name in ("speculative_epsilon", "speculative_ratio"):
+        if getattr(params, name) is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
+            raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "
+                                   f"got {params.temperature} (sampling requests are verified by speculative sampling, "
+                                   f"which is exact)")
+    if (params.speculative_no_repeat_ngram and params.speculative_epsilon is None
+            and params.speculative_ratio is None):  # 0 (off) is fine anywhere: there is nothing to guard
+        raise ParamError("speculative_no_repeat_ngram", "guards relaxed acceptance only: set speculative_epsilon or "
+                                                        "speculative_ratio (greedy requests), or leave it out "
+                                                        "(exact verification and speculative sampling keep the "
+                                                        "causal path's tokens, which the guard never blocks)")
+    if params.cfg_scale > 0:
+        raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        raise ParamError("speculative", "cannot be combined with presence/frequency/repetition penalties")
+    block = params.block_size or dllm.block_size
+    if block > MAX_SPECULATIVE_BLOCK:
+        raise ParamError("block_size", f"self-speculative decoding drafts at most {MAX_SPECULATIVE_BLOCK} tokens per "
+                                       f"step (a step forwards up to block_size^2 rows), got {block}")
+
+
+def resolve_cache(mode: str, dllm: DllmConfig) -> str:
+    """The cache mode a request runs: ``auto`` = ``exact`` on a causal model (its committed KV never changes),
+    ``none`` on a bidirectional one; ``prefix``/``dual`` on a causal model = ``exact`` (already a prefix cache);
+    ``prefix``/``dual`` on a bidirectional model are approximate and opt-in (``unmask.engine.kv_cache``)."""
+    causal = dllm.attention != "bidirectional"
+    if mode == "none":
+        return "none"
+    if mode == "auto" or causal:
+        return "exact" if causal else "none"
+    return mode
+
+
+def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "auto", device_type: str = "cpu",
+            has_draft_head: bool = False) -> DecodingPlan:
+    """The frozen plan of choice 0 of a request (:meth:`DecodingPlan.for_choice` gives the others).
+
+    Args:
+        params: the request's parameters (validated). dllm: the checkpoint's diffusion settings.
+        default_drafts: the engine's draft policy (``auto`` | ``on`` | ``off``; see :func:`drafts_by_default`).
+        device_type: the model's device type (``cpu``, ``cuda``...). has_draft_head: the model has a draft head.
+
+    Raises:
+        ParamError: a parameter this model cannot honour (names the field).
+        ValueError: ``default_drafts`` is not a policy.
+    """
+    p = resolve_params(params, dllm.default_sampling, dllm.block_size)
+    if (p.speculative and params.speculative is None and params.block_size is None
+            and params.speculative_options is None
+            and not drafts_by_default(default_drafts, device_type, has_draft_head)):
+        p = replace(p, block_size=1)
+    if dllm.fixed_block_size and p.block_size not in (None, dllm.block_size):
+        raise ParamError("block_size", f"this {dllm.family} model decodes with its trained block size "
+                                       f"{dllm.block_size} only, got {p.block_size}")
+    causal = dllm.attention != "bidirectional"
+    if p.suffix is not None and p.suffix != "" and p.suffix != [] and causal:
+        raise ParamError("suffix", f"infilling needs a bidirectional model; this model's attention is "
+                                   f"{dllm.attention}")
+    if p.constraints and causal:
+        raise ParamError("constraints", f"fixed-position constraints need a bidirectional model; this model's "
+                                        f"attention is {dllm.attention}")
+    bs = p.block_size or dllm.block_size
+    temperature = float(p.temperature or 0.0)
+    common = dict(params=p, block_size=bs, window_size=min(p.sub_block_size or dllm.sub_block_size or bs, bs),
+                  temperature=temperature, sampling=temperature >= MIN_SAMPLING_TEMPERATURE, seed=int(p.seed),
+                  cache=resolve_cache(p.cache, dllm), lanes=2 if p.cfg_scale > 0 else 1, top_k=p.top_k,
+                  top_p=p.top_p, steps=p.steps, remasking=p.remasking, cfg_scale=p.cfg_scale)
+    if not p.speculative:
+        return DecodingPlan(speculative=False, draft_block=None, threshold=p.threshold, **common)
+    check_speculative(p, dllm)
+    opts = p.speculative_options
+    b = opts.branches if opts is not None else None
+    branches = 0 if has_draft_head else min(DEFAULT_BRANCHES if b is None else int(b), bs - 1)
+    epsilon, ratio = p.speculative_epsilon, p.speculative_ratio
+    guard = p.speculative_no_repeat_ngram
+    no_repeat = 0 if epsilon is None and ratio is None else DEFAULT_NO_REPEAT_NGRAM if guard is None else int(guard)
+    return DecodingPlan(speculative=True, draft_block=bs, threshold=None, branches=branches, epsilon=epsilon,
+                        ratio=ratio, no_repeat_ngram=no_repeat, **common)

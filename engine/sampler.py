@@ -1,7 +1,10 @@
-"""Logits -> candidate tokens and confidences for the masked positions of one request (DESIGN.md section 4).
+"""Logits -> candidate tokens and confidences for the masked positions of one request (docs/design.md section 4).
 
 Everything here works on one request at a time (``[N, V]`` logits of its N masked positions in the active block),
-with the request's own ``torch.Generator``: a row's result never depends on the other rows of the batch.
+with the request's own ``torch.Generator``: a row's result never depends on the other rows of the batch. The one
+Gumbel-max draw (:func:`gumbel_argmax`: float64 uniforms drawn on the CPU, so a draw does not depend on the
+device) and the one forbidden-token mask (:func:`forbid`) of the engine live here; plain denoising and
+self-speculative decoding both use them.
 """
 from __future__ import annotations
 
@@ -9,10 +12,43 @@ from dataclasses import dataclass
 
 import torch
 
+from .limits import MIN_SAMPLING_TEMPERATURE
 from .params import SamplingParams
 
 NEG_INF = float("-inf")
-MIN_SAMPLING_TEMPERATURE = 1e-100  # below this a positive temperature decodes as argmax (see sample_candidates)
+
+
+def gumbel_argmax(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``argmax(scores + g)`` per row of ``[N, V]`` float64 ``scores``, ``g`` standard Gumbel from ``generator``
+    (float64 uniforms drawn on the CPU, moved to ``scores``' device). With ``scores = l / T`` this equals LLaDA's
+    ``argmax(exp(l) / (-log u)^T)``; with ``scores = log p`` it samples from ``p``. Returns ``[N]`` int64."""
+    u = torch.rand(scores.shape, dtype=torch.float64, generator=generator, device="cpu").to(scores.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    return torch.argmax(scores + gumbel, dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` (``[N, V]`` float64, rows summing to 1; zero-probability tokens are never
+    drawn) by :func:`gumbel_argmax` over ``log p``. Returns ``[N]`` int64 on ``probs``' device."""
+    return gumbel_argmax(torch.log(probs), generator)
+
+
+def forbid(logits: torch.Tensor, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+           row_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Set forbidden tokens' logits to -inf, in place, and return ``logits`` (``[N, V]`` float).
+
+    Args:
+        ids: ``[F]`` int64 ids never generated (the model's ``never_generate_ids``: mask, pad), in every row.
+        rows: ``[N]`` bool rows where ``row_ids`` are also forbidden (EOS/stop ids under ``min_tokens``).
+        row_ids: ``[E]`` int64.
+    """
+    if ids is not None and ids.numel():
+        logits[:, ids.to(logits.device)] = NEG_INF
+    if rows is not None and row_ids is not None:
+        idx = rows.nonzero(as_tuple=True)[0]
+        if idx.numel():
+            logits[idx.to(logits.device)[:, None], row_ids.to(logits.device)[None, :]] = NEG_INF
+    return logits
 
 
 @dataclass
@@ -22,7 +58,7 @@ class Candidates:
     Attributes:
         tokens: ``[N]`` int64 candidate token per position.
         probability: ``[N]`` float64 probability of the candidate under the softmax of the final logits at
-            temperature 1 (the quantity compared with the threshold, DESIGN.md section 10).
+            temperature 1 (the quantity compared with the threshold, docs/design.md section 10).
         score: ``[N]`` float64 ordering score of the remasking strategy (higher = revealed first).
         logprob: ``[N]`` float32 log-probability of the candidate (reported as ``logprobs``).
     """
@@ -108,14 +144,7 @@ def sample_candidates(
         ``low_confidence`` = p(candidate); ``margin`` = p1 - p2 (Dream); ``entropy`` = -H(p) (Dream);
         ``random`` = uniform from the generator (LLaDA).
     """
-    logits = logits.float()
-    if forbidden_ids is not None and forbidden_ids.numel():
-        logits[:, forbidden_ids] = NEG_INF
-    if forbidden_rows is not None and row_forbidden_ids is not None and bool(forbidden_rows.any()):
-        rows = forbidden_rows.nonzero(as_tuple=True)[0]
-        sub = logits[rows]
-        sub[:, row_forbidden_ids] = NEG_INF
-        logits[rows] = sub
+    logits = forbid(logits.float(), forbidden_ids, forbidden_rows, row_forbidden_ids)
     if context_ids is not None:
         logits = apply_penalties(logits, context_ids, params)
     logits = filter_top_k_top_p(logits, params.top_k, params.top_p)
@@ -126,10 +155,7 @@ def sample_candidates(
         # l / T would overflow float64 to -inf for every token (then argmax picked index 0, a filtered token)
         tokens = torch.argmax(logits, dim=-1)
     else:
-        l64 = logits.to(torch.float64)
-        u = torch.rand(l64.shape, dtype=torch.float64, generator=generator, device="cpu").to(l64.device)
-        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        tokens = torch.argmax(l64 / temperature + gumbel, dim=-1)
+        tokens = gumbel_argmax(logits.to(torch.float64) / temperature, generator)
 
     lse = log_normalizer(logits)
     cand_logp = logits.gather(-1, tokens[:, None])[:, 0].to(torch.float64) - lse
@@ -158,7 +184,7 @@ def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
     several times more than this. The row max is subtracted in float32 (exact for the max itself), the
     exponentials are taken in float32 (relative error ~6e-8 per term) and summed in float64, so the candidate
     probabilities differ from a float64 softmax by a relative ~1e-7 - far below the 1e-4 near-tie bound of
-    DESIGN.md section 10. A row whose logits are all -inf gives -inf (never happens: top-k/top-p keep one token).
+    docs/design.md section 10. A row whose logits are all -inf gives -inf (never happens: top-k/top-p keep one token).
     """
     row_max = logits.amax(dim=-1, keepdim=True)
     safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

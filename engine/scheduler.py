@@ -5,13 +5,23 @@ denoising steps or, when padding it into their rows would waste more than a forw
 ``unmask.engine.denoiser.plan_forwards``); finished and cancelled sequences leave at once, freeing their slot
 and their KV cache. A sequence's tokens never depend on who else is in the batch (batch invariance), so joining
 mid-block is exact; this is finer-grained than joining at block boundaries and gives a lower TTFT.
+
+Admission and the KV budget live here only (docs/design.md section 10): a request reserves its canvas length x
+lanes (2 under CFG) cached tokens; one that can never fit the budget is a client error (:class:`ParamError`,
+field ``max_tokens``), one that fits the budget but not what is left of it waits; a full queue is
+:class:`QueueFull` (HTTP 429). :meth:`Scheduler.fit_max_tokens` lowers a default ``max_tokens`` to fit, from the
+canvas layout alone (``unmask.engine.layout``), without building the request.
 """
 from __future__ import annotations
 
 import collections
 
+from collections.abc import Callable
+
 from .denoiser import Denoiser
-from .sequence import Sequence, StepEvent
+from .limits import ParamError
+from .outputs import StepEvent
+from .request import Request
 
 
 class QueueFull(RuntimeError):
@@ -42,11 +52,85 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_cached_tokens = max_cached_tokens
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a sequence. Raises QueueFull / CacheFull."""
+    @staticmethod
+    def need(seq: Request) -> int:
+        """Cached tokens a choice reserves: canvas length x lanes (2 under CFG)."""
+        return seq.length * len(seq.lanes)
+
+    def check_fits(self, reqs: list[Request]) -> None:
+        """Raise :class:`ParamError` (``max_tokens``) when the request alone exceeds the KV budget: retrying could
+        never help, so it is a client error, not :class:`CacheFull`."""
+        budget = self.max_cached_tokens
+        if budget is None or not reqs or self.need(reqs[0]) <= budget:
+            return
+        seq = reqs[0]
+        raise ParamError("max_tokens", f"prompt ({seq.prompt_len} tokens) + max_tokens ({seq.max_tokens}) needs "
+                                       f"{self.need(seq)} cached tokens ({len(seq.lanes)} lane(s), generation region "
+                                       f"rounded up to whole blocks); the server's KV budget (--max-cached-tokens) "
+                                       f"is {budget}, so this request can never run")
+
+    def check_queue(self, n: int, queued: int) -> None:
+        """Raise :class:`QueueFull` when ``n`` more choices would overflow the queue holding ``queued``."""
+        if queued + n > self.max_queue:
+            raise QueueFull(f"waiting queue is full ({queued} of {self.max_queue} sequences waiting)")
+
+    def check_admission(self, reqs: list[Request], queued: int) -> None:
+        """:meth:`check_fits`, then :meth:`check_queue`."""
+        self.check_fits(reqs)
+        self.check_queue(len(reqs), queued)
+
+    def enqueue(self, reqs: list[Request]) -> None:
+        """Queue choices already admitted (:meth:`check_admission`)."""
+        self.waiting.extend(reqs)
+
+    def fit_max_tokens(self, prompt_len: int, max_tokens: int, need: Callable[[int], int], max_context: int) -> int:
+        """The largest ``max_tokens`` (at most the given one) whose canvas fits the model's context and the KV
+        budget: both grow with ``max_tokens`` (the canvas is rounded up to whole blocks), so bisect.
+
+        Args:
+            need: ``m -> cached tokens`` of the request with ``max_tokens = m``; raises ParamError
+                (``max_tokens``) when that canvas exceeds the context.
+
+        Raises:
+            ParamError: (``prompt``) no generation fits.
+        """
+        budget = self.max_cached_tokens
+        last: ParamError | None = None
+
+        def fits(m: int) -> bool:
+            nonlocal last
+            try:
+                n = need(m)
+            except ParamError as exc:
+                if exc.field != "max_tokens":
+                    raise
+                last = exc
+                return False
+            return budget is None or n <= budget
+
+        hi = min(max_tokens, max_context - prompt_len)
+        best = hi if hi >= 1 and fits(hi) else None
+        if best is None and hi > 1:
+            lo = 0  # invariant: fits(lo) or lo == 0; not fits(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = best = mid
+                else:
+                    hi = mid
+        if best is not None:
+            return best
+        if budget is not None and last is None:
+            raise ParamError("prompt", f"the prompt has {prompt_len} tokens; with the server's KV budget "
+                                       f"(--max-cached-tokens) of {budget} cached tokens no generation fits")
+        raise ParamError("prompt", f"the prompt has {prompt_len} tokens; the model's context of {max_context} "
+                                   f"tokens leaves no room to generate" + (f" ({last.reason})" if last else ""))
+
+    def add(self, seq: Request) -> None:
+        """Queue one choice (direct use, e.g. tests). Raises QueueFull / CacheFull."""
         if self.max_cached_tokens is not None and seq.length * len(seq.lanes) > self.max_cached_tokens:
             raise CacheFull(f"request needs {seq.length * len(seq.lanes)} cached tokens; the engine's KV budget "
                             f"is {self.max_cached_tokens}")
@@ -56,7 +140,7 @@ class Scheduler:
 
     def reserved_tokens(self) -> int:
         """Canvas tokens reserved by running sequences: canvas length x lanes (2 under CFG), summed."""
-        return sum(s.length * len(s.lanes) for s in self.running)
+        return sum(self.need(s) for s in self.running)
 
     def abort(self, request_id: str) -> list[StepEvent]:
         """Cancel every sequence of ``request_id`` (waiting or running); returns their final events."""
@@ -77,7 +161,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if (self.max_cached_tokens is not None and self.running
-                    and self.reserved_tokens() + seq.length * len(seq.lanes) > self.max_cached_tokens):
+                    and self.reserved_tokens() + self.need(seq) > self.max_cached_tokens):
                 break
             self.waiting.popleft()
             self.running.append(seq)

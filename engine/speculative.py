@@ -1,6 +1,6 @@
 """Self-speculative decoding: diffusion drafts verified by the model's own causal path.
 
-A ``prefix_causal`` A2D model with the logit shift (DESIGN.md sections 2 and 4) is two models in one: its committed
+A ``prefix_causal`` A2D model with the logit shift (docs/design.md sections 2 and 4) is two models in one: its committed
 context is strictly causal, so the output at a committed position ``j`` is an autoregressive prediction of token
 ``j + 1`` (``block_size=1`` decoding *is* that AR model), while a block of mask tokens after the context is a
 diffusion drafter that predicts several later tokens at once. One forward can therefore *verify* draft tokens
@@ -38,58 +38,15 @@ import math
 
 import torch
 
-from .config import DllmConfig
-from .params import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
-from .params import ParamError, SamplingParams
-from .sampler import MIN_SAMPLING_TEMPERATURE, filter_top_k_top_p, log_normalizer
+from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .outputs import Revealed, StepEvent
-from .sequence import LaneInput, Sequence
+from .plan import DEFAULT_BRANCHES, DEFAULT_NO_REPEAT_NGRAM, check_speculative  # noqa: F401  (old names)
+from .request import LaneInput, Request
+from .sampler import filter_top_k_top_p, forbid, log_normalizer, sample_from_probs
+
+__all__ = ["SpeculativeSequence", "speculative_accept", "sample_from_probs", "check_speculative", "MAX_DRAFT_BLOCK"]
 
 MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
-DEFAULT_BRANCHES = 3       # fallback groups when the request does not say (block 4: every draft has one)
-DEFAULT_NO_REPEAT_NGRAM = 3  # loop guard of the relaxed rules when the request does not say
-
-
-def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
-    """Raise :class:`ParamError` (field ``speculative``) when this request cannot be decoded self-speculatively.
-
-    Needs a ``prefix_causal`` model with the logit shift (the causal path is then an AR model), no CFG and no
-    penalties (they would make the verifier differ from ``block_size=1`` decoding). Greedy (``temperature`` 0) and
-    sampling requests both qualify; the relaxed acceptance rules (``speculative_epsilon``, ``speculative_ratio``)
-    are greedy only.
-    """
-    if dllm.attention != "prefix_causal" or not dllm.logit_shift:
-        raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
-                                        f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
-    for name in ("speculative_epsilon", "speculative_ratio"):
-        if getattr(params, name) is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
-            raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "
-                                   f"got {params.temperature} (sampling requests are verified by speculative sampling, "
-                                   f"which is exact)")
-    if (params.speculative_no_repeat_ngram and params.speculative_epsilon is None
-            and params.speculative_ratio is None):  # 0 (off) is fine anywhere: there is nothing to guard
-        raise ParamError("speculative_no_repeat_ngram", "guards relaxed acceptance only: set speculative_epsilon or "
-                                                        "speculative_ratio (greedy requests), or leave it out "
-                                                        "(exact verification and speculative sampling keep the "
-                                                        "causal path's tokens, which the guard never blocks)")
-    if params.cfg_scale > 0:
-        raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        raise ParamError("speculative", "cannot be combined with presence/frequency/repetition penalties")
-    block = params.block_size or dllm.block_size
-    if block > MAX_DRAFT_BLOCK:
-        raise ParamError("block_size", f"self-speculative decoding drafts at most {MAX_DRAFT_BLOCK} tokens per step "
-                                       f"(a step forwards up to block_size^2 rows), got {block}")
-
-
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of ``probs`` (``[N, V]`` float64, rows summing to 1; zero-probability tokens are never
-    drawn) by Gumbel-max, ``argmax(log p + g)`` with ``g`` standard Gumbel from ``generator`` (float64 uniforms
-    drawn on the CPU, so the draw does not depend on the device), as the engine's other sampling. Returns ``[N]``
-    int64 on ``probs``' device."""
-    u = torch.rand(probs.shape, dtype=torch.float64, generator=generator, device="cpu").to(probs.device)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    return torch.argmax(torch.log(probs) + gumbel, dim=-1)
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
@@ -120,10 +77,11 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gene
     return len(drafts), int(sample_from_probs(p[len(drafts)][None], generator)[0])
 
 
-class SpeculativeSequence(Sequence):
-    """A :class:`Sequence` decoded by self-speculative decoding (see the module docstring).
+class SpeculativeSequence(Request):
+    """A choice decoded by self-speculative decoding (see the module docstring; the
+    :class:`~unmask.engine.request.DecodingStrategy` protocol).
 
-    Same arguments as :class:`Sequence`; ``params.block_size`` (else the checkpoint's) is the draft block: up to
+    Same arguments as :class:`~unmask.engine.request.Request` (the plan resolved by ``unmask.engine.plan``); ``params.block_size`` (else the checkpoint's) is the draft block: up to
     ``block_size - 1`` drafts are verified per step and each mask group has ``block_size`` masks.
     ``params.speculative_branches`` (``None`` = ``min(3, block_size - 1)``, at most ``block_size - 1``) fallback
     groups are forwarded per step: ``1 + drafts + block_size * (1 + branches)`` rows at most (20 for block 4 with
@@ -137,29 +95,24 @@ class SpeculativeSequence(Sequence):
     :data:`DEFAULT_NO_REPEAT_NGRAM`).
 
     Raises:
-        ParamError: as :class:`Sequence`, and from :func:`check_speculative`.
+        ParamError: as :class:`~unmask.engine.request.Request`, and from
+            :func:`unmask.engine.plan.check_speculative`.
     """
 
     def __init__(self, *args, draft_head=None, **kwargs):
         super().__init__(*args, **kwargs)
-        check_speculative(self.params, self.dllm)
+        plan = self.plan
         self.draft_block = self.block_size
         self.head = draft_head                       # a DraftHeadRuntime: drafts come from it, not mask groups
-        b = self.params.speculative_branches
-        self.branches = 0 if draft_head is not None else min(DEFAULT_BRANCHES if b is None else int(b),
-                                                              self.draft_block - 1)
+        self.branches = 0 if draft_head is not None else plan.branches
         self.final_len = self.prompt_len            # canvas positions < final_len hold final tokens
         self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
-        self.epsilon = self.params.speculative_epsilon
-        self.ratio = self.params.speculative_ratio
-        guard = self.params.speculative_no_repeat_ngram
-        self.no_repeat = (0 if self.epsilon is None and self.ratio is None
-                          else DEFAULT_NO_REPEAT_NGRAM if guard is None else int(guard))
+        self.epsilon, self.ratio, self.no_repeat = plan.epsilon, plan.ratio, plan.no_repeat_ngram
         self._ngrams: set[tuple[int, ...]] = set()  # no_repeat-grams of the final generated text ...
         self._ngrams_end = self.prompt_len          # ... ending before this canvas position
-        self.temperature = float(self.params.temperature or 0.0)
-        self.sampling = self.temperature >= MIN_SAMPLING_TEMPERATURE  # speculative sampling instead of argmax checks
+        self.temperature = plan.temperature
+        self.sampling = plan.sampling                # speculative sampling instead of argmax checks
         self.draft_probs: torch.Tensor | None = None  # sampling: [len(drafts), V] float64 q the drafts came from
         self._layout: dict | None = None
         # draft head context: the last `window` pairs (h_{t-1}, x_t, t) of final positions t, oldest first
@@ -306,6 +259,17 @@ class SpeculativeSequence(Sequence):
             return True
         return any(tuple(seq[j: j + n]) == gram for j in range(len(seq) - n))  # grams ending at drafts[:q]
 
+    # ------------------------------------------------------------------ the strategy protocol
+    def variant_rows(self, inp: LaneInput) -> torch.Tensor:
+        """The causal (committed-context) rows run the model's row variant (a checkpoint's verifier)."""
+        return inp.committed
+
+    def consume(self, logits: list[torch.Tensor], features: torch.Tensor | None,
+                forbidden_ids: torch.Tensor) -> tuple[StepEvent, list[torch.Tensor | None]]:
+        """:meth:`verify` the one lane's rows; its commit is the verified causal tokens."""
+        event, commit = self.verify(logits[0], forbidden_ids, features=features)
+        return event, [commit]
+
     # ------------------------------------------------------------------ one step: verify and reveal
     def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None,
                features: torch.Tensor | None = None) -> tuple[StepEvent, torch.Tensor]:
@@ -324,14 +288,8 @@ class SpeculativeSequence(Sequence):
         lay = self._layout
         lo, f, drafts, group_rows = lay["lo"], lay["f"], lay["drafts"], lay["group_rows"]
         pred_pos = torch.tensor(lay["pred_pos"], dtype=torch.long)  # position each row predicts (logit shift)
-        logits = logits.float().clone()
-        if forbidden_ids is not None and forbidden_ids.numel():
-            logits[:, forbidden_ids.to(logits.device)] = float("-inf")
-        if self.params.min_tokens:
-            early = (pred_pos - self.prompt_len < self.params.min_tokens).nonzero(as_tuple=True)[0]
-            if early.numel():
-                ids = self.min_tokens_ids.to(logits.device)
-                logits[early.to(logits.device)[:, None], ids[None, :]] = float("-inf")
+        early = (pred_pos - self.prompt_len < self.params.min_tokens) if self.params.min_tokens else None
+        logits = forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids)
         if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
             logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
         if self.sampling:

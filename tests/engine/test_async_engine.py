@@ -51,15 +51,15 @@ def test_concurrent_requests_equal_llm_generate_alone(model):
     assert stats["running"] == 0 and stats["waiting"] == 0
     for stream, events, want in zip(streams, all_events, alone):
         got = []
-        for i, seq in enumerate(stream.sequences):
-            lp = seq.logprobs[: len(seq.output_ids)].tolist() if seq.params.logprobs else None
-            got.append((seq.output_ids, seq.text, seq.finish_reason, seq.nfe, seq.step, lp))
+        for i, out in enumerate(stream.outputs):
+            lp = out.logprobs
+            got.append((out.token_ids, out.text, out.finish_reason, out.nfe, out.steps, lp))
             if lp is not None:  # batched float32 arithmetic: equal tokens, log-probabilities equal to 1e-4
                 assert lp == pytest.approx(want[i][5], abs=1e-4)
                 got[-1] = got[-1][:5] + (want[i][5],)
             mine = [ev for ev in events if stream.index_of(ev) == i]
             assert mine[-1].finished and not any(ev.finished for ev in mine[:-1])
-            assert mine[-1].text == seq.text
+            assert mine[-1].text == out.text and mine[-1].output is out
             texts = [ev.text for ev in mine]
             assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "stream text must only grow"
             steps = [ev.step for ev in mine if ev.revealed]  # a step may reveal only the hidden tail of the last
@@ -90,7 +90,7 @@ def test_abort_frees_slot_and_stops_spending_steps(model):
             # at most the step that was in flight when the abort arrived
             assert engine.nfe == nfe_after
             assert engine.num_running == 0 and not engine.scheduler.running and not engine.scheduler.waiting
-            assert long.sequences[0].cache_bytes() == 0
+            assert long._choices[0].cache_bytes() == 0
             # the freed slot serves the next request (max_batch_size=1)
             short = engine.submit([5, 6, 7], SamplingParams(max_tokens=6, temperature=0, seed=0), "short")
             evs = await asyncio.wait_for(collect(short), 30)
@@ -114,7 +114,7 @@ def test_abort_while_waiting(model):
             b.abort()
             evs = await asyncio.wait_for(collect(b), 30)
             assert [ev.finish_reason for ev in evs] == ["abort", "abort"]
-            assert all(s.step == 0 for s in b.sequences)
+            assert all(o.steps == 0 for o in b.outputs)
             a.abort()
             await collect(a)
             for _ in range(50):
@@ -152,14 +152,14 @@ def test_submit_errors_are_synchronous(model):
             def canvas(m):  # tokens the request would reserve with max_tokens = m
                 return make_sequences(model, [5] * 90, SamplingParams(max_tokens=m), "probe")[0].length
             largest = max(m for m in range(1, 11) if canvas(m) <= 100)  # the canvas is rounded up to whole blocks
-            assert fitted.sequences[0].length <= 100 and fitted.sequences[0].max_tokens == largest
+            assert fitted._choices[0].length <= 100 and fitted._choices[0].max_tokens == largest
             fitted.abort()
             await collect(fitted)
             # block 32: the canvas grows in steps of 32, and the largest fit (96) is not the first one below the
             # overshoot (a subtract-the-excess search stopped at 66)
             fitted = engine.submit([5] * 3, SamplingParams(max_tokens=256, block_size=32, ignore_eos=True), "fit32",
                                    fit_max_tokens=True)
-            assert fitted.sequences[0].max_tokens == 96 and fitted.sequences[0].length == 99
+            assert fitted._choices[0].max_tokens == 96 and fitted._choices[0].length == 99
             fitted.abort()
             await collect(fitted)
             with pytest.raises(ParamError, match="KV budget") as e:
@@ -190,9 +190,9 @@ def test_fit_max_tokens_lowers_default_to_context(model):
             # short at the context edge instead of max_tokens being lowered to whole blocks)
             s = engine.submit([5] * 507, SamplingParams(max_tokens=256, temperature=0, seed=0, ignore_eos=True),
                               "fit", fit_max_tokens=True)
-            assert s.sequences[0].max_tokens == 5
+            assert s._choices[0].max_tokens == 5
             await collect(s)
-            assert len(s.sequences[0].output_ids) == 5
+            assert len(s.outputs[0].token_ids) == 5
             with pytest.raises(ParamError) as e:
                 engine.submit([5] * 512, SamplingParams(max_tokens=256), "full", fit_max_tokens=True)
             assert e.value.field == "prompt" and "512" in str(e.value)

@@ -1,4 +1,4 @@
-"""Decoding rules of the engine (DESIGN.md sections 4 and 10) on tiny random models."""
+"""Decoding rules of the engine (docs/design.md sections 4 and 10) on tiny random models."""
 from __future__ import annotations
 
 import json
@@ -660,3 +660,67 @@ def test_generate_checks_every_request_before_the_first_step_with_several_choice
     finally:
         llm.max_batch_size = old
     assert not stepped
+
+
+# ---------------------------------------------------------------- the redesign's seams
+def test_engine_loop_equals_llm_generate_and_aborts(llms):
+    """``Engine`` (add_request / step / abort / has_unfinished) is the one loop: its outputs are LLM.generate's."""
+    from unmask.engine import Engine
+
+    llm = llms["prefix_causal"]
+    sp = SamplingParams(max_tokens=9, temperature=0.8, seed=4, ignore_eos=True)
+    want = llm.generate(PROMPTS[0], sp, n=2)[0].outputs
+    engine = Engine(llm.model, max_batch_size=4)
+    engine.add_request(llm.encode(PROMPTS[0]), sp, "a", n=2)
+    engine.add_request(llm.encode(PROMPTS[1]), sp, "b")
+    got, aborted = {}, []
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.request_id == "b" and ev.step == 1 and not ev.finished:
+                aborted = engine.abort("b")
+            if ev.finished and ev.request_id == "a":
+                got[ev.index] = ev.output
+    assert [got[0].token_ids, got[1].token_ids] == [o.token_ids for o in want]
+    assert [got[0].logprobs, got[0].nfe, got[0].steps] == [want[0].logprobs, want[0].nfe, want[0].steps]
+    assert len(aborted) == 1 and aborted[0].finish_reason == "abort" and aborted[0].output.finish_reason == "abort"
+    assert aborted[0].output.token_ids == aborted[0].canvas[: aborted[0].num_tokens]
+
+
+def test_speculative_options_nested_and_flat_are_one_request():
+    from unmask.engine import SpeculativeOptions
+    from unmask.engine.plan import resolve
+
+    nested = SamplingParams(speculative=True, speculative_options=SpeculativeOptions(epsilon=0.03))
+    flat = SamplingParams.from_flat(speculative=True, speculative_epsilon=0.03)
+    assert nested == flat and flat.speculative_epsilon == 0.03 and flat.speculative_ratio is None
+    assert SamplingParams(speculative_options=SpeculativeOptions()).speculative_options is None  # all defaults
+    with pytest.raises(ParamError) as err:  # errors keep the HTTP (flat) names
+        SamplingParams(speculative_options=SpeculativeOptions(ratio=1.5))
+    assert err.value.field == "speculative_ratio"
+    with pytest.raises(ParamError) as err:
+        SamplingParams(speculative_options={"epsilon": 0.1})
+    assert err.value.field == "speculative_options"
+    dllm = loaded(block_size=4).dllm
+    plan = resolve(SamplingParams(speculative=True, temperature=0, seed=1, speculative_options=SpeculativeOptions(
+        ratio=0.5)), dllm)
+    assert plan.speculative and plan.draft_block == 4 and plan.ratio == 0.5 and plan.no_repeat_ngram == 3
+    assert plan.branches == 3 and plan.for_choice(1).seed == 2 and plan.for_choice(1).params.seed == 2
+    with pytest.raises(Exception):
+        plan.temperature = 1.0  # frozen
+
+
+def test_layout_length_without_building_and_one_forward_path():
+    """The KV-budget fit reads the canvas length from the layout alone; the denoiser never branches on the
+    strategy's type."""
+    import inspect
+
+    from unmask.engine import denoiser
+    from unmask.engine.layout import build_layout
+
+    lm = loaded(block_size=4)
+    llm = LLM(lm)
+    for m in (1, 5, 8, 13):
+        seq = llm.make_sequences([5] * 7, SamplingParams(max_tokens=m), "x")[0]
+        lay = build_layout(7, m, 0, 4, 4, lm.dllm.block_alignment == "absolute", lm.max_context)
+        assert lay.length == seq.length and list(lay.blocks) == seq.blocks and list(lay.window_steps) == seq.window_steps
+    assert "isinstance" not in inspect.getsource(denoiser)

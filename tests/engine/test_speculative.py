@@ -26,7 +26,7 @@ def sharp_llm():
 
 
 def _greedy_b1(llm, prompt, max_tokens, **kw):
-    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, block_size=1, **kw))[0].outputs[0]
+    return llm.generate(prompt, SamplingParams.from_flat(max_tokens=max_tokens, temperature=0, block_size=1, **kw))[0].outputs[0]
 
 
 def _run(llm, seqs, hook=None):
@@ -50,7 +50,7 @@ def test_output_is_block1_greedy_token_for_token(llm, block, branches, cache):
     for prompt in PROMPTS:
         for max_tokens in (1, 2, 7, 13):
             ref = _greedy_b1(llm, prompt, max_tokens, ignore_eos=True)
-            out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, block_size=block, speculative=True,
+            out = llm.generate(prompt, SamplingParams.from_flat(max_tokens=max_tokens, block_size=block, speculative=True,
                                                       speculative_branches=branches, cache=cache,
                                                       ignore_eos=True))[0].outputs[0]
             assert out.token_ids == ref.token_ids, (prompt, max_tokens)
@@ -71,7 +71,7 @@ def test_correct_drafts_are_all_accepted(llm):
     """With the true continuation planted as drafts every draft is accepted: block 4 reveals 4 tokens per forward
     after the prefill (which reveals 1), and the output is unchanged."""
     ref = _greedy_b1(llm, PROMPTS[1], 21, ignore_eos=True).token_ids
-    seq = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=21, block_size=4, speculative=True,
+    seq = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams.from_flat(max_tokens=21, block_size=4, speculative=True,
                                                                    ignore_eos=True), "s")[0]
     _run(llm, [seq], _plant(ref))
     assert seq.output_ids == ref
@@ -85,7 +85,7 @@ def test_rejected_drafts_never_reach_the_cache(llm, wrong_from):
     """Drafts wrong from index ``wrong_from``: each step accepts exactly ``wrong_from`` drafts plus the correction,
     the output is unchanged, and the KV cache holds exactly the final tokens but the newest (rollback)."""
     ref = _greedy_b1(llm, PROMPTS[0], 16, ignore_eos=True).token_ids
-    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=16, block_size=4, speculative=True,
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams.from_flat(max_tokens=16, block_size=4, speculative=True,
                                                                    ignore_eos=True), "s")[0]
     planted = _plant(ref, wrong_from)
     lengths = []
@@ -108,7 +108,7 @@ def test_cache_equals_recomputed_causal_kv(llm):
     """After a step with rejected drafts, the cached keys equal those of a fresh causal forward of the final
     tokens (no trace of the rejected drafts)."""
     ref = _greedy_b1(llm, PROMPTS[2], 9, ignore_eos=True).token_ids
-    seq = llm.make_sequences(llm.encode(PROMPTS[2]), SamplingParams(max_tokens=9, block_size=4, speculative=True,
+    seq = llm.make_sequences(llm.encode(PROMPTS[2]), SamplingParams.from_flat(max_tokens=9, block_size=4, speculative=True,
                                                                    ignore_eos=True), "s")[0]
     sched = Scheduler(llm.denoiser)
     sched.add(seq)
@@ -118,7 +118,7 @@ def test_cache_equals_recomputed_causal_kv(llm):
         hook(seq)
     cache = seq.lanes[0].cache
     n = cache.length
-    fresh = llm.make_sequences(seq.canvas[:n].tolist(), SamplingParams(max_tokens=3, block_size=1, temperature=0,
+    fresh = llm.make_sequences(seq.canvas[:n].tolist(), SamplingParams.from_flat(max_tokens=3, block_size=1, temperature=0,
                                                                       ignore_eos=True), "f")[0]
     sched2 = Scheduler(llm.denoiser)
     sched2.add(fresh)
@@ -135,7 +135,7 @@ def test_next_drafts_come_from_the_right_mask_group(sharp_llm, i):
     ones (all accepted). A swapped or shifted group would differ."""
     llm = sharp_llm
     ref = _greedy_b1(llm, PROMPTS[1], 14, ignore_eos=True).token_ids
-    sp = SamplingParams(max_tokens=14, block_size=4, speculative=True, ignore_eos=True)
+    sp = SamplingParams.from_flat(max_tokens=14, block_size=4, speculative=True, ignore_eos=True)
     seqs = [llm.make_sequences(llm.encode(PROMPTS[1]), sp, f"s{k}")[0] for k in range(2)]
     for k, seq in enumerate(seqs):
         sched = Scheduler(llm.denoiser)
@@ -157,7 +157,7 @@ def test_typical_acceptance_accepts_probable_drafts(llm):
     ref = _greedy_b1(llm, PROMPTS[1], 13, ignore_eos=True).token_ids
     outs = {}
     for eps in (None, 1e-12):
-        seq = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(
+        seq = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams.from_flat(
             max_tokens=13, block_size=4, speculative=True, speculative_epsilon=eps, ignore_eos=True,
             speculative_no_repeat_ngram=None if eps is None else 0), "s")[0]
         _run(llm, [seq], _plant(ref, 0))
@@ -173,7 +173,7 @@ def test_ratio_acceptance_keeps_near_ties_only(llm):
     """``speculative_ratio``: a draft that is not the causal argmax is kept iff p(draft) >= ratio * max p (checked on
     hand-made distributions at the boundary); end to end, a vanishing ratio keeps planted wrong drafts (4 tokens
     per forward) and ratio 1 is exact verification (the greedy output, every planted draft rejected)."""
-    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=8, block_size=4, speculative=True,
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams.from_flat(max_tokens=8, block_size=4, speculative=True,
                                                                    speculative_ratio=0.5), "u")[0]
     probs = torch.tensor([[0.40, 0.21, 0.19, 0.20], [0.40, 0.21, 0.19, 0.20], [0.1, 0.1, 0.1, 0.7],
                           [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
@@ -185,7 +185,7 @@ def test_ratio_acceptance_keeps_near_ties_only(llm):
     ref = _greedy_b1(llm, PROMPTS[1], 13, ignore_eos=True).token_ids
     outs = {}
     for ratio in (1.0, 1e-30):
-        s = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams(
+        s = llm.make_sequences(llm.encode(PROMPTS[1]), SamplingParams.from_flat(
             max_tokens=13, block_size=4, speculative=True, speculative_ratio=ratio, ignore_eos=True,
             speculative_no_repeat_ngram=0), "s")[0]
         _run(llm, [s], _plant(ref, 0))
@@ -199,7 +199,7 @@ def test_ratio_acceptance_keeps_near_ties_only(llm):
 def _verify_planted(llm, generated: list[int], drafts: list[int], **kw):
     """Verify ``drafts`` after the final ``generated`` tokens with made-up logits whose argmax (299) is none of
     them and under a vanishing ratio (every draft passes the rule): what the loop guard alone lets through."""
-    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams.from_flat(
         max_tokens=16, block_size=4, speculative=True, speculative_ratio=1e-30, ignore_eos=True, **kw), "g")[0]
     p = seq.prompt_len
     seq.canvas[p: p + len(generated)] = torch.tensor(generated)
@@ -220,13 +220,13 @@ def test_loop_guard_off_is_accepted_without_a_relaxed_rule(llm):
     """``speculative_no_repeat_ngram=0`` (off) has nothing to guard under exact verification or speculative
     sampling and is accepted there; a positive size needs a relaxed rule."""
     ref = _greedy_b1(llm, PROMPTS[0], 6, ignore_eos=True).token_ids
-    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, block_size=4, speculative=True, ignore_eos=True,
+    out = llm.generate(PROMPTS[0], SamplingParams.from_flat(max_tokens=6, block_size=4, speculative=True, ignore_eos=True,
                                                   speculative_no_repeat_ngram=0))[0].outputs[0]
     assert out.token_ids == ref
-    llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, speculative=True, temperature=0.7, seed=1,
+    llm.generate(PROMPTS[0], SamplingParams.from_flat(max_tokens=4, speculative=True, temperature=0.7, seed=1,
                                             speculative_no_repeat_ngram=0))
     with pytest.raises(ParamError) as err:
-        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, speculative=True, temperature=0.7,
+        llm.generate(PROMPTS[0], SamplingParams.from_flat(max_tokens=4, speculative=True, temperature=0.7,
                                                 speculative_no_repeat_ngram=2))
     assert err.value.field == "speculative_no_repeat_ngram" and "greedy" in str(err.value)
 
@@ -257,7 +257,7 @@ def test_loop_guard_rejects_relaxed_drafts_that_repeat_an_ngram():
     assert _verify_planted(llm, [7, 8], [7, 8], speculative_no_repeat_ngram=2).accepted_drafts == 1
     assert _verify_planted(llm, [9], [5, 5, 5], speculative_no_repeat_ngram=2).accepted_drafts == 2
     # the causal argmax is never blocked, even when it repeats: here every draft is the argmax of its row
-    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams.from_flat(
         max_tokens=16, block_size=4, speculative=True, speculative_ratio=1e-30, ignore_eos=True), "h")[0]
     p = seq.prompt_len
     seq.canvas[p: p + 4] = torch.tensor([10, 11, 12, 13])
@@ -271,9 +271,9 @@ def test_loop_guard_rejects_relaxed_drafts_that_repeat_an_ngram():
 
 
 def test_batched_with_ordinary_requests_is_batch_invariant(llm):
-    params = [SamplingParams(max_tokens=10, block_size=4, speculative=True, ignore_eos=True),
-              SamplingParams(max_tokens=7, temperature=0.8, seed=2, block_size=2, ignore_eos=True),
-              SamplingParams(max_tokens=12, block_size=3, speculative=True, speculative_branches=1, ignore_eos=True)]
+    params = [SamplingParams.from_flat(max_tokens=10, block_size=4, speculative=True, ignore_eos=True),
+              SamplingParams.from_flat(max_tokens=7, temperature=0.8, seed=2, block_size=2, ignore_eos=True),
+              SamplingParams.from_flat(max_tokens=12, block_size=3, speculative=True, speculative_branches=1, ignore_eos=True)]
     alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(PROMPTS, params)]
     seqs = [llm.make_sequences(llm.encode(p), sp, f"r{i}")[0] for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     _run(llm, seqs)
@@ -286,7 +286,7 @@ def test_eos_stop_ids_min_tokens_and_logprobs_match_block1(llm):
     for kw in ({"stop_token_ids": [stop_id]}, {"stop_token_ids": [stop_id], "min_tokens": 7},
                {"stop_token_ids": [stop_id], "logprobs": True}):
         a = _greedy_b1(llm, PROMPTS[1], 16, **kw)
-        b = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, block_size=4, speculative=True, **kw))[0].outputs[0]
+        b = llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=16, block_size=4, speculative=True, **kw))[0].outputs[0]
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason, kw
         assert a.finish_reason == ("length" if "min_tokens" in kw else "stop")  # min_tokens forbids the early stop
         assert b.text == a.text
@@ -301,7 +301,7 @@ def test_stop_strings_and_top_k_logprobs_match_block1(llm):
     kws = ({"stop": [stop]}, {"top_k": 1, "logprobs": True}, {"top_p": 0.5, "logprobs": True})
     for kw in kws:
         a = _greedy_b1(llm, PROMPTS[0], 16, ignore_eos=True, **kw)
-        b = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, block_size=4, speculative=True, ignore_eos=True,
+        b = llm.generate(PROMPTS[0], SamplingParams.from_flat(max_tokens=16, block_size=4, speculative=True, ignore_eos=True,
                                                     **kw))[0].outputs[0]
         assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason), kw
         if "logprobs" in kw:  # after the top-k/top-p filter, as the other decoding modes report them
@@ -310,7 +310,7 @@ def test_stop_strings_and_top_k_logprobs_match_block1(llm):
 
 
 def test_stream_events_reveal_left_to_right(llm):
-    events = list(llm.stream(PROMPTS[0], SamplingParams(max_tokens=12, block_size=4, speculative=True,
+    events = list(llm.stream(PROMPTS[0], SamplingParams.from_flat(max_tokens=12, block_size=4, speculative=True,
                                                         ignore_eos=True)))
     seen = []
     for ev in events:
@@ -321,7 +321,7 @@ def test_stream_events_reveal_left_to_right(llm):
 
 
 def test_abort_frees_the_cache(llm):
-    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=32, speculative=True,
+    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams.from_flat(max_tokens=32, speculative=True,
                                                                    ignore_eos=True), "x")[0]
     sched = Scheduler(llm.denoiser)
     sched.add(seq)
@@ -332,17 +332,17 @@ def test_abort_frees_the_cache(llm):
 
 
 def test_temperature_resolves_to_the_checkpoints_else_greedy_and_default_threshold_ignored(llm):
-    sp = SamplingParams(max_tokens=4, speculative=True).with_defaults({"temperature": 0.7, "threshold": 0.5})
+    sp = SamplingParams.from_flat(max_tokens=4, speculative=True).with_defaults({"temperature": 0.7, "threshold": 0.5})
     assert sp.temperature == 0.7 and sp.threshold is None
-    assert SamplingParams(max_tokens=4, speculative=True).with_defaults({"threshold": 0.5}).temperature == 0.0
-    assert SamplingParams(max_tokens=4).with_defaults({}).temperature == 1.0  # OpenAI's default otherwise
+    assert SamplingParams.from_flat(max_tokens=4, speculative=True).with_defaults({"threshold": 0.5}).temperature == 0.0
+    assert SamplingParams.from_flat(max_tokens=4).with_defaults({}).temperature == 1.0  # OpenAI's default otherwise
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
 def test_other_attention_modes_are_refused(attention):
     other = LLM(loaded(attention=attention))
     with pytest.raises(ParamError) as err:
-        other.generate("Hello", SamplingParams(max_tokens=4, speculative=True))
+        other.generate("Hello", SamplingParams.from_flat(max_tokens=4, speculative=True))
     assert err.value.field == "speculative" and attention in str(err.value)
 
 
@@ -354,7 +354,7 @@ def test_other_attention_modes_are_refused(attention):
     ({"speculative_no_repeat_ngram": 3}, "speculative_no_repeat_ngram", "speculative_epsilon or speculative_ratio")])
 def test_incompatible_parameters_name_the_field(llm, kw, field, words):
     with pytest.raises(ParamError) as err:
-        llm.generate("Hello", SamplingParams(max_tokens=4, speculative=True, **kw))
+        llm.generate("Hello", SamplingParams.from_flat(max_tokens=4, speculative=True, **kw))
     assert err.value.field == field and words in str(err.value)
 
 
@@ -376,7 +376,7 @@ def test_incompatible_parameters_name_the_field(llm, kw, field, words):
                                         "speculative_no_repeat_ngram")])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ParamError) as err:
-        SamplingParams(**kw)
+        SamplingParams.from_flat(**kw)
     assert err.value.field == field
 
 
@@ -384,9 +384,9 @@ def test_draft_block_is_bounded(llm):
     """A step forwards up to block_size^2 rows: a huge draft block is a 400-style ParamError, not an OOM that fails
     the whole batch."""
     with pytest.raises(ParamError) as err:
-        llm.generate("Hello", SamplingParams(max_tokens=64, block_size=64, speculative=True))
+        llm.generate("Hello", SamplingParams.from_flat(max_tokens=64, block_size=64, speculative=True))
     assert err.value.field == "block_size" and "32" in str(err.value)
-    seq = llm.make_sequences(llm.encode("Hello"), SamplingParams(max_tokens=64, block_size=32, speculative=True),
+    seq = llm.make_sequences(llm.encode("Hello"), SamplingParams.from_flat(max_tokens=64, block_size=32, speculative=True),
                              "b")[0]
     assert seq.branches == 3 and len(seq.lane_inputs()[0].chunk) <= 1 + 31 + 32 * 4 + len(llm.encode("Hello"))
 
@@ -399,7 +399,7 @@ def test_http_field_streams_the_block1_answer_and_400_names_the_field():
     from unmask.server.app import build_app
 
     model = loaded(block_size=4)
-    ref = LLM(model).generate("Hello world", SamplingParams(max_tokens=9, temperature=0, block_size=1,
+    ref = LLM(model).generate("Hello world", SamplingParams.from_flat(max_tokens=9, temperature=0, block_size=1,
                                                             ignore_eos=True))[0].outputs[0].text
     body = {"model": "m", "prompt": "Hello world", "max_tokens": 9, "ignore_eos": True, "speculative": True}
     with TestClient(build_app(AsyncEngine(model), "m")) as client:
@@ -457,7 +457,8 @@ def test_cli_generate_speculative(tmp_path):
     write_checkpoint(ckpt, m.model, m.tokenizer, m.dllm)
     base = [sys.executable, "-m", "unmask.cli.main", "generate", str(ckpt), "--prompt", "Hello", "--max-tokens", "6",
             "--json"]
-    a = json.loads(subprocess.run(base + ["--block-size", "1"], capture_output=True, text=True, timeout=120,
+    # --temperature unset = the checkpoint's default (1.0 here) for plain decoding: greedy is asked for explicitly
+    a = json.loads(subprocess.run(base + ["--block-size", "1", "--temperature", "0"], capture_output=True, text=True, timeout=120,
                                   check=True).stdout)
     b = json.loads(subprocess.run(base + ["--speculative", "--speculative-branches", "1"], capture_output=True,
                                   text=True, timeout=120, check=True).stdout)
@@ -486,7 +487,7 @@ def test_checkpoint_default_applies_to_greedy_requests_that_fit_it():
     ids = llm.encode(PROMPTS[1])
 
     def kind(**kw):
-        return type(llm.make_sequences(ids, SamplingParams(max_tokens=8, **kw), "k")[0])
+        return type(llm.make_sequences(ids, SamplingParams.from_flat(max_tokens=8, **kw), "k")[0])
 
     assert kind() is Spec and kind(temperature=0) is Spec and kind(speculative_epsilon=0.1) is Spec
     assert kind(temperature=0.7) is Spec  # speculative sampling
@@ -501,13 +502,13 @@ def test_checkpoint_default_applies_to_greedy_requests_that_fit_it():
     # a checkpoint that samples by default samples speculatively at its temperature
     lm.dllm.default_sampling = {"temperature": 0.7, "speculative": True}
     assert kind() is Spec and kind(temperature=0) is Spec
-    assert llm.make_sequences(ids, SamplingParams(max_tokens=8), "k")[0].temperature == 0.7
+    assert llm.make_sequences(ids, SamplingParams.from_flat(max_tokens=8), "k")[0].temperature == 0.7
     lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True}
     ref = _greedy_b1(llm, PROMPTS[1], 10, ignore_eos=True)
-    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    out = llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ref.token_ids
     with pytest.raises(ParamError) as err:  # knobs of speculative decoding on a request that opted out
-        llm.make_sequences(ids, SamplingParams(max_tokens=8, steps=8, speculative_branches=1), "k")
+        llm.make_sequences(ids, SamplingParams.from_flat(max_tokens=8, steps=8, speculative_branches=1), "k")
     assert err.value.field == "speculative_branches"
 
 
@@ -548,34 +549,35 @@ def test_export_writes_and_clears_the_default(tmp_path):
 
 # ---------------------------------------------------------------- the draft policy of checkpoint defaults
 def test_checkpoint_default_drafts_per_policy_with_the_same_tokens():
-    """On a CPU (``draft_policy`` auto) a request that only gets speculative decoding from the checkpoint's default
+    """On a CPU (``default_drafts`` auto) a request that only gets speculative decoding from the checkpoint's default
     decodes one token per forward (draft block 1: no mask rows) - the same tokens as drafting; asking for anything
     speculative-specific, or policy ``on``, drafts at the checkpoint's block."""
+    from unmask.engine.plan import drafts_by_default
+
     lm = loaded(block_size=4)
     lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True}
     llm = LLM(lm)
     ids = llm.encode(PROMPTS[1])
 
-    def seq(**kw):
-        s = llm.make_sequences(ids, SamplingParams(max_tokens=10, ignore_eos=True, **kw), "k")[0]
+    def seq(llm=llm, **kw):
+        s = llm.make_sequences(ids, SamplingParams.from_flat(max_tokens=10, ignore_eos=True, **kw), "k")[0]
         assert isinstance(s, SpeculativeSequence)
         return s
 
-    assert lm.device.type == "cpu" and lm.draft_policy == "auto" and not lm.drafts_by_default()
+    assert lm.device.type == "cpu" and llm.default_drafts == "auto" and not drafts_by_default("auto", "cpu", False)
+    assert drafts_by_default("auto", "cuda", False) and drafts_by_default("auto", "cpu", True)
     assert seq().draft_block == 1 and seq(temperature=0.7).draft_block == 1
     for kw in ({"speculative": True}, {"block_size": 4}, {"speculative_branches": 1}, {"speculative_epsilon": 0.1},
                {"speculative_ratio": 0.5}):
         assert seq(**kw).draft_block == 4, kw
-    one = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
-    lm.draft_policy = "on"
-    assert seq().draft_block == 4
-    drafted = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    one = llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    on = LLM(lm, default_drafts="on")
+    assert seq(on).draft_block == 4
+    drafted = on.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert one.token_ids == drafted.token_ids and one.nfe == 10
-    lm.draft_policy = "off"
-    assert seq().draft_block == 1
-    lm.draft_policy = "sometimes"
-    with pytest.raises(ValueError, match="draft_policy"):
-        seq()
+    assert seq(LLM(lm, default_drafts="off")).draft_block == 1
+    with pytest.raises(ValueError, match="default_drafts"):
+        LLM(lm, default_drafts="sometimes")
 
 
 def test_speculative_only_fields_explain_why_the_request_is_not_speculative():
@@ -584,15 +586,15 @@ def test_speculative_only_fields_explain_why_the_request_is_not_speculative():
     for name, value in (("speculative_ratio", 0.1), ("speculative_epsilon", 0.1), ("speculative_branches", 1),
                         ("speculative_no_repeat_ngram", 3)):
         with pytest.raises(ParamError) as err:
-            SamplingParams(**{name: value}).with_defaults({}, 4)
+            SamplingParams.from_flat(**{name: value}).with_defaults({}, 4)
         assert err.value.field == name and "set speculative=true" in str(err.value)
         for other, named in (({"steps": 8}, "steps"), ({"cfg_scale": 1.5}, "cfg_scale"),
                              ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"block_size": 64}, "block_size"),
                              ({"steps": 8, "remasking": "random"}, "steps and remasking")):
             with pytest.raises(ParamError) as err:
-                SamplingParams(**{name: value}, **other).with_defaults({"speculative": True}, 4)
+                SamplingParams.from_flat(**{name: value}, **other).with_defaults({"speculative": True}, 4)
             msg = str(err.value)
             assert err.value.field == name and "keeps the ordinary decoding" in msg, other
             assert f"drop {name}, or drop {named}" in msg, msg  # the request's own conflicting fields, no others
             assert ("cfg_scale" in msg) == ("cfg_scale" in other), msg
-        assert SamplingParams(**{name: value}).with_defaults({"speculative": True}, 4).speculative is True
+        assert SamplingParams.from_flat(**{name: value}).with_defaults({"speculative": True}, 4).speculative is True

@@ -249,7 +249,7 @@ def test_block1_forwards_one_token_per_step_like_ar(attention):
     sizes = []
     orig = llm.model.hidden_states
 
-    def counting(input_ids, position_ids, attention_mask, cache=None):
+    def counting(input_ids, position_ids, attention_mask, cache=None, variant_rows=None):
         sizes.append(int(input_ids.shape[1]))
         return orig(input_ids, position_ids, attention_mask, cache=cache)
 

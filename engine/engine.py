@@ -1,0 +1,141 @@
+"""The one engine loop: :class:`Engine` owns a :class:`~unmask.engine.scheduler.Scheduler` and a
+:class:`~unmask.engine.denoiser.Denoiser` (docs/design.md section 4, "Scheduling").
+
+``LLM`` (offline), ``AsyncEngine`` (a thread for asyncio servers) and ``unmask generate`` are thin wrappers: they
+add requests, call :meth:`Engine.step` and read the :class:`~unmask.engine.outputs.StepEvent` objects it returns.
+Not thread-safe: one thread drives an engine (``AsyncEngine``'s engine thread).
+
+Errors: :class:`~unmask.engine.limits.ParamError` (names the field; HTTP 400),
+:class:`~unmask.engine.scheduler.QueueFull` (HTTP 429).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .denoiser import Denoiser
+from .layout import build_layout
+from .limits import ParamError
+from .model import LoadedModel
+from .outputs import StepEvent
+from .params import SamplingParams
+from .plan import drafts_by_default, resolve
+from .request import Request, suffix_ids
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .speculative import SpeculativeSequence
+
+__all__ = ["Engine", "make_requests"]
+
+
+def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
+                  default_drafts: str = "auto") -> list[Request]:
+    """The choices of one request: ``n`` of them with seeds seed, seed+1, ... (docs/design.md section 10), each
+    decoded by the strategy its resolved plan (``unmask.engine.plan.resolve``) names.
+
+    Raises:
+        ParamError: ``n`` is not a positive integer, or a parameter this model cannot honour (names the field).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ParamError("n", f"must be a positive integer, got {n!r}")
+    plan = resolve(params, model.dllm, default_drafts, model.device.type, model.draft_head is not None)
+    kind = SpeculativeSequence if plan.speculative else Sequence
+    extra = {"draft_head": model.draft_head} if plan.speculative else {}
+    return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, model.max_context,
+                 model.device, vocab_size=model.vocab_size, index=i, **extra) for i in range(n)]
+
+
+class Engine:
+    """Continuous batching over one model.
+
+    Args:
+        model: the loaded model.
+        max_batch_size: most choices decoded together in one step.
+        max_queue: most choices waiting for a batch slot (beyond it :meth:`add_request` raises ``QueueFull``).
+        max_cached_tokens: KV budget in canvas tokens (see :class:`Scheduler`); ``None`` = unlimited.
+        default_drafts: ``auto`` | ``on`` | ``off``: whether requests that get speculative decoding only from the
+            checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
+        compile: ``model.enable_compile()`` first. denoiser: share an existing denoiser (its forward counter).
+
+    Raises:
+        ValueError: ``default_drafts`` is not a policy; ``compile`` on packed weights.
+    """
+
+    def __init__(self, model: LoadedModel, max_batch_size: int = 16, max_queue: int = 1 << 30,
+                 max_cached_tokens: int | None = None, default_drafts: str = "auto", compile: bool = False,
+                 denoiser: Denoiser | None = None):
+        drafts_by_default(default_drafts, model.device.type, model.draft_head is not None)  # validates
+        self.model = model
+        self.default_drafts = default_drafts
+        self.denoiser = denoiser or Denoiser(model, compile=compile)
+        self.scheduler = Scheduler(self.denoiser, max_batch_size=max_batch_size, max_queue=max_queue,
+                                   max_cached_tokens=max_cached_tokens)
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
+                     fit_max_tokens: bool = False) -> list[Request]:
+        """Build (and check) the choices of one request without queueing them (any thread may call this).
+
+        ``fit_max_tokens``: ``params.max_tokens`` is a default rather than the client's value: lower it to the
+        largest that fits the model's context (docs/design.md section 10: "lowered to the remaining context when
+        unset") and the KV budget (:meth:`Scheduler.fit_max_tokens`).
+
+        Raises:
+            ParamError: invalid or unsatisfiable parameters (names the field).
+        """
+        prompt_ids = list(prompt_ids)
+        if fit_max_tokens:
+            m = self.scheduler.fit_max_tokens(len(prompt_ids), params.max_tokens, self._need(prompt_ids, params),
+                                              self.model.max_context)
+            params = replace(params, max_tokens=m, min_tokens=min(params.min_tokens, m))
+        return make_requests(self.model, prompt_ids, params, request_id, n, self.default_drafts)
+
+    def _need(self, prompt_ids: list[int], params: SamplingParams):
+        """``need(m)``: cached tokens a request with ``max_tokens = m`` reserves (canvas length x lanes, from the
+        layout alone); raises ParamError (``max_tokens``/``prompt``) when its canvas exceeds the context."""
+        model = self.model
+        plan = resolve(replace(params, max_tokens=1, min_tokens=0), model.dllm, self.default_drafts,
+                       model.device.type, model.draft_head is not None)
+        n_suffix = len(suffix_ids(params, model.tokenizer))
+        absolute = model.dllm.block_alignment == "absolute"
+
+        def need(m: int) -> int:
+            lay = build_layout(len(prompt_ids), m, n_suffix, plan.block_size, plan.window_size, absolute,
+                               model.max_context)
+            return lay.length * plan.lanes
+
+        return need
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
+                    fit_max_tokens: bool = False) -> list[Request]:
+        """Build, check and queue one request (``n`` choices); returns its choices (engine-side state).
+
+        Raises:
+            ParamError: as :meth:`make_request`, or the request alone exceeds the KV budget.
+            QueueFull: the waiting queue is full.
+        """
+        reqs = self.make_request(prompt_ids, params, request_id, n, fit_max_tokens)
+        self.scheduler.check_admission(reqs, len(self.scheduler.waiting))
+        self.scheduler.enqueue(reqs)
+        return reqs
+
+    def enqueue(self, reqs: list[Request]) -> None:
+        """Queue choices already built and admitted (``AsyncEngine`` checks admission at submit)."""
+        self.scheduler.enqueue(reqs)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[StepEvent]:
+        """Admit waiting choices, run one denoising step for the batch; returns the step's events."""
+        return self.scheduler.step()
+
+    def abort(self, request_id: str) -> list[StepEvent]:
+        """Cancel every choice of ``request_id`` (waiting or running); returns their final events."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any choice is waiting or running."""
+        return self.scheduler.has_work()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Choices waiting or running."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)

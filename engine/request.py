@@ -1,0 +1,310 @@
+"""One choice of a request in flight: its state, and the protocol its decoding strategy implements.
+
+State (:class:`Request`): the canvas (``[L]`` int64 on the model's device, layout in
+``unmask.engine.layout``), the per-position log-probabilities (``[G]`` float32, CPU), the lanes (``cond``, and
+``uncond`` under CFG, each with its KV cache), the request's own ``torch.Generator`` (CPU), the block/window/step
+counters, timing, and the finish state (``unmask.engine.stopping``). The engine thread alone writes it; other
+threads read only :meth:`Request.num_output_tokens` and the output objects.
+
+Strategy protocol (:class:`DecodingStrategy`): the denoiser calls exactly these and never looks at the type:
+
+* ``lane_inputs()`` -> one :class:`LaneInput` per lane: the rows to forward;
+* ``variant_rows(inp)`` -> ``[Q]`` bool of the chunk rows that run the model's row variant, or ``None``;
+* ``consume(logits, features, forbidden_ids)`` -> ``(StepEvent, commits)``: take the ``[N, V]`` logits of each
+  lane's needed rows, reveal tokens, and say which chunk indices of each lane are committed to its KV cache.
+
+Plain denoising (``unmask.engine.sequence.Sequence``) and self-speculative decoding
+(``unmask.engine.speculative.SpeculativeSequence``) are the two implementations.
+
+Errors: :class:`~unmask.engine.limits.ParamError` naming the field (a token id outside the vocabulary, a canvas
+longer than the context...).
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .config import DllmConfig
+from .kv_cache import LaneCache
+from .layout import build_layout
+from .limits import ParamError
+from .outputs import CompletionOutput, Revealed, StepEvent
+from .params import SamplingParams
+from .plan import DecodingPlan, resolve
+from .stopping import StopChecker
+
+
+@dataclass
+class LaneInput:
+    """What one lane forwards in one step.
+
+    ``chunk`` = canvas positions forwarded (``[Q]`` int64; ascending, except that self-speculative fallback groups
+    repeat draft positions); ``grp``/``start``/``committed`` their attention metadata; ``needed`` = chunk indices
+    whose outputs are read (or -1 = use the lane's carry logits); ``commit`` = chunk indices whose KV is appended
+    to the lane cache after the forward (``None``: decided by the strategy's ``consume``);
+    ``replace_cache`` = drop the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last
+    committed token, whose output becomes the carry; ``feature_rows`` = chunk indices whose last hidden states
+    the strategy reads after the forward (``[n]`` int64; a draft head's context), ``None`` = none.
+    """
+
+    tokens: torch.Tensor
+    chunk: torch.Tensor
+    grp: torch.Tensor
+    start: torch.Tensor
+    committed: torch.Tensor
+    needed: torch.Tensor
+    commit: torch.Tensor | None
+    replace_cache: bool = False
+    carry_index: int = -1
+    feature_rows: torch.Tensor | None = None
+
+
+@dataclass
+class Lane:
+    """A canvas variant of a sequence: ``cond`` (the canvas) or ``uncond`` (prompt masked, for CFG)."""
+
+    kind: str
+    cache: LaneCache = field(default_factory=LaneCache)
+
+
+class DecodingStrategy(Protocol):
+    """What the denoiser calls on every request (see the module docstring)."""
+
+    lanes: list[Lane]
+    nfe: int
+
+    def lane_inputs(self) -> list[LaneInput]: ...
+
+    def variant_rows(self, inp: LaneInput) -> torch.Tensor | None: ...
+
+    def consume(self, logits: list[torch.Tensor], features: torch.Tensor | None,
+                forbidden_ids: torch.Tensor) -> tuple[StepEvent, list[torch.Tensor | None]]: ...
+
+
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """Raise :class:`ParamError` naming ``name`` when an id is not in ``[0, vocab_size)`` (an id outside it would
+    fail an index in the middle of a batched step and take the other requests of the batch down with it)."""
+    for t in ids:
+        try:
+            ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
+        except TypeError:
+            raise ParamError(name, f"token ids must be integers, got {t!r}") from None
+        if not ok:
+            raise ParamError(name, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def suffix_ids(params: SamplingParams, tokenizer) -> list[int]:
+    """The suffix's token ids (infilling), ``[]`` without one."""
+    if params.suffix is None or params.suffix == "" or params.suffix == []:
+        return []
+    return list(params.suffix) if isinstance(params.suffix, list) else tokenizer.encode(params.suffix,
+                                                                                        add_special_tokens=False)
+
+
+class Request:
+    """State of one choice (the strategy-independent part; see the module docstring).
+
+    Args:
+        request_id: the request's id (the same for every choice). index: the choice.
+        prompt_ids: prompt token ids (already templated).
+        plan: the resolved :class:`~unmask.engine.plan.DecodingPlan` (a :class:`SamplingParams` is resolved
+            here with the checkpoint's defaults, for old callers).
+        dllm: the model's diffusion settings. tokenizer: for suffix tokenisation, stop strings and text.
+        max_context: the model's context length in tokens.
+        vocab_size: rows of the model's LM head; every token id the request carries (prompt, suffix ids,
+            constraints, ``stop_token_ids``) must be below it. ``None`` = not checked.
+
+    Raises:
+        ParamError: a parameter that this model cannot honour (names the field).
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], plan: DecodingPlan | SamplingParams,
+                 dllm: DllmConfig, tokenizer, max_context: int, device: torch.device | str = "cpu",
+                 vocab_size: int | None = None, index: int = 0):
+        if isinstance(plan, SamplingParams):
+            plan = resolve(plan, dllm)
+        params = plan.params
+        if not prompt_ids:
+            raise ParamError("prompt", "must contain at least one token")
+        if vocab_size is not None:
+            check_token_ids("prompt", prompt_ids, vocab_size)
+            check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+            check_token_ids("constraints", list(params.constraints.values()), vocab_size)
+            if isinstance(params.suffix, list):
+                check_token_ids("suffix", params.suffix, vocab_size)
+        self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
+        self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
+        self.prompt_ids = list(prompt_ids)
+        P = self.prompt_len = len(prompt_ids)
+        suffix = suffix_ids(params, tokenizer)
+        mask_id = dllm.mask_token_id
+        fixed = frozenset(int(p) for p, t in params.constraints.items() if int(t) != mask_id)
+        lay = self.layout = build_layout(P, params.max_tokens, len(suffix), plan.block_size, plan.window_size,
+                                         dllm.block_alignment == "absolute", max_context, params.steps, fixed)
+        self.block_size, self.window_size, self.origin = plan.block_size, plan.window_size, lay.origin
+        self.max_tokens, self.suffix_len, self.gen_len, self.length = (params.max_tokens, lay.suffix_len,
+                                                                       lay.gen_len, lay.length)
+        self.blocks, self.windows, self.window_steps = list(lay.blocks), list(lay.windows), list(lay.window_steps)
+        canvas = torch.full((lay.length,), mask_id, dtype=torch.long)
+        canvas[:P] = torch.tensor(prompt_ids, dtype=torch.long)
+        if suffix:
+            canvas[P + self.gen_len:] = torch.tensor(suffix, dtype=torch.long)
+        for pos, tok in params.constraints.items():
+            canvas[P + int(pos)] = int(tok)
+        self.canvas = canvas.to(self.device)
+        self.logprobs = torch.zeros(self.gen_len, dtype=torch.float32)
+        self.threshold = plan.threshold
+        self.cache_mode = plan.cache
+        L = lay.length
+        self.lanes = [Lane("cond", LaneCache(L))] + ([Lane("uncond", LaneCache(L))] if plan.lanes == 2 else [])
+        self.generator = torch.Generator(device="cpu").manual_seed(plan.seed)
+        eos = [] if params.ignore_eos else list(dllm.eos_token_ids)
+        self.eos_ids = set(eos) | set(params.stop_token_ids)
+        self.min_tokens_ids = torch.tensor(sorted(set(dllm.eos_token_ids) | set(params.stop_token_ids)),
+                                           dtype=torch.long)
+        self.stopper = StopChecker(tokenizer, params.stop, params.min_tokens, self.eos_ids, self.max_tokens)
+
+        self.win_idx = self.block_idx = self.step_in_block = self.step_in_window = 0
+        self.step = self.nfe = 0
+        self.finished, self.finish_reason = False, None  # finish_reason: stop | length | abort once finished
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.created = time.time()
+        self.first_token_time: float | None = None  # wall times (time.time())
+        self.finish_time: float | None = None
+        self.blocks_done_steps: list[int] = []
+        self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
+        self.accepted_drafts = 0
+        self._skip_empty_blocks()
+
+    # ------------------------------------------------------------------ blocks and windows
+    def _window_masked(self) -> torch.Tensor:
+        """Canvas positions of the current decoding window that are still masked (the positions predicted and
+        revealed this step)."""
+        _, s, e = self.windows[self.win_idx]
+        pos = torch.arange(s, e, device=self.device)
+        return pos[self.canvas[s:e] == self.dllm.mask_token_id]
+
+    def _skip_empty_blocks(self) -> None:
+        """Advance past windows without masks; entering a new block resets its step counter."""
+        while self.win_idx < len(self.windows) and self._window_masked().numel() == 0:
+            self.win_idx += 1
+            self.step_in_window = 0
+            block = self.windows[self.win_idx][0] if self.win_idx < len(self.windows) else len(self.blocks)
+            if block != self.block_idx:
+                if self.step_in_block:
+                    self.blocks_done_steps.append(self.step_in_block)
+                self.block_idx = block
+                self.step_in_block = 0
+        self._check_finished()
+
+    def goto_block(self, b: int) -> None:
+        """Make block ``b`` (its first decoding window) the active one, e.g. to replay a canvas whose earlier
+        blocks were filled by the caller (the training-mask equality tests do this)."""
+        self.win_idx = next(i for i, w in enumerate(self.windows) if w[0] == b)
+        self.block_idx = b
+        self.step_in_block = self.step_in_window = 0
+
+    @property
+    def active(self) -> tuple[int, int]:
+        """The active group ``[start, end)`` (the current block; with absolute alignment it may start inside
+        the prompt)."""
+        return self.blocks[self.block_idx]
+
+    def context_ids(self) -> torch.Tensor:
+        """Prompt + revealed generated ids (for penalties)."""
+        region = self.canvas[: self.prompt_len + self.gen_len]
+        return region[region != self.dllm.mask_token_id]
+
+    def canvas_view(self) -> list[int | None]:
+        """The first ``max_tokens`` generated positions: token id or ``None`` where masked."""
+        region = self.canvas[self.prompt_len: self.prompt_len + self.max_tokens].tolist()
+        m = self.dllm.mask_token_id
+        return [None if t == m else t for t in region]
+
+    # ------------------------------------------------------------------ finish
+    def _check_finished(self) -> None:
+        """Apply the stop rules (``unmask.engine.stopping``) to the newly revealed left-to-right prefix."""
+        if self.finished:
+            return
+        stopper = self.stopper
+        rest = self.canvas[self.prompt_len + len(stopper.prefix): self.prompt_len + self.max_tokens]
+        masks = (rest == self.dllm.mask_token_id).nonzero()
+        n_new = int(masks[0, 0]) if masks.numel() else int(rest.numel())
+        shown = stopper.stream_text
+        done = stopper.update(rest[:n_new].tolist() if n_new else [], self.block_idx >= len(self.blocks))
+        if done is not None:
+            self._finish(*done)
+        elif len(stopper.stream_text) > len(shown) and self.first_token_time is None:
+            self.first_token_time = time.time()
+
+    def _finish(self, reason: str, ids: list[int], text: str) -> None:
+        self.output_ids = list(ids)  # before `finished`: another thread reading num_output_tokens sees both
+        self.finished = True
+        self.finish_reason = reason
+        self.text = text
+        if len(text) > len(self.stopper.stream_text) and self.first_token_time is None and text:
+            self.first_token_time = time.time()
+        self.stopper.stream_text = text
+        self.finish_time = time.time()
+
+    @property
+    def stream_text(self) -> str:
+        """The stream-safe text so far."""
+        return self.stopper.stream_text
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far: ``len(output_ids)`` once finished, else the revealed left-to-right prefix (what a
+        stream has shown; an abort keeps exactly these). Safe to read from another thread: CPython ``len`` of a
+        list the engine thread appends to is atomic."""
+        return len(self.output_ids) if self.finished else len(self.stopper.prefix)
+
+    # ------------------------------------------------------------------ outputs
+    def event(self, block: int, step: int, revealed: list[Revealed]) -> StepEvent:
+        """The :class:`StepEvent` of the state now (``output`` set once finished)."""
+        return StepEvent(request_id=self.request_id, index=self.index, block=block, step=step, nfe=self.nfe,
+                         revealed=revealed, canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
+                         finish_reason=self.finish_reason, num_tokens=self.num_output_tokens,
+                         drafts_proposed=self.proposed_drafts, drafts_accepted=self.accepted_drafts,
+                         output=self.completion() if self.finished else None)
+
+    def completion(self) -> CompletionOutput:
+        """The choice's :class:`CompletionOutput` (final once finished; partial after an abort)."""
+        ids = list(self.output_ids)
+        lp = self.logprobs[: len(ids)].tolist() if self.params.logprobs else None
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=ids, finish_reason=self.finish_reason, logprobs=lp,
+            steps=self.step, nfe=self.nfe, ended_by_eos=bool(ids) and ids[-1] in self.eos_ids,
+            steps_per_block=list(self.blocks_done_steps), drafts_proposed=self.proposed_drafts,
+            drafts_accepted=self.accepted_drafts, speculative=self.plan.speculative,
+            draft_block=self.plan.draft_block, first_token_time=self.first_token_time, finish_time=self.finish_time)
+
+    def final_event(self) -> StepEvent:
+        """The last event of a choice that finished without a further step."""
+        return self.event(self.block_idx, self.step, [])
+
+    def abort(self) -> StepEvent:
+        """Cancel: mark finished with ``abort`` and free the lane caches. ``output_ids`` / ``text`` keep what was
+        generated so far: the revealed left-to-right prefix (what a stream has shown), as vLLM returns the partial
+        output of an aborted request (usage and the request log count it)."""
+        self.output_ids = list(self.stopper.prefix)  # before `finished` (see num_output_tokens)
+        self.finished = True
+        self.finish_reason = "abort"
+        self.text = self.stream_text
+        self.finish_time = time.time()
+        self.release()
+        return self.event(self.block_idx, self.step, [])
+
+    def release(self) -> None:
+        """Free cached KV (called when the choice leaves the batch)."""
+        for lane in self.lanes:
+            lane.cache.clear()
+
+    def cache_bytes(self) -> int:
+        """Bytes of KV held by this choice's lanes."""
+        return sum(lane.cache.nbytes() for lane in self.lanes)
