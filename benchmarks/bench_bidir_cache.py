@@ -47,9 +47,9 @@ def main(argv=None) -> int:
         fwd = {"n": 0}
         orig = llm.model.hidden_states
 
-        def counting(input_ids, position_ids, attention_mask, cache=None, _orig=orig):
+        def counting(input_ids, position_ids, attention_mask, cache=None, variant_rows=None, _orig=orig):
             fwd["n"] += int(input_ids.numel())
-            return _orig(input_ids, position_ids, attention_mask, cache=cache)
+            return _orig(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows)
 
         llm.model.hidden_states = counting
         for name, block, extra in settings:

@@ -27,33 +27,26 @@ import bench_common as bc
 
 def record_shapes(llm, prompt_ids, params):
     """Run one generation, recording per forward: ids, positions, mask, cached length, LM-head rows."""
-    lm, den = llm.model, llm.denoiser
+    lm = llm.model
     shapes = []
-    orig_hidden, orig_logits = den._compiled_forward or lm.hidden_states, lm.logits
+    orig_hidden, orig_logits = lm.hidden_states, lm.logits  # the compiled decoder, if any, runs inside these
 
-    def hidden_states(input_ids, position_ids, attention_mask, cache=None):
+    def hidden_states(input_ids, position_ids, attention_mask, cache=None, variant_rows=None):
         shapes.append({"input_ids": input_ids.clone(), "position_ids": position_ids.clone(),
                        "mask": attention_mask.clone(), "cached": cache.cached_len if cache is not None else 0})
-        return orig_hidden(input_ids, position_ids, attention_mask, cache=cache)
+        return orig_hidden(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows)
 
-    def logits(hidden):
+    def logits(hidden, variant_rows=None):
         shapes[-1]["head_rows"] = int(hidden.shape[0])
-        return orig_logits(hidden)
+        return orig_logits(hidden, variant_rows=variant_rows)
 
-    compiled = den._compiled_forward
-    if compiled:
-        den._compiled_forward = hidden_states
-    else:
-        lm.hidden_states = hidden_states
+    lm.hidden_states = hidden_states
     lm.logits = logits
     try:
         run_engine(llm, prompt_ids, params)
     finally:
         del lm.logits
-        if compiled:
-            den._compiled_forward = compiled
-        else:
-            del lm.hidden_states
+        del lm.hidden_states
     return shapes
 
 

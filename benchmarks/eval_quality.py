@@ -84,7 +84,7 @@ class Setting:
         seed 0 for every prompt)."""
         from unmask.engine import SamplingParams
 
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, block_size=self.block_size,
+        return SamplingParams.from_flat(max_tokens=max_tokens, temperature=self.temperature, block_size=self.block_size,
                               steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0,
                               speculative=self.speculative, speculative_branches=self.branches,
                               speculative_epsilon=self.epsilon, speculative_ratio=self.ratio,

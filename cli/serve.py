@@ -232,23 +232,15 @@ def run(args: argparse.Namespace) -> int:
 def _engine(engine_cls, loaded, args):
     """The serving engine with the command line's options (``--default-drafts`` is the engine option
     ``default_drafts``)."""
-    import inspect
-
-    options = dict(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                   max_cached_tokens=args.max_cached_tokens)
-    if "default_drafts" in inspect.signature(engine_cls).parameters:
-        return engine_cls(loaded, default_drafts=args.default_drafts, **options)
-    loaded.draft_policy = args.default_drafts  # transitional: an engine from before the default_drafts option
-    return engine_cls(loaded, **options)
+    return engine_cls(loaded, default_drafts=args.default_drafts, max_batch_size=args.max_batch_size,
+                      max_queue=args.max_queue, max_cached_tokens=args.max_cached_tokens)
 
 
 def _drafts_by_default(loaded, policy: str) -> bool:
     """Whether requests that get speculative decoding from the checkpoint's default draft: the decoding plan's rule
     (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU, or with a draft head)."""
-    try:
-        from unmask.engine.plan import drafts_by_default
-    except ImportError:  # transitional: an engine whose plan has no such rule yet; the same rule
-        return (loaded.draft_head is not None or loaded.device.type != "cpu") if policy == "auto" else policy == "on"
+    from unmask.engine.plan import drafts_by_default
+
     return drafts_by_default(policy, loaded.device.type, loaded.draft_head is not None)
 
 

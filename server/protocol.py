@@ -198,9 +198,8 @@ class _Common(_Strict):
         steps = self.steps
         if steps is None and self.threshold is None and "threshold" in self.model_fields_set:
             steps = max_tokens
-        # the flat speculative_* fields: SamplingParams.from_flat groups them (an engine from before it took them flat)
-        build = getattr(SamplingParams, "from_flat", SamplingParams)
-        return build(
+        # the flat HTTP speculative_* fields: SamplingParams.from_flat groups them into SpeculativeOptions
+        return SamplingParams.from_flat(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
             steps=steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
             remasking=self.remasking, threshold=self.threshold,

@@ -396,7 +396,7 @@ def test_bad_params_name_the_field(field, value):
 
 
 def test_attention_masks_take_effect():
-    """Bidirectional rows see later tokens; prefix-causal committed rows do not (DESIGN.md section 10)."""
+    """Bidirectional rows see later tokens; prefix-causal committed rows do not (docs/design.md section 10)."""
     from unmask.engine.attention import build_attention_mask, canvas_groups
 
     m = loaded()
