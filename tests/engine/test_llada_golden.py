@@ -1,6 +1,6 @@
 """Golden test: vanilla decoding reproduces the published LLaDA ``generate()`` token for token (issue 2).
 
-``tests/golden/llada_golden.json`` holds token ids recorded by running ML-GSAI/LLaDA ``generate.py`` (outside this
+``tests/engine/golden/llada_golden.json`` holds token ids recorded by running ML-GSAI/LLaDA ``generate.py`` (outside this
 repository; only the ids and the replica recipe are committed) on a tiny LLaDA replica built with LLaDA's own
 modeling code. Here the same replica is rebuilt from its seed, saved in LLaDA's layout (OLMo-style weight names,
 LLaDA ``config.json``), loaded through our loader (family ``llada`` detected, mask id from config.json) and decoded

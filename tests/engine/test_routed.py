@@ -42,7 +42,7 @@ def test_speculative_output_is_the_verifiers_greedy_output(pair, block, branches
     for prompt in PROMPTS:
         for n in (1, 5, 13):
             ref = _b1(verifier, prompt, n)
-            out = routed.generate(prompt, SamplingParams(max_tokens=n, block_size=block, speculative=True,
+            out = routed.generate(prompt, SamplingParams.from_flat(max_tokens=n, block_size=block, speculative=True,
                                                          speculative_branches=branches, cache=cache,
                                                          ignore_eos=True))[0].outputs[0]
             assert out.token_ids == ref.token_ids, (prompt, n)
