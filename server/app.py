@@ -34,6 +34,7 @@ from . import protocol as P
 from .errors import APIError, from_exception, install_handlers
 from .metrics import Metrics
 from .streaming import Run, collect, sse_events
+from .visualizer import mount_visualizer
 
 log = logging.getLogger("unmask.server")
 
@@ -294,6 +295,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         return app.openapi_schema
 
     app.openapi = openapi
+    mount_visualizer(app)
     return app
 
 
