@@ -243,12 +243,11 @@ class Canvas:
 
     def boundaries(self) -> set[int]:
         """Positions where a new block starts (from the blocks that revealed them)."""
-        out, prev = set(), None
-        for p, b in enumerate(self.block_of):
-            if b is not None and prev is not None and b != prev:
-                out.add(p)
-            if b is not None:
-                prev = b
+        out = set()
+        for b in sorted({b for b in self.block_of if b is not None})[1:]:
+            earlier = [p for p, x in enumerate(self.block_of) if x is not None and x < b]
+            if earlier:
+                out.add(max(earlier) + 1)
         return out
 
     @property

@@ -81,14 +81,16 @@ function snapshot(c) {
 
 function draw(f) {
   const root = $("canvas"); root.innerHTML = "";
-  let prevBlock = null;
   const fresh = new Set(f.fresh);
+  const bounds = new Set();   // a block starts after the last position of the earlier blocks
+  const blocks = [...new Set(f.blockOf.filter((b) => b !== null))].sort((a, b) => a - b);
+  for (const b of blocks.slice(1)) {
+    let end = -1; f.blockOf.forEach((x, p) => { if (x !== null && x < b) end = Math.max(end, p); });
+    if (end >= 0) bounds.add(end + 1);
+  }
+  if (f.span && f.span[0] > 0) bounds.add(f.span[0]);
   f.cells.forEach((t, p) => {
-    const b = f.blockOf[p];
-    if ((b !== null && prevBlock !== null && b !== prevBlock) || (f.span && p === f.span[0] && p > 0)) {
-      const s = document.createElement("span"); s.className = "bound"; root.appendChild(s);
-    }
-    if (b !== null) prevBlock = b;
+    if (bounds.has(p)) { const s = document.createElement("span"); s.className = "bound"; root.appendChild(s); }
     const s = document.createElement("span");
     const cur = f.span && p >= f.span[0] && p < f.span[1];
     if (t === null) { s.className = "mask" + (cur ? " cur" : ""); }
