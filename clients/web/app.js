@@ -37,6 +37,8 @@ function options() {
   for (const id of ["threshold", "temperature", "cfg_scale"]) { const v = $(id).value; if (v !== "") o[id] = parseFloat(v); }
   if ($("remasking").value) o.remasking = $("remasking").value;
   if ($("speculative").value) o.speculative = $("speculative").value === "true";
+  const extra = $("extra").value.trim();
+  if (extra) Object.assign(o, JSON.parse(extra));   // any other request field, e.g. {"seed": 1}
   return o;
 }
 
@@ -138,10 +140,11 @@ async function send(question) {
   showError("");
   const model = $("model").value;
   if (!model) { await loadModels(); if (!$("model").value) return; }
+  let opts;
+  try { opts = options(); } catch (e) { showError("other fields: not a JSON object (" + e.message + ")"); return; }
   state.messages.push({ role: "user", content: question });
   addMessage("user", question);
   const out = addMessage("assistant", "…");
-  const opts = options();
   const body = { model: $("model").value, messages: state.messages, stream: true, ...opts,
                  stream_options: { include_usage: true, include_denoising: true } };
   state.controller = new AbortController(); state.frames = [];

@@ -110,6 +110,7 @@ def test_browser_end_to_end(server, tmp_path):
             page.fill("#max_tokens", "40")
             page.fill("#block_size", "8")
             page.fill("#steps", "20")
+            page.fill("#extra", '{"ignore_eos": true, "seed": 3}')
             page.fill("#prompt", "Name three colours.")
             page.click("#send")
             page.wait_for_selector("body[data-done='1']", timeout=60000)
