@@ -20,6 +20,7 @@ COMMANDS = {
     "distill-data": "distill",
     "eval": "evaluate",
     "recipe": "recipe",
+    "chat": "chat",
 }
 
 

@@ -75,6 +75,9 @@ def register(sub, name):
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving "
                         "one to the HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
+    p.add_argument("--root-path", default="",
+                   help="the path prefix the server is reached under behind a reverse proxy that strips it (ASGI "
+                        "root_path, as uvicorn's --root-path), e.g. /unmask; the page at / uses it")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -210,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
              torch.get_num_threads(), decoding,
              args.host, args.port, " (API key required)" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=10, lifespan="on")
+                            timeout_graceful_shutdown=10, lifespan="on",
+                            root_path=args.root_path.rstrip("/"))
     state = app.state.unmask
 
     class Server(uvicorn.Server):

@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .render import Render
 from .run import Run
 from .sse import sse_events
+from .visualizer import mount_visualizer
 
 log = logging.getLogger("unmask.server")
 
@@ -298,6 +299,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         return app.openapi_schema
 
     app.openapi = openapi
+    mount_visualizer(app)
     return app
 
 

@@ -1,0 +1,136 @@
+"""The denoising client, `unmask chat` piped, the retry without include_denoising, one-line errors, the page."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from unmask.clients.chat import render_canvas
+from unmask.clients.stream import Canvas, Client, ClientError, Delta, Notice, Step, Usage, resolve_api_key
+from unmask.server.visualizer import mount_visualizer
+
+from .conftest import free_port
+
+CHAT = [sys.executable, "-m", "unmask.cli.main", "chat"]
+
+
+def test_canvas_and_render():
+    c = Canvas(block_size=2)
+    c.update({"step": 0, "block": 0, "nfe": 2, "revealed": [{"position": 1}], "canvas": [None, "b", None, None]})
+    c.update({"step": 1, "block": 0, "nfe": 3, "revealed": [{"position": 0}], "canvas": ["a", "b", None, None]})
+    c.update({"step": 2, "block": 1, "nfe": 4, "revealed": [{"position": 3}], "canvas": ["a", "b", None, "d"]})
+    assert c.step_of == [1, 0, None, 2] and c.block_of == [0, 0, None, 1]
+    assert c.block_span() == (2, 4) and c.revealed == 3
+    text = render_canvas(c).plain
+    assert text == "ab│·d", text
+    assert "NFE 4" in c.status() and "TPF 0.75" in c.status()
+
+
+def test_api_key_sources():
+    assert resolve_api_key("a", {"UNMASK_API_KEY": "b"}) == "a"
+    assert resolve_api_key(None, {"UNMASK_API_KEY": "b", "OPENAI_API_KEY": "c"}) == "b"
+    assert resolve_api_key(None, {"OPENAI_API_KEY": "c"}) == "c"
+    assert resolve_api_key(None, {}) is None
+
+
+def test_client_streams_steps(server):
+    client = Client(server["v1"], server["key"])
+    events = list(client.chat(server["model"], [{"role": "user", "content": "Hi"}],
+                              {"max_tokens": 12, "ignore_eos": True, "block_size": 4}))
+    steps = [e for e in events if isinstance(e, Step)]
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    assert len(steps) >= 3 and any(isinstance(e, Usage) for e in events)
+    c = Canvas()
+    for s in steps:
+        c.update(s.denoising)
+    assert len(c.cells) == 12 and None not in c.cells and c.revealed == 12 and text  # per-token texts may split
+    # a multi-byte character, so the joined canvas need not equal the text
+    assert any(None in s.denoising["canvas"] for s in steps)   # placeholders before the end
+
+
+def test_retries_once_without_include_denoising():
+    bodies = []
+
+    def handler(request: httpx.Request):
+        body = json.loads(request.content)
+        bodies.append(body)
+        if body["stream_options"].get("include_denoising"):  # as OpenAI answers an unknown option
+            return httpx.Response(400, json={"error": {"message": "Unrecognized request argument supplied: "
+                                                                  "stream_options.include_denoising",
+                                                       "type": "invalid_request_error"}})
+        sse = ('data: {"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+               'data: {"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    client = Client("http://example.test/v1", "k", transport=httpx.MockTransport(handler))
+    events = list(client.chat("m", [{"role": "user", "content": "x"}]))
+    assert len(bodies) == 2 and "include_denoising" not in bodies[1]["stream_options"]
+    assert isinstance(events[0], Notice) and "retrying without include_denoising" in events[0].message
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "Hello"
+    list(client.chat("m", [{"role": "user", "content": "x"}]))   # remembered: no second rejection
+    assert len(bodies) == 3
+
+
+def test_server_error_is_one_line():
+    client = Client("http://example.test", None, transport=httpx.MockTransport(
+        lambda r: httpx.Response(500, json={"error": {"message": "boom"}})))
+    with pytest.raises(ClientError, match=r"^server error 500: boom$"):
+        list(client.chat("m", []))
+
+
+def _chat(args, stdin="", env=None, timeout=120):
+    return subprocess.run(CHAT + args, input=stdin, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_unreachable_and_wrong_key_are_one_line(server):
+    r = _chat(["--base-url", f"http://127.0.0.1:{free_port()}/v1"])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "cannot reach the server" in r.stderr, r.stderr
+    r = _chat(["--base-url", server["v1"], "--api-key", "wrong"])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "refused the API key (401)" in r.stderr, r.stderr
+
+
+def test_piped_chat_is_plain_text(server):
+    r = _chat(["--base-url", server["url"], "--max-tokens", "8", "--set", "ignore_eos=true", "--block-size", "4"],
+              stdin="Hello\n/steps 4\nAgain\n", env={"UNMASK_API_KEY": server["key"]})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith("\n") and r.stdout.count("\n") >= 2 and r.stdout.strip(), r.stdout  # two answers
+    assert "\x1b" not in r.stdout and "·" not in r.stdout   # no escape sequences, no canvas
+    assert r.stderr.count("usage:") == 2 and "steps = 4" in r.stderr, r.stderr
+
+
+def test_page_served_at_root(server):
+    page = httpx.get(server["url"] + "/")
+    assert page.status_code == 200 and '<base href="/">' in page.text
+    assert 'src="visualizer/app.js"' in page.text and 'href="visualizer/style.css"' in page.text
+    js = httpx.get(server["url"] + "/visualizer/app.js")
+    assert js.status_code == 200 and "include_denoising" in js.text and "javascript" in js.headers["content-type"]
+    assert httpx.get(server["url"] + "/visualizer/nope.js").status_code == 404
+    assert httpx.get(server["url"] + "/v1/models").status_code == 401   # the page needs no key; /v1 still does
+    assert '"/v1/' not in js.text and "fetch(\"/" not in js.text        # relative URLs only
+
+
+def test_page_under_a_root_path():
+    app = FastAPI()
+    mount_visualizer(app)
+    with TestClient(app, root_path="/unmask") as c:
+        assert '<base href="/unmask/">' in c.get("/").text
+    fixed = FastAPI()
+    mount_visualizer(fixed, "/proxy/")
+    with TestClient(fixed) as c:
+        assert '<base href="/proxy/">' in c.get("/").text
+
+
+def test_serve_has_root_path_flag():
+    from unmask.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "m", "--root-path", "/unmask"])
+    assert args.root_path == "/unmask"

@@ -1,0 +1,54 @@
+"""clients/examples/ run against the tiny server: the openai SDK ones and curl always; LangChain / LiteLLM when
+installed."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "clients" / "examples"
+
+
+def run_example(server, name: str) -> str:
+    cmd = ["bash", str(EXAMPLES / name)] if name.endswith(".sh") else [sys.executable, str(EXAMPLES / name)]
+    env = {**os.environ, "UNMASK_BASE_URL": server["v1"], "UNMASK_API_KEY": server["key"]}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=str(EXAMPLES))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_openai_sync(server):
+    assert "usage:" in run_example(server, "openai_sync.py")
+
+
+def test_openai_async(server):
+    assert run_example(server, "openai_async.py").count(" -> ") == 3
+
+
+def test_openai_stream(server):
+    run_example(server, "openai_stream.py")
+
+
+def test_openai_denoising(server):
+    out = run_example(server, "openai_denoising.py")
+    assert "step  0 block 0" in out and "_" in out.splitlines()[0] and "usage:" in out
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl(server):
+    out = run_example(server, "curl.sh")
+    assert '"object":"chat.completion"' in out and '"denoising"' in out and "data: [DONE]" in out
+
+
+def test_langchain(server):
+    pytest.importorskip("langchain_openai")
+    run_example(server, "langchain_chat.py")
+
+
+def test_litellm(server):
+    pytest.importorskip("litellm")
+    run_example(server, "litellm_chat.py")

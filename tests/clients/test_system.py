@@ -1,0 +1,166 @@
+"""System tests (`pytest -m system`): the terminal chat under tmux, the page in headless Chromium, the wheel's
+package data. Under CI=true a missing tmux / chromium is a failure."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, require, running
+
+pytestmark = pytest.mark.system
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _wait(cond, timeout: float, what: str, every: float = 0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Tmux:
+    def __init__(self, tmux: str, name: str, command: str):
+        self.tmux, self.sock = tmux, name
+        subprocess.run([tmux, "-L", name, "new-session", "-d", "-x", "110", "-y", "45", command], check=True)
+
+    def send(self, *keys: str) -> None:
+        subprocess.run([self.tmux, "-L", self.sock, "send-keys", *keys], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run([self.tmux, "-L", self.sock, "capture-pane", "-p"], capture_output=True,
+                              text=True).stdout
+
+    def kill(self) -> None:
+        subprocess.run([self.tmux, "-L", self.sock, "kill-server"], capture_output=True)
+
+
+def test_terminal_chat_under_tmux(server, tmp_path):
+    tmux = require("tmux")
+    cmd = " ".join(shlex.quote(a) for a in [
+        sys.executable, "-m", "unmask.cli.main", "chat", "--base-url", server["v1"], "--api-key", server["key"],
+        "--max-tokens", "160", "--block-size", "8", "--set", "ignore_eos=true", "--set", 'cache="none"'])
+    t = Tmux(tmux, f"unmask-test-{os.getpid()}", f"TERM=xterm-256color COLUMNS=110 {cmd}")
+    try:
+        _wait(lambda: "you>" in t.screen(), 60, "the prompt")
+        t.send("Hello there", "Enter")
+        screens = []
+
+        def progressed():
+            s = t.screen()
+            if "NFE" in s:
+                screens.append(s)
+            return "usage:" in s
+        _wait(progressed, 90, "the answer", every=0.02)
+        masked = [s.count("·") for s in screens]
+        assert max(masked) > 20 and masked[-1] < max(masked), masked   # placeholders turned into text
+        assert any(0 < s.count("·") for s in screens) and "TPF" in screens[-1] and "tok/s" in screens[-1]
+        final = t.screen()
+        assert "usage:" in final and "completion tokens" in final
+        (tmp_path / "screens.txt").write_text("\n=====\n".join(screens[:: max(1, len(screens) // 10)]))
+
+        # Ctrl-C stops the answer, the slot is freed, the chat goes on
+        t.send("/reset", "Enter")
+        t.send("/max 400", "Enter")
+        t.send("A long one", "Enter")
+        try:
+            _wait(lambda: running(server["url"]) >= 1, 30, "the request to run")
+        except AssertionError:
+            raise AssertionError(t.screen()) from None
+        time.sleep(0.3)
+        t.send("C-c")
+        _wait(lambda: "(stopped)" in t.screen(), 20, "(stopped)")
+        _wait(lambda: running(server["url"]) == 0, 20, "the running gauge to return to 0")
+        t.send("/max 8", "Enter")
+        t.send("Short one", "Enter")
+        _wait(lambda: t.screen().count("usage:") >= 2, 60, "the next answer")
+        t.send("C-d")
+    finally:
+        t.kill()
+
+
+def test_browser_end_to_end(server, tmp_path):
+    chromium = require("chromium")
+    sync_api = pytest.importorskip("playwright.sync_api") if os.environ.get("CI") != "true" else \
+        __import__("playwright.sync_api", fromlist=["sync_playwright"])
+    shots = Path(os.environ.get("UNMASK_SCREENSHOTS", tmp_path))
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=chromium,
+                                                   headless=True, args=CHROMIUM_FLAGS,
+                                                   viewport={"width": 1100, "height": 640})
+        try:
+            page = ctx.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server["url"] + "/")
+            _wait(lambda: "API key" in page.inner_text("#error"), 20, "the API-key error")
+            page.fill("#apikey", server["key"])
+            page.dispatch_event("#apikey", "change")
+            page.wait_for_selector("#model option", state="attached", timeout=20000)
+            assert page.input_value("#model") == server["model"]
+            page.fill("#max_tokens", "40")
+            page.fill("#block_size", "8")
+            page.fill("#steps", "20")
+            page.fill("#extra", '{"ignore_eos": true, "seed": 3}')
+            page.fill("#prompt", "Name three colours.")
+            page.click("#send")
+            page.wait_for_selector("body[data-done='1']", timeout=60000)
+            assert page.inner_text("#error") == "" or not page.is_visible("#error"), page.inner_text("#error")
+            assert page.locator("#canvas .mask").count() == 0 and page.locator("#canvas .tok").count() > 0
+            assert "NFE" in page.inner_text("#counters") and "usage:" in page.inner_text("#counters")
+            steps = int(page.get_attribute("#slider", "max")) + 1
+            assert steps >= 5, steps
+            assert page.locator("#canvas .bound").count() >= 1
+            page.screenshot(path=str(shots / "visualizer.png"))
+            page.eval_on_selector("#slider", "e => { e.value = 0; e.dispatchEvent(new Event('input')); }")
+            assert page.locator("#canvas .mask").count() > 30           # step 1: nearly all masked
+            assert page.inner_text("#slider-label") == f"step 1 of {steps}"
+            mid = steps // 2
+            page.eval_on_selector("#slider", f"e => {{ e.value = {mid}; e.dispatchEvent(new Event('input')); }}")
+            assert 0 < page.locator("#canvas .mask").count() < 40
+            assert page.inner_text("#slider-label") == f"step {mid + 1} of {steps}"
+            assert not errors, errors
+        finally:
+            ctx.close()
+    assert (shots / "visualizer.png").stat().st_size > 5000
+
+
+def test_wheel_ships_the_page(tmp_path):
+    wheel_dir, venv = tmp_path / "wheel", tmp_path / "venv"
+    import setuptools
+
+    # the installed setuptools when it is new enough for pyproject.toml (>= 77), else pip's isolated build
+    isolation = [] if int(setuptools.__version__.split(".")[0]) < 77 else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", *isolation, "-q",
+                    "-w", str(wheel_dir)], check=True, timeout=300, cwd=str(tmp_path))
+    wheel = next(wheel_dir.glob("unmask-*.whl"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # the wheel alone, not editable; the dependencies come from this interpreter's site-packages (appended after)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
+                   check=True, timeout=300)
+    import fastapi
+
+    deps = str(Path(fastapi.__file__).resolve().parents[1])
+    check = ("import sys; sys.path.append(%r)\n"
+             "import unmask.server.visualizer as v, fastapi\n"
+             "from fastapi.testclient import TestClient\n"
+             "assert v.__file__.startswith(%r), v.__file__\n"
+             "app = fastapi.FastAPI(); v.mount_visualizer(app); c = TestClient(app)\n"
+             "r = c.get('/'); assert r.status_code == 200 and 'visualizer/app.js' in r.text\n"
+             "assert 'include_denoising' in c.get('/visualizer/app.js').text\n"
+             "assert c.get('/visualizer/style.css').status_code == 200\n"
+             "print('ok')") % (deps, site)
+    r = subprocess.run([str(py), "-I", "-c", check], capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
+    assert r.stdout.strip() == "ok", r.stdout + r.stderr
