@@ -33,6 +33,7 @@ def register(sub, name):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--suffix", default=None, help="text after the generated region (infilling)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable, at most 4)")
+    p.add_argument("--ignore-eos", action="store_true", help="EOS does not end generation (vLLM's ignore_eos)")
     p.add_argument("--cache", default="auto", help="auto | none | prefix | dual")
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
                    help="self-speculative decoding: mask-block drafts verified by the model's causal path (greedy: "
@@ -55,7 +56,9 @@ def register(sub, name):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
                    help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU, as loaded elsewhere")
-    p.add_argument("--show-steps", action="store_true", help="print the canvas after every step (masks as _)")
+    p.add_argument("--show-steps", action="store_true",
+                   help="show the canvas after every step on stderr: redrawn in place on a terminal, one line per "
+                        "step when piped (masks as _)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams.from_flat(max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size,
                                 remasking=args.remasking, threshold=args.threshold, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg_scale, seed=args.seed,
-                                suffix=args.suffix, stop=args.stop, cache=args.cache, speculative=args.speculative,
+                                suffix=args.suffix, stop=args.stop, cache=args.cache, ignore_eos=args.ignore_eos,
+                                speculative=args.speculative,
                                 speculative_branches=args.speculative_branches,
                                 speculative_epsilon=args.speculative_epsilon,
                                 speculative_ratio=args.speculative_ratio,
@@ -104,12 +108,16 @@ def run(args: argparse.Namespace) -> int:
                       else llm.encode(args.prompt))
         texts = TokenTexts(llm.tokenizer)
         out = None
+        show = _StepView(texts, params.block_size) if args.show_steps else None
         t0 = time.perf_counter()
-        for ev in llm.stream(prompt_ids, params, request_id="cli"):
-            if args.show_steps:
-                canvas = "".join("_" if t is None else texts(t) for t in ev.canvas)
-                print(f"[block {ev.block} step {ev.step} nfe {ev.nfe}] {canvas}", file=sys.stderr, flush=True)
-            out = ev.output or out
+        try:
+            for ev in llm.stream(prompt_ids, params, request_id="cli"):
+                if show is not None:
+                    show.update(ev)
+                out = ev.output or out
+        finally:
+            if show is not None:
+                show.close()
     except ParamError as exc:  # a rule between options (e.g. a relaxed rule with a temperature): name the option
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
     except (CheckpointError, ValueError) as exc:
@@ -122,3 +130,45 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(out.text)
     return 0
+
+
+class _StepView:
+    """``--show-steps``: on a terminal (stderr) the canvas is redrawn in place after every step with rich's
+    ``Live`` (the same view as ``unmask chat``: masks as placeholders, tokens coloured by their reveal step, the
+    current block marked, a status line); piped, one line per step (``[block B step S nfe N] canvas``, masks as
+    ``_``)."""
+
+    def __init__(self, texts, block_size: int | None):
+        self.texts = texts
+        self.live = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            from unmask.clients.stream import Canvas
+
+            self.canvas = Canvas(block_size=block_size)
+            self.live = Live(console=Console(stderr=True), auto_refresh=False, transient=False)
+            self.live.start()
+
+    def update(self, ev) -> None:
+        cells = [None if t is None else self.texts(t) for t in ev.canvas]
+        if self.live is None:
+            canvas = "".join("_" if c is None else c for c in cells)
+            print(f"[block {ev.block} step {ev.step} nfe {ev.nfe}] {canvas}", file=sys.stderr, flush=True)
+            return
+        from rich.console import Group
+        from rich.text import Text
+
+        from unmask.clients.chat import render_canvas
+
+        self.canvas.update({"canvas": cells, "step": ev.step, "block": ev.block, "nfe": ev.nfe,
+                            "revealed": [{"position": r.position} for r in ev.revealed]})
+        tpf = ev.num_tokens / ev.nfe if ev.nfe else 0.0
+        status = Text(f"block {ev.block}  step {ev.step}  NFE {ev.nfe}  tokens {ev.num_tokens}  TPF {tpf:.2f}",
+                      style="grey62")
+        self.live.update(Group(render_canvas(self.canvas), status), refresh=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()

@@ -164,3 +164,41 @@ def test_wheel_ships_the_page(tmp_path):
              "print('ok')") % (deps, site)
     r = subprocess.run([str(py), "-I", "-c", check], capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
     assert r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_generate_show_steps_redraws_in_place_under_tmux(tmp_path):
+    """`unmask generate --show-steps` on a terminal redraws one canvas (placeholders turning into text, a status
+    line) instead of printing a line per step; piped, it keeps one line per step."""
+    tmux = require("tmux")
+    from .conftest import TESTS
+
+    ckpt = tmp_path / "tiny-a2d"
+    subprocess.run([sys.executable, "-c", (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); from tiny import loaded; "
+        "from unmask.engine.checkpoint import write_checkpoint; m = loaded(block_size=4); "
+        f"write_checkpoint({str(ckpt)!r}, m.model, m.tokenizer, m.dllm)")], check=True)
+    args = [sys.executable, "-m", "unmask.cli.main", "generate", str(ckpt), "--prompt", "Hello", "--max-tokens", "48",
+            "--block-size", "8", "--temperature", "0", "--ignore-eos", "--threads", "1", "--show-steps"]
+    piped = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    step_lines = [line for line in piped.stderr.splitlines() if line.startswith("[block ")]
+    assert len(step_lines) >= 6 and "_" in step_lines[0]
+
+    cmd = " ".join(shlex.quote(a) for a in args) + "; echo GEN-EXITED; sleep 30"
+    t = Tmux(tmux, f"unmask-gen-{os.getpid()}", f"TERM=xterm-256color COLUMNS=110 {cmd}")
+    try:
+        screens = []
+
+        def done():
+            s = t.screen()
+            if "NFE" in s:
+                screens.append(s)
+            return "GEN-EXITED" in s
+        _wait(done, 120, "the generation", every=0.01)
+        final = t.screen()
+        assert final.count("NFE") == 1 and "tokens 48" in final, final   # one status line: redrawn, not appended
+        assert "[block " not in final                   # not the piped line-per-step output
+        masked = [s.count("·") for s in screens]
+        assert max(masked) > 0 and masked[-1] == 0, masked   # placeholders turned into text
+    finally:
+        t.kill()
