@@ -15,7 +15,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "clients" / "examples"
 
 def run_example(server, name: str) -> str:
     cmd = ["bash", str(EXAMPLES / name)] if name.endswith(".sh") else [sys.executable, str(EXAMPLES / name)]
-    env = {**os.environ, "UNMASK_BASE_URL": server["v1"], "UNMASK_API_KEY": server["key"]}
+    env = {**os.environ, "UNMASK_BASE_URL": server["v1"], "UNMASK_API_KEY": server["key"],
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # litellm: no fetch of its price list (no network)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=str(EXAMPLES))
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
@@ -44,11 +45,23 @@ def test_curl(server):
     assert '"object":"chat.completion"' in out and '"denoising"' in out and "data: [DONE]" in out
 
 
+def _require_module(name: str) -> None:
+    """Skip when ``name`` is not installed, except under CI=true (``.ci/run`` installs it): a failure there."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{name} is not installed (CI: .ci/run installs langchain-openai and litellm)")
+        pytest.skip(f"{name} is not installed")
+
+
+@pytest.mark.system
 def test_langchain(server):
-    pytest.importorskip("langchain_openai")
-    run_example(server, "langchain_chat.py")
+    _require_module("langchain_openai")
+    assert run_example(server, "langchain_chat.py").strip()
 
 
+@pytest.mark.system
 def test_litellm(server):
-    pytest.importorskip("litellm")
-    run_example(server, "litellm_chat.py")
+    _require_module("litellm")
+    assert run_example(server, "litellm_chat.py").strip()
