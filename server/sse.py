@@ -8,8 +8,8 @@ Streaming rules:
   that is final, never ends inside a multi-byte character, never ends with a stop-string prefix), so joined deltas
   equal the non-streamed text for the same seed;
 * ``finish_reason`` is null until the last chunk of each choice;
-* with ``stream_options.include_denoising`` each denoising step of each choice is one extra chunk with empty
-  delta/text and a top-level ``denoising`` object (docs/design.md section 10);
+* with ``stream_options.include_denoising`` each denoising step of each choice that reveals a token is one extra
+  chunk with empty delta/text and a top-level ``denoising`` object (docs/design.md section 10);
 * with ``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk has ``choices: []`` and
   the usage;
 * ``data: [DONE]`` ends every stream, also after an error, which is sent as ``data: {"error": {...}}``.
