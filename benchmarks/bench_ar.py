@@ -29,7 +29,7 @@ import torch
 
 import bench_common as bc
 from eval_quality import parse_setting
-from unmask.engine.speculative import DEFAULT_NO_REPEAT_NGRAM
+from unmask.engine.plan import DEFAULT_NO_REPEAT_NGRAM
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",

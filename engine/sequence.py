@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 
 from .attention import canvas_groups
-from .layout import split_steps  # noqa: F401  (re-exported for old callers)
 from .outputs import Revealed, StepEvent
-from .request import Lane, LaneInput, Request, check_token_ids  # noqa: F401  (re-exported)
+from .request import LaneInput, Request
 from .sampler import Candidates, classifier_free_guidance, reveal_count, sample_candidates, select_reveals
 
-__all__ = ["Sequence", "LaneInput", "Lane", "split_steps"]
+__all__ = ["Sequence"]
 
 
 class Sequence(Request):

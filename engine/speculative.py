@@ -40,11 +40,10 @@ import torch
 
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .outputs import Revealed, StepEvent
-from .plan import DEFAULT_BRANCHES, DEFAULT_NO_REPEAT_NGRAM, check_speculative  # noqa: F401  (old names)
 from .request import LaneInput, Request
 from .sampler import filter_top_k_top_p, forbid, log_normalizer, sample_from_probs
 
-__all__ = ["SpeculativeSequence", "speculative_accept", "sample_from_probs", "check_speculative", "MAX_DRAFT_BLOCK"]
+__all__ = ["SpeculativeSequence", "speculative_accept", "MAX_DRAFT_BLOCK"]
 
 MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
 
@@ -92,7 +91,7 @@ class SpeculativeSequence(Request):
     ``params.speculative_ratio`` to accepting drafts within a probability ratio of the causal argmax (lossy too:
     only near-ties of the causal path are kept); either relaxed rule keeps a non-argmax draft only when it does not
     complete an n-gram the generated text already holds (``params.speculative_no_repeat_ngram``, default
-    :data:`DEFAULT_NO_REPEAT_NGRAM`).
+    :data:`unmask.engine.plan.DEFAULT_NO_REPEAT_NGRAM`).
 
     Raises:
         ParamError: as :class:`~unmask.engine.request.Request`, and from

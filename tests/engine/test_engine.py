@@ -11,7 +11,8 @@ import torch
 from tiny import loaded
 from unmask.engine import LLM, ParamError, SamplingParams
 from unmask.engine.sampler import filter_top_k_top_p, reveal_count, sample_candidates
-from unmask.engine.sequence import Sequence, split_steps
+from unmask.engine.layout import split_steps
+from unmask.engine.sequence import Sequence
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. One two", "Paris"]
 

@@ -8,7 +8,8 @@ import torch
 
 from tiny import loaded
 from unmask.engine import LLM, SamplingParams
-from unmask.engine.speculative import sample_from_probs, speculative_accept
+from unmask.engine.sampler import sample_from_probs
+from unmask.engine.speculative import speculative_accept
 
 
 def _random_dist(gen, v, sharp=2.0):
