@@ -23,3 +23,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``system`` (tmux, Chromium, docker, Prometheus, nginx, multi-process) run only when the mark
+    expression names them (``pytest -m system``, as .ci/run does after the README's test command)."""
+    if "system" in (config.getoption("markexpr") or ""):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("system") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

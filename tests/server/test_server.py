@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from serving import start_server
 
 KEY = "sk-test-unmask"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -24,52 +23,11 @@ MODEL = "tiny"
 C, CH = "/v1/completions", "/v1/chat/completions"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# The server process writes the tiny a2d checkpoint itself, then runs `unmask serve` on it (main(["serve", ...])):
-# one torch import instead of two (this test process never needs torch).
-SERVE = """
-import sys
-sys.path.insert(0, {tests!r})
-from tiny import loaded
-from unmask.engine.checkpoint import write_checkpoint
-m = loaded(block_size=4)
-write_checkpoint({ckpt!r}, m.model, m.tokenizer, m.dllm)
-del m
-from unmask.cli.main import main
-sys.exit(main(["serve", {ckpt!r}] + sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    ckpt = str(tmp_path_factory.mktemp("ckpt") / "tiny-a2d")
-    script = SERVE.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ckpt=ckpt)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", script, "--port", str(port),
-                                 "--served-model-name", MODEL, "--api-key", KEY, "--max-batch-size", "8",
-                                 "--max-queue", "16", "--default-max-tokens", "16"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 150
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
+    proc, base, log_path = start_server(tmp_path_factory.mktemp("server"), "--served-model-name", MODEL,
+                                        "--api-key", KEY, "--max-batch-size", "8", "--max-queue", "16",
+                                        "--default-max-tokens", "16")
     yield {"url": base, "log": log_path, "proc": proc}
     # graceful shutdown with a stream open: the stream ends with an error event and [DONE], then the process exits
     import threading

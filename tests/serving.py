@@ -1,0 +1,93 @@
+"""Starting a real `unmask serve` process on a tiny random checkpoint, for every test that needs one over HTTP.
+
+The server process writes the tiny a2d checkpoint itself (``tiny.loaded``) and then runs ``main(["serve", ...])``:
+one torch import instead of two (the test process itself need not import torch). ``require`` is the one rule for
+system tools: skip when missing, except under ``CI=true`` where a missing tool is a failure.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+SERVE = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny import loaded
+from unmask.engine.checkpoint import write_checkpoint
+m = loaded(block_size={block_size})
+write_checkpoint({ckpt!r}, m.model, m.tokenizer, m.dllm)
+del m
+from unmask.cli.main import main
+sys.exit(main(["serve", {ckpt!r}] + sys.argv[1:]))
+"""
+
+SERVER_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+              "PYTHONUNBUFFERED": "1"}
+
+
+def require(binary: str) -> str:
+    """The path of ``binary``; skip when missing, except under CI=true where it is a failure."""
+    path = shutil.which(binary)
+    if path is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{binary} is not installed (CI: .ci/run installs it with apt-get)")
+        pytest.skip(f"{binary} is not installed")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout: float = 150.0) -> None:
+    """Poll ``base/health`` until it answers 200; fail with the log's tail when the process exits or time runs
+    out."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def start_server(tmp: Path, *args: str, python: str = sys.executable, block_size: int = 4,
+                 port: int | None = None, env: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """Start `unmask serve` on a tiny checkpoint written under ``tmp`` with the given serve ``args``; wait for
+    ``/health``. Returns (process, base URL, log path)."""
+    port = port or free_port()
+    log_path = tmp / "server.log"
+    ckpt = str(tmp / "tiny-a2d")
+    script = SERVE.format(tests=str(TESTS), ckpt=ckpt, block_size=block_size)
+    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([python, "-c", script, "--port", str(port), *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=full_env, cwd=str(tmp))
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, log_path)
+    return proc, base, log_path
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
