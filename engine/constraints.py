@@ -129,7 +129,7 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_i
     eos = tuple(sorted(set(int(t) for t in eos_ids)))
     if not eos:
         raise ParamError(constraint.field, "a constraint needs an end-of-sequence token to end the output "
-                                           "(the model has none, or ignore_eos is set)")
+                                           "(the model declares no EOS id)")
     lltok = ll_tokenizer(tokenizer, vocab_size, eos)
     with _lock:
         template = _compiled(lltok, constraint.key(), constraint)
@@ -153,6 +153,10 @@ class GrammarState:
         self.consumed = 0   # tokens consumed for good (the revealed prefix)
         self.done = False   # an EOS was consumed: nothing but EOS follows
         self._pushed: list[tuple[bool, bool]] = []  # per tried token: (matcher consumed it, done before it)
+
+    def is_eos(self, token: int) -> bool:
+        """Whether ``token`` is one of the EOS ids."""
+        return int(token) in self._eos
 
     @property
     def pushed(self) -> int:
@@ -236,16 +240,18 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator:
 
     Row 0 is the leftmost undecided position (every generated position before it is revealed), so its mask is the
     exact grammar state of the prefix. Row i is drawn from its logits masked by the state after rows 0..i-1's
-    candidates (tried, not kept), then filtered (top-k/top-p) and drawn as unconstrained rows are. The chain stops
-    after ``quota`` rows (quota mode), at the first row after row 0 whose candidate probability is below
-    ``threshold`` (threshold mode; that row is not kept), or after an EOS. The kept rows are consumed by the
+    candidates (tried, not kept), then filtered (top-k/top-p) and drawn as unconstrained rows are. A row whose
+    mask allows one token only (the grammar forces it: JSON keys, braces, the closing EOS) is kept whatever the
+    model says and does not count against the step's quota. The chain stops before the first unforced row past
+    ``quota`` unforced rows (quota mode), at the first unforced row after row 0 whose candidate probability is
+    below ``threshold`` (threshold mode; that row is not kept), or after an EOS. The kept rows are consumed by the
     grammar: they are revealed this step.
 
     Args:
         logits: ``[N, V]`` float32 prepared logits (forbidden ids, logit_bias and penalties applied) of the N
             masked positions of the active window, in position order.
         grammar: the request's state (its pushed stack empty). params: the request's parameters.
-        quota / threshold: as :func:`~unmask.engine.sampler.select_reveals` (exactly one is set).
+        quota / threshold: as :func:`~unmask.engine.sampler.select_reveals` (one of them is set).
 
     Returns:
         :class:`~unmask.engine.sampler.Candidates` of the kept rows 0..k-1 (k >= 1 when N >= 1).
@@ -253,22 +259,26 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator:
     from .sampler import Candidates, draw, filter_top_k_top_p, score_candidates
 
     n = int(logits.shape[0])
-    limit = n if quota is None else max(1, min(int(quota), n))
-    kept = []
-    for i in range(limit):
-        row = mask_rows(logits[i], grammar.allowed())[None]
-        row = filter_top_k_top_p(row, params.top_k, params.top_p)
+    limit = n if quota is None else max(1, int(quota))
+    kept, counted = [], 0
+    for i in range(n):
+        allowed = grammar.allowed()
+        forced = int(allowed.sum()) == 1
+        if counted >= limit and not forced:
+            break
+        row = filter_top_k_top_p(mask_rows(logits[i], allowed)[None], params.top_k, params.top_p)
         token = draw(row, params, generator)
         cand = score_candidates(row, token, params, generator)
-        if i > 0 and threshold is not None and float(cand.probability[0]) < threshold:
+        if i > 0 and not forced and threshold is not None and float(cand.probability[0]) < threshold:
             break
         if not grammar.push(int(token[0])):  # pragma: no cover - the mask allowed it
             break
         kept.append(cand)
-        if int(token[0]) in grammar._eos:
+        counted += 0 if forced else 1
+        if grammar.is_eos(int(token[0])):
             break
     grammar.commit()
-    if not kept:
+    if not kept:  # pragma: no cover - row 0 is always kept
         empty = torch.empty(0)
         return Candidates(empty.long(), empty.double(), empty.double(), empty.float())
     return Candidates(*(torch.cat([getattr(c, f) for c in kept]) for f in ("tokens", "probability", "score",

@@ -41,7 +41,7 @@ import torch
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .outputs import Revealed, StepEvent
 from .request import LaneInput, Request
-from .sampler import filter_top_k_top_p, forbid, log_normalizer, sample_from_probs
+from .sampler import add_bias, filter_top_k_top_p, forbid, log_normalizer, sample_from_probs
 
 __all__ = ["SpeculativeSequence", "speculative_accept", "MAX_DRAFT_BLOCK"]
 
@@ -258,6 +258,45 @@ class SpeculativeSequence(Request):
             return True
         return any(tuple(seq[j: j + n]) == gram for j in range(len(seq) - n))  # grams ending at drafts[:q]
 
+    def _constrain_causal_rows(self, logits: torch.Tensor, drafts: list[int]) -> None:
+        """Mask the causal rows of a constrained request, in place (docs/design.md section 19): row ``i``
+        (predicting draft position ``i``; row ``D`` the position after the drafts) gets the grammar's mask after
+        the final tokens and ``drafts[:i]``. Masking stops at the first draft the grammar rejects: that draft has
+        probability 0 under its masked row, so verification rejects it there (greedy, relaxed and speculative
+        sampling alike) and the rows after it are never read. The grammar is rolled back to the final tokens."""
+        from .constraints import mask_rows
+
+        g = self.grammar
+        for i in range(len(drafts) + 1):
+            logits[i] = mask_rows(logits[i], g.allowed())
+            if i == len(drafts) or not g.push(drafts[i]):
+                break
+        g.pop()
+
+    def _grammar_drafts(self, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The next drafts of a constrained request from the mask rows ``rows`` of ``logits`` (filtered), each
+        drawn under the grammar's mask after the final tokens and the drafts before it (argmax when greedy, from
+        the masked distribution ``q`` when sampling: speculative sampling holds for any ``q`` the drafts are
+        really drawn from). Tokens the grammar forces are drafted with certainty, and the masked verifier accepts
+        them. Returns ``(drafts, q)`` (``q``: ``[D, V]`` float64 when sampling, else ``None``)."""
+        from .constraints import mask_rows
+
+        g, drafts, qs = self.grammar, [], []
+        for r in rows:
+            row = mask_rows(logits[r], g.allowed())
+            if self.sampling:
+                q = torch.softmax(row.to(torch.float64) / self.temperature, dim=-1)
+                token = int(sample_from_probs(q[None], self.generator)[0])
+                qs.append(q)
+            else:
+                token = int(torch.argmax(row))
+            if not g.push(token):  # pragma: no cover - the mask allowed it
+                break
+            drafts.append(token)
+        g.pop()
+        qs = qs[: len(drafts)]
+        return drafts, (torch.stack(qs) if qs else None) if self.sampling else None
+
     # ------------------------------------------------------------------ the strategy protocol
     def variant_rows(self, inp: LaneInput) -> torch.Tensor:
         """The causal (committed-context) rows run the model's row variant (a checkpoint's verifier)."""
@@ -288,7 +327,9 @@ class SpeculativeSequence(Request):
         lo, f, drafts, group_rows = lay["lo"], lay["f"], lay["drafts"], lay["group_rows"]
         pred_pos = torch.tensor(lay["pred_pos"], dtype=torch.long)  # position each row predicts (logit shift)
         early = (pred_pos - self.prompt_len < self.params.min_tokens) if self.params.min_tokens else None
-        logits = forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids)
+        logits = add_bias(forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids), self.logit_bias)
+        if self.grammar is not None:
+            self._constrain_causal_rows(logits, drafts)
         if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
             logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
         if self.sampling:
@@ -298,9 +339,6 @@ class SpeculativeSequence(Request):
             q = self.draft_probs[: len(drafts)] if drafts else None
             p = probs(list(range(len(drafts) + 1)))
             accepted, token = speculative_accept(p, q if q is not None else p[:0], drafts, self.generator)
-            key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
-            next_q = probs(key_rows) if key_rows else None
-            next_drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
         else:
             best = torch.argmax(logits, dim=-1).cpu()
             relaxed = self._relaxed_ok(logits[: len(drafts)], drafts)
@@ -319,14 +357,19 @@ class SpeculativeSequence(Request):
         tok_t = torch.tensor(new_tokens, dtype=torch.long)
         logp = (logits[rows, tok_t.to(logits.device)].to(torch.float64) - lse).cpu() if rows else lse
 
-        # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
-        if self.sampling:
-            self.drafts, self.draft_probs = next_drafts, next_q
-        else:
-            key = "A" if accepted == len(drafts) else accepted
-            self.drafts = [int(best[r]) for r in group_rows.get(key, [])]
         self.proposed_drafts += len(drafts)
         self.accepted_drafts += accepted
+        # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
+        key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
+        if self.grammar is not None:
+            self.grammar.consume(new_tokens)
+            self.drafts, self.draft_probs = self._grammar_drafts(logits, key_rows)
+        elif self.sampling:
+            next_q = probs(key_rows) if key_rows else None
+            self.drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
+            self.draft_probs = next_q
+        else:
+            self.drafts = [int(best[r]) for r in key_rows]
 
         positions = torch.arange(f, f + len(new_tokens))
         if new_tokens:
