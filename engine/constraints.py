@@ -283,3 +283,47 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator:
         return Candidates(empty.long(), empty.double(), empty.double(), empty.float())
     return Candidates(*(torch.cat([getattr(c, f) for c in kept]) for f in ("tokens", "probability", "score",
                                                                             "logprob")))
+
+
+def mask_verifier_rows(logits: torch.Tensor, grammar: GrammarState, drafts: list[int]) -> None:
+    """Mask the causal (verifier) rows of a constrained speculative step, in place (docs/design.md section 19):
+    row ``i`` of ``logits`` (``[N, V]`` float32; rows ``0..D`` predict the positions of ``drafts[0..D-1]`` and the
+    one after them) gets the grammar's mask after the final tokens and ``drafts[:i]``. Masking stops at the first
+    draft the grammar rejects: that draft has probability 0 under its masked row, so verification rejects it there
+    (greedy, relaxed and speculative sampling alike) and the rows after it are never read. The grammar is left as
+    it was (the drafts are pushed and popped)."""
+    for i in range(len(drafts) + 1):
+        logits[i] = mask_rows(logits[i], grammar.allowed())
+        if i == len(drafts) or not grammar.push(drafts[i]):
+            break
+    grammar.pop()
+
+
+def grammar_drafts(logits: torch.Tensor, rows: list[int], grammar: GrammarState, generator: torch.Generator,
+                   temperature: float | None) -> tuple[list[int], torch.Tensor | None]:
+    """The next drafts of a constrained speculative request from the mask rows ``rows`` of filtered ``[N, V]``
+    ``logits``: each drawn under the grammar's mask after the final tokens and the drafts before it - the argmax
+    when ``temperature`` is ``None`` (greedy), else a draw from the masked distribution ``q`` at that temperature
+    (speculative sampling is exact for any ``q`` the drafts are really drawn from). Tokens the grammar forces are
+    drafted with certainty, and the masked verifier accepts them. The grammar is left as it was.
+
+    Returns:
+        ``(drafts, q)``: ``q`` ``[D, V]`` float64 when sampling (``None`` when greedy or no draft).
+    """
+    from .sampler import sample_from_probs
+
+    drafts, qs = [], []
+    for r in rows:
+        row = mask_rows(logits[r], grammar.allowed())
+        if temperature is not None:
+            q = torch.softmax(row.to(torch.float64) / temperature, dim=-1)
+            token = int(sample_from_probs(q[None], generator)[0])
+            qs.append(q)
+        else:
+            token = int(torch.argmax(row))
+        if not grammar.push(token):  # pragma: no cover - the mask allowed it
+            break
+        drafts.append(token)
+    grammar.pop()
+    qs = qs[: len(drafts)]
+    return drafts, (torch.stack(qs) if qs else None)

@@ -31,6 +31,11 @@ Every revealed token is then distributed exactly as ``block_size=1`` sampling fr
 fallback group of the first rejected draft otherwise, and none when that group was not forwarded. Only the causal
 tokens before the correction are committed to the KV cache; rejected drafts' keys/values are never stored (the
 rollback is free).
+
+A request with a grammar constraint (docs/design.md section 19) keeps it here: the causal rows are masked by the
+grammar state after the final tokens and the drafts before them (a draft the grammar forbids has probability 0 and
+is rejected; the correction is drawn under the mask, so greedy output is constrained ``block_size=1`` decoding token
+for token), and the next drafts are drawn under the grammar's mask too (forced tokens are drafted for certain).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import math
 
 import torch
 
+from .constraints import grammar_drafts, mask_verifier_rows
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .outputs import Revealed, StepEvent
 from .request import LaneInput, Request
@@ -258,45 +264,6 @@ class SpeculativeSequence(Request):
             return True
         return any(tuple(seq[j: j + n]) == gram for j in range(len(seq) - n))  # grams ending at drafts[:q]
 
-    def _constrain_causal_rows(self, logits: torch.Tensor, drafts: list[int]) -> None:
-        """Mask the causal rows of a constrained request, in place (docs/design.md section 19): row ``i``
-        (predicting draft position ``i``; row ``D`` the position after the drafts) gets the grammar's mask after
-        the final tokens and ``drafts[:i]``. Masking stops at the first draft the grammar rejects: that draft has
-        probability 0 under its masked row, so verification rejects it there (greedy, relaxed and speculative
-        sampling alike) and the rows after it are never read. The grammar is rolled back to the final tokens."""
-        from .constraints import mask_rows
-
-        g = self.grammar
-        for i in range(len(drafts) + 1):
-            logits[i] = mask_rows(logits[i], g.allowed())
-            if i == len(drafts) or not g.push(drafts[i]):
-                break
-        g.pop()
-
-    def _grammar_drafts(self, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """The next drafts of a constrained request from the mask rows ``rows`` of ``logits`` (filtered), each
-        drawn under the grammar's mask after the final tokens and the drafts before it (argmax when greedy, from
-        the masked distribution ``q`` when sampling: speculative sampling holds for any ``q`` the drafts are
-        really drawn from). Tokens the grammar forces are drafted with certainty, and the masked verifier accepts
-        them. Returns ``(drafts, q)`` (``q``: ``[D, V]`` float64 when sampling, else ``None``)."""
-        from .constraints import mask_rows
-
-        g, drafts, qs = self.grammar, [], []
-        for r in rows:
-            row = mask_rows(logits[r], g.allowed())
-            if self.sampling:
-                q = torch.softmax(row.to(torch.float64) / self.temperature, dim=-1)
-                token = int(sample_from_probs(q[None], self.generator)[0])
-                qs.append(q)
-            else:
-                token = int(torch.argmax(row))
-            if not g.push(token):  # pragma: no cover - the mask allowed it
-                break
-            drafts.append(token)
-        g.pop()
-        qs = qs[: len(drafts)]
-        return drafts, (torch.stack(qs) if qs else None) if self.sampling else None
-
     # ------------------------------------------------------------------ the strategy protocol
     def variant_rows(self, inp: LaneInput) -> torch.Tensor:
         """The causal (committed-context) rows run the model's row variant (a checkpoint's verifier)."""
@@ -328,8 +295,8 @@ class SpeculativeSequence(Request):
         pred_pos = torch.tensor(lay["pred_pos"], dtype=torch.long)  # position each row predicts (logit shift)
         early = (pred_pos - self.prompt_len < self.params.min_tokens) if self.params.min_tokens else None
         logits = add_bias(forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids), self.logit_bias)
-        if self.grammar is not None:
-            self._constrain_causal_rows(logits, drafts)
+        if self.grammar is not None:  # masked verifier rows (docs/design.md section 19)
+            mask_verifier_rows(logits, self.grammar, drafts)
         if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
             logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
         if self.sampling:
@@ -363,7 +330,8 @@ class SpeculativeSequence(Request):
         key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
         if self.grammar is not None:
             self.grammar.consume(new_tokens)
-            self.drafts, self.draft_probs = self._grammar_drafts(logits, key_rows)
+            self.drafts, self.draft_probs = grammar_drafts(logits, key_rows, self.grammar, self.generator,
+                                                           self.temperature if self.sampling else None)
         elif self.sampling:
             next_q = probs(key_rows) if key_rows else None
             self.drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
