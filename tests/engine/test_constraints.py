@@ -242,3 +242,30 @@ def test_speculative_sampling_under_a_grammar_follows_constrained_block_1_sampli
         assert sum(o.drafts_accepted for o in outs) > N / 2
         tv = 0.5 * sum(abs(spec[k] - ar[k]) for k in set(spec) | set(ar)) / N
         assert tv < 0.1, (spec, ar)
+
+
+@pytest.mark.slow
+def test_real_model_schema_outputs_validate_on_every_path():
+    """SmolLM2 (the converted default model): llguidance reads its tokenizer; a chat prompt under a schema
+    validates on the plain, threshold and speculative paths, and speculative greedy = constrained block 1."""
+    from unmask.engine.model import load_model
+    from unmask.training import realmodel
+
+    try:
+        path = realmodel.ensure_default_converted()
+    except realmodel.RealModelMissing as exc:
+        pytest.skip(str(exc))
+    llm = LLM(load_model(str(path), device="cpu", dtype="float32"), default_drafts="on")
+    ids = llm.apply_chat_template([{"role": "user", "content": "Describe a person as JSON with name and age."}])
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 24},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+    c = Constraint("json_schema", schema)
+    outs = {}
+    for name, kw in {"b1": dict(block_size=1, speculative=False), "spec": dict(block_size=8, speculative=True),
+                     "t0.9": dict(block_size=32, threshold=0.9, speculative=False)}.items():
+        out = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0, constraint=c, **kw))[0].outputs[0]
+        assert out.finish_reason == "stop", (name, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+        outs[name] = out
+    assert outs["spec"].token_ids == outs["b1"].token_ids and outs["spec"].nfe < outs["b1"].nfe
