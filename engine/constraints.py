@@ -330,3 +330,20 @@ def grammar_drafts(logits: torch.Tensor, rows: list[int], grammar: GrammarState,
     grammar.pop()
     qs = qs[: len(drafts)]
     return drafts, (torch.stack(qs) if qs else None)
+
+
+def forced_run(grammar: GrammarState, limit: int) -> list[int]:
+    """The tokens the grammar forces after its consumed prefix (each the only token its mask allows; an
+    EOS-only mask does not count: the model picks among the EOS ids), at most ``limit``; consumed. They are final
+    whatever the model would say, so the strategies reveal them without a forward of their own."""
+    out: list[int] = []
+    while len(out) < limit:
+        allowed = grammar.allowed()
+        if grammar.n_allowed != 1:
+            break
+        token = int(allowed.nonzero()[0, 0])
+        if grammar.is_eos(token) or not grammar.push(token):
+            break
+        out.append(token)
+    grammar.commit()
+    return out

@@ -101,7 +101,7 @@ class Sequence(Request):
         """One constrained step: :func:`~unmask.engine.constraints.sample_chain` over the window's masked
         positions (``[N]``, ascending; every generated position before the first is revealed), revealing the kept
         leading run."""
-        from .constraints import sample_chain
+        from .constraints import forced_run, sample_chain
 
         if int(masked[0]) - self.prompt_len != self.grammar.consumed:  # pragma: no cover - an invariant
             raise RuntimeError(f"{self.request_id}: constrained reveals left a gap before position {int(masked[0])}")
@@ -110,7 +110,17 @@ class Sequence(Request):
         cands = sample_chain(prepare_logits(logits, self.params, **args), self.grammar, self.params,
                              self.generator, quota, self.threshold)
         k = int(cands.tokens.numel())
-        return self.apply(cands, masked[:k], chosen=torch.arange(k))
+        nxt = int(masked[k - 1]) + 1  # every position after the chain is masked (the revealed region is a prefix)
+        forced = forced_run(self.grammar, self.prompt_len + self.gen_len - nxt)
+        if forced:  # forced tokens past the chain (and past the window) are final at once: probability 1
+            n = len(forced)
+            cands = Candidates(torch.cat([cands.tokens, torch.tensor(forced, dtype=torch.long,
+                                                                     device=cands.tokens.device)]),
+                               torch.cat([cands.probability, torch.ones(n, dtype=cands.probability.dtype)]),
+                               torch.cat([cands.score, torch.ones(n, dtype=cands.score.dtype)]),
+                               torch.cat([cands.logprob, torch.zeros(n, dtype=cands.logprob.dtype)]))
+        positions = torch.cat([masked[:k], torch.arange(nxt, nxt + len(forced), device=masked.device)])
+        return self.apply(cands, positions, chosen=torch.arange(k + len(forced)))
 
     def masked_positions(self) -> torch.Tensor:
         """Canvas positions being predicted this step (the masked positions of the active window)."""

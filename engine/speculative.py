@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from .constraints import grammar_drafts, mask_verifier_rows
+from .constraints import forced_run, grammar_drafts, mask_verifier_rows
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .outputs import Revealed, StepEvent
 from .request import LaneInput, Request
@@ -328,10 +328,14 @@ class SpeculativeSequence(Request):
         self.accepted_drafts += accepted
         # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
         key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
-        if self.grammar is not None:
+        if self.grammar is not None:  # + the tokens the grammar forces next, final at once (section 19)
             self.grammar.consume(new_tokens)
-            self.drafts, self.draft_probs = grammar_drafts(logits, key_rows, self.grammar, self.generator,
-                                                           self.temperature if self.sampling else None)
+            forced = forced_run(self.grammar, self.end - f - len(new_tokens))
+            new_tokens += forced
+            tok_t = torch.tensor(new_tokens, dtype=torch.long)
+            logp = torch.cat([logp, torch.zeros(len(forced), dtype=logp.dtype)])
+            self.drafts, self.draft_probs = grammar_drafts(logits, key_rows[len(forced):], self.grammar,
+                                                           self.generator, self.temperature if self.sampling else None)
         elif self.sampling:
             next_q = probs(key_rows) if key_rows else None
             self.drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
