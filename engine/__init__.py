@@ -9,12 +9,12 @@ Public API (vLLM style; the server imports only from here and from ``unmask.engi
 from .config import CheckpointError, DllmConfig
 from .limits import ParamError
 from .outputs import CompletionOutput, RequestOutput, Revealed, StepEvent
-from .params import Constraint, SamplingParams
+from .params import CONSTRAINT_KINDS, Constraint, SamplingParams
 
 __all__ = ["LLM", "Engine", "AsyncEngine", "RequestStream", "SamplingParams", "SpeculativeOptions", "ParamError",
            "DllmConfig", "CheckpointError", "load_model", "RequestOutput", "CompletionOutput", "StepEvent",
            "Revealed", "QueueFull", "CacheFull", "EngineError", "EngineClosed", "encode_prompt", "chat_prompt_ids",
-           "TokenTexts", "DecodingPlan", "Constraint", "check_constraint"]
+           "TokenTexts", "DecodingPlan", "Constraint", "CONSTRAINT_KINDS", "check_constraint"]
 
 _LAZY = {  # name -> module: importing the package must not import torch-heavy modules eagerly
     "LLM": "llm", "encode_prompt": "llm", "chat_prompt_ids": "llm",
