@@ -270,3 +270,31 @@ def test_real_model_schema_outputs_validate_on_every_path():
         jsonschema.validate(json.loads(out.text), schema)
         outs[name] = out
     assert outs["spec"].token_ids == outs["b1"].token_ids and outs["spec"].nfe < outs["b1"].nfe
+
+
+def test_block_1_and_speculative_greedy_equal_a_reference_constrained_ar_decode(llms):
+    """Reference: the causal forward of the prefix-causal model (= block 1 decoding), the grammar's mask, argmax,
+    token by token. The engine's block-1 decoding (forced runs written without a forward) and speculative decoding
+    give exactly these tokens."""
+    import torch
+
+    llm = llms["causal"]
+    lm = llm.model
+    c = Constraint("lark", tool_call_lark(TOOLS))
+    prompt = llm.encode("The quick brown fox")
+    g = compile_constraint(c, lm.tokenizer, lm.vocab_size, lm.dllm.eos_token_ids)
+    ids = list(prompt)
+    with torch.no_grad():
+        while len(ids) - len(prompt) < 96:
+            logits = lm.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            logits[lm.dllm.never_generate_ids] = float("-inf")
+            token = int(torch.argmax(logits.masked_fill(~g.allowed(), float("-inf"))))
+            assert g.consume([token]) == 1
+            ids.append(token)
+            if token in lm.dllm.eos_token_ids:
+                break
+    ref = ids[len(prompt):]
+    for kw in (dict(block_size=1, speculative=False), dict(block_size=4, speculative=True)):
+        out = llm.generate([prompt], SamplingParams(max_tokens=96, temperature=0, constraint=c, **kw))[0].outputs[0]
+        assert out.token_ids == ref, kw
+        assert out.nfe < len(ref)
