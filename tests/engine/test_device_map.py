@@ -80,3 +80,25 @@ def test_bad_device_map_and_weights_fail_naming_the_field(ckpt):
     with pytest.raises(ValueError, match="accelerators"):
         load_model(ckpt, device="cpu", device_map={**_split_map(), "model.layers.0": "cuda:0",
                                                     "model.layers.1": "cuda:1"})
+
+
+@pytest.mark.system
+def test_serve_with_a_device_map_answers_as_the_unsplit_model(tmp_path):
+    import json
+    import urllib.request
+
+    from serving import start_server, stop_server
+
+    proc, base, log = start_server(tmp_path, "--device-map", "sequential", "--max-memory", "cpu=400KB",
+                                   "--offload-folder", str(tmp_path / "off"))
+    try:
+        body = json.dumps({"model": "tiny-a2d", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+        text = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"]
+    finally:
+        stop_server(proc)
+    assert list((tmp_path / "off").glob("*.dat"))
+    ref = LLM(load_model(tmp_path / "tiny-a2d", device="cpu", weights="native"))
+    expect = ref.generate("The quick brown fox", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert text == expect[0].outputs[0].text
