@@ -82,7 +82,7 @@ def real_model(path: str | None = None, block_size: int = 32, device: str = "cpu
 
 def add_weights_argument(ap) -> None:
     """``--weights auto|native|fp16`` (how the engine's linear layers run; see ``unmask.engine.packed_weights``)."""
-    ap.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
+    ap.add_argument("--weights", default="auto", choices=["auto", "native", "fp16", "int8", "int4"],
                     help="engine linear layers: auto = fbgemm-packed fp16 on a CPU, as loaded elsewhere")
 
 

@@ -54,7 +54,7 @@ def register(sub, name):
     p.add_argument("--family", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16", "int8", "int4"],
                    help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU, as loaded elsewhere")
     p.add_argument("--show-steps", action="store_true",
                    help="show the canvas after every step on stderr: redrawn in place on a terminal, one line per "

@@ -31,6 +31,8 @@ def _weights_kind(loaded) -> str:
             kind = f"int8 (compute {dtype})"
     if loaded.weight_format == "fp16":
         kind += ", run as fp16-packed linear layers (fbgemm, float32 activations; --weights native to keep them)"
+    elif loaded.weight_format in ("int8", "int4"):
+        kind += f", run as {loaded.weight_format} weight-only linear layers (bf16 activations; docs/scale.md)"
     return kind
 
 
@@ -64,10 +66,19 @@ def register(sub, name):
                    help="whether requests that get speculative decoding from the checkpoint's default draft: auto = "
                         "not on a CPU (a speculative step costs ~2x a 1-token step there; the answers are the "
                         "same either way), on, off")
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"],
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16", "int8", "int4"],
                    help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU (1.6-2.6x faster decoding "
-                        "than float32/nf4 there), as loaded elsewhere; native = as loaded; fp16 = packed (CPU only)")
+                        "than float32/nf4 there), as loaded elsewhere; native = as loaded; fp16 = packed (CPU only); "
+                        "int8 / int4 = weight-only low-bit CPU kernels (docs/scale.md)")
     p.add_argument("--family", default=None, help="force the model family (default: detect)")
+    p.add_argument("--device-map", default=None,
+                   help="split the layers between a device, CPU memory and disk (accelerate): auto | balanced | "
+                        "sequential (inferred under --max-memory), or a JSON object / JSON file of module -> "
+                        "cpu|disk|cuda:N (docs/scale.md); the weights then run natively")
+    p.add_argument("--max-memory", default=None,
+                   help="with --device-map auto|balanced|sequential: memory per device, e.g. 'cpu=2GiB,0=20GiB'")
+    p.add_argument("--offload-folder", default=None,
+                   help="with --device-map: where disk-offloaded weights go (default: a temporary directory)")
     p.add_argument("--block-size", type=int, default=None,
                    help="default block size for requests that send none (default: the checkpoint's)")
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
@@ -174,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     try:
-        loaded = load_model(model_path, args.family, args.device, args.dtype, weights=args.weights)
+        loaded = load_model(model_path, args.family, args.device, args.dtype, weights=args.weights,
+                            device_map=args.device_map, max_memory=args.max_memory, offload_folder=args.offload_folder)
     except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     threads = server_threads(args.threads, loaded.device.type, torch.get_num_threads(), os.environ)

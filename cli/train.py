@@ -47,6 +47,9 @@ def register(sub, name):
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 = no clipping")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and optimizer state across the processes of a torchrun / "
+                        "accelerate launch job (FSDP2; --trainable full; docs/scale.md)")
     p.add_argument("--teacher", default=None, help="AR parent (HF dir or GGUF) for --teacher-kl, run in-process")
     p.add_argument("--teacher-kl", type=float, default=0.0, help="weight W of KL(parent || model) at masked tokens")
     p.add_argument("--no-ce", action="store_true", help="KL term only (needs --teacher-kl)")
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
         mixed_precision=args.mixed_precision, progress=not args.no_progress, verifier=args.verifier,
-        draft_groups=args.draft_groups)
+        draft_groups=args.draft_groups, fsdp=args.fsdp)
     try:
         out = train(cfg)
     except TrainError as exc:

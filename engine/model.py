@@ -276,7 +276,8 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 
 def load_model(name_or_path: str | os.PathLike, family: str | None = None, device: str = "auto",
-               dtype: str = "auto", weights: str = "auto") -> LoadedModel:
+               dtype: str = "auto", weights: str = "auto", device_map: str | dict | None = None,
+               max_memory: str | dict | None = None, offload_folder: str | None = None) -> LoadedModel:
     """Load any supported dLLM checkpoint.
 
     Args:
@@ -286,6 +287,8 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         weights: how the linear layers run (:mod:`unmask.engine.packed_weights`): ``auto`` (fbgemm-packed fp16 on
             a CPU with fbgemm, else as loaded), ``native`` (as loaded: float32/bf16, or bitsandbytes nf4/int8),
             ``fp16``. Inference only: train from a ``native`` load.
+        device_map, max_memory, offload_folder: split the layers between a device, CPU memory and disk with
+            accelerate (:func:`unmask.engine.placement.place_model`; ``auto`` weights then stay ``native``).
 
     Raises:
         CheckpointError: the directory is not a checkpoint of a known family (the message says what was expected).
@@ -300,7 +303,15 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     dt = resolve_dtype(dtype, dev)
     from .packed_weights import pack_model, resolve_weight_format
 
+    if device_map is not None and weights in (None, "auto"):
+        weights = "native"  # offloaded weights run as loaded (docs/design.md section 18)
     fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read
+    if device_map is not None and fmt != "native":
+        raise ValueError(f"weights: {fmt!r} packing cannot be combined with device_map (use weights='native')")
     loaded = get_family(name).load(path, config, dev, dt)
+    if device_map is not None:
+        from .placement import place_model
+
+        place_model(loaded, device_map, max_memory, offload_folder)
     pack_model(loaded, fmt)
     return loaded

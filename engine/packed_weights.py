@@ -17,7 +17,9 @@ fused decoder forward (:mod:`unmask.engine.fused_decoder`) on Llama-architecture
 (docs/design.md section 13).
 
 Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; float32 models on a CPU with fbgemm only),
-``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``).
+``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``), ``int8`` / ``int4``
+(weight-only low-bit kernels, :mod:`unmask.engine.lowbit`; where they cannot run, the ``auto`` choice with a
+warning).
 
 Memory: a packed layer holds fp16 weights (2 bytes per parameter: 4x an nf4 checkpoint's 0.5, half of float32); a
 tied LM head gets its own fp16 copy next to the float32 input embedding.
@@ -29,7 +31,7 @@ import warnings
 import torch
 from torch import nn
 
-WEIGHT_FORMATS = ("auto", "native", "fp16")
+WEIGHT_FORMATS = ("auto", "native", "fp16", "int8", "int4")
 
 
 def fbgemm_available() -> bool:
@@ -48,6 +50,15 @@ def resolve_weight_format(fmt: str | None, device: torch.device, dtype: torch.dt
     fmt = fmt or "auto"
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weights: {fmt!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if fmt in ("int8", "int4"):
+        from .lowbit import lowbit_unavailable
+
+        why_low = lowbit_unavailable(fmt, device, dtype)
+        if why_low is None:
+            return fmt
+        fallback = resolve_weight_format("auto", device, dtype)
+        warnings.warn(f"weights: {fmt} cannot run here ({why_low}); using {fallback}", RuntimeWarning, stacklevel=2)
+        return fallback
     why = None
     if device.type != "cpu":
         why = f"only on a CPU; this is {device.type}"
@@ -128,10 +139,11 @@ def fp16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     return PackedFp16Linear(weight, bias)
 
 
-def pack_linears_fp16(model: nn.Module) -> int:
+def pack_linears_fp16(model: nn.Module, make_linear=None) -> int:
     """Replace, in place, every linear layer under ``model`` (including those inside routed modules) by an fbgemm
     fp16 linear; the module that held it (tied LM head included) gets its own packed copy, embeddings and norms stay
     as they are. Returns the number of layers packed. Inference only: packed layers have no gradients.
+    ``make_linear(weight, bias)``: another packed layer to build (default :func:`fp16_linear`; the low-bit formats).
 
     Raises:
         ValueError: (names ``weights``) a bitsandbytes layer that cannot be dequantized, or one left unpacked.
@@ -142,7 +154,7 @@ def pack_linears_fp16(model: nn.Module) -> int:
             dense = dense_weight(child)
             if dense is None:
                 continue
-            setattr(parent, name, fp16_linear(*dense))
+            setattr(parent, name, (make_linear or fp16_linear)(*dense))
             count += 1
     left = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt")})
     if left:
@@ -152,7 +164,9 @@ def pack_linears_fp16(model: nn.Module) -> int:
 
 def pack_model(loaded, weight_format: str) -> None:
     """Run the linear layers of ``loaded`` (a :class:`~unmask.engine.model.LoadedModel`, any row variant attached
-    already) in ``weight_format`` (``auto`` | ``native`` | ``fp16``); once per model. Inference only.
+    already) in ``weight_format`` (``auto`` | ``native`` | ``fp16`` | ``int8`` | ``int4``); once per model.
+    Inference only. The low-bit formats build :class:`~unmask.engine.lowbit.LowbitLinear` layers the same way
+    (fused projections included; the draft head stays fp16).
 
     For ``fp16``: q|k|v and gate|up become one packed GEMM each (:func:`~unmask.engine.fused_decoder.fuse_projections`,
     layer by layer), every other linear is packed, the draft head too, and Llama-architecture decoders get
@@ -171,8 +185,16 @@ def pack_model(loaded, weight_format: str) -> None:
         raise ValueError(f"weights: the linear layers are already packed as {loaded.weight_format}; load the "
                          f"checkpoint again for {fmt}")
     decoder = loaded.model.base_model
-    fused = fuse_projections(decoder, make_linear=fp16_linear)
-    pack_linears_fp16(loaded.model)
+    make_linear = fp16_linear
+    if fmt in ("int8", "int4"):
+        from .lowbit import lowbit_linear
+
+        make_linear = lowbit_linear(8 if fmt == "int8" else 4)
+        head = dense_weight(loaded.model.get_output_embeddings())
+        if head is not None:  # the LM head: int8 in both low-bit formats (a tied head gets its own copy)
+            loaded.model.set_output_embeddings(lowbit_linear(8, head=True)(*head))
+    fused = fuse_projections(decoder, make_linear=make_linear)
+    pack_linears_fp16(loaded.model, make_linear)
     if loaded.draft_head is not None:
         loaded.draft_head.pack_fp16()
     loaded.refresh_head()

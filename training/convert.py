@@ -314,6 +314,24 @@ def convert_checkpoint(src, out, attention="prefix_causal", block_size=4, logit_
                          mask_token=mask_token)
 
 
+def check_softmax_layers(config) -> None:
+    """Refuse a parent whose ``layer_types`` include recurrent layers (Gated DeltaNet ``linear_attention`` in
+    Qwen3-Next/3.5, Mamba-style ``mamba``/``conv`` layers): an attention mask cannot make a recurrence
+    bidirectional, and the engine's cache holds keys/values, not recurrent state (docs/big-model.md, "Gated DeltaNet
+    layers and A2D").
+
+    Raises:
+        ConversionError: (names ``SRC``) such layers, counted.
+    """
+    types = list(getattr(config, "layer_types", None) or [])
+    recurrent = [t for t in types if t == "linear_attention" or "attention" not in str(t)]
+    if recurrent:
+        kinds = ", ".join(sorted(set(map(str, recurrent))))
+        raise ConversionError(f"SRC: {len(recurrent)} of {len(types)} layers are recurrent ({kinds}); an attention "
+                              f"mask cannot make them bidirectional and unmask's cache holds no recurrent state, so "
+                              f"only softmax-attention parents convert (docs/big-model.md)")
+
+
 def _check_out(out) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -338,6 +356,7 @@ def convert_model(model, tokenizer, out, attention="prefix_causal", block_size=4
         raise ConversionError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_MODES)}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConversionError(f"block_size: must be a positive integer, got {block_size!r}")
+    check_softmax_layers(model.config)
     out = _check_out(out)
     existing = getattr(model.config, "dllm", None)
     existing = existing if isinstance(existing, dict) else None

@@ -100,6 +100,7 @@ class TrainConfig:
     halt_after: int | None = None
     verifier: str | None = None
     draft_groups: int = 32
+    fsdp: bool = False
 
     def validate(self) -> None:
         """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
@@ -158,6 +159,13 @@ class TrainConfig:
                                  "layers drop the verifier's keys/values)")
         elif self.verifier:
             raise TrainError("--verifier: only used by --objective draft")
+        if self.fsdp:
+            from .distributed import check_fsdp
+
+            try:
+                check_fsdp(self.trainable, self.objective)
+            except ValueError as exc:
+                raise TrainError(str(exc)) from exc
 
 
 class DiffusionForward(torch.nn.Module):
@@ -489,7 +497,7 @@ class Trainer:
             state = torch.load(state_file, map_location="cpu", weights_only=False)
             saved = state["config"]
             keys = ["objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
-                    "complementary", "max_steps", "lr_schedule", "warmup", "eps"]
+                    "complementary", "max_steps", "lr_schedule", "warmup", "eps", "fsdp"]
             if cfg.trainable in ("lora", "qlora"):
                 keys += ["lora_r", "lora_alpha", "lora_targets"]
             if cfg.objective == "draft":  # (runs saved before the draft objective existed have neither key)
@@ -500,7 +508,7 @@ class Trainer:
                 mine = getattr(cfg, key)
                 if key == "verifier":
                     mine = str(Path(mine).expanduser().resolve())
-                if saved.get(key) != mine:
+                if saved.get(key, False if key == "fsdp" else None) != mine:
                     raise TrainError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)!r} differs from the "
                                      f"run being resumed ({saved.get(key)!r})")
             if state.get("world_size", 1) != acc.num_processes:
@@ -573,19 +581,31 @@ class Trainer:
             elif not self.data.teacher_top_k:
                 raise TrainError("--teacher-kl: needs --teacher MODEL or distill-data lines with `teacher` top-k "
                                  "distributions (unmask distill-data --top-k-dist K)")
+        from .distributed import shard_model
+
+        self.forward = DraftForward(self.tm, self.verifier) if self.verifier is not None else DiffusionForward(self.tm)
+        # before the optimizer sees the parameters; the module the loop calls is the root unit
+        self.sharded = cfg.fsdp and shard_model(self.forward, self.tm.model, acc.device)
         groups = self.tm.param_groups(cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
         self.clock = BudgetClock(cfg.minutes_before, cfg.minutes_before + cfg.max_minutes)
         self.scheduler = make_scheduler(self.optimizer, cfg.lr_schedule, cfg.warmup, cfg.max_steps, self.clock)
         self.step = 0
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:
+                from .distributed import load_full_optimizer_state
+
+                load_full_optimizer_state(self.forward, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"])
             self.step = int(state["step"])
             self._apply_changed_hyperparameters(state["config"])
-        self.forward = DraftForward(self.tm, self.verifier) if self.verifier is not None else DiffusionForward(self.tm)
-        self.forward, self.optimizer = self.acc.prepare(self.forward, self.optimizer)
+        if self.sharded:  # FSDP2 does the gradient reductions; accelerate would wrap the module in DDP
+            self.optimizer = self.acc.prepare(self.optimizer)
+        else:
+            self.forward, self.optimizer = self.acc.prepare(self.forward, self.optimizer)
 
     def _apply_changed_hyperparameters(self, saved: dict) -> None:
         """``--resume`` with a new ``--lr`` / ``--weight-decay``: the restored optimizer and scheduler states carry
@@ -677,6 +697,11 @@ class Trainer:
         acc = self.acc
         acc.wait_for_everyone()
         path = self.out / f"checkpoint-{self.step}"
+        full = None
+        if self.sharded:  # every process joins the gather; process 0 gets the full states (distributed.py)
+            from .distributed import full_states
+
+            full = full_states(self.forward, self.optimizer)
         if acc.is_main_process:
             from unmask.engine.checkpoint import write_checkpoint
 
@@ -688,11 +713,16 @@ class Trainer:
                 # from `latest`, so this step was just recomputed): replace it
                 orphan = True
             buf = io.BytesIO()
-            torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
+            torch.save({"step": self.step, "optimizer": full[1] if full else self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
                         "trainable": trainable_state(self.tm), "config": dataclasses.asdict(self.cfg),
                         "world_size": acc.num_processes}, buf)
-            model = merged_full_precision(self.tm)
+            if full:
+                from .distributed import servable_model
+
+                model = servable_model(self.tm.path, full[0])
+            else:
+                model = merged_full_precision(self.tm)
             bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
             if bad:
                 raise TrainError(f"step {self.step}: non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); "
@@ -771,7 +801,9 @@ class Trainer:
             for m in range(cfg.grad_accum):
                 lo = (m * world + rank) * cfg.batch_size
                 batch = self._micro_batch(self.data, stream[lo: lo + cfg.batch_size])
-                g = torch.Generator().manual_seed(_seed_of(cfg.seed, self.step, m, rank))
+                # seeded by the micro-batch's global index (m * world + rank; world 1: m, 0 as before), so the
+                # noise, like the data, does not depend on how micro-batches are split over processes
+                g = torch.Generator().manual_seed(_seed_of(cfg.seed, self.step, m * world + rank, 0))
                 sync = m == cfg.grad_accum - 1
                 ctx = contextlib.nullcontext() if sync else acc.no_sync(self.forward)
                 with ctx:
@@ -787,7 +819,9 @@ class Trainer:
                 fwd_tokens += layout.n_tokens
             grad_norm = float("nan")
             if cfg.max_grad_norm > 0:
-                grad_norm = float(acc.clip_grad_norm_(params, cfg.max_grad_norm))
+                from .distributed import as_float
+
+                grad_norm = as_float(acc.clip_grad_norm_(params, cfg.max_grad_norm))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)

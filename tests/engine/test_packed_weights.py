@@ -75,8 +75,8 @@ def test_format_resolution_and_errors():
     assert resolve_weight_format("auto", cpu, torch.bfloat16) == "native"
     with pytest.raises(ValueError, match="float32 activations; the model computes in bfloat16"):
         resolve_weight_format("fp16", cpu, torch.bfloat16)
-    with pytest.raises(ValueError, match="weights: 'int4' is not one of auto, native, fp16"):
-        resolve_weight_format("int4", cpu)
+    with pytest.raises(ValueError, match="weights: 'int2' is not one of auto, native, fp16, int8, int4"):
+        resolve_weight_format("int2", cpu)
 
 
 def test_load_model_packs_by_default_on_cpu_and_native_opts_out(tmp_path):
