@@ -26,9 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.routing import Match
 
 from unmask.engine import AsyncEngine, ParamError, TokenTexts, chat_prompt_ids, encode_prompt
-from unmask.engine.limits import CACHE_MODES
+from unmask.engine.limits import CACHE_MODES, DEFAULT_MAX_SEQS_PER_REQUEST, prompt_chars_limit
 
 from . import protocol as P
 from . import responses as R
@@ -37,6 +38,7 @@ from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
 from .metrics import Metrics
 from .render import Render
+from .request_id import RequestIdMiddleware
 from .run import Run
 from .sse import sse_events
 from .visualizer import mount_visualizer
@@ -46,6 +48,7 @@ log = logging.getLogger("unmask.server")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 SHUTDOWN_GRACE_SECONDS = 3.0  # open streams get an error event + [DONE] before the connection closes
 _ERRORS = {code: {"model": R.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
+FALLBACK_TOKEN_CHARS = 1024  # characters per token assumed when the tokenizer lists no vocabulary
 
 
 @dataclass
@@ -59,12 +62,15 @@ class ServerState:
     request_timeout: float | None = None
     chat_template: str | None = None
     default_cache: str = "auto"
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.tokenizer
         self.token_text = TokenTexts(self.tokenizer)
         self.max_context = self.engine.max_context
+        # a text longer than this surely exceeds the context: refused before tokenizing (docs/design.md section 15)
+        self.max_prompt_chars = prompt_chars_limit(self.max_context, _longest_token_chars(self.tokenizer))
         # set when the server starts shutting down (SIGTERM/SIGINT); made per serving loop at start-up (an
         # asyncio.Event belongs to the first loop that waits on it)
         self.shutdown: asyncio.Event | None = None
@@ -99,10 +105,18 @@ class GuardMiddleware:
     The body is read here and replayed to the app; after it, ``receive`` passes through, so a route can still wait
     for ``http.disconnect``."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, router=None):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.router = router  # the app's router: a request no route takes with its method goes on to the 404/405
+
+    def _routed(self, scope) -> bool:
+        """True when a route takes this path with this method (else the router answers 404 or 405 with an
+        ``Allow`` header, before any body check: ``PUT /health`` is a 405, not a 415)."""
+        if self.router is None:
+            return True
+        return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -116,7 +130,7 @@ class GuardMiddleware:
                 err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await self._reject(scope, err, receive, send)
-        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope.get("method") not in ("POST", "PUT", "PATCH") or not self._routed(scope):
             return await self.app(scope, receive, send)
         length = headers.get("content-length")
         if length is not None:
@@ -179,7 +193,8 @@ class GuardMiddleware:
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
               request_timeout: float | None = None, chat_template: str | None = None,
               cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              default_cache: str = "auto", shutdown_engine: bool = True) -> FastAPI:
+              default_cache: str = "auto", shutdown_engine: bool = True,
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
     """Create the OpenAI-compatible app.
 
     Args:
@@ -194,10 +209,14 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         default_cache: KV-cache policy for requests that send no ``cache`` (``auto`` | ``none`` | ``prefix`` |
             ``dual``).
         shutdown_engine: stop the engine thread when the app's lifespan ends.
+        max_seqs_per_request: most sequences (prompts x ``n``) one request may queue (400 naming ``n`` beyond);
+            lowered to the engine's queue (docs/design.md section 15).
 
     Raises:
-        ValueError: ``default_max_tokens`` < 1 or ``request_timeout`` <= 0.
+        ValueError: ``default_max_tokens`` < 1, ``request_timeout`` <= 0 or ``max_seqs_per_request`` < 1.
     """
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request: must be >= 1, got {max_seqs_per_request}")
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
     if request_timeout is not None and request_timeout <= 0:
@@ -206,7 +225,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         raise ValueError(f"default_cache: must be one of {list(CACHE_MODES)}, got {default_cache!r}")
     metrics = Metrics(model_name, engine)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics, default_max_tokens=default_max_tokens,
-                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache)
+                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache,
+                        max_seqs_per_request=min(max_seqs_per_request, engine.max_queue))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -220,7 +240,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                               "body; streamed responses are server-sent events ending with `data: [DONE]`.")
     app.state.unmask = state
     install_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, router=app.router)
+    app.add_middleware(RequestIdMiddleware)  # outside the guards: their refusals carry the id too
     if cors_origins:  # outermost: preflights are answered and error responses carry the CORS headers too
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -248,9 +269,16 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI completions (``prompt``: string, strings, token ids, or lists of token ids)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        prompts = []
-        for prompt in body.prompts():
-            prompts.append(encode_prompt(state.tokenizer, prompt))  # token ids are checked by the engine
+        raw = body.prompts()
+        for i, prompt in enumerate(raw):  # before the expensive work: lengths that can never fit the context
+            name = "prompt" if len(raw) == 1 else f"prompt.{i}"
+            if isinstance(prompt, str):
+                _check_chars(state, name, len(prompt))
+            elif len(prompt) >= state.max_context:
+                raise APIError(400, f"{name}: {len(prompt)} token ids leave no room to generate in the model's "
+                                    f"context of {state.max_context} tokens", param=name, code="invalid_value")
+        # tokenizing off the event loop (docs/design.md section 12): other streams and /health keep flowing
+        prompts = await anyio.to_thread.run_sync(lambda: [encode_prompt(state.tokenizer, p) for p in raw])
         return await _serve(state, "completion", body, prompts, arrival, request,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
 
@@ -260,8 +288,11 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        try:
-            ids = chat_prompt_ids(state.tokenizer, [m.as_template_dict() for m in body.messages], state.chat_template)
+        messages = [m.as_template_dict() for m in body.messages]
+        longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))  # named in the 400
+        _check_chars(state, f"messages.{longest}.content", sum(len(m["content"]) for m in messages))
+        try:  # templating and tokenizing off the event loop (docs/design.md section 12)
+            ids = await anyio.to_thread.run_sync(chat_prompt_ids, state.tokenizer, messages, state.chat_template)
         except ParamError:
             raise
         except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
@@ -303,6 +334,23 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     return app
 
 
+def _longest_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry (an upper bound on the text one token covers)."""
+    try:
+        return max(len(t) for t in tokenizer.get_vocab())
+    except Exception:  # a tokenizer without a vocabulary listing
+        return FALLBACK_TOKEN_CHARS
+
+
+def _check_chars(state: ServerState, name: str, chars: int) -> None:
+    """400 naming ``name`` when ``chars`` characters surely exceed the context (checked before tokenizing)."""
+    if chars > state.max_prompt_chars:
+        raise APIError(400, f"{name}: {chars} characters cannot fit the model's context of {state.max_context} "
+                            f"tokens (no token of this model covers more than "
+                            f"{state.max_prompt_chars // state.max_context} characters)", param=name,
+                       code="invalid_value")
+
+
 def _unknown_model(name: str) -> APIError:
     return APIError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
 
@@ -326,15 +374,25 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
     max_tokens = explicit if explicit is not None else state.default_max_tokens
     params = body.sampling_params(max_tokens, logprobs, state.default_cache)  # ParamError -> 400
-    if len(prompts) * body.n > engine.max_queue:
-        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's queue of "
-                            f"{engine.max_queue} sequences", param="n", code="invalid_value")
+    if len(prompts) * body.n > state.max_seqs_per_request:
+        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's limit of "
+                            f"{state.max_seqs_per_request} sequences per request (--max-seqs-per-request)",
+                       param="n", code="invalid_value")
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
     streams = []
-    try:
+    loop = asyncio.get_running_loop()
+
+    def submit_all() -> None:  # building the requests checks every prompt id: off the event loop
         for p, ids in enumerate(prompts):
             streams.append(engine.submit(ids, params, f"{response_id}-{p}", n=body.n,
-                                         fit_max_tokens=explicit is None))
+                                         fit_max_tokens=explicit is None, loop=loop))
+
+    try:
+        await anyio.to_thread.run_sync(submit_all)
+    except anyio.get_cancelled_exc_class():  # the client went away while the requests were being built
+        for s in streams:
+            s.abort()
+        raise
     except Exception as exc:
         for s in streams:
             s.abort()
