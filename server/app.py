@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 import time
@@ -26,9 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
-from starlette.routing import Match
 
-from unmask.engine import AsyncEngine, ParamError, TokenTexts, chat_prompt_ids, encode_prompt
+from unmask.engine import AsyncEngine, TokenTexts
 from unmask.engine.limits import CACHE_MODES, DEFAULT_MAX_SEQS_PER_REQUEST, prompt_chars_limit
 
 from . import protocol as P
@@ -36,7 +34,9 @@ from . import responses as R
 from .accounting import finished_work
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
+from .guard import GuardMiddleware
 from .metrics import Metrics
+from .prompt_input import chat_ids, completion_ids, longest_token_chars
 from .render import Render
 from .request_id import RequestIdMiddleware
 from .run import Run
@@ -48,7 +48,6 @@ log = logging.getLogger("unmask.server")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 SHUTDOWN_GRACE_SECONDS = 3.0  # open streams get an error event + [DONE] before the connection closes
 _ERRORS = {code: {"model": R.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
-FALLBACK_TOKEN_CHARS = 1024  # characters per token assumed when the tokenizer lists no vocabulary
 
 
 @dataclass
@@ -70,7 +69,7 @@ class ServerState:
         self.token_text = TokenTexts(self.tokenizer)
         self.max_context = self.engine.max_context
         # a text longer than this surely exceeds the context: refused before tokenizing (docs/design.md section 15)
-        self.max_prompt_chars = prompt_chars_limit(self.max_context, _longest_token_chars(self.tokenizer))
+        self.max_prompt_chars = prompt_chars_limit(self.max_context, longest_token_chars(self.tokenizer))
         # set when the server starts shutting down (SIGTERM/SIGINT); made per serving loop at start-up (an
         # asyncio.Event belongs to the first loop that waits on it)
         self.shutdown: asyncio.Event | None = None
@@ -96,98 +95,6 @@ class ServerState:
         loop, event = self.loop, self.shutdown
         if loop is not None and event is not None and not loop.is_closed():
             loop.call_soon_threadsafe(event.set)
-
-
-class GuardMiddleware:
-    """Pure ASGI checks before routing (so they never depend on body parsing): API key on ``/v1/*`` (401),
-    body size (413, Content-Length or counted bytes) and JSON content type on POST (415).
-
-    The body is read here and replayed to the app; after it, ``receive`` passes through, so a route can still wait
-    for ``http.disconnect``."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, router=None):
-        self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-        self.router = router  # the app's router: a request no route takes with its method goes on to the 404/405
-
-    def _routed(self, scope) -> bool:
-        """True when a route takes this path with this method (else the router answers 404 or 405 with an
-        ``Allow`` header, before any body check: ``PUT /health`` is a 405, not a 415)."""
-        if self.router is None:
-            return True
-        return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await self._reject(scope, err, receive, send)
-        if scope.get("method") not in ("POST", "PUT", "PATCH") or not self._routed(scope):
-            return await self.app(scope, receive, send)
-        length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await self._reject(scope, APIError(400, f"invalid Content-Length header {length!r}",
-                                                          code="invalid_request"), receive, send)
-            if int(length) > self.max_body_bytes:
-                await self._drain(receive, 16 * self.max_body_bytes)
-                return await self._reject(scope, self._too_large(int(length)), receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_body_bytes:
-                await self._drain(receive, 16 * self.max_body_bytes)
-                return await self._reject(scope, self._too_large(size), receive, send)
-            chunks.append(body)
-            more = message.get("more_body", False)
-        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            err = APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
-                           param="Content-Type", code="unsupported_media_type")
-            return await self._reject(scope, err, receive, send)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self, size: int) -> APIError:
-        return APIError(413, f"request body of {size} bytes exceeds the server's limit of {self.max_body_bytes} "
-                             f"bytes", code="request_too_large")
-
-    @staticmethod
-    async def _reject(scope, err: APIError, receive, send) -> None:
-        log.info("%s %s status=%d code=%s", scope.get("method"), scope.get("path"), err.status, err.code)
-        await err.response()(scope, receive, send)
-
-    @staticmethod
-    async def _drain(receive, limit: int) -> None:
-        """Read and drop the rest of the body (up to ``limit`` bytes) so that the client sees the response."""
-        seen = 0
-        while seen <= limit:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            seen += len(message.get("body", b""))
-            if not message.get("more_body", False):
-                return
 
 
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
@@ -269,16 +176,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI completions (``prompt``: string, strings, token ids, or lists of token ids)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        raw = body.prompts()
-        for i, prompt in enumerate(raw):  # before the expensive work: lengths that can never fit the context
-            name = "prompt" if len(raw) == 1 else f"prompt.{i}"
-            if isinstance(prompt, str):
-                _check_chars(state, name, len(prompt))
-            elif len(prompt) >= state.max_context:
-                raise APIError(400, f"{name}: {len(prompt)} token ids leave no room to generate in the model's "
-                                    f"context of {state.max_context} tokens", param=name, code="invalid_value")
-        # tokenizing off the event loop (docs/design.md section 12): other streams and /health keep flowing
-        prompts = await anyio.to_thread.run_sync(lambda: [encode_prompt(state.tokenizer, p) for p in raw])
+        prompts = await completion_ids(state, body.prompts())  # checked, then tokenized off the event loop
         return await _serve(state, "completion", body, prompts, arrival, request,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
 
@@ -288,16 +186,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        messages = [m.as_template_dict() for m in body.messages]
-        longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))  # named in the 400
-        _check_chars(state, f"messages.{longest}.content", sum(len(m["content"]) for m in messages))
-        try:  # templating and tokenizing off the event loop (docs/design.md section 12)
-            ids = await anyio.to_thread.run_sync(chat_prompt_ids, state.tokenizer, messages, state.chat_template)
-        except ParamError:
-            raise
-        except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
-            raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
-                           param="messages", code="invalid_value") from exc
+        ids = await chat_ids(state, [m.as_template_dict() for m in body.messages])  # templated off the loop
         return await _serve(state, "chat", body, [ids], arrival, request, logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0)
 
@@ -332,23 +221,6 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     app.openapi = openapi
     mount_visualizer(app)
     return app
-
-
-def _longest_token_chars(tokenizer) -> int:
-    """Characters of the longest vocabulary entry (an upper bound on the text one token covers)."""
-    try:
-        return max(len(t) for t in tokenizer.get_vocab())
-    except Exception:  # a tokenizer without a vocabulary listing
-        return FALLBACK_TOKEN_CHARS
-
-
-def _check_chars(state: ServerState, name: str, chars: int) -> None:
-    """400 naming ``name`` when ``chars`` characters surely exceed the context (checked before tokenizing)."""
-    if chars > state.max_prompt_chars:
-        raise APIError(400, f"{name}: {chars} characters cannot fit the model's context of {state.max_context} "
-                            f"tokens (no token of this model covers more than "
-                            f"{state.max_prompt_chars // state.max_context} characters)", param=name,
-                       code="invalid_value")
 
 
 def _unknown_model(name: str) -> APIError:

@@ -21,11 +21,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from unmask.engine import SamplingParams
-from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGE_NAME_CHARS, MAX_MESSAGES,  # noqa: F401
-                                  MAX_N, MAX_NAME_CHARS, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
+from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGE_NAME_CHARS, MAX_MESSAGES,
+                                  MAX_NAME_CHARS, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
                                   MAX_TOKEN_ID, RANGES, REMASKING_STRATEGIES)
 
-# the request-size caps (MAX_N, MAX_PROMPTS, ...) are declared with the decoding ranges in unmask.engine.limits
+# the request-size caps (MAX_PROMPTS, MAX_STOP_CHARS, ...; MAX_N is RANGES['n']) are declared with the decoding ranges in unmask.engine.limits
 
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
