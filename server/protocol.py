@@ -64,6 +64,23 @@ def _well_formed(text: str) -> str:
     return text
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's ``integer`` includes numbers written with a zero fraction (``7.0``): take them as the integer
+    (also inside lists of ids); every other value goes on to the strict int check (``"7"``, ``true`` and ``7.5``
+    stay errors)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+# the integer fields (and lists of ids) of the request models: 7.0 is the integer 7 there, as in the schema
+_INTEGER_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of", "seed", "steps", "block_size",
+                             "sub_block_size", "top_k", "min_tokens", "speculative_branches",
+                             "speculative_no_repeat_ngram", "top_logprobs", "stop_token_ids"})
+
+
 Text = Annotated[str, AfterValidator(_well_formed)]  # every string the tokenizer or the chat template reads
 TokenId = Annotated[int, Field(ge=RANGES["stop_token_ids"].lo, le=MAX_TOKEN_ID)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -150,7 +167,8 @@ class _Common(_Rules):
                                          description="accepted; the KV cache is per request")
     presence_penalty: float = ranged("presence_penalty", 0.0)
     frequency_penalty: float = ranged("frequency_penalty", 0.0)
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}",
+                                                json_schema_extra={"maxProperties": 0})
     # --- diffusion extras (docs/design.md section 5) ---
     steps: int | None = ranged("steps", None,
                                description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
@@ -201,6 +219,14 @@ class _Common(_Rules):
         if isinstance(data, dict):
             data = {k: v for k, v in data.items()
                     if not (v is None and k in cls.model_fields and cls.model_fields[k].default is not None)}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ints = _INTEGER_FIELDS | ({"prompt", "logprobs"} if cls.__name__ == "CompletionRequest" else set())
+            data = {k: _integral(v) if k in ints else v for k, v in data.items()}
         return data
 
     @model_validator(mode="before")
