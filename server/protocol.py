@@ -119,8 +119,15 @@ _SCHEMA_RULES: dict[str, list[dict]] = {
 
 
 def _schema_extra(schema: dict, cls) -> None:
+    """The cross-field rules, and ``null`` allowed where validation takes it as the default (an optional field whose
+    default is not ``None``: ``"top_p": null`` means 1.0)."""
+    props = schema.get("properties", {})
+    for name, f in cls.model_fields.items():
+        if name in props and not f.is_required() and f.default is not None:
+            keep = {k: props[name].pop(k) for k in ("default", "description", "title") if k in props[name]}
+            props[name] = {"anyOf": [props[name], {"type": "null"}], **keep}
     rules = _SCHEMA_RULES["_common"] + _SCHEMA_RULES.get(cls.__name__, [])
-    if "speculative_ratio" in schema.get("properties", {}):
+    if "speculative_ratio" in props:
         schema.setdefault("allOf", []).extend(rules)
 
 

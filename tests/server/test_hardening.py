@@ -243,7 +243,7 @@ def test_schemathesis_with_every_check_finds_nothing_undocumented(server):
     for result in schema.get_all_operations():
         op = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            @settings(max_examples=15 if op.method.upper() == "POST" else 4, deadline=None, database=None,
+            @settings(max_examples=40 if op.method.upper() == "POST" else 4, deadline=None, database=None,
                       phases=[Phase.generate], suppress_health_check=list(HealthCheck), derandomize=True)
             @given(case=op.as_strategy(generation_mode=mode))
             def check(case):
