@@ -27,7 +27,6 @@ MIN_SAMPLING_TEMPERATURE = 1e-100  # below this a positive temperature decodes a
 # past either is a ParamError naming the field (HTTP 400), never silently clamped.
 MAX_POSITIONS = 2**20      # max_tokens / steps / min_tokens: no served model has a longer context
 MAX_BLOCK_SIZE = 512       # a block this long costs what a max_tokens=512 request costs (block x block rows)
-MAX_TOP_K = 2**31 - 1      # a k past the vocabulary keeps every token
 MAX_N = 16                 # choices per prompt (and best_of)
 MAX_PROMPTS = 32           # prompts per completions request
 MAX_MESSAGES = 1024        # chat messages per request
@@ -64,7 +63,7 @@ RANGES: dict[str, Range] = {
     "max_tokens": Range(1, MAX_POSITIONS, integer=True),
     "n": Range(1, MAX_N, integer=True),
     "temperature": Range(0, 2),
-    "top_k": Range(0, MAX_TOP_K, integer=True),
+    "top_k": Range(0, None, integer=True),  # unbounded: a k past the vocabulary keeps every token, at no cost
     "top_p": Range(0, 1, lo_open=True),
     "steps": Range(1, MAX_POSITIONS, integer=True),
     "block_size": Range(1, MAX_BLOCK_SIZE, integer=True),

@@ -215,6 +215,12 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                 for prm in op.get("parameters", []):
                     if prm.get("name") == "model_id":
                         prm["schema"]["enum"] = [model_name]
+            if api_key is not None:  # the key is required on /v1/* only (docs/design.md section 15)
+                schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
+                                                                                     "scheme": "bearer"}}
+                for path, ops in schema.get("paths", {}).items():
+                    for op in ops.values() if path.startswith("/v1/") else ():
+                        op["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
 

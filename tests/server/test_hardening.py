@@ -271,3 +271,11 @@ def test_schemathesis_with_every_check_finds_nothing_undocumented(server):
     assert not failures, failures[:3]
     assert not undocumented, sorted({u[1][:120] + " <- " + u[2][-400:] for u in undocumented})
     assert time.time() - t0 < 90
+
+
+def test_the_schema_says_which_routes_need_the_key(http):
+    schema = http.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            assert ("security" in op) == path.startswith("/v1/"), (method, path)

@@ -64,7 +64,6 @@ BOUNDED = [  # (extra fields, the field the 400 must name)
     ({"max_tokens": 10 ** 7}, "max_tokens"),
     ({"max_tokens": 600}, "max_tokens"),                       # the tiny model's context is 512
     ({"min_tokens": 9}, "min_tokens"),
-    ({"top_k": 2 ** 40}, "top_k"),
     ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
