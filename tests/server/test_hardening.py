@@ -15,6 +15,7 @@ import pytest
 from serving import start_server, stop_server
 
 KEY = "sk-harden-Zq81xV"
+ENV_KEY = "sk-env-Hy72pQ"  # in the server's environment too: the file wins, and neither is ever logged
 WRONG = "sk-wrong-Pm37yT"
 MODEL = "tiny"
 C, CH = "/v1/completions", "/v1/chat/completions"
@@ -26,7 +27,8 @@ def server(tmp_path_factory):
     key_file = tmp / "key"
     key_file.write_text(KEY + "\n")
     proc, base, log = start_server(tmp, "--served-model-name", MODEL, "--api-key-file", str(key_file),
-                                   "--log-level", "debug", "--max-seqs-per-request", "8", "--max-batch-size", "4")
+                                   "--log-level", "debug", "--max-seqs-per-request", "8", "--max-batch-size", "4",
+                                   env={"UNMASK_API_KEY": ENV_KEY})
     yield {"url": base, "log": log, "proc": proc, "port": int(base.rsplit(":", 1)[1])}
     stop_server(proc)
 
@@ -142,10 +144,13 @@ def _assert_secret_free(log_text: str, *secrets: str) -> None:
         assert s not in log_text, f"a log line holds {s[:6]}..."
 
 
-def test_no_log_line_holds_the_key_from_the_file(server):
+def test_no_log_line_holds_the_key_from_the_file_or_the_environment(server):
+    assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Bearer {ENV_KEY}"},
+                     timeout=10).status_code == 401  # --api-key-file wins over UNMASK_API_KEY
     _exercise(server["url"], KEY)
+    _exercise(server["url"], ENV_KEY)
     time.sleep(0.3)
-    _assert_secret_free(server["log"].read_text(), KEY, WRONG)
+    _assert_secret_free(server["log"].read_text(), KEY, ENV_KEY, WRONG)
     pid = server["proc"].pid
     for name in ("cmdline", "environ"):  # the point of the file: not in `ps`, not in the environment
         try:
@@ -153,8 +158,10 @@ def test_no_log_line_holds_the_key_from_the_file(server):
         except OSError:  # pragma: no cover - no procfs
             pytest.skip("no /proc")
         assert KEY.encode() not in data, name
+    assert ENV_KEY.encode() in open(f"/proc/{pid}/environ", "rb").read()  # (the check above can fail)
 
 
+@pytest.mark.system  # a second server (~15 s); the file and environment keys are checked in the default run
 def test_no_log_line_holds_the_key_from_the_flag_or_the_environment(tmp_path):
     """``--api-key`` wins over ``UNMASK_API_KEY``: neither key, nor a wrong one, appears in any log line."""
     flag_key, env_key = "sk-flag-Kd93mW", "sk-env-Hy72pQ"
