@@ -277,7 +277,7 @@ def test_schemathesis_with_every_check_finds_nothing_undocumented(server):
     assert calls >= 40
     assert not failures, failures[:3]
     assert not undocumented, sorted({u[1][:120] + " <- " + u[2][-400:] for u in undocumented})
-    assert time.time() - t0 < 90
+    assert time.time() - t0 < 300  # ~40 s on a quiet 2-core machine
 
 
 def test_the_schema_says_which_routes_need_the_key(http):
