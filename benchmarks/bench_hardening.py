@@ -8,7 +8,8 @@ Three figures, each beside the behaviour before the fix where that can be reprod
   the batch of 16; then 4-token requests are sent one after the other: seconds to their first event with the fair
   scheduler and with first-come-first-served admission (the old ``Scheduler._admit``, reproduced here), capped at
   ``--fifo-timeout`` seconds;
-* **event loop**: ``/health`` latency while a request's tokenizer takes 2 s per call.
+* **event loop**: the longest silence between ``/health`` answers (probed every 50 ms) while a request's tokenizer
+  takes 2 s per call (a tokenizer on the event loop would show the whole 2 s).
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_hardening.py`` (about a minute on 2 cores); writes
 ``benchmarks/results/bench_hardening.json``.
@@ -111,23 +112,31 @@ def event_loop(model, delay: float = 2.0) -> dict:
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30) as c:
-            app.state.unmask.tokenizer = SlowTokenizer(eng.tokenizer, delay)
-            slow = asyncio.create_task(c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}))
+            done, answers = asyncio.Event(), []
+
+            async def prober():  # /health every 50 ms; a stalled event loop shows as a gap between answers
+                while not done.is_set():
+                    await c.get("/health")
+                    answers.append(time.perf_counter())
+                    await asyncio.sleep(0.05)
+
+            probes = asyncio.create_task(prober())
             await asyncio.sleep(0.2)
-            lat = []
-            while not slow.done():
-                t0 = time.perf_counter()
-                await c.get("/health")
-                lat.append(time.perf_counter() - t0)
-                await asyncio.sleep(0.1)
-            await slow
-            return lat
+            app.state.unmask.tokenizer = SlowTokenizer(eng.tokenizer, delay)
+            t0 = time.perf_counter()
+            await c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
+            t1 = time.perf_counter()
+            done.set()
+            await probes
+            inside = [t0] + [t for t in answers if t0 <= t <= t1] + [t1]
+            return len(inside) - 2, max(b - a for a, b in zip(inside, inside[1:]))
 
     try:
-        lat = asyncio.run(run())
+        n, gap = asyncio.run(run())
     finally:
         eng.shutdown()
-    return {"tokenizer_seconds_per_call": delay, "health_probes": len(lat), "health_max_seconds": round(max(lat), 4)}
+    return {"tokenizer_seconds_per_call": delay, "health_answers_meanwhile": n,
+            "longest_health_silence_seconds": round(gap, 4), "probe_interval_seconds": 0.05}
 
 
 def main() -> None:
