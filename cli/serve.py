@@ -14,7 +14,31 @@ import signal
 import sys
 from pathlib import Path
 
+from unmask.engine.limits import DEFAULT_MAX_SEQS_PER_REQUEST
+
 log = logging.getLogger("unmask.server")
+
+
+def read_api_key(path: str) -> str:
+    """The key in ``path`` with surrounding whitespace (the trailing newline) stripped.
+
+    Raises:
+        UsageError: (names ``--api-key-file`` and the file, never the key) unreadable, not UTF-8, empty, or holding
+            more than one line.
+    """
+    from unmask.cli.main import UsageError
+
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--api-key-file: {path} is not UTF-8 text") from None
+    if not key:
+        raise UsageError(f"--api-key-file: {path} is empty")
+    if any(c.isspace() for c in key):
+        raise UsageError(f"--api-key-file: {path} holds whitespace inside the key (one key on one line expected)")
+    return key
 
 
 def _weights_kind(loaded) -> str:
@@ -49,8 +73,14 @@ def register(sub, name):
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
     p.add_argument("--api-key", default=os.environ.get("UNMASK_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $UNMASK_API_KEY, else none)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (surrounding whitespace and the newline stripped), so that "
+                        "it shows neither in `ps` nor in the environment; overrides --api-key")
     p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together in one step")
     p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429")
+    p.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                   help="most sequences (prompts x n) one request may queue, at most --max-queue (default "
+                        f"{DEFAULT_MAX_SEQS_PER_REQUEST}); beyond it a 400 naming n")
     p.add_argument("--max-model-len", type=int, default=None, help="lower the context length (tokens)")
     p.add_argument("--max-cached-tokens", type=int, default=None,
                    help="KV budget in canvas tokens over the running batch (default: unlimited); requests wait "
@@ -153,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from unmask.cli.main import UsageError
 
-    for name in ("max_batch_size", "max_queue", "default_max_tokens"):
+    for name in ("max_batch_size", "max_queue", "default_max_tokens", "max_seqs_per_request"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     for name in ("max_model_len", "max_cached_tokens", "block_size", "threads"):
@@ -171,7 +201,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"--chat-template: cannot read {args.chat_template}: {exc.strerror}") from exc
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+
+    from unmask.server.request_id import LOG_FORMAT, install_log_filter
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    install_log_filter()  # every line of a request names its X-Request-Id
     logging.getLogger("unmask").setLevel(args.log_level.upper())
 
     model_path, default_block, what = args.model, None, None
@@ -204,9 +239,10 @@ def run(args: argparse.Namespace) -> int:
         loaded.dllm.block_size = block
     name = args.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
     engine = _engine(AsyncEngine, loaded, args)
-    app = build_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens,
+    app = build_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
                     request_timeout=args.request_timeout, chat_template=chat_template,
-                    cors_origins=args.cors_origins, default_cache=args.cache)
+                    cors_origins=args.cors_origins, default_cache=args.cache,
+                    max_seqs_per_request=args.max_seqs_per_request)
     d = loaded.dllm
     thr = d.default_sampling.get("threshold")
     decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
@@ -223,8 +259,11 @@ def run(args: argparse.Namespace) -> int:
              "threads=%d default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention,
              d.block_size, d.logit_shift, loaded.max_context, loaded.device, _weights_kind(loaded),
              torch.get_num_threads(), decoding,
-             args.host, args.port, " (API key required)" if args.api_key else "")
+             args.host, args.port, " (API key required on /v1)" if api_key else "")
+    from unmask.server.wire import protocol_class
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            http=protocol_class(),  # the parser's 400s as JSON errors too
                             timeout_graceful_shutdown=10, lifespan="on",
                             root_path=args.root_path.rstrip("/"))
     state = app.state.unmask

@@ -192,10 +192,11 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, n: int = 1,
-               fit_max_tokens: bool = False) -> RequestStream:
+               fit_max_tokens: bool = False, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue one request (``n`` choices with seeds seed, seed+1, ...) and return its event stream.
 
-        Must be called from a running event loop (the stream's events are delivered to it).
+        Must be called from a running event loop (the stream's events are delivered to it), or from a worker
+        thread with that ``loop`` given (the server builds requests off its event loop).
 
         Args:
             prompt_ids: prompt token ids (already templated).
@@ -212,7 +213,7 @@ class AsyncEngine:
             QueueFull: ``max_queue`` sequences are already waiting (retry later).
             EngineClosed: the engine is shut down or its thread died.
         """
-        loop = asyncio.get_running_loop()
+        loop = loop or asyncio.get_running_loop()
         if not self.alive:
             raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
         request_id = request_id or f"req-{next(_auto_ids)}"
@@ -354,6 +355,7 @@ class AsyncEngine:
             seq.release()
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
+        self.scheduler.paused.clear()
         self._owner.clear()
         for stream in streams:
             stream._put(closed)

@@ -63,8 +63,12 @@ def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: 
             each window. fixed_positions: generated positions fixed by constraints (not masked).
 
     Raises:
-        ParamError: (``prompt``) no room to generate; (``max_tokens``) the canvas exceeds the context.
+        ParamError: (``prompt``) no room to generate; (``max_tokens``) the canvas exceeds the context;
+            (``block_size``) a block longer than the context; (``steps``) more steps than masked positions
+            (docs/design.md section 15: refused, not clamped).
     """
+    if block_size > max_context:
+        raise ParamError("block_size", f"must be <= the model's context of {max_context} tokens, got {block_size}")
     P = prompt_len
     room = max_context - suffix_len   # canvas positions available before the suffix
     plus_suffix = f" + suffix ({suffix_len})" if suffix_len else ""
@@ -97,6 +101,11 @@ def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: 
         window_steps = [max(1, (hi - lo) - sum(1 for p in fixed_positions if lo <= P + p < hi))
                         for _, lo, hi in windows]
     else:
+        masked = max(len(windows), sum(hi - lo for _, lo, hi in windows) - len(fixed_positions))
+        if steps > masked:
+            raise ParamError("steps", f"at most {masked} steps can reveal tokens here (max_tokens {max_tokens} "
+                                      f"rounded up to whole blocks of {bs} gives {masked} masked positions), "
+                                      f"got {steps}")
         window_steps = split_steps(steps, len(windows))
     gen_len = gen_end - P
     return CanvasLayout(prompt_len=P, gen_len=gen_len, suffix_len=suffix_len, length=P + gen_len + suffix_len,

@@ -21,6 +21,23 @@ MAX_SPECULATIVE_BLOCK = 32  # self-speculative steps forward up to ~block_size^2
 MAX_NO_REPEAT_NGRAM = 64
 MIN_SAMPLING_TEMPERATURE = 1e-100  # below this a positive temperature decodes as argmax (l / T would overflow)
 
+# Size bounds (docs/design.md section 15): every size-like request field has a declared maximum here, and the
+# engine checks the bounds that depend on the request and the model (block <= context, steps <= the masked
+# positions, sub_block_size <= block_size, speculative_branches <= block_size - 1) where it resolves them; a value
+# past either is a ParamError naming the field (HTTP 400), never silently clamped.
+MAX_POSITIONS = 2**20      # max_tokens / steps / min_tokens: no served model has a longer context
+MAX_BLOCK_SIZE = 512       # a block this long costs what a max_tokens=512 request costs (block x block rows)
+MAX_N = 16                 # choices per prompt (and best_of)
+MAX_PROMPTS = 32           # prompts per completions request
+MAX_MESSAGES = 1024        # chat messages per request
+MAX_STOP_CHARS = 1024      # characters per stop string
+MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request
+MAX_TOKEN_ID = 2**31 - 1   # a token id fits int32 (the vocabulary check is the engine's)
+MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
+MAX_MESSAGE_NAME_CHARS = 256
+MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
+DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
+
 
 class ParamError(ValueError):
     """An invalid request parameter; ``field`` names it (the server turns this into a 400 with ``param``)."""
@@ -43,23 +60,23 @@ class Range:
 
 
 RANGES: dict[str, Range] = {
-    "max_tokens": Range(1, None, integer=True),
-    "n": Range(1, None, integer=True),
+    "max_tokens": Range(1, MAX_POSITIONS, integer=True),
+    "n": Range(1, MAX_N, integer=True),
     "temperature": Range(0, 2),
-    "top_k": Range(0, None, integer=True),
+    "top_k": Range(0, None, integer=True),  # unbounded: a k past the vocabulary keeps every token, at no cost
     "top_p": Range(0, 1, lo_open=True),
-    "steps": Range(1, None, integer=True),
-    "block_size": Range(1, None, integer=True),
-    "sub_block_size": Range(1, None, integer=True),
+    "steps": Range(1, MAX_POSITIONS, integer=True),
+    "block_size": Range(1, MAX_BLOCK_SIZE, integer=True),
+    "sub_block_size": Range(1, MAX_BLOCK_SIZE, integer=True),
     "threshold": Range(0, 1),
     "cfg_scale": Range(0, 100),
     "seed": Range(0, MAX_SEED, integer=True),
     "presence_penalty": Range(-2, 2),
     "frequency_penalty": Range(-2, 2),
     "repetition_penalty": Range(0, 100, lo_open=True),
-    "min_tokens": Range(0, None, integer=True),
-    "stop_token_ids": Range(0, None, integer=True),
-    "speculative_branches": Range(0, None, integer=True),
+    "min_tokens": Range(0, MAX_POSITIONS, integer=True),
+    "stop_token_ids": Range(0, MAX_TOKEN_ID, integer=True),
+    "speculative_branches": Range(0, MAX_SPECULATIVE_BLOCK - 1, integer=True),
     "speculative_epsilon": Range(0, 1, lo_open=True),
     "speculative_ratio": Range(0, 1, lo_open=True),
     "speculative_no_repeat_ngram": Range(0, MAX_NO_REPEAT_NGRAM, integer=True),
@@ -82,6 +99,28 @@ def check_number(name: str, value, lo=None, hi=None, integer=False, lo_open=Fals
         raise ParamError(name, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
     if hi is not None and value > hi:
         raise ParamError(name, f"must be <= {hi}, got {value!r}")
+
+
+def prompt_chars_limit(max_context: int, max_token_chars: int) -> int:
+    """Characters beyond which a text surely holds more than ``max_context`` tokens: no token covers more than
+    ``max_token_chars`` characters (the longest vocabulary entry; byte-level BPE entries are at least as long as
+    the text they cover), so a text longer than ``max_context * max_token_chars`` characters is refused before it
+    is tokenized (docs/design.md section 15)."""
+    return max_context * max(1, max_token_chars)
+
+
+def check_block_use(block_size: int | None, max_tokens: int, model_block_size: int) -> None:
+    """Raise :class:`ParamError` (``block_size``) when a request's own ``block_size`` is longer than it can use:
+    more than both the model's block size and ``max_tokens`` rounded up to a power of two. The generation region
+    is ``max_tokens`` rounded up to whole blocks and every masked position costs a step, so a block of 4096 for
+    ``max_tokens: 1`` would decode 4095 positions that are thrown away (docs/design.md section 15)."""
+    if block_size is None:
+        return
+    usable = max(model_block_size, 1 << max(0, int(max_tokens) - 1).bit_length())
+    if block_size > usable:
+        raise ParamError("block_size", f"must be <= {usable} for max_tokens {max_tokens} (max_tokens rounded up to "
+                                       f"a power of two, or the model's block size {model_block_size}): a longer "
+                                       f"block decodes positions that are never returned; got {block_size}")
 
 
 def check(name: str, value) -> None:

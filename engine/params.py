@@ -119,14 +119,17 @@ class SamplingParams:
             (``dllm.default_sampling.temperature``), else 1.0.
         top_k: keep the k most likely tokens (0 = off). top_p: nucleus filter (1.0 = off).
         steps: total denoising steps for the whole generation (LLaDA's ``steps``), split over the blocks as evenly
-            as possible, remainder to the earliest blocks, at least one per block. ``None`` = one token per step:
+            as possible, remainder to the earliest blocks, at least one per block, at most the masked positions
+            (a ParamError beyond: docs/design.md section 15). ``None`` = one token per step:
             ``max_tokens`` rounded up to whole blocks (the canvas's masked positions; a request stops as soon as its
             first ``max_tokens`` are revealed), unless the checkpoint's default threshold applies (see
             ``unmask.engine.plan``).
-        block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``.
+        block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``. At most 512, the
+            context, and max(the checkpoint's block, ``max_tokens`` rounded up to a power of two) (section 15).
         sub_block_size: decoding window inside a block (Fast-dLLM v2's sub-blocks): positions are revealed window
             by window, left to right, while attention and caching stay per block; the step budget is split over
-            the windows. ``None`` = the checkpoint's ``dllm.sub_block_size``, else the whole block.
+            the windows. ``None`` = the checkpoint's ``dllm.sub_block_size``, else the whole block; at most
+            ``block_size``.
         remasking: which masked positions are revealed first: ``low_confidence`` | ``margin`` | ``entropy`` |
             ``random`` (LLaDA / Dream names).
         threshold: when set, threshold decoding (Fast-dLLM): reveal every position whose candidate probability

@@ -212,6 +212,8 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
                                              "constraints or a suffix (infilling): the grammar is applied to the "
                                              "revealed left-to-right prefix (docs/design.md section 19)")
     bs = p.block_size or dllm.block_size
+    if p.sub_block_size is not None and p.sub_block_size > bs:  # docs/design.md section 15: refused, not clamped
+        raise ParamError("sub_block_size", f"must be <= block_size ({bs}), got {p.sub_block_size}")
     temperature = float(p.temperature or 0.0)
     common = dict(params=p, block_size=bs, window_size=min(p.sub_block_size or dllm.sub_block_size or bs, bs),
                   temperature=temperature, sampling=temperature >= MIN_SAMPLING_TEMPERATURE, seed=int(p.seed),
@@ -222,6 +224,9 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
     check_speculative(p, dllm)
     opts = p.speculative_options
     b = opts.branches if opts is not None else None
+    if b is not None and b > bs - 1:  # a fallback group per draft position at most: refused, not clamped
+        raise ParamError("speculative_branches", f"must be <= block_size - 1 ({bs - 1}): one fallback group per "
+                                                 f"draft position, got {b}")
     branches = 0 if has_draft_head else min(DEFAULT_BRANCHES if b is None else int(b), bs - 1)
     epsilon, ratio = p.speculative_epsilon, p.speculative_ratio
     guard = p.speculative_no_repeat_ngram

@@ -31,7 +31,7 @@ import torch
 from .config import DllmConfig
 from .kv_cache import LaneCache
 from .layout import build_layout
-from .limits import ParamError
+from .limits import ParamError, check_block_use
 from .outputs import CompletionOutput, Revealed, StepEvent
 from .params import SamplingParams
 from .plan import DecodingPlan, resolve
@@ -150,6 +150,7 @@ class Request:
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
         self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
         self.prompt_ids = list(prompt_ids)
+        check_block_use(params.block_size, params.max_tokens, dllm.block_size)  # docs/design.md section 15
         P = self.prompt_len = len(prompt_ids)
         suffix = suffix_ids(params, tokenizer)
         mask_id = dllm.mask_token_id

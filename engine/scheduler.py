@@ -6,6 +6,14 @@ denoising steps or, when padding it into their rows would waste more than a forw
 and their KV cache. A sequence's tokens never depend on who else is in the batch (batch invariance), so joining
 mid-block is exact; this is finer-grained than joining at block boundaries and gives a lower TTFT.
 
+Fair admission (docs/design.md section 15): free batch slots go to the waiting sequence whose request has the
+fewest sequences running (ties: queue order), and a request that waits with none running takes a slot from the
+request holding the most while that one holds more than its share (``max_batch_size // requests with work``, at
+least 1): the taken sequence is *paused* (it keeps its canvas and KV cache and its reservation of the budget, goes
+back to the front of the queue, and resumes where it stopped: a sequence's tokens never depend on when it steps).
+So one request cannot hold every slot while another waits, and a small request's first step comes at the next
+step however large the running one is.
+
 Admission and the KV budget live here only (docs/design.md section 10): a request reserves its canvas length x
 lanes (2 under CFG) cached tokens; one that can never fit the budget is a client error (:class:`ParamError`,
 field ``max_tokens``), one that fits the budget but not what is left of it waits; a full queue is
@@ -16,7 +24,7 @@ from __future__ import annotations
 
 import collections
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .denoiser import Denoiser
 from .limits import ParamError
@@ -54,6 +62,8 @@ class Scheduler:
         self.max_cached_tokens = max_cached_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.paused: set[Request] = set()  # waiting sequences that already ran (they keep their KV cache)
+        self.preemptions = 0  # sequences paused for a starved request so far
 
     @staticmethod
     def need(seq: Request) -> int:
@@ -139,14 +149,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def reserved_tokens(self) -> int:
-        """Canvas tokens reserved by running sequences: canvas length x lanes (2 under CFG), summed."""
-        return sum(self.need(s) for s in self.running)
+        """Canvas tokens reserved by running and paused sequences: canvas length x lanes (2 under CFG), summed."""
+        return sum(self.need(s) for s in self.running) + sum(self.need(s) for s in self.paused)
 
     def abort(self, request_id: str) -> list[StepEvent]:
         """Cancel every sequence of ``request_id`` (waiting or running); returns their final events."""
         events = []
         for seq in [s for s in self.waiting if s.request_id == request_id]:
             self.waiting.remove(seq)
+            self.paused.discard(seq)
             events.append(seq.abort())
         for seq in [s for s in self.running if s.request_id == request_id]:
             self.running.remove(seq)
@@ -157,14 +168,48 @@ class Scheduler:
         """True while any sequence is waiting or running."""
         return bool(self.waiting or self.running)
 
+    def _fits(self, seq: Request, reserved: int) -> bool:
+        """Whether ``seq`` may join with ``reserved`` tokens held: a paused sequence holds its reservation already;
+        an empty batch takes any sequence that fits the budget alone (checked at submit)."""
+        if self.max_cached_tokens is None or seq in self.paused or not self.running:
+            return True
+        return reserved + self.need(seq) <= self.max_cached_tokens
+
+    @staticmethod
+    def _counts(seqs: Iterable[Request]) -> collections.Counter:
+        return collections.Counter(s.request_id for s in seqs)
+
+    def _join(self, seq: Request) -> None:
+        self.waiting.remove(seq)
+        self.paused.discard(seq)
+        self.running.append(seq)
+
     def _admit(self) -> None:
+        """Fill the free slots fairly, then let starved requests take a slot from the largest holder (see the
+        module docstring)."""
         while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            if (self.max_cached_tokens is not None and self.running
-                    and self.reserved_tokens() + self.need(seq) > self.max_cached_tokens):
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
+            held = self._counts(self.running)
+            seq = min(self.waiting, key=lambda s: held[s.request_id])  # first of the least served request
+            if not self._fits(seq, self.reserved_tokens()):
+                return
+            self._join(seq)
+        while self.waiting:
+            held = self._counts(self.running)
+            starved = next((s for s in self.waiting if held[s.request_id] == 0), None)
+            if starved is None or not held:
+                return
+            share = max(1, self.max_batch_size // len(held | self._counts(self.waiting)))
+            holder, count = held.most_common(1)[0]
+            if count <= share or not self._fits(starved, self.reserved_tokens()):
+                return
+            victim = next((s for s in reversed(self.running) if s.request_id == holder and not s.finished), None)
+            if victim is None:
+                return
+            self.running.remove(victim)
+            self.waiting.appendleft(victim)
+            self.paused.add(victim)
+            self.preemptions += 1
+            self._join(starved)
 
     def step(self) -> list[StepEvent]:
         """Admit waiting sequences, run one step for the batch, drop finished ones. Returns the step's events."""

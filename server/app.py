@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 import time
@@ -27,16 +26,19 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
-from unmask.engine import AsyncEngine, ParamError, TokenTexts, chat_prompt_ids, encode_prompt
-from unmask.engine.limits import CACHE_MODES
+from unmask.engine import AsyncEngine, TokenTexts
+from unmask.engine.limits import CACHE_MODES, DEFAULT_MAX_SEQS_PER_REQUEST, prompt_chars_limit
 
 from . import protocol as P
 from . import responses as R
 from .accounting import finished_work
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
+from .guard import GuardMiddleware
 from .metrics import Metrics
+from .prompt_input import chat_ids, completion_ids, longest_token_chars
 from .render import Render
+from .request_id import RequestIdMiddleware
 from .run import Run
 from .sse import sse_events
 from .visualizer import mount_visualizer
@@ -59,12 +61,15 @@ class ServerState:
     request_timeout: float | None = None
     chat_template: str | None = None
     default_cache: str = "auto"
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.tokenizer
         self.token_text = TokenTexts(self.tokenizer)
         self.max_context = self.engine.max_context
+        # a text longer than this surely exceeds the context: refused before tokenizing (docs/design.md section 15)
+        self.max_prompt_chars = prompt_chars_limit(self.max_context, longest_token_chars(self.tokenizer))
         # set when the server starts shutting down (SIGTERM/SIGINT); made per serving loop at start-up (an
         # asyncio.Event belongs to the first loop that waits on it)
         self.shutdown: asyncio.Event | None = None
@@ -92,94 +97,11 @@ class ServerState:
             loop.call_soon_threadsafe(event.set)
 
 
-class GuardMiddleware:
-    """Pure ASGI checks before routing (so they never depend on body parsing): API key on ``/v1/*`` (401),
-    body size (413, Content-Length or counted bytes) and JSON content type on POST (415).
-
-    The body is read here and replayed to the app; after it, ``receive`` passes through, so a route can still wait
-    for ``http.disconnect``."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await self._reject(scope, err, receive, send)
-        if scope.get("method") not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await self._reject(scope, APIError(400, f"invalid Content-Length header {length!r}",
-                                                          code="invalid_request"), receive, send)
-            if int(length) > self.max_body_bytes:
-                await self._drain(receive, 16 * self.max_body_bytes)
-                return await self._reject(scope, self._too_large(int(length)), receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_body_bytes:
-                await self._drain(receive, 16 * self.max_body_bytes)
-                return await self._reject(scope, self._too_large(size), receive, send)
-            chunks.append(body)
-            more = message.get("more_body", False)
-        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            err = APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
-                           param="Content-Type", code="unsupported_media_type")
-            return await self._reject(scope, err, receive, send)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self, size: int) -> APIError:
-        return APIError(413, f"request body of {size} bytes exceeds the server's limit of {self.max_body_bytes} "
-                             f"bytes", code="request_too_large")
-
-    @staticmethod
-    async def _reject(scope, err: APIError, receive, send) -> None:
-        log.info("%s %s status=%d code=%s", scope.get("method"), scope.get("path"), err.status, err.code)
-        await err.response()(scope, receive, send)
-
-    @staticmethod
-    async def _drain(receive, limit: int) -> None:
-        """Read and drop the rest of the body (up to ``limit`` bytes) so that the client sees the response."""
-        seen = 0
-        while seen <= limit:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            seen += len(message.get("body", b""))
-            if not message.get("more_body", False):
-                return
-
-
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
               request_timeout: float | None = None, chat_template: str | None = None,
               cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              default_cache: str = "auto", shutdown_engine: bool = True) -> FastAPI:
+              default_cache: str = "auto", shutdown_engine: bool = True,
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
     """Create the OpenAI-compatible app.
 
     Args:
@@ -194,10 +116,14 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         default_cache: KV-cache policy for requests that send no ``cache`` (``auto`` | ``none`` | ``prefix`` |
             ``dual``).
         shutdown_engine: stop the engine thread when the app's lifespan ends.
+        max_seqs_per_request: most sequences (prompts x ``n``) one request may queue (400 naming ``n`` beyond);
+            lowered to the engine's queue (docs/design.md section 15).
 
     Raises:
-        ValueError: ``default_max_tokens`` < 1 or ``request_timeout`` <= 0.
+        ValueError: ``default_max_tokens`` < 1, ``request_timeout`` <= 0 or ``max_seqs_per_request`` < 1.
     """
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request: must be >= 1, got {max_seqs_per_request}")
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
     if request_timeout is not None and request_timeout <= 0:
@@ -206,7 +132,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         raise ValueError(f"default_cache: must be one of {list(CACHE_MODES)}, got {default_cache!r}")
     metrics = Metrics(model_name, engine)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics, default_max_tokens=default_max_tokens,
-                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache)
+                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache,
+                        max_seqs_per_request=min(max_seqs_per_request, engine.max_queue))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -220,7 +147,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                               "body; streamed responses are server-sent events ending with `data: [DONE]`.")
     app.state.unmask = state
     install_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, router=app.router)
+    app.add_middleware(RequestIdMiddleware)  # outside the guards: their refusals carry the id too
     if cors_origins:  # outermost: preflights are answered and error responses carry the CORS headers too
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -248,9 +176,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI completions (``prompt``: string, strings, token ids, or lists of token ids)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        prompts = []
-        for prompt in body.prompts():
-            prompts.append(encode_prompt(state.tokenizer, prompt))  # token ids are checked by the engine
+        prompts = await completion_ids(state, body.prompts())  # checked, then tokenized off the event loop
         return await _serve(state, "completion", body, prompts, arrival, request,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
 
@@ -260,13 +186,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        try:
-            ids = chat_prompt_ids(state.tokenizer, [m.as_template_dict() for m in body.messages], state.chat_template)
-        except ParamError:
-            raise
-        except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
-            raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
-                           param="messages", code="invalid_value") from exc
+        ids = await chat_ids(state, [m.as_template_dict() for m in body.messages])  # templated off the loop
         return await _serve(state, "chat", body, [ids], arrival, request, logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0)
 
@@ -295,6 +215,12 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                 for prm in op.get("parameters", []):
                     if prm.get("name") == "model_id":
                         prm["schema"]["enum"] = [model_name]
+            if api_key is not None:  # the key is required on /v1/* only (docs/design.md section 15)
+                schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
+                                                                                     "scheme": "bearer"}}
+                for path, ops in schema.get("paths", {}).items():
+                    for op in ops.values() if path.startswith("/v1/") else ():
+                        op["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -326,15 +252,25 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
     max_tokens = explicit if explicit is not None else state.default_max_tokens
     params = body.sampling_params(max_tokens, logprobs, state.default_cache)  # ParamError -> 400
-    if len(prompts) * body.n > engine.max_queue:
-        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's queue of "
-                            f"{engine.max_queue} sequences", param="n", code="invalid_value")
+    if len(prompts) * body.n > state.max_seqs_per_request:
+        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's limit of "
+                            f"{state.max_seqs_per_request} sequences per request (--max-seqs-per-request)",
+                       param="n", code="invalid_value")
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
     streams = []
-    try:
+    loop = asyncio.get_running_loop()
+
+    def submit_all() -> None:  # building the requests checks every prompt id: off the event loop
         for p, ids in enumerate(prompts):
             streams.append(engine.submit(ids, params, f"{response_id}-{p}", n=body.n,
-                                         fit_max_tokens=explicit is None))
+                                         fit_max_tokens=explicit is None, loop=loop))
+
+    try:
+        await anyio.to_thread.run_sync(submit_all)
+    except anyio.get_cancelled_exc_class():  # the client went away while the requests were being built
+        for s in streams:
+            s.abort()
+        raise
     except Exception as exc:
         for s in streams:
             s.abort()

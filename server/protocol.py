@@ -17,22 +17,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from unmask.engine import SamplingParams
-from unmask.engine.limits import CACHE_MODES, MAX_STOP, RANGES, REMASKING_STRATEGIES
+from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGE_NAME_CHARS, MAX_MESSAGES,
+                                  MAX_NAME_CHARS, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
+                                  MAX_TOKEN_ID, RANGES, REMASKING_STRATEGIES)
 
-# the server's own caps on request size (not decoding ranges: those are RANGES)
-MAX_N = 16                 # choices per prompt (and best_of)
-MAX_PROMPTS = 32           # prompts per completions request
-MAX_MESSAGES = 1024        # chat messages per request
-MAX_STOP_CHARS = 1024      # characters per stop string
-MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request
-MAX_TOKEN_ID = 2**31 - 1   # a token id fits int32 (the vocabulary check is the engine's)
-MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
-MAX_MESSAGE_NAME_CHARS = 256
-MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
+# the request-size caps (MAX_PROMPTS, MAX_STOP_CHARS, ...; MAX_N is RANGES['n']) are declared with the decoding ranges in unmask.engine.limits
+
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
 # OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored)
@@ -56,8 +50,40 @@ UNSUPPORTED_FIELDS = {
 
 RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
 CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
+
+
+def _well_formed(text: str) -> str:
+    """Refuse a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): no tokenizer or chat template can
+    encode it, so it is a 400 naming the field, not a template or tokenizer failure."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError("invalid_text", "text is not valid Unicode: a lone surrogate {char} at "
+                                                  "character {pos}", {"char": repr(text[exc.start]),
+                                                                      "pos": exc.start}) from None
+    return text
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's ``integer`` includes numbers written with a zero fraction (``7.0``): take them as the integer
+    (also inside lists of ids); every other value goes on to the strict int check (``"7"``, ``true`` and ``7.5``
+    stay errors)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+# the integer fields (and lists of ids) of the request models: 7.0 is the integer 7 there, as in the schema
+_INTEGER_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of", "seed", "steps", "block_size",
+                             "sub_block_size", "top_k", "min_tokens", "speculative_branches",
+                             "speculative_no_repeat_ngram", "top_logprobs", "stop_token_ids"})
+
+
+Text = Annotated[str, AfterValidator(_well_formed)]  # every string the tokenizer or the chat template reads
 TokenId = Annotated[int, Field(ge=RANGES["stop_token_ids"].lo, le=MAX_TOKEN_ID)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 def ranged(name: str, default: Any, *, lo: float | None = None, **kw) -> Any:
@@ -71,8 +97,46 @@ def ranged(name: str, default: Any, *, lo: float | None = None, **kw) -> Any:
     return Field(default, **kw)
 
 
+def _is(field: str, schema: dict) -> dict:
+    return {"properties": {field: schema}, "required": [field]}
+
+
+# cross-field rules that validation enforces, written into the published schema too (docs/design.md section 15):
+# request model name -> JSON Schema subschemas the body must also satisfy ("allOf")
+_SCHEMA_RULES: dict[str, list[dict]] = {
+    "_common": [
+        # speculative_epsilon and speculative_ratio are two relaxed rules: one of the two, not both (null = unset)
+        {"not": {"allOf": [_is("speculative_epsilon", {"type": "number"}),
+                           _is("speculative_ratio", {"type": "number"})]}},
+        # stream_options only with stream: true
+        {"if": _is("stream_options", {"type": "object"}), "then": _is("stream", {"const": True})},
+    ],
+    "ChatCompletionRequest": [
+        # top_logprobs >= 1 needs logprobs: true
+        {"if": _is("top_logprobs", {"type": "integer", "minimum": 1}), "then": _is("logprobs", {"const": True})},
+    ],
+}
+
+
+def _schema_extra(schema: dict, cls) -> None:
+    """The cross-field rules, and ``null`` allowed where validation takes it as the default (an optional field whose
+    default is not ``None``: ``"top_p": null`` means 1.0)."""
+    props = schema.get("properties", {})
+    for name, f in cls.model_fields.items():
+        if name in props and not f.is_required() and f.default is not None:
+            keep = {k: props[name].pop(k) for k in ("default", "description", "title") if k in props[name]}
+            props[name] = {"anyOf": [props[name], {"type": "null"}], **keep}
+    rules = _SCHEMA_RULES["_common"] + _SCHEMA_RULES.get(cls.__name__, [])
+    if "speculative_ratio" in props:
+        schema.setdefault("allOf", []).extend(rules)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class _Rules(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra=_schema_extra)
 
 
 class StreamOptions(_Strict):
@@ -89,7 +153,7 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
-class _Common(_Strict):
+class _Common(_Rules):
     """Fields shared by completions and chat completions (OpenAI + our diffusion extras)."""
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS, description="a model id from GET /v1/models")
@@ -97,7 +161,7 @@ class _Common(_Strict):
                                     "server's --default-max-tokens, lowered to the remaining context")
     temperature: float | None = ranged("temperature", None, description="0 = argmax; default from the checkpoint")
     top_p: float = ranged("top_p", 1.0)
-    n: int = ranged("n", 1, le=MAX_N, description="choices; choice i uses seed + i")
+    n: int = ranged("n", 1, description="choices; choice i uses seed + i")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = Field(
         None, description=f"a string or at most {MAX_STOP} non-empty strings; text is cut before the first one")
     seed: int | None = ranged("seed", None)
@@ -110,7 +174,8 @@ class _Common(_Strict):
                                          description="accepted; the KV cache is per request")
     presence_penalty: float = ranged("presence_penalty", 0.0)
     frequency_penalty: float = ranged("frequency_penalty", 0.0)
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}",
+                                                json_schema_extra={"maxProperties": 0})
     # --- diffusion extras (docs/design.md section 5) ---
     steps: int | None = ranged("steps", None,
                                description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
@@ -161,6 +226,14 @@ class _Common(_Strict):
         if isinstance(data, dict):
             data = {k: v for k, v in data.items()
                     if not (v is None and k in cls.model_fields and cls.model_fields[k].default is not None)}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ints = _INTEGER_FIELDS | ({"prompt", "logprobs"} if cls.__name__ == "CompletionRequest" else set())
+            data = {k: _integral(v) if k in ints else v for k, v in data.items()}
         return data
 
     @model_validator(mode="before")
@@ -222,8 +295,8 @@ class _Common(_Strict):
         return bool(self.stream_options and self.stream_options.include_denoising)
 
 
-Prompt = (Annotated[str, Field(min_length=1)]
-          | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+Prompt = (Annotated[Text, Field(min_length=1)]
+          | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
           | Annotated[list[TokenId], Field(min_length=1)]
           | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)])
 
@@ -232,11 +305,11 @@ class CompletionRequest(_Common):
     """``POST /v1/completions`` (OpenAI legacy completions)."""
 
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of those")
-    suffix: str | None = Field(None, description="text after the generated region (infilling; bidirectional "
+    suffix: Text | None = Field(None, description="text after the generated region (infilling; bidirectional "
                                                  "models only)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probability of each token at the "
                                  "step it was revealed (only the revealed token is recorded, so at most 1)")
-    best_of: int | None = ranged("n", None, le=MAX_N, description="only best_of == n is supported")
+    best_of: int | None = ranged("n", None, description="only best_of == n is supported")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (one entry per prompt)."""
@@ -260,15 +333,15 @@ class TextPart(_Strict):
     """A text content part of a chat message (``{"type": "text", "text": ...}``); other part types are rejected."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     """One chat message; ``content`` is a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
-    name: str | None = Field(None, max_length=MAX_MESSAGE_NAME_CHARS)
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    name: Text | None = Field(None, max_length=MAX_MESSAGE_NAME_CHARS)
 
     def as_template_dict(self) -> dict:
         """``{"role", "content"[, "name"]}`` for the chat template; text parts are joined without a separator."""

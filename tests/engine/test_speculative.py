@@ -47,6 +47,11 @@ def _run(llm, seqs, hook=None):
 @pytest.mark.parametrize("branches", [None, 0, 1])
 @pytest.mark.parametrize("cache", ["auto", "none"])
 def test_output_is_block1_greedy_token_for_token(llm, block, branches, cache):
+    if branches is not None and branches > block - 1:  # more fallback groups than drafts: refused, not clamped
+        with pytest.raises(ParamError, match="speculative_branches"):
+            llm.generate(PROMPTS[0], SamplingParams.from_flat(max_tokens=4, block_size=block, speculative=True,
+                                                              speculative_branches=branches, cache=cache))
+        return
     for prompt in PROMPTS:
         for max_tokens in (1, 2, 7, 13):
             ref = _greedy_b1(llm, prompt, max_tokens, ignore_eos=True)
@@ -487,13 +492,13 @@ def test_checkpoint_default_applies_to_greedy_requests_that_fit_it():
     ids = llm.encode(PROMPTS[1])
 
     def kind(**kw):
-        return type(llm.make_sequences(ids, SamplingParams.from_flat(max_tokens=8, **kw), "k")[0])
+        return type(llm.make_sequences(ids, SamplingParams.from_flat(**{"max_tokens": 8, **kw}), "k")[0])
 
     assert kind() is Spec and kind(temperature=0) is Spec and kind(speculative_epsilon=0.1) is Spec
     assert kind(temperature=0.7) is Spec  # speculative sampling
     # requests outside it keep the ordinary decoding, without an error
     for kw in ({"steps": 8}, {"threshold": 0.9}, {"remasking": "margin"}, {"cfg_scale": 1.0},
-               {"repetition_penalty": 1.1}, {"block_size": 64}, {"speculative": False}):
+               {"repetition_penalty": 1.1}, {"block_size": 64, "max_tokens": 64}, {"speculative": False}):
         assert kind(**kw) is not Spec, kw
     # a block size the server set above the limit (`unmask serve --block-size 64`): ordinary decoding, no 400
     lm.dllm.block_size = 64

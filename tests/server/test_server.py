@@ -133,7 +133,9 @@ def test_models_health_metrics_routes(http, server):
     req = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert req["additionalProperties"] is False and req["properties"]["model"]["enum"] == [MODEL]
     assert req["properties"]["temperature"]["anyOf"][0]["maximum"] == 2
-    assert set(req["properties"]["remasking"]["enum"]) == {"low_confidence", "margin", "entropy", "random"}
+    # null means the default (section 15): the enum is the first member of anyOf
+    assert set(req["properties"]["remasking"]["anyOf"][0]["enum"]) == {"low_confidence", "margin", "entropy",
+                                                                       "random"}
 
 
 # ---------------------------------------------------------------------------------------------- openai SDK

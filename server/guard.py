@@ -1,0 +1,109 @@
+"""Pure ASGI guards before routing (docs/design.md sections 5 and 15): the API key on ``/v1/*`` (401), then, for a
+request some route takes with its method, the body size (413) and the JSON content type (415).
+
+Routes open without the key: ``/health`` (probes), ``/metrics`` (Prometheus), ``/`` and ``/visualizer/*`` (the
+page; its own calls go to ``/v1``), ``/docs`` and ``/openapi.json``; everything under ``/v1/`` needs it. A method
+no route takes (``PUT /health``) goes on to the router's 405 with ``Allow`` before any body check.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+
+from starlette.routing import Match
+
+from .errors import APIError
+
+log = logging.getLogger("unmask.server")
+
+
+class GuardMiddleware:
+    """Pure ASGI checks before routing (so they never depend on body parsing): API key on ``/v1/*`` (401),
+    body size (413, Content-Length or counted bytes) and JSON content type on POST (415).
+
+    The body is read here and replayed to the app; after it, ``receive`` passes through, so a route can still wait
+    for ``http.disconnect``."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, router=None):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.router = router  # the app's router: a request no route takes with its method goes on to the 404/405
+
+    def _routed(self, scope) -> bool:
+        """True when a route takes this path with this method (else the router answers 404 or 405 with an
+        ``Allow`` header, before any body check: ``PUT /health`` is a 405, not a 415)."""
+        if self.router is None:
+            return True
+        return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key is not None and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await self._reject(scope, err, receive, send)
+        if scope.get("method") not in ("POST", "PUT", "PATCH") or not self._routed(scope):
+            return await self.app(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await self._reject(scope, APIError(400, f"invalid Content-Length header {length!r}",
+                                                          code="invalid_request"), receive, send)
+            if int(length) > self.max_body_bytes:
+                await self._drain(receive, 16 * self.max_body_bytes)
+                return await self._reject(scope, self._too_large(int(length)), receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await self._drain(receive, 16 * self.max_body_bytes)
+                return await self._reject(scope, self._too_large(size), receive, send)
+            chunks.append(body)
+            more = message.get("more_body", False)
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            err = APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                           param="Content-Type", code="unsupported_media_type")
+            return await self._reject(scope, err, receive, send)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(413, f"request body of {size} bytes exceeds the server's limit of {self.max_body_bytes} "
+                             f"bytes", code="request_too_large")
+
+    @staticmethod
+    async def _reject(scope, err: APIError, receive, send) -> None:
+        log.info("%s %s status=%d code=%s", scope.get("method"), scope.get("path"), err.status, err.code)
+        await err.response()(scope, receive, send)
+
+    @staticmethod
+    async def _drain(receive, limit: int) -> None:
+        """Read and drop the rest of the body (up to ``limit`` bytes) so that the client sees the response."""
+        seen = 0
+        while seen <= limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return

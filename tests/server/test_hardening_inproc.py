@@ -1,0 +1,367 @@
+"""Issue 22 in-process (the app over a tiny model, no uvicorn): bounded request sizes, nothing on the event loop
+that stalls others, fair admission, schema = validation, request ids (docs/design.md section 15). The uvicorn
+checks (HTTP parser errors, keys in logs, schemathesis) are in test_hardening.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import jsonschema_rs
+import pytest
+from fastapi.testclient import TestClient
+
+from tiny import loaded
+from unmask.engine import SamplingParams
+from unmask.engine.async_engine import AsyncEngine
+from unmask.engine.limits import MAX_BLOCK_SIZE, MAX_N, MAX_STOP_CHARS, ParamError
+from unmask.server.app import build_app
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return loaded(block_size=4)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = AsyncEngine(model, max_batch_size=4, max_queue=64)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    app = build_app(engine, "m", shutdown_engine=False, max_seqs_per_request=8)
+    with TestClient(app) as c:
+        yield c
+
+
+def _c(**kw):
+    return {"model": "m", "prompt": "Hello", "max_tokens": 8, "seed": 0, **kw}
+
+
+# ------------------------------------------------------------------------------------------- size knobs
+BOUNDED = [  # (extra fields, the field the 400 must name)
+    ({"block_size": 65536}, "block_size"),
+    ({"block_size": 4096, "max_tokens": 1}, "block_size"),
+    ({"block_size": MAX_BLOCK_SIZE + 1, "max_tokens": 1024}, "block_size"),
+    ({"block_size": 512, "max_tokens": 1}, "block_size"),      # within the declared max, but unusable
+    ({"block_size": 16, "max_tokens": 3}, "block_size"),       # 16 > max(model block 4, 4)
+    ({"block_size": 10 ** 30}, "block_size"),
+    ({"steps": 10 ** 9}, "steps"),
+    ({"steps": 9, "max_tokens": 8}, "steps"),                  # 8 masked positions: a 9th step reveals nothing
+    ({"steps": 13, "max_tokens": 10}, "steps"),                # 10 rounded up to blocks of 4 = 12
+    ({"sub_block_size": 10 ** 6}, "sub_block_size"),
+    ({"sub_block_size": 5}, "sub_block_size"),                 # > block_size 4: refused, not clamped
+    ({"speculative": True, "speculative_branches": 10 ** 6}, "speculative_branches"),
+    ({"speculative": True, "speculative_branches": 4}, "speculative_branches"),   # block 4: at most 3
+    ({"speculative": True, "block_size": 2, "speculative_branches": 2}, "speculative_branches"),
+    ({"n": MAX_N + 1}, "n"),
+    ({"n": 3, "prompt": ["a", "b", "c"]}, "n"),                # 9 sequences > --max-seqs-per-request 8
+    ({"max_tokens": 10 ** 7}, "max_tokens"),
+    ({"max_tokens": 600}, "max_tokens"),                       # the tiny model's context is 512
+    ({"min_tokens": 9}, "min_tokens"),
+    ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"prompt": ["x"] * 33}, "prompt"),
+    ({"prompt": [5] * 600}, "prompt"),                         # token ids past the context, before the engine
+    ({"prompt": "word " * 200_000}, "prompt"),                 # 1 MB: refused before it is tokenized
+]
+
+
+@pytest.mark.parametrize("extra,field", BOUNDED, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BOUNDED)])
+def test_every_size_knob_is_bounded_with_a_fast_400_naming_the_field(client, extra, field):
+    t0 = time.perf_counter()
+    r = client.post(C, json=_c(**extra))
+    took = time.perf_counter() - t0
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == field, r.text[:300]
+    assert took < 1.0, took
+
+
+def test_chat_sizes_are_bounded_too(client):
+    r = client.post(CH, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5,
+                              "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    huge = [{"role": "user", "content": "hi"}, {"role": "user", "content": "word " * 200_000}]
+    t0 = time.perf_counter()
+    r = client.post(CH, json={"model": "m", "messages": huge})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.content", r.text[:300]
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("extra", [{"block_size": 8, "max_tokens": 5}, {"block_size": 4, "max_tokens": 1},
+                                   {"steps": 8}, {"steps": 12, "max_tokens": 10}, {"sub_block_size": 4},
+                                   {"speculative": True, "speculative_branches": 3},
+                                   {"n": 2, "prompt": ["a", "b", "c", "d"]}])
+def test_values_at_the_bounds_are_served(client, extra):
+    r = client.post(C, json=_c(ignore_eos=True, **extra))
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_the_engine_api_refuses_the_same_sizes(model):
+    """The bounds live in the engine (``unmask.engine.limits`` + the plan/layout), not only in the HTTP schema."""
+    from unmask.engine.engine import make_requests
+
+    for kw, field in [({"block_size": 4096}, "block_size"), ({"block_size": 32, "max_tokens": 2}, "block_size"),
+                      ({"steps": 100}, "steps"), ({"sub_block_size": 8}, "sub_block_size"),
+                      ({"speculative": True, "speculative_branches": 7}, "speculative_branches")]:
+        with pytest.raises(ParamError) as e:
+            params = SamplingParams.from_flat(**{"max_tokens": 8, **kw})
+            make_requests(model, [5, 6, 7], params, "r")
+        assert e.value.field == field, (kw, e.value)
+
+
+# ------------------------------------------------------------------------------------------- the event loop
+class SlowTokenizer:
+    """The model's tokenizer, but every encode / chat template takes ``delay`` seconds (a 2 MB prompt on a real
+    tokenizer): whatever runs it on the event loop stalls every other request for that long."""
+
+    def __init__(self, inner, delay: float):
+        self._inner, self._delay = inner, delay
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def encode(self, *a, **kw):
+        time.sleep(self._delay)
+        return self._inner.encode(*a, **kw)
+
+    def __call__(self, *a, **kw):
+        time.sleep(self._delay)
+        return self._inner(*a, **kw)
+
+    def apply_chat_template(self, *a, **kw):
+        time.sleep(self._delay)
+        return self._inner.apply_chat_template(*a, **kw)
+
+
+@pytest.mark.parametrize("path,body", [(C, {"prompt": "a slow prompt"}),
+                                       (C, {"prompt": ["one slow", "two slow"]}),
+                                       (CH, {"messages": [{"role": "user", "content": "a slow chat"}]})])
+def test_tokenizing_never_stalls_health_or_other_streams(engine, path, body):
+    app = build_app(engine, "m", shutdown_engine=False)
+    state = app.state.unmask
+    delay = 2.0
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)  # the app on this test's own event loop
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as http:
+            done = asyncio.Event()
+
+            async def prober():  # /health every 50 ms: the times its answers arrive
+                times = []
+                while not done.is_set():
+                    assert (await http.get("/health")).status_code == 200
+                    times.append(time.perf_counter())
+                    await asyncio.sleep(0.05)
+                return times
+
+            async def other_request():  # a short generation sent while the slow one is being tokenized
+                await asyncio.sleep(0.3)
+                t0 = time.perf_counter()
+                r = await http.post(C, json=_c(max_tokens=4, ignore_eos=True))
+                assert r.status_code == 200, r.text[:300]
+                return t0, time.perf_counter()
+
+            probes = asyncio.create_task(prober())
+            await asyncio.sleep(0.2)
+            state.tokenizer = SlowTokenizer(engine.tokenizer, delay)
+            other = asyncio.create_task(other_request())
+            t_slow = time.perf_counter()
+            r = await http.post(path, json={"model": "m", "max_tokens": 4, **body})
+            t_end = time.perf_counter()
+            state.tokenizer = engine.tokenizer
+            done.set()
+            return r, t_slow, t_end, await probes, await other
+
+    def worst_gap(times, lo, hi):  # the longest silence within [lo, hi]
+        inside = [lo] + [t for t in times if lo <= t <= hi] + [hi]
+        return max(b - a for a, b in zip(inside, inside[1:]))
+
+    r, t_slow, t_end, health, (o_start, o_end) = asyncio.run(scenario())
+    assert r.status_code == 200, r.text[:300]
+    assert t_end - t_slow >= delay  # the slow tokenizer did run for this request
+    assert worst_gap(health, t_slow, t_end) < 1.0, worst_gap(health, t_slow, t_end)
+    # (the other request used the slow tokenizer too: it ran in its own worker thread meanwhile)
+    assert o_end - o_start < delay + 1.0 and o_end < t_end + 0.5, (o_end - o_start, o_end - t_end)
+
+
+# ------------------------------------------------------------------------------------------- fair admission
+async def _first_event_time(stream) -> float:
+    async for _ in stream:
+        return time.perf_counter()
+
+
+def test_a_small_request_runs_at_once_while_a_large_one_holds_the_batch(model):
+    """A 4-sequence request of 128 tokens each fills the batch (2 slots) for two waves; 4-token requests sent
+    after it get their first token within 5 s (the next step) and finish long before the large one (first-come
+    first-served would make them wait for both waves): they take a slot from the large request, whose sequence
+    is paused, not restarted, and still decodes the same tokens."""
+    eng = AsyncEngine(model, max_batch_size=2, max_queue=64)
+    big = SamplingParams(max_tokens=128, ignore_eos=True, seed=3, temperature=1.0)
+    small = SamplingParams(max_tokens=4, ignore_eos=True, seed=1, temperature=0)
+
+    async def scenario():
+        s_big = eng.submit([5, 6, 7], big, "big", n=4)
+        async for _ in s_big:  # the large request is running
+            break
+        outs = []
+        for k in range(3):  # variants: several small requests, one after the other
+            t0 = time.perf_counter()
+            s_small = eng.submit([9, 8, 7 + k], small, f"small-{k}")
+            first = await asyncio.wait_for(_first_event_time(s_small), 5.0)
+            async for _ in s_small:
+                pass
+            outs.append((first - t0, s_small.outputs[0], s_big.finished))
+        async for _ in s_big:
+            pass
+        return outs, [o.token_ids for o in s_big.outputs]
+
+    try:
+        outs, big_ids = asyncio.run(scenario())
+        paused = eng.scheduler.preemptions
+    finally:
+        eng.shutdown()
+    for wait, out, big_done in outs:
+        assert wait < 5.0 and len(out.token_ids) == 4 and not big_done, (wait, big_done)
+    assert paused >= 1  # a later small request may find a free slot (which the least served request gets)
+    # pausing is exact: the large request's tokens equal an undisturbed run's
+    ref = AsyncEngine(model, max_batch_size=2, max_queue=64)
+
+    async def alone():
+        s = ref.submit([5, 6, 7], big, "big", n=4)
+        async for _ in s:
+            pass
+        return [o.token_ids for o in s.outputs]
+
+    try:
+        assert asyncio.run(alone()) == big_ids
+    finally:
+        ref.shutdown()
+
+
+def test_free_slots_go_to_the_least_served_request(model):
+    from unmask.engine.engine import Engine
+
+    eng = Engine(model, max_batch_size=4)
+    p = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
+    eng.add_request([5, 6], p, "a", n=8)
+    eng.add_request([5, 7], p, "b", n=8)
+    eng.add_request([5, 8], p, "c", n=1)
+    eng.step()
+    held = sorted(s.request_id for s in eng.scheduler.running)
+    assert held.count("c") == 1 and held.count("a") >= 1 and held.count("b") >= 1, held
+
+
+# ------------------------------------------------------------------------------------------- schema = validation
+def _schema(client, name):
+    schema = client.get("/openapi.json").json()
+    comp = schema["components"]["schemas"]
+    return {**comp[name], "components": schema["components"]}, comp
+
+
+@pytest.mark.parametrize("extra,accepted", [
+    ({"speculative": True, "speculative_epsilon": 0.1, "speculative_ratio": 0.5}, False),
+    ({"speculative": True, "speculative_epsilon": None, "speculative_ratio": 0.5}, True),
+    ({"speculative": True, "speculative_epsilon": 0.1}, True),
+    ({"stream_options": {"include_usage": True}}, False),
+    ({"stream_options": {"include_usage": True}, "stream": False}, False),
+    ({"stream_options": None}, True),
+])
+def test_the_published_schema_says_what_validation_rejects(client, extra, accepted):
+    schema, _ = _schema(client, "CompletionRequest")
+    body = _c(temperature=0, **extra)
+    schema_ok = jsonschema_rs.Draft202012Validator(schema).is_valid(body)  # "#/components/..." refs resolve here
+    r = client.post(C, json=body)
+    assert schema_ok == accepted, body
+    assert (r.status_code == 200) == accepted, r.text[:300]
+
+
+def test_chat_schema_ties_top_logprobs_to_logprobs(client):
+    _, comp = _schema(client, "ChatCompletionRequest")
+    rules = comp["ChatCompletionRequest"]["allOf"]
+    assert any(r.get("if", {}).get("required") == ["top_logprobs"] for r in rules)
+    r = client.post(CH, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("method", ["PUT", "PATCH", "DELETE", "POST"])
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics", "/"])
+def test_wrong_methods_on_get_routes_are_405_with_allow(client, method, path):
+    r = client.request(method, path, content=b"plain text", headers={"content-type": "text/plain"})
+    assert r.status_code == 405, (method, path, r.status_code, r.text[:200])
+    assert "GET" in r.headers["allow"]
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_wrong_methods_on_post_routes_are_405_with_allow(client, method):
+    r = client.request(method, C)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CH, {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+    (CH, {"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": "x"},
+                       {"role": "user", "content": "\udfff"}]}, "messages.2.content"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text", "text": "b\udc80"}]}]},
+     "messages.0.content.0.text"),
+    (CH, {"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages.0.name"),
+    (C, {"prompt": "x\ud83d"}, "prompt"),
+    (C, {"prompt": ["fine", "y\ud83d"]}, "prompt.1"),
+    (C, {"prompt": "fine", "stop": "\ud800"}, "stop"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, body, param):
+    import json
+
+    raw = json.dumps({"model": "m", "max_tokens": 2, **body})  # ensure_ascii: the surrogate as \\ud800
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"] and "template" not in err["message"], err
+
+
+# ------------------------------------------------------------------------------------------- request ids
+def test_every_response_carries_a_request_id(client):
+    seen = set()
+    for method, path, kw in [("GET", "/health", {}), ("GET", "/nope", {}), ("PUT", "/health", {}),
+                             ("POST", C, {"json": _c(max_tokens=2)}), ("POST", C, {"json": _c(block_size=10 ** 6)}),
+                             ("POST", C, {"content": b"x", "headers": {"content-type": "text/plain"}}),
+                             ("GET", "/metrics", {}), ("GET", "/openapi.json", {})]:
+        r = client.request(method, path, **kw)
+        rid = r.headers.get("x-request-id")
+        assert rid and rid.startswith("req-") and len(rid) == 28, (method, path, r.headers)
+        seen.add(rid)
+    assert len(seen) == 8  # a fresh one each time
+    with client.stream("POST", C, json=_c(max_tokens=2, stream=True)) as r:
+        assert r.headers["x-request-id"].startswith("req-")
+
+
+@pytest.mark.parametrize("given,kept", [("abc-123", True), ("0f8fad5b-d9cb-469f-a165-70867728950e", True),
+                                        ("x" * 128, True), ("x" * 129, False), ("has space", False),
+                                        ("tab\there", False), ("caf\u00e9", False), ("", False)])
+def test_a_sane_client_request_id_is_kept_else_replaced(client, given, kept):
+    r = client.get("/health", headers={"X-Request-Id": given.encode("utf-8")})
+    got = r.headers["x-request-id"]
+    assert (got == given) == kept and (kept or got.startswith("req-")), got
+
+
+def test_log_lines_of_a_request_name_its_id(client, caplog):
+    import logging
+
+    from unmask.server.request_id import RequestIdFilter
+
+    caplog.handler.addFilter(RequestIdFilter())
+    with caplog.at_level(logging.INFO, logger="unmask"):
+        ok = client.post(C, json=_c(max_tokens=2), headers={"X-Request-Id": "trace-ok-1"})
+        bad = client.post(C, json=_c(steps=10 ** 9), headers={"X-Request-Id": "trace-bad-2"})
+    assert ok.status_code == 200 and bad.status_code == 400
+    for rid, marker in (("trace-ok-1", ok.json()["id"]), ("trace-bad-2", "status=400")):
+        lines = [r for r in caplog.records if r.name.startswith("unmask") and marker in r.getMessage()]
+        assert lines and all(r.request_id == rid for r in lines), [(r.request_id, r.getMessage()) for r in lines]
