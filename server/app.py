@@ -27,18 +27,20 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
-from unmask.engine import AsyncEngine, ParamError, TokenTexts, chat_prompt_ids, encode_prompt
+from unmask.engine import AsyncEngine, TokenTexts, encode_prompt
 from unmask.engine.limits import CACHE_MODES
 
 from . import protocol as P
 from . import responses as R
 from .accounting import finished_work
+from .chat_prompt import render_chat_ids
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
 from .metrics import Metrics
-from .render import Render
+from .render import Render, echo_texts
 from .run import Run
 from .sse import sse_events
+from .tool_parsers import get_parser, parser_factory
 from .visualizer import mount_visualizer
 
 log = logging.getLogger("unmask.server")
@@ -59,6 +61,7 @@ class ServerState:
     request_timeout: float | None = None
     chat_template: str | None = None
     default_cache: str = "auto"
+    tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -179,7 +182,8 @@ class GuardMiddleware:
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
               request_timeout: float | None = None, chat_template: str | None = None,
               cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              default_cache: str = "auto", shutdown_engine: bool = True) -> FastAPI:
+              default_cache: str = "auto", shutdown_engine: bool = True,
+              tool_call_parser: str = "hermes") -> FastAPI:
     """Create the OpenAI-compatible app.
 
     Args:
@@ -194,10 +198,13 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         default_cache: KV-cache policy for requests that send no ``cache`` (``auto`` | ``none`` | ``prefix`` |
             ``dual``).
         shutdown_engine: stop the engine thread when the app's lifespan ends.
+        tool_call_parser: how chat answers with tools are parsed into tool calls (``--tool-call-parser``;
+            :data:`unmask.server.tool_parsers.PARSERS`).
 
     Raises:
-        ValueError: ``default_max_tokens`` < 1 or ``request_timeout`` <= 0.
+        ValueError: ``default_max_tokens`` < 1, ``request_timeout`` <= 0 or an unknown ``tool_call_parser``.
     """
+    get_parser(tool_call_parser)
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
     if request_timeout is not None and request_timeout <= 0:
@@ -206,7 +213,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         raise ValueError(f"default_cache: must be one of {list(CACHE_MODES)}, got {default_cache!r}")
     metrics = Metrics(model_name, engine)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics, default_max_tokens=default_max_tokens,
-                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache)
+                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache,
+                        tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -260,13 +268,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        try:
-            ids = chat_prompt_ids(state.tokenizer, [m.as_template_dict() for m in body.messages], state.chat_template)
-        except ParamError:
-            raise
-        except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
-            raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
-                           param="messages", code="invalid_value") from exc
+        ids = render_chat_ids(state.tokenizer, [m.as_template_dict() for m in body.messages], state.chat_template,
+                              body.template_tools())
         return await _serve(state, "chat", body, [ids], arrival, request, logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0)
 
@@ -299,6 +302,9 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         return app.openapi_schema
 
     app.openapi = openapi
+    from .responses_api import router as responses_router  # POST /v1/responses (docs/design.md section 20)
+
+    app.include_router(responses_router, responses=_ERRORS)
     mount_visualizer(app)
     return app
 
@@ -350,7 +356,9 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
             state.metrics.record_failure(err.code, [(len(ids), finished_work(s)) for ids, s in zip(prompts, streams)])
         raise err from exc
     render = Render(kind, response_id, int(arrival), state.model_name, state.token_text, logprobs=logprobs,
-                    top_logprobs=top_logprobs, include_usage=body.include_usage)
+                    top_logprobs=top_logprobs, include_usage=body.include_usage, n=body.n,
+                    tool_parser=parser_factory(state.tool_call_parser, body),
+                    echo=echo_texts(state.tokenizer, body, prompts))
     run = Run(state, render, prompts, streams, body.n, arrival)
     if body.stream:
         shutdown = anyio.Event()
