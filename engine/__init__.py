@@ -9,12 +9,12 @@ Public API (vLLM style; the server imports only from here and from ``unmask.engi
 from .config import CheckpointError, DllmConfig
 from .limits import ParamError
 from .outputs import CompletionOutput, RequestOutput, Revealed, StepEvent
-from .params import SamplingParams
+from .params import Constraint, SamplingParams
 
 __all__ = ["LLM", "Engine", "AsyncEngine", "RequestStream", "SamplingParams", "SpeculativeOptions", "ParamError",
            "DllmConfig", "CheckpointError", "load_model", "RequestOutput", "CompletionOutput", "StepEvent",
            "Revealed", "QueueFull", "CacheFull", "EngineError", "EngineClosed", "encode_prompt", "chat_prompt_ids",
-           "TokenTexts", "DecodingPlan"]
+           "TokenTexts", "DecodingPlan", "Constraint", "check_constraint"]
 
 _LAZY = {  # name -> module: importing the package must not import torch-heavy modules eagerly
     "LLM": "llm", "encode_prompt": "llm", "chat_prompt_ids": "llm",
@@ -22,6 +22,7 @@ _LAZY = {  # name -> module: importing the package must not import torch-heavy m
     "EngineError": "async_engine", "EngineClosed": "async_engine",
     "QueueFull": "scheduler", "CacheFull": "scheduler",
     "load_model": "model", "TokenTexts": "detokenize", "SpeculativeOptions": "params", "DecodingPlan": "plan",
+    "check_constraint": "constraints",
 }
 
 

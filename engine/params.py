@@ -1,13 +1,16 @@
 """Per-request sampling parameters, in the style of vLLM's ``SamplingParams`` (docs/design.md sections 4 and 10)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from .limits import (CACHE_MODES, MAX_SEED, MAX_SPECULATIVE_BLOCK, MAX_STOP, REMASKING_STRATEGIES, ParamError,
                      check, check_number)
 
-__all__ = ["SamplingParams", "SpeculativeOptions", "ParamError", "MAX_SEED", "MAX_SPECULATIVE_BLOCK", "CACHE_MODES",
-           "REMASKING_STRATEGIES"]
+__all__ = ["SamplingParams", "SpeculativeOptions", "Constraint", "ParamError", "MAX_SEED", "MAX_SPECULATIVE_BLOCK",
+           "CACHE_MODES", "REMASKING_STRATEGIES", "CONSTRAINT_KINDS"]
+
+CONSTRAINT_KINDS = ("json_object", "json_schema", "lark", "regex")
 
 SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio",
                            "speculative_no_repeat_ngram")  # need speculative
@@ -43,6 +46,60 @@ class SpeculativeOptions:
     epsilon: float | None = None
     ratio: float | None = None
     no_repeat_ngram: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Constraint:
+    """A grammar the generated text must follow (structured outputs, enforced tool calls; docs/design.md
+    section 19, ``docs/structured-output.md``). Compiled once per tokenizer and spec by
+    ``unmask.engine.constraints`` (llguidance) when the request is built, never on the decoding step.
+
+    Attributes:
+        kind: ``json_object`` (any JSON object; ``spec`` ignored, may be ``None``), ``json_schema`` (``spec``: the
+            JSON schema, a dict or its JSON text), ``lark`` (``spec``: an llguidance Lark grammar, which may embed
+            ``%json{...}`` schemas) or ``regex`` (``spec``: a regular expression the whole output matches).
+        spec: see ``kind``.
+        field: the request field errors name (``response_format``; ``tool_choice`` for enforced tool calls).
+
+    Equality and hashing go by :meth:`key` (``kind`` and the canonical spec), so equal specs share one compiled
+    grammar. Raises :class:`ParamError` (naming ``field``) for an unknown kind or a spec of the wrong type; an
+    invalid grammar or schema is found when it is compiled (also a :class:`ParamError` naming ``field``).
+    """
+
+    kind: str
+    spec: str | dict | None = None
+    field: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ParamError(self.field, f"constraint kind must be one of {list(CONSTRAINT_KINDS)}, got {self.kind!r}")
+        if self.kind == "json_schema":
+            if isinstance(self.spec, str):
+                try:
+                    parsed = json.loads(self.spec)
+                except ValueError as e:
+                    raise ParamError(self.field, f"the JSON schema is not valid JSON: {e}") from None
+            else:
+                parsed = self.spec
+            if not isinstance(parsed, (dict, bool)):
+                raise ParamError(self.field, f"a JSON schema must be an object, got {type(parsed).__name__}")
+        elif self.kind in ("lark", "regex") and (not isinstance(self.spec, str) or not self.spec):
+            raise ParamError(self.field, f"a {self.kind} constraint needs its grammar as a non-empty string")
+
+    def key(self) -> tuple[str, str]:
+        """``(kind, canonical spec text)``: the cache key of the compiled grammar."""
+        if self.kind == "json_object":
+            return (self.kind, "")
+        if self.kind == "json_schema":
+            spec = json.loads(self.spec) if isinstance(self.spec, str) else self.spec
+            return (self.kind, json.dumps(spec, sort_keys=True, separators=(",", ":")))
+        return (self.kind, str(self.spec))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Constraint) and self.key() == other.key() and self.field == other.field
+
+    def __hash__(self) -> int:
+        return hash((self.key(), self.field))
 
 
 def _flat_option(name: str) -> property:
@@ -86,6 +143,12 @@ class SamplingParams:
         ignore_eos: EOS does not end generation (vLLM); finish_reason is then ``length``.
         suffix: text after the generated region (infilling; bidirectional models only).
         constraints: fixed tokens ``{generated position: token id}`` (infilling; bidirectional models only).
+        constraint: a :class:`Constraint` (JSON object / JSON schema / Lark grammar / regex) the output follows:
+            constrained positions are revealed left to right, each token sampled under the grammar's mask
+            (docs/design.md section 19); ``None`` = unconstrained.
+        logit_bias: ``{token id: bias}`` added to the logits before sampling, bias in [-100, 100] (OpenAI's
+            ``logit_bias``: -100 in effect bans a token, +100 in effect forces it); ids are checked against the
+            model's vocabulary when the request is built. ``None`` = none.
         cache: ``auto`` | ``none`` | ``prefix`` | ``dual`` (KV-cache policy; see ``unmask.engine.kv_cache``).
         logprobs: record the log-probability each token had at the step it was revealed.
         speculative: self-speculative decoding (``unmask.engine.speculative``): mask-block drafts verified by the
@@ -126,6 +189,8 @@ class SamplingParams:
     logprobs: bool = False
     speculative: bool | None = None
     speculative_options: SpeculativeOptions | None = None
+    constraint: Constraint | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -185,6 +250,15 @@ class SamplingParams:
             check_number("constraints", tok, lo=0, integer=True)
         if self.suffix is not None and not isinstance(self.suffix, (str, list)):
             raise ParamError("suffix", "must be a string or a list of token ids")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ParamError("constraint", f"must be a Constraint, got {type(self.constraint).__name__}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ParamError("logit_bias", "must be a mapping {token id: bias}")
+            for tok, bias in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise ParamError("logit_bias", f"keys must be token ids (integers >= 0), got {tok!r}")
+                check("logit_bias", bias)
 
     def with_defaults(self, default_sampling: dict | None = None, model_block_size: int | None = None
                       ) -> "SamplingParams":

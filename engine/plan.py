@@ -207,6 +207,10 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
     if p.constraints and causal:
         raise ParamError("constraints", f"fixed-position constraints need a bidirectional model; this model's "
                                         f"attention is {dllm.attention}")
+    if p.constraint is not None and (p.constraints or (p.suffix is not None and p.suffix not in ("", []))):
+        raise ParamError(p.constraint.field, "a grammar constraint cannot be combined with fixed-position "
+                                             "constraints or a suffix (infilling): the grammar is applied to the "
+                                             "revealed left-to-right prefix (docs/design.md section 19)")
     bs = p.block_size or dllm.block_size
     temperature = float(p.temperature or 0.0)
     common = dict(params=p, block_size=bs, window_size=min(p.sub_block_size or dllm.sub_block_size or bs, bs),

@@ -97,6 +97,16 @@ def check_token_ids(name: str, ids, vocab_size: int) -> None:
             raise ParamError(name, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
+def bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``logit_bias`` as ``([K] int64 ids, [K] float32 biases)`` for :func:`~unmask.engine.sampler.add_bias`;
+    ``None`` when empty."""
+    if not logit_bias:
+        return None
+    ids = sorted(logit_bias)
+    return (torch.tensor(ids, dtype=torch.long),
+            torch.tensor([float(logit_bias[i]) for i in ids], dtype=torch.float32))
+
+
 def suffix_ids(params: SamplingParams, tokenizer) -> list[int]:
     """The suffix's token ids (infilling), ``[]`` without one."""
     if params.suffix is None or params.suffix == "" or params.suffix == []:
@@ -136,6 +146,7 @@ class Request:
             check_token_ids("constraints", list(params.constraints.values()), vocab_size)
             if isinstance(params.suffix, list):
                 check_token_ids("suffix", params.suffix, vocab_size)
+            check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
         self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
         self.prompt_ids = list(prompt_ids)
@@ -167,6 +178,14 @@ class Request:
         self.min_tokens_ids = torch.tensor(sorted(set(dllm.eos_token_ids) | set(params.stop_token_ids)),
                                            dtype=torch.long)
         self.stopper = StopChecker(tokenizer, params.stop, params.min_tokens, self.eos_ids, self.max_tokens)
+        self.logit_bias = bias_tensors(params.logit_bias)
+        # the grammar state of the revealed prefix (docs/design.md section 19), compiled (cached) here, off the step
+        self.grammar = None
+        if params.constraint is not None:
+            from .constraints import compile_constraint
+
+            self.grammar = compile_constraint(params.constraint, tokenizer, vocab_size or len(tokenizer),
+                                              self.min_tokens_ids.tolist())
 
         self.win_idx = self.block_idx = self.step_in_block = self.step_in_window = 0
         self.step = self.nfe = 0

@@ -51,6 +51,15 @@ def forbid(logits: torch.Tensor, ids: torch.Tensor | None = None, rows: torch.Te
     return logits
 
 
+def add_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: ``bias = ([K] int64 ids, [K] float biases)`` added to those columns of every row
+    of ``[N, V]`` float ``logits``, in place (-inf stays -inf); returns ``logits``. ``None``: unchanged."""
+    if bias is not None:
+        ids, values = bias
+        logits[:, ids.to(logits.device)] += values.to(device=logits.device, dtype=logits.dtype)
+    return logits
+
+
 @dataclass
 class Candidates:
     """Sampler output for N masked positions.
@@ -126,6 +135,7 @@ def sample_candidates(
     forbidden_rows: torch.Tensor | None = None,
     row_forbidden_ids: torch.Tensor | None = None,
     context_ids: torch.Tensor | None = None,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Candidates:
     """Choose a candidate token per masked position and score it.
 
@@ -137,6 +147,7 @@ def sample_candidates(
         forbidden_rows: ``[N]`` bool, rows where ``row_forbidden_ids`` (EOS/stop ids under ``min_tokens``) are
             also forbidden.
         context_ids: ``[T]`` prompt + revealed ids for the penalties.
+        bias: ``logit_bias`` as ``(ids, biases)`` (:func:`add_bias`), added after the forbidden ids.
 
     Returns:
         :class:`Candidates`. Candidate: temperature 0 -> argmax; else ``argmax(l / T + g)`` with g standard
@@ -144,19 +155,41 @@ def sample_candidates(
         ``low_confidence`` = p(candidate); ``margin`` = p1 - p2 (Dream); ``entropy`` = -H(p) (Dream);
         ``random`` = uniform from the generator (LLaDA).
     """
+    logits = prepare_logits(logits, params, forbidden_ids, forbidden_rows, row_forbidden_ids, context_ids, bias)
+    logits = filter_top_k_top_p(logits, params.top_k, params.top_p)
+    tokens = draw(logits, params, generator)
+    return score_candidates(logits, tokens, params, generator)
+
+
+def prepare_logits(logits: torch.Tensor, params: SamplingParams, forbidden_ids: torch.Tensor | None = None,
+                   forbidden_rows: torch.Tensor | None = None, row_forbidden_ids: torch.Tensor | None = None,
+                   context_ids: torch.Tensor | None = None,
+                   bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Steps 3 of docs/design.md section 4 before the filters: a float32 copy of ``[N, V]`` ``logits`` with the
+    forbidden ids at -inf, ``logit_bias`` added and the penalties applied (arguments as
+    :func:`sample_candidates`)."""
     logits = forbid(logits.float(), forbidden_ids, forbidden_rows, row_forbidden_ids)
+    logits = add_bias(logits, bias)
     if context_ids is not None:
         logits = apply_penalties(logits, context_ids, params)
-    logits = filter_top_k_top_p(logits, params.top_k, params.top_p)
+    return logits
 
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """The candidate of each row of filtered ``[N, V]`` logits: argmax at temperature 0, else Gumbel-max
+    ``argmax(l / T + g)``. Returns ``[N]`` int64."""
     temperature = float(params.temperature or 0.0)
     if temperature < MIN_SAMPLING_TEMPERATURE:
         # 0 = argmax; a positive temperature this small is argmax too (the noise cannot change the order), and
         # l / T would overflow float64 to -inf for every token (then argmax picked index 0, a filtered token)
-        tokens = torch.argmax(logits, dim=-1)
-    else:
-        tokens = gumbel_argmax(logits.to(torch.float64) / temperature, generator)
+        return torch.argmax(logits, dim=-1)
+    return gumbel_argmax(logits.to(torch.float64) / temperature, generator)
 
+
+def score_candidates(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                     generator: torch.Generator) -> Candidates:
+    """Probability, ordering score (``params.remasking``) and log-probability of ``tokens`` (``[N]``) under the
+    filtered ``[N, V]`` ``logits`` at temperature 1."""
     lse = log_normalizer(logits)
     cand_logp = logits.gather(-1, tokens[:, None])[:, 0].to(torch.float64) - lse
     probability = cand_logp.exp()

@@ -13,7 +13,8 @@ import torch
 from .attention import canvas_groups
 from .outputs import Revealed, StepEvent
 from .request import LaneInput, Request
-from .sampler import Candidates, classifier_free_guidance, reveal_count, sample_candidates, select_reveals
+from .sampler import (Candidates, classifier_free_guidance, prepare_logits, reveal_count, sample_candidates,
+                      select_reveals)
 
 __all__ = ["Sequence"]
 
@@ -88,11 +89,28 @@ class Sequence(Request):
         masked = self.masked_positions()
         p = self.params
         penalised = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
-        cands = sample_candidates(cond, p, self.generator, forbidden_ids=forbidden_ids,
-                                  forbidden_rows=self.min_tokens_rows(masked),
-                                  row_forbidden_ids=self.min_tokens_ids.to(cond.device),
-                                  context_ids=self.context_ids() if penalised else None)
+        args = dict(forbidden_ids=forbidden_ids, forbidden_rows=self.min_tokens_rows(masked),
+                    row_forbidden_ids=self.min_tokens_ids.to(cond.device),
+                    context_ids=self.context_ids() if penalised else None, bias=self.logit_bias)
+        if self.grammar is not None:  # constrained: a left-to-right chain under the grammar (section 19)
+            return self.apply_constrained(cond, masked, args), [inp.commit for inp in self._inputs]
+        cands = sample_candidates(cond, p, self.generator, **args)
         return self.apply(cands, masked), [inp.commit for inp in self._inputs]
+
+    def apply_constrained(self, logits: torch.Tensor, masked: torch.Tensor, args: dict) -> StepEvent:
+        """One constrained step: :func:`~unmask.engine.constraints.sample_chain` over the window's masked
+        positions (``[N]``, ascending; every generated position before the first is revealed), revealing the kept
+        leading run."""
+        from .constraints import sample_chain
+
+        if int(masked[0]) - self.prompt_len != self.grammar.consumed:  # pragma: no cover - an invariant
+            raise RuntimeError(f"{self.request_id}: constrained reveals left a gap before position {int(masked[0])}")
+        steps_left = self.window_steps[self.win_idx] - self.step_in_window
+        quota = None if self.threshold is not None else reveal_count(int(masked.numel()), steps_left)
+        cands = sample_chain(prepare_logits(logits, self.params, **args), self.grammar, self.params,
+                             self.generator, quota, self.threshold)
+        k = int(cands.tokens.numel())
+        return self.apply(cands, masked[:k], chosen=torch.arange(k))
 
     def masked_positions(self) -> torch.Tensor:
         """Canvas positions being predicted this step (the masked positions of the active window)."""
@@ -104,17 +122,20 @@ class Sequence(Request):
             return None
         return (masked - self.prompt_len) < self.params.min_tokens
 
-    def apply(self, cands: Candidates, masked: torch.Tensor) -> StepEvent:
+    def apply(self, cands: Candidates, masked: torch.Tensor, chosen: torch.Tensor | None = None) -> StepEvent:
         """Reveal the chosen candidates, advance the block/step counters, check EOS/stop/length.
 
         Args:
             cands: candidates for ``masked`` (``[N]`` canvas positions, the active block's masks).
+            chosen: ``[k]`` indices into them to reveal; ``None`` = the quota / threshold rule
+                (:func:`~unmask.engine.sampler.select_reveals`).
         Returns:
             the step's :class:`StepEvent`.
         """
-        steps_left = self.window_steps[self.win_idx] - self.step_in_window
-        quota = None if self.threshold is not None else reveal_count(int(masked.numel()), steps_left)
-        chosen = select_reveals(cands, quota, self.threshold)
+        if chosen is None:
+            steps_left = self.window_steps[self.win_idx] - self.step_in_window
+            quota = None if self.threshold is not None else reveal_count(int(masked.numel()), steps_left)
+            chosen = select_reveals(cands, quota, self.threshold)
         positions = masked[chosen]
         tokens = cands.tokens[chosen]
         self.canvas[positions] = tokens.to(self.canvas.device)

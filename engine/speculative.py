@@ -31,6 +31,11 @@ Every revealed token is then distributed exactly as ``block_size=1`` sampling fr
 fallback group of the first rejected draft otherwise, and none when that group was not forwarded. Only the causal
 tokens before the correction are committed to the KV cache; rejected drafts' keys/values are never stored (the
 rollback is free).
+
+A request with a grammar constraint (docs/design.md section 19) keeps it here: the causal rows are masked by the
+grammar state after the final tokens and the drafts before them (a draft the grammar forbids has probability 0 and
+is rejected; the correction is drawn under the mask, so greedy output is constrained ``block_size=1`` decoding token
+for token), and the next drafts are drawn under the grammar's mask too (forced tokens are drafted for certain).
 """
 from __future__ import annotations
 
@@ -38,10 +43,11 @@ import math
 
 import torch
 
+from .constraints import grammar_drafts, mask_verifier_rows
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .outputs import Revealed, StepEvent
 from .request import LaneInput, Request
-from .sampler import filter_top_k_top_p, forbid, log_normalizer, sample_from_probs
+from .sampler import add_bias, filter_top_k_top_p, forbid, log_normalizer, sample_from_probs
 
 __all__ = ["SpeculativeSequence", "speculative_accept", "MAX_DRAFT_BLOCK"]
 
@@ -288,7 +294,9 @@ class SpeculativeSequence(Request):
         lo, f, drafts, group_rows = lay["lo"], lay["f"], lay["drafts"], lay["group_rows"]
         pred_pos = torch.tensor(lay["pred_pos"], dtype=torch.long)  # position each row predicts (logit shift)
         early = (pred_pos - self.prompt_len < self.params.min_tokens) if self.params.min_tokens else None
-        logits = forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids)
+        logits = add_bias(forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids), self.logit_bias)
+        if self.grammar is not None:  # masked verifier rows (docs/design.md section 19)
+            mask_verifier_rows(logits, self.grammar, drafts)
         if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
             logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
         if self.sampling:
@@ -298,9 +306,6 @@ class SpeculativeSequence(Request):
             q = self.draft_probs[: len(drafts)] if drafts else None
             p = probs(list(range(len(drafts) + 1)))
             accepted, token = speculative_accept(p, q if q is not None else p[:0], drafts, self.generator)
-            key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
-            next_q = probs(key_rows) if key_rows else None
-            next_drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
         else:
             best = torch.argmax(logits, dim=-1).cpu()
             relaxed = self._relaxed_ok(logits[: len(drafts)], drafts)
@@ -319,14 +324,20 @@ class SpeculativeSequence(Request):
         tok_t = torch.tensor(new_tokens, dtype=torch.long)
         logp = (logits[rows, tok_t.to(logits.device)].to(torch.float64) - lse).cpu() if rows else lse
 
-        # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
-        if self.sampling:
-            self.drafts, self.draft_probs = next_drafts, next_q
-        else:
-            key = "A" if accepted == len(drafts) else accepted
-            self.drafts = [int(best[r]) for r in group_rows.get(key, [])]
         self.proposed_drafts += len(drafts)
         self.accepted_drafts += accepted
+        # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
+        key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
+        if self.grammar is not None:
+            self.grammar.consume(new_tokens)
+            self.drafts, self.draft_probs = grammar_drafts(logits, key_rows, self.grammar, self.generator,
+                                                           self.temperature if self.sampling else None)
+        elif self.sampling:
+            next_q = probs(key_rows) if key_rows else None
+            self.drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
+            self.draft_probs = next_q
+        else:
+            self.drafts = [int(best[r]) for r in key_rows]
 
         positions = torch.arange(f, f + len(new_tokens))
         if new_tokens:

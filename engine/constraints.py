@@ -1,0 +1,332 @@
+"""Grammar constraints compiled with llguidance, and the per-choice grammar state (docs/design.md section 19).
+
+A :class:`~unmask.engine.params.Constraint` (``json_object`` / ``json_schema`` / ``lark`` / ``regex``) becomes an
+llguidance grammar (``LLMatcher.grammar_from_*``), compiled once per (tokenizer, vocabulary size, EOS ids, spec)
+into a template matcher (:func:`compile_constraint`, an LRU cache); every choice gets a deep copy of it
+(:class:`GrammarState`, ~2 us). Compilation runs when the request is built (``unmask.engine.request.Request``),
+never inside a decoding step.
+
+JSON is generated compactly but readably: ``", "`` and ``": "`` between items and keys, no other whitespace
+(``whitespace_flexible: false``), so a model cannot pad forever; a schema's ``x-guidance`` key overrides that, as
+llguidance documents.
+
+The state follows the revealed left-to-right prefix of the generation region: :meth:`GrammarState.allowed` gives
+the ``[V]`` bool mask of tokens allowed next (only EOS once the grammar is complete), :meth:`GrammarState.consume`
+advances it, :meth:`GrammarState.push` / :meth:`GrammarState.pop` try tokens and roll them back (parallel reveals
+and speculative drafts are checked against the grammar before they are kept).
+
+Errors: :class:`~unmask.engine.limits.ParamError` naming the constraint's ``field`` (``response_format``,
+``tool_choice``) for an invalid schema, grammar or regex, or a tokenizer llguidance cannot read.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from .limits import ParamError
+from .params import Constraint
+
+__all__ = ["GrammarState", "compile_constraint", "check_constraint", "grammar_text", "JSON_OPTIONS"]
+
+#: llguidance JSON compile defaults (a schema's own ``x-guidance`` overrides them)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_lock = threading.Lock()  # compilation may run on the event loop thread and the engine thread at once
+_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _llg():
+    try:
+        import llguidance
+        import llguidance.hf  # noqa: F401  (the HF tokenizer bridge)
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise RuntimeError("constrained decoding needs the llguidance package (pip install llguidance)") from e
+    return llguidance
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar (its JSON grammar text) of ``constraint``; not validated yet."""
+    llg = _llg()
+    m = llg.LLMatcher
+    kind, spec = constraint.kind, constraint.spec
+    try:
+        if kind == "json_object":
+            return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "json_schema":
+            return m.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        if kind == "lark":
+            return m.grammar_from_lark(spec)
+        return m.grammar_from_regex(spec)
+    except (ValueError, TypeError) as e:
+        raise ParamError(constraint.field, f"invalid {kind} constraint: {e}") from None
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """Validate ``constraint``'s grammar without a tokenizer (for callers that want the 400 before the request
+    reaches an engine). Raises :class:`ParamError` naming ``constraint.field``."""
+    _validated(constraint, None)
+
+
+def _validated(constraint: Constraint, tokenizer) -> str:
+    llg = _llg()
+    text = grammar_text(constraint)
+    message = llg.LLMatcher.validate_grammar(text, tokenizer)
+    if message and not message.startswith("WARNING"):
+        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {message.strip()}")
+    return text
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+    """The llguidance tokenizer of a Hugging Face fast tokenizer (cached per tokenizer object; building one takes
+    ~5 ms for a tiny vocabulary, ~1 s for a large one).
+
+    Args:
+        tokenizer: a ``transformers.PreTrainedTokenizerFast``. vocab_size: the LM head's rows (the logits' width;
+            rows past the tokenizer are never allowed). eos_ids: the ids that end the output (the grammar allows
+            them where it may stop).
+
+    Raises:
+        ParamError: (``response_format``) the tokenizer is not a fast tokenizer llguidance can read.
+    """
+    llg = _llg()
+    with _lock:
+        per = _tokenizers.setdefault(tokenizer, {})
+        key = (int(vocab_size), tuple(eos_ids))
+        if key not in per:
+            try:
+                n_vocab = max(int(vocab_size), len(tokenizer))
+                per[key] = llg.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=list(eos_ids))
+            except (ValueError, TypeError) as e:
+                raise ParamError("response_format", f"constrained decoding needs a fast (Rust) tokenizer that "
+                                                    f"llguidance can read: {e}") from None
+        return per[key]
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(lltok, key: tuple[str, str], constraint: Constraint):
+    llg = _llg()
+    text = _validated(constraint, lltok)
+    matcher = llg.LLMatcher(lltok, text, log_level=0)
+    if matcher.is_error():
+        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {matcher.get_error().strip()}")
+    return matcher
+
+
+def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_ids) -> "GrammarState":
+    """A fresh :class:`GrammarState` for one choice (the compiled template matcher is cached by tokenizer and
+    :meth:`Constraint.key`; a request with the same spec compiles nothing).
+
+    Args:
+        constraint: the request's constraint. tokenizer: the model's HF fast tokenizer. vocab_size: logits width.
+        eos_ids: ids that end the output (the model's EOS / end-of-turn ids and ``stop_token_ids``).
+
+    Raises:
+        ParamError: naming ``constraint.field``: invalid schema / grammar / regex.
+    """
+    eos = tuple(sorted(set(int(t) for t in eos_ids)))
+    if not eos:
+        raise ParamError(constraint.field, "a constraint needs an end-of-sequence token to end the output "
+                                           "(the model declares no EOS id)")
+    lltok = ll_tokenizer(tokenizer, vocab_size, eos)
+    with _lock:
+        template = _compiled(lltok, constraint.key(), constraint)
+    return GrammarState(template.deep_copy(), int(vocab_size), eos)
+
+
+class GrammarState:
+    """The grammar state of one choice: the llguidance matcher after the consumed (revealed, left-to-right)
+    tokens.
+
+    Args:
+        matcher: an ``llguidance.LLMatcher`` (a deep copy of the compiled template).
+        vocab_size: the logits' width V. eos_ids: the EOS ids (the only tokens allowed once the grammar is done).
+    """
+
+    def __init__(self, matcher, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_ids = torch.tensor(eos_ids, dtype=torch.long)
+        self._eos = frozenset(eos_ids)
+        self.consumed = 0   # tokens consumed for good (the revealed prefix)
+        self.done = False   # an EOS was consumed: nothing but EOS follows
+        self._pushed: list[tuple[bool, bool]] = []  # per tried token: (matcher consumed it, done before it)
+        self.n_allowed = 0  # tokens the last allowed() mask allowed (1 = the grammar forces the token)
+
+    def is_eos(self, token: int) -> bool:
+        """Whether ``token`` is one of the EOS ids."""
+        return int(token) in self._eos
+
+    @property
+    def pushed(self) -> int:
+        """Tokens tried on top of the consumed ones (see :meth:`push`)."""
+        return len(self._pushed)
+
+    def allowed(self) -> torch.Tensor:
+        """``[V]`` bool (CPU): the tokens the grammar allows next (their count in :attr:`n_allowed`). Only EOS
+        once the grammar is complete or an EOS was consumed; EOS alone too if the matcher is in an error state (a
+        bug; the output then ends). Costs one llguidance mask (~10 us) and an unpack (~40 us at V = 49k)."""
+        V = self.vocab_size
+        raw = None if self.done or self.matcher.is_error() or self.matcher.is_stopped() else \
+            self.matcher.compute_bitmask()
+        count = int.from_bytes(raw, "little").bit_count() if raw is not None else 0
+        if not count:  # complete (or, never expected, an error / empty mask): EOS only
+            out = torch.zeros(V, dtype=torch.bool)
+            out[self.eos_ids] = True
+            self.n_allowed = int(out.sum())
+            return out
+        self.n_allowed = count
+        bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")  # bit j of word w = token 32w+j
+        bits = bits[:V] if bits.size >= V else np.concatenate([bits, np.zeros(V - bits.size, dtype=np.uint8)])
+        return torch.from_numpy(bits.view(np.bool_))
+
+    def push(self, token: int) -> bool:
+        """Try ``token`` after the consumed and pushed tokens; ``True`` (and pushed) when the grammar allows it,
+        ``False`` (state unchanged) otherwise. An EOS is allowed where the grammar may stop."""
+        token = int(token)
+        was_done = self.done
+        if was_done:
+            ok, used = token in self._eos, False
+        elif token in self._eos:
+            ok, used = self.matcher.is_accepting() or self.matcher.is_stopped(), False
+            self.done = ok
+        else:
+            ok, used = self.matcher.try_consume_tokens([token]) == 1, True
+        if ok:
+            self._pushed.append((used, was_done))
+        return ok
+
+    def pop(self, n: int | None = None) -> None:
+        """Roll back the last ``n`` pushed tokens (all when ``None``)."""
+        for _ in range(self.pushed if n is None else n):
+            used, was_done = self._pushed.pop()
+            if used:
+                self.matcher.rollback(1)
+            self.done = was_done
+
+    def commit(self) -> None:
+        """Keep the pushed tokens (they are revealed now)."""
+        self.consumed += self.pushed
+        self._pushed.clear()
+
+    def consume(self, tokens) -> int:
+        """Consume ``tokens`` for good (revealed tokens, left to right); returns how many the grammar accepted
+        (all of them unless a caller revealed a token the grammar forbids, which the strategies never do)."""
+        n = 0
+        for t in tokens:
+            if not self.push(int(t)):
+                break
+            n += 1
+        self.commit()
+        return n
+
+
+def mask_rows(logits: torch.Tensor, allowed: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits`` (``[V]`` float) with tokens outside ``allowed`` (``[V]`` bool) at -inf. When that leaves no
+    finite logit (the grammar allows only ids another rule forbids, e.g. EOS under ``min_tokens``), the grammar
+    wins: ``fallback`` (the same row before the other rules; zeros when ``None``) masked by ``allowed``."""
+    allowed = allowed.to(logits.device)
+    out = logits.masked_fill(~allowed, float("-inf"))
+    if not bool(torch.isfinite(out).any()):
+        base = fallback if fallback is not None else torch.zeros_like(logits)
+        out = base.masked_fill(~allowed, float("-inf"))
+        out = torch.where(torch.isfinite(out) | ~allowed, out, torch.zeros_like(out))
+    return out
+
+
+def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator: torch.Generator,
+                 quota: int | None, threshold: float | None):
+    """The constrained reveal rule of plain denoising (docs/design.md section 19): candidates for the window's
+    masked positions, left to right, each under the grammar's mask after the candidates before it.
+
+    Row 0 is the leftmost undecided position (every generated position before it is revealed), so its mask is the
+    exact grammar state of the prefix. Row i is drawn from its logits masked by the state after rows 0..i-1's
+    candidates (tried, not kept), then filtered (top-k/top-p) and drawn as unconstrained rows are. A row whose
+    mask allows one token only (the grammar forces it: JSON keys, braces, the closing EOS) is kept whatever the
+    model says and does not count against the step's quota. The chain stops before the first unforced row past
+    ``quota`` unforced rows (quota mode), at the first unforced row after row 0 whose candidate probability is
+    below ``threshold`` (threshold mode; that row is not kept), or after an EOS. The kept rows are consumed by the
+    grammar: they are revealed this step.
+
+    Args:
+        logits: ``[N, V]`` float32 prepared logits (forbidden ids, logit_bias and penalties applied) of the N
+            masked positions of the active window, in position order.
+        grammar: the request's state (its pushed stack empty). params: the request's parameters.
+        quota / threshold: as :func:`~unmask.engine.sampler.select_reveals` (one of them is set).
+
+    Returns:
+        :class:`~unmask.engine.sampler.Candidates` of the kept rows 0..k-1 (k >= 1 when N >= 1).
+    """
+    from .sampler import Candidates, draw, filter_top_k_top_p, score_candidates
+
+    n = int(logits.shape[0])
+    limit = n if quota is None else max(1, int(quota))
+    kept, counted = [], 0
+    for i in range(n):
+        allowed = grammar.allowed()
+        forced = grammar.n_allowed == 1
+        if counted >= limit and not forced:
+            break
+        row = filter_top_k_top_p(mask_rows(logits[i], allowed)[None], params.top_k, params.top_p)
+        token = draw(row, params, generator)
+        cand = score_candidates(row, token, params, generator)
+        if i > 0 and not forced and threshold is not None and float(cand.probability[0]) < threshold:
+            break
+        if not grammar.push(int(token[0])):  # pragma: no cover - the mask allowed it
+            break
+        kept.append(cand)
+        counted += 0 if forced else 1
+        if grammar.is_eos(int(token[0])):
+            break
+    grammar.commit()
+    if not kept:  # pragma: no cover - row 0 is always kept
+        empty = torch.empty(0)
+        return Candidates(empty.long(), empty.double(), empty.double(), empty.float())
+    return Candidates(*(torch.cat([getattr(c, f) for c in kept]) for f in ("tokens", "probability", "score",
+                                                                            "logprob")))
+
+
+def mask_verifier_rows(logits: torch.Tensor, grammar: GrammarState, drafts: list[int]) -> None:
+    """Mask the causal (verifier) rows of a constrained speculative step, in place (docs/design.md section 19):
+    row ``i`` of ``logits`` (``[N, V]`` float32; rows ``0..D`` predict the positions of ``drafts[0..D-1]`` and the
+    one after them) gets the grammar's mask after the final tokens and ``drafts[:i]``. Masking stops at the first
+    draft the grammar rejects: that draft has probability 0 under its masked row, so verification rejects it there
+    (greedy, relaxed and speculative sampling alike) and the rows after it are never read. The grammar is left as
+    it was (the drafts are pushed and popped)."""
+    for i in range(len(drafts) + 1):
+        logits[i] = mask_rows(logits[i], grammar.allowed())
+        if i == len(drafts) or not grammar.push(drafts[i]):
+            break
+    grammar.pop()
+
+
+def grammar_drafts(logits: torch.Tensor, rows: list[int], grammar: GrammarState, generator: torch.Generator,
+                   temperature: float | None) -> tuple[list[int], torch.Tensor | None]:
+    """The next drafts of a constrained speculative request from the mask rows ``rows`` of filtered ``[N, V]``
+    ``logits``: each drawn under the grammar's mask after the final tokens and the drafts before it - the argmax
+    when ``temperature`` is ``None`` (greedy), else a draw from the masked distribution ``q`` at that temperature
+    (speculative sampling is exact for any ``q`` the drafts are really drawn from). Tokens the grammar forces are
+    drafted with certainty, and the masked verifier accepts them. The grammar is left as it was.
+
+    Returns:
+        ``(drafts, q)``: ``q`` ``[D, V]`` float64 when sampling (``None`` when greedy or no draft).
+    """
+    from .sampler import sample_from_probs
+
+    drafts, qs = [], []
+    for r in rows:
+        row = mask_rows(logits[r], grammar.allowed())
+        if temperature is not None:
+            q = torch.softmax(row.to(torch.float64) / temperature, dim=-1)
+            token = int(sample_from_probs(q[None], generator)[0])
+            qs.append(q)
+        else:
+            token = int(torch.argmax(row))
+        if not grammar.push(token):  # pragma: no cover - the mask allowed it
+            break
+        drafts.append(token)
+    grammar.pop()
+    qs = qs[: len(drafts)]
+    return drafts, (torch.stack(qs) if qs else None)
