@@ -7,8 +7,9 @@ answer runs the same parser over the whole text (:func:`parse`), so streamed and
 ``hermes`` (Hermes 2 Pro / Qwen2.5 / Qwen3 templates, vLLM's ``hermes``): a call is
 ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``; the body is JSON (surrounding whitespace ignored);
 an unclosed call at the end of the text counts when its body parses. A body that is not such an object, or names
-a function the request did not offer, is returned as text (content), never an error. Whitespace-only content is
-held back until more content follows; it is dropped when the choice made a call.
+a function the request did not offer, is returned as text (content), never an error. Trailing whitespace of the
+content is held back until more content follows (so the result does not depend on how the text was cut into
+pieces); at the end it is dropped when the choice made a call, else sent.
 """
 from __future__ import annotations
 
@@ -58,13 +59,12 @@ class HermesParser(ToolParser):
         self._space = ""        # whitespace-only content held back
 
     def _content(self, text: str, out: list[Piece]) -> None:
-        if not text:
-            return
-        if not text.strip():
+        head = text.rstrip()
+        if head:  # trailing whitespace waits for more content, however the text was cut into pieces
+            out.append(("content", self._space + head))
+            self._space = text[len(head):]
+        else:
             self._space += text
-            return
-        out.append(("content", self._space + text))
-        self._space = ""
 
     def _call(self, body: str) -> ParsedCall | None:
         try:
@@ -112,7 +112,6 @@ class HermesParser(ToolParser):
             self._content(self.OPEN + body + (self.CLOSE if closed else ""), out)
         else:
             self.calls += 1
-            self._space = ""
             out.append(("call", call))
 
     def finish(self) -> list[Piece]:
