@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from .tool_protocol import FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, Strict, _bounded_schema
 
@@ -64,7 +64,13 @@ class FunctionCallOutputItem(Strict):
     status: str | None = None
 
 
-Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+def _item_kind(v: Any) -> str:
+    """The kind of an input item; a message may omit ``type`` (OpenAI's EasyInputMessage)."""
+    return (v.get("type") or "message") if isinstance(v, dict) else getattr(v, "type", "message")
+
+
+Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
 
 
 class FunctionTool(Strict):
