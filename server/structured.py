@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import unmask.engine as engine_api
-from unmask.engine import ParamError, SamplingParams
+from unmask.engine import Constraint, SamplingParams
 
 from .errors import APIError
 from .tool_grammar import tool_call_grammar
@@ -23,14 +22,9 @@ from .tool_grammar import tool_call_grammar
 MAX_LOGIT_BIAS = 300  # entries (OpenAI documents no cap; a bound on request size)
 
 
-def constraint(kind: str, spec, field: str):
-    """An engine ``Constraint`` (raises APIError 400 naming ``field`` when this engine has no constrained
-    decoding; ParamError from the engine for an invalid spec)."""
-    cls = getattr(engine_api, "Constraint", None)
-    if cls is None:
-        raise APIError(400, f"{field}: constrained decoding is not available in this build of the engine",
-                       param=field, code="unsupported_field")
-    return cls(kind, spec, field=field)
+def constraint(kind: str, spec, field: str) -> Constraint:
+    """An engine ``Constraint`` whose errors name ``field`` (ParamError from the engine for an invalid spec)."""
+    return Constraint(kind, spec, field=field)
 
 
 def response_format_constraint(fmt):
@@ -64,20 +58,16 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's ``{"token id": bias}`` -> ``{id: bias}`` (None / ``{}`` -> None).
 
     Raises:
-        APIError: 400 naming ``logit_bias`` (a key that is not a non-negative integer, too many entries).
+        APIError: 400 naming ``logit_bias`` (a key that is not a decimal token id; the request schema checks it
+            first, this guards other callers).
     """
     if not bias:
         return None
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias",
-                       code="invalid_value")
-    out = {}
-    for key, value in bias.items():
-        if not key.isdigit() or len(key) > 10:
-            raise APIError(400, f"logit_bias: keys are token ids (decimal integers), got {key!r}",
-                           param="logit_bias", code="invalid_value")
-        out[int(key)] = value
-    return out
+    bad = [k for k in bias if not k.isdigit() or len(k) > 10]
+    if bad:
+        raise APIError(400, f"logit_bias: keys are token ids (decimal integers), got {bad[0]!r}",
+                       param="logit_bias", code="invalid_value")
+    return {int(k): v for k, v in bias.items()}
 
 
 def with_extras(params: SamplingParams, constraint=None, logit_bias: dict[int, float] | None = None):
@@ -85,22 +75,6 @@ def with_extras(params: SamplingParams, constraint=None, logit_bias: dict[int, f
 
     Raises:
         ParamError: from the engine (out-of-vocabulary id, bias out of range, invalid grammar).
-        APIError: 400 when this engine has no such field (``logit_bias``).
     """
-    changes = {}
-    if constraint is not None:
-        changes["constraint"] = constraint
-    if logit_bias is not None:
-        changes["logit_bias"] = logit_bias
-    if not changes:
-        return params
-    fields = {f.name for f in dataclasses.fields(params)}
-    for name in changes:
-        if name not in fields:
-            field = "logit_bias" if name == "logit_bias" else getattr(constraint, "field", "response_format")
-            raise APIError(400, f"{field}: not supported by this build of the engine", param=field,
-                           code="unsupported_field")
-    try:
-        return dataclasses.replace(params, **changes)
-    except ParamError:
-        raise
+    changes = {k: v for k, v in (("constraint", constraint), ("logit_bias", logit_bias)) if v is not None}
+    return dataclasses.replace(params, **changes) if changes else params
