@@ -27,7 +27,8 @@ from unmask.engine.limits import CACHE_MODES, MAX_STOP, RANGES, REMASKING_STRATE
 
 from .structured import (MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
-from .tool_protocol import MAX_TOOLS, ResponseFormat, Strict, Tool, ToolCalls, ToolChoice, check_tool_messages
+from .messages import ChatMessage
+from .tool_protocol import MAX_TOOLS, ResponseFormat, Strict, Tool, ToolChoice, check_tool_messages
 
 # the server's own caps on request size (not decoding ranges: those are RANGES)
 MAX_N = 16                 # choices per prompt (and best_of)
@@ -37,7 +38,6 @@ MAX_STOP_CHARS = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request
 MAX_TOKEN_ID = 2**31 - 1   # a token id fits int32 (the vocabulary check is the engine's)
 MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
-MAX_MESSAGE_NAME_CHARS = 256
 MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
@@ -272,58 +272,6 @@ class CompletionRequest(_Common):
                                       {"field": "best_of", "why": f"only best_of == n is supported, got best_of="
                                                                   f"{self.best_of} and n={self.n}"})
         return self
-
-
-class TextPart(_Strict):
-    """A text content part of a chat message (``{"type": "text", "text": ...}``); other part types are rejected."""
-
-    type: Literal["text"]
-    text: str
-
-
-Content = str | Annotated[list[TextPart], Field(min_length=1)]
-
-
-class ChatMessage(_Strict):
-    """One chat message; ``content`` is a string or a list of text parts. An assistant message may carry
-    ``tool_calls`` (then ``content`` may be null or absent); a ``tool`` message answers one by ``tool_call_id``."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content | None = None
-    name: str | None = Field(None, max_length=MAX_MESSAGE_NAME_CHARS)
-    tool_calls: ToolCalls | None = None
-    tool_call_id: str | None = Field(None, min_length=1, max_length=256)
-    refusal: str | None = None
-
-    @model_validator(mode="after")
-    def _shape(self):
-        def bad(field, why):
-            return PydanticCustomError("invalid_field", "{field}: {why}", {"field": field, "why": why})
-
-        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
-            raise bad("content", "required (only an assistant message with tool_calls may omit it)")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise bad("tool_calls", "only assistant messages carry tool_calls")
-        if (self.tool_call_id is None) == (self.role == "tool"):
-            raise bad("tool_call_id", "required on tool messages and only there")
-        return self
-
-    def text(self) -> str | None:
-        """The content as one string (text parts joined without a separator)."""
-        c = self.content
-        return c if c is None or isinstance(c, str) else "".join(p.text for p in c)
-
-    def as_template_dict(self) -> dict:
-        """The Hugging Face chat-template dict: ``{"role", "content"[, "name"][, "tool_calls"][, "tool_call_id"]}``
-        (``content`` "" for an assistant message that only called tools)."""
-        d = {"role": self.role, "content": self.text() or ""}
-        if self.name:
-            d["name"] = self.name
-        if self.tool_calls:
-            d["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        return d
 
 
 class ChatCompletionRequest(_Common):

@@ -144,7 +144,7 @@ def check_tool_messages(messages: list) -> None:
     """
     seen: set[str] = set()
     for i, m in enumerate(messages):
-        for c in m.tool_calls or []:
+        for c in getattr(m, "tool_calls", None) or []:
             seen.add(c.id)
         if m.role == "tool" and m.tool_call_id not in seen:
             raise PydanticCustomError("invalid_field", "{field}: {why}", {
