@@ -117,10 +117,12 @@ _BODY_PARSE_DETAIL = "There was an error parsing the body"
 
 
 def _union_loc(loc: tuple) -> tuple | None:
-    """The location of the union field an error belongs to: ``loc`` up to its first member tag (``("body",
-    "messages", 1, "content", "str")`` -> ``("body", "messages", 1, "content")``); ``None`` when no tag."""
-    for i, part in enumerate(loc):
-        if i > 1 and isinstance(part, str) and _TAG.match(part):
+    """The location of the innermost union field an error belongs to: ``loc`` up to its last member tag (``("body",
+    "messages", 1, "content", "str")`` -> ``("body", "messages", 1, "content")``; a message's role tag before
+    ``content`` stays in: ``("body", "messages", 1, "Message", "content", "str")`` -> ``(..., "Message",
+    "content")``); ``None`` when no tag."""
+    for i in range(len(loc) - 1, 1, -1):
+        if isinstance(loc[i], str) and _TAG.match(loc[i]):
             return loc[:i]
     return None
 
