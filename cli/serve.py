@@ -88,7 +88,13 @@ def register(sub, name):
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens when a request sends none (lowered to the remaining context and KV budget)")
     p.add_argument("--request-timeout", type=float, default=None, help="abort requests after this many seconds")
-    p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (overrides the tokenizer's), or the name of one shipped with "
+                        "unmask: chatml-tools (ChatML + Hermes tool calls, for ChatML models whose own template "
+                        "renders no tools, e.g. SmolLM2)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="how chat answers are parsed into tool calls when a request has tools (hermes: "
+                        "<tool_call>{json}</tool_call>, the Hermes/Qwen format; default hermes)")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -196,10 +202,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port: must be in 0..65535, got {args.port}")
     chat_template = None
     if args.chat_template:
+        from unmask.server.chat_prompt import shipped_template
+
         try:
-            chat_template = Path(args.chat_template).read_text()
+            chat_template = shipped_template(args.chat_template) if not Path(args.chat_template).exists() else None
+            chat_template = chat_template or Path(args.chat_template).read_text()
         except OSError as exc:
-            raise UsageError(f"--chat-template: cannot read {args.chat_template}: {exc.strerror}") from exc
+            raise UsageError(f"--chat-template: cannot read {args.chat_template}: {exc.strerror} (a file, or a "
+                             f"shipped template: chatml-tools)") from exc
 
     api_key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
 
@@ -242,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
                     request_timeout=args.request_timeout, chat_template=chat_template,
                     cors_origins=args.cors_origins, default_cache=args.cache,
-                    max_seqs_per_request=args.max_seqs_per_request)
+                    max_seqs_per_request=args.max_seqs_per_request,
+                    tool_call_parser=args.tool_call_parser)
     d = loaded.dllm
     thr = d.default_sampling.get("threshold")
     decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None

@@ -37,10 +37,11 @@ from .errors import APIError, from_exception, install_handlers
 from .guard import GuardMiddleware
 from .metrics import Metrics
 from .prompt_input import chat_ids, completion_ids, longest_token_chars
-from .render import Render
+from .render import Render, echo_texts
 from .request_id import RequestIdMiddleware
 from .run import Run
 from .sse import sse_events
+from .tool_parsers import get_parser, parser_factory
 from .visualizer import mount_visualizer
 
 log = logging.getLogger("unmask.server")
@@ -62,6 +63,7 @@ class ServerState:
     chat_template: str | None = None
     default_cache: str = "auto"
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -101,7 +103,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
               request_timeout: float | None = None, chat_template: str | None = None,
               cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               default_cache: str = "auto", shutdown_engine: bool = True,
-              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+              tool_call_parser: str = "hermes") -> FastAPI:
     """Create the OpenAI-compatible app.
 
     Args:
@@ -118,12 +121,16 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         shutdown_engine: stop the engine thread when the app's lifespan ends.
         max_seqs_per_request: most sequences (prompts x ``n``) one request may queue (400 naming ``n`` beyond);
             lowered to the engine's queue (docs/design.md section 15).
+        tool_call_parser: how chat answers with tools are parsed into tool calls (``--tool-call-parser``;
+            :data:`unmask.server.tool_parsers.PARSERS`).
 
     Raises:
-        ValueError: ``default_max_tokens`` < 1, ``request_timeout`` <= 0 or ``max_seqs_per_request`` < 1.
+        ValueError: ``default_max_tokens`` < 1, ``request_timeout`` <= 0, ``max_seqs_per_request`` < 1 or an
+            unknown ``tool_call_parser``.
     """
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request: must be >= 1, got {max_seqs_per_request}")
+    get_parser(tool_call_parser)
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
     if request_timeout is not None and request_timeout <= 0:
@@ -133,7 +140,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     metrics = Metrics(model_name, engine)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics, default_max_tokens=default_max_tokens,
                         request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache,
-                        max_seqs_per_request=min(max_seqs_per_request, engine.max_queue))
+                        max_seqs_per_request=min(max_seqs_per_request, engine.max_queue),
+                        tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -186,7 +194,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
         arrival = time.time()
         _check_model(body.model, model_name)
-        ids = await chat_ids(state, [m.as_template_dict() for m in body.messages])  # templated off the loop
+        ids = await chat_ids(state, [m.as_template_dict() for m in body.messages],
+                             body.template_tools())  # templated off the loop
         return await _serve(state, "chat", body, [ids], arrival, request, logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0)
 
@@ -225,6 +234,9 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         return app.openapi_schema
 
     app.openapi = openapi
+    from .responses_api import router as responses_router  # POST /v1/responses (docs/design.md section 20)
+
+    app.include_router(responses_router, responses=_ERRORS)
     mount_visualizer(app)
     return app
 
@@ -286,7 +298,9 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
             state.metrics.record_failure(err.code, [(len(ids), finished_work(s)) for ids, s in zip(prompts, streams)])
         raise err from exc
     render = Render(kind, response_id, int(arrival), state.model_name, state.token_text, logprobs=logprobs,
-                    top_logprobs=top_logprobs, include_usage=body.include_usage)
+                    top_logprobs=top_logprobs, include_usage=body.include_usage, n=body.n,
+                    tool_parser=parser_factory(state.tool_call_parser, body),
+                    echo=echo_texts(state.tokenizer, body, prompts))
     run = Run(state, render, prompts, streams, body.n, arrival)
     if body.stream:
         shutdown = anyio.Event()

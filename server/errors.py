@@ -118,8 +118,18 @@ _BODY_PARSE_DETAIL = "There was an error parsing the body"
 
 
 def _union_loc(loc: tuple) -> tuple | None:
-    """The location of the union field an error belongs to: ``loc`` up to its first member tag (``("body",
-    "messages", 1, "content", "str")`` -> ``("body", "messages", 1, "content")``); ``None`` when no tag."""
+    """The location of the innermost union field an error belongs to: ``loc`` up to its last member tag (``("body",
+    "messages", 1, "content", "str")`` -> ``("body", "messages", 1, "content")``; a message's role tag before
+    ``content`` stays in: ``("body", "messages", 1, "Message", "content", "str")`` -> ``(..., "Message",
+    "content")``); ``None`` when no tag."""
+    for i in range(len(loc) - 1, 1, -1):
+        if isinstance(loc[i], str) and _TAG.match(loc[i]):
+            return loc[:i]
+    return None
+
+
+def _outer_union_loc(loc: tuple) -> tuple | None:
+    """``loc`` up to its first member tag (the outermost union field); ``None`` when no tag."""
     for i, part in enumerate(loc):
         if i > 1 and isinstance(part, str) and _TAG.match(part):
             return loc[:i]
@@ -146,6 +156,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
         # valid string" from the first member
         same = [e for e in errors if _union_loc(tuple(e.get("loc", ()))) == union]
         specific = [e for e in same if e.get("type") not in _TYPE_MISMATCH]
+        if not specific:  # the value's shape may have matched a member of an enclosing union (input: str | list)
+            outer = _outer_union_loc(tuple(err.get("loc", ())))
+            specific = [e for e in errors if e.get("type") not in _TYPE_MISMATCH
+                        and _outer_union_loc(tuple(e.get("loc", ()))) == outer]
         if specific:
             err = specific[0]
         else:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import anyio
 
-from unmask.engine import ParamError, chat_prompt_ids, encode_prompt
+from unmask.engine import encode_prompt
 
+from .chat_prompt import render_chat_ids
 from .errors import APIError
 
 FALLBACK_TOKEN_CHARS = 1024  # characters per token assumed when the tokenizer lists no vocabulary
@@ -50,15 +51,10 @@ async def completion_ids(state, prompts: list[str | list[int]]) -> list[list[int
     return await anyio.to_thread.run_sync(lambda: [encode_prompt(state.tokenizer, p) for p in prompts])
 
 
-async def chat_ids(state, messages: list[dict]) -> list[int]:
-    """The rendered chat's token ids (template and tokenizer in a worker thread). ``messages``: the
-    ``{"role", "content"[, "name"]}`` dicts of ``ChatMessage.as_template_dict``."""
+async def chat_ids(state, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The rendered chat's token ids (template and tokenizer in a worker thread, through
+    :func:`unmask.server.chat_prompt.render_chat_ids`). ``messages``: the template dicts of
+    ``ChatMessage.as_template_dict``; ``tools``: the request's tools for the template (None: none)."""
     longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))  # named in the 400
     check_chars(state, f"messages.{longest}.content", sum(len(m["content"]) for m in messages))
-    try:
-        return await anyio.to_thread.run_sync(chat_prompt_ids, state.tokenizer, messages, state.chat_template)
-    except ParamError:
-        raise
-    except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
-        raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
-                       param="messages", code="invalid_value") from exc
+    return await anyio.to_thread.run_sync(render_chat_ids, state.tokenizer, messages, state.chat_template, tools)

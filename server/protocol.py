@@ -5,8 +5,10 @@ top-level fields, the way vLLM adds its extras. Validation is strict so that the
 exactly what is accepted: no type coercion (``"0.5"`` is not a number, ``1`` is not a boolean), NaN/inf rejected,
 ranges (:data:`unmask.engine.limits.RANGES`, the one declaration the CLI and the Python API check too) and
 enums in the schema, unknown fields rejected (``additionalProperties: false``). Fields of the OpenAI API
-that this server does not implement (tools, function calling, non-text ``response_format``, ``logit_bias``, ...)
-are rejected with a 400 that names the field rather than ignored.
+that this server does not implement (the deprecated ``functions``, audio, ...) are rejected with a 400 that names
+the field rather than ignored; ``metadata``, ``service_tier`` and ``store`` are accepted and have no effect
+(nothing is stored). Tools and ``response_format`` are :mod:`unmask.server.tool_protocol` (docs/design.md
+section 20).
 
 ``logprobs``: a diffusion model reveals tokens in any order; the log-probability reported for a token is the one it
 had (under the final logits of that step, after penalties and top-k/top-p, at temperature 1) at the step it was
@@ -17,51 +19,39 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from unmask.engine import SamplingParams
-from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGE_NAME_CHARS, MAX_MESSAGES,
+from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
                                   MAX_NAME_CHARS, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
                                   MAX_TOKEN_ID, RANGES, REMASKING_STRATEGIES)
 
 # the request-size caps (MAX_PROMPTS, MAX_STOP_CHARS, ...; MAX_N is RANGES['n']) are declared with the decoding ranges in unmask.engine.limits
 
+from .structured import (MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
+                         with_extras)
+from .messages import ChatMessage
+from .tool_protocol import MAX_TOOLS, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
+
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
 # OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored)
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling is not supported by this server",
-    "tool_choice": "tool calling is not supported by this server",
-    "parallel_tool_calls": "tool calling is not supported by this server",
-    "functions": "function calling is not supported by this server",
-    "function_call": "function calling is not supported by this server",
+    "functions": "the deprecated functions field is not supported: send tools",
+    "function_call": "the deprecated function_call field is not supported: send tool_choice",
+    "prompt_logprobs": "prompt_logprobs is not an OpenAI field, and prompt log-probabilities are not computed "
+                       "(a diffusion model reveals only generated tokens)",
     "audio": "audio output is not supported by this server",
     "prediction": "predicted outputs are not supported by this server",
     "web_search_options": "web search is not supported by this server",
     "reasoning_effort": "reasoning effort is not supported by this server",
-    "store": "stored completions are not supported by this server",
-    "metadata": "stored completions (metadata) are not supported by this server",
-    "service_tier": "service tiers are not supported by this server",
     "modalities": "only text output is supported by this server",
-    "echo": "echo is not supported by this server",
     "verbosity": "verbosity control is not supported by this server",
 }
 
 RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
 CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
-
-
-def _well_formed(text: str) -> str:
-    """Refuse a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): no tokenizer or chat template can
-    encode it, so it is a 400 naming the field, not a template or tokenizer failure."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PydanticCustomError("invalid_text", "text is not valid Unicode: a lone surrogate {char} at "
-                                                  "character {pos}", {"char": repr(text[exc.start]),
-                                                                      "pos": exc.start}) from None
-    return text
 
 
 def _integral(value: Any) -> Any:
@@ -81,7 +71,6 @@ _INTEGER_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_o
                              "speculative_no_repeat_ngram", "top_logprobs", "stop_token_ids"})
 
 
-Text = Annotated[str, AfterValidator(_well_formed)]  # every string the tokenizer or the chat template reads
 TokenId = Annotated[int, Field(ge=RANGES["stop_token_ids"].lo, le=MAX_TOKEN_ID)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
@@ -131,8 +120,7 @@ def _schema_extra(schema: dict, cls) -> None:
         schema.setdefault("allOf", []).extend(rules)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+_Strict = Strict
 
 
 class _Rules(_Strict):
@@ -145,12 +133,6 @@ class StreamOptions(_Strict):
 
     include_usage: bool = False
     include_denoising: bool = False
-
-
-class ResponseFormat(_Strict):
-    """Only ``{"type": "text"}`` is supported (no JSON mode / structured outputs)."""
-
-    type: Literal["text"]
 
 
 class _Common(_Rules):
@@ -174,8 +156,15 @@ class _Common(_Rules):
                                          description="accepted; the KV cache is per request")
     presence_penalty: float = ranged("presence_penalty", 0.0)
     frequency_penalty: float = ranged("frequency_penalty", 0.0)
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent, null or {}",
-                                                json_schema_extra={"maxProperties": 0})
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling "
+                          "(OpenAI's; the ids are checked against the vocabulary)")
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = Field(None, description="accepted, stored nowhere (OpenAI's "
+                                                                                "stored-completion tags)")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; one tier here (answered as default)")
+    store: bool | None = Field(None, description="accepted; nothing is stored")
     # --- diffusion extras (docs/design.md section 5) ---
     steps: int | None = ranged("steps", None,
                                description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
@@ -248,10 +237,11 @@ class _Common(_Rules):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise PydanticCustomError("unsupported_field", "{field}: {why}",
-                                      {"field": "logit_bias", "why": "logit_bias is not supported by this server"})
+    def _logit_bias_keys(cls, v):
+        for key in v or {}:
+            if not key.isdigit() or len(key) > 10:
+                raise PydanticCustomError("invalid_field", "{field}: {why}", {
+                    "field": "logit_bias", "why": f"keys are token ids (decimal integers), got {key!r}"})
         return v
 
     @model_validator(mode="after")
@@ -272,7 +262,7 @@ class _Common(_Rules):
         if steps is None and self.threshold is None and "threshold" in self.model_fields_set:
             steps = max_tokens
         # the flat HTTP speculative_* fields: SamplingParams.from_flat groups them into SpeculativeOptions
-        return SamplingParams.from_flat(
+        params = SamplingParams.from_flat(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
             steps=steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
             remasking=self.remasking, threshold=self.threshold,
@@ -285,6 +275,11 @@ class _Common(_Rules):
             speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon,
             speculative_ratio=self.speculative_ratio,
             speculative_no_repeat_ngram=self.speculative_no_repeat_ngram)
+        return with_extras(params, self.constraint(), logit_bias_ids(self.logit_bias))
+
+    def constraint(self):
+        """The engine ``Constraint`` this request asks for (chat: ``response_format`` / ``tool_choice``)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -310,6 +305,16 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probability of each token at the "
                                  "step it was revealed (only the revealed token is recorded, so at most 1)")
     best_of: int | None = ranged("n", None, description="only best_of == n is supported")
+    echo: bool = Field(False, description="prepend the prompt's text to each choice's text (streamed: its first "
+                                          "chunk); not with logprobs (prompt log-probabilities are not computed)")
+
+    @model_validator(mode="after")
+    def _echo(self):
+        if self.echo and self.logprobs is not None:
+            raise PydanticCustomError("invalid_field", "{field}: {why}", {
+                "field": "echo", "why": "cannot be combined with logprobs: prompt log-probabilities are not "
+                                        "computed (a diffusion model reveals only generated tokens)"})
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (one entry per prompt)."""
@@ -329,29 +334,6 @@ class CompletionRequest(_Common):
         return self
 
 
-class TextPart(_Strict):
-    """A text content part of a chat message (``{"type": "text", "text": ...}``); other part types are rejected."""
-
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(_Strict):
-    """One chat message; ``content`` is a string or a list of text parts."""
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(min_length=1)]
-    name: Text | None = Field(None, max_length=MAX_MESSAGE_NAME_CHARS)
-
-    def as_template_dict(self) -> dict:
-        """``{"role", "content"[, "name"]}`` for the chat template; text parts are joined without a separator."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        d = {"role": self.role, "content": content}
-        if self.name:
-            d["name"] = self.name
-        return d
-
-
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
@@ -361,7 +343,14 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = Field(False, description="log-probability of each token at the step it was revealed")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="only the revealed token is recorded (<= 1)")
-    response_format: ResponseFormat | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="text | json_object | json_schema: JSON output by constrained decoding")
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call (rendered by the chat template)")
+    tool_choice: ToolChoice | None = Field(None, description="none | auto (default with tools) | required | "
+                                                             "{type: function, function: {name}}; required and a "
+                                                             "named function are enforced by constrained decoding")
+    parallel_tool_calls: bool = Field(True, description="required: one or more calls (false: exactly one)")
 
     @model_validator(mode="after")
     def _top_logprobs(self):
@@ -369,3 +358,36 @@ class ChatCompletionRequest(_Common):
             raise PydanticCustomError("invalid_field", "{field}: {why}",
                                       {"field": "top_logprobs", "why": "requires logprobs to be true"})
         return self
+
+    @model_validator(mode="after")
+    def _tools(self):
+        def bad(field, why):
+            return PydanticCustomError("invalid_field", "{field}: {why}", {"field": field, "why": why})
+
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise bad("tools", "function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise bad("tool_choice", "requires tools")
+        if not isinstance(choice, (str, type(None))) and choice.function.name not in names:
+            raise bad("tool_choice", f"the function {choice.function.name!r} is not in tools ({names})")
+        if self.tools_active and self.response_format is not None and self.response_format.type != "text" \
+                and choice not in (None, "auto"):
+            raise bad("response_format", "cannot be combined with tool_choice required or a named function")
+        check_tool_messages(self.messages)
+        return self
+
+    @property
+    def tools_active(self) -> bool:
+        """Tools are rendered and the output parsed for calls (tools given and ``tool_choice`` is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them, or None (none given, or ``tool_choice: none``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools_active else None
+
+    def constraint(self):
+        if self.tools_active and self.tool_choice not in (None, "auto"):
+            return tool_choice_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return response_format_constraint(self.response_format)

@@ -17,7 +17,9 @@ from unmask.engine import CompletionOutput, StepEvent
 
 from .responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                         ChatLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, Delta,
-                        Denoising, RevealedToken, TokenLogprob, TopLogprob, Usage, UsageChunk)
+                        Denoising, FunctionCallOut, FunctionDelta, RevealedToken, TokenLogprob, ToolCallDelta,
+                        ToolCallOut, TopLogprob, Usage, UsageChunk)
+from .tool_parsers import ParsedCall, Piece, ToolParser, parse
 
 LOGPROB_FLOOR = -9999.0
 
@@ -30,10 +32,15 @@ class Render:
         model: the served model name. token_text: token id -> its text (``TokenTexts``).
         logprobs: whether logprobs were asked for. top_logprobs: chat: list the one alternative (the token itself).
         include_usage: stream chunks carry ``"usage": null`` (and a last usage chunk follows).
+        tool_parser: chat with tools: makes a fresh :class:`~unmask.server.tool_parsers.ToolParser` per choice;
+            the text is split into content and tool calls (streamed as tool-call deltas), and a choice that called a
+            tool and stopped finishes with ``tool_calls`` (docs/design.md section 20).
+        echo: completions ``echo``: the text of each prompt, prepended to its choices (``n`` choices a prompt).
     """
 
     def __init__(self, kind: str, response_id: str, created: int, model: str, token_text: Callable[[int], str],
-                 logprobs: bool = False, top_logprobs: int = 0, include_usage: bool = False):
+                 logprobs: bool = False, top_logprobs: int = 0, include_usage: bool = False,
+                 tool_parser: Callable[[], ToolParser] | None = None, echo: list[str] | None = None, n: int = 1):
         self.chat = kind == "chat"
         self.id = response_id
         self.created = created
@@ -42,6 +49,11 @@ class Render:
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
+        self.tool_parser = tool_parser if self.chat else None
+        self.echo = echo if not self.chat else None
+        self.n = n
+        self._parsers: dict[int, ToolParser] = {}
+        self._calls: dict[int, int] = {}
 
     # ------------------------------------------------------------------ logprobs
     def _token_entries(self, out: CompletionOutput) -> list[tuple[str, float]]:
@@ -77,14 +89,29 @@ class Render:
     def body(self, outputs: list[CompletionOutput], usage: Usage) -> dict:
         """The ``chat.completion`` / ``text_completion`` object (choice i = ``outputs[i]``), as a JSON-ready dict."""
         if self.chat:
-            return ChatCompletionResponse(
-                id=self.id, created=self.created, model=self.model, usage=usage,
-                choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), logprobs=self.chat_logprobs(o),
-                                    finish_reason=o.finish_reason) for i, o in enumerate(outputs)]).model_dump()
+            choices = []
+            for i, o in enumerate(outputs):
+                message, finish = self._message(o)
+                choices.append(ChatChoice(index=i, message=message, logprobs=self.chat_logprobs(o),
+                                          finish_reason=finish))
+            return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
+                                          choices=choices).model_dump()
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage,
-            choices=[CompletionChoice(index=i, text=o.text, logprobs=self.completion_logprobs(o),
+            choices=[CompletionChoice(index=i, text=self._echo(i) + o.text, logprobs=self.completion_logprobs(o),
                                       finish_reason=o.finish_reason) for i, o in enumerate(outputs)]).model_dump()
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def _message(self, out: CompletionOutput) -> tuple[AssistantMessage, str]:
+        """A choice's message and finish reason: with tools, its text parsed into content and tool calls."""
+        if self.tool_parser is None:
+            return AssistantMessage(content=out.text), out.finish_reason
+        content, calls = parse(self.tool_parser(), out.text)
+        return (AssistantMessage(content=content, tool_calls=[
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls] or None),
+            _finish(out.finish_reason, bool(calls)))
 
     # ------------------------------------------------------------------ stream chunks (JSON-ready dicts)
     def _chunk(self, choice, denoising: Denoising | None = None) -> dict:
@@ -111,11 +138,56 @@ class Render:
                                                finish_reason=None))
         return self._chunk(CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None))
 
-    def finish_chunk(self, index: int, out: CompletionOutput) -> dict:
-        """The last chunk of one choice: its ``finish_reason`` and logprobs, no new text."""
+    def start_chunks(self, num_choices: int) -> list[dict]:
+        """The chunks before any event: chat: each choice's role chunk; completions with ``echo``: each choice's
+        prompt text."""
+        if self.chat:
+            return [self.role_chunk(i) for i in range(num_choices)]
+        return [self.text_chunk(i, self._echo(i)) for i in range(num_choices) if self._echo(i)]
+
+    def text_chunks(self, index: int, text: str) -> list[dict]:
+        """The chunks of a new piece of one choice's text: one content delta, or with tools what the choice's
+        parser makes final (content deltas, tool-call deltas)."""
+        if self.tool_parser is None:
+            return [self.text_chunk(index, text)]
+        return self._pieces(index, self._parser(index).feed(text))
+
+    def _parser(self, index: int) -> ToolParser:
+        if index not in self._parsers:
+            self._parsers[index] = self.tool_parser()
+        return self._parsers[index]
+
+    def _pieces(self, index: int, pieces: list[Piece]) -> list[dict]:
+        chunks = []
+        for kind, piece in pieces:
+            if kind == "content":
+                chunks.append(self.text_chunk(index, piece))
+            else:
+                chunks.extend(self._call_chunks(index, piece))
+        return chunks
+
+    def _call_chunks(self, index: int, call: ParsedCall) -> list[dict]:
+        """A tool call as OpenAI streams one: id, type and name first, then the arguments."""
+        k = self._calls.get(index, 0)
+        self._calls[index] = k + 1
+        head = ToolCallDelta(index=k, id=call.id, type="function", function=FunctionDelta(name=call.name,
+                                                                                         arguments=""))
+        args = ToolCallDelta(index=k, function=FunctionDelta(arguments=call.arguments))
+        return [self._chunk(ChatChunkChoice(index=index, delta=Delta(tool_calls=[d]), logprobs=None,
+                                            finish_reason=None)) for d in (head, args)]
+
+    def finish_chunks(self, index: int, out: CompletionOutput) -> list[dict]:
+        """The last chunks of one choice: what its tool parser still held, then :meth:`finish_chunk`."""
+        if self.tool_parser is None:
+            return [self.finish_chunk(index, out)]
+        chunks = self._pieces(index, self._parser(index).finish())
+        return chunks + [self.finish_chunk(index, out, _finish(out.finish_reason, self._calls.get(index, 0) > 0))]
+
+    def finish_chunk(self, index: int, out: CompletionOutput, finish_reason: str | None = None) -> dict:
+        """The last chunk of one choice: its ``finish_reason`` (default the output's) and logprobs, no new text."""
         if self.chat:
             return self._chunk(ChatChunkChoice(index=index, delta=Delta(), logprobs=self.chat_logprobs(out),
-                                               finish_reason=out.finish_reason))
+                                               finish_reason=finish_reason or out.finish_reason))
         return self._chunk(CompletionChoice(index=index, text="", logprobs=self.completion_logprobs(out),
                                             finish_reason=out.finish_reason))
 
@@ -135,3 +207,15 @@ class Render:
         return UsageChunk(id=self.id, object="chat.completion.chunk" if self.chat else "text_completion",
                           created=self.created, model=self.model, choices=[], usage=usage).model_dump(
                               exclude_unset=True)
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` for a choice that called a tool and stopped (``length`` stays ``length``)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def echo_texts(tokenizer, body, prompts: list[list[int]]) -> list[str] | None:
+    """Completions ``echo``: each prompt's text (a string prompt as sent, token ids decoded), else None."""
+    if not getattr(body, "echo", False):
+        return None
+    return [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(body.prompts(), prompts)]

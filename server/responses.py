@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_serializer
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -93,12 +93,37 @@ class ChatLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    """``{"name", "arguments"}`` of a generated tool call (``arguments``: JSON text of an object)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """A generated tool call (docs/design.md section 20)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
-    """The generated chat message (``refusal`` is always None)."""
+    """The generated chat message: ``content`` (None when the choice only called tools), ``tool_calls`` (absent
+    when none), ``refusal`` always None, ``annotations`` always ``[]`` (OpenAI's url citations)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    annotations: list = []
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -151,12 +176,30 @@ class ErrorResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------- stream chunks
+class FunctionDelta(BaseModel):
+    """A piece of a streamed tool call's function: the name (first chunk), then the arguments text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call (OpenAI's chunk shape): ``index`` (the call's place in the message), ``id`` and
+    ``type`` on its first chunk, ``function.name`` then ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
     """A chat chunk's ``delta``: ``{}`` (a denoising chunk), ``{"role": "assistant", "content": ""}`` (the first
-    chunk of a choice) or ``{"content": ...}``."""
+    chunk of a choice), ``{"content": ...}`` or ``{"tool_calls": [...]}``."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

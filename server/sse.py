@@ -51,9 +51,8 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
 
     watcher = asyncio.create_task(on_shutdown()) if shutdown_event is not None else None
     try:
-        if render.chat:
-            for i in range(run.num_choices):
-                yield dumps(render.role_chunk(i))
+        for chunk in render.start_chunks(run.num_choices):
+            yield dumps(chunk)
         async for c, ev in run.events(timeout):
             if include_denoising and ev.revealed:
                 yield dumps(render.denoising_chunk(c, ev))
@@ -62,7 +61,8 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
                     delta, sent[c] = ev.text[len(sent[c]):], ev.text
                     if run.first_content_time is None:
                         run.first_content_time = time.time()
-                    yield dumps(render.text_chunk(c, delta))
+                    for chunk in render.text_chunks(c, delta):
+                        yield dumps(chunk)
                 else:  # pragma: no cover - the engine guarantees a growing prefix
                     log.warning("%s: choice %d text is not an extension of what was streamed", run.id, c)
             if ev.finished:
@@ -70,7 +70,8 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
                     if shutting_down:
                         raise shutdown_error()
                     raise APIError(503, "the request was aborted by the server", code="aborted")
-                yield dumps(render.finish_chunk(c, ev.output))
+                for chunk in render.finish_chunks(c, ev.output):
+                    yield dumps(chunk)
         if render.include_usage:
             yield dumps(render.usage_chunk(run.usage()))
         run.finish(200)

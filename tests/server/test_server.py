@@ -386,8 +386,8 @@ BAD = [
     ("ignore_eos as int", "POST", C, {"json": _c(ignore_eos=1)}, 400, "ignore_eos"),
     ("unknown field", "POST", C, {"json": _c(foo=1)}, 400, "foo"),
     ("tools", "POST", CH, {"json": _ch(tools=[{"type": "function", "function": {"name": "f"}}])}, 400, "tools"),
-    ("logit_bias", "POST", CH, {"json": _ch(logit_bias={"5": 10})}, 400, "logit_bias"),
-    ("response_format json", "POST", CH, {"json": _ch(response_format={"type": "json_object"})}, 400,
+    ("logit_bias key not a token id", "POST", CH, {"json": _ch(logit_bias={"five": 10})}, 400, "logit_bias"),
+    ("response_format unknown type", "POST", CH, {"json": _ch(response_format={"type": "xml"})}, 400,
      "response_format"),
     ("unknown role", "POST", CH, {"json": _ch(messages=[{"role": "robot", "content": "x"}])}, 400, "messages.0.role"),
     ("image content part", "POST", CH, {"json": _ch(messages=[{"role": "user", "content": [

@@ -1,0 +1,65 @@
+"""Chat messages (+ tools) -> prompt token ids through a chat template (docs/design.md section 20).
+
+The template is ``--chat-template`` when the server has one, else the tokenizer's (a dict of named templates picks
+``tool_use`` for a request with tools when there is one, else ``default``). Tools are passed to transformers'
+``apply_chat_template(tools=...)`` as OpenAI sends them (``{"type": "function", "function": {...}}``, the JSON-schema
+shape Hugging Face templates read). A template that never mentions ``tools`` cannot show them to the model: a
+request with tools (or with tool messages) is then a 400 naming the fix (``--chat-template chatml-tools``, the
+ChatML + Hermes template shipped in ``unmask/server/templates/``), never a silently tool-less prompt.
+"""
+from __future__ import annotations
+
+from importlib import resources
+
+from unmask.engine import ParamError
+
+from .errors import APIError
+
+SHIPPED = {"chatml-tools": "chatml_tools.jinja"}
+
+
+def shipped_template(name: str) -> str | None:
+    """The text of a template shipped with the server (``chatml-tools``), or None for another name."""
+    file = SHIPPED.get(name)
+    if file is None:
+        return None
+    return resources.files("unmask.server").joinpath("templates", file).read_text(encoding="utf-8")
+
+
+def _template(tokenizer, override: str | None, with_tools: bool) -> str | None:
+    if override is not None:
+        return override
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):
+        return own.get("tool_use") if with_tools and "tool_use" in own else own.get("default")
+    return own
+
+
+def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` (template dicts) with the generation prompt; ``tools``: the request's tools (None:
+    none offered, or ``tool_choice: none``).
+
+    Raises:
+        APIError: 400 naming ``messages`` (no template, or the template failed to render) or ``tools`` (the
+            template renders no tools).
+    """
+    uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    template = _template(tokenizer, chat_template, uses_tools)
+    if not template:
+        raise APIError(400, "messages: this model has no chat template; pass --chat-template or use completions",
+                       param="messages", code="invalid_value")
+    if uses_tools and "tools" not in template and "tool_calls" not in template:
+        field = "tools" if tools else "messages"
+        raise APIError(400, f"{field}: this model's chat template does not render tools or tool calls; serve it "
+                            f"with --chat-template chatml-tools (ChatML + Hermes tool calls, shipped with unmask) or "
+                            f"a template of your own", param=field, code="invalid_value")
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=True, chat_template=template)
+    except ParamError:
+        raise
+    except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
+        raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
+                       param="messages", code="invalid_value") from exc
+    return list(tokenizer(text, add_special_tokens=False).input_ids)

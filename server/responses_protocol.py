@@ -1,0 +1,204 @@
+"""Request model of ``POST /v1/responses`` (OpenAI's Responses API; docs/design.md section 20) and its translation
+into a chat request (:meth:`ResponsesRequest.chat_body`), so that one path renders, constrains and decodes both.
+
+* ``input``: a string (one user message) or items: messages (``role`` user | system | developer | assistant,
+  ``content`` a string or ``input_text`` / ``output_text`` parts), ``function_call`` (``call_id``, ``name``,
+  ``arguments``) and ``function_call_output`` (``call_id``, ``output``); ``instructions`` becomes a leading
+  system message. Consecutive ``function_call`` items join the assistant message before them.
+* ``tools``: function tools in the Responses shape (``{"type": "function", "name", "parameters", ...}``);
+  ``tool_choice``: ``none`` | ``auto`` | ``required`` | ``{"type": "function", "name"}``.
+* ``text.format``: ``text`` | ``json_object`` | ``json_schema`` (``name``, ``schema``, ``strict``) ->
+  ``response_format``.
+* Accepted without effect: ``metadata``, ``store`` (nothing is stored), ``user``, ``service_tier``,
+  ``truncation: disabled``, ``include: []``, ``reasoning: null``. Refused (400 naming the field):
+  ``previous_response_id`` (nothing is stored), ``background``, ``truncation: auto``, other item and tool types.
+* Ours: ``seed``, ``stream_options.include_denoising`` (a ``response.denoising_step`` event per denoising step) and
+  the diffusion extras (``steps``, ``block_size``, ``threshold``, ``remasking``, ``cfg_scale``, ``top_k``,
+  ``cache``, ``speculative``), as on chat completions.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from .tool_protocol import FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, Strict, _bounded_schema
+
+MAX_ITEMS = 1024
+
+
+class InputText(Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+class MessageItem(Strict):
+    """A message item (``type: "message"`` optional, as OpenAI's EasyInputMessage)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | Annotated[list[InputText], Field(min_length=1)]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(Strict):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_kind(v: Any) -> str:
+    """The kind of an input item; a message may omit ``type`` (OpenAI's EasyInputMessage)."""
+    return (v.get("type") or "message") if isinstance(v, dict) else getattr(v, "type", "message")
+
+
+Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
+
+
+class FunctionTool(Strict):
+    """A function tool in the Responses shape (flat: no ``function`` wrapper)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat(self) -> dict:
+        fn = {"name": self.name, "parameters": _bounded_schema(self.parameters, "parameters")}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+
+
+class NamedFunctionChoice(Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class TextFormat(Strict):
+    """``text.format``: ``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "name", "schema", ...}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, pattern=FUNCTION_NAME)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def chat(self) -> dict:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        spec = {"name": self.name or "response", "schema": self.schema_, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+
+class TextOptions(Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class ResponsesStreamOptions(Strict):
+    include_denoising: bool = False
+
+
+# the diffusion extras passed through to the chat request as they are
+EXTRAS = ("seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", "top_k", "cache", "speculative")
+
+
+class ResponsesRequest(Strict):
+    """``POST /v1/responses`` (see the module docstring)."""
+
+    model: str = Field(min_length=1, max_length=512)
+    input: str | Annotated[list[Item], Field(min_length=1, max_length=MAX_ITEMS)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    store: bool | None = None
+    user: str | None = Field(None, max_length=512)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    truncation: Literal["disabled"] | None = None
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+    reasoning: None = None
+    previous_response_id: None = Field(None, description="not supported: nothing is stored (send the history "
+                                                         "as input items)")
+    background: Literal[False] | None = None
+    prompt_cache_key: str | None = Field(None, max_length=512)
+    safety_identifier: str | None = Field(None, max_length=512)
+    # --- ours ---
+    seed: int | None = None
+    steps: int | None = None
+    block_size: int | None = None
+    threshold: float | None = None
+    remasking: str | None = None
+    cfg_scale: float | None = None
+    top_k: int | None = None
+    cache: str | None = None
+    speculative: bool | None = None
+
+    def messages(self) -> list[dict]:
+        """The chat messages of ``instructions`` + ``input`` (chat request dicts)."""
+        out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return out + [{"role": "user", "content": self.input}]
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant":
+                    out[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
+
+    def chat_body(self) -> dict:
+        """The equivalent ``/v1/chat/completions`` body (validated by the caller as a ChatCompletionRequest)."""
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream}
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        for name in ("temperature", "top_p", "parallel_tool_calls", "user", "prompt_cache_key",
+                     "safety_identifier", *EXTRAS):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.tools:
+            body["tools"] = [t.chat() for t in self.tools]
+        if self.tool_choice is not None:
+            tc = self.tool_choice
+            body["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
+        if self.text is not None and self.text.format is not None:
+            body["response_format"] = self.text.format.chat()
+        if self.stream:
+            body["stream_options"] = {"include_usage": True,
+                                      "include_denoising": bool(self.stream_options and
+                                                                self.stream_options.include_denoising)}
+        return body

@@ -1,0 +1,167 @@
+"""Tool-call parsers: generated text -> content and tool calls (docs/design.md section 20; ``--tool-call-parser``).
+
+A parser is incremental: :meth:`ToolParser.feed` takes the next piece of a choice's text (the stream-safe text the
+engine reveals left to right) and returns what is final so far, :meth:`ToolParser.finish` the rest. A non-streamed
+answer runs the same parser over the whole text (:func:`parse`), so streamed and non-streamed choices agree.
+
+``hermes`` (Hermes 2 Pro / Qwen2.5 / Qwen3 templates, vLLM's ``hermes``): a call is
+``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``; the body is JSON (surrounding whitespace ignored);
+an unclosed call at the end of the text counts when its body parses. A body that is not such an object, or names
+a function the request did not offer, is returned as text (content), never an error. Trailing whitespace of the
+content is held back until more content follows (so the result does not depend on how the text was cut into
+pieces); at the end it is dropped when the choice made a call, else sent.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One parsed tool call: ``arguments`` is compact JSON text of an object (OpenAI sends a string)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+
+
+Piece = tuple[str, "str | ParsedCall"]  # ("content", text) | ("call", ParsedCall)
+
+
+class ToolParser:
+    """Base: subclasses set ``name`` and implement :meth:`feed` / :meth:`finish`."""
+
+    name = ""
+
+    def __init__(self, tool_names: set[str]):
+        self.tool_names = set(tool_names)
+        self.calls = 0
+
+    def feed(self, text: str) -> list[Piece]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{json}</tool_call>`` (see the module docstring)."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self, tool_names: set[str]):
+        super().__init__(tool_names)
+        self._buf = ""          # text not yet decided (a possible tag prefix, or an open call's body)
+        self._in_call = False
+        self._space = ""        # whitespace-only content held back
+
+    def _content(self, text: str, out: list[Piece]) -> None:
+        head = text.rstrip()
+        if head:  # trailing whitespace waits for more content, however the text was cut into pieces
+            out.append(("content", self._space + head))
+            self._space = text[len(head):]
+        else:
+            self._space += text
+
+    def _call(self, body: str) -> ParsedCall | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in self.tool_names:
+            return None
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict) or set(obj) - {"name", "arguments"}:
+            return None
+        return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":")))
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        self._buf += text
+        while self._buf:
+            if not self._in_call:
+                at = self._buf.find(self.OPEN)
+                if at < 0:  # keep a tail that could still become the open tag
+                    keep = _tag_prefix_len(self._buf, self.OPEN)
+                    self._content(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    break
+                self._content(self._buf[:at], out)
+                self._buf = self._buf[at + len(self.OPEN):]
+                self._in_call = True
+            else:
+                at = self._buf.find(self.CLOSE)
+                if at < 0:
+                    break
+                body, self._buf = self._buf[:at], self._buf[at + len(self.CLOSE):]
+                self._in_call = False
+                self._emit(body, closed=True, out=out)
+        return out
+
+    def _emit(self, body: str, closed: bool, out: list[Piece]) -> None:
+        call = self._call(body)
+        if call is None:
+            self._content(self.OPEN + body + (self.CLOSE if closed else ""), out)
+        else:
+            self.calls += 1
+            out.append(("call", call))
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._in_call:
+            self._emit(self._buf, closed=False, out=out)
+        else:
+            self._content(self._buf, out)
+        self._buf, self._in_call = "", False
+        if self._space and not self.calls:
+            out.append(("content", self._space))
+        self._space = ""
+        return out
+
+
+def _tag_prefix_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
+
+
+def get_parser(name: str) -> type[ToolParser]:
+    """The parser class called ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ValueError(f"--tool-call-parser: unknown parser {name!r}; known: {sorted(PARSERS)}") from None
+
+
+def parser_factory(name: str, body):
+    """A chat request with active tools (``body.tools_active``): a factory of fresh ``name`` parsers over its tool
+    names; else None."""
+    if not getattr(body, "tools_active", False):
+        return None
+    cls, names = get_parser(name), {t.function.name for t in body.tools}
+    return lambda: cls(names)
+
+
+def parse(parser: ToolParser, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """``(content or None, calls)`` of a whole text (content None when it is empty and a call was made)."""
+    pieces = parser.feed(text) + parser.finish()
+    content = "".join(p for kind, p in pieces if kind == "content")
+    calls = [p for kind, p in pieces if kind == "call"]
+    return (content or None) if calls else content, calls

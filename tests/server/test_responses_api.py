@@ -1,0 +1,117 @@
+"""``POST /v1/responses`` through the openai SDK's ``client.responses`` (sync and streaming) on a tiny in-process
+server (docs/design.md section 20): text, instructions, multi-turn input items with function calls and their
+outputs, tools, the typed stream events and the denoising-step event."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from test_tools import CALL_TOKENS, SCHEMAS, TOOLS_TEMPLATE, WEATHER
+from tiny import loaded
+from unmask.engine.async_engine import AsyncEngine
+from unmask.server.app import build_app
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's tool shape
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = AsyncEngine(loaded(block_size=4))
+    with TestClient(build_app(engine, "m", chat_template=TOOLS_TEMPLATE, api_key="k")) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http, max_retries=0)
+
+
+def test_text_in_text_out_with_instructions(client):
+    r = client.responses.create(model="m", input="Hello there", instructions="Answer briefly.",
+                                max_output_tokens=8, extra_body={"seed": 0})
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "m"
+    assert r.status in ("completed", "incomplete") and r.output[0].type == "message"
+    assert r.output_text == r.output[0].content[0].text and r.instructions == "Answer briefly."
+    assert r.usage.output_tokens <= 8 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    # the same seed gives the same text
+    same = client.responses.create(model="m", input="Hello there", instructions="Answer briefly.",
+                                   max_output_tokens=8, extra_body={"seed": 0})
+    assert same.output_text == r.output_text
+
+
+def test_multi_turn_items_with_function_calls_and_outputs(client):
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "days": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]}]
+    r = client.responses.create(model="m", input=items, tools=[FLAT_WEATHER], max_output_tokens=4,
+                                extra_body={"seed": 1})
+    assert r.status in ("completed", "incomplete") and r.usage.input_tokens > 30
+
+
+def test_tool_choice_required_gives_a_function_call_item(client):
+    r = client.responses.create(model="m", input="Weather in Paris?", tools=[FLAT_WEATHER], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=CALL_TOKENS,
+                                temperature=1.0, extra_body={"seed": 2})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
+
+
+def test_streaming_events_and_the_final_response(client):
+    events = list(client.responses.create(model="m", input="Count to three", max_output_tokens=12, stream=True,
+                                          extra_body={"seed": 0}))
+    final = events[-1].response  # response.completed, or response.incomplete at max_output_tokens
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    seq = [e.sequence_number for e in events]
+    assert seq == sorted(seq) and len(set(seq)) == len(seq)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert text == done.text == final.output_text
+    plain = client.responses.create(model="m", input="Count to three", max_output_tokens=12, extra_body={"seed": 0})
+    assert plain.output_text == text  # streamed = non-streamed for the same seed
+    for t in ("response.output_item.added", "response.content_part.added", "response.content_part.done",
+              "response.output_item.done"):
+        assert t in types
+
+
+def test_streamed_function_call_and_denoising_steps(client):
+    body = {"model": "m", "input": "Weather?", "tools": [FLAT_WEATHER], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_output_tokens": CALL_TOKENS, "temperature": 1.0, "seed": 4,
+            "stream": True, "stream_options": {"include_denoising": True}}
+    events = []
+    http = client._client
+    with http.stream("POST", "/v1/responses", json=body, headers={"Authorization": "Bearer k"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    steps = [e for e in events if e["type"] == "response.denoising_step"]
+    assert steps and all(s["denoising"]["revealed"] for s in steps)
+    args = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    jsonschema.validate(json.loads(args["arguments"]), SCHEMAS["get_weather"])
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    assert [o["type"] for o in final["response"]["output"]] == ["function_call"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input.0.tool_call_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "bogus"}}}},
+     "text.format"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_bad_requests_are_400s_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/responses", body={"model": "m", **body}, cast_to=object)
+    err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
+    assert err["param"] == param or err["param"].startswith(param) or param in err["message"], err
