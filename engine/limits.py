@@ -63,6 +63,7 @@ RANGES: dict[str, Range] = {
     "speculative_epsilon": Range(0, 1, lo_open=True),
     "speculative_ratio": Range(0, 1, lo_open=True),
     "speculative_no_repeat_ngram": Range(0, MAX_NO_REPEAT_NGRAM, integer=True),
+    "multi_block": Range(0, 1, lo_open=True),  # fraction of a block decoded before the next joins (section 22)
 }
 
 
