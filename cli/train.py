@@ -54,6 +54,21 @@ def register(sub, name):
                    help="weight C of the certainty-forcing term (dParallel): entropy of correctly predicted masked "
                         "tokens, so confidence-threshold decoding reveals more tokens per step (0 = off)")
     p.add_argument("--certainty-temperature", type=float, default=0.5, help="softmax temperature of that entropy")
+    p.add_argument("--align-weight", type=float, default=0.0, metavar="W",
+                   help="Repr-Align (Open-dLLM): + W * (1 - cos(student, AR teacher hidden states)) at masked "
+                        "tokens; 0 = off; Open-dLLM uses 10")
+    p.add_argument("--align-layers", default="all", help="all | comma-separated 1-based decoder layers")
+    p.add_argument("--align-exp", type=float, default=0.0, metavar="G",
+                   help="layer weights proportional to exp(G * layer / n_layers) (0 = uniform)")
+    p.add_argument("--align-confidence", action="store_true",
+                   help="confidence-weighted CE per token: exp(-CE).detach() * CE (Open-dLLM's path term)")
+    p.add_argument("--align-teacher", default=None,
+                   help="the frozen AR teacher (default: --teacher, else --model run causally)")
+    p.add_argument("--align-anchors", default=None, metavar="DIR",
+                   help="read the teacher's states from this anchor cache (built there first when absent) instead "
+                        "of running the teacher live (the default)")
+    p.add_argument("--align-anchor-budget-mb", type=float, default=2048.0,
+                   help="refuse to build an anchor cache larger than this")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names")
@@ -84,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
         mixed_precision=args.mixed_precision, progress=not args.no_progress, verifier=args.verifier,
-        draft_groups=args.draft_groups)
+        draft_groups=args.draft_groups, align_weight=args.align_weight, align_layers=args.align_layers,
+        align_exp=args.align_exp, align_confidence=args.align_confidence, align_teacher=args.align_teacher,
+        align_anchors=args.align_anchors, align_anchor_budget_mb=args.align_anchor_budget_mb)
     try:
         out = train(cfg)
     except TrainError as exc:

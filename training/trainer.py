@@ -38,7 +38,8 @@ from .losses import (OBJECTIVES, accepted_draft_length, build_draft_layout, buil
 from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
 
 SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
-METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "certainty", "lr", "grad_norm", "tokens", "tokens_per_s",
+METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "certainty", "align", "lr", "grad_norm", "tokens",
+                 "tokens_per_s",
                  "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc", "accepted", "eval_accepted"]
 
 
@@ -100,6 +101,14 @@ class TrainConfig:
     halt_after: int | None = None
     verifier: str | None = None
     draft_groups: int = 32
+    # Repr-Align (unmask.training.align, docs/design.md section 22); 0 = off
+    align_weight: float = 0.0
+    align_layers: str = "all"
+    align_exp: float = 0.0
+    align_confidence: bool = False
+    align_teacher: str | None = None
+    align_anchors: str | None = None
+    align_anchor_budget_mb: float = 2048.0
 
     def validate(self) -> None:
         """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
@@ -135,6 +144,12 @@ class TrainConfig:
             raise TrainError(f"--certainty-temperature: must be > 0, got {self.certainty_temperature}")
         if not 0 < self.eps < 0.5:
             raise TrainError(f"eps: must be in (0, 0.5), got {self.eps}")
+        if not (math.isfinite(self.align_weight) and self.align_weight >= 0):
+            raise TrainError(f"--align-weight: must be a finite number >= 0, got {self.align_weight}")
+        if self.align_weight == 0 and (self.align_anchors or self.align_teacher or self.align_confidence):
+            raise TrainError("--align-anchors/--align-teacher/--align-confidence: need --align-weight W > 0")
+        if self.align_weight > 0 and self.objective == "draft":
+            raise TrainError("--align-weight: does not apply to --objective draft")
         if self.no_ce and self.teacher_kl <= 0:
             raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
         if self.lr_schedule == "cosine_time" and self.max_minutes <= 0:
@@ -172,13 +187,17 @@ class DiffusionForward(torch.nn.Module):
         self.lm = tm.model
         self._tm = [tm]
 
-    def forward(self, input_ids, position_ids, attention_mask, src_row, src_col):
-        """``[N, V]`` float32 logits of the decoder outputs at ``(src_row[i], src_col[i])`` (see the class doc)."""
+    def forward(self, input_ids, position_ids, attention_mask, src_row, src_col, hidden_layers=()):
+        """``[N, V]`` float32 logits of the decoder outputs at ``(src_row[i], src_col[i])`` (see the class doc);
+        with ``hidden_layers`` (1-based decoder layers, Repr-Align) ``(logits, [[N, H] per layer])``."""
         base = self._tm[0].base
         out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                 use_cache=False)
+                                 use_cache=False, output_hidden_states=bool(hidden_layers))
         hidden = out.last_hidden_state[src_row, src_col]
-        return base.get_output_embeddings()(hidden).float()
+        logits = base.get_output_embeddings()(hidden).float()
+        if hidden_layers:
+            return logits, [out.hidden_states[l][src_row, src_col] for l in hidden_layers]
+        return logits
 
 
 class DraftForward(torch.nn.Module):
@@ -492,6 +511,8 @@ class Trainer:
                     "complementary", "max_steps", "lr_schedule", "warmup", "eps"]
             if cfg.trainable in ("lora", "qlora"):
                 keys += ["lora_r", "lora_alpha", "lora_targets"]
+            if cfg.align_weight > 0:  # (runs saved before Repr-Align existed have no align keys)
+                keys += ["align_weight", "align_layers", "align_exp", "align_confidence"]
             if cfg.objective == "draft":  # (runs saved before the draft objective existed have neither key)
                 keys += ["draft_groups", "verifier"]
                 saved = {**saved, "verifier": saved.get("verifier") and str(Path(saved["verifier"]).expanduser()
@@ -573,6 +594,14 @@ class Trainer:
             elif not self.data.teacher_top_k:
                 raise TrainError("--teacher-kl: needs --teacher MODEL or distill-data lines with `teacher` top-k "
                                  "distributions (unmask distill-data --top-k-dist K)")
+        self.aligner = None
+        if cfg.align_weight > 0:
+            from .align import AlignError, make_aligner
+
+            try:
+                self.aligner = make_aligner(cfg, acc.device, self.tm, self.data)
+            except AlignError as exc:
+                raise TrainError(str(exc)) from exc
         groups = self.tm.param_groups(cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
         self.clock = BudgetClock(cfg.minutes_before, cfg.minutes_before + cfg.max_minutes)
@@ -624,9 +653,12 @@ class Trainer:
         noise = draw_noise(batch, dllm, cfg.objective, generator, self.block_size, cfg.eps, cfg.complementary,
                            fixed_t=fixed_t)
         layout = build_layout(batch, dllm, noise, self.block_size).to(self.acc.device)
+        align_on = self.aligner is not None and fixed_t is None
         with self.acc.autocast():
             logits = module(layout.input_ids, layout.position_ids, layout.attention_mask, layout.src_row,
-                            layout.src_col)
+                            layout.src_col, **({"hidden_layers": self.aligner.layers} if align_on else {}))
+        if align_on:
+            logits, student_states = logits
         t_lp = t_ids = present = None
         if cfg.teacher_kl > 0 and fixed_t is None:
             if self.teacher is not None:
@@ -638,7 +670,12 @@ class Trainer:
         parts = diffusion_loss(logits, layout, teacher_kl=cfg.teacher_kl if fixed_t is None else 0.0,
                                ce=not cfg.no_ce or fixed_t is not None, teacher_logprobs=t_lp, teacher_ids=t_ids,
                                teacher_present=present, certainty=cfg.certainty if fixed_t is None else 0.0,
-                               certainty_temperature=cfg.certainty_temperature)
+                               certainty_temperature=cfg.certainty_temperature,
+                               confidence_weighted_ce=cfg.align_confidence and fixed_t is None)
+        if align_on:
+            term = self.aligner.loss(student_states, batch, layout, dllm.logit_shift)
+            parts.loss = parts.loss + cfg.align_weight * term
+            parts.align = float(term.detach())
         return parts, layout
 
     @torch.no_grad()
@@ -765,7 +802,7 @@ class Trainer:
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
             stream = example_indices(n, cfg.seed, self.step * per_step, per_step)
-            loss_sum = ce_sum = kl_sum = cert_sum = 0.0
+            loss_sum = ce_sum = kl_sum = cert_sum = align_sum = 0.0
             accepted = []
             tokens = fwd_tokens = 0
             for m in range(cfg.grad_accum):
@@ -781,6 +818,7 @@ class Trainer:
                 ce_sum += parts.ce
                 kl_sum += parts.kl
                 cert_sum += parts.certainty
+                align_sum += parts.align
                 if hasattr(parts, "accepted"):
                     accepted.append(parts.accepted)
                 tokens += batch.n_tokens
@@ -793,7 +831,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             steps_here += 1
-            stats = torch.tensor([loss_sum, ce_sum, kl_sum, tokens, fwd_tokens, cert_sum], dtype=torch.float64,
+            stats = torch.tensor([loss_sum, ce_sum, kl_sum, tokens, fwd_tokens, cert_sum, align_sum],
+                                 dtype=torch.float64,
                                  device=acc.device)
             stats = acc.reduce(stats, reduction="sum") if world > 1 else stats
             dt = time.perf_counter() - t0
@@ -801,6 +840,7 @@ class Trainer:
             row = {"step": self.step, "epoch": round(self.step * per_step / n, 4),
                    "loss": round(float(stats[0]) / ga_w, 6), "ce": round(float(stats[1]) / ga_w, 6),
                    "kl": round(float(stats[2]) / ga_w, 6), "certainty": round(float(stats[5]) / ga_w, 6),
+                   "align": round(float(stats[6]) / ga_w, 6),
                    "lr": self.scheduler.get_last_lr()[0],
                    "grad_norm": round(grad_norm, 6), "tokens": int(stats[3]),
                    "tokens_per_s": round(float(stats[3]) / dt, 2), "forward_tokens_per_s": round(float(stats[4]) / dt, 2),
