@@ -15,10 +15,22 @@ def register(sub, name):
     p.add_argument("--model", required=True, help="a2d checkpoint directory (`unmask convert` output)")
     p.add_argument("--data", required=True, help="JSONL: `messages` chats or `prompt`/`completion` (distill-data)")
     p.add_argument("--out", required=True, help="output directory (checkpoint-<step>/, latest, metrics.csv, loss.png)")
-    p.add_argument("--objective", default="block", choices=["mdlm", "block", "draft"],
+    p.add_argument("--objective", default="block", choices=["mdlm", "block", "draft", "trajectory"],
                    help="mdlm: one t per sequence (bidirectional); block: every block in one forward (default); "
                         "draft: train the model as the drafter of verifier-routed speculative decoding (needs "
-                        "--verifier)")
+                        "--verifier); trajectory: d3LLM's pseudo-trajectory distillation (masks follow recorded "
+                        "reveal orders)")
+    p.add_argument("--trajectories", default=None, metavar="JSONL",
+                   help="--objective trajectory: the trajectory file (default DATA.trajectory.jsonl; recorded "
+                        "there first where missing, resumable)")
+    p.add_argument("--trajectory-mode", default="engine", choices=["engine", "entropy"],
+                   help="engine: the model's own threshold decoding (default); entropy: ground truth revealed "
+                        "lowest-entropy-first in --trajectory-steps steps")
+    p.add_argument("--trajectory-threshold", type=float, default=0.9, help="engine mode's threshold")
+    p.add_argument("--trajectory-steps", type=int, default=8, help="entropy mode's steps per answer")
+    p.add_argument("--trajectory-model", default=None, help="the recording model (default --model)")
+    p.add_argument("--max-block-size", type=int, default=None,
+                   help="--objective trajectory: the training block size doubles up to this (default 2x)")
     p.add_argument("--verifier", default=None,
                    help="--objective draft: the a2d checkpoint whose causal path verifies the drafts (the untrained "
                         "conversion of the AR parent); the saved checkpoints name it as their verifier")
@@ -101,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
         mixed_precision=args.mixed_precision, progress=not args.no_progress, verifier=args.verifier,
         draft_groups=args.draft_groups, align_weight=args.align_weight, align_layers=args.align_layers,
         align_exp=args.align_exp, align_confidence=args.align_confidence, align_teacher=args.align_teacher,
-        align_anchors=args.align_anchors, align_anchor_budget_mb=args.align_anchor_budget_mb)
+        align_anchors=args.align_anchors, align_anchor_budget_mb=args.align_anchor_budget_mb,
+        trajectories=args.trajectories, trajectory_mode=args.trajectory_mode,
+        trajectory_threshold=args.trajectory_threshold, trajectory_steps=args.trajectory_steps,
+        trajectory_model=args.trajectory_model, max_block_size=args.max_block_size)
     try:
         out = train(cfg)
     except TrainError as exc:

@@ -38,6 +38,7 @@ from .losses import (OBJECTIVES, accepted_draft_length, build_draft_layout, buil
 from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
 
 SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
+TRAJECTORY_CERTAINTY = 1.0  # our choice of the d3LLM entropy term's weight when --certainty is not set
 METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "certainty", "align", "lr", "grad_norm", "tokens",
                  "tokens_per_s",
                  "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc", "accepted", "eval_accepted"]
@@ -109,6 +110,13 @@ class TrainConfig:
     align_teacher: str | None = None
     align_anchors: str | None = None
     align_anchor_budget_mb: float = 2048.0
+    # pseudo-trajectory distillation (--objective trajectory, unmask.training.trajectory)
+    trajectories: str | None = None
+    trajectory_mode: str = "engine"
+    trajectory_threshold: float = 0.9
+    trajectory_steps: int = 8
+    trajectory_model: str | None = None
+    max_block_size: int | None = None
 
     def validate(self) -> None:
         """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
@@ -150,6 +158,15 @@ class TrainConfig:
             raise TrainError("--align-anchors/--align-teacher/--align-confidence: need --align-weight W > 0")
         if self.align_weight > 0 and self.objective == "draft":
             raise TrainError("--align-weight: does not apply to --objective draft")
+        if self.objective == "trajectory":
+            if self.trajectory_mode not in ("engine", "entropy"):
+                raise TrainError(f"--trajectory-mode: {self.trajectory_mode!r} is not one of engine, entropy")
+            if not 0 <= self.trajectory_threshold <= 1:
+                raise TrainError(f"--trajectory-threshold: must be in [0, 1], got {self.trajectory_threshold}")
+            if self.trajectory_steps < 1:
+                raise TrainError(f"--trajectory-steps: must be >= 1, got {self.trajectory_steps}")
+            if self.max_block_size is not None and self.max_block_size < (self.block_size or 1):
+                raise TrainError(f"--max-block-size: must be >= --block-size, got {self.max_block_size}")
         if self.no_ce and self.teacher_kl <= 0:
             raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
         if self.lr_schedule == "cosine_time" and self.max_minutes <= 0:
@@ -543,7 +560,7 @@ class Trainer:
         if state is not None and state.get("trainable"):
             load_trainable_state(self.tm, state["trainable"])
         dllm = self.tm.dllm
-        if cfg.objective == "block" and dllm.attention == "bidirectional":
+        if cfg.objective in ("block", "trajectory") and dllm.attention == "bidirectional":
             raise TrainError("--objective block: needs a prefix_causal or block_causal checkpoint; this one is "
                              "bidirectional (use --objective mdlm)")
         if cfg.complementary and dllm.attention == "bidirectional":
@@ -594,6 +611,16 @@ class Trainer:
             elif not self.data.teacher_top_k:
                 raise TrainError("--teacher-kl: needs --teacher MODEL or distill-data lines with `teacher` top-k "
                                  "distributions (unmask distill-data --top-k-dist K)")
+        self.trajectories = None
+        if cfg.objective == "trajectory":
+            from .trajectory import TrajectoryError, default_path, ensure_trajectories
+
+            try:
+                self.trajectories = ensure_trajectories(
+                    cfg.trajectories or default_path(cfg.data), self.data.examples, cfg.trajectory_model or cfg.model,
+                    cfg.trajectory_mode, cfg.trajectory_threshold, cfg.trajectory_steps, progress=cfg.progress)
+            except TrajectoryError as exc:
+                raise TrainError(str(exc)) from exc
         self.aligner = None
         if cfg.align_weight > 0:
             from .align import AlignError, make_aligner
@@ -650,9 +677,18 @@ class Trainer:
             parts = diffusion_loss(logits, lay)
             parts.accepted = accepted_draft_length(logits.detach(), lay)
             return parts, lay
-        noise = draw_noise(batch, dllm, cfg.objective, generator, self.block_size, cfg.eps, cfg.complementary,
-                           fixed_t=fixed_t)
-        layout = build_layout(batch, dllm, noise, self.block_size).to(self.acc.device)
+        block_size = self.block_size
+        if cfg.objective == "trajectory" and fixed_t is None:
+            from .trajectory import trajectory_noise
+
+            progress = self.clock.fraction() if cfg.max_minutes > 0 else self.step / max(cfg.max_steps, 1)
+            noise, block_size = trajectory_noise(batch, dllm, self.trajectories, progress, generator, self.block_size,
+                                                 cfg.max_block_size or 2 * self.block_size, cfg.eps)
+        else:  # held-out evaluation of the trajectory objective: the block ELBO, comparable across objectives
+            objective = "block" if cfg.objective == "trajectory" else cfg.objective
+            noise = draw_noise(batch, dllm, objective, generator, block_size, cfg.eps, cfg.complementary,
+                               fixed_t=fixed_t)
+        layout = build_layout(batch, dllm, noise, block_size).to(self.acc.device)
         align_on = self.aligner is not None and fixed_t is None
         with self.acc.autocast():
             logits = module(layout.input_ids, layout.position_ids, layout.attention_mask, layout.src_row,
@@ -669,7 +705,7 @@ class Trainer:
                     t_lp, t_ids, present = st
         parts = diffusion_loss(logits, layout, teacher_kl=cfg.teacher_kl if fixed_t is None else 0.0,
                                ce=not cfg.no_ce or fixed_t is not None, teacher_logprobs=t_lp, teacher_ids=t_ids,
-                               teacher_present=present, certainty=cfg.certainty if fixed_t is None else 0.0,
+                               teacher_present=present, certainty=self._certainty() if fixed_t is None else 0.0,
                                certainty_temperature=cfg.certainty_temperature,
                                confidence_weighted_ce=cfg.align_confidence and fixed_t is None)
         if align_on:
@@ -677,6 +713,13 @@ class Trainer:
             parts.loss = parts.loss + cfg.align_weight * term
             parts.align = float(term.detach())
         return parts, layout
+
+    def _certainty(self) -> float:
+        """The certainty (entropy) weight: ``--certainty``; the trajectory objective's d3LLM entropy term defaults
+        to 1.0 when it is not set (``TRAJECTORY_CERTAINTY``)."""
+        if self.cfg.objective == "trajectory" and self.cfg.certainty == 0:
+            return TRAJECTORY_CERTAINTY
+        return self.cfg.certainty
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
