@@ -618,7 +618,8 @@ class Trainer:
             try:
                 self.trajectories = ensure_trajectories(
                     cfg.trajectories or default_path(cfg.data), self.data.examples, cfg.trajectory_model or cfg.model,
-                    cfg.trajectory_mode, cfg.trajectory_threshold, cfg.trajectory_steps, progress=cfg.progress)
+                    cfg.trajectory_mode, cfg.trajectory_threshold, cfg.trajectory_steps, progress=cfg.progress,
+                    block_size=self.block_size)
             except TrajectoryError as exc:
                 raise TrainError(str(exc)) from exc
         self.aligner = None

@@ -8,7 +8,7 @@ token, so that later steps condition on the data's answer (a *pseudo* trajectory
 tokens). The step of each position is read from the engine's :class:`~unmask.engine.outputs.StepEvent` s. Modes:
 
 * ``engine`` (default, as d3LLM records its teacher): greedy threshold decoding (``threshold`` tau, Fast-dLLM) at
-  the recording model's block size;
+  the training block size;
 * ``entropy`` (the seed fork dLLM-castlehill's variant): the ground truth revealed lowest-entropy-first in ``K``
   steps (the engine's ``remasking="entropy"``, quota decoding, ``steps = K``, the whole span one block).
 
@@ -51,22 +51,25 @@ def default_path(data: str) -> Path:
     return Path(str(data) + ".trajectory.jsonl")
 
 
-def _sampling(mode: str, threshold: float, steps: int, span_len: int):
+def _sampling(mode: str, threshold: float, steps: int, span_len: int, block_size: int | None = None):
     from unmask.engine.params import SamplingParams
 
     if mode == "engine":
-        return SamplingParams(max_tokens=span_len, temperature=0, threshold=threshold, ignore_eos=True, seed=0)
+        return SamplingParams(max_tokens=span_len, temperature=0, threshold=threshold, ignore_eos=True, seed=0,
+                              block_size=block_size)
     return SamplingParams(max_tokens=span_len, temperature=0, remasking="entropy", steps=max(1, min(steps, span_len)),
                           block_size=span_len, ignore_eos=True, seed=0, threshold=None)
 
 
 def record_example(model, input_ids: list[int], spans: list[tuple[int, int]], mode: str = "engine",
-                   threshold: float = 0.9, steps: int = 8) -> list[list[int]]:
+                   threshold: float = 0.9, steps: int = 8, block_size: int | None = None) -> list[list[int]]:
     """The reveal step of every answer token of one example (``[len(span)]`` ints per span, steps from 0).
 
     Args:
         model: an engine ``LoadedModel`` (the recording model). input_ids / spans: the example.
-        mode / threshold / steps: see the module docstring.
+        mode / threshold / steps: see the module docstring. block_size: the engine mode's block (``None`` = the
+            checkpoint's; the trainer passes its training block size - a conversion's block 1 would record a
+            left-to-right order).
     """
     from unmask.engine.denoiser import Denoiser
     from unmask.engine.engine import make_requests
@@ -75,7 +78,7 @@ def record_example(model, input_ids: list[int], spans: list[tuple[int, int]], mo
     out = []
     for s, e in spans:
         truth = torch.tensor(input_ids[s:e], dtype=torch.long)
-        seq = make_requests(model, list(input_ids[:s]), _sampling(mode, threshold, steps, e - s), "trajectory")[0]
+        seq = make_requests(model, list(input_ids[:s]), _sampling(mode, threshold, steps, e - s, block_size), "trajectory")[0]
         rec = [-1] * (e - s)
         while not seq.finished:
             for ev in den.step([seq]):
@@ -88,9 +91,10 @@ def record_example(model, input_ids: list[int], spans: list[tuple[int, int]], mo
     return out
 
 
-def _header(mode: str, threshold: float, steps: int, model_path: str) -> dict:
+def _header(mode: str, threshold: float, steps: int, model_path: str, block_size: int | None) -> dict:
     return {"trajectory": 1, "mode": mode, "threshold": threshold if mode == "engine" else None,
-            "steps": steps if mode == "entropy" else None, "model": str(model_path)}
+            "steps": steps if mode == "entropy" else None, "block_size": block_size if mode == "engine" else None,
+            "model": str(model_path)}
 
 
 def load_trajectories(path: Path, header: dict | None = None) -> dict[str, dict]:
@@ -129,7 +133,8 @@ def load_trajectories(path: Path, header: dict | None = None) -> dict[str, dict]
 
 
 def ensure_trajectories(path, examples, model_path: str, mode: str = "engine", threshold: float = 0.9,
-                        steps: int = 8, model=None, progress: bool = False) -> dict[str, dict]:
+                        steps: int = 8, model=None, progress: bool = False, block_size: int | None = None
+                        ) -> dict[str, dict]:
     """Record the trajectories of ``examples`` missing from ``path`` (appending, one line each), then return all.
 
     Args:
@@ -142,7 +147,7 @@ def ensure_trajectories(path, examples, model_path: str, mode: str = "engine", t
     if mode not in MODES:
         raise TrajectoryError(f"--trajectory-mode: {mode!r} is not one of {MODES}")
     path = Path(path)
-    header = _header(mode, threshold, steps, model_path)
+    header = _header(mode, threshold, steps, model_path, block_size)
     have = load_trajectories(path, header)
     todo = [ex for ex in examples if ids_hash(ex.input_ids) not in have]
     if not todo:
@@ -160,7 +165,7 @@ def ensure_trajectories(path, examples, model_path: str, mode: str = "engine", t
             if h in have:
                 continue
             spans = [tuple(s) for s in ex.spans]
-            rec = record_example(model, ex.input_ids, spans, mode, threshold, steps)
+            rec = record_example(model, ex.input_ids, spans, mode, threshold, steps, block_size)
             fh.write(json.dumps({"ids": h, "spans": [list(s) for s in spans], "steps": rec}) + "\n")
             fh.flush()
             have[h] = {s: r for (s, _e), r in zip(spans, rec)}
