@@ -219,7 +219,8 @@ def trajectory_noise(batch, dllm, trajectories: dict[str, dict], progress: float
             k = max(1, math.ceil(t * len(steps)))
             idx = mask_from_steps(steps, k)
             masked = [lo + j for j in idx]
-            rest = [p for p in range(lo, e) if p not in set(masked)]
+            hidden = set(masked)
+            rest = [p for p in range(lo, e) if p not in hidden]
             noise.blocks.append(NoisyBlock(b, a, e, s, 1.0, masked, 0))
             noise.blocks.append(NoisyBlock(b, a, e, s, 1.0, rest, 1))
     return noise, bs
