@@ -15,10 +15,22 @@ def register(sub, name):
     p.add_argument("--model", required=True, help="a2d checkpoint directory (`unmask convert` output)")
     p.add_argument("--data", required=True, help="JSONL: `messages` chats or `prompt`/`completion` (distill-data)")
     p.add_argument("--out", required=True, help="output directory (checkpoint-<step>/, latest, metrics.csv, loss.png)")
-    p.add_argument("--objective", default="block", choices=["mdlm", "block", "draft"],
+    p.add_argument("--objective", default="block", choices=["mdlm", "block", "draft", "trajectory"],
                    help="mdlm: one t per sequence (bidirectional); block: every block in one forward (default); "
                         "draft: train the model as the drafter of verifier-routed speculative decoding (needs "
-                        "--verifier)")
+                        "--verifier); trajectory: d3LLM's pseudo-trajectory distillation (masks follow recorded "
+                        "reveal orders)")
+    p.add_argument("--trajectories", default=None, metavar="JSONL",
+                   help="--objective trajectory: the trajectory file (default DATA.trajectory.jsonl; recorded "
+                        "there first where missing, resumable)")
+    p.add_argument("--trajectory-mode", default="engine", choices=["engine", "entropy"],
+                   help="engine: the model's own threshold decoding (default); entropy: ground truth revealed "
+                        "lowest-entropy-first in --trajectory-steps steps")
+    p.add_argument("--trajectory-threshold", type=float, default=0.9, help="engine mode's threshold")
+    p.add_argument("--trajectory-steps", type=int, default=8, help="entropy mode's steps per answer")
+    p.add_argument("--trajectory-model", default=None, help="the recording model (default --model)")
+    p.add_argument("--max-block-size", type=int, default=None,
+                   help="--objective trajectory: the training block size doubles up to this (default 2x)")
     p.add_argument("--verifier", default=None,
                    help="--objective draft: the a2d checkpoint whose causal path verifies the drafts (the untrained "
                         "conversion of the AR parent); the saved checkpoints name it as their verifier")
@@ -57,6 +69,21 @@ def register(sub, name):
                    help="weight C of the certainty-forcing term (dParallel): entropy of correctly predicted masked "
                         "tokens, so confidence-threshold decoding reveals more tokens per step (0 = off)")
     p.add_argument("--certainty-temperature", type=float, default=0.5, help="softmax temperature of that entropy")
+    p.add_argument("--align-weight", type=float, default=0.0, metavar="W",
+                   help="Repr-Align (Open-dLLM): + W * (1 - cos(student, AR teacher hidden states)) at masked "
+                        "tokens; 0 = off; Open-dLLM uses 10")
+    p.add_argument("--align-layers", default="all", help="all | comma-separated 1-based decoder layers")
+    p.add_argument("--align-exp", type=float, default=0.0, metavar="G",
+                   help="layer weights proportional to exp(G * layer / n_layers) (0 = uniform)")
+    p.add_argument("--align-confidence", action="store_true",
+                   help="confidence-weighted CE per token: exp(-CE).detach() * CE (Open-dLLM's path term)")
+    p.add_argument("--align-teacher", default=None,
+                   help="the frozen AR teacher (default: --teacher, else --model run causally)")
+    p.add_argument("--align-anchors", default=None, metavar="DIR",
+                   help="read the teacher's states from this anchor cache (built there first when absent) instead "
+                        "of running the teacher live (the default)")
+    p.add_argument("--align-anchor-budget-mb", type=float, default=2048.0,
+                   help="refuse to build an anchor cache larger than this")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names")
@@ -87,7 +114,12 @@ def run(args: argparse.Namespace) -> int:
         lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
         mixed_precision=args.mixed_precision, progress=not args.no_progress, verifier=args.verifier,
-        draft_groups=args.draft_groups, fsdp=args.fsdp)
+        draft_groups=args.draft_groups, fsdp=args.fsdp, align_weight=args.align_weight, align_layers=args.align_layers,
+        align_exp=args.align_exp, align_confidence=args.align_confidence, align_teacher=args.align_teacher,
+        align_anchors=args.align_anchors, align_anchor_budget_mb=args.align_anchor_budget_mb,
+        trajectories=args.trajectories, trajectory_mode=args.trajectory_mode,
+        trajectory_threshold=args.trajectory_threshold, trajectory_steps=args.trajectory_steps,
+        trajectory_model=args.trajectory_model, max_block_size=args.max_block_size)
     try:
         out = train(cfg)
     except TrainError as exc:

@@ -21,6 +21,7 @@ from .params import SamplingParams
 from .plan import drafts_by_default, resolve
 from .request import Request, suffix_ids
 from .scheduler import Scheduler
+from .multi_block import MultiBlockSequence
 from .sequence import Sequence
 from .speculative import SpeculativeSequence
 
@@ -38,7 +39,7 @@ def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingPar
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ParamError("n", f"must be a positive integer, got {n!r}")
     plan = resolve(params, model.dllm, default_drafts, model.device.type, model.draft_head is not None)
-    kind = SpeculativeSequence if plan.speculative else Sequence
+    kind = SpeculativeSequence if plan.speculative else MultiBlockSequence if plan.multi_block else Sequence
     extra = {"draft_head": model.draft_head} if plan.speculative else {}
     return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, model.max_context,
                  model.device, vocab_size=model.vocab_size, index=i, **extra) for i in range(n)]

@@ -81,6 +81,7 @@ RANGES: dict[str, Range] = {
     "speculative_ratio": Range(0, 1, lo_open=True),
     "speculative_no_repeat_ngram": Range(0, MAX_NO_REPEAT_NGRAM, integer=True),
     "logit_bias": Range(-100, 100),  # OpenAI's: each bias value
+    "multi_block": Range(0, 1, lo_open=True),  # fraction of a block decoded before the next joins (section 22)
 }
 
 

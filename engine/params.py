@@ -163,6 +163,10 @@ class SamplingParams:
             ``unmask.engine.plan``), else off.
         speculative_options: :class:`SpeculativeOptions` (branches, epsilon, ratio, no_repeat_ngram), ``None`` =
             every default; read flat as ``speculative_branches`` etc. (the HTTP names).
+        multi_block: multi-block decoding (``unmask.engine.multi_block``, docs/design.md section 22): the next
+            block joins the active ones once the last active block has revealed this fraction of its positions,
+            in (0, 1]; 1.0 = single-block decoding exactly; ``None`` = off. ``prefix_causal`` / ``block_causal``
+            models, whole-block windows, not speculative.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -194,6 +198,7 @@ class SamplingParams:
     speculative_options: SpeculativeOptions | None = None
     constraint: Constraint | None = None
     logit_bias: dict[int, float] | None = None
+    multi_block: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -221,6 +226,7 @@ class SamplingParams:
         check("frequency_penalty", self.frequency_penalty)
         check("repetition_penalty", self.repetition_penalty)
         check("min_tokens", self.min_tokens)
+        check("multi_block", self.multi_block)
         if self.remasking not in REMASKING_STRATEGIES:
             raise ParamError("remasking", f"must be one of {list(REMASKING_STRATEGIES)}, got {self.remasking!r}")
         if self.cache not in CACHE_MODES:

@@ -43,6 +43,7 @@ class DecodingPlan:
         cache: ``none`` | ``exact`` | ``prefix`` | ``dual`` (resolved from ``params.cache``).
         lanes: canvas variants forwarded per step (2 under CFG, else 1).
         branches / epsilon / ratio / no_repeat_ngram: speculative decoding's options, resolved (0/None otherwise).
+        multi_block: multi-block decoding's fraction (``unmask.engine.multi_block``), ``None`` = off.
     """
 
     params: SamplingParams
@@ -68,6 +69,7 @@ class DecodingPlan:
     steps: int | None = None
     remasking: str = "low_confidence"
     cfg_scale: float = 0.0
+    multi_block: float | None = None
 
     def for_choice(self, index: int) -> "DecodingPlan":
         """The plan of choice ``index`` of an ``n > 1`` request: seed ``(seed + index) mod 2**63``."""
@@ -83,7 +85,8 @@ def speculative_conflicts(params: SamplingParams, model_block_size: int | None) 
               ("remasking", params.remasking != "low_confidence"), ("cfg_scale", params.cfg_scale != 0),
               ("presence_penalty", params.presence_penalty != 0), ("frequency_penalty", params.frequency_penalty != 0),
               ("repetition_penalty", params.repetition_penalty != 1.0),
-              (f"block_size over {MAX_SPECULATIVE_BLOCK}", block is not None and block > MAX_SPECULATIVE_BLOCK)]
+              (f"block_size over {MAX_SPECULATIVE_BLOCK}", block is not None and block > MAX_SPECULATIVE_BLOCK),
+              ("multi_block", params.multi_block is not None)]
     return [name for name, bad in checks if bad]
 
 
@@ -167,6 +170,20 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
                                        f"step (a step forwards up to block_size^2 rows), got {block}")
 
 
+def check_multi_block(params: SamplingParams, dllm: DllmConfig, window_size: int, block_size: int) -> None:
+    """Raise :class:`ParamError` (``multi_block``) when multi-block decoding cannot serve this (resolved) request:
+    it needs block order (``prefix_causal`` / ``block_causal`` attention), whole-block windows and no
+    self-speculative decoding (docs/design.md section 22)."""
+    if dllm.attention == "bidirectional":
+        raise ParamError("multi_block", f"needs a prefix_causal or block_causal model (blocks in order); this "
+                                        f"{dllm.family} model's attention is bidirectional")
+    if window_size < block_size:
+        raise ParamError("multi_block", f"needs whole-block decoding windows; sub_block_size is {window_size} < "
+                                        f"block_size {block_size}")
+    if params.speculative:
+        raise ParamError("multi_block", "cannot be combined with self-speculative decoding (speculative=true)")
+
+
 def resolve_cache(mode: str, dllm: DllmConfig) -> str:
     """The cache mode a request runs: ``auto`` = ``exact`` on a causal model (its committed KV never changes),
     ``none`` on a bidirectional one; ``prefix``/``dual`` on a causal model = ``exact`` (already a prefix cache);
@@ -219,8 +236,11 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
                   temperature=temperature, sampling=temperature >= MIN_SAMPLING_TEMPERATURE, seed=int(p.seed),
                   cache=resolve_cache(p.cache, dllm), lanes=2 if p.cfg_scale > 0 else 1, top_k=p.top_k,
                   top_p=p.top_p, steps=p.steps, remasking=p.remasking, cfg_scale=p.cfg_scale)
+    if p.multi_block is not None:
+        check_multi_block(p, dllm, common["window_size"], bs)
     if not p.speculative:
-        return DecodingPlan(speculative=False, draft_block=None, threshold=p.threshold, **common)
+        return DecodingPlan(speculative=False, draft_block=None, threshold=p.threshold, multi_block=p.multi_block,
+                            **common)
     check_speculative(p, dllm)
     opts = p.speculative_options
     b = opts.branches if opts is not None else None

@@ -180,6 +180,10 @@ class _Common(_Rules):
                                                 "steps is absent and remasking is low_confidence; null: no "
                                                 "threshold (quota decoding)")
     cfg_scale: float = ranged("cfg_scale", 0.0, description="classifier-free guidance scale; 0 = off")
+    multi_block: float | None = ranged("multi_block", None,
+                                       description="multi-block decoding: the next block joins once the last "
+                                                   "active one has revealed this fraction, in (0, 1]; 1 = single-"
+                                                   "block decoding; absent = off (docs/design.md section 22)")
     top_k: int = ranged("top_k", 0, lo=TOP_K_OFF, description="0 or -1 = off")
     repetition_penalty: float = ranged("repetition_penalty", 1.0, description="vLLM's repetition penalty; 1 = off")
     min_tokens: int = ranged("min_tokens", 0, description="EOS/stop tokens forbidden before this many tokens")
@@ -274,7 +278,7 @@ class _Common(_Rules):
             suffix=getattr(self, "suffix", None), speculative=self.speculative,
             speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon,
             speculative_ratio=self.speculative_ratio,
-            speculative_no_repeat_ngram=self.speculative_no_repeat_ngram)
+            speculative_no_repeat_ngram=self.speculative_no_repeat_ngram, multi_block=self.multi_block)
         return with_extras(params, self.constraint(), logit_bias_ids(self.logit_bias))
 
     def constraint(self):

@@ -57,7 +57,7 @@ from unmask.engine.config import DllmConfig
 
 from .data import Batch
 
-OBJECTIVES = ("mdlm", "block", "draft")
+OBJECTIVES = ("mdlm", "block", "draft", "trajectory")  # trajectory: training/trajectory.py
 
 
 @dataclass
@@ -363,6 +363,7 @@ class LossParts:
     n_scored: int
     n_correct: int
     certainty: float = 0.0
+    align: float = 0.0
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -418,7 +419,7 @@ def certainty_term(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0, ce: bool = True,
                    teacher_logprobs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
                    teacher_present: torch.Tensor | None = None, certainty: float = 0.0,
-                   certainty_temperature: float = 0.5) -> LossParts:
+                   certainty_temperature: float = 0.5, confidence_weighted_ce: bool = False) -> LossParts:
     """The masked-diffusion loss from the gathered logits of the scored tokens.
 
     Args:
@@ -429,6 +430,8 @@ def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0
             :func:`kl_to_teacher`); teacher_present: ``[N]`` bool, False where no distribution is stored.
         certainty: weight C of the certainty-forcing term (0 = none); certainty_temperature: its ``T``
             (:func:`certainty_term`).
+        confidence_weighted_ce: each token's CE becomes ``exp(-CE).detach() * CE`` (Open-dLLM's path term,
+            ``unmask.training.align.confidence_weighted``); the reported ``ce`` stays the plain one.
 
     Returns:
         :class:`LossParts`; ``loss = [CE] + W * KL + C * H_correct`` with CE and KL each
@@ -450,6 +453,10 @@ def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0
         ce_tok = F.cross_entropy(logits.float(), labels, reduction="none")
         ce_term = (ce_tok * w).sum() / layout.norm
         ce_val = float(ce_term.detach())
+        if confidence_weighted_ce:
+            from .align import confidence_weighted
+
+            ce_term = (confidence_weighted(ce_tok) * w).sum() / layout.norm
         if ce:
             total = total + ce_term
         if teacher_kl > 0:

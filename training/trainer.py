@@ -38,7 +38,9 @@ from .losses import (OBJECTIVES, accepted_draft_length, build_draft_layout, buil
 from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
 
 SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
-METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "certainty", "lr", "grad_norm", "tokens", "tokens_per_s",
+TRAJECTORY_CERTAINTY = 1.0  # our choice of the d3LLM entropy term's weight when --certainty is not set
+METRIC_FIELDS = ["step", "epoch", "loss", "ce", "kl", "certainty", "align", "lr", "grad_norm", "tokens",
+                 "tokens_per_s",
                  "forward_tokens_per_s", "elapsed_s", "eval_loss", "eval_acc", "accepted", "eval_accepted"]
 
 
@@ -101,6 +103,21 @@ class TrainConfig:
     verifier: str | None = None
     draft_groups: int = 32
     fsdp: bool = False
+    # Repr-Align (unmask.training.align, docs/design.md section 22); 0 = off
+    align_weight: float = 0.0
+    align_layers: str = "all"
+    align_exp: float = 0.0
+    align_confidence: bool = False
+    align_teacher: str | None = None
+    align_anchors: str | None = None
+    align_anchor_budget_mb: float = 2048.0
+    # pseudo-trajectory distillation (--objective trajectory, unmask.training.trajectory)
+    trajectories: str | None = None
+    trajectory_mode: str = "engine"
+    trajectory_threshold: float = 0.9
+    trajectory_steps: int = 8
+    trajectory_model: str | None = None
+    max_block_size: int | None = None
 
     def validate(self) -> None:
         """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
@@ -136,6 +153,21 @@ class TrainConfig:
             raise TrainError(f"--certainty-temperature: must be > 0, got {self.certainty_temperature}")
         if not 0 < self.eps < 0.5:
             raise TrainError(f"eps: must be in (0, 0.5), got {self.eps}")
+        if not (math.isfinite(self.align_weight) and self.align_weight >= 0):
+            raise TrainError(f"--align-weight: must be a finite number >= 0, got {self.align_weight}")
+        if self.align_weight == 0 and (self.align_anchors or self.align_teacher or self.align_confidence):
+            raise TrainError("--align-anchors/--align-teacher/--align-confidence: need --align-weight W > 0")
+        if self.align_weight > 0 and self.objective == "draft":
+            raise TrainError("--align-weight: does not apply to --objective draft")
+        if self.objective == "trajectory":
+            if self.trajectory_mode not in ("engine", "entropy"):
+                raise TrainError(f"--trajectory-mode: {self.trajectory_mode!r} is not one of engine, entropy")
+            if not 0 <= self.trajectory_threshold <= 1:
+                raise TrainError(f"--trajectory-threshold: must be in [0, 1], got {self.trajectory_threshold}")
+            if self.trajectory_steps < 1:
+                raise TrainError(f"--trajectory-steps: must be >= 1, got {self.trajectory_steps}")
+            if self.max_block_size is not None and self.max_block_size < (self.block_size or 1):
+                raise TrainError(f"--max-block-size: must be >= --block-size, got {self.max_block_size}")
         if self.no_ce and self.teacher_kl <= 0:
             raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
         if self.lr_schedule == "cosine_time" and self.max_minutes <= 0:
@@ -180,13 +212,17 @@ class DiffusionForward(torch.nn.Module):
         self.lm = tm.model
         self._tm = [tm]
 
-    def forward(self, input_ids, position_ids, attention_mask, src_row, src_col):
-        """``[N, V]`` float32 logits of the decoder outputs at ``(src_row[i], src_col[i])`` (see the class doc)."""
+    def forward(self, input_ids, position_ids, attention_mask, src_row, src_col, hidden_layers=()):
+        """``[N, V]`` float32 logits of the decoder outputs at ``(src_row[i], src_col[i])`` (see the class doc);
+        with ``hidden_layers`` (1-based decoder layers, Repr-Align) ``(logits, [[N, H] per layer])``."""
         base = self._tm[0].base
         out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                 use_cache=False)
+                                 use_cache=False, output_hidden_states=bool(hidden_layers))
         hidden = out.last_hidden_state[src_row, src_col]
-        return base.get_output_embeddings()(hidden).float()
+        logits = base.get_output_embeddings()(hidden).float()
+        if hidden_layers:
+            return logits, [out.hidden_states[l][src_row, src_col] for l in hidden_layers]
+        return logits
 
 
 class DraftForward(torch.nn.Module):
@@ -500,6 +536,8 @@ class Trainer:
                     "complementary", "max_steps", "lr_schedule", "warmup", "eps", "fsdp"]
             if cfg.trainable in ("lora", "qlora"):
                 keys += ["lora_r", "lora_alpha", "lora_targets"]
+            if cfg.align_weight > 0:  # (runs saved before Repr-Align existed have no align keys)
+                keys += ["align_weight", "align_layers", "align_exp", "align_confidence"]
             if cfg.objective == "draft":  # (runs saved before the draft objective existed have neither key)
                 keys += ["draft_groups", "verifier"]
                 saved = {**saved, "verifier": saved.get("verifier") and str(Path(saved["verifier"]).expanduser()
@@ -530,7 +568,7 @@ class Trainer:
         if state is not None and state.get("trainable"):
             load_trainable_state(self.tm, state["trainable"])
         dllm = self.tm.dllm
-        if cfg.objective == "block" and dllm.attention == "bidirectional":
+        if cfg.objective in ("block", "trajectory") and dllm.attention == "bidirectional":
             raise TrainError("--objective block: needs a prefix_causal or block_causal checkpoint; this one is "
                              "bidirectional (use --objective mdlm)")
         if cfg.complementary and dllm.attention == "bidirectional":
@@ -583,9 +621,31 @@ class Trainer:
                                  "distributions (unmask distill-data --top-k-dist K)")
         from .distributed import shard_model
 
+        if cfg.fsdp and (cfg.align_weight > 0 or cfg.objective == "trajectory"):
+            raise TrainError("--fsdp: not with --align-weight or --objective trajectory (untested together; "
+                             "docs/design.md section 18)")
         self.forward = DraftForward(self.tm, self.verifier) if self.verifier is not None else DiffusionForward(self.tm)
         # before the optimizer sees the parameters; the module the loop calls is the root unit
         self.sharded = cfg.fsdp and shard_model(self.forward, self.tm.model, acc.device)
+        self.trajectories = None
+        if cfg.objective == "trajectory":
+            from .trajectory import TrajectoryError, default_path, ensure_trajectories
+
+            try:
+                self.trajectories = ensure_trajectories(
+                    cfg.trajectories or default_path(cfg.data), self.data.examples, cfg.trajectory_model or cfg.model,
+                    cfg.trajectory_mode, cfg.trajectory_threshold, cfg.trajectory_steps, progress=cfg.progress,
+                    block_size=self.block_size)
+            except TrajectoryError as exc:
+                raise TrainError(str(exc)) from exc
+        self.aligner = None
+        if cfg.align_weight > 0:
+            from .align import AlignError, make_aligner
+
+            try:
+                self.aligner = make_aligner(cfg, acc.device, self.tm, self.data)
+            except AlignError as exc:
+                raise TrainError(str(exc)) from exc
         groups = self.tm.param_groups(cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
         self.clock = BudgetClock(cfg.minutes_before, cfg.minutes_before + cfg.max_minutes)
@@ -641,12 +701,24 @@ class Trainer:
             parts = diffusion_loss(logits, lay)
             parts.accepted = accepted_draft_length(logits.detach(), lay)
             return parts, lay
-        noise = draw_noise(batch, dllm, cfg.objective, generator, self.block_size, cfg.eps, cfg.complementary,
-                           fixed_t=fixed_t)
-        layout = build_layout(batch, dllm, noise, self.block_size).to(self.acc.device)
+        block_size = self.block_size
+        if cfg.objective == "trajectory" and fixed_t is None:
+            from .trajectory import trajectory_noise
+
+            progress = self.clock.fraction() if cfg.max_minutes > 0 else self.step / max(cfg.max_steps, 1)
+            noise, block_size = trajectory_noise(batch, dllm, self.trajectories, progress, generator, self.block_size,
+                                                 cfg.max_block_size or 2 * self.block_size, cfg.eps)
+        else:  # held-out evaluation of the trajectory objective: the block ELBO, comparable across objectives
+            objective = "block" if cfg.objective == "trajectory" else cfg.objective
+            noise = draw_noise(batch, dllm, objective, generator, block_size, cfg.eps, cfg.complementary,
+                               fixed_t=fixed_t)
+        layout = build_layout(batch, dllm, noise, block_size).to(self.acc.device)
+        align_on = self.aligner is not None and fixed_t is None
         with self.acc.autocast():
             logits = module(layout.input_ids, layout.position_ids, layout.attention_mask, layout.src_row,
-                            layout.src_col)
+                            layout.src_col, **({"hidden_layers": self.aligner.layers} if align_on else {}))
+        if align_on:
+            logits, student_states = logits
         t_lp = t_ids = present = None
         if cfg.teacher_kl > 0 and fixed_t is None:
             if self.teacher is not None:
@@ -657,9 +729,21 @@ class Trainer:
                     t_lp, t_ids, present = st
         parts = diffusion_loss(logits, layout, teacher_kl=cfg.teacher_kl if fixed_t is None else 0.0,
                                ce=not cfg.no_ce or fixed_t is not None, teacher_logprobs=t_lp, teacher_ids=t_ids,
-                               teacher_present=present, certainty=cfg.certainty if fixed_t is None else 0.0,
-                               certainty_temperature=cfg.certainty_temperature)
+                               teacher_present=present, certainty=self._certainty() if fixed_t is None else 0.0,
+                               certainty_temperature=cfg.certainty_temperature,
+                               confidence_weighted_ce=cfg.align_confidence and fixed_t is None)
+        if align_on:
+            term = self.aligner.loss(student_states, batch, layout, dllm.logit_shift)
+            parts.loss = parts.loss + cfg.align_weight * term
+            parts.align = float(term.detach())
         return parts, layout
+
+    def _certainty(self) -> float:
+        """The certainty (entropy) weight: ``--certainty``; the trajectory objective's d3LLM entropy term defaults
+        to 1.0 when it is not set (``TRAJECTORY_CERTAINTY``)."""
+        if self.cfg.objective == "trajectory" and self.cfg.certainty == 0:
+            return TRAJECTORY_CERTAINTY
+        return self.cfg.certainty
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
@@ -795,7 +879,7 @@ class Trainer:
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
             stream = example_indices(n, cfg.seed, self.step * per_step, per_step)
-            loss_sum = ce_sum = kl_sum = cert_sum = 0.0
+            loss_sum = ce_sum = kl_sum = cert_sum = align_sum = 0.0
             accepted = []
             tokens = fwd_tokens = 0
             for m in range(cfg.grad_accum):
@@ -813,6 +897,7 @@ class Trainer:
                 ce_sum += parts.ce
                 kl_sum += parts.kl
                 cert_sum += parts.certainty
+                align_sum += parts.align
                 if hasattr(parts, "accepted"):
                     accepted.append(parts.accepted)
                 tokens += batch.n_tokens
@@ -827,7 +912,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             steps_here += 1
-            stats = torch.tensor([loss_sum, ce_sum, kl_sum, tokens, fwd_tokens, cert_sum], dtype=torch.float64,
+            stats = torch.tensor([loss_sum, ce_sum, kl_sum, tokens, fwd_tokens, cert_sum, align_sum],
+                                 dtype=torch.float64,
                                  device=acc.device)
             stats = acc.reduce(stats, reduction="sum") if world > 1 else stats
             dt = time.perf_counter() - t0
@@ -835,6 +921,7 @@ class Trainer:
             row = {"step": self.step, "epoch": round(self.step * per_step / n, 4),
                    "loss": round(float(stats[0]) / ga_w, 6), "ce": round(float(stats[1]) / ga_w, 6),
                    "kl": round(float(stats[2]) / ga_w, 6), "certainty": round(float(stats[5]) / ga_w, 6),
+                   "align": round(float(stats[6]) / ga_w, 6),
                    "lr": self.scheduler.get_last_lr()[0],
                    "grad_norm": round(grad_norm, 6), "tokens": int(stats[3]),
                    "tokens_per_s": round(float(stats[3]) / dt, 2), "forward_tokens_per_s": round(float(stats[4]) / dt, 2),
