@@ -173,7 +173,7 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
 def check_multi_block(params: SamplingParams, dllm: DllmConfig, window_size: int, block_size: int) -> None:
     """Raise :class:`ParamError` (``multi_block``) when multi-block decoding cannot serve this (resolved) request:
     it needs block order (``prefix_causal`` / ``block_causal`` attention), whole-block windows and no
-    self-speculative decoding (docs/design.md section 22)."""
+    self-speculative decoding or grammar constraint (docs/design.md sections 19 and 22)."""
     if dllm.attention == "bidirectional":
         raise ParamError("multi_block", f"needs a prefix_causal or block_causal model (blocks in order); this "
                                         f"{dllm.family} model's attention is bidirectional")
@@ -182,6 +182,9 @@ def check_multi_block(params: SamplingParams, dllm: DllmConfig, window_size: int
                                         f"block_size {block_size}")
     if params.speculative:
         raise ParamError("multi_block", "cannot be combined with self-speculative decoding (speculative=true)")
+    if params.constraint is not None:
+        raise ParamError("multi_block", f"cannot be combined with a grammar constraint ({params.constraint.field}): "
+                                        f"a grammar reveals one left-to-right prefix (docs/design.md section 19)")
 
 
 def resolve_cache(mode: str, dllm: DllmConfig) -> str:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tiny import loaded
-from unmask.engine import LLM, ParamError, SamplingParams
+from unmask.engine import Constraint, LLM, ParamError, SamplingParams
 from unmask.engine.denoiser import Denoiser
 from unmask.engine.engine import make_requests
 from unmask.engine.multi_block import MultiBlockSequence
@@ -145,7 +145,9 @@ def test_refused_where_it_cannot_apply_naming_the_field(models):
         SamplingParams(multi_block=1.5)
     for model, params in ((models["bidirectional"], SamplingParams(multi_block=0.5)),
                           (models["prefix_causal"], SamplingParams(multi_block=0.5, block_size=4, sub_block_size=2)),
-                          (models["prefix_causal"], SamplingParams(multi_block=0.5, speculative=True))):
+                          (models["prefix_causal"], SamplingParams(multi_block=0.5, speculative=True)),
+                          (models["prefix_causal"], SamplingParams(multi_block=0.5, max_tokens=8,
+                                                                   constraint=Constraint("json_object")))):
         with pytest.raises(ParamError) as e:
             make_requests(model, [5, 6, 7], params, "r")
         assert e.value.field == "multi_block"
