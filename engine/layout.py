@@ -64,8 +64,8 @@ def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: 
 
     Raises:
         ParamError: (``prompt``) no room to generate; (``max_tokens``) the canvas exceeds the context;
-            (``block_size``) a block longer than the context; (``steps``) more steps than masked positions
-            (docs/design.md section 15: refused, not clamped).
+            (``block_size``) a block longer than the context (docs/design.md section 15). More
+            ``steps`` than masked positions are not spent: a block never runs more steps than it has masks.
     """
     if block_size > max_context:
         raise ParamError("block_size", f"must be <= the model's context of {max_context} tokens, got {block_size}")
@@ -101,11 +101,6 @@ def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: 
         window_steps = [max(1, (hi - lo) - sum(1 for p in fixed_positions if lo <= P + p < hi))
                         for _, lo, hi in windows]
     else:
-        masked = max(len(windows), sum(hi - lo for _, lo, hi in windows) - len(fixed_positions))
-        if steps > masked:
-            raise ParamError("steps", f"at most {masked} steps can reveal tokens here (max_tokens {max_tokens} "
-                                      f"rounded up to whole blocks of {bs} gives {masked} masked positions), "
-                                      f"got {steps}")
         window_steps = split_steps(steps, len(windows))
     gen_len = gen_end - P
     return CanvasLayout(prompt_len=P, gen_len=gen_len, suffix_len=suffix_len, length=P + gen_len + suffix_len,

@@ -22,9 +22,9 @@ MAX_NO_REPEAT_NGRAM = 64
 MIN_SAMPLING_TEMPERATURE = 1e-100  # below this a positive temperature decodes as argmax (l / T would overflow)
 
 # Size bounds (docs/design.md section 15): every size-like request field has a declared maximum here, and the
-# engine checks the bounds that depend on the request and the model (block <= context, steps <= the masked
-# positions, sub_block_size <= block_size, speculative_branches <= block_size - 1) where it resolves them; a value
-# past either is a ParamError naming the field (HTTP 400), never silently clamped.
+# engine checks the bounds that depend on the request and the model (block <= context, sub_block_size <=
+# block_size, speculative_branches <= block_size - 1) where it resolves them; a value past either is a ParamError
+# naming the field (HTTP 400), never silently clamped. (Steps beyond a block's masks are never run: free, accepted.)
 MAX_POSITIONS = 2**20      # max_tokens / steps / min_tokens: no served model has a longer context
 MAX_BLOCK_SIZE = 512       # a block this long costs what a max_tokens=512 request costs (block x block rows)
 MAX_N = 16                 # choices per prompt (and best_of)
