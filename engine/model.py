@@ -288,9 +288,12 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
             ``fp16``. Inference only: train from a ``native`` load.
 
     Raises:
-        CheckpointError: the directory is not a checkpoint of a known family (the message says what was expected).
+        CheckpointError: (one line, naming the file) the directory is not a checkpoint of a known family, or it is
+            corrupt, incomplete, a writer's staging directory, or holds non-finite weights
+            (:mod:`unmask.engine.checkpoint_check`, docs/design.md section 16).
         ValueError: a bad ``device``, ``dtype`` or ``weights`` (the message names it).
     """
+    from .checkpoint_check import load_checked
     from .families import detect_family, get_family
 
     path = resolve_model_path(str(name_or_path))
@@ -301,6 +304,6 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     from .packed_weights import pack_model, resolve_weight_format
 
     fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read
-    loaded = get_family(name).load(path, config, dev, dt)
+    loaded = load_checked(get_family(name), path, config, dev, dt)  # refuses corrupt checkpoints (section 16)
     pack_model(loaded, fmt)
     return loaded
