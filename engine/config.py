@@ -189,5 +189,11 @@ class DllmConfig:
         Raises:
             CheckpointError: a required key is missing, a key is unknown, or a value is invalid.
         """
-        return dataclass_from_dict(cls, data, where, required=(
-            "family", "mask_token_id", "attention", "block_size", "logit_shift", "eos_token_ids"))
+        default_where = "config.json:dllm"  # what __post_init__'s validate() names; the caller's file replaces it
+        try:
+            return dataclass_from_dict(cls, data, where, required=(
+                "family", "mask_token_id", "attention", "block_size", "logit_shift", "eos_token_ids"))
+        except CheckpointError as exc:
+            if where != default_where and str(exc).startswith(default_where + "."):
+                raise CheckpointError(where + str(exc)[len(default_where):]) from None
+            raise

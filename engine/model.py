@@ -291,9 +291,12 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
             accelerate (:func:`unmask.engine.placement.place_model`; ``auto`` weights then stay ``native``).
 
     Raises:
-        CheckpointError: the directory is not a checkpoint of a known family (the message says what was expected).
+        CheckpointError: (one line, naming the file) the directory is not a checkpoint of a known family, or it is
+            corrupt, incomplete, a writer's staging directory, or holds non-finite weights
+            (:mod:`unmask.engine.checkpoint_check`, docs/design.md section 16).
         ValueError: a bad ``device``, ``dtype`` or ``weights`` (the message names it).
     """
+    from .checkpoint_check import load_checked
     from .families import detect_family, get_family
 
     path = resolve_model_path(str(name_or_path))
@@ -308,7 +311,7 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read
     if device_map is not None and fmt != "native":
         raise ValueError(f"weights: {fmt!r} packing cannot be combined with device_map (use weights='native')")
-    loaded = get_family(name).load(path, config, dev, dt)
+    loaded = load_checked(get_family(name), path, config, dev, dt)  # refuses corrupt checkpoints (section 16)
     if device_map is not None:
         from .placement import place_model
 

@@ -29,16 +29,20 @@ def max_context_of(config: dict, default: int = 4096) -> int:
 
 def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: torch.dtype, **kwargs):
     """``cls.from_pretrained`` with sdpa attention, placing quantized (bitsandbytes) weights with a device map."""
+    from ..checkpoint_check import check_loading_info
+
     quantized = isinstance(config.get("quantization_config"), dict)
     try:
         if quantized:
-            model = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype,
-                                        device_map={"": str(device)}, **kwargs)
+            model, info = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype,
+                                              device_map={"": str(device)}, output_loading_info=True, **kwargs)
         else:
-            model = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype, **kwargs)
+            model, info = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype,
+                                              output_loading_info=True, **kwargs)
             model.to(device)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise CheckpointError(f"{path}: cannot load the weights ({exc})") from exc
+    check_loading_info(path, type(model).__name__, info)  # missing/unexpected tensors: an error, not a note
     return model
 
 
@@ -109,20 +113,15 @@ def load_mapped_model(cls, hf_config, state_dict: dict[str, torch.Tensor], path:
     Raises:
         CheckpointError: a parameter is missing, a tensor is unexpected or has the wrong shape (names the first few).
     """
+    from ..checkpoint_check import check_loading_info
+
     hf_config._attn_implementation = "sdpa"
     try:
         model, info = cls.from_pretrained(None, config=hf_config, state_dict=state_dict, attn_implementation="sdpa",
                                           dtype=dtype, output_loading_info=True)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise CheckpointError(f"{path}: cannot load the weights onto {cls.__name__} ({exc})") from exc
-    problems = []
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        items = sorted(str(k) for k in (info.get(kind) or ()))
-        if items:
-            problems.append(f"{kind.replace('_', ' ')}: {items[:6]}{' ...' if len(items) > 6 else ''}")
-    if problems:
-        raise CheckpointError(f"{path}: the weights do not match {cls.__name__} built from config.json ("
-                              + "; ".join(problems) + ")")
+    check_loading_info(path, cls.__name__, info)
     model.to(device)
     return model.eval()
 
