@@ -1,7 +1,8 @@
 // Type-check Grafana dashboard JSON files against Grafana's own schema (@grafana/schema) with the TypeScript
-// compiler (tests/deploy/test_dashboard.py runs it). Each dashboard becomes an object literal typed as a Dashboard
-// whose panels are time series panels with Prometheus targets, so tsc reports wrong types, missing required
-// fields and unknown keys (excess-property checks), with the JSON's line numbers.
+// compiler (tests/deploy/test_dashboard_schema.py runs it). Each panel becomes an object literal typed as a time
+// series panel with Prometheus targets, the rest of the dashboard one typed as a Dashboard, so tsc reports wrong
+// types, missing required fields and unknown keys (excess-property checks) per panel (tsc stops at the first
+// error inside one literal).
 //   node check.mjs FILE.json...      exit 0 when every file checks, 1 with the errors otherwise
 import fs from "node:fs";
 import path from "node:path";
@@ -19,34 +20,40 @@ type TimeSeriesPanel = Panel<TimeSeriesOptions, TimeSeriesFieldConfig> & { type:
 // the schema's TypeScript enums as the string values the JSON holds (an enum is not assignable from its value)
 type Loose<T> = T extends string ? \`\${T}\` : T extends number ? T : T extends boolean ? T
   : T extends (infer U)[] ? Loose<U>[] : T extends object ? { [K in keyof T]: Loose<T[K]> } : T;
-export const dashboard: Loose<Omit<Dashboard, "panels"> & { panels: TimeSeriesPanel[] }> =
 `;
 const files = process.argv.slice(2);
 if (files.length === 0) { console.error("usage: node check.mjs FILE.json..."); process.exit(2); }
 const roots = [];
-const origin = new Map();
-for (const file of files) {
-  const text = fs.readFileSync(file, "utf8");
-  JSON.parse(text); // invalid JSON: the exception names the position
-  const ts_file = path.join(out, path.basename(file).replace(/\.json$/, "") + ".ts");
-  fs.writeFileSync(ts_file, HEADER + text.trimEnd() + ";\n");
-  roots.push(ts_file);
-  origin.set(path.resolve(ts_file), file);
+const where = new Map(); // generated file -> [[first line, label]] of its literals
+for (const [n, file] of files.entries()) {
+  const { panels = [], ...rest } = JSON.parse(fs.readFileSync(file, "utf8"));
+  let text = HEADER;
+  const spans = [];
+  const add = (label, decl, value) => {
+    spans.push([text.split("\n").length, label]);
+    text += `export const ${decl} =\n${JSON.stringify(value, null, 2)};\n`;
+  };
+  add("dashboard", `dashboard: Loose<Omit<Dashboard, "panels">>`, rest);
+  panels.forEach((p, i) => add(`panel ${i + 1} (${JSON.stringify(p.title ?? "")})`, `panel${i}: Loose<TimeSeriesPanel>`, p));
+  const tsFile = path.join(out, `dashboard${n}.ts`);
+  fs.writeFileSync(tsFile, text);
+  roots.push(tsFile);
+  where.set(path.resolve(tsFile), { file, spans });
 }
-const offset = HEADER.split("\n").length - 1; // lines before the JSON in the generated file
 const program = ts.createProgram(roots, {
   strict: true, noEmit: true, target: ts.ScriptTarget.ES2020, module: ts.ModuleKind.ESNext,
   moduleResolution: ts.ModuleResolutionKind.Bundler, skipLibCheck: true, types: [],
 });
 const diagnostics = ts.getPreEmitDiagnostics(program);
 for (const d of diagnostics) {
-  const message = ts.flattenDiagnosticMessageText(d.messageText, "\n");
-  if (d.file) {
-    const { line, character } = d.file.getLineAndCharacterOfPosition(d.start ?? 0);
-    const src = origin.get(path.resolve(d.file.fileName)) ?? d.file.fileName;
-    console.error(`${src}:${line + 1 - offset}:${character + 1}: ${message}`);
+  const message = ts.flattenDiagnosticMessageText(d.messageText, "\n  ");
+  const info = d.file && where.get(path.resolve(d.file.fileName));
+  if (info) {
+    const line = d.file.getLineAndCharacterOfPosition(d.start ?? 0).line + 1;
+    const label = info.spans.filter(([first]) => first <= line).pop()?.[1] ?? "header";
+    console.error(`${info.file}: ${label}: ${message}`);
   } else {
-    console.error(message);
+    console.error(d.file ? `${d.file.fileName}: ${message}` : message);
   }
 }
 console.log(`${files.length} dashboard(s), ${diagnostics.length} error(s)`);
