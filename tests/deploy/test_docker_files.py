@@ -44,6 +44,9 @@ def test_the_replicas_variant_publishes_only_nginx():
     assert cfg["services"]["unmask"]["deploy"]["replicas"] == 3
     assert not cfg["services"]["unmask"].get("ports")  # N replicas cannot share a host port; nginx has it
     assert [p["target"] for p in cfg["services"]["nginx"]["ports"]] == [8000]
+    # one writer prepares the shared model volume before the replicas read it
+    assert cfg["services"]["unmask"]["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
+    assert "default_model" in " ".join(cfg["services"]["prepare"]["entrypoint"])
 
 
 @pytest.fixture(scope="module")
