@@ -58,7 +58,8 @@ class Metrics:
                                      L, registry=r)
         self.generation_tokens = Counter("unmask:generation_tokens",
                                          "Generated tokens (up to and including the first EOS), counted as "
-                                         "each denoising step reveals them (completed and cancelled requests).", L, registry=r)
+                                         "each denoising step reveals them (completed and cancelled requests).",
+                                         L, registry=r)
         self.request_success = Counter("unmask:request_success", "Finished choices by finish reason.",
                                        L + ["finished_reason"], registry=r)
         self.request_failure = Counter("unmask:request_failure", "Requests that failed after admission, by reason.",
