@@ -3,7 +3,6 @@
 one replica killed mid-run the next requests are served by the other."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
