@@ -123,7 +123,8 @@ chunks = [json.loads(l) for l in lines[:-1]]
 assert all(c["object"] == "chat.completion.chunk" for c in chunks), chunks
 assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
 print("stream:", len(chunks), "chunks,", repr("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)))'
-curl -fsS "$url/metrics" | grep -q '^unmask:generation_tokens_total{model_name=' || fail "/metrics lacks the token counter"
+metrics=$(curl -fsS "$url/metrics")  # not piped into grep -q: its early exit would fail curl under pipefail
+grep -q '^unmask:generation_tokens_total{model_name=' <<<"$metrics" || fail "/metrics lacks the token counter"
 docker stop -t 30 "$NAME" >/dev/null
 code=$(docker inspect -f '{{.State.ExitCode}}' "$NAME")
 [ "$code" = 0 ] || { docker logs "$NAME" | tail -20; fail "exit code $code after docker stop (SIGTERM), not 0"; }
