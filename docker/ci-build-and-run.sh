@@ -36,7 +36,11 @@ cleanup() {
   docker rm -f "$NAME" >/dev/null 2>&1 || true
   docker volume rm -f "$NAME-models" >/dev/null 2>&1 || true
   if [ -n "$started_dockerd" ] && [ -f "$WORK/dockerd.pid" ]; then
-    kill "$(cat "$WORK/dockerd.pid")" 2>/dev/null || true
+    pid=$(cat "$WORK/dockerd.pid")
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    # dockerd leaves its network namespace mounted in the exec root; unmounted, $WORK can be deleted
+    for ns in "$WORK/exec/netns/"*; do [ -e "$ns" ] && umount "$ns" 2>/dev/null; done
   fi
 }
 trap cleanup EXIT
