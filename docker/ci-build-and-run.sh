@@ -40,7 +40,7 @@ cleanup() {
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
     # dockerd leaves its network namespace mounted in the exec root; unmounted, $WORK can be deleted
-    for ns in "$WORK/exec/netns/"*; do [ -e "$ns" ] && umount "$ns" 2>/dev/null; done
+    for ns in "$WORK/exec/netns/"*; do [ -e "$ns" ] && { umount "$ns" 2>/dev/null || true; }; done
   fi
 }
 trap cleanup EXIT
