@@ -64,14 +64,18 @@ def register(sub, name):
     """Add the ``unmask serve`` sub-parser (named ``name``) and its options; returns it."""
     p = sub.add_parser(name, help="serve a diffusion LM over an OpenAI-compatible HTTP API",
                        description="OpenAI-compatible server (completions, chat completions, SSE streaming of every "
-                                   "denoising step, Prometheus /metrics).")
+                                   "denoising step, Prometheus /metrics).",
+                       epilog="Every option can also be set in the environment: --max-batch-size 8 is "
+                              "UNMASK_MAX_BATCH_SIZE=8 (UNMASK_ + the option's name in capitals, '-' as '_'; MODEL "
+                              "is UNMASK_MODEL; a list is comma-separated; a switch takes 1/0, true/false). The "
+                              "command line wins over the environment.")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or hub id (default: the A2D SmolLM2 default model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
-    p.add_argument("--api-key", default=os.environ.get("UNMASK_API_KEY"),
+    p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $UNMASK_API_KEY, else none)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (surrounding whitespace and the newline stripped), so that "
@@ -126,7 +130,83 @@ def register(sub, name):
                    help="the path prefix the server is reached under behind a reverse proxy that strips it (ASGI "
                         "root_path, as uvicorn's --root-path), e.g. /unmask; the page at / uses it")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    env_defaults(p, os.environ)  # last: every option above reads UNMASK_<OPTION> (docs/deploy.md)
     return p
+
+
+ENV_PREFIX = "UNMASK_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_name(action: argparse.Action) -> str:
+    """The environment variable of an option (``--max-batch-size`` -> ``UNMASK_MAX_BATCH_SIZE``) or of the
+    positional ``model`` (``UNMASK_MODEL``)."""
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    name = longs[0][2:] if longs else action.dest
+    return ENV_PREFIX + name.upper().replace("-", "_")
+
+
+class EnvValue:
+    """An option's default taken from the environment, converted by :func:`resolve_env` once parsing shows the
+    command line did not set it (so a bad variable fails only the command that reads it)."""
+
+    def __init__(self, var: str, raw: str, action: argparse.Action):
+        self.var, self.raw, self.action = var, raw, action
+
+    def __repr__(self) -> str:
+        return f"${self.var}={self.raw!r}"
+
+
+def env_defaults(parser: argparse.ArgumentParser, environ) -> None:
+    """Make every option of ``parser`` (except ``--help``) default to its environment variable when that is set
+    (:func:`env_name`); the values are typed by :func:`resolve_env`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.dest == argparse.SUPPRESS:
+            continue
+        var = env_name(action)
+        if var in environ:
+            action.default = EnvValue(var, environ[var], action)
+
+
+def _convert(value: EnvValue):
+    """The typed value of one environment default.
+
+    Raises:
+        UsageError: naming the variable: not of the option's type, not one of its choices, not a switch value.
+    """
+    from unmask.cli.main import UsageError
+
+    a, raw = value.action, value.raw.strip()
+    if a.nargs == 0:  # store_true / store_false
+        if raw.lower() not in _TRUE + _FALSE:
+            raise UsageError(f"${value.var}: expected one of 1/0/true/false/yes/no/on/off, got {value.raw!r}")
+        on = raw.lower() in _TRUE
+        return on if a.const is True else (not on if a.const is False else (a.const if on else None))
+    items = [x.strip() for x in raw.split(",") if x.strip()] if a.nargs in ("*", "+") else [raw]
+    out = []
+    for item in items:
+        try:
+            v = a.type(item) if a.type is not None else item
+        except (TypeError, ValueError):
+            kind = getattr(a.type, "__name__", "value")
+            raise UsageError(f"${value.var}: expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got "
+                             f"{value.raw!r}") from None
+        if a.choices is not None and v not in a.choices:
+            raise UsageError(f"${value.var}: must be one of {', '.join(map(str, a.choices))}; got {item!r}")
+        out.append(v)
+    return out if a.nargs in ("*", "+") else out[0]
+
+
+def resolve_env(args: argparse.Namespace) -> argparse.Namespace:
+    """Replace every :class:`EnvValue` left in ``args`` (options the command line did not set) by its typed value.
+
+    Raises:
+        UsageError: a variable's value does not fit its option (the message names the variable).
+    """
+    for key, value in vars(args).items():
+        if isinstance(value, EnvValue):
+            setattr(args, key, _convert(value))
+    return args
 
 
 def server_threads(requested: int | None, device_type: str, available: int, env) -> int:
@@ -189,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from unmask.cli.main import UsageError
 
+    resolve_env(args)
     for name in ("max_batch_size", "max_queue", "default_max_tokens", "max_seqs_per_request"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")

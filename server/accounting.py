@@ -7,7 +7,7 @@ fault) the last :class:`StepEvent` the server saw of it (the revealed left-to-ri
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from unmask.engine import CompletionOutput, StepEvent
 
@@ -39,6 +39,52 @@ class Work:
         if ev.output is not None:
             return cls.of_output(ev.output)
         return cls(ev.num_tokens, ev.nfe, ev.step + 1, ev.drafts_proposed, ev.drafts_accepted)
+
+
+class Tally:
+    """One API request's share of the work counters, counted as its choices advance (docs/design.md section 17).
+
+    The counters only grow, so a tally adds per choice the increase of each :class:`Work` field since its last
+    count, and a prompt's tokens once, at the first forward of one of its choices. The revealed prefix
+    (``StepEvent.num_tokens``) and the forward, step and draft counts never shrink while a choice runs, and its
+    final work is at least the last prefix it showed (the stopping rules of ``unmask.engine.stopping`` cut a stop
+    string out of tokens revealed in the same step), so after :meth:`settle` the request added exactly its usage.
+
+    Args:
+        count: ``count(prompt_tokens, work_increase)``, :meth:`Metrics.count_work`.
+        prompt_tokens: tokens per prompt. n: choices per prompt (choice index ``p * n + i``).
+    """
+
+    def __init__(self, count, prompt_tokens: list[int], n: int):
+        self._count = count
+        self._prompt_tokens = prompt_tokens
+        self._n = n
+        self._counted = [Work()] * (len(prompt_tokens) * n)
+        self._prompt_counted = [False] * len(prompt_tokens)
+
+    def advance(self, c: int, work: Work) -> None:
+        """Count what choice ``c`` did since its last count; ``work``: its work so far."""
+        old = self._counted[c]
+        now = Work(*(max(a, b) for a, b in zip(astuple(work), astuple(old))))
+        p = c // self._n
+        prompt = 0
+        if work.nfe and not self._prompt_counted[p]:
+            self._prompt_counted[p] = True
+            prompt = self._prompt_tokens[p]
+        if now != old or prompt:
+            self._counted[c] = now
+            self._count(prompt, Work(*(a - b for a, b in zip(astuple(now), astuple(old)))))
+
+    def settle(self, work: list[Work], completed: bool) -> None:
+        """Top the counters up to every choice's final ``work``; a ``completed`` request also counts the prompts
+        none of whose choices ran a forward (its usage counts every prompt)."""
+        for c, w in enumerate(work):
+            self.advance(c, w)
+        if completed:
+            rest = sum(t for t, done in zip(self._prompt_tokens, self._prompt_counted) if not done)
+            self._prompt_counted = [True] * len(self._prompt_tokens)
+            if rest:
+                self._count(rest, Work())
 
 
 def finished_work(stream) -> list[Work]:

@@ -5,23 +5,27 @@ Every metric lives in the app's own ``CollectorRegistry``, so building the app t
 
 What moves when (values move exactly with the requests served):
 
-* a request that completes (all its choices finished with ``stop``/``length``): ``prompt_tokens_total`` += its
-  usage ``prompt_tokens``, ``generation_tokens_total`` += ``completion_tokens``, ``nfe_total`` += usage ``nfe``,
-  ``denoising_steps_total`` += usage ``denoising_steps``, ``request_success_total{finished_reason}`` += 1 per choice,
-  one ``e2e_request_latency_seconds``, ``request_queue_time_seconds`` and ``time_to_first_token_seconds``
-  observation per request, one ``tokens_per_forward`` observation per choice (generated tokens / NFE), one
-  ``steps_per_block`` observation per decoded block (none for self-speculative requests: they reveal left to right
-  with no denoising blocks; their steps are in ``denoising_steps``), and (self-speculative requests; vLLM's names)
-  ``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` += the drafts verified / accepted;
+* as a request runs, after every denoising step of each of its choices (docs/design.md section 17):
+  ``generation_tokens_total`` += the tokens the step added to the choice's revealed left-to-right prefix
+  (``StepEvent.num_tokens``; the final prefix of a choice, up to and including its first EOS, is its
+  ``completion_tokens``), ``nfe_total`` += its new forwards, ``denoising_steps_total`` += 1,
+  ``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` += the drafts it verified /
+  accepted (self-speculative requests; vLLM's names), and ``prompt_tokens_total`` += a prompt's tokens at the first
+  forward of one of its choices; so ``rate(generation_tokens_total[1m])`` follows a long stream as it runs instead
+  of jumping when it ends. When the request ends the counters are topped up to its final work
+  (:class:`~unmask.server.accounting.Tally`), so over whole requests they equal the sums of the responses' usage;
+* a request that completes (all its choices finished with ``stop``/``length``): the prompt tokens of any prompt
+  not counted yet, ``request_success_total{finished_reason}`` += 1 per choice, one
+  ``e2e_request_latency_seconds``, ``request_queue_time_seconds`` and ``time_to_first_token_seconds`` observation
+  per request, one ``tokens_per_forward`` observation per choice (generated tokens / NFE), one ``steps_per_block``
+  observation per decoded block (none for self-speculative requests: they reveal left to right with no denoising
+  blocks; their steps are in ``denoising_steps``);
 * a request that fails after admission (client disconnect, timeout, engine fault, queue/cache full):
   ``request_failure_total{reason}`` += 1 with reason ``abort`` | ``timeout`` | ``error`` | ``queue_full`` |
-  ``cache_full``, and the work it got before it ended is still counted (vLLM counts tokens as they are generated;
-  here they are counted when the request ends): ``generation_tokens_total`` += the tokens it had revealed (the
-  left-to-right prefix an aborted request keeps, ``StepEvent.num_tokens``), ``nfe_total`` and
-  ``denoising_steps_total`` += its forwards and steps, ``prompt_tokens_total`` += each of its prompts that ran at
-  least one forward (so ``rate(generation_tokens_total)`` is the work done, cancelled streams included), and the
-  drafts it verified / accepted; 4xx
-  validation errors count nothing;
+  ``cache_full``; the work it got before it ended stays counted (the revealed prefix an aborted request keeps, its
+  forwards, steps and drafts, and the prompts that ran at least one forward), so
+  ``rate(generation_tokens_total)`` is the work done, cancelled streams included; 4xx validation errors count
+  nothing;
 * ``num_requests_running`` / ``num_requests_waiting`` read the engine's counters at scrape time.
 
 Tokens/s for a dashboard: ``rate(unmask:generation_tokens_total[1m])``.
@@ -30,9 +34,12 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .accounting import Work
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TPF_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 512)
+
 
 
 class Metrics:
@@ -50,8 +57,9 @@ class Metrics:
         self.prompt_tokens = Counter("unmask:prompt_tokens", "Prompt tokens of requests that ran (completed or not).",
                                      L, registry=r)
         self.generation_tokens = Counter("unmask:generation_tokens",
-                                         "Generated tokens (up to and including the first EOS) of completed and "
-                                         "cancelled requests.", L, registry=r)
+                                         "Generated tokens (up to and including the first EOS), counted as "
+                                         "each denoising step reveals them (completed and cancelled requests).",
+                                         L, registry=r)
         self.request_success = Counter("unmask:request_success", "Finished choices by finish reason.",
                                        L + ["finished_reason"], registry=r)
         self.request_failure = Counter("unmask:request_failure", "Requests that failed after admission, by reason.",
@@ -90,17 +98,35 @@ class Metrics:
             self.request_failure.labels(model_name, reason)
         for reason in ("stop", "length"):
             self.request_success.labels(model_name, reason)
+        # the labelled children the per-step counting increments
+        self._prompt = self.prompt_tokens.labels(model_name)
+        self._generation = self.generation_tokens.labels(model_name)
+        self._nfe = self.nfe.labels(model_name)
+        self._steps = self.denoising_steps.labels(model_name)
+        self._drafts = self.drafts.labels(model_name)
+        self._accepted = self.accepted.labels(model_name)
 
-    def record_success(self, prompt_tokens: int, outputs, arrival: float, end: float, first_token: float | None,
+    def count_work(self, prompt_tokens: int, work) -> None:
+        """Add work done since the last count: ``prompt_tokens`` newly processed prompt tokens and ``work`` (a
+        :class:`~unmask.server.accounting.Work` of non-negative increments: tokens, NFE, steps, drafts)."""
+        if prompt_tokens:
+            self._prompt.inc(prompt_tokens)
+        if work.tokens:
+            self._generation.inc(work.tokens)
+        if work.nfe:
+            self._nfe.inc(work.nfe)
+        if work.steps:
+            self._steps.inc(work.steps)
+        if work.drafts_proposed:
+            self._drafts.inc(work.drafts_proposed)
+        if work.drafts_accepted:
+            self._accepted.inc(work.drafts_accepted)
+
+    def record_success(self, outputs, arrival: float, end: float, first_token: float | None,
                        queue_time: float | None) -> None:
-        """Count one completed request. ``outputs``: the :class:`CompletionOutput` of each of its choices (all
-        prompts); times are ``time.time()`` seconds."""
+        """Observe one completed request (its work is counted by :meth:`count_work`). ``outputs``: the
+        :class:`CompletionOutput` of each of its choices (all prompts); times are ``time.time()`` seconds."""
         m = self.model_name
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(sum(len(o.token_ids) for o in outputs))
-        self.nfe.labels(m).inc(sum(o.nfe for o in outputs))
-        self.denoising_steps.labels(m).inc(sum(o.steps for o in outputs))
-        self._count_drafts(outputs)
         for o in outputs:
             self.request_success.labels(m, o.finish_reason).inc()
             if o.nfe:
@@ -114,26 +140,18 @@ class Metrics:
             self.ttft.labels(m).observe(max(0.0, first_token - arrival))
 
     def record_failure(self, reason: str, prompts=()) -> None:
-        """Count one request that failed after admission (``abort`` | ``timeout`` | ``error`` | ...), and the work
-        it did before it ended. ``prompts``: ``(prompt_tokens, work)`` per prompt of the request, ``work`` one
-        :class:`~unmask.server.accounting.Work` per choice: its tokens (the revealed prefix), NFE, steps and drafts,
-        and the prompt's tokens when one of its choices ran at least one forward."""
-        m = self.model_name
-        self.request_failure.labels(m, reason).inc()
+        """Count one request that failed after admission (``abort`` | ``timeout`` | ``error`` | ...). ``prompts``:
+        work not counted yet, ``(prompt_tokens, work)`` per prompt, ``work`` one
+        :class:`~unmask.server.accounting.Work` per choice (its tokens, NFE, steps and drafts); the prompt's tokens
+        count when one of its choices ran at least one forward. A request whose events were read passes none: the
+        :class:`~unmask.server.accounting.Tally` counted its work as it ran."""
+        self.request_failure.labels(self.model_name, reason).inc()
         for prompt_tokens, work in prompts:
             nfe = sum(w.nfe for w in work)
+            for w in work:
+                self.count_work(0, w)
             if nfe:
-                self.prompt_tokens.labels(m).inc(prompt_tokens)
-                self.nfe.labels(m).inc(nfe)
-            self.generation_tokens.labels(m).inc(sum(w.tokens for w in work))
-            self.denoising_steps.labels(m).inc(sum(w.steps for w in work))
-            self._count_drafts(work)
-
-    def _count_drafts(self, items) -> None:
-        """Add the drafts verified and accepted (0 for choices not decoded self-speculatively); ``items``: outputs
-        or :class:`~unmask.server.accounting.Work`, both with ``drafts_proposed`` / ``drafts_accepted``."""
-        self.drafts.labels(self.model_name).inc(sum(i.drafts_proposed for i in items))
-        self.accepted.labels(self.model_name).inc(sum(i.drafts_accepted for i in items))
+                self.count_work(prompt_tokens, Work())
 
     def render(self) -> tuple[bytes, str]:
         """Exposition text and its content type."""

@@ -2,8 +2,9 @@
 
 A request with ``P`` prompts is ``P`` engine requests of ``n`` choices each (choice index ``p * n + i``). The run
 watches every event that passes (:meth:`Run.events`), keeping per choice the last :class:`Work` and the finished
-:class:`CompletionOutput`; from those it answers usage and, once (:meth:`Run.finish`), records the metrics and
-writes the request's log line. It reads only the engine's outputs.
+:class:`CompletionOutput`, and counts the work into the metrics as it goes (:class:`Tally`); from those it answers
+usage and, once (:meth:`Run.finish`), records the rest of the metrics and writes the request's log line. It reads
+only the engine's outputs.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from unmask.engine import CompletionOutput, RequestStream, StepEvent
 
-from .accounting import Work, decoding, log_line, usage
+from .accounting import Tally, Work, decoding, log_line, usage
 from .merge import choice_events
 from .render import Render
 from .responses import Usage
@@ -42,6 +43,7 @@ class Run:
         self.outputs: list[CompletionOutput | None] = [None] * self.num_choices
         self.first_content_time: float | None = None
         self.done = False
+        self.tally = Tally(state.metrics.count_work, [len(p) for p in prompt_ids], n)
 
     async def events(self, timeout: float | None) -> AsyncIterator[tuple[int, StepEvent]]:
         """``(choice index, event)`` for every engine event of every prompt, until all choices finished.
@@ -52,6 +54,7 @@ class Run:
         deadline = None if timeout is None else self.arrival + timeout
         async for c, ev in choice_events(self.streams, self.n, deadline, timeout):
             self.work[c] = Work.of_event(ev)
+            self.tally.advance(c, self.work[c])  # the work counters grow per step (docs/design.md section 17)
             if ev.output is not None:
                 self.outputs[c] = ev.output
             yield c, ev
@@ -92,15 +95,13 @@ class Run:
         u = self.usage()
         outputs = [self._output(c) for c in range(self.num_choices)]
         metrics = self.state.metrics
+        self.tally.settle(self._work(), completed=failure is None)
         if failure is None:
             firsts = [o.first_token_time for o in outputs if o.first_token_time]
             first = self.first_content_time or (min(firsts) if firsts else None)
             queue_times = [s.queue_time for s in self.streams if s.queue_time is not None]
-            metrics.record_success(u.prompt_tokens, outputs, self.arrival, end, first,
-                                   min(queue_times) if queue_times else None)
+            metrics.record_success(outputs, self.arrival, end, first, min(queue_times) if queue_times else None)
         else:
-            work = self._work()
-            metrics.record_failure(failure, [(len(ids), work[p * self.n:(p + 1) * self.n])
-                                             for p, ids in enumerate(self.prompt_ids)])
+            metrics.record_failure(failure)
         log_line(self.id, status, u, end - self.arrival, [o.finish_reason if o else None for o in outputs],
                  decoding(outputs, self.streams[0].resolved), failure)

@@ -1,0 +1,94 @@
+"""The deployment files check without Docker (docs/deploy.md): hadolint on both Dockerfiles, ``docker compose config
+-q`` on every compose file, the files they mount exist, and the dashboard asks only for metrics the server exports
+(parsed from a live tiny server's /metrics)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import COMPOSE_FILES, DASHBOARDS, DOCKER, METRIC, ROOT, panel_queries, venv_tool
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_hadolint_passes(dockerfile):
+    r = subprocess.run([venv_tool("hadolint"), str(DOCKER / dockerfile)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_compose_file_validates_and_its_mounts_exist():
+    assert {p.name for p in COMPOSE_FILES} >= {"compose.yaml", "compose.replicas.yaml"}
+    for path in COMPOSE_FILES:
+        cmd = [venv_tool("docker-compose"), "-f", str(path)]
+        r = subprocess.run(cmd + ["config", "-q"], capture_output=True, text=True, timeout=60, cwd=path.parent)
+        assert r.returncode == 0, f"{path.name}: {r.stderr}"
+        cfg = json.loads(subprocess.run(cmd + ["config", "--format", "json"], capture_output=True, text=True,
+                                        timeout=60, cwd=path.parent, check=True).stdout)
+        for name, svc in cfg["services"].items():
+            for v in svc.get("volumes", []):
+                if v["type"] == "bind":  # compose resolves sources against the file's directory
+                    assert Path(v["source"]).exists(), f"{path.name}: service {name} mounts the missing {v['source']}"
+            if "build" in svc:
+                assert Path(svc["build"]["context"]).resolve() == ROOT.resolve(), f"{path.name}: {name}'s context"
+                assert (ROOT / svc["build"]["dockerfile"]).is_file(), f"{path.name}: {name}'s Dockerfile"
+
+def test_the_replicas_variant_publishes_only_nginx():
+    path = DOCKER / "compose.replicas.yaml"
+    cfg = json.loads(subprocess.run([venv_tool("docker-compose"), "-f", str(path), "config", "--format", "json"],
+                                    env={"UNMASK_REPLICAS": "3", "PATH": "/usr/bin:/bin"}, capture_output=True,
+                                    text=True, timeout=60, cwd=path.parent, check=True).stdout)
+    assert cfg["services"]["unmask"]["deploy"]["replicas"] == 3
+    assert not cfg["services"]["unmask"].get("ports")  # N replicas cannot share a host port; nginx has it
+    assert [p["target"] for p in cfg["services"]["nginx"]["ports"]] == [8000]
+    # one writer prepares the shared model volume before the replicas read it
+    assert cfg["services"]["unmask"]["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
+    assert "default_model" in " ".join(cfg["services"]["prepare"]["entrypoint"])
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """Metric sample names a live tiny server exports (``unmask:x_total``, ``unmask:y_bucket``, ...)."""
+    from tiny import loaded
+    from unmask.engine.async_engine import AsyncEngine
+    from unmask.server.app import build_app
+
+    engine = AsyncEngine(loaded(block_size=4))
+    try:
+        with TestClient(build_app(engine, "m", shutdown_engine=False)) as c:
+            assert c.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4}).status_code == 200
+            text = c.get("/metrics").text
+    finally:
+        engine.shutdown()
+    names = set()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            names.add(s.name)
+    return names
+
+
+def test_every_dashboard_query_names_an_exported_metric(exported):
+    assert DASHBOARDS, "no dashboard under docker/grafana/dashboards"
+    for path in DASHBOARDS:
+        queries = panel_queries(path)
+        assert queries, path
+        for title, expr in queries:
+            names = METRIC.findall(expr)
+            assert names, f"{path.name}: panel {title!r} queries no unmask metric: {expr}"
+            for name in names:
+                assert name in exported, f"{path.name}: panel {title!r} asks for {name}, which /metrics lacks"
+
+
+def test_the_dashboard_has_the_panels_docs_deploy_lists():
+    text = " ".join(expr for path in DASHBOARDS for _, expr in panel_queries(path))
+    for needle in ("rate(unmask:generation_tokens_total", "unmask:tokens_per_forward_bucket",
+                   "unmask:steps_per_block_bucket", "unmask:nfe_total", "unmask:time_to_first_token_seconds_bucket",
+                   "unmask:e2e_request_latency_seconds_bucket", "unmask:num_requests_running",
+                   "unmask:num_requests_waiting", "unmask:request_success_total", "unmask:request_failure_total",
+                   "unmask:spec_decode_num_accepted_tokens_total"):
+        assert needle in text, needle
+    for q in ("0.5", "0.95", "0.99"):
+        assert f"histogram_quantile({q}, sum by (le) (rate(unmask:e2e_request_latency_seconds_bucket" in text
