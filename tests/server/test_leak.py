@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import threading
 import time
 import tracemalloc
@@ -147,6 +148,21 @@ def measure() -> tuple[int, int, dict]:
     return n, tracemalloc.get_traced_memory()[0], types
 
 
+@pytest.fixture
+def without_pytest_log_capture():
+    """pytest's own log-capture handlers keep every record of the test (the report's "Captured log" section): with
+    the server's per-request INFO line enabled by an earlier test, that is one LogRecord per request, held by pytest,
+    not the server. They are detached while the test measures (the server's own handlers stay)."""
+    root = logging.getLogger()
+    held = [h for h in root.handlers if type(h).__module__.startswith("_pytest")]
+    for h in held:
+        root.removeHandler(h)
+    yield
+    for h in held:
+        root.addHandler(h)
+
+
+@pytest.mark.usefixtures("without_pytest_log_capture")
 def test_no_growth_in_live_objects_or_memory_over_mixed_traffic(server):
     base, engine = server
     tracemalloc.start(1)
