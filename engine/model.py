@@ -114,6 +114,8 @@ class LoadedModel:
             transformers forward.
         draft_head: the draft-head seam: a :class:`~unmask.engine.draft_head.DraftHeadRuntime` when the checkpoint
             has one (``dllm.draft_head``); speculative requests then draft with it (``draft(...)``).
+        adapter: what :mod:`unmask.engine.adapter_files` attached (path, rank, alpha, targets, parameters, parent
+            hash) when a mask-row adapter is the row variant, else None.
     """
 
     model: Any
@@ -127,6 +129,7 @@ class LoadedModel:
     weight_format: str = "native"
     decoder_forward: Callable[..., torch.Tensor] | None = None
     draft_head: Any = None
+    adapter: dict | None = None
 
     def __post_init__(self) -> None:
         self.model.eval()
@@ -276,7 +279,8 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 
 def load_model(name_or_path: str | os.PathLike, family: str | None = None, device: str = "auto",
-               dtype: str = "auto", weights: str = "auto") -> LoadedModel:
+               dtype: str = "auto", weights: str = "auto", adapter: str | os.PathLike | None = None,
+               parent: str | os.PathLike | None = None) -> LoadedModel:
     """Load any supported dLLM checkpoint.
 
     Args:
@@ -286,14 +290,20 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         weights: how the linear layers run (:mod:`unmask.engine.packed_weights`): ``auto`` (fbgemm-packed fp16 on
             a CPU with fbgemm, else as loaded), ``native`` (as loaded: float32/bf16, or bitsandbytes nf4/int8),
             ``fp16``. Inference only: train from a ``native`` load.
+        adapter: a mask-row adapter directory to put on the checkpoint (docs/design.md section 21); a
+            self-contained or adapter-only ``name_or_path`` needs none. parent: an adapter-only checkpoint's parent
+            directory (default: the adapter's ``parent.name`` hint).
 
     Raises:
-        CheckpointError: the directory is not a checkpoint of a known family (the message says what was expected).
+        CheckpointError: the directory is not a checkpoint of a known family (the message says what was expected);
+            an adapter whose parent hash differs from the checkpoint's.
         ValueError: a bad ``device``, ``dtype`` or ``weights`` (the message names it).
     """
     from .families import detect_family, get_family
 
-    path = resolve_model_path(str(name_or_path))
+    from .adapter_files import apply_adapter, resolve_adapter
+
+    path, adapter_dir = resolve_adapter(resolve_model_path(str(name_or_path)), adapter, parent)
     config = read_config(path)
     name = family or detect_family(config, path)
     dev = resolve_device(device)
@@ -303,4 +313,5 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read
     loaded = get_family(name).load(path, config, dev, dt)
     pack_model(loaded, fmt)
+    apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md section 21), after packing
     return loaded
