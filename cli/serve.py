@@ -123,6 +123,8 @@ def default_model() -> tuple[str, int | None, str]:
         path = trained()
         if path and is_checkpoint(Path(path)):
             return str(path), None, f"the trained default A2D checkpoint {path}"
+        if path and (Path(path) / "mask_adapter.json").is_file():  # `unmask recipe --trainable mask_lora`
+            return str(path), None, f"the trained default mask-row adapter {path} over its parent"
     convert = getattr(realmodel, "ensure_default_converted", None)
     if convert is None:
         raise UsageError("no MODEL given and unmask.training.realmodel has no ensure_default_converted(); "

@@ -159,3 +159,18 @@ def state_bytes(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def export_adapter(src: str | Path, out: str | Path, parent: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+    """Write the adapter of training checkpoint ``src`` into ``out`` as an adapter-only checkpoint (no training
+    state; tensors in ``dtype``, fp16 by default: half the bytes, the delta's precision is far above its error),
+    with ``parent.name`` = ``parent``'s absolute path. Returns ``out``.
+
+    Raises:
+        CheckpointError: ``src`` is not an adapter checkpoint.
+    """
+    from unmask.engine.adapter_files import read_adapter
+
+    weights, cfg = read_adapter(src)
+    parent_info = {**cfg["parent"], "name": str(Path(parent).expanduser().resolve())}
+    return write_adapter(out, weights, parent_info, dllm=cfg.get("dllm"), training=cfg.get("training"), dtype=dtype)
