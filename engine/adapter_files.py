@@ -43,34 +43,45 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
     return isinstance(data, dict) and data.get("format") == FORMAT
 
 
+HASH_CACHE = ".unmask-content-hash.json"
+
+
 def parent_hash(path: str | os.PathLike) -> str:
     """Content hash of a checkpoint's weights: sha256 over every safetensors tensor, sorted by name, of
     ``name | dtype | shape | raw bytes`` (so re-saving the same tensors keeps it; config and tokenizer do not
-    count). ``sha256:<hex>``.
+    count). ``sha256:<hex>``. The result is cached in ``<path>/.unmask-content-hash.json`` keyed by the weight
+    files' names, sizes and modification times (when the directory is writable): hashing 0.5 GB takes seconds.
 
     Raises:
         CheckpointError: no ``*.safetensors`` files in ``path``.
     """
     from safetensors import safe_open
 
-    files = sorted(Path(path).glob("*.safetensors"))
-    files = [f for f in files if f.name != ADAPTER_WEIGHTS]
+    path = Path(path)
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != ADAPTER_WEIGHTS]
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights to hash (the adapter's parent must be a "
                               f"safetensors checkpoint directory)")
-    tensors = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                tensors[name] = (f, name)
+    key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    cached = read_json_file(path / HASH_CACHE) if (path / HASH_CACHE).is_file() else None
+    if isinstance(cached, dict) and cached.get("files") == key and str(cached.get("sha256", "")).startswith("sha256:"):
+        return cached["sha256"]
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
     h = hashlib.sha256()
-    for name in sorted(tensors):
-        f, key = tensors[name]
-        with safe_open(str(f), framework="pt") as fh:
-            t = fh.get_tensor(key)
+    for name in sorted(where):
+        t = where[name].get_tensor(name)
         h.update(f"{name}|{str(t.dtype).replace('torch.', '')}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
+        if t.numel():
+            h.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    digest = "sha256:" + h.hexdigest()
+    try:
+        tmp = path / f"{HASH_CACHE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps({"files": key, "sha256": digest}) + "\n", encoding="utf-8")
+        os.replace(tmp, path / HASH_CACHE)
+    except OSError:  # a read-only parent: hash again next time
+        pass
+    return digest
 
 
 def file_sha256(path: str | os.PathLike) -> str:
