@@ -8,8 +8,8 @@ The denoiser only calls :meth:`LoadedModel.hidden_states`, :meth:`LoadedModel.lo
 Optional capabilities, one seam each (docs/design.md section 13); the core path reads the same without them:
 
 * per-row weight selection: a :class:`RowVariant` (``LoadedModel.row_variant``, ``variant_rows=``). Verifier
-  routing (:mod:`unmask.engine.routed`) is its first implementation; a per-row LoRA adapter on mask rows is meant
-  to be the second (see :class:`RowVariant`);
+  routing (:mod:`unmask.engine.routed`) is its first implementation, the mask-row adapter
+  (:mod:`unmask.engine.mask_adapter`) the second (see :class:`RowVariant`);
 * CPU weight packing: :func:`unmask.engine.packed_weights.pack_model` (``load_model(weights=...)`` calls it once),
   which also installs the fused decoder forward (``LoadedModel.decoder_forward``,
   :mod:`unmask.engine.fused_decoder`) for Llama-architecture models;
@@ -79,10 +79,10 @@ class RowVariant(Protocol):
 
     * :class:`unmask.engine.routed.RowRouter` (today): a *verifier* checkpoint's weights on the causal rows of
       speculative requests (``dllm.verifier``; docs/design.md section 13).
-    * a per-row low-rank adapter (next, the default-model issue): LoRA weights added on the mask rows. It wraps
-      each adapted linear so that ``y = W x + (B A x)`` on the variant rows only, with the row index that
-      ``select`` stores in the adapter's shared state, exactly as ``RowRouter`` stores its row index for its
-      :class:`~unmask.engine.routed.RoutedModule` s; it is attached with :meth:`LoadedModel.attach_row_variant`.
+    * :class:`unmask.engine.mask_adapter.MaskAdapter`: a LoRA delta on the mask (non-committed) rows, ``y = W x +
+      scale * B A x`` on the variant rows only (docs/design.md section 21). Its ``rows = "uncommitted"`` makes the
+      denoiser mark every valid non-committed row, whatever the strategy; it is attached after weight packing by
+      :func:`unmask.engine.adapter_files.apply_adapter`.
     """
 
     def select(self, variant_rows: torch.Tensor) -> ContextManager[None]:
