@@ -84,6 +84,8 @@ def main() -> int:
         modes[f"adapter-b4-t{t:g}"] = (adapted, dict(block_size=4, threshold=t, speculative=False))
         modes[f"parent-b4-t{t:g}"] = (parent, dict(block_size=4, threshold=t, speculative=False))
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for m, (llm, kw) in modes.items():  # warm-up (first-call allocations, thread pools), not timed
+        run_mode(llm, prompts[:1], SamplingParams.from_flat(**{**base, "max_tokens": 4}, **kw))
     for _ in range(args.repeats):  # interleaved repeats: load changes hit every mode alike
         for m, (llm, kw) in modes.items():
             runs[m].append(run_mode(llm, prompts, SamplingParams.from_flat(**base, **kw)))
