@@ -57,6 +57,14 @@ def test_training_lowers_the_loss_and_changes_only_the_adapter(setup, tmp_path, 
                                                          ignore_eos=True))[0].outputs[0].token_ids
     got = adapted.generate("count 3", SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert got.speculative and got.token_ids == ref
+    # the recipe's export: adapter-only, fp16 tensors, no training state, the parent named absolutely
+    from unmask.training.mask_adapter import export_adapter
+
+    exp = export_adapter(ckpt, tmp_path / "export", setup / "parent")
+    assert sorted(p.name for p in exp.iterdir()) == ["mask_adapter.json", "mask_adapter.safetensors"]
+    assert (exp / "mask_adapter.safetensors").stat().st_size < (ckpt / "mask_adapter.safetensors").stat().st_size
+    again = LLM(load_model(exp)).generate("count 3", SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    assert again.token_ids == ref
 
 
 def test_the_adapter_runs_on_the_noisy_copies_only():
