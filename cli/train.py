@@ -36,7 +36,8 @@ def register(sub, name):
                         "conversion of the AR parent); the saved checkpoints name it as their verifier")
     p.add_argument("--draft-groups", type=int, default=32,
                    help="--objective draft: draft groups (of --block-size masks) per example per step")
-    p.add_argument("--trainable", default="full", choices=["full", "freeze_ffn", "qk_only", "lora", "qlora"])
+    p.add_argument("--trainable", default="full", choices=["full", "freeze_ffn", "qk_only", "lora", "qlora", "mask_lora"],
+                   help="mask_lora: the mask-row adapter (LoRA only mask rows see; --lora-r/--lora-alpha/--lora-targets)")
     p.add_argument("--block-size", type=int, default=None, help="training block size (default: the checkpoint's)")
     p.add_argument("--complementary", action="store_true", help="also train the complementary mask of each block")
     p.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch per process")
@@ -86,7 +87,8 @@ def register(sub, name):
                    help="refuse to build an anchor cache larger than this")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names")
+    p.add_argument("--lora-targets", default=None,
+                   help="comma-separated module names (default: q_proj,k_proj,v_proj,o_proj; mask_lora: every projection)")
     p.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"])
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing, teacher=args.teacher, teacher_kl=args.teacher_kl,
         no_ce=args.no_ce, certainty=args.certainty, certainty_temperature=args.certainty_temperature,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-        lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
+        lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None,
         mixed_precision=args.mixed_precision, progress=not args.no_progress, verifier=args.verifier,
         draft_groups=args.draft_groups, fsdp=args.fsdp, align_weight=args.align_weight, align_layers=args.align_layers,
         align_exp=args.align_exp, align_confidence=args.align_confidence, align_teacher=args.align_teacher,

@@ -102,6 +102,8 @@ class Denoiser:
         valid = torch.zeros(B, Q, dtype=torch.bool, device=dev)
         # rows that run the model's row variant (today: a verifier for the causal rows of speculative requests)
         variant = torch.zeros(B, Q, dtype=torch.bool, device=dev) if self.model.has_row_variant else None
+        # a mask-row adapter (engine/mask_adapter.py) runs on every non-committed row, whatever the strategy
+        uncommitted = getattr(self.model.row_variant, "rows", None) == "uncommitted"
         lanes = []
         for b, (seq, li, inp) in enumerate(rows):
             n = int(inp.chunk.numel())
@@ -112,7 +114,7 @@ class Denoiser:
             committed[b, :n] = inp.committed
             valid[b, :n] = True
             if variant is not None:
-                rows_variant = seq.variant_rows(inp)
+                rows_variant = ~inp.committed if uncommitted else seq.variant_rows(inp)
                 if rows_variant is not None:
                     variant[b, :n] = rows_variant
             lane_cache = seq.lanes[li].cache

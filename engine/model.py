@@ -8,8 +8,8 @@ The denoiser only calls :meth:`LoadedModel.hidden_states`, :meth:`LoadedModel.lo
 Optional capabilities, one seam each (docs/design.md section 13); the core path reads the same without them:
 
 * per-row weight selection: a :class:`RowVariant` (``LoadedModel.row_variant``, ``variant_rows=``). Verifier
-  routing (:mod:`unmask.engine.routed`) is its first implementation; a per-row LoRA adapter on mask rows is meant
-  to be the second (see :class:`RowVariant`);
+  routing (:mod:`unmask.engine.routed`) is its first implementation, the mask-row adapter
+  (:mod:`unmask.engine.mask_adapter`) the second (see :class:`RowVariant`);
 * CPU weight packing: :func:`unmask.engine.packed_weights.pack_model` (``load_model(weights=...)`` calls it once),
   which also installs the fused decoder forward (``LoadedModel.decoder_forward``,
   :mod:`unmask.engine.fused_decoder`) for Llama-architecture models;
@@ -79,10 +79,10 @@ class RowVariant(Protocol):
 
     * :class:`unmask.engine.routed.RowRouter` (today): a *verifier* checkpoint's weights on the causal rows of
       speculative requests (``dllm.verifier``; docs/design.md section 13).
-    * a per-row low-rank adapter (next, the default-model issue): LoRA weights added on the mask rows. It wraps
-      each adapted linear so that ``y = W x + (B A x)`` on the variant rows only, with the row index that
-      ``select`` stores in the adapter's shared state, exactly as ``RowRouter`` stores its row index for its
-      :class:`~unmask.engine.routed.RoutedModule` s; it is attached with :meth:`LoadedModel.attach_row_variant`.
+    * :class:`unmask.engine.mask_adapter.MaskAdapter`: a LoRA delta on the mask (non-committed) rows, ``y = W x +
+      scale * B A x`` on the variant rows only (docs/design.md section 21). Its ``rows = "uncommitted"`` makes the
+      denoiser mark every valid non-committed row, whatever the strategy; it is attached after weight packing by
+      :func:`unmask.engine.adapter_files.apply_adapter`.
     """
 
     def select(self, variant_rows: torch.Tensor) -> ContextManager[None]:
@@ -114,6 +114,8 @@ class LoadedModel:
             transformers forward.
         draft_head: the draft-head seam: a :class:`~unmask.engine.draft_head.DraftHeadRuntime` when the checkpoint
             has one (``dllm.draft_head``); speculative requests then draft with it (``draft(...)``).
+        adapter: what :mod:`unmask.engine.adapter_files` attached (path, rank, alpha, targets, parameters, parent
+            hash) when a mask-row adapter is the row variant, else None.
     """
 
     model: Any
@@ -127,6 +129,7 @@ class LoadedModel:
     weight_format: str = "native"
     decoder_forward: Callable[..., torch.Tensor] | None = None
     draft_head: Any = None
+    adapter: dict | None = None
 
     def __post_init__(self) -> None:
         self.model.eval()
@@ -277,7 +280,8 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 def load_model(name_or_path: str | os.PathLike, family: str | None = None, device: str = "auto",
                dtype: str = "auto", weights: str = "auto", device_map: str | dict | None = None,
-               max_memory: str | dict | None = None, offload_folder: str | None = None) -> LoadedModel:
+               max_memory: str | dict | None = None, offload_folder: str | None = None,
+               adapter: str | os.PathLike | None = None, parent: str | os.PathLike | None = None) -> LoadedModel:
     """Load any supported dLLM checkpoint.
 
     Args:
@@ -290,16 +294,24 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         device_map, max_memory, offload_folder: split the layers between a device, CPU memory and disk with
             accelerate (:func:`unmask.engine.placement.place_model`; ``auto`` weights then stay ``native``).
 
+        adapter: a mask-row adapter directory to put on the checkpoint (docs/design.md section 21); a
+            self-contained or adapter-only ``name_or_path`` needs none. parent: an adapter-only checkpoint's parent
+            directory (default: the adapter's ``parent.name`` hint).
+
+
     Raises:
         CheckpointError: (one line, naming the file) the directory is not a checkpoint of a known family, or it is
             corrupt, incomplete, a writer's staging directory, or holds non-finite weights
-            (:mod:`unmask.engine.checkpoint_check`, docs/design.md section 16).
+            (:mod:`unmask.engine.checkpoint_check`, docs/design.md section 16); an adapter whose parent hash
+            differs from the checkpoint's (section 21).
         ValueError: a bad ``device``, ``dtype`` or ``weights`` (the message names it).
     """
     from .checkpoint_check import load_checked
     from .families import detect_family, get_family
 
-    path = resolve_model_path(str(name_or_path))
+    from .adapter_files import apply_adapter, resolve_adapter
+
+    path, adapter_dir = resolve_adapter(resolve_model_path(str(name_or_path)), adapter, parent)
     config = read_config(path)
     name = family or detect_family(config, path)
     dev = resolve_device(device)
@@ -317,4 +329,5 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
 
         place_model(loaded, device_map, max_memory, offload_folder)
     pack_model(loaded, fmt)
+    apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md section 21), after packing
     return loaded

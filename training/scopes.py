@@ -6,6 +6,8 @@
 * ``qk_only``: only the query and key projections (the seed's most extreme ablation).
 * ``lora``: peft LoRA adapters (``--lora-r --lora-alpha --lora-targets``) on a frozen full-precision base.
 * ``qlora``: the same adapters on a bitsandbytes NF4 base (CPU and CUDA).
+* ``mask_lora``: the mask-row adapter (:mod:`unmask.training.mask_adapter`): LoRA that only mask rows see, and the
+  mask token's input embedding, on a frozen parent; saved adapter-only.
 
 In every scope the mask token's embedding row and its LM-head row stay trainable (the row conversion added):
 where the embedding / head matrix is otherwise frozen it is made trainable with a gradient hook that zeroes every
@@ -22,7 +24,7 @@ import torch
 from unmask.engine.config import DllmConfig
 from unmask.engine.model import read_config
 
-SCOPES = ("full", "freeze_ffn", "qk_only", "lora", "qlora")
+SCOPES = ("full", "freeze_ffn", "qk_only", "lora", "qlora", "mask_lora")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 FFN_NAMES = (".mlp.", ".feed_forward.", ".ffn.")
 QK_NAMES = (".q_proj.", ".k_proj.")
@@ -153,6 +155,12 @@ def prepare_model(path: str | Path, scope: str = "full", lora_r: int = 16, lora_
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tm = TrainModel(model=model, tokenizer=tok, dllm=dllm, path=str(path), scope=scope,
                     row_ids=[dllm.mask_token_id])
+    if scope == "mask_lora":
+        from .mask_adapter import prepare
+
+        prepare(tm, lora_r, lora_alpha, lora_targets)
+        tm.model.train()
+        return tm
     if scope in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
@@ -188,7 +196,7 @@ def _lora_config(lora: dict):
 def trainable_state(tm: TrainModel) -> dict[str, torch.Tensor]:
     """The tensors resume needs beyond the servable weights: for LoRA scopes every trainable parameter (adapters,
     embedding and head), for the others nothing (the servable weights are the parameters)."""
-    if tm.lora is None:
+    if tm.lora is None and tm.scope != "mask_lora":
         return {}
     return {n: p.detach().to("cpu", torch.float32).clone() for n, p in tm.trainable_named()}
 

@@ -124,7 +124,9 @@ class TrainConfig:
         from .scopes import DEFAULT_LORA_TARGETS
 
         if self.lora_targets is None:
-            self.lora_targets = list(DEFAULT_LORA_TARGETS)
+            from unmask.engine.mask_adapter import DEFAULT_TARGETS
+
+            self.lora_targets = list(DEFAULT_TARGETS if self.trainable == "mask_lora" else DEFAULT_LORA_TARGETS)
         self.lora_targets = list(self.lora_targets)
         if self.objective not in OBJECTIVES:
             raise TrainError(f"--objective: {self.objective!r} is not one of {OBJECTIVES}")
@@ -178,8 +180,12 @@ class TrainConfig:
             raise TrainError("--eval-every: needs --eval-data FILE (held-out prompts)")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise TrainError(f"--mixed-precision: {self.mixed_precision!r} is not one of auto, no, bf16, fp16")
+        if self.trainable == "mask_lora" and self.objective not in ("block", "draft"):
+            raise TrainError(f"--trainable mask_lora: trains --objective block or draft, not {self.objective}")
+        if self.trainable == "mask_lora" and self.verifier:
+            raise TrainError("--verifier: --trainable mask_lora verifies with the parent itself (no --verifier)")
         if self.objective == "draft":
-            if not self.verifier:
+            if not self.verifier and self.trainable != "mask_lora":
                 raise TrainError("--objective draft: needs --verifier DIR (the checkpoint whose causal path verifies "
                                  "the drafts, e.g. the untrained conversion of the AR parent)")
             if self.teacher_kl > 0 or self.complementary or self.certainty > 0:
@@ -534,11 +540,11 @@ class Trainer:
             saved = state["config"]
             keys = ["objective", "trainable", "batch_size", "grad_accum", "seq_len", "seed", "block_size",
                     "complementary", "max_steps", "lr_schedule", "warmup", "eps", "fsdp"]
-            if cfg.trainable in ("lora", "qlora"):
+            if cfg.trainable in ("lora", "qlora", "mask_lora"):
                 keys += ["lora_r", "lora_alpha", "lora_targets"]
             if cfg.align_weight > 0:  # (runs saved before Repr-Align existed have no align keys)
                 keys += ["align_weight", "align_layers", "align_exp", "align_confidence"]
-            if cfg.objective == "draft":  # (runs saved before the draft objective existed have neither key)
+            if cfg.objective == "draft" and cfg.trainable != "mask_lora":  # (runs saved before the draft objective existed have neither key)
                 keys += ["draft_groups", "verifier"]
                 saved = {**saved, "verifier": saved.get("verifier") and str(Path(saved["verifier"]).expanduser()
                                                                             .resolve())}
@@ -552,7 +558,7 @@ class Trainer:
             if state.get("world_size", 1) != acc.num_processes:
                 raise TrainError(f"--resume: the run being resumed used {state.get('world_size', 1)} processes, this "
                                  f"one {acc.num_processes} (the data order depends on it)")
-            if cfg.trainable not in ("lora", "qlora"):
+            if cfg.trainable not in ("lora", "qlora", "mask_lora"):
                 src = str(self.resume_from)  # its weights are the trained parameters, bit for bit
         if state is None and acc.is_main_process:
             note = repeated_data_order_note(cfg)
@@ -583,6 +589,9 @@ class Trainer:
             if self.block_size < 2:
                 raise TrainError(f"--block-size: the draft objective drafts from groups of >= 2 masks, got "
                                  f"{self.block_size}")
+            if cfg.trainable == "mask_lora":  # the parent verifies (training/mask_adapter.py)
+                dllm.block_size = self.block_size
+        if cfg.objective == "draft" and cfg.trainable != "mask_lora":
             self.verifier = load_verifier(cfg.verifier, acc.device, dllm)
             from unmask.engine.routed import architecture_mismatch
 
@@ -625,6 +634,10 @@ class Trainer:
             raise TrainError("--fsdp: not with --align-weight or --objective trajectory (untested together; "
                              "docs/design.md section 18)")
         self.forward = DraftForward(self.tm, self.verifier) if self.verifier is not None else DiffusionForward(self.tm)
+        if cfg.trainable == "mask_lora":
+            from .mask_adapter import forward_module
+
+            self.forward = forward_module(self.tm, cfg.objective)
         # before the optimizer sees the parameters; the module the loop calls is the root unit
         self.sharded = cfg.fsdp and shard_model(self.forward, self.tm.model, acc.device)
         self.trajectories = None
@@ -787,8 +800,6 @@ class Trainer:
 
             full = full_states(self.forward, self.optimizer)
         if acc.is_main_process:
-            from unmask.engine.checkpoint import write_checkpoint
-
             orphan = False
             if path.exists() and any(path.iterdir()):
                 if resolve_latest(self.out) == path:
@@ -801,26 +812,44 @@ class Trainer:
                         "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
                         "trainable": trainable_state(self.tm), "config": dataclasses.asdict(self.cfg),
                         "world_size": acc.num_processes}, buf)
-            if full:
-                from .distributed import servable_model
+            if self.tm.scope == "mask_lora":  # an adapter-only checkpoint (training/mask_adapter.py)
+                from .mask_adapter import save as save_adapter
 
-                model = servable_model(self.tm.path, full[0])
+                try:
+                    save_adapter(path, self.tm, self.block_size, self.cfg.objective, buf.getvalue(),
+                                 {"step": self.step, "data": str(self.cfg.data)})
+                except ValueError as exc:
+                    raise TrainError(f"step {self.step}: {exc}") from exc
+                _write_latest(self.out, path.name)
+                if self.cfg.keep_last:
+                    prune_checkpoints(self.out, self.cfg.keep_last)
             else:
-                model = merged_full_precision(self.tm)
-            bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
-            if bad:
-                raise TrainError(f"step {self.step}: non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); "
-                                 f"not saving - lower --lr or --max-grad-norm (the last good checkpoint stays latest)")
-            write_checkpoint(path, model, self.tm.tokenizer, self.tm.dllm, overwrite=orphan,
-                             extra_files={"training_state.pt": buf.getvalue()})
-            _write_latest(self.out, path.name)
-            if self.cfg.keep_last:
-                prune_checkpoints(self.out, self.cfg.keep_last)
-            if self.metrics_path.is_file():
-                with contextlib.suppress(Exception):
-                    plot_metrics(self.metrics_path, self.out / "loss.png")
+                self._write_full_checkpoint(path, full, buf, orphan)
         acc.wait_for_everyone()
         return path
+
+    def _write_full_checkpoint(self, path: Path, full, buf: io.BytesIO, orphan: bool) -> None:
+        """Process 0: the merged (or FSDP-gathered) full-precision model as a servable checkpoint at ``path``."""
+        from unmask.engine.checkpoint import write_checkpoint
+
+        if full:
+            from .distributed import servable_model
+
+            model = servable_model(self.tm.path, full[0])
+        else:
+            model = merged_full_precision(self.tm)
+        bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise TrainError(f"step {self.step}: non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); "
+                             f"not saving - lower --lr or --max-grad-norm (the last good checkpoint stays latest)")
+        write_checkpoint(path, model, self.tm.tokenizer, self.tm.dllm, overwrite=orphan,
+                         extra_files={"training_state.pt": buf.getvalue()})
+        _write_latest(self.out, path.name)
+        if self.cfg.keep_last:
+            prune_checkpoints(self.out, self.cfg.keep_last)
+        if self.metrics_path.is_file():
+            with contextlib.suppress(Exception):
+                plot_metrics(self.metrics_path, self.out / "loss.png")
 
     def _open_metrics(self) -> None:
         self.metrics_path = self.out / "metrics.csv"

@@ -42,7 +42,7 @@ def test_serve_without_model_serves_the_default_and_says_which(tmp_path):
             assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
             time.sleep(1)
         text = log_path.read_text()
-        served = re.search(r"serving (the (UNTRAINED|trained) .*?) as '([^']+)'", text)
+        served = re.search(r"serving (the (UNTRAINED|trained|default) .*?) as '([^']+)'", text)
         assert served, text[-2000:]
         name = served.group(3)
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == name
@@ -55,6 +55,22 @@ def test_serve_without_model_serves_the_default_and_says_which(tmp_path):
         if served.group(2) == "UNTRAINED":  # block_size 1: one token per forward, exactly the AR parent's decoding
             assert "block_size=1" in text
             assert body["usage"]["nfe"] == body["usage"]["completion_tokens"]
+        if served.group(2) == "default":  # the parent + the shipped mask-row adapter (docs/design.md section 21)
+            assert "mask-row adapter" in text
+            msgs = [{"role": "user", "content": "Write a sentence about the sea."}]
+            greedy = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+                "model": name, "messages": msgs, "max_tokens": 32, "temperature": 0}).json()
+            parent = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+                "model": name, "messages": msgs, "max_tokens": 32, "temperature": 0, "block_size": 1,
+                "speculative": False}).json()
+            # greedy requests get the parent's exact answer (block 1 runs only the parent's weights)
+            assert greedy["choices"][0]["message"]["content"] == parent["choices"][0]["message"]["content"]
+            diffusion = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+                "model": name, "messages": msgs, "max_tokens": 32, "temperature": 0, "block_size": 4,
+                "threshold": 0.5}).json()
+            usage = diffusion["usage"]
+            assert diffusion["choices"][0]["message"]["content"].strip()
+            assert usage["completion_tokens"] > usage["nfe"], usage  # parallel decoding: TPF above 1
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

@@ -193,7 +193,8 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     if not latest.is_file():
         return None
     ckpt = Path(out_dir) / latest.read_text().strip()
-    return ckpt if (ckpt / "config.json").is_file() else None
+    # a full checkpoint, or an adapter-only one (--trainable mask_lora)
+    return ckpt if (ckpt / "config.json").is_file() or (ckpt / "mask_adapter.json").is_file() else None
 
 
 def step_of(ckpt: Path | None) -> int:
@@ -513,6 +514,13 @@ class Recipe:
         src = trained_fp32_checkpoint(self.work)
         if src is None:
             raise RecipeError(f"export: no training checkpoint in {self.train_dir}; run the train stage")
+        if self.cfg.trainable == "mask_lora":  # an adapter-only export (training/mask_adapter.py)
+            from unmask.training.mask_adapter import export_adapter
+
+            export_adapter(src, self.out, self.converted)
+            self._mark("export", source=str(src), adapter=True)
+            self._say("export", f"{src} -> {self.out} (mask-row adapter over {self.converted})")
+            return
         done = self.state["stages"].get("export", {})
         stamp = _weights_stamp(src)
         if (is_checkpoint(self.out) and done.get("source") == str(src) and done.get("source_stamp") == stamp
@@ -641,7 +649,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--trainable", default=d.trainable, help="full | freeze_ffn | qk_only | lora | qlora")
+    p.add_argument("--trainable", default=d.trainable,
+                   help="full | freeze_ffn | qk_only | lora | qlora | mask_lora (the mask-row adapter; exported adapter-only)")
     p.add_argument("--complementary", action="store_true", help="complementary masks (two noisy views)")
     p.add_argument("--certainty", type=float, default=d.certainty,
                    help="certainty-forcing weight (dParallel): sharpen correct predictions so threshold decoding "

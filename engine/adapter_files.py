@@ -1,0 +1,272 @@
+"""Mask-row adapter checkpoints on disk: adapter-only and self-contained (docs/design.md section 21).
+
+Two files describe an adapter, in one directory:
+
+* ``mask_adapter.json`` (not ``adapter_config.json``: transformers would read that as a peft adapter): ``{"format": "unmask-mask-adapter", "version": 1, "rank", "alpha", "targets",
+  "mask_token_id", "parent": {"sha256": CONTENT_HASH, "name": HINT, "gguf_sha256"?: ...}, "dllm": {overrides of
+  the parent's dllm section: block_size, default_sampling}, "training"?: {...}}``;
+* ``mask_adapter.safetensors``: ``layers.<i>.<target>.lora_A`` ``[r, in]``, ``.lora_B`` ``[out, r]`` float32 (or
+  float16) and ``mask_embedding`` ``[H]``.
+
+An **adapter-only** checkpoint is just that directory; its parent (an a2d checkpoint directory, for example the
+conversion of a GGUF file) is named by a content hash (:func:`parent_hash`) and found through ``parent=`` or the
+``parent.name`` hint (relative to the adapter directory or absolute). A **self-contained** checkpoint is the
+parent's own directory (``config.json``, weights, tokenizer) with the two adapter files side by side. Loading
+refuses a parent whose hash differs, in one line. Merging the delta into the weights would change the causal rows
+too: a merged model is a different, full-weight model and is not written here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .config import CheckpointError, DllmConfig, read_json_file
+from .mask_adapter import AdapterWeights
+
+ADAPTER_CONFIG = "mask_adapter.json"
+ADAPTER_WEIGHTS = "mask_adapter.safetensors"
+FORMAT = "unmask-mask-adapter"
+#: dllm fields an adapter may override on its parent
+OVERRIDABLE = ("block_size", "default_sampling")
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds an adapter (``mask_adapter.json`` naming the mask-adapter format)."""
+    cfg = Path(path) / ADAPTER_CONFIG
+    if not cfg.is_file():
+        return False
+    data = read_json_file(cfg)
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
+HASH_CACHE = ".unmask-content-hash.json"
+
+
+def parent_hash(path: str | os.PathLike) -> str:
+    """Content hash of a checkpoint's weights: sha256 over every safetensors tensor, sorted by name, of
+    ``name | dtype | shape | raw bytes`` (so re-saving the same tensors keeps it; config and tokenizer do not
+    count). ``sha256:<hex>``. The result is cached in ``<path>/.unmask-content-hash.json`` keyed by the weight
+    files' names, sizes and modification times (when the directory is writable): hashing 0.5 GB takes seconds.
+
+    Raises:
+        CheckpointError: no ``*.safetensors`` files in ``path``.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != ADAPTER_WEIGHTS]
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights to hash (the adapter's parent must be a "
+                              f"safetensors checkpoint directory)")
+    key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    cached = read_json_file(path / HASH_CACHE) if (path / HASH_CACHE).is_file() else None
+    if isinstance(cached, dict) and cached.get("files") == key and str(cached.get("sha256", "")).startswith("sha256:"):
+        return cached["sha256"]
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    h = hashlib.sha256()
+    for name in sorted(where):
+        t = where[name].get_tensor(name)
+        h.update(f"{name}|{str(t.dtype).replace('torch.', '')}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    digest = "sha256:" + h.hexdigest()
+    try:
+        tmp = path / f"{HASH_CACHE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps({"files": key, "sha256": digest}) + "\n", encoding="utf-8")
+        os.replace(tmp, path / HASH_CACHE)
+    except OSError:  # a read-only parent: hash again next time
+        pass
+    return digest
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """``sha256:<hex>`` of a file's bytes (a GGUF parent's provenance)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def write_adapter(out: str | os.PathLike, weights: AdapterWeights, parent: dict, dllm: dict | None = None,
+                  training: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``mask_adapter.json`` + ``mask_adapter.safetensors`` into ``out`` (created; existing adapter files are
+    replaced atomically, file by file, with ``os.replace``). ``parent``: at least ``sha256`` (and a ``name``
+    hint). ``dtype``: float32 or float16 for the stored tensors. Returns ``out``.
+
+    Raises:
+        ValueError: ``parent`` has no ``sha256``, or a ``dllm`` key is not overridable (names it).
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(parent, dict) or not str(parent.get("sha256", "")).startswith("sha256:"):
+        raise ValueError("parent: needs a 'sha256' content hash (engine.adapter_files.parent_hash)")
+    bad = sorted(set(dllm or {}) - set(OVERRIDABLE))
+    if bad:
+        raise ValueError(f"dllm: {bad} cannot be overridden by an adapter (only {', '.join(OVERRIDABLE)})")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"format": FORMAT, "version": 1, "rank": weights.rank, "alpha": weights.alpha,
+           "targets": list(weights.targets), "mask_token_id": weights.mask_token_id, "parent": parent,
+           "dllm": dict(dllm or {}), "n_parameters": weights.n_parameters()}
+    if training:
+        cfg["training"] = training
+    tensors = {k: v.to(dtype) for k, v in weights.state_dict().items()}
+    tmp_w = out / f".{ADAPTER_WEIGHTS}.tmp-{os.getpid()}"
+    save_file(tensors, str(tmp_w), metadata={"format": FORMAT})
+    os.replace(tmp_w, out / ADAPTER_WEIGHTS)
+    tmp_c = out / f".{ADAPTER_CONFIG}.tmp-{os.getpid()}"
+    tmp_c.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp_c, out / ADAPTER_CONFIG)
+    return out
+
+
+def read_adapter(path: str | os.PathLike) -> tuple[AdapterWeights, dict]:
+    """``(weights, config dict)`` of the adapter in ``path``.
+
+    Raises:
+        CheckpointError: a missing/invalid file or field (names the file and field), tensors that do not match
+            the declared rank.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / ADAPTER_CONFIG
+    cfg = read_json_file(cfg_file)
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
+        raise CheckpointError(f"{cfg_file}: not a mask-adapter config (format must be {FORMAT!r})")
+    for key, kind in (("rank", int), ("alpha", (int, float)), ("targets", list), ("mask_token_id", int),
+                      ("parent", dict)):
+        if not isinstance(cfg.get(key), kind) or isinstance(cfg.get(key), bool):
+            raise CheckpointError(f"{cfg_file}: field {key!r} missing or not a {getattr(kind, '__name__', 'number')}")
+    wfile = path / ADAPTER_WEIGHTS
+    if not wfile.is_file():
+        raise CheckpointError(f"{wfile}: missing (the adapter's weights)")
+    try:
+        tensors = load_file(str(wfile))
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{wfile}: unreadable ({exc})") from exc
+    w = AdapterWeights(rank=cfg["rank"], alpha=float(cfg["alpha"]), targets=tuple(cfg["targets"]),
+                       mask_token_id=cfg["mask_token_id"])
+    for key, t in tensors.items():
+        if key == "mask_embedding":
+            w.mask_embedding = t.float()
+            continue
+        parts = key.split(".")
+        if len(parts) != 4 or parts[0] != "layers" or parts[3] not in ("lora_A", "lora_B"):
+            raise CheckpointError(f"{wfile}: unexpected tensor {key!r}")
+        i, target = int(parts[1]), parts[2]
+        a, b = w.layers.get((i, target), (None, None))
+        if parts[3] == "lora_A":
+            a = t.float()
+        else:
+            b = t.float()
+        w.layers[(i, target)] = (a, b)
+    for (i, target), (a, b) in w.layers.items():
+        if a is None or b is None or a.shape[0] != w.rank or b.shape[1] != w.rank:
+            raise CheckpointError(f"{wfile}: layers.{i}.{target}: lora_A/lora_B missing or not of rank {w.rank}")
+    return w, cfg
+
+
+def resolve_adapter(path: Path, adapter: str | os.PathLike | None = None,
+                    parent: str | os.PathLike | None = None) -> tuple[Path, Path | None]:
+    """``(the checkpoint directory to load, the adapter directory or None)`` for ``load_model``.
+
+    ``path`` is a self-contained checkpoint (``config.json`` and the adapter files), an adapter-only directory
+    (its parent from ``parent`` or the config's ``parent.name`` hint), or a plain checkpoint (``adapter`` names an
+    adapter directory to put on it, or None).
+
+    Raises:
+        CheckpointError: an adapter-only directory whose parent cannot be found (names ``parent``).
+    """
+    if adapter is not None:
+        return path, Path(adapter).expanduser()
+    if not is_adapter_dir(path):
+        return path, None
+    if (path / "config.json").is_file():
+        return path, path  # self-contained
+    if parent is None:
+        _, cfg = _peek(path)
+        hint = str(cfg["parent"].get("name") or "")
+        cand = Path(hint).expanduser()
+        if hint and not cand.is_absolute():
+            cand = path / cand
+        if not hint or not (cand / "config.json").is_file():
+            raise CheckpointError(f"{path / ADAPTER_CONFIG}: parent: {hint or '(no name)'} is not a checkpoint "
+                                  f"directory; pass the parent (parent=DIR, --parent DIR)")
+        parent = cand
+    return Path(parent).expanduser(), path
+
+
+def _peek(path: Path) -> tuple[None, dict]:
+    cfg = read_json_file(path / ADAPTER_CONFIG)
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("parent"), dict):
+        raise CheckpointError(f"{path / ADAPTER_CONFIG}: field 'parent' missing or not an object")
+    return None, cfg
+
+
+def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -> None:
+    """Read the adapter in ``adapter_dir`` (None: nothing), check the parent's content hash, apply its ``dllm``
+    overrides and attach it (:func:`unmask.engine.mask_adapter.attach_mask_adapter`).
+
+    Raises:
+        CheckpointError: the parent's hash differs (one line naming both), a bad adapter file, or a bad override.
+    """
+    if adapter_dir is None:
+        return
+    from .mask_adapter import attach_mask_adapter
+
+    weights, cfg = read_adapter(adapter_dir)
+    want = cfg["parent"].get("sha256")
+    if check_parent:
+        got = parent_hash(loaded.path)
+        if got != want:
+            raise CheckpointError(f"{adapter_dir / ADAPTER_CONFIG}: parent hash {want} differs from {loaded.path}'s "
+                                  f"{got}: this adapter was trained on another parent")
+    overrides = cfg.get("dllm") or {}
+    bad = sorted(set(overrides) - set(OVERRIDABLE))
+    if bad:
+        raise CheckpointError(f"{adapter_dir / ADAPTER_CONFIG}: dllm.{bad[0]} cannot be overridden by an adapter")
+    if overrides:
+        merged = {**loaded.dllm.to_dict(), **overrides}
+        loaded.dllm = DllmConfig.from_dict(merged, where=f"{adapter_dir / ADAPTER_CONFIG}:dllm")
+    try:
+        attach_mask_adapter(loaded, weights)
+    except ValueError as exc:
+        raise CheckpointError(f"{adapter_dir}: {exc}") from exc
+    loaded.adapter = {"path": str(adapter_dir), "rank": weights.rank, "alpha": weights.alpha,
+                      "targets": list(weights.targets), "n_parameters": weights.n_parameters(),
+                      "parent_sha256": want}
+
+
+def write_self_contained(out: str | os.PathLike, parent_dir: str | os.PathLike, adapter_dir: str | os.PathLike
+                         ) -> Path:
+    """Copy the parent checkpoint (every file) and the adapter files into ``out`` (must not exist), via a
+    temporary name renamed into place. Returns ``out``.
+
+    Raises:
+        CheckpointError: ``out`` exists, or the parent is not a checkpoint directory.
+    """
+    import shutil
+
+    out, parent_dir, adapter_dir = Path(out), Path(parent_dir), Path(adapter_dir)
+    if out.exists():
+        raise CheckpointError(f"{out}: exists; choose a new directory")
+    if not (parent_dir / "config.json").is_file():
+        raise CheckpointError(f"{parent_dir}: not a checkpoint directory (no config.json)")
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(parent_dir, tmp, ignore=shutil.ignore_patterns("*.tmp-*", "training_state.pt"))
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copy2(adapter_dir / name, tmp / name)
+    cfg = json.loads((tmp / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    cfg["parent"] = {**cfg["parent"], "name": "."}
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,53 @@
+"""``unmask serve`` with no MODEL: the parent conversion + the shipped mask-row adapter (cli/serve.py
+``default_with_adapter``; docs/design.md section 21), and the fallbacks when there is no adapter."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+import tiny
+from unmask.engine.adapter_files import ADAPTER_CONFIG, parent_hash, write_adapter
+from unmask.engine.checkpoint import write_checkpoint
+from unmask.engine.mask_adapter import init_adapter
+from unmask.engine.model import load_model
+
+
+def _shipped(tmp_path):
+    m = tiny.loaded()
+    parent = tmp_path / "models" / "smollm2-135m-a2d"
+    write_checkpoint(parent, m.model, m.tokenizer, m.dllm)
+    w = init_adapter(m.model.base_model, 2, 4.0, mask_token_id=m.dllm.mask_token_id,
+                     generator=torch.Generator().manual_seed(0))
+    write_adapter(tmp_path / "pkg", w, {"sha256": parent_hash(parent), "name": "smollm2-135m-a2d"},
+                  dllm={"block_size": 4, "default_sampling": {"speculative": True, "temperature": 0.0}})
+    return parent, tmp_path / "pkg"
+
+
+def test_the_default_is_the_parent_plus_the_shipped_adapter(monkeypatch, tmp_path):
+    import unmask.default_adapter as pkg
+    from unmask.cli import serve
+
+    parent, shipped = _shipped(tmp_path)
+    monkeypatch.setattr(pkg, "directory", lambda: shipped)
+    path, block, what = serve.default_with_adapter(parent)
+    assert block is None and "mask-row adapter" in what and "rank 2" in what
+    cfg = json.loads((tmp_path / "models" / "smollm2-135m-a2d-mask-adapter" / ADAPTER_CONFIG).read_text())
+    assert cfg["parent"]["name"] == str(parent.resolve())
+    lm = load_model(path)  # finds the parent through the hint, checks its hash
+    assert lm.adapter is not None and lm.dllm.block_size == 4 and lm.dllm.default_sampling["speculative"]
+    assert serve.default_with_adapter(parent)[0] == path  # the second start reuses the copy
+
+
+def test_no_adapter_files_or_opt_out_falls_back(monkeypatch, tmp_path):
+    import unmask.default_adapter as pkg
+    from unmask.cli import serve
+
+    parent, shipped = _shipped(tmp_path)
+    monkeypatch.setattr(pkg, "directory", lambda: tmp_path / "empty")
+    assert serve.default_with_adapter(parent) is None
+    monkeypatch.setattr(pkg, "directory", lambda: shipped)
+    monkeypatch.setenv("UNMASK_DEFAULT_ADAPTER", "0")
+    assert serve.default_with_adapter(parent) is None
+    monkeypatch.delenv("UNMASK_DEFAULT_ADAPTER")
+    assert serve.default_with_adapter(tmp_path / "missing") is None

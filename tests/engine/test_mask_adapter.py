@@ -1,0 +1,130 @@
+"""The mask-row adapter (unmask.engine.mask_adapter, docs/design.md section 21): only non-committed rows see the
+delta (causal rows are the parent's bit for bit through the same engine path, native and fp16-packed), block 1
+and speculative decoding give the parent's tokens, plain diffusion differs, adapter-only = self-contained, and a
+parent with another content hash is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tiny
+from unmask.engine import LLM, SamplingParams
+from unmask.engine.adapter_files import (ADAPTER_CONFIG, parent_hash, read_adapter, write_adapter,
+                                         write_self_contained)
+from unmask.engine.attention import build_attention_mask
+from unmask.engine.checkpoint import write_checkpoint
+from unmask.engine.config import CheckpointError
+from unmask.engine.mask_adapter import init_adapter
+from unmask.engine.model import load_model
+from unmask.engine.packed_weights import fbgemm_available
+
+FORMATS = ["native"] + (["fp16"] if fbgemm_available() else [])
+PROMPT = "Hello world the quick brown"
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mask_adapter")
+    m = tiny.loaded(initializer_range=0.5)
+    write_checkpoint(tmp / "parent", m.model, m.tokenizer, m.dllm)
+    w = init_adapter(m.model.base_model, 4, 8.0, mask_token_id=m.dllm.mask_token_id,
+                     generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    for k, (a, b) in w.layers.items():  # a non-zero B: a fresh adapter is the identity
+        w.layers[k] = (a, 0.5 * torch.randn(b.shape, generator=g))
+    w.mask_embedding = torch.randn(w.mask_embedding.shape, generator=g)
+    write_adapter(tmp / "adapter", w, {"sha256": parent_hash(tmp / "parent"), "name": str(tmp / "parent")},
+                  dllm={"block_size": 4, "default_sampling": {"speculative": True, "temperature": 0.0}})
+    write_self_contained(tmp / "self_contained", tmp / "parent", tmp / "adapter")
+    return tmp
+
+
+def _forward_rows(lm):
+    """One forward of 6 committed causal rows followed by a 4-row mask group (as a speculative step's):
+    ``(hidden [10, H], variant_rows [10])``."""
+    P, G = 6, 4
+    ids = torch.tensor([[5, 17, 33, 9, 41, 12] + [lm.dllm.mask_token_id] * G])
+    pos = torch.tensor([list(range(P)) + list(range(P, P + G))])
+    grp = torch.tensor([list(range(P)) + [1 << 40] * G])
+    start = torch.tensor([list(range(P)) + [P] * G])
+    committed = torch.tensor([[True] * P + [False] * G])
+    valid = torch.ones_like(committed)
+    mask = build_attention_mask(pos, grp, start, valid, pos, grp, committed, valid)
+    with torch.inference_mode():
+        h = lm.hidden_states(ids, pos, mask, variant_rows=~committed if lm.has_row_variant else None)
+        logits = lm.logits(h[0], variant_rows=~committed[0] if lm.has_row_variant else None)
+    return logits, committed[0]
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+def test_causal_rows_are_the_parents_bit_for_bit_and_mask_rows_see_the_adapter(ckpts, weights):
+    parent = load_model(ckpts / "parent", weights=weights)
+    adapted = load_model(ckpts / "adapter", weights=weights)
+    assert adapted.has_row_variant and adapted.adapter["rank"] == 4 and adapted.weight_format == parent.weight_format
+    lp, committed = _forward_rows(parent)
+    la, _ = _forward_rows(adapted)
+    assert torch.equal(lp[committed], la[committed])
+    assert (lp[~committed] - la[~committed]).abs().max() > 1e-2
+
+
+def _gen(llm, **kw):
+    return llm.generate(PROMPT, SamplingParams.from_flat(max_tokens=14, ignore_eos=True, **kw))[0].outputs[0]
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+def test_block1_and_speculative_give_the_parents_tokens_and_diffusion_differs(ckpts, weights):
+    parent = LLM(load_model(ckpts / "parent", weights=weights))
+    adapted = LLM(load_model(ckpts / "adapter", weights=weights))
+    ref = _gen(parent, temperature=0, block_size=1).token_ids
+    assert _gen(adapted, temperature=0, block_size=1).token_ids == ref
+    for branches in (None, 0):
+        spec = _gen(adapted, block_size=4, speculative=True, speculative_branches=branches)
+        assert spec.speculative and spec.token_ids == ref
+    default = _gen(adapted)  # the adapter's default: speculative, greedy
+    assert default.token_ids == ref
+    plain = dict(temperature=0, block_size=4, speculative=False)
+    assert _gen(adapted, **plain).token_ids != _gen(parent, **plain).token_ids
+
+
+def test_adapter_only_and_self_contained_give_the_same_tokens(ckpts):
+    a = LLM(load_model(ckpts / "adapter", parent=ckpts / "parent"))
+    b = LLM(load_model(ckpts / "self_contained"))
+    c = LLM(load_model(ckpts / "parent", adapter=ckpts / "adapter"))
+    kw = dict(temperature=0, block_size=4, speculative=False)
+    assert _gen(a, **kw).token_ids == _gen(b, **kw).token_ids == _gen(c, **kw).token_ids
+    assert json.loads((ckpts / "self_contained" / ADAPTER_CONFIG).read_text())["parent"]["name"] == "."
+
+
+def test_a_parent_with_another_hash_is_refused_in_one_line(ckpts, tmp_path):
+    other = tiny.loaded(initializer_range=0.5, seed=3)
+    write_checkpoint(tmp_path / "other", other.model, other.tokenizer, other.dllm)
+    with pytest.raises(CheckpointError, match="parent hash .* differs") as err:
+        load_model(ckpts / "adapter", parent=tmp_path / "other")
+    assert "\n" not in str(err.value)
+
+
+def test_adapter_only_without_a_findable_parent_names_it(ckpts, tmp_path):
+    import shutil
+
+    shutil.copytree(ckpts / "adapter", tmp_path / "ad")
+    cfg = json.loads((tmp_path / "ad" / ADAPTER_CONFIG).read_text())
+    cfg["parent"]["name"] = "nowhere"
+    (tmp_path / "ad" / ADAPTER_CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="parent"):
+        load_model(tmp_path / "ad")
+
+
+def test_bad_adapter_tensors_name_the_file(ckpts, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    import shutil
+
+    shutil.copytree(ckpts / "adapter", tmp_path / "ad")
+    f = tmp_path / "ad" / "mask_adapter.safetensors"
+    t = load_file(str(f))
+    t.pop(next(k for k in t if k.endswith("lora_B")))
+    save_file(t, str(f))
+    with pytest.raises(CheckpointError, match="mask_adapter.safetensors"):
+        read_adapter(tmp_path / "ad")

@@ -1,0 +1,176 @@
+"""Training the mask-row adapter (``--trainable mask_lora``; docs/design.md sections 7 and 21).
+
+The parent checkpoint is frozen; the only trainable tensors are the adapter's LoRA matrices (the engine's own
+:class:`unmask.engine.mask_adapter.MaskLoRALinear`, so what is trained is exactly what decodes) and the mask
+token's input embedding (:class:`~unmask.engine.mask_adapter.MaskEmbedding`). The adapter runs only on variant
+rows, as in the engine:
+
+* ``block``: the noisy copies of the answer blocks are the variant rows; the clean copy (committed context) runs
+  the parent. A row of the block layout is a noisy copy exactly when its position differs from its column (the
+  clean copy sits at columns ``0..n-1`` with positions ``0..n-1``; noisy copies repeat earlier positions).
+* ``draft``: the parent forwards the clean context causally (no adapter, no gradient; it is the verifier) and the
+  draft groups - all mask rows - run with the adapter against the parent's keys/values.
+
+The loss is therefore restricted to mask rows: every scored output is a variant row's, except the first position
+of a block, whose logits come from the committed token before it (the parent's; constant, no gradient). Saved
+checkpoints are adapter-only (:mod:`unmask.engine.adapter_files`) naming the parent by its content hash.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from unmask.engine.adapter_files import parent_hash, write_adapter
+from unmask.engine.mask_adapter import DEFAULT_TARGETS, MaskAdapter, extract, init_adapter, install
+
+SCOPE = "mask_lora"
+
+
+class _TrainState(MaskAdapter):
+    """The adapter's row state during training (same protocol as the engine's)."""
+
+
+def prepare(tm, rank: int, alpha: float, targets, seed: int = 0) -> None:
+    """Freeze ``tm.base`` (a :class:`~unmask.training.scopes.TrainModel` just loaded) and install a fresh adapter
+    with trainable ``lora_A``/``lora_B`` and mask embedding; sets ``tm.adapter_template``, ``tm.adapter_state``,
+    ``tm.parent_sha256``.
+
+    Raises:
+        ValueError: bad rank/targets (names the field) or a parent that is not prefix-causal with the logit shift.
+    """
+    d = tm.dllm
+    if d.attention != "prefix_causal" or not d.logit_shift:
+        raise ValueError(f"trainable mask_lora: needs a prefix_causal parent with the logit shift (this one: "
+                         f"{d.attention}, logit_shift={d.logit_shift})")
+    base = tm.base
+    for p in base.parameters():
+        p.requires_grad_(False)
+    decoder = base.get_decoder()
+    template = init_adapter(decoder, rank, alpha, tuple(targets or DEFAULT_TARGETS), d.mask_token_id,
+                            generator=torch.Generator().manual_seed(seed))
+    state = _TrainState(template)
+    install(decoder, template, state, trainable=True)
+    tm.adapter_template, tm.adapter_state = template, state
+    tm.parent_sha256 = parent_hash(tm.path)
+
+
+def variant_rows_of_block_layout(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the noisy-copy rows of a ``block`` layout (position != column; see the module doc)."""
+    cols = torch.arange(position_ids.shape[1], device=position_ids.device)
+    return position_ids != cols
+
+
+class MaskBlockForward(torch.nn.Module):
+    """The ``block`` / ``mdlm``-style module: ``forward(input_ids, position_ids, attention_mask, src_row, src_col)
+    -> [N, V]`` float32, with the adapter on the noisy-copy rows only."""
+
+    def __init__(self, tm):
+        super().__init__()
+        self.lm = tm.model
+        self._tm = [tm]
+
+    def forward(self, input_ids, position_ids, attention_mask, src_row, src_col):
+        tm = self._tm[0]
+        base = tm.base
+        with tm.adapter_state.select(variant_rows_of_block_layout(position_ids)):
+            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                     use_cache=False)
+        hidden = out.last_hidden_state[src_row, src_col]
+        return base.get_output_embeddings()(hidden).float()
+
+
+class MaskDraftForward(torch.nn.Module):
+    """The ``draft`` module: the parent (adapter off) forwards the context causally without gradient, the draft
+    rows (all mask rows) run with the adapter against its keys/values. Signature as
+    :class:`unmask.training.trainer.DraftForward`."""
+
+    def __init__(self, tm):
+        super().__init__()
+        self.lm = tm.model
+        self._tm = [tm]
+
+    def forward(self, context_ids, context_mask, input_ids, position_ids, attention_mask, src_row, src_col):
+        from unmask.engine.kv_cache import BatchKV, LaneCache
+
+        from .trainer import _cache_kw
+
+        tm = self._tm[0]
+        base = tm.base
+        B, L = context_ids.shape
+        dev = context_ids.device
+        ctx_pos = torch.arange(L, device=dev).expand(B, L)
+        with torch.no_grad():
+            ctx = BatchKV([LaneCache() for _ in range(B)], dev)
+            base.get_decoder()(input_ids=context_ids, position_ids=ctx_pos, attention_mask=context_mask,
+                               use_cache=False, **{_cache_kw(base): ctx})
+        layers = sorted(ctx.new_keys)
+        lanes = [LaneCache.committed([ctx.new_keys[i][b] for i in layers], [ctx.new_values[i][b] for i in layers],
+                                     ctx_pos[b], ctx_pos[b]) for b in range(B)]
+        with tm.adapter_state.select(torch.ones_like(input_ids, dtype=torch.bool)):
+            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                     use_cache=False, **{_cache_kw(base): BatchKV(lanes, dev)})
+        hidden = out.last_hidden_state[src_row, src_col]
+        return base.get_output_embeddings()(hidden).float()
+
+
+def forward_module(tm, objective: str) -> torch.nn.Module:
+    """The trainer's module for ``objective`` (``block`` or ``draft``).
+
+    Raises:
+        ValueError: another objective (``mdlm`` trains bidirectional models, which have no committed rows).
+    """
+    if objective == "draft":
+        return MaskDraftForward(tm)
+    if objective == "block":
+        return MaskBlockForward(tm)
+    raise ValueError(f"objective: --trainable mask_lora trains the block or draft objective, not {objective!r}")
+
+
+def save(path: Path, tm, block_size: int, objective: str, training_state: bytes | None = None,
+         training: dict | None = None) -> Path:
+    """Write an adapter-only checkpoint into ``path`` (its ``dllm`` overrides: ``block_size`` and
+    ``default_sampling.speculative`` true with temperature 0, so greedy requests get the parent's answers by
+    default) plus ``training_state.pt`` when given.
+
+    Raises:
+        ValueError: non-finite adapter tensors (names one).
+    """
+    weights = extract(tm.base.get_decoder(), tm.adapter_template)
+    for k, t in weights.state_dict().items():
+        if not torch.isfinite(t).all():
+            raise ValueError(f"mask adapter: non-finite values in {k}; not saving (lower --lr)")
+    parent = {"sha256": tm.parent_sha256, "name": str(Path(tm.path).expanduser().resolve())}
+    dllm = {"block_size": int(block_size), "default_sampling": {"speculative": True, "temperature": 0.0}}
+    tmp = path.parent / f"{path.name}.tmp-adapter"
+    write_adapter(tmp, weights, parent, dllm=dllm, training={"objective": objective, **(training or {})})
+    if training_state is not None:
+        (tmp / "training_state.pt").write_bytes(training_state)
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return path
+
+
+def state_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def export_adapter(src: str | Path, out: str | Path, parent: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+    """Write the adapter of training checkpoint ``src`` into ``out`` as an adapter-only checkpoint (no training
+    state; tensors in ``dtype``, fp16 by default: half the bytes, the delta's precision is far above its error),
+    with ``parent.name`` = ``parent``'s absolute path. Returns ``out``.
+
+    Raises:
+        CheckpointError: ``src`` is not an adapter checkpoint.
+    """
+    from unmask.engine.adapter_files import read_adapter
+
+    weights, cfg = read_adapter(src)
+    parent_info = {**cfg["parent"], "name": str(Path(parent).expanduser().resolve())}
+    return write_adapter(out, weights, parent_info, dllm=cfg.get("dllm"), training=cfg.get("training"), dtype=dtype)
