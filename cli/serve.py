@@ -122,6 +122,9 @@ def register(sub, name):
                    help="with --device-map auto|balanced|sequential: memory per device, e.g. 'cpu=2GiB,0=20GiB'")
     p.add_argument("--offload-folder", default=None,
                    help="with --device-map: where disk-offloaded weights go (default: a temporary directory)")
+    p.add_argument("--parent", default=None, metavar="DIR",
+                   help="the parent checkpoint of an adapter-only MODEL (default: the adapter's own parent.name; the "
+                        "parent's content hash is checked, docs/design.md section 21)")
     p.add_argument("--block-size", type=int, default=None,
                    help="default block size for requests that send none (default: the checkpoint's)")
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
@@ -285,7 +288,9 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
         from unmask.default_adapter import available, directory
     except ImportError:
         return None
-    if not available():
+    if not available():  # a source tree or install without the weights: say so, then serve the plain conversion
+        print(f"unmask serve: warning: the shipped mask-row adapter is incomplete in {directory()} (needs "
+              f"mask_adapter.json and mask_adapter.safetensors); serving the plain conversion", file=sys.stderr)
         return None
     src = directory()
     out = parent.parent / f"{parent.name}-mask-adapter"
@@ -361,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         loaded = load_model(model_path, args.family, args.device, args.dtype, weights=args.weights,
-                            device_map=args.device_map, max_memory=args.max_memory, offload_folder=args.offload_folder)
+                            device_map=args.device_map, max_memory=args.max_memory, offload_folder=args.offload_folder,
+                            parent=args.parent)
     except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     threads = server_threads(args.threads, loaded.device.type, torch.get_num_threads(), os.environ)

@@ -18,6 +18,7 @@ the traced memory, so it is caught from about 2.7 KB per request; the soak bench
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -148,26 +149,28 @@ def measure() -> tuple[int, int, dict]:
     return n, tracemalloc.get_traced_memory()[0], types
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def without_pytest_log_capture():
-    """pytest's own log-capture handlers keep every record of the test (the report's "Captured log" section): with
-    the server's per-request INFO line enabled by an earlier test, that is one LogRecord per request, held by pytest,
-    not the server. They are detached while the test measures (the server's own handlers stay)."""
+    """pytest's own log-capture handlers keep every record of the test phase (the report's "Captured log"
+    section): with the server's per-request INFO line enabled by an earlier test, that is one LogRecord per request,
+    held by pytest, not the server. They are detached while the test measures (pytest installs the call phase's
+    handler after fixture setup, so this runs inside the test body); the server's own handlers stay."""
     root = logging.getLogger()
     held = [h for h in root.handlers if type(h).__module__.startswith("_pytest")]
     for h in held:
         root.removeHandler(h)
-    yield
-    for h in held:
-        root.addHandler(h)
+    try:
+        yield
+    finally:
+        for h in held:
+            root.addHandler(h)
 
 
-@pytest.mark.usefixtures("without_pytest_log_capture")
 def test_no_growth_in_live_objects_or_memory_over_mixed_traffic(server):
     base, engine = server
     tracemalloc.start(1)
     try:
-        with httpx.Client(base_url=base, timeout=60) as client:
+        with without_pytest_log_capture(), httpx.Client(base_url=base, timeout=60) as client:
             outcomes = Counter()
             for i in range(WARMUP_ROUNDS):
                 outcomes += one_round(client, i)
