@@ -192,7 +192,8 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, n: int = 1,
-               fit_max_tokens: bool = False, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+               fit_max_tokens: bool = False, loop: asyncio.AbstractEventLoop | None = None,
+               group: str | None = None) -> RequestStream:
         """Queue one request (``n`` choices with seeds seed, seed+1, ...) and return its event stream.
 
         Must be called from a running event loop (the stream's events are delivered to it), or from a worker
@@ -201,7 +202,8 @@ class AsyncEngine:
         Args:
             prompt_ids: prompt token ids (already templated).
             params: sampling parameters (``temperature``/``seed`` ``None`` = checkpoint default / random).
-            request_id: unique id (default: generated). n: number of choices.
+            request_id: unique id (default: generated). n: number of choices. group: the unit of fair admission
+            (default ``request_id``; the server passes one id for every prompt of a completions request).
             fit_max_tokens: ``params.max_tokens`` is a default rather than the client's value: lower it until the
                 canvas fits the model's context (docs/design.md section 10: "lowered to the remaining context when
                 unset") and the KV budget.
@@ -218,6 +220,8 @@ class AsyncEngine:
             raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
         request_id = request_id or f"req-{next(_auto_ids)}"
         seqs = self.engine.make_request(list(prompt_ids), params, request_id, n, fit_max_tokens)
+        for s in seqs:  # the unit of fair admission: the client's whole request (docs/design.md section 15)
+            s.group = group or request_id
         self.scheduler.check_fits(seqs)
         stream = RequestStream(self, request_id, seqs, loop)
         with self._cond:

@@ -107,14 +107,17 @@ class Engine:
         return need
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
-                    fit_max_tokens: bool = False) -> list[Request]:
-        """Build, check and queue one request (``n`` choices); returns its choices (engine-side state).
+                    fit_max_tokens: bool = False, group: str | None = None) -> list[Request]:
+        """Build, check and queue one request (``n`` choices); returns its choices (engine-side state). ``group``:
+        the unit of fair admission (default ``request_id``; the server passes one id for all prompts of a request).
 
         Raises:
             ParamError: as :meth:`make_request`, or the request alone exceeds the KV budget.
             QueueFull: the waiting queue is full.
         """
         reqs = self.make_request(prompt_ids, params, request_id, n, fit_max_tokens)
+        for r in reqs:  # several prompts of one client request share their fair share (scheduler docstring)
+            r.group = group or request_id
         self.scheduler.check_admission(reqs, len(self.scheduler.waiting))
         self.scheduler.enqueue(reqs)
         return reqs

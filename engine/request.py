@@ -148,6 +148,7 @@ class Request:
                 check_token_ids("suffix", params.suffix, vocab_size)
             check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
+        self.group = request_id  # the unit of fair admission (docs/design.md section 15): the client's whole request
         self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
         self.prompt_ids = list(prompt_ids)
         check_block_use(params.block_size, params.max_tokens, dllm.block_size)  # docs/design.md section 15

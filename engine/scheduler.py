@@ -6,8 +6,9 @@ denoising steps or, when padding it into their rows would waste more than a forw
 and their KV cache. A sequence's tokens never depend on who else is in the batch (batch invariance), so joining
 mid-block is exact; this is finer-grained than joining at block boundaries and gives a lower TTFT.
 
-Fair admission (docs/design.md section 15): free batch slots go to the waiting sequence whose request has the
-fewest sequences running (ties: queue order), and a request that waits with none running takes a slot from the
+Fair admission (docs/design.md section 15): a request's ``group`` (the client's whole request: every prompt and
+choice of one HTTP call; by default its own id) is the unit. Free batch slots go to the waiting sequence whose group
+has the fewest sequences running (ties: queue order), and a request that waits with none running takes a slot from the
 request holding the most while that one holds more than its share (``max_batch_size // requests with work``, at
 least 1): the taken sequence is *paused* (it keeps its canvas and KV cache and its reservation of the budget, goes
 back to the front of the queue, and resumes where it stopped: a sequence's tokens never depend on when it steps).
@@ -177,7 +178,7 @@ class Scheduler:
 
     @staticmethod
     def _counts(seqs: Iterable[Request]) -> collections.Counter:
-        return collections.Counter(s.request_id for s in seqs)
+        return collections.Counter(s.group for s in seqs)
 
     def _join(self, seq: Request) -> None:
         self.waiting.remove(seq)
@@ -189,20 +190,20 @@ class Scheduler:
         module docstring)."""
         while self.waiting and len(self.running) < self.max_batch_size:
             held = self._counts(self.running)
-            seq = min(self.waiting, key=lambda s: held[s.request_id])  # first of the least served request
+            seq = min(self.waiting, key=lambda s: held[s.group])  # first of the least served request
             if not self._fits(seq, self.reserved_tokens()):
                 return
             self._join(seq)
         while self.waiting:
             held = self._counts(self.running)
-            starved = next((s for s in self.waiting if held[s.request_id] == 0), None)
+            starved = next((s for s in self.waiting if held[s.group] == 0), None)
             if starved is None or not held:
                 return
             share = max(1, self.max_batch_size // len(held | self._counts(self.waiting)))
             holder, count = held.most_common(1)[0]
             if count <= share or not self._fits(starved, self.reserved_tokens()):
                 return
-            victim = next((s for s in reversed(self.running) if s.request_id == holder and not s.finished), None)
+            victim = next((s for s in reversed(self.running) if s.group == holder and not s.finished), None)
             if victim is None:
                 return
             self.running.remove(victim)

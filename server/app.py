@@ -275,7 +275,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     def submit_all() -> None:  # building the requests checks every prompt id: off the event loop
         for p, ids in enumerate(prompts):
             streams.append(engine.submit(ids, params, f"{response_id}-{p}", n=body.n,
-                                         fit_max_tokens=explicit is None, loop=loop))
+                                         fit_max_tokens=explicit is None, loop=loop, group=response_id))
 
     try:
         await anyio.to_thread.run_sync(submit_all)

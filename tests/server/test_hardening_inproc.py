@@ -3,6 +3,8 @@ that stalls others, fair admission, schema = validation, request ids (docs/desig
 checks (HTTP parser errors, keys in logs, schemathesis) are in test_hardening.py."""
 from __future__ import annotations
 
+import collections
+
 import asyncio
 import time
 
@@ -255,6 +257,27 @@ def test_free_slots_go_to_the_least_served_request(model):
     eng.step()
     held = sorted(s.request_id for s in eng.scheduler.running)
     assert held.count("c") == 1 and held.count("a") >= 1 and held.count("b") >= 1, held
+
+
+def test_fair_share_is_per_client_request_across_its_prompts(model):
+    """Several client requests of 4 prompts x n=16 fill the batch and the queue (one engine request per prompt):
+    their shares are counted per client request (``group``), so a small request still gets a slot at once. Counted
+    per prompt, 16 prompts holding one slot each were all "within their share" and the small one waited for a whole
+    200-token sequence to end (found by the breaker: 41.8 s to its first token)."""
+    from unmask.engine.engine import Engine
+
+    eng = Engine(model, max_batch_size=16, max_queue=256)
+    p = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+    for big in range(4):
+        for prompt in range(4):
+            eng.add_request([5, 6 + prompt], p, f"big{big}-{prompt}", n=16, group=f"big{big}")
+    for _ in range(3):
+        eng.step()
+    eng.add_request([5, 9], SamplingParams(max_tokens=4, temperature=0), "small", n=1)
+    eng.step()
+    assert any(s.request_id == "small" for s in eng.scheduler.running), eng.scheduler.running
+    held = collections.Counter(s.group for s in eng.scheduler.running)
+    assert max(held.values()) - min(held[g] for g in ("big0", "big1", "big2", "big3")) <= 1, held
 
 
 # ------------------------------------------------------------------------------------------- schema = validation
