@@ -32,7 +32,7 @@ from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
 from .structured import (MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
 from .messages import ChatMessage
-from .tool_protocol import MAX_TOOLS, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
+from .tool_protocol import MAX_TOOLS, RequestBody, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
 
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
@@ -123,7 +123,7 @@ def _schema_extra(schema: dict, cls) -> None:
 _Strict = Strict
 
 
-class _Rules(_Strict):
+class _Rules(RequestBody):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra=_schema_extra)
 
 

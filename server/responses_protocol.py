@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from .tool_protocol import FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, Strict, _bounded_schema
+from .tool_protocol import FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema
 
 MAX_ITEMS = 1024
 
@@ -123,7 +123,7 @@ class ResponsesStreamOptions(Strict):
 EXTRAS = ("seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", "top_k", "cache", "speculative")
 
 
-class ResponsesRequest(Strict):
+class ResponsesRequest(RequestBody):
     """``POST /v1/responses`` (see the module docstring)."""
 
     model: str = Field(min_length=1, max_length=512)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_TOOLS = 128                # OpenAI's limit on tools per request
@@ -32,6 +32,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+class RequestBody(Strict):
+    """A whole request body: also no lone surrogate in any string, however deeply nested
+    (:func:`check_no_surrogates`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        return check_no_surrogates(data)
+
+
 def _well_formed(text: str) -> str:
     """Refuse a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): no tokenizer or chat template can
     encode it, so it is a 400 naming the field, not a template or tokenizer failure."""
@@ -42,6 +52,29 @@ def _well_formed(text: str) -> str:
                                                   "character {pos}", {"char": repr(text[exc.start]),
                                                                       "pos": exc.start}) from None
     return text
+
+
+def check_no_surrogates(data: Any, path: str = "") -> Any:
+    """Refuse a lone UTF-16 surrogate anywhere in a request body (nested tool-call arguments, schema
+    descriptions and keys included): no tokenizer or chat template can encode one, so it is a 400 naming the field
+    (``messages.1.tool_calls.0.function.arguments``) instead of a tokenizer failure. Returns ``data``."""
+    stack = [(data, path)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise PydanticCustomError("invalid_field", "{field}: {why}", {
+                    "field": where or "body", "why": f"text is not valid Unicode: a lone surrogate "
+                                                     f"{value[exc.start]!r} at character {exc.start}"}) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, where or "body"))
+                stack.append((v, f"{where}.{k}" if where else str(k)))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}.{i}") for i, v in enumerate(value))
+    return data
 
 
 Text = Annotated[str, AfterValidator(_well_formed)]  # every string the tokenizer or the chat template reads

@@ -337,6 +337,18 @@ def test_wrong_methods_on_post_routes_are_405_with_allow(client, method):
     (C, {"prompt": "x\ud83d"}, "prompt"),
     (C, {"prompt": ["fine", "y\ud83d"]}, "prompt.1"),
     (C, {"prompt": "fine", "stop": "\ud800"}, "stop"),
+    # nested strings the chat template or tokenizer reads: tool-call arguments, tool schemas (keys included)
+    (CH, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get", "arguments": "{\"a\": \"\udfff\"}"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "get", "parameters": {"type": "object", "properties": {"a": {"description": "\ud800"}}}}}]},
+     "tools.0.function.parameters.properties.a.description"),
+    (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "get", "parameters": {"type": "object", "properties": {"\ud800": {"type": "string"}}}}}]},
+     "tools.0.function.parameters.properties"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "get", "arguments": "\udfff"}]},
+     "input.0.arguments"),
 ])
 def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, body, param):
     import json

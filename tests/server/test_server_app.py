@@ -316,6 +316,7 @@ def test_generate_without_model_uses_the_serve_default(monkeypatch, tmp_path, ca
     fake.default_trained_dir = lambda: tmp_path / "none"
     fake.ensure_default_converted = lambda: tmp_path / "conv"
     monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
+    monkeypatch.setenv("UNMASK_DEFAULT_ADAPTER", "0")  # the shipped adapter's parent is the real SmolLM2, not this
     # greedy (--temperature 0: `unmask generate` otherwise takes the checkpoint's default temperature)
     assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--json", "--weights", "native",
                      "--temperature", "0"]) == 0
