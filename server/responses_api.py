@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 
-import json
 import secrets
 import time
 
@@ -27,6 +26,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from . import protocol as P
+from .sse import dumps
 from .accounting import failure_reason
 from .prompt_input import chat_ids
 from .disconnect import collect
@@ -203,7 +203,7 @@ async def _stream(run: Run, writer: EventWriter, include_denoising: bool, timeou
     render, sent = run.render, ""
 
     def sse(events):
-        return [{"event": e["type"], "data": json.dumps(e, ensure_ascii=False, separators=(",", ":"))}
+        return [{"event": e["type"], "data": dumps(e)}
                 for e in events]
 
     try:

@@ -28,9 +28,14 @@ from .run import Run
 log = logging.getLogger("unmask.server")
 
 
+# characters that Python's str.splitlines (and so httpx's iter_lines) takes as line breaks inside a data line
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def dumps(obj) -> str:
-    """Compact JSON (UTF-8 text kept as is)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON for one SSE data line: UTF-8 text kept as is, except U+2028, U+2029 and U+0085, which are
+    escaped (valid JSON either way; unescaped, line-splitting clients cut the line in two)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
 
 
 async def sse_events(run: Run, include_denoising: bool, timeout: float | None, shutdown_event=None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -398,3 +399,21 @@ def test_log_lines_of_a_request_name_its_id(client, caplog):
     for rid, marker in (("trace-ok-1", ok.json()["id"]), ("trace-bad-2", "status=400")):
         lines = [r for r in caplog.records if r.name.startswith("unmask") and marker in r.getMessage()]
         assert lines and all(r.request_id == rid for r in lines), [(r.request_id, r.getMessage()) for r in lines]
+
+
+@pytest.mark.parametrize("path,body", [
+    (C, {"prompt": "a\u2028b\u2029c\x85d", "echo": True, "max_tokens": 2, "stream": True}),
+    ("/v1/responses", {"input": "a\u2028b\u2029c\x85d", "max_output_tokens": 2, "stream": True,
+                       "stream_options": {"include_denoising": True}}),
+])
+def test_sse_data_lines_survive_line_splitting_clients(client, path, body):
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines (httpx's iter_lines): raw inside a data line they
+    cut its JSON in two (breaker). Every data line must parse after splitting the body that way."""
+    with client.stream("POST", path, json={"model": "m", **body}) as r:
+        assert r.status_code == 200
+        text = r.read().decode("utf-8")
+    data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert data
+    for d in data:
+        if d != "[DONE]":
+            json.loads(d)
