@@ -215,7 +215,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
                 props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
                 if "model" in props:  # the schema names the one model this server has
                     props["model"]["enum"] = [model_name]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from unmask.engine.limits import MAX_MESSAGE_NAME_CHARS
@@ -57,6 +57,12 @@ class SystemMessage(_Message):
 
 class AssistantTurn(_Message):
     """An earlier assistant message: ``content`` (may be null/absent with ``tool_calls``), its ``tool_calls``."""
+
+    # the published schema states the rule the validator below enforces (docs/design.md section 15)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra={"anyOf": [
+        {"properties": {"content": {"not": {"type": "null"}}}, "required": ["content"]},
+        {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]},
+        {"properties": {"refusal": {"type": "string"}}, "required": ["refusal"]}]})
 
     role: Literal["assistant"]
     content: Content | None = None

@@ -29,7 +29,7 @@ from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
 
 # the request-size caps (MAX_PROMPTS, MAX_STOP_CHARS, ...; MAX_N is RANGES['n']) are declared with the decoding ranges in unmask.engine.limits
 
-from .structured import (MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
+from .structured import (LOGIT_BIAS_KEY, MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
 from .messages import ChatMessage
 from .tool_protocol import MAX_TOOLS, RequestBody, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
@@ -100,6 +100,7 @@ _SCHEMA_RULES: dict[str, list[dict]] = {
         # stream_options only with stream: true
         {"if": _is("stream_options", {"type": "object"}), "then": _is("stream", {"const": True})},
     ],
+    "CompletionRequest": [{"not": {"allOf": [_is("echo", {"const": True}), _is("logprobs", {"type": "integer"})]}}],
     "ChatCompletionRequest": [
         # top_logprobs >= 1 needs logprobs: true
         {"if": _is("top_logprobs", {"type": "integer", "minimum": 1}), "then": _is("logprobs", {"const": True})},
@@ -158,7 +159,8 @@ class _Common(_Rules):
     frequency_penalty: float = ranged("frequency_penalty", 0.0)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling "
-                          "(OpenAI's; the ids are checked against the vocabulary)")
+                          "(OpenAI's; the ids are checked against the vocabulary)",
+        json_schema_extra={"propertyNames": {"pattern": LOGIT_BIAS_KEY}})
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = Field(None, description="accepted, stored nowhere (OpenAI's "
                                                                                 "stored-completion tags)")

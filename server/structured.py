@@ -12,6 +12,8 @@ The engine names the fields of its errors (``Constraint(..., field=...)``), so a
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 
 from unmask.engine import Constraint, SamplingParams
@@ -54,6 +56,9 @@ def tool_choice_constraint(tools, tool_choice, parallel: bool):
     return constraint("lark", grammar, "tool_choice")
 
 
+LOGIT_BIAS_KEY = r"^[0-9]{1,10}$"  # a decimal token id (ASCII digits: the schema's propertyNames pattern)
+
+
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's ``{"token id": bias}`` -> ``{id: bias}`` (None / ``{}`` -> None).
 
@@ -63,7 +68,7 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     """
     if not bias:
         return None
-    bad = [k for k in bias if not k.isdigit() or len(k) > 10]
+    bad = [k for k in bias if not re.fullmatch(LOGIT_BIAS_KEY, k)]
     if bad:
         raise APIError(400, f"logit_bias: keys are token ids (decimal integers), got {bad[0]!r}",
                        param="logit_bias", code="invalid_value")
