@@ -92,3 +92,19 @@ def test_the_dashboard_has_the_panels_docs_deploy_lists():
         assert needle in text, needle
     for q in ("0.5", "0.95", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(unmask:e2e_request_latency_seconds_bucket" in text
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_the_image_copies_every_package_directory(dockerfile):
+    """Each source directory pyproject.toml packages is in the build context (.dockerignore) and copied into the build
+    stage, so that pip's metadata step finds it: CI's image build once failed on a new package (default_adapter)."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {d.split("/")[0] for d in cfg["package-dir"].values()}
+    allowed = {line.strip().lstrip("!").rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip().startswith("!")}
+    copies = {line.split()[1].rstrip("/") for line in (DOCKER / dockerfile).read_text().splitlines()
+              if line.startswith("COPY ") and not line.startswith("COPY --from")}
+    assert roots - allowed == set(), f".dockerignore leaves out {sorted(roots - allowed)}"
+    assert roots - copies == set(), f"{dockerfile} does not COPY {sorted(roots - copies)}"
