@@ -5,6 +5,8 @@ command after an interruption."""
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 
 
 def register(sub, name):
@@ -27,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from unmask.training.recipes.smollm2 import Recipe, RecipeError, config_from_args
 
     try:
-        recipe = Recipe(config_from_args(args), log=lambda m: print(m, flush=True))
+        command = "unmask " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["recipe"] else None
+        recipe = Recipe(config_from_args(args), log=lambda m: print(m, flush=True), command=command)
         recipe.run(until=args.until)
     except RecipeError as exc:
         raise UsageError(str(exc)) from exc

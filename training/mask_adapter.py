@@ -56,6 +56,50 @@ def prepare(tm, rank: int, alpha: float, targets, seed: int = 0) -> None:
     tm.parent_sha256 = parent_hash(tm.path)
 
 
+def initialise_from(tm, path: str | Path) -> dict:
+    """Copy the adapter of the adapter-only checkpoint ``path`` (e.g. another run's ``checkpoint-N``) into the
+    adapter :func:`prepare` installed in ``tm`` - a run that *continues* an adapter with another objective (the
+    recipe's draft stage after its block stage), with a fresh optimizer. Returns the checkpoint's config dict.
+
+    Raises:
+        CheckpointError: ``path`` is not a readable adapter checkpoint.
+        ValueError: its rank, alpha, targets or mask id differ from this run's (``--lora-r`` / ``--lora-alpha`` /
+            ``--lora-targets``), its layer count from the parent's, or it was trained on another parent (content
+            hash; docs/design.md section 21).
+    """
+    from unmask.engine.adapter_files import read_adapter
+    from unmask.engine.mask_adapter import _OWNER
+
+    weights, cfg = read_adapter(path)
+    mine = tm.adapter_template
+    got = (weights.rank, weights.alpha, tuple(weights.targets), weights.mask_token_id)
+    want = (mine.rank, mine.alpha, tuple(mine.targets), mine.mask_token_id)
+    if got != want:
+        raise ValueError(f"init adapter {path}: rank/alpha/targets/mask id {got} differ from this run's {want} "
+                         f"(--lora-r/--lora-alpha/--lora-targets)")
+    if cfg["parent"].get("sha256") != tm.parent_sha256:
+        raise ValueError(f"init adapter {path}: trained on the parent {cfg['parent'].get('sha256')}, this run's "
+                         f"--model {tm.path} is {tm.parent_sha256}")
+    decoder = tm.base.get_decoder()
+    if set(weights.layers) != set(mine.layers):
+        raise ValueError(f"init adapter {path}: adapts {len(weights.layers)} projections, this model "
+                         f"{len(mine.layers)}")
+    with torch.no_grad():
+        for i, layer in enumerate(decoder.layers):
+            for t in mine.targets:
+                mod = getattr(getattr(layer, _OWNER[t]), t)
+                a, b = weights.layers[(i, t)]
+                if mod.lora_A.shape != a.shape or mod.lora_B.shape != b.shape:
+                    raise ValueError(f"init adapter {path}: layers.{i}.{t} has shapes {tuple(a.shape)}/"
+                                     f"{tuple(b.shape)}, the model's {tuple(mod.lora_A.shape)}/"
+                                     f"{tuple(mod.lora_B.shape)}")
+                mod.lora_A.copy_(a)
+                mod.lora_B.copy_(b)
+        if weights.mask_embedding is not None:
+            decoder.embed_tokens.mask_vector.copy_(weights.mask_embedding)
+    return cfg
+
+
 def variant_rows_of_block_layout(position_ids: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool: the noisy-copy rows of a ``block`` layout (position != column; see the module doc)."""
     cols = torch.arange(position_ids.shape[1], device=position_ids.device)
@@ -161,10 +205,13 @@ def state_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def export_adapter(src: str | Path, out: str | Path, parent: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+def export_adapter(src: str | Path, out: str | Path, parent: str | Path, dtype: torch.dtype = torch.float16,
+                   parent_info: dict | None = None) -> Path:
     """Write the adapter of training checkpoint ``src`` into ``out`` as an adapter-only checkpoint (no training
     state; tensors in ``dtype``, fp16 by default: half the bytes, the delta's precision is far above its error),
-    with ``parent.name`` = ``parent``'s absolute path. Returns ``out``.
+    with ``parent.name`` = ``parent``'s absolute path and ``parent_info`` added to the ``parent`` record (e.g. a
+    GGUF parent's ``converted_from`` / ``gguf_sha256``; ``sha256`` and ``name`` cannot be replaced). Returns
+    ``out``.
 
     Raises:
         CheckpointError: ``src`` is not an adapter checkpoint.
@@ -172,5 +219,6 @@ def export_adapter(src: str | Path, out: str | Path, parent: str | Path, dtype: 
     from unmask.engine.adapter_files import read_adapter
 
     weights, cfg = read_adapter(src)
-    parent_info = {**cfg["parent"], "name": str(Path(parent).expanduser().resolve())}
-    return write_adapter(out, weights, parent_info, dllm=cfg.get("dllm"), training=cfg.get("training"), dtype=dtype)
+    record = {**cfg["parent"], **(parent_info or {}), "sha256": cfg["parent"]["sha256"],
+              "name": str(Path(parent).expanduser().resolve())}
+    return write_adapter(out, weights, record, dllm=cfg.get("dllm"), training=cfg.get("training"), dtype=dtype)

