@@ -15,6 +15,8 @@ from unmask.training.recipes.smollm2 import (FAST_DEFAULTS, Recipe, RecipeConfig
                                              config_from_args)
 from unmask.training.trainer import TrainConfig, Trainer, TrainError, train
 
+from test_training_mask_adapter import setup  # noqa: F401 (the fixture: a tiny parent and 16 answers)
+
 LORA = {"lora_r": 4, "lora_alpha": 8.0}
 
 
@@ -52,6 +54,9 @@ def test_the_engine_teacher_and_the_teacher_kl_rule():
             RecipeConfig(**{"trainable": "mask_lora", **bad}).validate()
     with pytest.raises(RecipeError, match="--distill-teacher"):
         RecipeConfig(distill_teacher="gpt").validate()
+    for bad in (dict(default_threshold=0.7), dict(default_speculative=False)):  # the adapter's default is fixed
+        with pytest.raises(RecipeError, match="--default-threshold/--no-default-speculative"):
+            RecipeConfig(trainable="mask_lora", **bad).validate()
     RecipeConfig(trainable="mask_lora", distill_teacher="transformers", top_k_dist=8, teacher_kl=0.5).validate()
     # the command line: unset options take the scope's defaults, set ones win
     import argparse
@@ -122,20 +127,6 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
         Recipe(_cfg(tmp_path, extra=LORA, distill_teacher="transformers"), log=logs.append)
 
 
-@pytest.fixture(scope="module")
-def adapter_setup(tmp_path_factory):
-    from unmask.engine.checkpoint import write_checkpoint
-
-    tmp = tmp_path_factory.mktemp("init_adapter")
-    m = tiny.loaded(initializer_range=0.5)
-    write_checkpoint(tmp / "parent", m.model, m.tokenizer, m.dllm)
-    with open(tmp / "d.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": f"count {i}", "completion": " ".join(str(j) for j in range(i, i + 12))})
-                    + "\n")
-    return tmp
-
-
 def _train_cfg(setup, out, **kw):
     base = dict(model=str(setup / "parent"), data=str(setup / "d.jsonl"), out=str(out), objective="block",
                 trainable="mask_lora", lora_r=4, lora_alpha=8, max_steps=4, batch_size=2, lr=1e-2, progress=False,
@@ -143,12 +134,12 @@ def _train_cfg(setup, out, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def test_mask_lora_resume_continues_exactly(adapter_setup, tmp_path):
+def test_mask_lora_resume_continues_exactly(setup, tmp_path):
     """An adapter-only checkpoint is a resume point (``latest`` used to be refused: no config.json)."""
-    train(_train_cfg(adapter_setup, tmp_path / "a"))
-    train(_train_cfg(adapter_setup, tmp_path / "b", halt_after=3))
+    train(_train_cfg(setup, tmp_path / "a"))
+    train(_train_cfg(setup, tmp_path / "b", halt_after=3))
     assert (tmp_path / "b" / "latest").read_text().strip() == "checkpoint-2"
-    train(_train_cfg(adapter_setup, tmp_path / "b", resume=True))
+    train(_train_cfg(setup, tmp_path / "b", resume=True))
     a, _ = read_adapter(tmp_path / "a" / "checkpoint-4")
     b, _ = read_adapter(tmp_path / "b" / "checkpoint-4")
     for key, (xa, xb) in a.layers.items():
@@ -156,13 +147,13 @@ def test_mask_lora_resume_continues_exactly(adapter_setup, tmp_path):
     assert torch.allclose(a.mask_embedding, b.mask_embedding, atol=1e-6)
 
 
-def test_init_adapter_starts_from_the_checkpoint_with_a_fresh_optimizer(adapter_setup, tmp_path):
+def test_init_adapter_starts_from_the_checkpoint_with_a_fresh_optimizer(setup, tmp_path):
     from unmask.engine.mask_adapter import extract
 
-    train(_train_cfg(adapter_setup, tmp_path / "block", max_steps=2))
+    train(_train_cfg(setup, tmp_path / "block", max_steps=2))
     src = tmp_path / "block" / "checkpoint-2"
     want, _ = read_adapter(src)
-    t = Trainer(_train_cfg(adapter_setup, tmp_path / "draft", objective="draft", init_adapter=str(src)))
+    t = Trainer(_train_cfg(setup, tmp_path / "draft", objective="draft", init_adapter=str(src)))
     t._load()
     got = extract(t.tm.base.get_decoder(), t.tm.adapter_template)
     assert any(float(b.abs().max()) > 0 for _, b in want.layers.values())  # trained: B is no longer zero
@@ -174,11 +165,11 @@ def test_init_adapter_starts_from_the_checkpoint_with_a_fresh_optimizer(adapter_
     with pytest.raises(TrainError, match="--init-adapter: only with --trainable mask_lora"):
         TrainConfig(model="m", data="d", out="o", trainable="full", init_adapter=str(src)).validate()
     with pytest.raises(TrainError, match="--init-adapter: .*rank"):
-        Trainer(_train_cfg(adapter_setup, tmp_path / "r8", lora_r=8, init_adapter=str(src)))._load()
+        Trainer(_train_cfg(setup, tmp_path / "r8", lora_r=8, init_adapter=str(src)))._load()
     from unmask.engine.checkpoint import write_checkpoint
 
     other = tiny.loaded(initializer_range=0.5, seed=5)
     write_checkpoint(tmp_path / "other", other.model, other.tokenizer, other.dllm)
     with pytest.raises(TrainError, match="--init-adapter: .*another|trained on the parent"):
-        Trainer(_train_cfg(adapter_setup, tmp_path / "o", model=str(tmp_path / "other"),
+        Trainer(_train_cfg(setup, tmp_path / "o", model=str(tmp_path / "other"),
                            init_adapter=str(src)))._load()

@@ -8,7 +8,9 @@ Stages, each resumable and skipped when already complete (state in ``WORK/recipe
 2. ``prompts``  -- ``WORK/train_prompts.jsonl``: the project's training instructions, regenerated
    deterministically by :mod:`unmask.training.recipes.prompts` (the prompts of ``benchmarks/data/train_prompts.jsonl`` in a seeded shuffled order).
 3. ``distill``  -- teacher self-distillation: the AR parent answers every prompt greedily (``WORK/distill.jsonl``),
-   with its top-k next-token distributions as soft targets (``unmask.training.distill``; resumes where it stopped).
+   with its top-k next-token distributions as soft targets (``unmask.training.distill``; resumes where it stopped);
+   ``--distill-teacher engine``: unmask's engine answers at ``block_size=1`` from ``WORK/converted`` (the parent
+   exactly, continuous batching), without distributions.
 4. ``train``    -- block-diffusion training of the converted model on the distilled answers (``unmask.training.
    trainer``; every block of every sequence in one forward, CE on masked answer tokens plus a KL to the stored
    teacher distributions) within a wall-clock budget that counts across interruptions; checkpoints in
@@ -21,6 +23,11 @@ Stages, each resumable and skipped when already complete (state in ``WORK/recipe
 6. ``export``   -- merge + quantize (nf4 by default) the latest checkpoint (the draft stage's, else the train
    stage's) into the default trained location :func:`unmask.training.realmodel.default_trained_dir` (``unmask
    serve`` with no argument serves it); a verifier is exported with it (``OUT/verifier``, quantized alike).
+
+``--trainable mask_lora`` is the fast recipe of the shipped default adapter (issue 25; :data:`FAST_DEFAULTS`): the
+engine teacher, the ``block`` objective on the mask-row adapter, then the ``draft`` objective continuing the same
+adapter over the parent, and an adapter-only fp16 export with the run's record ``OUT/recipe.json``
+(:mod:`unmask.training.recipes.record`); ``training/recipes/README.md``.
 
 ``WORK`` defaults to ``<unmask_home>/recipes/smollm2`` (``$UNMASK_HOME`` or ``~/.cache/unmask``).
 """
@@ -195,6 +202,10 @@ class RecipeConfig:
             raise RecipeError(f"--trainable: {self.trainable!r} is not one of {', '.join(SCOPES)}")
         if self.teacher_kl > 0 and self.top_k_dist == 0:
             raise RecipeError("--teacher-kl: needs stored teacher distributions (--top-k-dist K > 0)")
+        if self.trainable == "mask_lora" and (self.default_threshold is not None or not self.default_speculative):
+            raise RecipeError("--default-threshold/--no-default-speculative: not with --trainable mask_lora (the "
+                              "adapter's decoding default is speculative greedy, the parent's exact answers; "
+                              "requests choose threshold decoding themselves)")
         if self.default_threshold is not None and (isinstance(self.default_threshold, bool) or not (
                 isinstance(self.default_threshold, (int, float)) and 0 <= self.default_threshold <= 1
                 and math.isfinite(self.default_threshold))):
