@@ -117,6 +117,19 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
         max_tokens=8, temperature=0, block_size=1, ignore_eos=True))[0].outputs[0].token_ids
     got = LLM(load_model(out)).generate("Two plus", SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert got.speculative and got.token_ids == ref
+    # shipped (default_adapter/): the same tensors and parent hash, no machine paths; it loads over the conversion
+    from unmask.training.recipes.record import main as record_main
+
+    assert record_main(["ship", str(out), str(tmp_path / "shipped")]) == 0
+    shipped = tmp_path / "shipped"
+    for name in ("mask_adapter.json", "recipe.json"):
+        assert str(tmp_path) not in (shipped / name).read_text(), name
+    assert json.loads((shipped / "recipe.json").read_text())["source"] == "WORK/draft/checkpoint-2"
+    assert (shipped / "mask_adapter.safetensors").read_bytes() == (out / "mask_adapter.safetensors").read_bytes()
+    assert read_adapter(shipped)[1]["parent"]["sha256"] == acfg["parent"]["sha256"]
+    again = LLM(load_model(shipped, parent=work / "converted")).generate(
+        "Two plus", SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert again.token_ids == ref
     # a rerun finds every stage done and exports nothing new
     logs.clear()
     Recipe(_cfg(tmp_path, extra=LORA), log=logs.append).run()

