@@ -11,9 +11,10 @@ Rows:
   ``benchmarks/build_llama_bench.sh`` builds, skipped with a note when absent);
 * ``engine block 1`` with ``fp16`` (fbgemm-packed), ``int8`` and ``int4`` weights (engine/lowbit.py) of the parent;
 * ``speculative``: the served default (``unmask serve`` with no MODEL: the conversion + mask-row adapter, in the
-  weight format it is served in), verified speculative decoding - answers must be the served parent's block-1 answers;
+  weight format it is served in; ``--served DIR`` measures another adapter), verified speculative decoding - answers
+  must be the served parent's block-1 answers;
 * ``diffusion b4 t<τ>``: plain diffusion of the same adapter model, block 4, threshold τ (``--thresholds``);
-* memory: ``unmask serve PARENT`` vs ``unmask serve`` (the default: parent + adapter), each given the same few
+* memory: ``unmask serve PARENT`` vs ``unmask serve [DIR]`` (the default: parent + adapter), each given the same few
   requests: RSS after them (``/proc/PID/status`` VmRSS) and peak RSS (VmHWM).
 
 Each speed row has tokens/s, tokens per forward (TPF), its ratio to the engine block 1 in the served weight format and
@@ -21,7 +22,10 @@ to llama.cpp, the share of answers identical to the parent's (the served block 1
 checkable prompts (``quality_metrics.exact_match``) and the issue-25 target as pass/fail (:data:`TARGETS`).
 Writes ``benchmarks/results/bench_default.{json,md,png}``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_default.py --prompts 36 --max-tokens 48 --repeats 3
+    benchmarks/build_llama_bench.sh     # once: llama-bench into ~/.cache/unmask/llama.cpp/bin/
+    .venv/bin/python benchmarks/bench_default.py --prompts 36 --max-tokens 48 --repeats 3 --threads 2   # idle machine
+
+``--threads 1`` (and ``OMP_NUM_THREADS=1``) on a shared machine.
 """
 from __future__ import annotations
 
@@ -138,6 +142,9 @@ def main(argv=None) -> int:
                     help="llama-bench binary (benchmarks/build_llama_bench.sh builds it); skipped when absent")
     ap.add_argument("--memory-requests", type=int, default=4, help="requests each memory server gets")
     ap.add_argument("--no-memory", action="store_true", help="skip the two server memory measurements")
+    ap.add_argument("--served", default=None, metavar="DIR",
+                    help="the adapter (or A2D checkpoint) to measure as the served model (default: what `unmask "
+                         "serve` serves with no MODEL: the recipe's trained default, else the shipped adapter)")
     ap.add_argument("--out-name", default="bench_default", help="result name under benchmarks/results/")
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
@@ -150,7 +157,10 @@ def main(argv=None) -> int:
     from unmask.training.realmodel import ensure_default_converted, smollm2_gguf_path
 
     parent_dir = str(ensure_default_converted())
-    served_path, _, served_what = default_model()  # exactly what `unmask serve` with no MODEL serves
+    if args.served is None:
+        served_path, _, served_what = default_model()  # exactly what `unmask serve` with no MODEL serves
+    else:
+        served_path, served_what = args.served, f"--served {args.served}"
     env = bc.environment(args.threads)
     env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     block1 = {fmt: LLM(load_model(parent_dir, weights=fmt), max_batch_size=1) for fmt in FORMATS}
@@ -203,7 +213,8 @@ def main(argv=None) -> int:
         bodies.append({**bodies[0], "block_size": 4, "threshold": thresholds[-1]})  # the diffusion (adapter) path
         with tempfile.TemporaryDirectory(prefix="bench_default_") as tmp:
             parent_mem = server_memory([parent_dir], bodies, args.threads, Path(tmp) / "parent.log")
-            default_mem = server_memory([], bodies, args.threads, Path(tmp) / "default.log")
+            default_mem = server_memory([args.served] if args.served else [], bodies, args.threads,
+                                        Path(tmp) / "default.log")
         memory = {"parent": parent_mem, "default": default_mem, "served": served_what,
                   **judge_memory(parent_mem, default_mem)}
 
@@ -234,7 +245,7 @@ def main(argv=None) -> int:
                                     "result"],
                                    [["unmask serve PARENT (parent alone)", p["rss_loaded_mb"], p["rss_after_mb"],
                                      p["peak_rss_mb"], "", ""],
-                                    ["unmask serve (default: parent + adapter)", d["rss_loaded_mb"], d["rss_after_mb"],
+                                    [f"unmask serve {args.served or ''} (parent + adapter)", d["rss_loaded_mb"], d["rss_after_mb"],
                                      d["peak_rss_mb"], f"peak < {TARGETS['default_peak_rss_mb']:.0f} MB",
                                      verdict(memory["default_peak_pass"])],
                                     ["adapter's extra RSS", "", memory["adapter_extra_rss_mb"],
