@@ -22,37 +22,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 import quality_metrics as qm  # noqa: E402
-
-DATA = Path(__file__).resolve().parent / "data"
-
-
-def grid_prompts(n: int) -> list[dict]:
-    ids = json.loads((DATA / "eval_grid_ids.json").read_text())["ids"][:n]
-    rows = {r["id"]: r for r in map(json.loads, (DATA / "eval_prompts.jsonl").read_text().splitlines()) if r}
-    return [rows[i] for i in ids]
-
-
-def run_mode(llm, prompts, params) -> dict:
-    """Decode each prompt alone; totals and per-prompt outputs."""
-    outs, tokens, nfe, t0 = [], 0, 0, time.perf_counter()
-    for p in prompts:
-        ids = llm.apply_chat_template([{"role": "user", "content": p["prompt"]}])
-        o = llm.generate([ids], params)[0].outputs[0]
-        outs.append(o)
-        tokens += len(o.token_ids)
-        nfe += o.nfe
-    secs = time.perf_counter() - t0
-    return {"seconds": secs, "tokens": tokens, "nfe": nfe, "outs": outs}
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -74,7 +50,7 @@ def main() -> int:
     parent_dir, _ = resolve_adapter(Path(args.adapter), None, args.parent)
     adapted = LLM(load_model(args.adapter, parent=args.parent, weights=args.weights), max_batch_size=1)
     parent = LLM(load_model(parent_dir, weights=args.weights), max_batch_size=1)
-    prompts = grid_prompts(args.prompts)
+    prompts = bc.grid_prompts(args.prompts)
     base = dict(max_tokens=args.max_tokens, temperature=0.0)
     modes = {"parent-b1": (parent, dict(block_size=1, speculative=False)),
              "adapter-b1": (adapted, dict(block_size=1, speculative=False)),
@@ -85,10 +61,10 @@ def main() -> int:
         modes[f"parent-b4-t{t:g}"] = (parent, dict(block_size=4, threshold=t, speculative=False))
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for m, (llm, kw) in modes.items():  # warm-up (first-call allocations, thread pools), not timed
-        run_mode(llm, prompts[:1], SamplingParams.from_flat(**{**base, "max_tokens": 4}, **kw))
+        bc.run_mode(llm, prompts[:1], SamplingParams.from_flat(**{**base, "max_tokens": 4}, **kw))
     for _ in range(args.repeats):  # interleaved repeats: load changes hit every mode alike
         for m, (llm, kw) in modes.items():
-            runs[m].append(run_mode(llm, prompts, SamplingParams.from_flat(**base, **kw)))
+            runs[m].append(bc.run_mode(llm, prompts, SamplingParams.from_flat(**base, **kw)))
     ref = [o.token_ids for o in runs["parent-b1"][0]["outs"]]
     rows, summary = [], {}
     for m, rs in runs.items():

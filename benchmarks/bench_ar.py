@@ -11,9 +11,9 @@ Same prompts (chat template), same run, batch 1, greedy, stopping at EOS (tokens
   block 32, threshold 0.9; ``b4-s24`` = block 4, quota of 24 steps for ``--max-tokens``; exact cache), on
   ``--parallel-model`` (default: the same model; a trained A2D model is what makes parallel decoding accurate).
   Quality: token agreement with the parent's greedy answer (position-wise, over the parent's length).
-* ``llama.cpp``: with ``--llama-bench PATH`` (a ``llama-bench`` binary built from llama.cpp; PyPI has no binary
-  wheel, so build it from the sources of the ``llama-cpp-python`` sdist: ``cmake -B build -DLLAMA_CURL=OFF &&
-  cmake --build build --target llama-bench``): its token-generation rate ``tg<max-tokens>`` on the same GGUF
+* ``llama.cpp``: with ``--llama-bench PATH`` (a ``llama-bench`` binary; PyPI has no binary wheel, so
+  ``benchmarks/build_llama_bench.sh`` builds it from the ``llama-cpp-python`` sdist's vendored llama.cpp into
+  ``~/.cache/unmask/llama.cpp/bin/``): its token-generation rate ``tg<max-tokens>`` on the same GGUF
   (``-p 0 -n MAX_TOKENS -t THREADS -r REPEATS``), the CPU reference users would otherwise pick.
 
     .venv/bin/python benchmarks/bench_ar.py --max-tokens 48 --repeats 2

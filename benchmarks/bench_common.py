@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_MODEL = "/tmp/smollm2-a2d"
 PROMPT = "Write a short story about a robot who learns to paint. Make it cheerful and simple."
 
@@ -103,6 +104,81 @@ def environment(threads: int, device: str = "cpu") -> dict:
         "device": device,
         "gpu": gpu,
     }
+
+
+def grid_prompts(n: int | None = None) -> list[dict]:
+    """The first ``n`` (default all 60) rows of the held-out evaluation grid (``data/eval_grid_ids.json`` into
+    ``data/eval_prompts.jsonl``), in the grid's order: ``{"id", "prompt", "answer" (None: not checkable), ...}``."""
+    ids = json.loads((DATA / "eval_grid_ids.json").read_text())["ids"][:n]
+    rows = {r["id"]: r for r in map(json.loads, filter(str.strip, (DATA / "eval_prompts.jsonl").read_text()
+                                                        .splitlines()))}
+    return [rows[i] for i in ids]
+
+
+def run_mode(llm, prompts: list[dict], params) -> dict:
+    """Decode each grid prompt alone (chat template, batch 1) with the engine ``llm``:
+    ``{"seconds": wall total, "tokens": generated total, "nfe": forwards total, "outs": per-prompt outputs}``."""
+    outs, tokens, nfe, t0 = [], 0, 0, time.perf_counter()
+    for p in prompts:
+        ids = llm.apply_chat_template([{"role": "user", "content": p["prompt"]}])
+        o = llm.generate([ids], params)[0].outputs[0]
+        outs.append(o)
+        tokens += len(o.token_ids)
+        nfe += o.nfe
+    return {"seconds": time.perf_counter() - t0, "tokens": tokens, "nfe": nfe, "outs": outs}
+
+
+def proc_status_kib(pid: int, field: str = "VmRSS") -> int:
+    """A memory field of ``/proc/PID/status`` in KiB: ``VmRSS`` (resident now) or ``VmHWM`` (peak resident).
+
+    Raises:
+        RuntimeError: the file has no such field (not Linux, or a zombie process).
+    """
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a benchmark's own server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(serve_args: list[str], threads: int, log_path: str | os.PathLike, timeout: float = 600,
+                 env: dict | None = None):
+    """Start ``unmask serve *serve_args`` on a free port (``OMP_NUM_THREADS=threads``, output to ``log_path``) and
+    wait for ``/health``: ``(process, base URL)``; the caller terminates the process.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within ``timeout`` seconds (names the log).
+    """
+    import subprocess
+
+    import httpx
+
+    port = free_port()
+    full_env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                    TOKENIZERS_PARALLELISM="false", **(env or {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", *serve_args, "--port", str(port)],
+                                env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"unmask serve {' '.join(serve_args)} did not come up (see {log_path})")
+        time.sleep(1)
 
 
 def median(xs: list[float]) -> float:

@@ -14,9 +14,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -25,12 +23,6 @@ import bench_common as bc
 
 TOPICS = ["the sea", "a cat", "winter", "music", "a city", "trees", "the moon", "bread", "rain", "a friend",
           "mountains", "a library", "coffee", "trains", "a garden", "birds"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one_request(client, url, body):
@@ -78,35 +70,16 @@ def main(argv=None) -> int:
     ap.add_argument("--waves", type=int, default=1, help="waves per concurrency level")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of the server process")
     args = ap.parse_args(argv)
-    import httpx
-
     model_path = args.model
     if model_path is None:
         from unmask.training.realmodel import ensure_default_converted
 
         model_path = str(ensure_default_converted(block_size=args.block_size, out=bc.DEFAULT_MODEL))
     levels = [int(x) for x in args.levels.split(",")]
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               TOKENIZERS_PARALLELISM="false")
-    log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_concurrency_server_{port}.log")
-    log = open(log_path, "w")
-    server = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", model_path, "--port", str(port),
-                               "--max-batch-size", str(max(levels)), "--served-model-name", "bench",
-                               "--log-level", "warning"],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_concurrency_server_{os.getpid()}.log")
+    server, base = bc.start_server([model_path, "--max-batch-size", str(max(levels)), "--served-model-name", "bench",
+                                    "--log-level", "warning"], args.threads, log_path)
     try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the server did not come up (see {log_path})")
-            time.sleep(1)
         environment = bc.environment(args.threads)
         environment["server_threads"] = args.threads
         asyncio.run(wave(base, "bench", 1, argparse.Namespace(max_tokens=4, block_size=args.block_size), 0))  # warm

@@ -19,21 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, markdown_table, result_name, set_threads, write_results  # noqa: E402
-
-DATA = Path(__file__).resolve().parent / "data"
-
-
-def grid_prompts(n: int) -> list[str]:
-    """The first ``n`` prompts of the evaluation grid subset, in the grid's order."""
-    ids = json.loads((DATA / "eval_grid_ids.json").read_text())["ids"][:n]
-    rows = {}
-    for line in (DATA / "eval_prompts.jsonl").read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            rows[r["id"]] = r["prompt"]
-    return [rows[i] for i in ids]
-
+from bench_common import environment, grid_prompts, markdown_table, result_name, set_threads, write_results  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -53,7 +39,7 @@ def main() -> None:
     head = llm.model.draft_head
     if head is None:
         raise SystemExit(f"{args.model}: has no draft head (dllm.draft_head)")
-    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in grid_prompts(args.prompts)]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in (r["prompt"] for r in grid_prompts(args.prompts))]
     settings = [(1, 1.0)] + [(b, t) for b in args.blocks for t in args.thresholds]
     llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0, block_size=4, speculative=True))  # warm-up
     rows, results, reference = [], [], None

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, markdown_table, save_figure, write_results  # noqa: E402
+from bench_common import environment, free_port, markdown_table, proc_status_kib, save_figure, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -48,14 +48,6 @@ KINDS = {
     "bad_json": (1, "abusive"), "wrong_content_type": (1, "abusive"), "huge_field": (1, "abusive"),
     "over_limit": (2, "abusive"), "prompt_over_context": (1, "abusive"), "unknown_route": (1, "abusive"),
 }
-
-
-def rss_kib(pid: int) -> int:
-    """Resident set size of ``pid`` in KiB (``/proc/PID/status`` ``VmRSS``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def start_server(tmp: Path, port: int, block_size: int) -> subprocess.Popen:
@@ -173,7 +165,7 @@ async def soak(args) -> dict:
     from bench_common import RESULTS  # noqa: F401 (results directory exists with the module)
 
     tmp = Path(tempfile.mkdtemp(prefix="unmask-soak-"))
-    port = args.port or _free_port()
+    port = args.port or free_port()
     proc = start_server(tmp, port, args.block_size)
     samples: list[dict] = []
     stats = {"outcomes": defaultdict(Counter), "latency_s": defaultdict(list), "failures": [], "t0": time.time()}
@@ -192,14 +184,14 @@ async def soak(args) -> dict:
                 except httpx.HTTPError as exc:
                     health = f"error:{type(exc).__name__}"
                 done = sum(sum(c.values()) for c in stats["outcomes"].values())
-                samples.append({"t_min": round((now - t0) / 60, 3), "rss_mib": round(rss_kib(proc.pid) / 1024, 1),
+                samples.append({"t_min": round((now - t0) / 60, 3), "rss_mib": round(proc_status_kib(proc.pid) / 1024, 1),
                                 "health": health, "requests": done})
                 print(f"[soak] {samples[-1]}", flush=True)
                 if now >= stop_at or proc.poll() is not None:
                     break
                 await asyncio.sleep(min(args.sample_seconds, max(0.0, stop_at - time.time())))
             await asyncio.gather(*tasks)
-            samples.append({"t_min": round((time.time() - t0) / 60, 3), "rss_mib": round(rss_kib(proc.pid) / 1024, 1),
+            samples.append({"t_min": round((time.time() - t0) / 60, 3), "rss_mib": round(proc_status_kib(proc.pid) / 1024, 1),
                             "health": (await client.get("/health", timeout=30)).status_code,
                             "requests": sum(sum(c.values()) for c in stats["outcomes"].values())})
     finally:
@@ -269,14 +261,6 @@ def plot(data: dict, warmup: float):
         ax.legend()
         save_figure(fig, path)
     return draw
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-bench` (the reference for benchmarks/bench_default.py and bench_ar.py).
+#
+# PyPI has no llama-bench binary, so this builds it from the llama.cpp sources vendored in the llama-cpp-python
+# sdist (vendor/llama.cpp). Idempotent: when the binary exists it only prints its path.
+#
+# Usage: benchmarks/build_llama_bench.sh [CACHE_DIR]      (default: ~/.cache/unmask/llama.cpp)
+# Env:   JOBS (default 1: the build is slow but does not starve a training run), NICE (default 19),
+#        LLAMA_CPP_PYTHON_VERSION (pin the sdist, e.g. 0.3.16; default: the newest), PYTHON (default: python3).
+# Prints the binary's path as the last line of stdout. Needs a C/C++ compiler; cmake comes from PyPI if missing.
+set -euo pipefail
+
+CACHE_DIR="${1:-${HOME}/.cache/unmask/llama.cpp}"
+JOBS="${JOBS:-1}"
+NICE="${NICE:-19}"
+PYTHON="${PYTHON:-python3}"
+BIN="${CACHE_DIR}/bin/llama-bench"
+
+if [[ -x "${BIN}" ]]; then
+    echo "${BIN}"
+    exit 0
+fi
+mkdir -p "${CACHE_DIR}/src" "${CACHE_DIR}/bin"
+
+# 1. the sdist (no binary wheels, no dependencies)
+spec="llama-cpp-python"
+[[ -n "${LLAMA_CPP_PYTHON_VERSION:-}" ]] && spec="llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}"
+sdist="$(ls "${CACHE_DIR}"/src/llama_cpp_python-*.tar.gz 2>/dev/null | head -n1 || true)"
+if [[ -z "${sdist}" ]]; then
+    "${PYTHON}" -m pip download --no-binary :all: --no-deps -d "${CACHE_DIR}/src" "${spec}" >&2
+    sdist="$(ls "${CACHE_DIR}"/src/llama_cpp_python-*.tar.gz | head -n1)"
+fi
+
+# 2. unpack it once; its vendored llama.cpp is the source tree
+top="${CACHE_DIR}/src/$(basename "${sdist}" .tar.gz)"
+if [[ ! -d "${top}" ]]; then
+    tar -xzf "${sdist}" -C "${CACHE_DIR}/src"
+fi
+src="${top}/vendor/llama.cpp"
+if [[ ! -f "${src}/CMakeLists.txt" ]]; then
+    echo "error: ${src}/CMakeLists.txt missing: the sdist ${sdist} has no vendored llama.cpp" >&2
+    exit 1
+fi
+
+# 3. cmake (from PyPI when the system has none)
+CMAKE="$(command -v cmake || true)"
+if [[ -z "${CMAKE}" ]]; then
+    "${PYTHON}" -m pip install --target "${CACHE_DIR}/cmake" cmake >&2
+    CMAKE="${CACHE_DIR}/cmake/bin/cmake"
+    export PYTHONPATH="${CACHE_DIR}/cmake${PYTHONPATH:+:${PYTHONPATH}}"
+fi
+
+# 4. configure + build only the llama-bench target
+build="${CACHE_DIR}/build"
+nice -n "${NICE}" "${CMAKE}" -S "${src}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >&2
+nice -n "${NICE}" "${CMAKE}" --build "${build}" --target llama-bench -j "${JOBS}" >&2
+
+found="$(find "${build}" -type f -name llama-bench -perm -u+x | head -n1)"
+if [[ -z "${found}" ]]; then
+    echo "error: the build finished but no llama-bench binary is under ${build}" >&2
+    exit 1
+fi
+cp "${found}" "${BIN}.tmp" && mv "${BIN}.tmp" "${BIN}"
+echo "${BIN}"
