@@ -42,14 +42,19 @@ def _run(engine: Engine, prompt: list[int], params: SamplingParams, rid: str):
 
 def _chat(model, params: SamplingParams, reuse: bool, turns: int = 3):
     """A multi-turn chat on one engine: each turn's prompt is the previous prompt + its answer + a new user turn.
-    Returns the outputs of every turn."""
+    Returns the outputs of every turn, the cond lane's keys/values after each turn's first step (per layer
+    ``[H_kv, n, D]``: the loaded prefix + the prefill) and the engine."""
     engine = Engine(model, enable_prefix_caching=reuse)
-    prompt, outs = _ids(37, 0), []
+    prompt, outs, kvs = _ids(37, 0), [], []
     for t in range(turns):
-        out = _run(engine, prompt, params, f"turn-{t}")
+        engine.add_request(prompt, params, f"turn-{t}")
+        engine.step()
+        cache = engine.scheduler.running[0].lanes[0].cache
+        kvs.append([t.clone() for t in cache.keys + cache.values])
+        out = _drain(engine)[f"turn-{t}"][0]
         outs.append(out)
         prompt = prompt + out.token_ids + _ids(11, 100 + t)
-    return outs, engine
+    return outs, kvs, engine
 
 
 def _with_adapter():
@@ -90,10 +95,13 @@ CASES = [  # (model, params)
                                                         for m, kw in CASES])
 def test_a_chat_gets_the_same_tokens_with_and_without_reuse(model_name, kw):
     model = MODELS[model_name]()
-    params = SamplingParams(max_tokens=12, **kw)
-    fresh, _ = _chat(model, params, reuse=False)
-    reused, engine = _chat(model, params, reuse=True)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, **kw)
+    fresh, fresh_kv, _ = _chat(model, params, reuse=False)
+    reused, reused_kv, engine = _chat(model, params, reuse=True)
     assert [o.token_ids for o in reused] == [o.token_ids for o in fresh]
+    for a, b in zip(fresh_kv, reused_kv):  # the reused prefix + prefill is the KV a fresh prefill computes
+        assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
+        assert max(float((x - y).abs().max()) for x, y in zip(a, b)) < 1e-4
     assert [o.cached_tokens for o in fresh] == [0, 0, 0]
     hits = [o.cached_tokens for o in reused]
     assert hits[0] == 0 and all(h > 0 and h % engine.prefix_cache.chunk_tokens_held == 0 for h in hits[1:]), hits
@@ -111,8 +119,19 @@ def test_a_partial_prefix_hits_exactly_its_whole_shared_chunks():
     got = _run(engine, b, params, "b")
     assert got.cached_tokens == 32
     assert got.token_ids == _run(Engine(model, enable_prefix_caching=False), b, params, "b").token_ids
-    # a prompt equal to a stored one reuses all but its last position's chunk (the first step needs its output)
-    assert _run(engine, a, params, "a2").cached_tokens == 48
+    assert _run(engine, a, params, "a2").cached_tokens == 48  # a stored prompt: its whole chunks
+    # a prompt of exactly 3 stored chunks reuses 2: its first step must forward its last position (for its output)
+    assert _run(engine, a[:48], params, "a3").cached_tokens == 32
+
+
+def test_a_chunk_matches_only_after_the_same_prefix_at_the_same_positions():
+    model = tiny.loaded()
+    params = SamplingParams(max_tokens=4, block_size=1, temperature=0.0)
+    x, y, z = _ids(16, 13), _ids(16, 14), _ids(16, 15)
+    engine = Engine(model)
+    _run(engine, x + y + z + _ids(8, 16), params, "a")
+    got = _run(engine, x + z + y + _ids(8, 17), params, "b")  # z and y are stored, but after other tokens
+    assert got.cached_tokens == 16
 
 
 def test_lru_eviction_inside_a_small_budget_keeps_the_recently_used_prefix():
@@ -145,6 +164,13 @@ def test_a_live_request_never_waits_for_cached_prefixes():
     for i in range(3):
         _run(engine, _ids(48, 20 + i), SamplingParams(max_tokens=4, temperature=0.0), f"fill-{i}")
     assert store.tokens >= 96  # the store holds more than the two requests below leave
+    step = engine.scheduler.denoiser.step
+
+    def checked_step(seqs):  # the store gives way before the forward that needs the room
+        assert store.tokens + engine.scheduler.reserved_tokens() <= budget
+        return step(seqs)
+
+    engine.scheduler.denoiser.step = checked_step
     engine.add_request(_ids(48, 30), SamplingParams(max_tokens=40, block_size=1, temperature=0.0), "long")
     engine.step()
     engine.add_request(_ids(40, 31), SamplingParams(max_tokens=24, block_size=4, temperature=0.0), "joiner")
