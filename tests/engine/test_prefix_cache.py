@@ -11,7 +11,7 @@ import tiny
 from unmask.engine import SamplingParams
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.engine import Engine
-from unmask.engine.mask_adapter import attach_mask_adapter, init_adapter
+from unmask.engine.mask_adapter import attach_mask_adapter
 from unmask.engine.model import load_model
 from unmask.engine.prefix_cache import PrefixCache, model_fingerprint
 
@@ -59,13 +59,7 @@ def _chat(model, params: SamplingParams, reuse: bool, turns: int = 3):
 
 def _with_adapter():
     m = tiny.loaded(initializer_range=0.5)
-    w = init_adapter(m.model.base_model, 4, 8.0, mask_token_id=m.dllm.mask_token_id,
-                     generator=torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(1)
-    for k, (a, b) in w.layers.items():  # a non-zero B: a fresh adapter is the identity
-        w.layers[k] = (a, 0.5 * torch.randn(b.shape, generator=g))
-    w.mask_embedding = torch.randn(w.mask_embedding.shape, generator=g)
-    attach_mask_adapter(m, w)
+    attach_mask_adapter(m, tiny.random_adapter_weights(m))
     return m
 
 
