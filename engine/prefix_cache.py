@@ -54,25 +54,36 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".gguf", ".pt")
 
 def model_fingerprint(model) -> str:
     """A hex digest naming what a committed token's keys/values are computed by: the checkpoint's weight and
-    config files (relative name, size, mtime in ns, under ``model.path`` recursively; an in-memory model, whose
-    path is not a directory, is named by ``id`` of its module), the weight format, dtype, device, attention mode,
-    the attached mask-row adapter (``model.adapter``) and whether a row variant is attached."""
+    config files (relative name, size, mtime in ns, under ``model.path`` recursively, hidden cache files such as
+    ``.unmask-content-hash.json`` left out; an in-memory model, whose path is not a directory, is named by ``id`` of
+    its module), the weight format, dtype, device, attention mode, the attached mask-row adapter
+    (``model.adapter``) and the row variant's kind. The files are read once per loaded model (kept on it): files
+    touched after the load do not change the weights in memory."""
+    if getattr(model, "_prefix_files", None) is None:
+        model._prefix_files = _checkpoint_files(model)
+    ident, files = model._prefix_files
+    desc = {"model": ident, "files": files, "weights": model.weight_format, "dtype": str(model.dtype),
+            "device": str(model.device), "attention": model.dllm.attention,
+            "adapter": model.adapter, "row_variant": type(model.row_variant).__name__ if model.row_variant else None}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _checkpoint_files(model) -> tuple[str, list]:
+    """``(identity, [[relative name, size, mtime_ns], ...])`` of ``model``'s checkpoint directory (see
+    :func:`model_fingerprint`)."""
     files: list = []
     root = Path(str(model.path))
     if root.is_dir():
         for dirpath, _, names in sorted(os.walk(root)):
             for name in sorted(names):
-                if name.endswith(_WEIGHT_SUFFIXES):
+                if name.endswith(_WEIGHT_SUFFIXES) and not name.startswith("."):
                     p = Path(dirpath) / name
                     st = p.stat()
                     files.append([str(p.relative_to(root)), st.st_size, st.st_mtime_ns])
         ident = str(root.resolve())
     else:
         ident = f"{model.path}@{id(model.model)}"
-    desc = {"model": ident, "files": files, "weights": model.weight_format, "dtype": str(model.dtype),
-            "device": str(model.device), "attention": model.dllm.attention,
-            "adapter": model.adapter, "row_variant": type(model.row_variant).__name__ if model.row_variant else None}
-    return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()
+    return ident, files
 
 
 @dataclass
