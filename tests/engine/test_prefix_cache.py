@@ -78,6 +78,7 @@ CASES = [  # (model, params)
     ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.0)),
     ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.8, seed=7)),
     ("prefix_causal", dict(block_size=4, temperature=0.0, cfg_scale=1.0)),
+    ("prefix_causal", dict(block_size=4, temperature=0.0, multi_block=0.5)),
     ("block_causal_absolute", dict(temperature=0.0)),
     ("block_causal_generation", dict(temperature=0.7, seed=2)),
     ("mask_adapter", dict(block_size=4, temperature=0.0, steps=4)),
