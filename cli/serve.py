@@ -129,6 +129,11 @@ def register(sub, name):
                    help="default block size for requests that send none (default: the checkpoint's)")
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
                    help="default KV-cache policy for requests that send none")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the committed KV of recent prompts and answers (least recently used evicted first, "
+                        "within --max-cached-tokens, else 4096 tokens) and reuse it for requests whose prompts "
+                        "start the same way, e.g. the next turn of a chat; exact on prefix-/block-causal models, "
+                        "never used on bidirectional ones (default on; docs/design.md section 23)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving "
                         "one to the HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
@@ -187,6 +192,8 @@ def _convert(value: EnvValue):
         if raw.lower() not in _TRUE + _FALSE:
             raise UsageError(f"${value.var}: expected one of 1/0/true/false/yes/no/on/off, got {value.raw!r}")
         on = raw.lower() in _TRUE
+        if isinstance(a, argparse.BooleanOptionalAction):  # --x / --no-x: the value is the switch itself
+            return on
         return on if a.const is True else (not on if a.const is False else (a.const if on else None))
     items = [x.strip() for x in raw.split(",") if x.strip()] if a.nargs in ("*", "+") else [raw]
     out = []
@@ -436,7 +443,8 @@ def _engine(engine_cls, loaded, args):
     """The serving engine with the command line's options (``--default-drafts`` is the engine option
     ``default_drafts``)."""
     return engine_cls(loaded, default_drafts=args.default_drafts, max_batch_size=args.max_batch_size,
-                      max_queue=args.max_queue, max_cached_tokens=args.max_cached_tokens)
+                      max_queue=args.max_queue, max_cached_tokens=args.max_cached_tokens,
+                      enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _drafts_by_default(loaded, policy: str) -> bool:

@@ -136,6 +136,8 @@ class AsyncEngine:
             but not what is left of it waits in the queue. ``None`` = unlimited.
         default_drafts: ``auto`` | ``on`` | ``off``: whether requests that get speculative decoding only from the
             checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
+        enable_prefix_caching: reuse committed KV across requests that share a prompt prefix (docs/design.md
+            section 23; the store counts against ``max_cached_tokens`` and is evicted first).
 
     Counters (read from any thread; updated by the engine thread after every step):
         ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished
@@ -152,7 +154,8 @@ class AsyncEngine:
     """
 
     def __init__(self, loaded_model: LoadedModel, max_batch_size: int = 16, max_queue: int = 256,
-                 max_cached_tokens: int | None = None, default_drafts: str = "auto"):
+                 max_cached_tokens: int | None = None, default_drafts: str = "auto",
+                 enable_prefix_caching: bool = True):
         if max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
         self.model = loaded_model
@@ -160,7 +163,8 @@ class AsyncEngine:
         self.tokenizer, self.dllm = loaded_model.tokenizer, loaded_model.dllm
         self.max_context = loaded_model.max_context
         self.engine = Engine(loaded_model, max_batch_size=max_batch_size, max_queue=max_queue,
-                             max_cached_tokens=max_cached_tokens, default_drafts=default_drafts)
+                             max_cached_tokens=max_cached_tokens, default_drafts=default_drafts,
+                             enable_prefix_caching=enable_prefix_caching)
         self.denoiser = self.engine.denoiser
         self.scheduler = self.engine.scheduler
         self.max_batch_size = max_batch_size
@@ -253,8 +257,20 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def stats(self) -> dict:
-        """Counters as a dict: running/waiting requests, engine NFE, steps (for /health and logs)."""
-        return {"running": self.num_running, "waiting": self.num_waiting, "nfe": self.nfe, "steps": self.steps}
+        """Counters as a dict: running/waiting requests, engine NFE, steps, the prefix cache's queries/hits/tokens
+        held/chunks evicted (for /health and logs)."""
+        return {"running": self.num_running, "waiting": self.num_waiting, "nfe": self.nfe, "steps": self.steps,
+                "prefix_cache": self.engine.prefix_cache_stats()}
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far (0 without one)."""
+        return self.engine.prefix_cache_stats()["queries"]
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens loaded from the prefix cache so far (0 without one)."""
+        return self.engine.prefix_cache_stats()["hits"]
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

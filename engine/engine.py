@@ -19,6 +19,7 @@ from .model import LoadedModel
 from .outputs import StepEvent
 from .params import SamplingParams
 from .plan import drafts_by_default, resolve
+from .prefix_cache import PrefixCache, model_fingerprint
 from .request import Request, suffix_ids
 from .scheduler import Scheduler
 from .multi_block import MultiBlockSequence
@@ -56,20 +57,31 @@ class Engine:
         default_drafts: ``auto`` | ``on`` | ``off``: whether requests that get speculative decoding only from the
             checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
         compile: ``model.enable_compile()`` first. denoiser: share an existing denoiser (its forward counter).
+        enable_prefix_caching: keep the committed KV of finished and running requests and reuse it for requests
+            whose prompts start the same way (docs/design.md section 23); never on bidirectional models.
+        prefix_cache: share an existing store (``LLM`` keeps one across its calls); implies reuse.
 
     Raises:
-        ValueError: ``default_drafts`` is not a policy; ``compile`` on packed weights.
+        ValueError: ``default_drafts`` is not a policy; ``compile`` on packed weights; a ``prefix_cache`` built for
+            another model.
     """
 
     def __init__(self, model: LoadedModel, max_batch_size: int = 16, max_queue: int = 1 << 30,
                  max_cached_tokens: int | None = None, default_drafts: str = "auto", compile: bool = False,
-                 denoiser: Denoiser | None = None):
+                 denoiser: Denoiser | None = None, enable_prefix_caching: bool = True,
+                 prefix_cache: PrefixCache | None = None):
         drafts_by_default(default_drafts, model.device.type, model.draft_head is not None)  # validates
         self.model = model
         self.default_drafts = default_drafts
         self.denoiser = denoiser or Denoiser(model, compile=compile)
+        if prefix_cache is None and enable_prefix_caching and model.dllm.attention != "bidirectional":
+            prefix_cache = PrefixCache(model)
+        elif prefix_cache is not None and prefix_cache.fingerprint != model_fingerprint(model):
+            raise ValueError("prefix_cache: the store was built for another model (checkpoint files, weight "
+                             "format, dtype, device or adapter differ); its KV would be wrong here")
+        self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(self.denoiser, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   max_cached_tokens=max_cached_tokens)
+                                   max_cached_tokens=max_cached_tokens, prefix_cache=prefix_cache)
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
@@ -138,6 +150,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         """True while any choice is waiting or running."""
         return self.scheduler.has_work()
+
+    def prefix_cache_stats(self) -> dict:
+        """``{"queries", "hits", "tokens", "evicted"}`` of the prefix cache (tokens; zeros without one)."""
+        if self.prefix_cache is None:
+            return {"queries": 0, "hits": 0, "tokens": 0, "evicted": 0}
+        return self.prefix_cache.stats()
 
     @property
     def num_unfinished(self) -> int:

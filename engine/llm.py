@@ -11,6 +11,7 @@ from .engine import Engine, make_requests
 from .outputs import CompletionOutput, RequestOutput, StepEvent
 from .limits import ParamError
 from .params import SamplingParams
+from .prefix_cache import PrefixCache
 from .request import Request
 
 _ids = itertools.count()
@@ -55,6 +56,8 @@ class LLM:
         weights: ``auto`` | ``native`` | ``fp16``: how the linear layers run (:func:`load_model`; a path only).
         max_batch_size: sequences decoded together.
         compile: ``torch.compile`` the decoder forward (see :class:`~unmask.engine.denoiser.Denoiser`).
+        enable_prefix_caching: reuse the committed KV of earlier calls' prompts and answers for prompts that start
+            the same way (docs/design.md section 23; default on; never on bidirectional models).
 
     Example::
 
@@ -65,7 +68,7 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
                  dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto",
-                 default_drafts: str = "auto"):
+                 default_drafts: str = "auto", enable_prefix_caching: bool = True):
         if compile and weights == "auto":
             weights = "native"  # torch.compile traces the weights as loaded, not fbgemm's packed kernels
         self.model = (model if isinstance(model, LoadedModel)
@@ -73,12 +76,15 @@ class LLM:
         self.denoiser = Denoiser(self.model, compile=compile)
         self.max_batch_size = max_batch_size
         self.default_drafts = default_drafts
+        # one store across calls, so that a chat's next turn reuses the last one's KV (docs/design.md section 23)
+        self.prefix_cache = (PrefixCache(self.model) if enable_prefix_caching
+                             and self.model.dllm.attention != "bidirectional" else None)
         self._engine(1)  # validates default_drafts
 
     def _engine(self, max_batch_size: int) -> Engine:
         """A fresh engine loop over this model (one per call: calls never share a batch), sharing the denoiser."""
         return Engine(self.model, max_batch_size=max_batch_size, default_drafts=self.default_drafts,
-                      denoiser=self.denoiser)
+                      denoiser=self.denoiser, enable_prefix_caching=False, prefix_cache=self.prefix_cache)
 
     @property
     def tokenizer(self):

@@ -41,6 +41,8 @@ class CompletionOutput:
         drafts_proposed / drafts_accepted: draft tokens verified / accepted (self-speculative decoding; else 0).
         speculative: decoded self-speculatively. draft_block: its draft block (``None`` otherwise).
         first_token_time / finish_time: wall times (``time.time()``) of the first shown text and of the finish.
+        cached_tokens: prompt tokens whose KV came from the prefix cache (docs/design.md section 23; vLLM's
+            ``num_cached_tokens``, OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     """
 
     index: int
@@ -58,6 +60,7 @@ class CompletionOutput:
     draft_block: int | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    cached_tokens: int = 0
 
     @property
     def tokens_per_forward(self) -> float:

@@ -132,6 +132,10 @@ class Request:
         ParamError: a parameter that this model cannot honour (names the field).
     """
 
+    #: whether the strategy runs its committed (causal) rows on the model's row variant (a verifier): their KV
+    #: then differs from a plain request's, so the prefix cache keys them apart (docs/design.md section 23)
+    committed_rows_variant = False
+
     def __init__(self, request_id: str, prompt_ids: list[int], plan: DecodingPlan | SamplingParams,
                  dllm: DllmConfig, tokenizer, max_context: int, device: torch.device | str = "cpu",
                  vocab_size: int | None = None, index: int = 0):
@@ -198,6 +202,8 @@ class Request:
         self.first_token_time: float | None = None  # wall times (time.time())
         self.finish_time: float | None = None
         self.blocks_done_steps: list[int] = []
+        self.prefix_chain: list[bytes] = []  # chunk keys of the committed KV (engine/prefix_cache.py)
+        self.cached_tokens = 0  # prompt positions loaded from the prefix cache
         self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
         self.accepted_drafts = 0
         self._skip_empty_blocks()
@@ -303,7 +309,8 @@ class Request:
             steps=self.step, nfe=self.nfe, ended_by_eos=bool(ids) and ids[-1] in self.eos_ids,
             steps_per_block=list(self.blocks_done_steps), drafts_proposed=self.proposed_drafts,
             drafts_accepted=self.accepted_drafts, speculative=self.plan.speculative,
-            draft_block=self.plan.draft_block, first_token_time=self.first_token_time, finish_time=self.finish_time)
+            draft_block=self.plan.draft_block, first_token_time=self.first_token_time, finish_time=self.finish_time,
+            cached_tokens=self.cached_tokens)
 
     def final_event(self) -> StepEvent:
         """The last event of a choice that finished without a further step."""

@@ -20,6 +20,12 @@ lanes (2 under CFG) cached tokens; one that can never fit the budget is a client
 field ``max_tokens``), one that fits the budget but not what is left of it waits; a full queue is
 :class:`QueueFull` (HTTP 429). :meth:`Scheduler.fit_max_tokens` lowers a default ``max_tokens`` to fit, from the
 canvas layout alone (``unmask.engine.layout``), without building the request.
+
+Prefix reuse (docs/design.md section 23, ``unmask.engine.prefix_cache``): a sequence joining the batch for the first
+time gets the longest stored prefix of its prompt copied into its cache; after every step the complete chunks of
+each stepped sequence's committed KV are stored. The store is bounded by what the budget leaves after the running
+and paused reservations (re-bounded at every admission and step), so kept prefixes are evicted first and never
+make a live sequence wait.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from collections.abc import Callable, Iterable
 from .denoiser import Denoiser
 from .limits import ParamError
 from .outputs import StepEvent
+from .prefix_cache import PrefixCache
 from .request import Request
 
 
@@ -51,10 +58,11 @@ class Scheduler:
         max_cached_tokens: budget of canvas tokens held by running sequences (each sequence reserves its whole
             canvas length, an upper bound on its cache); ``None`` = unlimited. A sequence longer than the whole
             budget is refused with :class:`CacheFull`.
+        prefix_cache: the store of reusable prefixes (``None``: no reuse); bounded here by the free budget.
     """
 
     def __init__(self, denoiser: Denoiser, max_batch_size: int = 16, max_queue: int = 1024,
-                 max_cached_tokens: int | None = None):
+                 max_cached_tokens: int | None = None, prefix_cache: PrefixCache | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         self.denoiser = denoiser
@@ -65,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.paused: set[Request] = set()  # waiting sequences that already ran (they keep their KV cache)
         self.preemptions = 0  # sequences paused for a starved request so far
+        self.prefix_cache = prefix_cache
 
     @staticmethod
     def need(seq: Request) -> int:
@@ -182,8 +191,22 @@ class Scheduler:
 
     def _join(self, seq: Request) -> None:
         self.waiting.remove(seq)
+        resumed = seq in self.paused
         self.paused.discard(seq)
         self.running.append(seq)
+        if self.prefix_cache is not None and not resumed:
+            self.prefix_cache.load(seq)  # a no-op for a request that never shares
+
+    def _bound_prefix_cache(self) -> None:
+        """Bound the prefix store by what the budget leaves after the unfinished running and paused sequences'
+        reservations (evicting at once); without a budget by the store's own ``max_tokens``."""
+        if self.prefix_cache is None:
+            return
+        if self.max_cached_tokens is None:
+            self.prefix_cache.set_limit(None)
+            return
+        held = sum(self.need(s) for s in self.running if not s.finished) + sum(self.need(s) for s in self.paused)
+        self.prefix_cache.set_limit(self.max_cached_tokens - held)
 
     def _admit(self) -> None:
         """Fill the free slots fairly, then let starved requests take a slot from the largest holder (see the
@@ -215,9 +238,14 @@ class Scheduler:
     def step(self) -> list[StepEvent]:
         """Admit waiting sequences, run one step for the batch, drop finished ones. Returns the step's events."""
         self._admit()
+        self._bound_prefix_cache()
         done_before = [s.final_event() for s in self.running if s.finished]  # e.g. nothing left to decode
         active = [s for s in self.running if not s.finished]
         events = done_before + self.denoiser.step(active)
+        if self.prefix_cache is not None:
+            self._bound_prefix_cache()  # finished sequences' reservations are free now
+            for seq in active:
+                self.prefix_cache.register(seq)
         for seq in [s for s in self.running if s.finished]:
             seq.release()
             self.running.remove(seq)

@@ -104,6 +104,8 @@ class SpeculativeSequence(Request):
             :func:`unmask.engine.plan.check_speculative`.
     """
 
+    committed_rows_variant = True  # variant_rows(inp) = inp.committed: a verifier's weights run the causal rows
+
     def __init__(self, *args, draft_head=None, **kwargs):
         super().__init__(*args, **kwargs)
         plan = self.plan

@@ -26,13 +26,16 @@ What moves when (values move exactly with the requests served):
   forwards, steps and drafts, and the prompts that ran at least one forward), so
   ``rate(generation_tokens_total)`` is the work done, cancelled streams included; 4xx validation errors count
   nothing;
-* ``num_requests_running`` / ``num_requests_waiting`` read the engine's counters at scrape time.
+* ``num_requests_running`` / ``num_requests_waiting`` read the engine's counters at scrape time, and so do the
+  counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (vLLM's names: prompt tokens looked up in
+  / loaded from the prefix cache, docs/design.md section 23; hit rate = hits / queries).
 
 Tokens/s for a dashboard: ``rate(unmask:generation_tokens_total[1m])``.
 """
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from .accounting import Work
 
@@ -40,6 +43,22 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 
 TPF_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 512)
 
+
+class PrefixCacheCounters:
+    """A collector of the engine's prefix-cache counters (tokens), read at scrape time: the engine thread owns
+    them, a ``Counter`` here would be a copy. ``engine``: has ``prefix_cache_queries`` / ``prefix_cache_hits``."""
+
+    def __init__(self, model_name: str, engine):
+        self.model_name, self.engine = model_name, engine
+
+    def collect(self):
+        for name, doc, attr in (("unmask:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                 "prefix_cache_queries"),
+                                ("unmask:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",
+                                 "prefix_cache_hits")):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(getattr(self.engine, attr, 0) or 0))
+            yield family
 
 
 class Metrics:
@@ -91,6 +110,7 @@ class Metrics:
         if engine is not None:
             self.running.labels(model_name).set_function(lambda: engine.num_running)
             self.waiting.labels(model_name).set_function(lambda: engine.num_waiting)
+            r.register(PrefixCacheCounters(model_name, engine))
         for metric in (self.prompt_tokens, self.generation_tokens, self.nfe, self.denoising_steps, self.ttft,
                        self.e2e, self.queue_time, self.tpf, self.steps_per_block, self.drafts, self.accepted):
             metric.labels(model_name)  # exported from the start (0), not only after the first request

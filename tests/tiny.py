@@ -232,6 +232,20 @@ def save_foreign_checkpoint(out, state: dict, config: dict, tokenizer, shards: i
     return out
 
 
+def random_adapter_weights(m, rank: int = 4, alpha: float = 8.0, seed: int = 0):
+    """Mask-row adapter weights for the tiny :class:`LoadedModel` ``m`` (``unmask.engine.mask_adapter``) that
+    change the mask rows: random A, a non-zero B (a fresh adapter is the identity) and a random mask embedding."""
+    from unmask.engine.mask_adapter import init_adapter
+
+    w = init_adapter(m.model.base_model, rank, alpha, mask_token_id=m.dllm.mask_token_id,
+                     generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    for k, (a, b) in w.layers.items():
+        w.layers[k] = (a, 0.5 * torch.randn(b.shape, generator=g))
+    w.mask_embedding = torch.randn(w.mask_embedding.shape, generator=g)
+    return w
+
+
 def loaded_with_verifier(verifier_seed=0, drafter_seed=1, block_size=4, **model_kw):
     """``(routed, verifier)``: a prefix-causal tiny drafter whose causal rows run ``verifier``'s weights
     (``unmask.engine.routed``), and that verifier as its own :class:`LoadedModel` (two different random models)."""

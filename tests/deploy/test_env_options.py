@@ -46,8 +46,8 @@ def test_environment_values_are_typed_and_the_command_line_wins(monkeypatch):
 def test_every_option_reads_its_variable(monkeypatch):
     """Each option, whoever added it, follows the rule: a sample value of its type round-trips."""
     for a in _serve_actions():
-        if a.nargs == 0:
-            raw, want = "1", a.const
+        if a.nargs == 0:  # a switch; --x/--no-x (BooleanOptionalAction) has no const: "1" is True
+            raw, want = "1", True if isinstance(a, argparse.BooleanOptionalAction) else a.const
         elif a.choices:
             raw, want = str(list(a.choices)[-1]), list(a.choices)[-1]
         elif a.type in (int, float):

@@ -16,7 +16,6 @@ from unmask.engine.adapter_files import (ADAPTER_CONFIG, parent_hash, read_adapt
 from unmask.engine.attention import build_attention_mask
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.config import CheckpointError
-from unmask.engine.mask_adapter import init_adapter
 from unmask.engine.model import load_model
 from unmask.engine.packed_weights import fbgemm_available
 
@@ -29,12 +28,7 @@ def ckpts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mask_adapter")
     m = tiny.loaded(initializer_range=0.5)
     write_checkpoint(tmp / "parent", m.model, m.tokenizer, m.dllm)
-    w = init_adapter(m.model.base_model, 4, 8.0, mask_token_id=m.dllm.mask_token_id,
-                     generator=torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(1)
-    for k, (a, b) in w.layers.items():  # a non-zero B: a fresh adapter is the identity
-        w.layers[k] = (a, 0.5 * torch.randn(b.shape, generator=g))
-    w.mask_embedding = torch.randn(w.mask_embedding.shape, generator=g)
+    w = tiny.random_adapter_weights(m)
     write_adapter(tmp / "adapter", w, {"sha256": parent_hash(tmp / "parent"), "name": str(tmp / "parent")},
                   dllm={"block_size": 4, "default_sampling": {"speculative": True, "temperature": 0.0}})
     write_self_contained(tmp / "self_contained", tmp / "parent", tmp / "adapter")

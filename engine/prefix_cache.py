@@ -1,0 +1,267 @@
+"""Prefix reuse across requests: committed KV of earlier requests kept in fixed-size chunks, least recently used
+evicted first, and copied into a new request's lane when its token ids start the same way (docs/design.md
+section 23; the idea of vLLM's automatic prefix caching: hash chains over fixed-size token blocks).
+
+Why it is exact: on ``prefix_causal`` and ``block_causal`` models a committed token's keys/values depend only on the
+tokens before it (and, block-causally, on its own block), never on the canvas after it (docs/design.md section 4).
+So the committed KV of positions ``[0, m)`` of one request is the KV a fresh prefill of the same ``m`` token ids
+would compute, provided everything else that enters it is equal too. The key of a chunk is
+``sha256(parent key, its token ids)``, the root key ``sha256(model fingerprint, attention, the committed rows'
+weights, the block grouping)``:
+
+* model fingerprint (:func:`model_fingerprint`): the checkpoint's files (path, names, sizes, mtimes), the weight
+  format, dtype, device and the attached adapter: another checkpoint never matches;
+* the committed rows' weights: with a verifier (``engine/routed.py``) a speculative request's committed rows run
+  the verifier's weights and a plain one's the drafter's, so the two never share; a mask-row adapter runs only on
+  non-committed rows (docs/design.md section 21), so it does not split the key;
+* positions: chains start at position 0, so chunk i always holds positions ``[i C, (i + 1) C)``;
+* block grouping: ``block_causal`` with blocks aligned at 0 groups committed tokens by absolute block, so chunks
+  are whole blocks (C rounded up to a multiple of the block size) and the block size is in the key; with blocks
+  aligned at the generation only the prompt (causal) part of a request is kept.
+
+Never shared: bidirectional models (their prompt KV depends on the canvas), requests without the exact cache
+(``cache: none``, Fast-dLLM's approximate caches), the unconditional CFG lane (its prompt is mask tokens).
+A new request reuses at most ``min(prompt, first block start) - 1`` positions (its first step needs the output of
+the last prompt position), and with a draft head at most ``prompt - window`` (the head reads the hidden states of
+the last ``window`` prompt positions).
+
+Memory: each chunk holds ``[2, layers, H_kv, C, D]`` keys/values (copies: a lane's cache is one contiguous buffer,
+``engine/kv_cache.py``). :attr:`PrefixCache.limit` bounds the tokens held; the scheduler sets it to what the KV
+budget leaves after the running and paused sequences' reservations, so kept prefixes are evicted before a live
+request ever waits for room.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["PrefixCache", "model_fingerprint", "CHUNK_TOKENS", "DEFAULT_PREFIX_CACHE_TOKENS"]
+
+#: chunk size in tokens: the matching granularity (vLLM's default block size is 16 too)
+CHUNK_TOKENS = 16
+#: tokens kept when the engine has no KV budget (``max_cached_tokens=None``): 4096 tokens of SmolLM2-135M's
+#: float32 KV are 189 MB (30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46 KB a token)
+DEFAULT_PREFIX_CACHE_TOKENS = 4096
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".gguf", ".pt")
+
+
+def model_fingerprint(model) -> str:
+    """A hex digest naming what a committed token's keys/values are computed by: the checkpoint's weight and
+    config files (relative name, size, mtime in ns, under ``model.path`` recursively, hidden cache files such as
+    ``.unmask-content-hash.json`` left out; an in-memory model, whose path is not a directory, is named by ``id`` of
+    its module), the weight format, dtype, device, attention mode, the attached mask-row adapter
+    (``model.adapter``) and the row variant's kind. The files are read once per loaded model (kept on it): files
+    touched after the load do not change the weights in memory."""
+    if getattr(model, "_prefix_files", None) is None:
+        model._prefix_files = _checkpoint_files(model)
+    ident, files = model._prefix_files
+    desc = {"model": ident, "files": files, "weights": model.weight_format, "dtype": str(model.dtype),
+            "device": str(model.device), "attention": model.dllm.attention,
+            "adapter": model.adapter, "row_variant": type(model.row_variant).__name__ if model.row_variant else None}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _checkpoint_files(model) -> tuple[str, list]:
+    """``(identity, [[relative name, size, mtime_ns], ...])`` of ``model``'s checkpoint directory (see
+    :func:`model_fingerprint`)."""
+    files: list = []
+    root = Path(str(model.path))
+    if root.is_dir():
+        for dirpath, _, names in sorted(os.walk(root)):
+            for name in sorted(names):
+                if name.endswith(_WEIGHT_SUFFIXES) and not name.startswith("."):
+                    p = Path(dirpath) / name
+                    st = p.stat()
+                    files.append([str(p.relative_to(root)), st.st_size, st.st_mtime_ns])
+        ident = str(root.resolve())
+    else:
+        ident = f"{model.path}@{id(model.model)}"
+    return ident, files
+
+
+@dataclass
+class _Chunk:
+    kv: torch.Tensor   # [2, layers, H_kv, C, D]: keys then values of C consecutive committed positions
+    grp: torch.Tensor  # [C] int64 attention groups as committed
+
+
+class PrefixCache:
+    """The LRU store of committed-KV chunks of one model (not thread-safe: the engine thread alone calls it).
+
+    Args:
+        model: the :class:`~unmask.engine.model.LoadedModel` whose KV is stored (its fingerprint roots every key).
+        chunk_tokens: matching granularity C in tokens (>= 1).
+        max_tokens: most tokens held when no budget applies (:attr:`limit` starts there).
+
+    Counters (tokens; vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``): ``queries`` = prompt tokens of
+    the requests looked up, ``hits`` = tokens loaded from the store.
+
+    Raises:
+        ValueError: ``chunk_tokens`` < 1 or ``max_tokens`` < 0.
+    """
+
+    def __init__(self, model, chunk_tokens: int = CHUNK_TOKENS, max_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens: must be >= 1, got {chunk_tokens}")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens: must be >= 0, got {max_tokens}")
+        self.model = model
+        self.fingerprint = model_fingerprint(model)
+        self.chunk_tokens = int(chunk_tokens)
+        self.max_tokens = int(max_tokens)
+        self.limit = self.max_tokens  # tokens the store may hold now (the scheduler lowers it to the free budget)
+        self._chunks: collections.OrderedDict[bytes, _Chunk] = collections.OrderedDict()  # least recent first
+        self.queries = self.hits = 0
+        self.evicted = 0  # chunks evicted so far
+
+    # ------------------------------------------------------------------ keys
+    @property
+    def tokens(self) -> int:
+        """Tokens held."""
+        return len(self._chunks) * self.chunk_tokens_held
+
+    @property
+    def chunk_tokens_held(self) -> int:
+        """Tokens of one stored chunk (:meth:`granularity` of the model)."""
+        d = self.model.dllm
+        if d.attention == "block_causal" and d.block_alignment == "absolute":
+            return math.lcm(self.chunk_tokens, int(d.block_size))
+        return self.chunk_tokens
+
+    def _root(self, seq) -> bytes | None:
+        """The root key of ``seq``'s chains, or None when the request never shares (see the module docstring)."""
+        d = self.model.dllm
+        if d.attention == "bidirectional" or seq.cache_mode != "exact":
+            return None
+        rv = self.model.row_variant
+        variant = rv is not None and getattr(rv, "rows", None) != "uncommitted" and seq.committed_rows_variant
+        grouping = f"{d.block_alignment}/{d.block_size}" if d.attention == "block_causal" else "causal"
+        desc = f"{self.fingerprint}|{d.attention}|{grouping}|variant={variant}|C={self.chunk_tokens_held}"
+        return hashlib.sha256(desc.encode()).digest()
+
+    @staticmethod
+    def _child(parent: bytes, tokens: torch.Tensor) -> bytes:
+        return hashlib.sha256(parent + tokens.to("cpu", torch.int64).numpy().tobytes()).digest()
+
+    def _storable(self, seq) -> int:
+        """Committed positions of ``seq``'s cond lane whose KV a later request would compute the same way."""
+        n = seq.lanes[0].cache.length
+        d = self.model.dllm
+        if d.attention == "block_causal" and seq.origin > 0:  # blocks from the generation: the prompt part only
+            n = min(n, seq.origin)
+        return n
+
+    def reuse_limit(self, seq) -> int:
+        """Most positions ``seq`` may take from the store: its first step must forward the last prompt position
+        (and, with a draft head, the last ``window`` of them)."""
+        limit = min(seq.prompt_len, seq.active[0]) - 1
+        head = getattr(seq, "head", None)  # a speculative request's draft head
+        if head is not None:
+            limit = min(limit, seq.prompt_len - head.cfg.window)
+        return limit
+
+    # ------------------------------------------------------------------ the two hooks
+    def load(self, seq) -> int:
+        """Copy the longest stored prefix of ``seq``'s prompt into its cond lane (a request that has not run a
+        step: empty lane cache). Returns the tokens loaded (0 for a request that never shares)."""
+        root = self._root(seq)
+        lane = seq.lanes[0].cache  # the cond lane (a CFG request's uncond lane is never shared)
+        if root is None or lane.length or seq.nfe:
+            return 0
+        self.queries += seq.prompt_len
+        C = self.chunk_tokens_held
+        chain, found = [], []
+        parent = root
+        for i in range(max(0, self.reuse_limit(seq)) // C):
+            h = self._child(parent, seq.canvas[i * C:(i + 1) * C])
+            chunk = self._chunks.get(h)
+            if chunk is None:
+                break
+            chain.append(h)
+            found.append(chunk)
+            parent = h
+        if not found:
+            return 0
+        for h in reversed(chain):  # most recent: the root end, so that eviction takes a chain's tail first
+            self._chunks.move_to_end(h)
+        kv = torch.cat([c.kv for c in found], dim=-2)  # [2, layers, H_kv, m, D]
+        m = int(kv.shape[-2])
+        lane.append(list(kv[0].unbind(0)), list(kv[1].unbind(0)), torch.arange(m, device=kv.device),
+                    torch.cat([c.grp for c in found]))
+        seq.prefix_chain = chain
+        seq.cached_tokens = m
+        self.hits += m
+        return m
+
+    def register(self, seq) -> int:
+        """Store the complete chunks of ``seq``'s committed KV that became complete since the last call, while
+        :attr:`limit` leaves room (evicting least recently used chunks of other chains first). A chunk whose parent
+        is not stored is skipped (it could never be matched), and a chunk evicted later is not stored again from
+        this sequence (no churn between sequences competing for a small store). Returns the chunks added."""
+        root = self._root(seq)
+        if root is None:
+            return 0
+        chain = seq.prefix_chain
+        C = self.chunk_tokens_held
+        n_chunks = self._storable(seq) // C
+        if len(chain) >= n_chunks:
+            return 0
+        lane = seq.lanes[0].cache
+        protect = set(chain)
+        added = 0
+        for i in range(len(chain), n_chunks):
+            h = self._child(chain[-1] if chain else root, seq.canvas[i * C:(i + 1) * C])
+            chain.append(h)
+            protect.add(h)
+            if h in self._chunks or (i and chain[i - 1] not in self._chunks) or not self._make_room(C, protect):
+                continue
+            s, e = i * C, (i + 1) * C
+            kv = torch.stack([torch.stack([k[:, s:e] for k in lane.keys]),
+                              torch.stack([v[:, s:e] for v in lane.values])])  # a copy: the lane's buffer is freed
+            self._chunks[h] = _Chunk(kv, lane.grp[s:e].clone())
+            added += 1
+        for h in reversed(chain):  # most recent: the root end, so that eviction takes a chain's tail first
+            if h in self._chunks:
+                self._chunks.move_to_end(h)
+        return added
+
+    # ------------------------------------------------------------------ memory
+    def _make_room(self, tokens: int, protect: set) -> bool:
+        """Evict least recently used chunks not in ``protect`` until ``tokens`` more fit under :attr:`limit`;
+        False when they cannot."""
+        C = self.chunk_tokens_held
+        while len(self._chunks) * C + tokens > self.limit:
+            victim = next((h for h in self._chunks if h not in protect), None)
+            if victim is None:
+                return False
+            del self._chunks[victim]
+            self.evicted += 1
+        return True
+
+    def evict_to(self, limit: int) -> None:
+        """Evict least recently used chunks until at most ``limit`` tokens are held."""
+        C = self.chunk_tokens_held
+        while self._chunks and len(self._chunks) * C > max(0, limit):
+            self._chunks.popitem(last=False)
+            self.evicted += 1
+
+    def set_limit(self, free_tokens: int | None) -> None:
+        """Bound the store by ``free_tokens`` (what the KV budget leaves; ``None`` = no budget: :attr:`max_tokens`)
+        and evict down to it at once."""
+        self.limit = self.max_tokens if free_tokens is None else max(0, int(free_tokens))
+        self.evict_to(self.limit)
+
+    def clear(self) -> None:
+        """Drop every chunk."""
+        self._chunks.clear()
+
+    def stats(self) -> dict:
+        """``{"queries", "hits", "tokens", "evicted"}``: the counters (tokens), tokens held, chunks evicted."""
+        return {"queries": self.queries, "hits": self.hits, "tokens": self.tokens, "evicted": self.evicted}
