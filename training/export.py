@@ -203,6 +203,9 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     try:
         write_quantized(staging, model, tok, dllm)
         mark_temporary(staging)
+        from unmask.engine.adapter_files import record_export
+
+        record_export(staging, srcp, quantization)  # the source's hash: its adapters apply here (design.md s. 21)
         if hsrc is not None:
             shutil.copytree(hsrc, staging / HEAD_DIR)
         if vsrc is not None:

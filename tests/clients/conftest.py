@@ -1,6 +1,7 @@
 """A tiny random-model `unmask serve` for the client tests (tests/serving.py starts it)."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,3 +36,24 @@ def running(base: str) -> float:
         if line.startswith("unmask:num_requests_running"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no unmask:num_requests_running in /metrics")
+
+
+def install_wheel(tmp_path: Path) -> tuple[Path, str, Path]:
+    """Build the wheel (``pip wheel --no-deps``) and install it alone (no dependencies, not editable) into a fresh
+    venv without pip: ``(venv python, its site-packages, the wheel)``. The dependencies are this interpreter's
+    site-packages, which a check appends to ``sys.path`` (its ``.pth`` files, the editable finder's among them, are
+    not processed)."""
+    import setuptools
+
+    wheel_dir, venv = tmp_path / "wheel", tmp_path / "venv"
+    isolation = [] if int(setuptools.__version__.split(".")[0]) < 77 else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", *isolation, "-q",
+                    "-w", str(wheel_dir)], check=True, timeout=300, cwd=str(tmp_path))
+    wheel = next(wheel_dir.glob("unmask-*.whl"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
+                   check=True, timeout=300)
+    return py, site, wheel

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, require, running
+from .conftest import install_wheel, require, running
 
 pytestmark = pytest.mark.system
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -135,21 +135,7 @@ def test_browser_end_to_end(server, tmp_path):
 
 
 def test_wheel_ships_the_page(tmp_path):
-    wheel_dir, venv = tmp_path / "wheel", tmp_path / "venv"
-    import setuptools
-
-    # the installed setuptools when it is new enough for pyproject.toml (>= 77), else pip's isolated build
-    isolation = [] if int(setuptools.__version__.split(".")[0]) < 77 else ["--no-build-isolation"]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", *isolation, "-q",
-                    "-w", str(wheel_dir)], check=True, timeout=300, cwd=str(tmp_path))
-    wheel = next(wheel_dir.glob("unmask-*.whl"))
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    # the wheel alone, not editable; the dependencies come from this interpreter's site-packages (appended after)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
-                   check=True, timeout=300)
+    py, site, _ = install_wheel(tmp_path)
     import fastapi
 
     deps = str(Path(fastapi.__file__).resolve().parents[1])
