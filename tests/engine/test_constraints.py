@@ -298,3 +298,14 @@ def test_block_1_and_speculative_greedy_equal_a_reference_constrained_ar_decode(
         out = llm.generate([prompt], SamplingParams(max_tokens=96, temperature=0, constraint=c, **kw))[0].outputs[0]
         assert out.token_ids == ref, kw
         assert out.nfe < len(ref)
+
+
+def test_grammar_errors_carry_no_grammar_listing():
+    """llguidance appends the grammar's lines and a caret to its error; a tool grammar embeds whole schemas, so the
+    400 dumped internal grammar text (breaker). The message keeps the error itself."""
+    from unmask.engine import check_constraint
+
+    with pytest.raises(ParamError) as e:
+        check_constraint(Constraint("lark", 'start: "a" body\nbody: %json {"type": "frobnicate"}\n', field="f"))
+    msg = str(e.value)
+    assert "frobnicate" in msg and "\n" not in msg and " | " not in msg and "%json" not in msg, msg
