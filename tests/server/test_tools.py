@@ -317,3 +317,22 @@ def test_a_bad_enforced_parameters_schema_is_a_400_naming_the_tool_without_gramm
     assert err["message"].startswith("tools.1.function.parameters: ") and "frobnicate" in err["message"], err
     for internal in ("<tool_call>", "%json", "start:", " | ", "x-guidance"):
         assert internal not in err["message"], err
+
+
+@pytest.mark.parametrize("json_schema,param", [
+    ({"name": "bad name"}, "response_format.json_schema.name"),
+    ({"name": "x", "strict": "yes"}, "response_format.json_schema.strict"),
+    ({"name": "x", "extra": 1}, "response_format.json_schema.extra"),
+])
+def test_response_format_errors_name_the_path_once(client, json_schema, param):
+    """The discriminator's value used to sit in the path: ``response_format.json_schema.json_schema.name``."""
+    r = chat(client, response_format={"type": "json_schema", "json_schema": json_schema})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert "json_schema.json_schema" not in r.json()["error"]["message"]
+
+
+def test_an_unknown_response_format_type_is_a_400_naming_it(client):
+    r = chat(client, response_format={"type": "xml"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "json_schema" in r.json()["error"]["message"] and "JsonSchema" not in r.json()["error"]["message"]
