@@ -301,3 +301,21 @@ def test_serve_subprocess_exits_nonzero_without_traceback(good, tmp_path):
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert f"{d / WEIGHTS}: not a safetensors file" in r.stderr
     assert time.time() - t0 < 60  # refused before any weight is read (the wall time is mostly importing torch)
+
+
+def test_writers_with_the_same_pid_never_share_a_staging_directory(good, tmp_path, monkeypatch):
+    """In containers every writer may be pid 1, and two containers can share a volume: a staging directory named
+    by the pid alone was the other writer's, and write_checkpoint deleted it as its own leftover (breaker)."""
+    from unmask.engine.checkpoint import unique_suffix
+
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    assert unique_suffix() != unique_suffix() and unique_suffix().startswith("1-")
+    m = tiny_loaded()
+    out = tmp_path / "out"
+    other = tmp_path / "out.tmp-1"                # another container's writer (also pid 1), still writing
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"half written")
+    write_checkpoint(out, m.model, m.tokenizer, m.dllm)
+    assert (other / "model.safetensors").read_bytes() == b"half written"
+    assert load_model(out, device="cpu", weights="native").vocab_size == m.vocab_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-1"]
