@@ -274,8 +274,11 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def stats(self) -> dict:
-        """Counters as a dict: running/waiting requests, engine NFE, steps (for /health and logs)."""
-        return {"running": self.num_running, "waiting": self.num_waiting, "nfe": self.nfe, "steps": self.steps}
+        """Counters as a dict (for /health and logs): running/waiting requests, ``batched_forwards`` (model calls,
+        each serving every sequence in the batch: not ``usage.nfe``, which counts one choice's forwards) and engine
+        steps (docs/design.md section 5)."""
+        return {"running": self.num_running, "waiting": self.num_waiting, "batched_forwards": self.nfe,
+                "steps": self.steps}
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

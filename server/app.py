@@ -201,8 +201,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
 
     @app.get("/health")
     async def health():
-        """``{"status": "ok", "running", "waiting", "nfe", "steps"}`` (``nfe`` = engine-level forwards);
-        503 when the engine thread is not running."""
+        """``{"status": "ok", "model", "running", "waiting", "batched_forwards", "steps"}`` (model calls of the
+        engine, one per batch; a response's ``usage.nfe`` counts one choice's); 503 when the engine is not running."""
         body = {"status": "ok" if engine.alive else "unavailable", "model": model_name, **engine.stats()}
         return JSONResponse(body, status_code=200 if engine.alive else 503)
 

@@ -455,3 +455,15 @@ def test_head_on_get_routes_answers_like_get_without_a_body(client, path):
 
 def test_head_on_an_unknown_path_is_a_404(client):
     assert client.head("/nope").status_code == 404
+
+
+def test_health_counts_batched_forwards_and_usage_counts_per_choice(client):
+    """/health said ``nfe`` for model calls while ``usage.nfe`` counts one choice's forwards (breaker): two names.
+    Two choices decoded side by side share every forward: their usage sums to about twice the calls made."""
+    before = client.get("/health").json()
+    assert "nfe" not in before and isinstance(before["batched_forwards"], int)
+    r = client.post(C, json=_c(n=2, max_tokens=8, ignore_eos=True, temperature=0))
+    assert r.status_code == 200, r.text
+    calls = client.get("/health").json()["batched_forwards"] - before["batched_forwards"]
+    per_choice = r.json()["usage"]["nfe"]
+    assert 0 < calls < per_choice <= 2 * calls, (calls, per_choice)
