@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from unmask.engine.limits import DEFAULT_MAX_SEQS_PER_REQUEST
+from unmask.engine.checkpoint import unique_suffix
 
 log = logging.getLogger("unmask.server")
 
@@ -320,7 +321,7 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
     current = out / "mask_adapter.json"
     if not (current.is_file() and current.read_text(encoding="utf-8") == text
             and (out / "mask_adapter.safetensors").stat().st_size == (src / "mask_adapter.safetensors").stat().st_size):
-        tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+        tmp = out.parent / f"{out.name}.tmp-{unique_suffix()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         shutil.copy2(src / "mask_adapter.safetensors", tmp / "mask_adapter.safetensors")

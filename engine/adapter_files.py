@@ -26,6 +26,7 @@ import torch
 
 from .config import CheckpointError, DllmConfig, read_json_file
 from .mask_adapter import AdapterWeights
+from .checkpoint import unique_suffix
 
 ADAPTER_CONFIG = "mask_adapter.json"
 ADAPTER_WEIGHTS = "mask_adapter.safetensors"
@@ -76,7 +77,7 @@ def parent_hash(path: str | os.PathLike) -> str:
             h.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
     digest = "sha256:" + h.hexdigest()
     try:
-        tmp = path / f"{HASH_CACHE}.tmp-{os.getpid()}"
+        tmp = path / f"{HASH_CACHE}.tmp-{unique_suffix()}"
         tmp.write_text(json.dumps({"files": key, "sha256": digest}) + "\n", encoding="utf-8")
         os.replace(tmp, path / HASH_CACHE)
     except OSError:  # a read-only parent: hash again next time
@@ -117,10 +118,10 @@ def write_adapter(out: str | os.PathLike, weights: AdapterWeights, parent: dict,
     if training:
         cfg["training"] = training
     tensors = {k: v.to(dtype) for k, v in weights.state_dict().items()}
-    tmp_w = out / f".{ADAPTER_WEIGHTS}.tmp-{os.getpid()}"
+    tmp_w = out / f".{ADAPTER_WEIGHTS}.tmp-{unique_suffix()}"
     save_file(tensors, str(tmp_w), metadata={"format": FORMAT})
     os.replace(tmp_w, out / ADAPTER_WEIGHTS)
-    tmp_c = out / f".{ADAPTER_CONFIG}.tmp-{os.getpid()}"
+    tmp_c = out / f".{ADAPTER_CONFIG}.tmp-{unique_suffix()}"
     tmp_c.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp_c, out / ADAPTER_CONFIG)
     return out
@@ -314,7 +315,7 @@ def write_self_contained(out: str | os.PathLike, parent_dir: str | os.PathLike, 
         raise CheckpointError(f"{out}: exists; choose a new directory")
     if not (parent_dir / "config.json").is_file():
         raise CheckpointError(f"{parent_dir}: not a checkpoint directory (no config.json)")
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    tmp = out.parent / f"{out.name}.tmp-{unique_suffix()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(parent_dir, tmp, ignore=shutil.ignore_patterns("*.tmp-*", "training_state.pt"))

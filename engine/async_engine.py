@@ -219,25 +219,46 @@ class AsyncEngine:
             QueueFull: ``max_queue`` sequences are already waiting (retry later).
             EngineClosed: the engine is shut down or its thread died.
         """
+        return self.submit_many([prompt_ids], params, [request_id or f"req-{next(_auto_ids)}"], n=n,
+                                fit_max_tokens=fit_max_tokens, loop=loop, group=group)[0]
+
+    def submit_many(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str], n: int = 1,
+                    fit_max_tokens: bool = False, loop: asyncio.AbstractEventLoop | None = None,
+                    group: str | None = None) -> list[RequestStream]:
+        """Queue several prompts (one engine request each, ``request_ids[i]`` for ``prompts[i]``) atomically: all
+        of them are admitted or none is (docs/design.md section 15, "Atomic admission"). The arguments and errors
+        are :meth:`submit`'s; ``group`` defaults to the first request id. A refused call leaves no trace in the
+        queue, so a request refused for room never holds room another request could use.
+
+        Raises:
+            ValueError: ``len(prompts) != len(request_ids)`` or no prompt (a programming error).
+        """
+        if len(prompts) != len(request_ids) or not prompts:
+            raise ValueError(f"submit_many: {len(prompts)} prompts for {len(request_ids)} request ids")
         loop = loop or asyncio.get_running_loop()
         if not self.alive:
             raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
-        request_id = request_id or f"req-{next(_auto_ids)}"
-        seqs = self.engine.make_request(list(prompt_ids), params, request_id, n, fit_max_tokens)
-        for s in seqs:  # the unit of fair admission: the client's whole request (docs/design.md section 15)
-            s.group = group or request_id
-        self.scheduler.check_fits(seqs)
-        stream = RequestStream(self, request_id, seqs, loop)
-        with self._cond:
-            if request_id in self._requests:
-                raise ParamError("request_id", f"{request_id!r} is already in flight")
-            self.scheduler.check_queue(len(seqs), self._queued_seqs)
-            self._queued_seqs += len(seqs)
-            self._requests[request_id] = stream
-            self._inbox.append((stream, seqs))
-            self.num_waiting += 1
+        group = group or request_ids[0]
+        built: list[tuple[str, list[Request]]] = []
+        for ids, rid in zip(prompts, request_ids):  # building checks every prompt id: outside the lock
+            seqs = self.engine.make_request(list(ids), params, rid, n, fit_max_tokens)
+            for s in seqs:  # the unit of fair admission: the client's whole request (docs/design.md section 15)
+                s.group = group
+            self.scheduler.check_fits(seqs)
+            built.append((rid, seqs))
+        streams = [RequestStream(self, rid, seqs, loop) for rid, seqs in built]
+        with self._cond:  # one check against the capacity for the whole call, then register all of it
+            for rid in request_ids:
+                if rid in self._requests or request_ids.count(rid) > 1:
+                    raise ParamError("request_id", f"{rid!r} is already in flight")
+            self.scheduler.check_queue(sum(len(seqs) for _, seqs in built), self._queued_seqs)
+            for stream, (_, seqs) in zip(streams, built):
+                self._queued_seqs += len(seqs)
+                self._requests[stream.request_id] = stream
+                self._inbox.append((stream, seqs))
+                self.num_waiting += 1
             self._cond.notify()
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (waiting or running). Safe to call from any thread, twice, or after it finished.
@@ -257,10 +278,11 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def stats(self) -> dict:
-        """Counters as a dict: running/waiting requests, engine NFE, steps, the prefix cache's queries/hits/tokens
-        held/chunks evicted (for /health and logs)."""
-        return {"running": self.num_running, "waiting": self.num_waiting, "nfe": self.nfe, "steps": self.steps,
-                "prefix_cache": self.engine.prefix_cache_stats()}
+        """Counters as a dict (for /health and logs): running/waiting requests, ``batched_forwards`` (model calls,
+        each serving every sequence in the batch: not ``usage.nfe``, which counts one choice's forwards), engine
+        steps and the prefix cache's queries/hits/tokens held/chunks evicted (docs/design.md sections 5, 23)."""
+        return {"running": self.num_running, "waiting": self.num_waiting, "batched_forwards": self.nfe,
+                "steps": self.steps, "prefix_cache": self.engine.prefix_cache_stats()}
 
     @property
     def prefix_cache_queries(self) -> int:

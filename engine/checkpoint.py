@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 from pathlib import Path
@@ -18,6 +19,13 @@ from .config import DllmConfig
 
 
 WRITER_MARKER = ".unmask-writer"  # "<hostname> <pid>" inside every temporary directory this module creates
+
+
+def unique_suffix() -> str:
+    """``<pid>-<8 hex digits>``: the tail of every temporary name made for an atomic write. The pid alone collided
+    in containers (pid 1 everywhere; two containers sharing a volume), and a writer deleted the other's staging
+    directory as its own leftover."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def mark_temporary(directory: Path) -> None:
@@ -51,10 +59,8 @@ def write_checkpoint(out: str | os.PathLike, model, tokenizer, dllm: DllmConfig,
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CheckpointWriteError(f"{out}: exists and is not empty; choose a new directory")
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    tmp = out.parent / f"{out.name}.tmp-{unique_suffix()}"
     remove_stale_temporaries(out)
-    if tmp.exists():
-        shutil.rmtree(tmp)
     try:
         mark_temporary(tmp)
         model.config.dllm = dllm.to_dict()
@@ -87,7 +93,7 @@ def publish_directory(ready: Path, out: Path) -> Path:
     """
     (ready / WRITER_MARKER).unlink(missing_ok=True)
     if out.exists():
-        old = out.parent / f"{out.name}.old-{os.getpid()}"
+        old = out.parent / f"{out.name}.old-{unique_suffix()}"
         os.replace(out, old)
         mark_temporary(old)
         os.replace(ready, out)
@@ -98,7 +104,7 @@ def publish_directory(ready: Path, out: Path) -> Path:
 
 
 def remove_stale_temporaries(out: Path) -> None:
-    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` / ``<out>.verify-<pid>`` left by a writer that was killed,
+    """Delete ``<out>.tmp-<pid>-<hex>`` / ``<out>.old-<pid>-<hex>`` / ``<out>.verify-<pid>-<hex>`` left by a writer that was killed,
     and nested ones such as an export's ``<out>.verify-<pid>.tmp-<pid>`` (one pid throughout).
 
     Only directories that carry this module's :data:`WRITER_MARKER` naming this host and a pid that no longer
@@ -108,10 +114,10 @@ def remove_stale_temporaries(out: Path) -> None:
     if not out.parent.is_dir():
         return
     host = socket.gethostname()
-    name = re.compile(re.escape(out.name) + r"((?:\.(?:tmp|old|verify)-\d+)+)")
+    name = re.compile(re.escape(out.name) + r"((?:\.(?:tmp|old|verify)-\d+(?:-[0-9a-f]{8})?)+)")
     for p in out.parent.glob(f"{glob.escape(out.name)}.*-*"):
         m = name.fullmatch(p.name)
-        pids = set(re.findall(r"-(\d+)", m.group(1))) if m else set()
+        pids = set(re.findall(r"\.(?:tmp|old|verify)-(\d+)", m.group(1))) if m else set()
         if len(pids) != 1:
             continue
         pid = pids.pop()

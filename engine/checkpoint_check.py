@@ -32,11 +32,13 @@ import torch
 
 from .checkpoint import WRITER_MARKER
 from .config import CheckpointError, DllmConfig, read_json_file
+from .template_check import check_chat_template
 
 FINITE_CHUNK = 1 << 24  # elements per torch.isfinite call: a 16 MiB bool temporary at most
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}  # safetensors' floating-point dtypes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
 # transformers config fields (any family's spelling) that must be positive integers when present
 POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -86,8 +88,15 @@ def check_files(path: Path, config: dict, family: str) -> None:
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{path}: incomplete checkpoint: no tokenizer file (expected one of "
                               f"{', '.join(TOKENIZER_FILES)})")
-    if family == "a2d" and headers is not None and not isinstance(config.get("quantization_config"), dict):
+    if headers is None or isinstance(config.get("quantization_config"), dict):
+        return  # quantized weights are integers by design; their loader checks them (check_loading_info)
+    if family == "a2d":
         check_tensor_names(path, headers)
+        return
+    for name, (file, _, dtype) in headers.items():  # other families: no meta model, the names say it
+        if name.endswith((".weight", ".bias")) and dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}, an unquantized checkpoint's weights are "
+                                  f"floating-point ({', '.join(sorted(FLOAT_DTYPES))})")
 
 
 def check_not_staging(path: Path) -> None:
@@ -130,9 +139,10 @@ def check_config_fields(cfg_file: Path, config: dict) -> None:
                               f"({heads})")
 
 
-def check_weight_files(path: Path) -> dict[str, tuple[Path, list[int]]] | None:
-    """The weight files exist and every safetensors file is whole; returns ``{tensor: (file, shape)}`` from the
-    safetensors headers (None for ``pytorch_model.bin`` checkpoints, checked by their loader)."""
+def check_weight_files(path: Path) -> dict[str, tuple[Path, list[int], str]] | None:
+    """The weight files exist and every safetensors file is whole; returns ``{tensor: (file, shape, dtype)}`` from
+    the safetensors headers (dtype as spelled there, ``F32``; None for ``pytorch_model.bin`` checkpoints, checked by
+    their loader)."""
     index_file = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
@@ -150,10 +160,10 @@ def check_weight_files(path: Path) -> dict[str, tuple[Path, list[int]]] | None:
     else:
         raise CheckpointError(f"{path}: incomplete checkpoint: no weights found (expected model.safetensors, "
                               "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json)")
-    headers: dict[str, tuple[Path, list[int]]] = {}
+    headers: dict[str, tuple[Path, list[int], str]] = {}
     for f in files:
-        for name, shape in safetensors_header(f).items():
-            headers[name] = (f, shape)
+        for name, (shape, dtype) in safetensors_header(f).items():
+            headers[name] = (f, shape, dtype)
     if index_file.is_file() and not (path / "model.safetensors").is_file():
         absent = sorted(set(weight_map) - set(headers))
         if absent:
@@ -162,8 +172,8 @@ def check_weight_files(path: Path) -> dict[str, tuple[Path, list[int]]] | None:
     return headers
 
 
-def safetensors_header(file: Path) -> dict[str, list[int]]:
-    """``{tensor name: shape}`` of a safetensors file, after checking that its header parses and that the tensors'
+def safetensors_header(file: Path) -> dict[str, tuple[list[int], str]]:
+    """``{tensor name: (shape, dtype)}`` of a safetensors file, after checking that its header parses and that the tensors'
     byte ranges match their dtypes and shapes and cover the file exactly (the format's rule).
 
     Raises:
@@ -189,7 +199,7 @@ def safetensors_header(file: Path) -> dict[str, list[int]]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: not a safetensors file (header is not JSON: {exc}; garbage or another "
                               "format)") from None
-    out: dict[str, list[int]] = {}
+    out: dict[str, tuple[list[int], str]] = {}
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
@@ -202,7 +212,7 @@ def safetensors_header(file: Path) -> dict[str, list[int]]:
         if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop) or stop - begin != need:
             raise CheckpointError(f"{file}: tensor {name!r}: data offsets {[begin, stop]} do not hold a {dtype} "
                                   f"tensor of shape {shape} ({need} bytes)")
-        out[name] = shape
+        out[name] = (shape, dtype)
         end = max(end, stop)
     data = size - 8 - n
     if data < end:
@@ -213,8 +223,9 @@ def safetensors_header(file: Path) -> dict[str, list[int]]:
     return out
 
 
-def check_tensor_names(path: Path, headers: dict[str, tuple[Path, list[int]]]) -> None:
-    """The stored tensors are exactly the ones of the model ``config.json`` describes (shapes included).
+def check_tensor_names(path: Path, headers: dict[str, tuple[Path, list[int], str]]) -> None:
+    """The stored tensors are exactly the ones of the model ``config.json`` describes (shapes included, and a
+    floating-point dtype for every floating-point parameter or buffer: an ``I32`` weight would be cast silently).
 
     The model is built on the meta device (no memory). A tensor tied to another (``tie_word_embeddings``) may be
     absent when one of its group is stored; names matching the class's ``_keys_to_ignore_on_load_*`` are allowed.
@@ -231,14 +242,19 @@ def check_tensor_names(path: Path, headers: dict[str, tuple[Path, list[int]]]) -
         raise CheckpointError(one_line(f"{cfg_file}: {type(exc).__name__}: {exc}")) from exc
     groups: dict[int, list[str]] = {}
     shapes: dict[str, list[int]] = {}
+    floats: set[str] = set()
     for name, tensor in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(tensor), []).append(name)
         shapes[name] = list(tensor.shape)
+        if tensor.is_floating_point():
+            floats.add(name)
     persistent = {n for n, _ in model.state_dict(keep_vars=True).items()}
     for name, tensor in model.named_buffers(remove_duplicate=False):
         if name in persistent:
             groups.setdefault(id(tensor), []).append(name)
             shapes[name] = list(tensor.shape)
+            if tensor.is_floating_point():
+                floats.add(name)
     ignore_missing = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or ())]
     ignore_unexpected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
     missing = [names[0] for names in groups.values()
@@ -251,12 +267,15 @@ def check_tensor_names(path: Path, headers: dict[str, tuple[Path, list[int]]]) -
             parts.append(f"{len(missing)} missing ({_few(sorted(missing))})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected ({_few(sorted(unexpected))})")
-        where = sorted({str(headers[n][0].name) for n in unexpected} or {f.name for f, _ in headers.values()})
+        where = sorted({str(headers[n][0].name) for n in unexpected} or {f.name for f, _, _ in headers.values()})
         raise CheckpointError(f"{path / where[0]}: the stored tensors do not match the {what}: "
                               + "; ".join(parts) + " - was num_hidden_layers (or another size) changed?")
-    for name, (file, shape) in headers.items():
+    for name, (file, shape, dtype) in headers.items():
         if name in shapes and shapes[name] != shape:
             raise CheckpointError(f"{file}: tensor {name} has shape {shape}, the {what} expects {shapes[name]}")
+        if name in floats and dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}, the {what} expects a floating-point "
+                                  f"tensor ({', '.join(sorted(FLOAT_DTYPES))})")
 
 
 def check_loading_info(path: Path, cls_name: str, info: dict) -> None:
@@ -284,7 +303,8 @@ def _few(names: list[str], k: int = 4) -> str:
 # ------------------------------------------------------------------------------------------------- after loading
 
 def check_loaded(loaded, path: Path) -> None:
-    """Token ids inside the vocabulary, block size inside the context, finite weights (module docstring, step 3).
+    """Token ids inside the vocabulary, block size inside the context, a chat template that compiles and renders
+    (:mod:`.template_check`), finite weights (module docstring, step 3).
 
     Raises:
         CheckpointError: naming ``config.json`` and the field, or the weight file and the tensor.
@@ -304,6 +324,7 @@ def check_loaded(loaded, path: Path) -> None:
     if dllm.block_size > loaded.max_context:
         raise CheckpointError(f"{where}.block_size: {dllm.block_size} exceeds the model's context of "
                               f"{loaded.max_context} tokens")
+    check_chat_template(loaded.tokenizer, path)
     check_finite(loaded.model, path)
 
 

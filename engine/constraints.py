@@ -21,6 +21,7 @@ Errors: :class:`~unmask.engine.limits.ParamError` naming the constraint's ``fiel
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import weakref
 
@@ -75,8 +76,15 @@ def _validated(constraint: Constraint, tokenizer) -> str:
     text = grammar_text(constraint)
     message = llg.LLMatcher.validate_grammar(text, tokenizer)
     if message and not message.startswith("WARNING"):
-        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {message.strip()}")
+        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(message)}")
     return text
+
+
+def _first_lines(message: str) -> str:
+    """llguidance's error without the grammar listing it appends (``   3 | body: ...`` and the caret line): the
+    listing is internal grammar text (a tool grammar embeds whole schemas), not what the client wrote."""
+    lines = [ln for ln in message.strip().splitlines() if not re.match(r"^\s*(\d+ \||\^)", ln)]
+    return " ".join(ln.strip() for ln in lines)
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
@@ -111,7 +119,7 @@ def _compiled(lltok, key: tuple[str, str], constraint: Constraint):
     text = _validated(constraint, lltok)
     matcher = llg.LLMatcher(lltok, text, log_level=0)
     if matcher.is_error():
-        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {matcher.get_error().strip()}")
+        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(matcher.get_error())}")
     return matcher
 
 

@@ -24,16 +24,24 @@ def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str | N
     return best, which
 
 
+def whole_chars(text: str) -> str:
+    """``text`` without the trailing U+FFFD run that a multi-byte character cut by the end of the output (by
+    ``max_tokens``, a stop string or the last block; constrained decoding forces byte tokens too) decodes to: a
+    final text never ends in a broken character, as the stream never shows one. (A model that truly writes U+FFFD
+    as its last character loses it: the decoded text cannot tell the two apart.)"""
+    end = len(text)
+    while end > 0 and text[end - 1] == REPLACEMENT_CHAR:
+        end -= 1
+    return text[:end]
+
+
 def stream_safe(text: str, stops: list[str]) -> str:
     """The part of a still-growing ``text`` that can be shown now.
 
     Holds back a trailing U+FFFD (a multi-byte character split across tokens) and the longest tail that is a
     prefix of a stop string (so that no stop-string prefix ever leaks into a stream).
     """
-    end = len(text)
-    while end > 0 and text[end - 1] == REPLACEMENT_CHAR:
-        end -= 1
-    text = text[:end]
+    text = whole_chars(text)
     hold = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), 0, -1):

@@ -101,23 +101,11 @@ class MultiBlockSequence(Sequence):
         out_pos = masked - 1 if self.dllm.logit_shift else masked
         inputs = []
         for lane in self.lanes:
-            tokens = self.canvas
-            if lane.kind == "uncond":
-                tokens = self.canvas.clone()
-                tokens[: self.prompt_len] = self.dllm.mask_token_id
             c = lane.cache.length
             lo = 0 if self.cache_mode == "none" else c
             commit_pos = (torch.arange(c, a, device=self.device) if self.cache_mode != "none"
                           else torch.empty(0, dtype=torch.long, device=self.device))
-            chunk = torch.arange(lo, e, device=self.device)
-            needed = torch.where(out_pos >= lo, out_pos - lo, torch.full_like(out_pos, -1))
-            if bool((needed < 0).any()) and lane.cache.carry_position != int(a - 1):
-                raise RuntimeError(f"{self.request_id}: missing carry logits for position {a - 1}")  # pragma: no cover
-            carry_index = (a - 1 - lo) if (self.dllm.logit_shift and lo <= a - 1 < e
-                                           and self.cache_mode != "none") else -1
-            inputs.append(LaneInput(tokens=tokens[lo:e], chunk=chunk, grp=grp[lo:e], start=start[lo:e],
-                                    committed=committed[lo:e], needed=needed, commit=commit_pos - lo,
-                                    carry_index=carry_index))
+            inputs.append(self._lane_input(lane, lo, e, a, out_pos, commit_pos, (grp, start, committed)))
         self._inputs = inputs
         return inputs
 

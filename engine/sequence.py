@@ -38,10 +38,6 @@ class Sequence(Request):
         causal = self.dllm.attention != "bidirectional"
         inputs = []
         for lane in self.lanes:
-            tokens = self.canvas
-            if lane.kind == "uncond":
-                tokens = self.canvas.clone()
-                tokens[: self.prompt_len] = self.dllm.mask_token_id
             c = lane.cache.length
             replace = False
             if mode == "none":
@@ -64,16 +60,28 @@ class Sequence(Request):
                 lo = a
                 hi = L if mode == "prefix" else e
                 commit_pos = torch.empty(0, dtype=torch.long, device=self.device)
-            chunk = torch.arange(lo, hi, device=self.device)
-            needed = torch.where(out_pos >= lo, out_pos - lo, torch.full_like(out_pos, -1))
-            if bool((needed < 0).any()) and lane.cache.carry_position != int(a - 1):
-                raise RuntimeError(f"{self.request_id}: missing carry logits for position {a - 1}")  # pragma: no cover
-            carry_index = (a - 1 - lo) if (self.dllm.logit_shift and lo <= a - 1 < hi and mode != "none") else -1
-            inputs.append(LaneInput(tokens=tokens[lo:hi], chunk=chunk, grp=grp[lo:hi], start=start[lo:hi],
-                                    committed=committed[lo:hi], needed=needed, commit=commit_pos - lo,
-                                    replace_cache=replace, carry_index=carry_index))
+            inputs.append(self._lane_input(lane, lo, hi, a, out_pos, commit_pos, (grp, start, committed), replace))
         self._inputs = inputs
         return inputs
+
+    def _lane_input(self, lane, lo: int, hi: int, a: int, out_pos: torch.Tensor, commit_pos: torch.Tensor,
+                    masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], replace: bool = False) -> LaneInput:
+        """The :class:`LaneInput` of ``lane`` forwarding rows ``lo:hi`` (shared by :meth:`lane_inputs` and the
+        multi-block variant): the lane's tokens (the unconditional lane's prompt masked), the rows whose logits are
+        needed (``out_pos``, -1 = the carried logits of position ``a - 1``), the positions to commit to the cache
+        and the canvas's attention metadata ``masks`` = (groups, starts, committed) sliced to the rows."""
+        tokens = self.canvas
+        if lane.kind == "uncond":
+            tokens = self.canvas.clone()
+            tokens[: self.prompt_len] = self.dllm.mask_token_id
+        grp, start, committed = masks
+        needed = torch.where(out_pos >= lo, out_pos - lo, torch.full_like(out_pos, -1))
+        if bool((needed < 0).any()) and lane.cache.carry_position != int(a - 1):
+            raise RuntimeError(f"{self.request_id}: missing carry logits for position {a - 1}")  # pragma: no cover
+        carry_index = (a - 1 - lo) if (self.dllm.logit_shift and lo <= a - 1 < hi and self.cache_mode != "none") else -1
+        return LaneInput(tokens=tokens[lo:hi], chunk=torch.arange(lo, hi, device=self.device), grp=grp[lo:hi],
+                         start=start[lo:hi], committed=committed[lo:hi], needed=needed, commit=commit_pos - lo,
+                         replace_cache=replace, carry_index=carry_index)
 
     def variant_rows(self, inp: LaneInput) -> torch.Tensor | None:
         """Plain denoising never runs the model's row variant."""

@@ -4,11 +4,12 @@ A choice ends when the revealed left-to-right prefix of its generation region ho
 position revealed; the id is counted, never rendered), when its text contains a stop string (cut before it,
 the output keeping the fewest tokens whose text contains it), when ``max_tokens`` are revealed, or when its last
 block is done. Under ``min_tokens`` no stop string counts before the output has that many tokens. The stream
-shows only the stream-safe text (``unmask.engine.detokenize.stream_safe``), which only grows.
+shows only the stream-safe text (``unmask.engine.detokenize.stream_safe``), which only grows; the final text never
+ends in a broken multi-byte character (``whole_chars``).
 """
 from __future__ import annotations
 
-from .detokenize import decode, find_stop, stream_safe
+from .detokenize import decode, find_stop, stream_safe, whole_chars
 
 
 class StopChecker:
@@ -61,9 +62,9 @@ class StopChecker:
                 if find_stop(decode(self.tokenizer, text_ids[:k]), [which], after)[0] >= 0:
                     n = k
                     break
-            return "stop", text_ids[:n], text[:idx]
-        if complete:
-            return ("stop" if eos_hit else "length"), list(prefix), text
+            return "stop", text_ids[:n], whole_chars(text[:idx])
+        if complete:  # the ids stay (they were generated and count); the text holds no broken character
+            return ("stop" if eos_hit else "length"), list(prefix), whole_chars(text)
         safe = stream_safe(text, stops)
         if len(safe) > len(self.stream_text) and safe.startswith(self.stream_text):
             self.stream_text = safe

@@ -201,8 +201,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
 
     @app.get("/health")
     async def health():
-        """``{"status": "ok", "running", "waiting", "nfe", "steps"}`` (``nfe`` = engine-level forwards);
-        503 when the engine thread is not running."""
+        """``{"status": "ok", "model", "running", "waiting", "batched_forwards", "steps"}`` (model calls of the
+        engine, one per batch; a response's ``usage.nfe`` counts one choice's); 503 when the engine is not running."""
         body = {"status": "ok" if engine.alive else "unavailable", "model": model_name, **engine.stats()}
         return JSONResponse(body, status_code=200 if engine.alive else 503)
 
@@ -273,9 +273,9 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     loop = asyncio.get_running_loop()
 
     def submit_all() -> None:  # building the requests checks every prompt id: off the event loop
-        for p, ids in enumerate(prompts):
-            streams.append(engine.submit(ids, params, f"{response_id}-{p}", n=body.n,
-                                         fit_max_tokens=explicit is None, loop=loop, group=response_id))
+        # one atomic admission for every prompt (docs/design.md section 15): all of them queue or none does
+        streams.extend(engine.submit_many(prompts, params, [f"{response_id}-{p}" for p in range(len(prompts))],
+                                          n=body.n, fit_max_tokens=explicit is None, loop=loop, group=response_id))
 
     try:
         await anyio.to_thread.run_sync(submit_all)

@@ -1,5 +1,6 @@
 """Pure ASGI guards before routing (docs/design.md sections 5 and 15): the API key on ``/v1/*`` (401), then, for a
-request some route takes with its method, the body size (413) and the JSON content type (415).
+request some route takes with its method, the body size (413), the JSON content type (415) and UTF-8 (400: no
+BOM, no UTF-16/32). ``HEAD`` is answered as the ``GET`` of the same path without its body.
 
 Routes open without the key: ``/health`` (probes), ``/metrics`` (Prometheus), ``/`` and ``/visualizer/*`` (the
 page; its own calls go to ``/v1``), ``/docs`` and ``/openapi.json``; everything under ``/v1/`` needs it. A method
@@ -15,6 +16,34 @@ from starlette.routing import Match
 from .errors import APIError
 
 log = logging.getLogger("unmask.server")
+
+
+def not_utf8(head: bytes) -> APIError | None:
+    """A 400 when a body whose first bytes are ``head`` is not plain UTF-8 JSON, else None.
+
+    RFC 8259 section 8.1: JSON exchanged between systems MUST be UTF-8 and a sender MUST NOT add a byte order mark;
+    the OpenAI API takes UTF-8 JSON. Python's ``json.loads`` (hence FastAPI, hence vLLM) would decode UTF-16/32 and
+    skip a BOM silently; we refuse both, naming the encoding seen (``json.detect_encoding``: a BOM, or the NUL
+    bytes of UTF-16/32 around the first ASCII character)."""
+    import json
+
+    enc = json.detect_encoding(head)
+    if enc == "utf-8":
+        return None
+    what = "starts with a UTF-8 byte order mark" if enc == "utf-8-sig" else f"is {enc.upper()}, not UTF-8"
+    return APIError(400, f"request body {what}: send UTF-8 JSON without a byte order mark (RFC 8259 section 8.1)",
+                    code="invalid_encoding")
+
+
+def _without_body(send):
+    """``send`` for a HEAD request: the GET's status and headers (``Content-Length`` included), an empty body."""
+    async def head_send(message):
+        if message["type"] == "http.response.body":
+            if message.get("more_body", False):
+                return
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
+        await send(message)
+    return head_send
 
 
 class GuardMiddleware:
@@ -40,6 +69,8 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("method") == "HEAD":  # HEAD on every GET route (RFC 9110 section 9.3.2): the GET, no body
+            scope, send = {**scope, "method": "GET"}, _without_body(send)
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_key is not None and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
@@ -76,13 +107,17 @@ class GuardMiddleware:
             err = APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
                            param="Content-Type", code="unsupported_media_type")
             return await self._reject(scope, err, receive, send)
+        data = b"".join(chunks)
+        err = not_utf8(data[:4])
+        if err is not None:
+            return await self._reject(scope, err, receive, send)
         sent = False
 
         async def replay():
             nonlocal sent
             if not sent:
                 sent = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": data, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)

@@ -14,6 +14,7 @@ event carries ``type`` and an increasing ``sequence_number``; an error is an ``e
 from __future__ import annotations
 
 import asyncio
+import re
 
 import secrets
 import time
@@ -38,16 +39,16 @@ from .tool_parsers import parser_factory
 
 router = APIRouter()
 
-# chat field -> the Responses request's own name (for error messages)
-_RENAMES = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"))
-
-
-def _renamed(err: APIError) -> APIError:
-    for old, new in _RENAMES:
-        if err.param and (err.param == old or err.param.startswith(old + ".")):
-            err.param = new + err.param[len(old):]
-        if err.message.startswith(old):
-            err.message = new + err.message[len(old):]
+def _renamed(err: APIError, body: ResponsesRequest) -> APIError:
+    """``err`` of the translated chat request, naming the Responses request's own fields
+    (:meth:`ResponsesRequest.field_name`) in ``param`` and in the message's leading ``field:``."""
+    if err.param:
+        old, new = err.param, body.field_name(err.param)
+        err.param = new
+        if err.message.startswith(f"{old}:"):
+            err.message = f"{new}:{err.message[len(old) + 1:]}"
+        if new == "max_output_tokens":
+            err.message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", err.message)
     return err
 
 
@@ -249,7 +250,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     try:
         chat = P.ChatCompletionRequest.model_validate(body.chat_body())
     except ValidationError as exc:
-        raise _renamed(validation_error(RequestValidationError(exc.errors()))) from None
+        raise _renamed(validation_error(RequestValidationError(exc.errors())), body) from None
     try:
         # templated, tokenized and submitted off the event loop, as chat completions are (docs/design.md section 15)
         ids = await chat_ids(state, [m.as_template_dict() for m in chat.messages], chat.template_tools())
@@ -260,7 +261,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         stream = await anyio.to_thread.run_sync(lambda: state.engine.submit(
             ids, params, rid, n=1, fit_max_tokens=explicit is None, loop=loop))
     except Exception as exc:
-        raise _renamed(from_exception(exc)) from exc
+        raise _renamed(from_exception(exc), body) from exc
     render = Render("chat", rid, int(arrival), state.model_name, state.token_text,
                     tool_parser=parser_factory(state.tool_call_parser, chat))
     run = Run(state, render, [ids], [stream], 1, arrival)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from .tool_protocol import FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema
 
@@ -64,13 +65,18 @@ class FunctionCallOutputItem(Strict):
     status: str | None = None
 
 
-def _item_kind(v: Any) -> str:
-    """The kind of an input item; a message may omit ``type`` (OpenAI's EasyInputMessage)."""
-    return (v.get("type") or "message") if isinstance(v, dict) else getattr(v, "type", "message")
+_ITEM_TAGS = {"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}
 
 
-Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
+def _item_kind(v: Any) -> str | None:
+    """The member tag of an input item (a message may omit ``type``, OpenAI's EasyInputMessage); CamelCase, so that
+    an error's ``param`` is ``input.0.call_id``, not ``input.0.function_call.call_id``."""
+    kind = (v.get("type") or "message") if isinstance(v, dict) else getattr(v, "type", "message")
+    return _ITEM_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+Item = Annotated[Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")]
+                 | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")], Discriminator(_item_kind)]
 
 
 class FunctionTool(Strict):
@@ -164,12 +170,19 @@ class ResponsesRequest(RequestBody):
 
     def messages(self) -> list[dict]:
         """The chat messages of ``instructions`` + ``input`` (chat request dicts)."""
+        return self._translated()[0]
+
+    def _translated(self) -> tuple[list[dict], list[dict[str, str]]]:
+        """The chat messages and, per message, where its parts came from: ``{"": "input.3"}`` (or
+        ``"instructions"``, ``"input"``), plus ``"tool_calls.J": "input.K"`` for calls joined from items."""
         out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        src: list[dict[str, str]] = [{"": "instructions"}] if self.instructions else []
         if isinstance(self.input, str):
-            return out + [{"role": "user", "content": self.input}]
-        for item in self.input:
+            return out + [{"role": "user", "content": self.input}], src + [{"": "input"}]
+        for k, item in enumerate(self.input):
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": item.text()})
+                src.append({"": f"input.{k}"})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
@@ -177,9 +190,52 @@ class ResponsesRequest(RequestBody):
                     out[-1].setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    src.append({"": f"input.{k}"})
+                src[-1][f"tool_calls.{len(out[-1]['tool_calls']) - 1}"] = f"input.{k}"
             else:
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-        return out
+                src.append({"": f"input.{k}"})
+        return out, src
+
+    def field_name(self, param: str) -> str:
+        """The Responses request's own name of a field of its translated chat request (for errors):
+        ``messages.I.content`` -> ``input.K.content`` (or ``instructions``), ``messages.I.tool_call_id`` ->
+        ``input.K.call_id``, ``tools.N.function.X`` -> ``tools.N.X``, ``max_tokens`` / ``max_completion_tokens`` ->
+        ``max_output_tokens``, ``response_format[.json_schema].X`` -> ``text.format.X``, ``prompt`` -> ``input``."""
+        head, _, rest = param.partition(".")
+        if head in ("max_tokens", "max_completion_tokens"):
+            return "max_output_tokens" + (f".{rest}" if rest else "")
+        if head == "response_format":
+            rest = rest.removeprefix("json_schema").lstrip(".")
+            return "text.format" + (f".{rest}" if rest else "")
+        if head == "tools" and ".function" in param:
+            return param.replace(".function", "", 1)
+        if head == "prompt":
+            return "input"
+        if head != "messages":
+            return param
+        index, _, rest = rest.partition(".")
+        sources = self._translated()[1]
+        if not index.isdigit() or int(index) >= len(sources):
+            return "input" + (f".{index}" if index else "")
+        src = sources[int(index)]
+        parts = rest.split(".") if rest else []
+        if parts[:1] == ["tool_calls"] and len(parts) > 1 and f"tool_calls.{parts[1]}" in src:
+            tail = {"function": "", "id": "call_id"}
+            named = [tail.get(p, p) for p in parts[2:]]
+            return ".".join([src[f"tool_calls.{parts[1]}"], *[p for p in named if p]])
+        if src[""] in ("instructions", "input"):   # a string: no parts
+            return src[""]
+        if parts[:1] == ["tool_call_id"]:
+            parts[0] = "call_id"
+        return ".".join([src[""], *parts])
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("invalid_field", "{field}: {why}",
+                                      {"field": "stream_options", "why": "only allowed when stream is true"})
+        return self
 
     def chat_body(self) -> dict:
         """The equivalent ``/v1/chat/completions`` body (validated by the caller as a ChatCompletionRequest)."""

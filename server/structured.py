@@ -16,10 +16,10 @@ import re
 
 import dataclasses
 
-from unmask.engine import Constraint, SamplingParams
+from unmask.engine import Constraint, ParamError, SamplingParams, check_constraint
 
 from .errors import APIError
-from .tool_grammar import tool_call_grammar
+from .tool_grammar import enforced_tools, tool_call_grammar
 
 MAX_LOGIT_BIAS = 300  # entries (OpenAI documents no cap; a bound on request size)
 
@@ -53,6 +53,13 @@ def tool_choice_constraint(tools, tool_choice, parallel: bool):
         grammar = tool_call_grammar(tools, name, parallel)
     except ValueError as exc:
         raise APIError(400, f"tool_choice: {exc}", param="tool_choice", code="invalid_value") from exc
+    for i in enforced_tools(tools, name):  # a bad schema is named as the client wrote it, not as grammar text
+        field = f"tools.{i}.function.parameters"
+        try:
+            check_constraint(constraint("json_schema", tools[i].function.arguments_schema(), field))
+        except ParamError as exc:
+            raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1].replace('json_schema constraint', 'JSON schema')}"
+                                f" (tool_choice enforces it)", param=field, code="invalid_value") from exc
     return constraint("lark", grammar, "tool_choice")
 
 

@@ -17,13 +17,31 @@ from .tool_protocol import Tool
 X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def call_schema(tools: list[Tool]) -> dict:
-    """The JSON schema of one call object ``{"name", "arguments"}`` over ``tools`` (anyOf when several)."""
+def _relocated(schema, base: str):
+    """``schema`` with every local ``$ref`` (``#``, ``#/$defs/X``, ``#/definitions/X``, any JSON pointer) re-rooted
+    at ``base`` (``#/$defs/tool_0``): the tool's parameters move from the document root into the call schema's
+    ``$defs``, and a pointer into them must follow (else "Pointer '/$defs/X' does not exist")."""
+    if isinstance(schema, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _relocated(v, base))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_relocated(v, base) for v in schema]
+    return schema
+
+
+def call_schema(tools: list[Tool], indices: list[int] | None = None) -> dict:
+    """The JSON schema of one call object ``{"name", "arguments"}`` over ``tools`` (anyOf when several).
+
+    Each tool's ``parameters`` sit in the top-level ``$defs`` as ``tool_I`` (I: its index in the request,
+    ``indices``, default 0, 1, ...) with their local ``$ref``s re-rooted there, and ``arguments`` refers to them:
+    the parameters' own ``$defs``/``definitions`` and recursive ``#`` refs keep resolving."""
+    indices = list(range(len(tools))) if indices is None else indices
+    defs = {f"tool_{i}": _relocated(t.function.arguments_schema(), f"#/$defs/tool_{i}") for i, t in zip(indices, tools)}
     options = [{"type": "object",
-                "properties": {"name": {"const": t.function.name}, "arguments": t.function.arguments_schema()},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+                "properties": {"name": {"const": t.function.name}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+                "required": ["name", "arguments"], "additionalProperties": False} for i, t in zip(indices, tools)]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": X_GUIDANCE}
+    return {**schema, "$defs": defs, "x-guidance": X_GUIDANCE}
 
 
 def tool_call_grammar(tools: list[Tool], name: str | None = None, parallel: bool = True) -> str:
@@ -36,12 +54,19 @@ def tool_call_grammar(tools: list[Tool], name: str | None = None, parallel: bool
     Raises:
         ValueError: ``name`` is not among ``tools`` (the caller names the field ``tool_choice``).
     """
+    indices = list(range(len(tools)))
     if name is not None:
-        chosen = [t for t in tools if t.function.name == name]
-        if not chosen:
+        indices = [i for i, t in enumerate(tools) if t.function.name == name]
+        if not indices:
             raise ValueError(f"the function {name!r} is not in tools ({[t.function.name for t in tools]})")
-        tools, parallel = chosen, False
+        parallel = False
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    schema = call_schema([tools[i] for i in indices], indices)
     return (f"{start}\n"
             f'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-            f"body: %json {json.dumps(call_schema(tools), ensure_ascii=False)}\n")
+            f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")
+
+
+def enforced_tools(tools: list[Tool], name: str | None) -> list[int]:
+    """The indices (in ``tools``) of the tools a ``tool_choice`` grammar embeds: all, or those named ``name``."""
+    return [i for i, t in enumerate(tools) if name is None or t.function.name == name]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_TOOLS = 128                # OpenAI's limit on tools per request
@@ -181,7 +181,20 @@ class JsonSchemaResponseFormat(Strict):
     json_schema: JsonSchemaFormat
 
 
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+def _format_tag(v: Any) -> str | None:
+    """The member tag of a ``response_format`` value: CamelCase, so that it is no request field in an error's
+    ``param`` (``Field(discriminator="type")`` put the type's value into the path:
+    ``response_format.json_schema.json_schema.name``)."""
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+_FORMAT_TAGS = {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}
+ResponseFormat = Annotated[Annotated[TextFormat, Tag("Text")] | Annotated[JsonObjectFormat, Tag("JsonObject")]
+                           | Annotated[JsonSchemaResponseFormat, Tag("JsonSchema")],
+                           Discriminator(_format_tag, custom_error_type="invalid_format",
+                                         custom_error_message="type must be one of 'text', 'json_object', "
+                                                              "'json_schema'")]
 
 
 def check_tool_messages(messages: list) -> None:

@@ -17,10 +17,16 @@ MESSAGE = ("invalid HTTP request: the request line or a header could not be pars
            "not a number)")
 
 
-def error_body() -> bytes:
-    """The JSON body of the parser's 400."""
-    return json.dumps({"error": {"message": MESSAGE, "type": "invalid_request_error", "param": None,
-                                 "code": "invalid_http"}}).encode()
+HEAD_TOO_LARGE = ("request header fields too large: the request line and headers exceed the server's limit of "
+                  "{limit} bytes (an X-Request-Id is kept up to 128 characters)")
+DRAIN_BYTES = 1 << 20   # after a refusal, unread request bytes dropped before the connection closes
+DRAIN_SECONDS = 2.0     # ... or this long after the answer
+
+
+def error_body(message: str = MESSAGE, code: str = "invalid_http") -> bytes:
+    """The JSON body of the parser's 400 (or 431)."""
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
 
 
 def _headers(body: bytes) -> list[tuple[bytes, bytes]]:
@@ -33,15 +39,37 @@ def _h11_class():
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class JsonErrorH11Protocol(H11Protocol):
-        """uvicorn's h11 protocol; its 400 for an unparsable request is a JSON error body."""
+        """uvicorn's h11 protocol; its 400 for an unparsable request is a JSON error body, a head past h11's limit
+        (``h11_max_incomplete_event_size``, 16 KiB) a 431. After the answer the connection half-closes and drops
+        what the client still sends (up to :data:`DRAIN_BYTES` or :data:`DRAIN_SECONDS`): closing at once with
+        unread bytes made the kernel reset the connection, and the client never read the answer (a 200 KB
+        ``X-Request-Id``, breaker)."""
+
+        _draining = 0
+
+        def data_received(self, data: bytes) -> None:
+            if self._draining:
+                self._draining += len(data)
+                if self._draining > DRAIN_BYTES:
+                    self.transport.close()
+                return
+            super().data_received(data)
 
         def send_400_response(self, msg: str) -> None:  # noqa: ARG002 - uvicorn's plain message, replaced
-            body = error_body()
-            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=_headers(body),
-                                                             reason=b"Bad Request")))
+            limit = getattr(self.conn, "_max_incomplete_event_size", 16 * 1024)
+            if len(self.conn.trailing_data[0]) > limit:   # h11's "Receive buffer too long" (its status hint 431)
+                status, reason = 431, b"Request Header Fields Too Large"
+                body = error_body(HEAD_TOO_LARGE.format(limit=limit), "header_too_large")
+            else:
+                status, reason, body = 400, b"Bad Request", error_body()
+            self.transport.write(self.conn.send(h11.Response(status_code=status, headers=_headers(body),
+                                                             reason=reason)))
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
-            self.transport.close()
+            self._draining = 1
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(DRAIN_SECONDS, self.transport.close)
 
     return JsonErrorH11Protocol
 

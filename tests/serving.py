@@ -85,6 +85,20 @@ def start_server(tmp: Path, *args: str, python: str = sys.executable, block_size
     return proc, base, log_path
 
 
+def start_serve(tmp: Path, *args: str, timeout: float = 150.0, env: dict | None = None,
+                port: int | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``unmask serve --port P ARGS`` as it is (the model is in ``args``, or the default one) with the test
+    environment; wait for ``/health`` up to ``timeout`` s. Returns (process, base URL, log path)."""
+    port = port or free_port()
+    log_path = tmp / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV, **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, log_path, timeout=timeout)
+    return proc, base, log_path
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> None:
     proc.terminate()
     try:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from unmask.engine.checkpoint import mark_temporary, publish_directory, remove_stale_temporaries, write_checkpoint
+from unmask.engine.checkpoint import (mark_temporary, publish_directory, remove_stale_temporaries, unique_suffix,
+                                     write_checkpoint)
 
 from .convert import ConversionError, resolve_source
 
@@ -195,7 +196,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export
-    staging = outp.parent / f"{outp.name}.verify-{os.getpid()}"
+    staging = outp.parent / f"{outp.name}.verify-{unique_suffix()}"
     remove_stale_temporaries(outp)  # a staging directory of a killed export
     if staging.exists():
         shutil.rmtree(staging)

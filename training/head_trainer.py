@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unmask.engine.checkpoint import unique_suffix
 from unmask.engine.draft_head import HEAD_DIR, DraftHead, DraftHeadConfig, draft_vocab_from_counts
 
 from .data import eos_ids_of, load_dataset
@@ -41,7 +42,7 @@ STATE_DIR = "head_train"
 
 
 def _atomic_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{unique_suffix()}")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
@@ -146,7 +147,7 @@ class FeatureStore:
         for t in ids:
             offs.append(offs[-1] + len(t))
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+        tmp = cache.with_name(f".{cache.name}.tmp-{unique_suffix()}")
         save_file({"ids": torch.cat(ids), "answer": torch.cat(ans), "features": torch.cat(feats),
                    "offsets": torch.tensor(offs)}, str(tmp))
         os.replace(tmp, cache)
@@ -336,7 +337,7 @@ def train_head(cfg: HeadTrainConfig, log=print) -> Path:
 
     def save() -> None:
         head.save(head_dir)
-        tmp = opt_f.with_name(f".{opt_f.name}.tmp-{os.getpid()}")
+        tmp = opt_f.with_name(f".{opt_f.name}.tmp-{unique_suffix()}")
         torch.save(opt.state_dict(), tmp)
         os.replace(tmp, opt_f)
         minutes = prev["minutes"] + (time.perf_counter() - t_start) / 60.0

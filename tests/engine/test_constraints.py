@@ -298,3 +298,41 @@ def test_block_1_and_speculative_greedy_equal_a_reference_constrained_ar_decode(
         out = llm.generate([prompt], SamplingParams(max_tokens=96, temperature=0, constraint=c, **kw))[0].outputs[0]
         assert out.token_ids == ref, kw
         assert out.nfe < len(ref)
+
+
+def test_grammar_errors_carry_no_grammar_listing():
+    """llguidance appends the grammar's lines and a caret to its error; a tool grammar embeds whole schemas, so the
+    400 dumped internal grammar text (breaker). The message keeps the error itself."""
+    from unmask.engine import check_constraint
+
+    with pytest.raises(ParamError) as e:
+        check_constraint(Constraint("lark", 'start: "a" body\nbody: %json {"type": "frobnicate"}\n', field="f"))
+    msg = str(e.value)
+    assert "frobnicate" in msg and "\n" not in msg and " | " not in msg and "%json" not in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
+@pytest.mark.parametrize("max_tokens", [2, 4])
+def test_a_constrained_output_cut_by_max_tokens_never_ends_in_a_broken_character(llms, kind, max_tokens):
+    """The grammar forces "€" (3 byte tokens in the tiny BPE) repeatedly; max_tokens cuts inside a character. The
+    text used to end in U+FFFD (breaker); the token ids stay (they were generated and count)."""
+    llm = llms[kind]
+    p = SamplingParams(max_tokens=max_tokens, temperature=0, seed=0, constraint=Constraint("regex", "(€)+"))
+    out = llm.generate([[5, 6]], p)[0].outputs[0]
+    ids = [t for t in out.token_ids if not out.ended_by_eos or t != out.token_ids[-1]]
+    assert "\ufffd" not in out.text and len(out.token_ids) <= max_tokens, out
+    assert out.text == "€" * (len(ids) // 3), out
+
+
+def test_stop_checker_texts_hold_no_broken_character():
+    from unmask.engine.stopping import StopChecker
+
+    tok = loaded(block_size=4).tokenizer
+    e, euro, x = tok.encode("é", add_special_tokens=False), tok.encode("€", add_special_tokens=False), \
+        tok.encode("x", add_special_tokens=False)
+    assert len(euro) == 3  # the premise: a character of several byte tokens
+    by_length = StopChecker(tok, [], 0, set(), max_tokens=len(e) + 1)
+    assert by_length.update(e + euro[:1], False) == ("length", e + euro[:1], "é")
+    by_stop = StopChecker(tok, ["x"], 0, set(), max_tokens=16)
+    reason, ids, text = by_stop.update(e + euro[:2] + x, False)
+    assert reason == "stop" and text == "é", text

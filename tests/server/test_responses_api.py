@@ -103,7 +103,7 @@ def test_streamed_function_call_and_denoising_steps(client):
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input.0.tool_call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input.0.call_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "bogus"}}}},
      "text.format"),
@@ -115,3 +115,36 @@ def test_bad_requests_are_400s_naming_the_field(client, body, param):
         client.post("/responses", body={"model": "m", **body}, cast_to=object)
     err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
     assert err["param"] == param or err["param"].startswith(param) or param in err["message"], err
+
+
+BAD_FIELDS = [  # (body, the Responses field the 400 must name exactly): never a chat-completion field
+    ({"input": [{"role": "user", "content": "ok"}, {"role": "user", "content": "a\ud800"}], "instructions": "Be."},
+     "input.1.content"),                                        # chat's messages.2 (instructions shift it)
+    ({"input": "hi", "instructions": "x\ud800"}, "instructions"),
+    ({"input": "x\ud800"}, "input"),
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "zz", "output": "o"}]}, "input.2.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+    ({"input": "hi", "stream_options": {"include_denoising": True}}, "stream_options"),
+    ({"input": "hi", "stream": False, "stream_options": {"include_denoising": True}}, "stream_options"),
+    ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "bad name", "schema": {}}}},
+     "text.format.name"),
+    ({"input": "hi", "tools": [FLAT_WEATHER, {"type": "function", "name": "g", "parameters": {
+        "type": "object", "properties": {"z": {"type": "frob"}}}}], "tool_choice": "required"}, "tools.1.parameters"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_FIELDS)
+def test_errors_name_the_responses_fields(client, body, param):
+    """Errors of the translated chat request used to name chat fields (``messages.0.content``, ``max_tokens``),
+    and ``stream_options`` without ``stream`` was accepted (breaker)."""
+    raw = client._client.post("/v1/responses", content=json.dumps({"model": "m", **body}),
+                              headers={"Authorization": "Bearer k", "Content-Type": "application/json"})
+    assert raw.status_code == 400, raw.text
+    err = raw.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}: "), err
+    for chat_field in ("messages", "max_tokens", "max_completion_tokens", "response_format", "function.",
+                       "tool_call_id"):
+        assert chat_field not in err["message"], err

@@ -493,9 +493,9 @@ def _wait_idle(http, timeout=15.0) -> dict:
 
 
 def _assert_nfe_stops(http):
-    before = _wait_idle(http)["nfe"]
+    before = _wait_idle(http)["batched_forwards"]
     time.sleep(0.5)
-    assert health(http)["nfe"] == before, "the engine kept spending forwards on a cancelled request"
+    assert health(http)["batched_forwards"] == before, "the engine kept spending forwards on a cancelled request"
 
 
 def test_streaming_disconnect_aborts_the_request(http, server):

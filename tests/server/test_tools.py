@@ -279,3 +279,60 @@ def test_metadata_service_tier_and_store_are_accepted(client):
     r = chat(client, metadata={"team": "a"}, service_tier="auto", store=False, max_tokens=2)
     assert r.status_code == 200, r.text
     assert chat(client, metadata={"k": 1}).status_code == 400  # values are strings (OpenAI)
+
+
+# a tool whose parameters use local $refs: into its own $defs, the legacy definitions and the root (recursion)
+REFS = {"type": "function", "function": {"name": "plan", "parameters": {
+    "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}, "days": {"$ref": "#/definitions/Days"},
+                                     "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+    "required": ["city", "days", "next"], "additionalProperties": False,
+    "$defs": {"City": {"enum": ["Paris", "Rome"]}}, "definitions": {"Days": {"type": "integer", "minimum": 1,
+                                                                             "maximum": 3}}}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "plan"}}])
+def test_local_refs_in_enforced_tool_parameters_resolve(client, tool_choice):
+    """The parameters are embedded under ``arguments`` of the call grammar; their ``#/...`` refs used to point at
+    the call object's root ("Pointer '/$defs/City' does not exist", a 400). Each call is valid under the schema."""
+    for seed in range(2):
+        r = chat(client, tools=[WEATHER, REFS], tool_choice=tool_choice, parallel_tool_calls=False, seed=seed,
+                 temperature=1.0, max_tokens=CALL_TOKENS)
+        assert r.status_code == 200, r.text
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        if r.json()["choices"][0]["finish_reason"] == "length":
+            continue   # a random model may not close the recursion within max_tokens
+        for c in calls:
+            if c["function"]["name"] == "plan":
+                jsonschema.validate(json.loads(c["function"]["arguments"]), REFS["function"]["parameters"])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_bad_enforced_parameters_schema_is_a_400_naming_the_tool_without_grammar_text(client, tool_choice):
+    bad = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "frobnicate"}}}}}
+    r = chat(client, tools=[WEATHER, bad], tool_choice=tool_choice)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools.1.function.parameters", err
+    assert err["message"].startswith("tools.1.function.parameters: ") and "frobnicate" in err["message"], err
+    for internal in ("<tool_call>", "%json", "start:", " | ", "x-guidance"):
+        assert internal not in err["message"], err
+
+
+@pytest.mark.parametrize("json_schema,param", [
+    ({"name": "bad name"}, "response_format.json_schema.name"),
+    ({"name": "x", "strict": "yes"}, "response_format.json_schema.strict"),
+    ({"name": "x", "extra": 1}, "response_format.json_schema.extra"),
+])
+def test_response_format_errors_name_the_path_once(client, json_schema, param):
+    """The discriminator's value used to sit in the path: ``response_format.json_schema.json_schema.name``."""
+    r = chat(client, response_format={"type": "json_schema", "json_schema": json_schema})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert "json_schema.json_schema" not in r.json()["error"]["message"]
+
+
+def test_an_unknown_response_format_type_is_a_400_naming_it(client):
+    r = chat(client, response_format={"type": "xml"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "json_schema" in r.json()["error"]["message"] and "JsonSchema" not in r.json()["error"]["message"]
