@@ -441,7 +441,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=1_000_000, help="a step cap besides the budget")
-    p.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps")
+    p.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N steps")
     p.add_argument("--eval-t-points", type=int, default=5, help="noise levels of the held-out ELBO")
     p.add_argument("--save-every", type=int, default=50, help="resume checkpoints every N steps (the last kept)")
     p.add_argument("--teacher-kl", type=float, default=None,

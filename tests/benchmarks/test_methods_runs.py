@@ -104,11 +104,12 @@ def test_budget_in_training_minutes(src, tmp_path):
     """A small training-minute budget: the arm stops within a step of it (relaunching while the trainer's wall
     clock, which includes the evaluations, stopped it early)."""
     argv = _argv(src, tmp_path / "c", "--arms", "base")
-    argv[argv.index("--minutes") + 1] = "0.01"
+    argv[argv.index("--minutes") + 1] = "0.005"
     argv[argv.index("--max-steps") + 1] = "100000"
+    argv += ["--save-every", "1000", "--eval-every", "5"]
     assert mr.main(argv, log=print) == 0
     done = json.loads((tmp_path / "c" / "base" / "done.json").read_text())
     curve = mr.read_curve(tmp_path / "c" / "base" / "metrics.csv")
     step_min = max(b["train_min"] - a["train_min"] for a, b in zip(curve, curve[1:]))
-    assert done["train_minutes"] >= 0.01 - max(1e-4, step_min) - 1e-9
-    assert done["train_minutes"] <= 0.01 + step_min + 1e-9
+    assert done["train_minutes"] >= 0.005 - max(5e-5, step_min) - 1e-9
+    assert done["train_minutes"] <= 0.005 + step_min + 1e-9
