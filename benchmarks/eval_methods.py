@@ -174,6 +174,25 @@ def _key(model: str, path: str, setting: str, max_tokens: int, ids: list[str]) -
     return json.dumps([model, str(Path(path).expanduser().resolve()), setting, max_tokens, h])
 
 
+def resolve_model(name: str, path: str) -> str:
+    """A checkpoint directory, or a training run's ``--out`` (its ``latest`` file names the checkpoint), as the
+    checkpoint's path; full checkpoints and adapter-only ones (``--trainable mask_lora``) are accepted.
+
+    Raises:
+        EvalError: not a checkpoint (names ``--model NAME=PATH``).
+    """
+    from unmask.engine.adapter_files import is_adapter_dir
+    from unmask.training.realmodel import is_checkpoint
+
+    p = Path(path).expanduser()
+    if (p / "latest").is_file():
+        p = p / (p / "latest").read_text().strip()
+    if not (is_checkpoint(p) or is_adapter_dir(p)):
+        raise ev.EvalError(f"--model {name}={path}: not a diffusion checkpoint directory (nor a training run's "
+                           "--out with a `latest` file)")
+    return str(p)
+
+
 class MethodsEval:
     """One evaluation (module docstring); ``log`` receives progress lines."""
 
@@ -192,11 +211,8 @@ class MethodsEval:
         self.settings = [ev.parse_setting(s) for s in a.settings]
         if a.reference not in [s.name for s in self.settings]:
             raise ev.EvalError(f"--reference: {a.reference} is not among --settings")
-        from unmask.training.realmodel import is_checkpoint
-
-        for n, p in self.models + [("parent", a.parent)]:
-            if not is_checkpoint(Path(p).expanduser()):
-                raise ev.EvalError(f"--model {n}={p}: not a diffusion checkpoint directory")
+        self.models = [(n, resolve_model(n, p)) for n, p in self.models]
+        a.parent = resolve_model("parent", a.parent)
         self.done: dict[str, list[dict]] = {}
         self.samples = self.out / "eval_methods_samples.jsonl"
         if self.samples.is_file():

@@ -332,7 +332,7 @@ def summarise(a: argparse.Namespace, arms: list[str], split: dict, results: Path
         per[arm] = {**done, "curve": pts}
         shutil.copyfile(out / "metrics.csv", results / f"{arm}-metrics.csv")
     targets = {m: alignment_target(per, m) for m in ("eval_loss", "eval_acc")}
-    meta = {"command": " ".join(["python benchmarks/methods_runs.py"] + sys.argv[1:]),
+    meta = {"command": a.command_line,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "minutes": a.minutes,
             "model": a.model, "split": split, "block_size": a.block_size, "batch_size": a.batch_size,
             "seq_len": a.seq_len, "lr": a.lr, "lora_lr": a.lora_lr, "warmup": a.warmup, "seed": a.seed,
@@ -458,6 +458,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
     from unmask.training.trainer import TrainError
 
     a = add_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0])).parse_args(argv)
+    a.command_line = " ".join(["python benchmarks/methods_runs.py"] + (sys.argv[1:] if argv is None else argv))
     try:
         if not (math.isfinite(a.minutes) and a.minutes > 0):
             raise RunsError(f"--minutes: must be > 0, got {a.minutes}")

@@ -115,6 +115,9 @@ def test_end_to_end_on_a_tiny_conversion(tmp_path):
     lm = tiny.loaded(block_size=1)
     ck = tmp_path / "ck"
     write_checkpoint(ck, lm.model, lm.tokenizer, lm.dllm)
+    run = tmp_path / "run"   # a training run's --out: `latest` names its checkpoint
+    write_checkpoint(run / "checkpoint-3", lm.model, lm.tokenizer, lm.dllm)
+    (run / "latest").write_text("checkpoint-3\n")
     data = tmp_path / "data"
     data.mkdir()
     rows = [{"id": "eval-0000", "template": "eval.t.a", "prompt": "one two three", "answer": "4"},
@@ -122,7 +125,7 @@ def test_end_to_end_on_a_tiny_conversion(tmp_path):
             {"id": "eval-0002", "template": "eval.t.a", "prompt": "What is the capital?", "answer": "Paris"}]
     (data / "eval_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (data / "eval_grid_ids.json").write_text(json.dumps({"ids": [r["id"] for r in rows]}))
-    argv = ["--model", f"base={ck}", "--model", f"other={ck}", "--parent", str(ck), "--data", str(data),
+    argv = ["--model", f"base={ck}", "--model", f"other={run}", "--parent", str(ck), "--data", str(data),
             "--out", str(tmp_path / "out"), "--settings", "b1-s8", "b4-s4-mb0.5", "--reference", "b1-s8",
             "--max-tokens", "8", "--batch-size", "2", "--resamples", "200", "--weights", "native"]
     logs: list[str] = []
@@ -143,4 +146,6 @@ def test_end_to_end_on_a_tiny_conversion(tmp_path):
     logs.clear()
     assert em.main(argv, log=logs.append) == 0
     assert not [x for x in logs if "s, acc" in x]            # every run read back from the samples file
+    assert res["meta"]["models"]["other"] == str(run / "checkpoint-3")
     assert em.main(argv[:2] + ["--base", "nope"] + argv[2:], log=logs.append) == 2
+    assert em.main(["--model", f"x={tmp_path}"] + argv[4:], log=logs.append) == 2   # not a checkpoint

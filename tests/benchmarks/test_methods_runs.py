@@ -73,6 +73,7 @@ def test_arms_finish_skip_and_resume_exactly(src, tmp_path, monkeypatch):
     assert curve[1]["eval_loss"] == pytest.approx(done["final_eval_loss"], rel=1e-4)  # the same evaluation
     assert (tmp_path / "a" / "results" / "runs.png").stat().st_size > 1000
     assert "Alignment target" in (tmp_path / "a" / "results" / "runs.md").read_text()
+    assert "--arms base,qk_only" in res["meta"]["command"]
     # a rerun skips the finished arms
     logs.clear()
     assert mr.main(_argv(src, tmp_path / "a", "--arms", "base"), log=logs.append) == 0
