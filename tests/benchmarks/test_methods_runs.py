@@ -107,10 +107,11 @@ def test_budget_in_training_minutes(src, tmp_path):
     argv = _argv(src, tmp_path / "c", "--arms", "base")
     argv[argv.index("--minutes") + 1] = "0.005"
     argv[argv.index("--max-steps") + 1] = "100000"
-    argv += ["--save-every", "1000", "--eval-every", "5"]
+    argv += ["--save-every", "1000", "--eval-every", "1000"]
     assert mr.main(argv, log=print) == 0
     done = json.loads((tmp_path / "c" / "base" / "done.json").read_text())
     curve = mr.read_curve(tmp_path / "c" / "base" / "metrics.csv")
     step_min = max(b["train_min"] - a["train_min"] for a, b in zip(curve, curve[1:]))
-    assert done["train_minutes"] >= 0.005 - max(5e-5, step_min) - 1e-9
-    assert done["train_minutes"] <= 0.005 + step_min + 1e-9
+    rounding = 2e-4   # metrics.csv's per-row minutes are rounded to 1e-4
+    assert done["train_minutes"] >= 0.005 - max(5e-5, step_min) - rounding
+    assert done["train_minutes"] <= 0.005 + step_min + rounding
