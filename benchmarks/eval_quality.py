@@ -55,6 +55,7 @@ DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
 _SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?(?:-(e|r)(0?\.\d+|1(?:\.0+)?)(?:-ng(\d+))?)?)"
+                      r"(?:-mb(0?\.\d+|1(?:\.0+)?))?"
                       r"(?:-cache-(auto|none|prefix|dual))?(?:-T(\d+(?:\.\d*)?|\.\d+))?$")
 
 
@@ -78,6 +79,7 @@ class Setting:
     ratio: float | None = None
     no_repeat_ngram: int | None = None
     temperature: float = 0.0
+    multi_block: float | None = None
 
     def params(self, max_tokens: int):
         """``SamplingParams`` for decoding with this setting (greedy unless the setting names a temperature;
@@ -88,7 +90,7 @@ class Setting:
                               steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0,
                               speculative=self.speculative, speculative_branches=self.branches,
                               speculative_epsilon=self.epsilon, speculative_ratio=self.ratio,
-                              speculative_no_repeat_ngram=self.no_repeat_ngram)
+                              speculative_no_repeat_ngram=self.no_repeat_ngram, multi_block=self.multi_block)
 
 
 def parse_setting(text: str) -> Setting:
@@ -96,14 +98,16 @@ def parse_setting(text: str) -> Setting:
     decoding with draft block 4 (``"b4-spec-br1"``: one fallback group; ``"b4-spec-e0.2"``: typical acceptance with
     epsilon 0.2; ``"b4-spec-r0.3"``: relaxed verification keeping drafts within a probability ratio 0.3 of the causal
     argmax; either followed by ``-ng<n>``, the loop guard's n-gram size, ``-ng0`` = no guard: ``"b4-spec-e0.03-ng0"``;
-    default 3); an optional ``-cache-MODE`` suffix
+    default 3); an optional ``-mb<f>`` suffix decodes with multi-block decoding at activation fraction f
+    (docs/design.md section 22), e.g. ``b4-t0.9-mb0.5``; an optional ``-cache-MODE`` suffix
     (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``; an optional
     final ``-T<temperature>`` samples instead of greedy decoding (seed 0), e.g. ``b4-spec-T0.7``, ``b1-s64-T0.7``.
 
     Raises:
         EvalError: not of the form ``b<int>-s<int>[-cache-MODE]`` / ``b<int>-t<float in [0, 1]>[-cache-MODE]`` /
             the ``spec`` forms, zero block/steps, a relaxed acceptance rule with a temperature, a loop-guard n-gram
-            size above 64, or a draft block above ``MAX_SPECULATIVE_BLOCK``.
+            size above 64, a draft block above ``MAX_SPECULATIVE_BLOCK``, a multi-block fraction outside (0, 1], or
+            multi-block with ``spec``.
     """
     m = _SETTING.match(text.strip())
     if not m:
@@ -111,15 +115,20 @@ def parse_setting(text: str) -> Setting:
                         "b<block>-spec[-br<branches>][(-e<epsilon>|-r<ratio>)[-ng<n>]], optionally "
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
-    cache = m.group(9) or "auto"
-    temperature = float(m.group(10)) if m.group(10) is not None else 0.0
+    cache = m.group(10) or "auto"
+    temperature = float(m.group(11)) if m.group(11) is not None else 0.0
+    mb = float(m.group(9)) if m.group(9) is not None else None
     if block < 1:
         raise EvalError(f"setting {text!r}: block size must be >= 1")
+    if mb is not None and not 0 < mb <= 1:
+        raise EvalError(f"setting {text!r}: the multi-block fraction must be in (0, 1]")
     if m.group(3) is not None:
         steps = int(m.group(3))
         if steps < 1:
             raise EvalError(f"setting {text!r}: steps must be >= 1")
-        return Setting(text.strip(), block, steps=steps, cache=cache, temperature=temperature)
+        return Setting(text.strip(), block, steps=steps, cache=cache, temperature=temperature, multi_block=mb)
+    if m.group(2).startswith("spec") and mb is not None:
+        raise EvalError(f"setting {text!r}: multi-block decoding does not combine with self-speculative decoding")
     if m.group(2).startswith("spec"):
         from unmask.engine.params import MAX_SPECULATIVE_BLOCK
 
@@ -139,7 +148,8 @@ def parse_setting(text: str) -> Setting:
                        branches=int(m.group(5)) if m.group(5) is not None else None,
                        epsilon=value if m.group(6) == "e" else None, ratio=value if m.group(6) == "r" else None,
                        no_repeat_ngram=int(m.group(8)) if m.group(8) is not None else None, temperature=temperature)
-    return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache, temperature=temperature)
+    return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache, temperature=temperature,
+                   multi_block=mb)
 
 
 def parse_model_spec(text: str) -> tuple[str, str]:
