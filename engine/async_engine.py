@@ -278,21 +278,15 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def stats(self) -> dict:
-        """Counters as a dict (for /health and logs): running/waiting requests, ``batched_forwards`` (model calls,
-        each serving every sequence in the batch: not ``usage.nfe``, which counts one choice's forwards), engine
-        steps and the prefix cache's queries/hits/tokens held/chunks evicted (docs/design.md sections 5, 23)."""
+        """Counters for /health and logs: running/waiting, ``batched_forwards`` (model calls, not ``usage.nfe``),
+        steps, ``prefix_cache`` (docs/design.md sections 5, 23)."""
         return {"running": self.num_running, "waiting": self.num_waiting, "batched_forwards": self.nfe,
                 "steps": self.steps, "prefix_cache": self.engine.prefix_cache_stats()}
 
-    @property
-    def prefix_cache_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache so far (0 without one)."""
-        return self.engine.prefix_cache_stats()["queries"]
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        """Prompt tokens loaded from the prefix cache so far (0 without one)."""
-        return self.engine.prefix_cache_stats()["hits"]
+    prefix_cache_queries = property(lambda self: self.engine.prefix_cache_stats()["queries"],
+                                    doc="Prompt tokens looked up in the prefix cache so far (0 without one).")
+    prefix_cache_hits = property(lambda self: self.engine.prefix_cache_stats()["hits"],
+                                 doc="Prompt tokens loaded from the prefix cache so far (0 without one).")
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

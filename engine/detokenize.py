@@ -26,7 +26,7 @@ def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str | N
 
 def whole_chars(text: str) -> str:
     """``text`` without the trailing U+FFFD run that a multi-byte character cut by the end of the output (by
-    ``max_tokens``, a stop string or the last block; constrained decoding forces byte tokens too) decodes to: a
+    ``max_tokens`` or the last block, not a stop string: text follows those characters; constrained decoding forces byte tokens too) decodes to: a
     final text never ends in a broken character, as the stream never shows one. (A model that truly writes U+FFFD
     as its last character loses it: the decoded text cannot tell the two apart.)"""
     end = len(text)

@@ -62,7 +62,7 @@ class StopChecker:
                 if find_stop(decode(self.tokenizer, text_ids[:k]), [which], after)[0] >= 0:
                     n = k
                     break
-            return "stop", text_ids[:n], whole_chars(text[:idx])
+            return "stop", text_ids[:n], text[:idx]  # text follows: a U+FFFD before a stop string is no cut character
         if complete:  # the ids stay (they were generated and count); the text holds no broken character
             return ("stop" if eos_hit else "length"), list(prefix), whole_chars(text)
         safe = stream_safe(text, stops)

@@ -333,6 +333,8 @@ def test_stop_checker_texts_hold_no_broken_character():
     assert len(euro) == 3  # the premise: a character of several byte tokens
     by_length = StopChecker(tok, [], 0, set(), max_tokens=len(e) + 1)
     assert by_length.update(e + euro[:1], False) == ("length", e + euro[:1], "é")
+    # before a stop string the text is the decoded text cut at the stop, as without the stop: bytes that text
+    # follows were never a character cut by the end (tests/server/test_server.py joined deltas == plain text)
     by_stop = StopChecker(tok, ["x"], 0, set(), max_tokens=16)
     reason, ids, text = by_stop.update(e + euro[:2] + x, False)
-    assert reason == "stop" and text == "é", text
+    assert reason == "stop" and text == "é\ufffd" == tok.decode(e + euro[:2]), text
