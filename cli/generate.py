@@ -14,7 +14,7 @@ def register(sub, name):
                        description="Generate with block-wise iterative unmasking.")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (or hub id); default: the model `unmask serve` serves by default (the "
-                        "trained SmolLM2 A2D if the recipe made one, else the untrained conversion at block size 1)")
+                        "trained SmolLM2 A2D if the recipe made one, else the SmolLM2 conversion + the shipped mask-row adapter)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--max-tokens", type=int, default=64)

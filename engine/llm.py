@@ -56,6 +56,8 @@ class LLM:
         weights: ``auto`` | ``native`` | ``fp16``: how the linear layers run (:func:`load_model`; a path only).
         max_batch_size: sequences decoded together.
         compile: ``torch.compile`` the decoder forward (see :class:`~unmask.engine.denoiser.Denoiser`).
+        adapter, parent: a mask-row adapter directory over ``model``, or the parent of an adapter-only ``model``
+            (:func:`~unmask.engine.model.load_model`; docs/design.md section 21; a path only).
         enable_prefix_caching: reuse the committed KV of earlier calls' prompts and answers for prompts that start
             the same way (docs/design.md section 23; default on; never on bidirectional models).
 
@@ -68,11 +70,12 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
                  dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto",
-                 default_drafts: str = "auto", enable_prefix_caching: bool = True):
+                 default_drafts: str = "auto", enable_prefix_caching: bool = True,
+                 adapter: str | None = None, parent: str | None = None):
         if compile and weights == "auto":
             weights = "native"  # torch.compile traces the weights as loaded, not fbgemm's packed kernels
         self.model = (model if isinstance(model, LoadedModel)
-                      else load_model(model, family, device, dtype, weights=weights))
+                      else load_model(model, family, device, dtype, weights=weights, adapter=adapter, parent=parent))
         self.denoiser = Denoiser(self.model, compile=compile)
         self.max_batch_size = max_batch_size
         self.default_drafts = default_drafts

@@ -86,8 +86,12 @@ def test_adapter_only_and_self_contained_give_the_same_tokens(ckpts):
     a = LLM(load_model(ckpts / "adapter", parent=ckpts / "parent"))
     b = LLM(load_model(ckpts / "self_contained"))
     c = LLM(load_model(ckpts / "parent", adapter=ckpts / "adapter"))
+    d = LLM(str(ckpts / "parent"), adapter=str(ckpts / "adapter"))  # the README's LLM(dir, adapter=..., parent=...)
+    e = LLM(str(ckpts / "adapter"), parent=str(ckpts / "parent"))
     kw = dict(temperature=0, block_size=4, speculative=False)
-    assert _gen(a, **kw).token_ids == _gen(b, **kw).token_ids == _gen(c, **kw).token_ids
+    assert (_gen(a, **kw).token_ids == _gen(b, **kw).token_ids == _gen(c, **kw).token_ids
+            == _gen(d, **kw).token_ids == _gen(e, **kw).token_ids)
+    assert d.model.adapter and e.model.adapter
     assert json.loads((ckpts / "self_contained" / ADAPTER_CONFIG).read_text())["parent"]["name"] == "."
 
 
