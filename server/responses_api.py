@@ -103,9 +103,9 @@ def from_chat_body(rid: str, created: int, req: ResponsesRequest, chat: dict) ->
     choice = chat["choices"][0]
     msg = choice["message"]
     calls = msg.get("tool_calls") or []
-    output = [message_item(msg["content"])] if msg["content"] is not None or not calls else []
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"  # the items carry it too
+    output = [message_item(msg["content"], status)] if msg["content"] is not None or not calls else []
     output += [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     return response_object(rid, created, req, status, output, usage_object(chat["usage"]))
 
 
@@ -179,15 +179,15 @@ class EventWriter:
         events: list[dict] = []
         if self.msg is None and not self.output:
             events += self._open_message()
+        status = "incomplete" if self.finish_reason == "length" else "completed"
         if self.msg is not None:
             item = self.output[self.msg]
-            item.update(status="completed", content=[output_text(self.text)])
+            item.update(status=status, content=[output_text(self.text)])
             events += [self.event("response.output_text.done", item_id=item["id"], output_index=self.msg,
                                   content_index=0, text=self.text, logprobs=[]),
                        self.event("response.content_part.done", item_id=item["id"], output_index=self.msg,
                                   content_index=0, part=output_text(self.text)),
                        self.event("response.output_item.done", output_index=self.msg, item=dict(item))]
-        status = "incomplete" if self.finish_reason == "length" else "completed"
         r = response_object(self.rid, self.created, self.req, status, self.output, usage_object(usage))
         return events + [self.event(f"response.{status}", response=r)]
 

@@ -34,6 +34,7 @@ def test_text_in_text_out_with_instructions(client):
     assert r.usage.output_tokens <= 8 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     if r.status == "incomplete":
         assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == r.status  # the message item is incomplete too when max_output_tokens cut it
     # the same seed gives the same text
     same = client.responses.create(model="m", input="Hello there", instructions="Answer briefly.",
                                    max_output_tokens=8, extra_body={"seed": 0})
@@ -74,6 +75,7 @@ def test_streaming_events_and_the_final_response(client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     done = next(e for e in events if e.type == "response.output_text.done")
     assert text == done.text == final.output_text
+    assert [o.status for o in final.output if o.type == "message"] == [final.status]
     plain = client.responses.create(model="m", input="Count to three", max_output_tokens=12, extra_body={"seed": 0})
     assert plain.output_text == text  # streamed = non-streamed for the same seed
     for t in ("response.output_item.added", "response.content_part.added", "response.content_part.done",
