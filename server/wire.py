@@ -53,7 +53,22 @@ def _h11_class():
                 if self._draining > DRAIN_BYTES:
                     self.transport.close()
                 return
+            limit = getattr(self.conn, "_max_incomplete_event_size", 16 * 1024)
+            if self.conn.their_state is h11.IDLE:  # h11 checks its limit only on a head still incomplete, so a
+                buf = bytes(self.conn.trailing_data[0]) + data  # large head that arrives whole passed (breaker)
+                if buf.find(b"\r\n\r\n") > limit:
+                    body = error_body(HEAD_TOO_LARGE.format(limit=limit), "header_too_large")
+                    head = b"".join(k + b": " + v + b"\r\n" for k, v in _headers(body))
+                    self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n" + head + b"\r\n" + body)
+                    self._drain()
+                    return
             super().data_received(data)
+
+        def _drain(self) -> None:
+            self._draining = 1
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(DRAIN_SECONDS, self.transport.close)
 
         def send_400_response(self, msg: str) -> None:  # noqa: ARG002 - uvicorn's plain message, replaced
             limit = getattr(self.conn, "_max_incomplete_event_size", 16 * 1024)
@@ -66,10 +81,7 @@ def _h11_class():
                                                              reason=reason)))
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
-            self._draining = 1
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self.loop.call_later(DRAIN_SECONDS, self.transport.close)
+            self._drain()
 
     return JsonErrorH11Protocol
 

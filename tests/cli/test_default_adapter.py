@@ -2,6 +2,8 @@
 ``default_with_adapter``; docs/design.md section 21), and the fallbacks when there is no adapter."""
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import torch
@@ -47,7 +49,12 @@ def test_no_adapter_files_or_opt_out_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(pkg, "directory", lambda: tmp_path / "empty")
     assert serve.default_with_adapter(parent) is None
     monkeypatch.setattr(pkg, "directory", lambda: shipped)
-    monkeypatch.setenv("UNMASK_DEFAULT_ADAPTER", "0")
-    assert serve.default_with_adapter(parent) is None
+    for off in ("0", "false", "OFF", "no"):  # read like every UNMASK_* switch (breaker: "false" kept it on)
+        monkeypatch.setenv("UNMASK_DEFAULT_ADAPTER", off)
+        assert serve.default_with_adapter(parent) is None
+    from unmask.cli.main import UsageError
+    monkeypatch.setenv("UNMASK_DEFAULT_ADAPTER", "maybe")
+    with pytest.raises(UsageError, match="UNMASK_DEFAULT_ADAPTER"):
+        serve.default_with_adapter(parent)
     monkeypatch.delenv("UNMASK_DEFAULT_ADAPTER")
     assert serve.default_with_adapter(tmp_path / "missing") is None

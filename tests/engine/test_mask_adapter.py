@@ -126,3 +126,22 @@ def test_bad_adapter_tensors_name_the_file(ckpts, tmp_path):
     save_file(t, str(f))
     with pytest.raises(CheckpointError, match="mask_adapter.safetensors"):
         read_adapter(tmp_path / "ad")
+
+
+def test_bad_adapter_directories_and_targets_are_one_line_errors(ckpts, tmp_path):
+    """A missing directory, a directory without the json, and an unknown target name each name what is wrong (an
+    unknown target was a KeyError traceback; a missing directory was blamed on the json's format)."""
+    import shutil
+
+    with pytest.raises(CheckpointError, match="no such adapter directory"):
+        read_adapter(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="mask_adapter.json: missing"):
+        read_adapter(tmp_path / "empty")
+    shutil.copytree(ckpts / "adapter", tmp_path / "ad")
+    cfg = json.loads((tmp_path / "ad" / ADAPTER_CONFIG).read_text())
+    cfg["targets"] = ["nonsense_proj"] + cfg["targets"][1:]
+    (tmp_path / "ad" / ADAPTER_CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="field 'targets'.*nonsense_proj") as err:
+        load_model(ckpts / "parent", adapter=tmp_path / "ad")
+    assert "\n" not in str(err.value)
