@@ -1,4 +1,4 @@
-import sys; sys.path.insert(0, "tests")  # run from the repository root: python benchmarks/results/training/methods/multi_block_tpf.py
+import sys; sys.path.insert(0, "tests")  # run from the repository root: python benchmarks/multi_block_tpf.py
 from tiny import loaded
 from unmask.engine import LLM, SamplingParams
 llm = LLM(loaded())
