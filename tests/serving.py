@@ -68,35 +68,32 @@ def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout: flo
         time.sleep(0.2)
 
 
+def _launch(cmd: list[str], tmp: Path, port: int, env: dict | None, timeout: float,
+            cwd: str | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """Run ``cmd`` (a serve command without its port) on ``port`` with the test environment, log to
+    ``tmp/server.log``, wait for ``/health``. Returns (process, base URL, log path)."""
+    log_path = tmp / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **SERVER_ENV, **(env or {})}, cwd=cwd)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, log_path, timeout=timeout)
+    return proc, base, log_path
+
+
 def start_server(tmp: Path, *args: str, python: str = sys.executable, block_size: int = 4,
                  port: int | None = None, env: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
     """Start `unmask serve` on a tiny checkpoint written under ``tmp`` with the given serve ``args``; wait for
     ``/health``. Returns (process, base URL, log path)."""
-    port = port or free_port()
-    log_path = tmp / "server.log"
-    ckpt = str(tmp / "tiny-a2d")
-    script = SERVE.format(tests=str(TESTS), ckpt=ckpt, block_size=block_size)
-    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([python, "-c", script, "--port", str(port), *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=full_env, cwd=str(tmp))
-    base = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, base, log_path)
-    return proc, base, log_path
+    script = SERVE.format(tests=str(TESTS), ckpt=str(tmp / "tiny-a2d"), block_size=block_size)
+    return _launch([python, "-c", script, *args], tmp, port or free_port(), env, 150.0, cwd=str(tmp))
 
 
 def start_serve(tmp: Path, *args: str, timeout: float = 150.0, env: dict | None = None,
                 port: int | None = None) -> tuple[subprocess.Popen, str, Path]:
-    """Start ``unmask serve --port P ARGS`` as it is (the model is in ``args``, or the default one) with the test
+    """Start ``unmask serve ARGS --port P`` as it is (the model is in ``args``, or the default one) with the test
     environment; wait for ``/health`` up to ``timeout`` s. Returns (process, base URL, log path)."""
-    port = port or free_port()
-    log_path = tmp / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", "--port", str(port), *args],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV, **(env or {})})
-    base = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, base, log_path, timeout=timeout)
-    return proc, base, log_path
+    return _launch([sys.executable, "-m", "unmask.cli.main", "serve", *args], tmp, port or free_port(), env, timeout)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> None:
