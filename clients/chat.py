@@ -3,7 +3,8 @@
 On a terminal the generation region is redrawn in place every step: ``·`` for a masked position, each token at its
 position when revealed, coloured by the step that revealed it, the current block underlined and block boundaries
 marked ``│``; a status line with step, NFE, TPF and tokens/s, then the final usage. When stdout is not a terminal,
-or the server sends no denoising events, the answer is plain streamed text.
+or the server sends no denoising events, the answer is plain streamed text. Either way control characters in the
+model's text are shown as visible stand-ins (``stream.printable``), never sent to the terminal.
 
 Ctrl-C stops the current answer (the connection is closed, so the server aborts the request and frees its slot)
 and returns to the prompt; Ctrl-D or ``/quit`` leaves. Slash commands set the decoding knobs (``/help``).
@@ -17,7 +18,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from .stream import Canvas, Client, ClientError, Delta, Finish, Notice, Step, Usage
+from .stream import Canvas, Client, ClientError, Delta, Finish, Notice, Step, Usage, printable
 
 PALETTE = ["#5fafff", "#5fd7ff", "#5fffd7", "#87ff87", "#d7ff5f", "#ffd75f", "#ffaf5f", "#ff875f", "#ff5f87",
            "#d75fff", "#af87ff", "#8787ff"]
@@ -81,7 +82,7 @@ def render_canvas(canvas: Canvas, width_hint: int | None = None) -> Text:
         if cell is None:
             out.append(MASK, style="bold white on grey23" if current else "grey42")
         else:
-            shown = cell.replace("\n", "↵").replace("\t", "→") or "∅"
+            shown = printable(cell.replace("\n", "↵").replace("\t", "→")) or "∅"
             style = PALETTE[(canvas.step_of[p] or 0) % len(PALETTE)]
             if current:
                 style += " underline"
@@ -145,9 +146,9 @@ class Chat:
 
     def say(self, text: str, style: str = "grey62") -> None:
         if self.live:
-            self.console.print(text, style=style, markup=False, highlight=False)
+            self.console.print(printable(text), style=style, markup=False, highlight=False)
         else:
-            print(text, file=sys.stderr, flush=True)
+            print(printable(text), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ one answer
     def ask(self, question: str) -> str | None:
@@ -176,7 +177,7 @@ class Chat:
             for ev in gen:
                 if isinstance(ev, Delta):
                     text += ev.text
-                    self.out.write(ev.text)
+                    self.out.write(printable(ev.text))
                     self.out.flush()
                 elif isinstance(ev, Notice):
                     self.say(ev.message)
@@ -197,7 +198,7 @@ class Chat:
 
         def view():
             if not stepped:  # no denoising events (yet): plain text
-                return Text(text or "…")
+                return Text(printable(text) or "…")
             status = Text(canvas.status(), style="bold cyan")
             return Group(render_canvas(canvas), status)
 
@@ -213,7 +214,7 @@ class Chat:
                     elif isinstance(ev, Delta):
                         text += ev.text
                     elif isinstance(ev, Notice):
-                        live.console.print(ev.message, style="grey62", markup=False)
+                        live.console.print(printable(ev.message), style="grey62", markup=False)
                     elif isinstance(ev, Usage):
                         usage = ev.usage
                     elif isinstance(ev, Finish):
@@ -225,7 +226,7 @@ class Chat:
         finally:
             gen.close()
         if stepped:
-            self.console.print(Text(text), style="bold")
+            self.console.print(Text(printable(text)), style="bold")
         if usage or finish:
             self.console.print(usage_line(usage, time.monotonic() - started, finish), style="green", markup=False)
         return text, True

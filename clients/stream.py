@@ -51,6 +51,21 @@ class Notice:
     message: str
 
 
+_C1_START, _C1_END = 0x80, 0x9F
+# C0 controls (0x00-0x1F) and DEL as their Unicode Control Pictures (U+2400-U+241F, U+2421); newline and tab stay.
+_CONTROL_PICTURES = {c: chr(0x2400 + c) for c in range(0x20) if chr(c) not in "\n\t"}
+_CONTROL_PICTURES[0x7F] = "\u2421"
+_CONTROL_PICTURES.update({c: f"\\x{c:02x}" for c in range(_C1_START, _C1_END + 1)})
+
+
+def printable(text: str) -> str:
+    """``text`` safe to write to a terminal: every C0 control character but newline and tab, DEL and every C1
+    control (U+0080-U+009F, which include the 8-bit CSI) shown as a visible stand-in (``\\x1b`` -> ``\u241b``,
+    ``\\x9b`` -> the four characters ``\\x9b``), so model text cannot move the cursor, recolour, retitle or clear
+    the user's terminal (ECMA-48 escape and control sequences). The conversation keeps the exact text."""
+    return text.translate(_CONTROL_PICTURES)
+
+
 def resolve_api_key(explicit: str | None = None, env=os.environ) -> str | None:
     """``--api-key``, else ``$UNMASK_API_KEY``, else ``$OPENAI_API_KEY``, else None."""
     return explicit or env.get("UNMASK_API_KEY") or env.get("OPENAI_API_KEY") or None

@@ -11,8 +11,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from unmask.clients.chat import render_canvas
-from unmask.clients.stream import Canvas, Client, ClientError, Delta, Notice, Step, Usage, resolve_api_key
+from rich.console import Console
+
+from unmask.clients.chat import Chat, render_canvas
+from unmask.clients.stream import Canvas, Client, ClientError, Delta, Notice, Step, Usage, printable, resolve_api_key
 from unmask.server.visualizer import mount_visualizer
 
 from .conftest import free_port
@@ -77,6 +79,44 @@ def test_retries_once_without_include_denoising():
     assert len(bodies) == 3
 
 
+HOSTILE = "a\x1b[2J\x1b]0;pwned\x07b\rc\x08\x9b31md\x7fe\n\tf é"   # clear, retitle, CR, BS, 8-bit CSI, DEL
+
+
+def test_printable_neutralises_every_control_character():
+    shown = printable(HOSTILE)
+    assert shown == "a␛[2J␛]0;pwned␇b␍c␈\\x9b31md␡e\n\tf é", shown
+    for c in map(chr, [*range(0x20), 0x7F, *range(0x80, 0xA0)]):
+        assert c not in printable(f"x{c}y") or c in "\n\t", repr(c)
+
+
+def _hostile_transport(request: httpx.Request):
+    body = json.loads(request.content)
+    steps = ""
+    if body["stream_options"].get("include_denoising"):
+        d = {"index": 0, "step": 0, "block": 0, "nfe": 1, "revealed": [{"position": 0}], "canvas": [HOSTILE]}
+        steps = "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "denoising": d}]}) + "\n\n"
+    chunk = {"choices": [{"index": 0, "delta": {"content": HOSTILE}, "finish_reason": "stop"}]}
+    return httpx.Response(200, text=steps + "data: " + json.dumps(chunk) + "\n\ndata: [DONE]\n\n",
+                          headers={"content-type": "text/event-stream"})
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_model_text_cannot_drive_the_terminal(live, capsys):
+    """A random or hostile model emits ESC, BEL, CR, the 8-bit CSI: the chat shows them, the terminal never gets
+    them (CI once failed on a tiny model's piped answer holding ``\\x1b``), and the conversation keeps the text."""
+    import io
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, color_system=None, width=200)
+    chat = Chat(Client("http://example.test/v1", "k", transport=httpx.MockTransport(_hostile_transport)), "m", {},
+                console=console, live=live, out=out)
+    assert chat.ask("hi") == HOSTILE and chat.messages[-1]["content"] == HOSTILE
+    written = out.getvalue() + capsys.readouterr().err
+    assert "␛[2J" in written and "pwned" in written
+    # the console itself emits cursor moves when live; none may come from the model's text
+    assert "\x1b[2J" not in written and "\x1b]0;" not in written and "\x07" not in written and "\x9b" not in written
+
+
 def test_server_error_is_one_line():
     client = Client("http://example.test", None, transport=httpx.MockTransport(
         lambda r: httpx.Response(500, json={"error": {"message": "boom"}})))
@@ -103,7 +143,7 @@ def test_piped_chat_is_plain_text(server):
               stdin="Hello\n/steps 4\nAgain\n", env={"UNMASK_API_KEY": server["key"]})
     assert r.returncode == 0, r.stderr
     assert r.stdout.endswith("\n") and r.stdout.count("\n") >= 2 and r.stdout.strip(), r.stdout  # two answers
-    assert "\x1b" not in r.stdout and "·" not in r.stdout   # no escape sequences, no canvas
+    assert "\x1b" not in r.stdout and "·" not in r.stdout   # no escape sequences (the model's shown as ␛), no canvas
     assert r.stderr.count("usage:") == 2 and "steps = 4" in r.stderr, r.stderr
 
 
