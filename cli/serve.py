@@ -146,6 +146,7 @@ def register(sub, name):
                         "root_path, as uvicorn's --root-path), e.g. /unmask; the page at / uses it")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     env_defaults(p, os.environ)  # last: every option above reads UNMASK_<OPTION> (docs/deploy.md)
+    p.set_defaults(unknown_env=unknown_env(p, os.environ))
     return p
 
 
@@ -181,6 +182,26 @@ def env_defaults(parser: argparse.ArgumentParser, environ) -> None:
         var = env_name(action)
         if var in environ:
             action.default = EnvValue(var, environ[var], action)
+
+
+# UNMASK_* variables that are not serve options: read elsewhere (the cache root, the default model's adapter switch,
+# `unmask chat`'s server, `unmask eval`'s checkout) or by the compose files' interpolation (docs/deploy.md).
+OTHER_VARIABLES = frozenset({"UNMASK_HOME", "UNMASK_DEFAULT_ADAPTER", "UNMASK_BASE_URL", "UNMASK_REPO",
+                             "UNMASK_DOCKERFILE", "UNMASK_IMAGE", "UNMASK_PUBLISH", "UNMASK_REPLICAS"})
+
+
+def unknown_env(parser: argparse.ArgumentParser, environ) -> list[tuple[str, str | None]]:
+    """``UNMASK_*`` variables in ``environ`` that neither name an option of ``parser`` nor one of
+    :data:`OTHER_VARIABLES`, each with the closest known name (``difflib``) or None: a misspelt variable would
+    otherwise be ignored without a word (``UNMASK_PROT=8005`` serving on 8000)."""
+    import difflib
+
+    known = {env_name(a) for a in parser._actions if not isinstance(a, argparse._HelpAction)} | OTHER_VARIABLES
+    out = []
+    for var in sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in known):
+        close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.75)
+        out.append((var, close[0] if close else None))
+    return out
 
 
 def _convert(value: EnvValue):
@@ -388,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     install_log_filter()  # every line of a request names its X-Request-Id
     logging.getLogger("unmask").setLevel(args.log_level.upper())
+    for var, close in getattr(args, "unknown_env", []):
+        log.warning("$%s is not an unmask serve option: ignored%s", var, f" (did you mean ${close}?)" if close else "")
 
     model_path, default_block, what = args.model, None, None
     if model_path is None:
