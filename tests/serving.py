@@ -36,9 +36,14 @@ SERVER_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM
               "PYTHONUNBUFFERED": "1"}
 
 
+# Debian installs daemons (nginx, prometheus's helpers, dockerd) in /usr/sbin, which a non-root user's PATH lacks
+SBIN_DIRS = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
 def require(binary: str) -> str:
-    """The path of ``binary``; skip when missing, except under CI=true where it is a failure."""
-    path = shutil.which(binary)
+    """The path of ``binary``: on PATH, else in one of :data:`SBIN_DIRS`; skip when missing, except under CI=true
+    where it is a failure."""
+    path = shutil.which(binary) or shutil.which(binary, path=os.pathsep.join(SBIN_DIRS))
     if path is None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{binary} is not installed (CI: .ci/run installs it with apt-get)")

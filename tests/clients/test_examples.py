@@ -3,12 +3,13 @@ installed."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from serving import require
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "clients" / "examples"
 
@@ -39,8 +40,8 @@ def test_openai_denoising(server):
     assert "step  0 block 0" in out and "_" in out.splitlines()[0] and "usage:" in out
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl(server):
+    require("curl")
     out = run_example(server, "curl.sh")
     assert '"object":"chat.completion"' in out and '"denoising"' in out and "data: [DONE]" in out
 

@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import COMPOSE_FILES, DASHBOARDS, DOCKER, METRIC, ROOT, panel_queries, venv_tool
+from helpers import (COMPOSE_FILES, COMPOSE_OVERRIDES, COMPOSE_STACKS, DASHBOARDS, DOCKER, METRIC, ROOT, compose,
+                     compose_config, panel_queries, venv_tool)
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
@@ -20,33 +21,62 @@ def test_hadolint_passes(dockerfile):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_every_compose_file_validates_and_its_mounts_exist():
-    assert {p.name for p in COMPOSE_FILES} >= {"compose.yaml", "compose.replicas.yaml"}
-    for path in COMPOSE_FILES:
-        cmd = [venv_tool("docker-compose"), "-f", str(path)]
-        r = subprocess.run(cmd + ["config", "-q"], capture_output=True, text=True, timeout=60, cwd=path.parent)
-        assert r.returncode == 0, f"{path.name}: {r.stderr}"
-        cfg = json.loads(subprocess.run(cmd + ["config", "--format", "json"], capture_output=True, text=True,
-                                        timeout=60, cwd=path.parent, check=True).stdout)
-        for name, svc in cfg["services"].items():
-            for v in svc.get("volumes", []):
-                if v["type"] == "bind":  # compose resolves sources against the file's directory
-                    assert Path(v["source"]).exists(), f"{path.name}: service {name} mounts the missing {v['source']}"
-            if "build" in svc:
-                assert Path(svc["build"]["context"]).resolve() == ROOT.resolve(), f"{path.name}: {name}'s context"
-                assert (ROOT / svc["build"]["dockerfile"]).is_file(), f"{path.name}: {name}'s Dockerfile"
+def test_every_compose_file_is_a_stack_or_an_override():
+    names = {p.name for p in COMPOSE_FILES}
+    assert names >= {"compose.yaml", "compose.replicas.yaml", "compose.cuda.yaml"}
+    assert set(COMPOSE_OVERRIDES) <= names
+    validated = {Path(f).name for files, _ in COMPOSE_STACKS for f in files}
+    assert validated == names, f"not validated: {sorted(names - validated)}"
+
+
+@pytest.mark.parametrize("files, env", COMPOSE_STACKS,
+                         ids=[" + ".join(f.name for f in files) for files, _ in COMPOSE_STACKS])
+def test_every_compose_stack_validates_and_its_mounts_exist(files, env):
+    r = compose(files, "config", "-q", env=env)
+    assert r.returncode == 0, r.stderr
+    cfg = compose_config(files, env)
+    for name, svc in cfg["services"].items():
+        for v in svc.get("volumes", []):
+            if v["type"] == "bind":  # compose resolves sources against the file's directory
+                assert Path(v["source"]).exists(), f"service {name} mounts the missing {v['source']}"
+        if "build" in svc:
+            assert Path(svc["build"]["context"]).resolve() == ROOT.resolve(), f"{name}'s build context"
+            assert (ROOT / svc["build"]["dockerfile"]).is_file(), f"{name}'s Dockerfile"
+            assert ("cuda" in svc["build"]["dockerfile"]) == ("cuda" in svc["image"]), f"{name}: image vs Dockerfile"
+
 
 def test_the_replicas_variant_publishes_only_nginx():
-    path = DOCKER / "compose.replicas.yaml"
-    cfg = json.loads(subprocess.run([venv_tool("docker-compose"), "-f", str(path), "config", "--format", "json"],
-                                    env={"UNMASK_REPLICAS": "3", "PATH": "/usr/bin:/bin"}, capture_output=True,
-                                    text=True, timeout=60, cwd=path.parent, check=True).stdout)
+    cfg = compose_config([DOCKER / "compose.replicas.yaml"], {"UNMASK_REPLICAS": "3"})
     assert cfg["services"]["unmask"]["deploy"]["replicas"] == 3
     assert not cfg["services"]["unmask"].get("ports")  # N replicas cannot share a host port; nginx has it
     assert [p["target"] for p in cfg["services"]["nginx"]["ports"]] == [8000]
     # one writer prepares the shared model volume before the replicas read it
     assert cfg["services"]["unmask"]["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
     assert "default_model" in " ".join(cfg["services"]["prepare"]["entrypoint"])
+
+
+def _gpus(svc) -> list[dict]:
+    return svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+@pytest.mark.parametrize("gpus, count", [(None, -1), ("1", 1)])  # compose writes "all" as -1
+def test_the_cuda_override_builds_the_cuda_image_and_reserves_gpus(gpus, count):
+    env = {"UNMASK_GPUS": gpus} if gpus else {}
+    cfg = compose_config([DOCKER / "compose.yaml", DOCKER / "compose.cuda.yaml"], env)
+    svc = cfg["services"]["unmask"]
+    assert svc["build"]["dockerfile"] == "docker/Dockerfile.cuda" and svc["image"] == "unmask:cuda"
+    assert [(d["driver"], d["count"], d["capabilities"]) for d in _gpus(svc)] == [("nvidia", count, ["gpu"])]
+    assert all(not _gpus(s) for n, s in cfg["services"].items() if n != "unmask")
+
+
+def test_the_cuda_replicas_run_one_image_and_reserve_gpus():
+    """With the variables docs/deploy.md gives, the one-shot `prepare` runs the replicas' (CUDA) image."""
+    env = {**COMPOSE_OVERRIDES["compose.cuda.yaml"]["compose.replicas.yaml"], "UNMASK_REPLICAS": "2"}
+    cfg = compose_config([DOCKER / "compose.replicas.yaml", DOCKER / "compose.cuda.yaml"], env)
+    unmask, prepare = cfg["services"]["unmask"], cfg["services"]["prepare"]
+    assert (prepare["image"], prepare["build"]["dockerfile"]) == (unmask["image"], unmask["build"]["dockerfile"])
+    assert unmask["build"]["dockerfile"] == "docker/Dockerfile.cuda" and unmask["deploy"]["replicas"] == 2
+    assert _gpus(unmask) and not _gpus(prepare)
 
 
 @pytest.fixture(scope="module")

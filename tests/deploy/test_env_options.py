@@ -4,6 +4,7 @@ variable."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,35 @@ def test_the_command_line_overrides_a_bad_variable(monkeypatch):
     monkeypatch.setenv("UNMASK_PORT", "http")
     args = build_parser().parse_args(["serve", "--port", "9000"])
     assert resolve_env(args).port == 9000
+
+
+DEPLOY_MD = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+IMAGE_DEFAULTS = {"host": "`0.0.0.0` (set by the image)", "model": "the default model"}
+
+
+def env_table_rows() -> list[str]:
+    """docs/deploy.md's table of variables, one row per ``unmask serve`` option: variable, option, type, default
+    (the image's where it sets one)."""
+    rows = []
+    for a in _serve_actions():
+        opt = "`" + (" / ".join(o for o in a.option_strings if o.startswith("--")) or "MODEL") + "`"
+        if a.dest in IMAGE_DEFAULTS:
+            default = IMAGE_DEFAULTS[a.dest]
+        elif a.default is None:
+            default = "unset"
+        elif isinstance(a.default, bool):
+            default = "on" if a.default else "off"
+        else:
+            default = f"`{a.default}`" if a.default != "" else '`""`'
+        kind = ("switch" if a.nargs == 0 else "list" if a.nargs in ("*", "+")
+                else " \\| ".join(map(str, a.choices)) if a.choices
+                else {int: "int", float: "float"}.get(a.type, "string"))
+        rows.append(f"| `{env_name(a)}` | {opt} | {kind} | {default} |")
+    return rows
+
+
+def test_docs_deploy_lists_every_variable():
+    """The table in docs/deploy.md is the parser's, row for row (an option added later gets its row here)."""
+    documented = [line for line in DEPLOY_MD.read_text().splitlines() if line.startswith("| `UNMASK_")]
+    expected = env_table_rows()
+    assert documented == expected, "docs/deploy.md's table of variables should be:\n" + "\n".join(expected)
