@@ -100,7 +100,7 @@ def register(sub, name):
                    help="Jinja chat template file (overrides the tokenizer's), or the name of one shipped with "
                         "unmask: chatml-tools (ChatML + Hermes tool calls, for ChatML models whose own template "
                         "renders no tools, e.g. SmolLM2)")
-    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+    p.add_argument("--tool-call-parser", default="hermes", metavar="NAME",
                    help="how chat answers are parsed into tool calls when a request has tools (hermes: "
                         "<tool_call>{json}</tool_call>, the Hermes/Qwen format; default hermes)")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
@@ -353,8 +353,8 @@ def run(args: argparse.Namespace) -> int:
     returns 0 after a graceful shutdown.
 
     Raises:
-        UsageError: an out-of-range option, unreadable ``--chat-template``, unloadable model, or a ``--max-model-len``
-            / ``--block-size`` the model does not allow.
+        UsageError: an out-of-range option, an unknown ``--tool-call-parser``, unreadable ``--chat-template``,
+            unloadable model, or a ``--max-model-len`` / ``--block-size`` the model does not allow.
     """
     from unmask.cli.main import UsageError
 
@@ -370,6 +370,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--request-timeout: must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port: must be in 0..65535, got {args.port}")
+    from unmask.server.tool_parsers import get_parser
+
+    try:  # before the model loads; the known names are the server's (one list)
+        get_parser(args.tool_call_parser)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     chat_template = None
     if args.chat_template:
         from unmask.server.chat_prompt import shipped_template

@@ -23,10 +23,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from serving import start_server, stop_server
-from test_tools import TOOLS_TEMPLATE
+from test_tools import CALL_TOKENS, TIME, TOOLS_TEMPLATE, USER, WEATHER
 
 KEY = "sk-comply"
 TINY_CHECKS = ["chat-basic-response", "chat-system-prompt", "chat-multi-turn", "chat-streaming-response",
@@ -64,11 +65,18 @@ def test_llm_comply_on_a_tiny_model(tmp_path):
     template = tmp_path / "tools.jinja"
     template.write_text(TOOLS_TEMPLATE)
     proc, base, log = start_server(tmp_path, "--served-model-name", "tiny", "--api-key", KEY, "--chat-template",
-                                   str(template), "--default-max-tokens", "64")
+                                   str(template), "--default-max-tokens", "64", "--tool-call-parser", "hermes")
     try:
         report = run_comply(base, "tiny", TINY_CHECKS, NEEDS_A_SENSIBLE_MODEL, timeout=60)
+        # --tool-call-parser hermes from the command line: an enforced call comes back parsed
+        r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                       json={"model": "tiny", "messages": USER, "tools": [WEATHER, TIME], "seed": 0,
+                             "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": CALL_TOKENS})
     finally:
         stop_server(proc)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.json()
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] in {"get_weather", "get_time"}
     got = _statuses(report)
     assert set(got) == set(TINY_CHECKS), got
     assert got.pop("chat-reasoning-summary")[0] == "skipped"
