@@ -146,11 +146,9 @@ class HermesParser(ToolParser):
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
-        if self.ended:
-            pass
-        elif self._in_call:
+        if self._in_call and not self.ended:
             self._emit(self._buf, closed=False, out=out)
-        else:
+        elif not self.ended:
             self._content(self._buf, out)
         self._buf, self._in_call = "", False
         if self._space and not self.calls:
