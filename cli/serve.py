@@ -226,6 +226,22 @@ def resolve_env(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def check_tool_call_parser(value) -> None:
+    """``--tool-call-parser`` (or an :class:`EnvValue` of ``$UNMASK_TOOL_CALL_PARSER``) names one of the server's
+    parsers (:data:`unmask.server.tool_parsers.PARSERS`, the one list), checked before the model loads.
+
+    Raises:
+        UsageError: one line naming the option (or the variable), the value and the known names.
+    """
+    from unmask.cli.main import UsageError
+    from unmask.server.tool_parsers import PARSERS
+
+    env = isinstance(value, EnvValue)
+    name, where = (value.raw.strip(), f"${value.var}") if env else (value, "--tool-call-parser")
+    if name not in PARSERS:
+        raise UsageError(f"{where}: unknown parser {name!r}; known: {', '.join(sorted(PARSERS))}")
+
+
 def server_threads(requested: int | None, device_type: str, available: int, env) -> int:
     """Torch intra-op threads of the server process: ``--threads`` when given; else on a CPU with no
     ``OMP_NUM_THREADS`` in ``env``, one fewer than torch's default (``available``, at least 1), which leaves a core
@@ -358,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from unmask.cli.main import UsageError
 
+    check_tool_call_parser(args.tool_call_parser)  # before resolve_env: an error names the variable it came from
     resolve_env(args)
     for name in ("max_batch_size", "max_queue", "default_max_tokens", "max_seqs_per_request"):
         if getattr(args, name) < 1:
@@ -370,12 +387,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--request-timeout: must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port: must be in 0..65535, got {args.port}")
-    from unmask.server.tool_parsers import get_parser
-
-    try:  # before the model loads; the known names are the server's (one list)
-        get_parser(args.tool_call_parser)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     chat_template = None
     if args.chat_template:
         from unmask.server.chat_prompt import shipped_template

@@ -472,11 +472,18 @@ def test_an_unknown_response_format_type_is_a_400_naming_it(client):
     assert "json_schema" in r.json()["error"]["message"] and "JsonSchema" not in r.json()["error"]["message"]
 
 
-def test_an_unknown_tool_call_parser_is_a_one_line_error_before_the_model_loads(capsys):
-    """``unmask serve --tool-call-parser NAME``: the names are the server's parsers (one list); an unknown one exits
-    2 with one line naming the option and the known names (argparse's ``choices`` printed the usage too)."""
+@pytest.mark.parametrize("where", ["--tool-call-parser", "$UNMASK_TOOL_CALL_PARSER"])
+def test_an_unknown_tool_call_parser_is_a_one_line_error_before_the_model_loads(capsys, monkeypatch, where):
+    """``unmask serve --tool-call-parser NAME`` (or the variable): the names are the server's parsers (one list); an
+    unknown one exits 2 with one line naming the option or variable and the known names (argparse's ``choices``
+    printed the usage too)."""
     from unmask.cli.main import main
 
-    assert main(["serve", "no-such-model-dir", "--tool-call-parser", "nope"]) == 2
+    argv = ["serve", "no-such-model-dir"]
+    if where.startswith("$"):
+        monkeypatch.setenv(where[1:], "nope")
+    else:
+        argv += [where, "nope"]
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--tool-call-parser" in err and "'nope'" in err and "hermes" in err, err
+    assert len(err.splitlines()) == 1 and f"{where}: unknown parser 'nope'" in err and "hermes" in err, err
