@@ -100,7 +100,7 @@ def register(sub, name):
                    help="Jinja chat template file (overrides the tokenizer's), or the name of one shipped with "
                         "unmask: chatml-tools (ChatML + Hermes tool calls, for ChatML models whose own template "
                         "renders no tools, e.g. SmolLM2)")
-    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+    p.add_argument("--tool-call-parser", default="hermes", metavar="NAME",
                    help="how chat answers are parsed into tool calls when a request has tools (hermes: "
                         "<tool_call>{json}</tool_call>, the Hermes/Qwen format; default hermes)")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
@@ -247,6 +247,22 @@ def resolve_env(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def check_tool_call_parser(value) -> None:
+    """``--tool-call-parser`` (or an :class:`EnvValue` of ``$UNMASK_TOOL_CALL_PARSER``) names one of the server's
+    parsers (:data:`unmask.server.tool_parsers.PARSERS`, the one list), checked before the model loads.
+
+    Raises:
+        UsageError: one line naming the option (or the variable), the value and the known names.
+    """
+    from unmask.cli.main import UsageError
+    from unmask.server.tool_parsers import PARSERS
+
+    env = isinstance(value, EnvValue)
+    name, where = (value.raw.strip(), f"${value.var}") if env else (value, "--tool-call-parser")
+    if name not in PARSERS:
+        raise UsageError(f"{where}: unknown parser {name!r}; known: {', '.join(sorted(PARSERS))}")
+
+
 def server_threads(requested: int | None, device_type: str, available: int, env) -> int:
     """Torch intra-op threads of the server process: ``--threads`` when given; else on a CPU with no
     ``OMP_NUM_THREADS`` in ``env``, one fewer than torch's default (``available``, at least 1), which leaves a core
@@ -374,11 +390,12 @@ def run(args: argparse.Namespace) -> int:
     returns 0 after a graceful shutdown.
 
     Raises:
-        UsageError: an out-of-range option, unreadable ``--chat-template``, unloadable model, or a ``--max-model-len``
-            / ``--block-size`` the model does not allow.
+        UsageError: an out-of-range option, an unknown ``--tool-call-parser``, unreadable ``--chat-template``,
+            unloadable model, or a ``--max-model-len`` / ``--block-size`` the model does not allow.
     """
     from unmask.cli.main import UsageError
 
+    check_tool_call_parser(args.tool_call_parser)  # before resolve_env: an error names the variable it came from
     resolve_env(args)
     for name in ("max_batch_size", "max_queue", "default_max_tokens", "max_seqs_per_request"):
         if getattr(args, name) < 1:

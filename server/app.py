@@ -263,7 +263,9 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     engine = state.engine
     explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
     max_tokens = explicit if explicit is not None else state.default_max_tokens
-    params = body.sampling_params(max_tokens, logprobs, state.default_cache)  # ParamError -> 400
+    # ParamError -> 400; off the event loop: an enforced tool_choice checks every tool's schema (seconds for large
+    # ones), docs/design.md section 15
+    params = await anyio.to_thread.run_sync(lambda: body.sampling_params(max_tokens, logprobs, state.default_cache))
     if len(prompts) * body.n > state.max_seqs_per_request:
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's limit of "
                             f"{state.max_seqs_per_request} sequences per request (--max-seqs-per-request)",

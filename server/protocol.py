@@ -356,7 +356,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: ToolChoice | None = Field(None, description="none | auto (default with tools) | required | "
                                                              "{type: function, function: {name}}; required and a "
                                                              "named function are enforced by constrained decoding")
-    parallel_tool_calls: bool = Field(True, description="required: one or more calls (false: exactly one)")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per choice (required: exactly one)")
 
     @model_validator(mode="after")
     def _top_logprobs(self):

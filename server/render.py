@@ -108,10 +108,11 @@ class Render:
         """A choice's message and finish reason: with tools, its text parsed into content and tool calls."""
         if self.tool_parser is None:
             return AssistantMessage(content=out.text), out.finish_reason
-        content, calls = parse(self.tool_parser(), out.text)
+        parser = self.tool_parser()
+        content, calls = parse(parser, out.text)
         return (AssistantMessage(content=content, tool_calls=[
             ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls] or None),
-            _finish(out.finish_reason, bool(calls)))
+            _finish(out.finish_reason, bool(calls), parser.ended))
 
     # ------------------------------------------------------------------ stream chunks (JSON-ready dicts)
     def _chunk(self, choice, denoising: Denoising | None = None) -> dict:
@@ -180,8 +181,10 @@ class Render:
         """The last chunks of one choice: what its tool parser still held, then :meth:`finish_chunk`."""
         if self.tool_parser is None:
             return [self.finish_chunk(index, out)]
-        chunks = self._pieces(index, self._parser(index).finish())
-        return chunks + [self.finish_chunk(index, out, _finish(out.finish_reason, self._calls.get(index, 0) > 0))]
+        parser = self._parser(index)
+        chunks = self._pieces(index, parser.finish())
+        return chunks + [self.finish_chunk(index, out, _finish(out.finish_reason, self._calls.get(index, 0) > 0,
+                                                               parser.ended))]
 
     def finish_chunk(self, index: int, out: CompletionOutput, finish_reason: str | None = None) -> dict:
         """The last chunk of one choice: its ``finish_reason`` (default the output's) and logprobs, no new text."""
@@ -209,9 +212,11 @@ class Render:
                               exclude_unset=True)
 
 
-def _finish(reason: str | None, called: bool) -> str | None:
-    """OpenAI's ``tool_calls`` for a choice that called a tool and stopped (``length`` stays ``length``)."""
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish(reason: str | None, called: bool, ended: bool = False) -> str | None:
+    """OpenAI's ``tool_calls`` for a choice that called a tool and stopped (``length`` stays ``length``), or whose
+    answer its parser ended at its last allowed call (``ended``: ``parallel_tool_calls: false``; what the engine
+    decoded after that call, up to any ``length``, is dropped, so the answer returned is complete)."""
+    return "tool_calls" if called and (reason == "stop" or (ended and reason == "length")) else reason
 
 
 def echo_texts(tokenizer, body, prompts: list[list[int]]) -> list[str] | None:

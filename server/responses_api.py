@@ -255,11 +255,11 @@ async def create_response(body: ResponsesRequest, request: Request):
         # templated, tokenized and submitted off the event loop, as chat completions are (docs/design.md section 15)
         ids = await chat_ids(state, [m.as_template_dict() for m in chat.messages], chat.template_tools())
         explicit = chat.max_completion_tokens
-        params = chat.sampling_params(explicit or state.default_max_tokens, False, state.default_cache)
         rid = f"resp_{_hex()}"
         loop = asyncio.get_running_loop()
-        stream = await anyio.to_thread.run_sync(lambda: state.engine.submit(
-            ids, params, rid, n=1, fit_max_tokens=explicit is None, loop=loop))
+        stream = await anyio.to_thread.run_sync(lambda: state.engine.submit(  # sampling_params: schema checks
+            ids, chat.sampling_params(explicit or state.default_max_tokens, False, state.default_cache), rid, n=1,
+            fit_max_tokens=explicit is None, loop=loop))
     except Exception as exc:
         raise _renamed(from_exception(exc), body) from exc
     render = Render("chat", rid, int(arrival), state.model_name, state.token_text,

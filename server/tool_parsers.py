@@ -9,7 +9,12 @@ answer runs the same parser over the whole text (:func:`parse`), so streamed and
 an unclosed call at the end of the text counts when its body parses. A body that is not such an object, or names
 a function the request did not offer, is returned as text (content), never an error. Trailing whitespace of the
 content is held back until more content follows (so the result does not depend on how the text was cut into
-pieces); at the end it is dropped when the choice made a call, else sent.
+pieces). Whitespace around calls belongs to them: between calls, and before or after them at the edges of the
+content, it is dropped; content before and after a run of calls is joined by the whitespace that preceded the run.
+
+``max_calls`` (``parallel_tool_calls: false`` -> 1): the answer ends with its last allowed call: once that call is
+closed, the rest of the text (content, further calls, malformed or not) is dropped and :attr:`ToolParser.ended` is
+set, as if the model had stopped there (docs/design.md section 20 says why this and not a grammar).
 """
 from __future__ import annotations
 
@@ -31,13 +36,23 @@ Piece = tuple[str, "str | ParsedCall"]  # ("content", text) | ("call", ParsedCal
 
 
 class ToolParser:
-    """Base: subclasses set ``name`` and implement :meth:`feed` / :meth:`finish`."""
+    """Base: subclasses set ``name`` and implement :meth:`feed` / :meth:`finish`.
+
+    Args:
+        tool_names: the functions the request offered (a call of another name is text).
+        max_calls: the most calls one answer may make (None: no limit); the closed call that reaches it ends the
+            answer (:attr:`ended`), and what follows is dropped.
+    """
 
     name = ""
 
-    def __init__(self, tool_names: set[str]):
+    def __init__(self, tool_names: set[str], max_calls: int | None = None):
+        if max_calls is not None and max_calls < 1:
+            raise ValueError(f"max_calls: must be >= 1 or None, got {max_calls}")
         self.tool_names = set(tool_names)
+        self.max_calls = max_calls
         self.calls = 0
+        self.ended = False   # the answer ended at its last allowed call; the rest of the text is dropped
 
     def feed(self, text: str) -> list[Piece]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -52,17 +67,25 @@ class HermesParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tool_names: set[str]):
-        super().__init__(tool_names)
+    def __init__(self, tool_names: set[str], max_calls: int | None = None):
+        super().__init__(tool_names, max_calls)
         self._buf = ""          # text not yet decided (a possible tag prefix, or an open call's body)
         self._in_call = False
         self._space = ""        # whitespace-only content held back
+        self._after_call = False  # the last piece was a call: leading whitespace of the next content is dropped
+        self._gap = ""          # the whitespace before that run of calls (joins content before and after it)
+        self._sent = False      # some content was sent
 
     def _content(self, text: str, out: list[Piece]) -> None:
+        if self._after_call:  # the whitespace after calls is theirs; content resumes after the gap before them
+            text = text.lstrip()
+            if not text:
+                return
+            text, self._gap, self._after_call = (self._gap if self._sent else "") + text, "", False
         head = text.rstrip()
         if head:  # trailing whitespace waits for more content, however the text was cut into pieces
             out.append(("content", self._space + head))
-            self._space = text[len(head):]
+            self._space, self._sent = text[len(head):], True
         else:
             self._space += text
 
@@ -85,8 +108,10 @@ class HermesParser(ToolParser):
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
+        if self.ended:
+            return out
         self._buf += text
-        while self._buf:
+        while self._buf and not self.ended:
             if not self._in_call:
                 at = self._buf.find(self.OPEN)
                 if at < 0:  # keep a tail that could still become the open tag
@@ -112,13 +137,18 @@ class HermesParser(ToolParser):
             self._content(self.OPEN + body + (self.CLOSE if closed else ""), out)
         else:
             self.calls += 1
+            if not self._after_call:  # the first call of a run: the whitespace before it may join content later
+                self._gap = self._space
+            self._space, self._after_call = "", True
             out.append(("call", call))
+            if closed and self.max_calls is not None and self.calls >= self.max_calls:
+                self.ended, self._buf = True, ""
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
-        if self._in_call:
+        if self._in_call and not self.ended:
             self._emit(self._buf, closed=False, out=out)
-        else:
+        elif not self.ended:
             self._content(self._buf, out)
         self._buf, self._in_call = "", False
         if self._space and not self.calls:
@@ -152,11 +182,12 @@ def get_parser(name: str) -> type[ToolParser]:
 
 def parser_factory(name: str, body):
     """A chat request with active tools (``body.tools_active``): a factory of fresh ``name`` parsers over its tool
-    names; else None."""
+    names, at most one call per answer when ``body.parallel_tool_calls`` is false (OpenAI's meaning); else None."""
     if not getattr(body, "tools_active", False):
         return None
     cls, names = get_parser(name), {t.function.name for t in body.tools}
-    return lambda: cls(names)
+    max_calls = None if getattr(body, "parallel_tool_calls", True) else 1
+    return lambda: cls(names, max_calls)
 
 
 def parse(parser: ToolParser, text: str) -> tuple[str | None, list[ParsedCall]]:

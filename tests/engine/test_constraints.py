@@ -115,6 +115,21 @@ def test_speculative_greedy_constrained_equals_constrained_block_1(llms):
         assert spec.nfe <= ar.nfe and len(ar.token_ids) / ar.nfe > 1.5
 
 
+def assert_speculative_constrained_greedy_is_constrained_block_1(llm, ref, **kw):
+    """Greedy speculative decoding of ``llm`` under :data:`SCHEMA` (``kw``: more SamplingParams) gives ``ref``'s
+    constrained ``block_size=1`` greedy tokens, and the output validates. ``ref``: the model whose causal rows
+    verify (``llm`` itself, or its separate verifier / parent)."""
+    c = Constraint("json_schema", SCHEMA)
+    for prompt in ("Hello", "The quick brown fox"):
+        spec = _out(llm, SamplingParams(max_tokens=96, temperature=0, constraint=c, speculative=True, block_size=4,
+                                        **kw), prompt)
+        b1 = _out(ref, SamplingParams(max_tokens=96, temperature=0, constraint=c, speculative=False, block_size=1),
+                  prompt)
+        assert spec.speculative and spec.token_ids == b1.token_ids, (prompt, spec.text, b1.text)
+        assert spec.finish_reason == "stop", spec.text
+        jsonschema.validate(json.loads(spec.text), SCHEMA)
+
+
 def test_speculative_sampling_constrained_validates(llms):
     c = Constraint("json_schema", SCHEMA)
     for seed in range(8):

@@ -57,6 +57,15 @@ def test_head_drafted_output_is_the_greedy_output(with_head, block, cache):
             assert out.token_ids == ref.token_ids, (prompt, n)
 
 
+def test_constrained_greedy_with_head_drafts_is_constrained_block_1(with_head):
+    """A grammar holds on the draft-head path too (docs/design.md section 19): head drafts the grammar forbids are
+    rejected by the masked verifier rows, so the answer is the constrained block-1 answer."""
+    from test_constraints import assert_speculative_constrained_greedy_is_constrained_block_1
+
+    llm, plain = with_head
+    assert_speculative_constrained_greedy_is_constrained_block_1(llm, plain)
+
+
 def test_head_drafts_are_used_and_mask_groups_are_not(with_head):
     """The step forwards only causal rows (no mask groups) and the drafts come from the head."""
     from unmask.engine.speculative import SpeculativeSequence

@@ -82,6 +82,15 @@ def test_block1_and_speculative_give_the_parents_tokens_and_diffusion_differs(ck
     assert _gen(adapted, **plain).token_ids != _gen(parent, **plain).token_ids
 
 
+def test_constrained_speculative_greedy_gives_the_parents_constrained_block_1(ckpts):
+    """A grammar holds on the adapter's speculative path (its causal rows are the parent's): the constrained answer
+    is the parent's constrained block-1 answer (docs/design.md section 19)."""
+    from test_constraints import assert_speculative_constrained_greedy_is_constrained_block_1
+
+    adapted, parent = LLM(load_model(ckpts / "adapter")), LLM(load_model(ckpts / "parent"))
+    assert_speculative_constrained_greedy_is_constrained_block_1(adapted, parent)
+
+
 def test_adapter_only_and_self_contained_give_the_same_tokens(ckpts):
     a = LLM(load_model(ckpts / "adapter", parent=ckpts / "parent"))
     b = LLM(load_model(ckpts / "self_contained"))

@@ -48,6 +48,15 @@ def test_speculative_output_is_the_verifiers_greedy_output(pair, block, branches
             assert out.token_ids == ref.token_ids, (prompt, n)
 
 
+def test_constrained_greedy_is_the_verifiers_constrained_block_1(pair):
+    """A grammar holds on the separate-verifier path (docs/design.md section 19): the routed model's constrained
+    speculative answer is its verifier's constrained block-1 answer."""
+    from test_constraints import assert_speculative_constrained_greedy_is_constrained_block_1
+
+    routed, verifier, _ = pair
+    assert_speculative_constrained_greedy_is_constrained_block_1(routed, verifier)
+
+
 def test_drafts_come_from_the_drafter(pair):
     """Same tokens as the verifier drafting for itself, but other drafts: the mask rows run the drafter's weights."""
     from unmask.engine.speculative import SpeculativeSequence

@@ -13,7 +13,8 @@ check except
 
 and one error of the remaining checks is ignored: ``finish_reason: expected 'stop', got 'length'`` (a random model
 does not choose to end its answer; that needs a sensible model). On the real default model (slow): everything but
-image input passes (``--chat-template chatml-tools``, SmolLM2's own template renders no tools).
+image input passes (``--chat-template chatml-tools``, SmolLM2's own template renders no tools; ``--tool-call-parser
+hermes`` given on the command line, so its tool-calling check is the flag's test in the default run).
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from serving import start_server, stop_server
-from test_tools import TOOLS_TEMPLATE
+from test_tools import CALL_TOKENS, TIME, TOOLS_TEMPLATE, USER, WEATHER
 
 KEY = "sk-comply"
 TINY_CHECKS = ["chat-basic-response", "chat-system-prompt", "chat-multi-turn", "chat-streaming-response",
@@ -64,11 +66,18 @@ def test_llm_comply_on_a_tiny_model(tmp_path):
     template = tmp_path / "tools.jinja"
     template.write_text(TOOLS_TEMPLATE)
     proc, base, log = start_server(tmp_path, "--served-model-name", "tiny", "--api-key", KEY, "--chat-template",
-                                   str(template), "--default-max-tokens", "64")
+                                   str(template), "--default-max-tokens", "64", "--tool-call-parser", "hermes")
     try:
         report = run_comply(base, "tiny", TINY_CHECKS, NEEDS_A_SENSIBLE_MODEL, timeout=60)
+        # --tool-call-parser hermes from the command line: an enforced call comes back parsed
+        r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                       json={"model": "tiny", "messages": USER, "tools": [WEATHER, TIME], "seed": 0,
+                             "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": CALL_TOKENS})
     finally:
         stop_server(proc)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.json()
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] in {"get_weather", "get_time"}
     got = _statuses(report)
     assert set(got) == set(TINY_CHECKS), got
     assert got.pop("chat-reasoning-summary")[0] == "skipped"
@@ -88,7 +97,8 @@ def test_llm_comply_on_the_real_model(tmp_path):
     from serving import start_serve
 
     proc, base, log_path = start_serve(tmp_path, "--served-model-name", "smollm2", "--api-key", KEY,
-                                       "--chat-template", "chatml-tools", "--default-max-tokens", "128", timeout=600)
+                                       "--chat-template", "chatml-tools", "--default-max-tokens", "128",
+                                       "--tool-call-parser", "hermes", timeout=600)
     try:
         checks = TINY_CHECKS + ["chat-tool-calling"]
         got = _statuses(run_comply(base, "smollm2", checks, [], timeout=300))

@@ -142,13 +142,45 @@ class SlowTokenizer:
         return self._inner.apply_chat_template(*a, **kw)
 
 
-@pytest.mark.parametrize("path,body", [(C, {"prompt": "a slow prompt"}),
-                                       (C, {"prompt": ["one slow", "two slow"]}),
-                                       (CH, {"messages": [{"role": "user", "content": "a slow chat"}]})])
-def test_tokenizing_never_stalls_health_or_other_streams(engine, path, body):
-    app = build_app(engine, "m", shutdown_engine=False)
+class SlowCheck:
+    """``unmask.server.structured.check_constraint`` taking ``delay`` seconds more (an enforced ``tool_choice`` over
+    tools of 60 KiB schemas: ~2-8 s of llguidance grammar checks on the 2-core CPU)."""
+
+    def __init__(self, inner, delay: float):
+        self._inner, self._delay = inner, delay
+
+    def __call__(self, *a, **kw):
+        time.sleep(self._delay)
+        return self._inner(*a, **kw)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"], "additionalProperties": False}}}
+TOOLS_CHAT = "{% if tools %}tools{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("slow,path,body", [
+    ("tokenizer", C, {"prompt": "a slow prompt"}),
+    ("tokenizer", C, {"prompt": ["one slow", "two slow"]}),
+    ("tokenizer", CH, {"messages": [{"role": "user", "content": "a slow chat"}]}),
+    # the schema checks of an enforced tool_choice ran on the event loop (in sampling_params) before
+    ("grammar", CH, {"messages": [{"role": "user", "content": "call f"}], "tools": [TOOL], "tool_choice": "required"}),
+    ("grammar", "/v1/responses", {"input": "call f", "tools": [{"type": "function", **TOOL["function"]}],
+                                  "tool_choice": "required", "max_output_tokens": 16}),
+])
+def test_tokenizing_and_grammar_checks_never_stall_health_or_other_streams(engine, monkeypatch, slow, path, body):
+    import unmask.server.structured as structured
+
+    app = build_app(engine, "m", shutdown_engine=False, chat_template=TOOLS_CHAT)
     state = app.state.unmask
     delay = 2.0
+    check = structured.check_constraint
+
+    def slow_down(on: bool):
+        if slow == "tokenizer":
+            state.tokenizer = SlowTokenizer(engine.tokenizer, delay) if on else engine.tokenizer
+        else:
+            monkeypatch.setattr(structured, "check_constraint", SlowCheck(check, delay) if on else check)
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)  # the app on this test's own event loop
@@ -172,12 +204,13 @@ def test_tokenizing_never_stalls_health_or_other_streams(engine, path, body):
 
             probes = asyncio.create_task(prober())
             await asyncio.sleep(0.2)
-            state.tokenizer = SlowTokenizer(engine.tokenizer, delay)
+            slow_down(True)
             other = asyncio.create_task(other_request())
             t_slow = time.perf_counter()
-            r = await http.post(path, json={"model": "m", "max_tokens": 4, **body})
+            extra = {} if path.endswith("responses") else {"max_tokens": 4}
+            r = await http.post(path, json={"model": "m", **extra, **body})
             t_end = time.perf_counter()
-            state.tokenizer = engine.tokenizer
+            slow_down(False)
             done.set()
             return r, t_slow, t_end, await probes, await other
 
@@ -187,9 +220,9 @@ def test_tokenizing_never_stalls_health_or_other_streams(engine, path, body):
 
     r, t_slow, t_end, health, (o_start, o_end) = asyncio.run(scenario())
     assert r.status_code == 200, r.text[:300]
-    assert t_end - t_slow >= delay  # the slow tokenizer did run for this request
+    assert t_end - t_slow >= delay  # the slow part did run for this request
     assert worst_gap(health, t_slow, t_end) < 1.0, worst_gap(health, t_slow, t_end)
-    # (the other request used the slow tokenizer too: it ran in its own worker thread meanwhile)
+    # (with a slow tokenizer the other request used it too: it ran in its own worker thread meanwhile)
     assert o_end - o_start < delay + 1.0 and o_end < t_end + 0.5, (o_end - o_start, o_end - t_end)
 
 

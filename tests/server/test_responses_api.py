@@ -63,6 +63,56 @@ def test_tool_choice_required_gives_a_function_call_item(client):
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
 
 
+def test_text_format_json_schema_output_validates(client):
+    """``text.format`` ``json_schema`` (the Responses API's ``response_format``): the output text parses and
+    validates, plain and streamed."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "r", "schema": schema, "strict": True}}
+    for seed in range(3):
+        r = client.responses.create(model="m", input="Answer in JSON", text=fmt, max_output_tokens=48,
+                                    temperature=1.0, extra_body={"seed": seed})
+        assert r.status == "completed" and r.text.format.type == "json_schema", r
+        jsonschema.validate(json.loads(r.output_text), schema)
+    events = list(client.responses.create(model="m", input="Answer in JSON", text=fmt, max_output_tokens=48,
+                                          temperature=1.0, stream=True, extra_body={"seed": 0}))
+    assert events[-1].type == "response.completed"
+    jsonschema.validate(json.loads(events[-1].response.output_text), schema)
+
+
+def test_parallel_tool_calls_false_gives_at_most_one_function_call_item():
+    """The Responses API takes the chat path's parser (``parser_factory`` over the translated chat request), so
+    ``parallel_tool_calls: false`` leaves one ``function_call`` item of a text with two calls, plain and streamed
+    (it used to leave both)."""
+    from test_tools import TWO_CALLS, _out
+    from unmask.server.protocol import ChatCompletionRequest
+    from unmask.server.render import Render
+    from unmask.server.responses import Usage
+    from unmask.server.responses_api import EventWriter, from_chat_body
+    from unmask.server.responses_protocol import ResponsesRequest
+    from unmask.server.tool_parsers import parser_factory
+
+    TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+    for parallel, names in ((False, ["get_time"]), (None, ["get_time", "get_weather"])):
+        req = ResponsesRequest.model_validate({"model": "m", "input": "x", "tools": [FLAT_WEATHER, TIME],
+                                               **({} if parallel is None else {"parallel_tool_calls": parallel})})
+        chat = ChatCompletionRequest.model_validate(req.chat_body())
+
+        def render():
+            return Render("chat", "resp_x", 0, "m", str, tool_parser=parser_factory("hermes", chat))
+
+        body = render().body([_out(TWO_CALLS)], Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2))
+        plain = from_chat_body("resp_x", 0, req, body)
+        assert [o["name"] for o in plain["output"] if o["type"] == "function_call"] == names
+        writer, r = EventWriter("resp_x", 0, req), render()
+        chunks = [c for i in range(0, len(TWO_CALLS), 7) for c in r.text_chunks(0, TWO_CALLS[i:i + 7])]
+        for c in chunks + r.finish_chunks(0, _out(TWO_CALLS)):
+            writer.chunk(c)
+        final = writer.end(body["usage"])[-1]["response"]
+        assert [o["name"] for o in final["output"] if o["type"] == "function_call"] == names
+
+
 def test_streaming_events_and_the_final_response(client):
     events = list(client.responses.create(model="m", input="Count to three", max_output_tokens=12, stream=True,
                                           extra_body={"seed": 0}))

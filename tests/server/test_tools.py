@@ -15,8 +15,9 @@ from unmask.engine import CompletionOutput
 from unmask.engine.async_engine import AsyncEngine
 from unmask.server.app import build_app
 from unmask.server.chat_prompt import shipped_template
+from unmask.server.protocol import ChatCompletionRequest
 from unmask.server.render import Render
-from unmask.server.tool_parsers import HermesParser, parse
+from unmask.server.tool_parsers import HermesParser, parse, parser_factory
 
 # a compact ChatML template that renders tools, assistant tool calls and tool results (the tiny model has 512
 # positions; the shipped chatml-tools template's system prompt alone is ~500 tiny-BPE tokens)
@@ -80,6 +81,11 @@ def test_hermes_parses_several_calls_and_drops_whitespace_between_them():
     assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
     assert json.loads(calls[1].arguments) == {"city": "Rome"}  # arguments given as JSON text are accepted
     assert len({c.id for c in calls}) == 2
+    # the newlines between calls are no content when a later call is text (they used to lead it)
+    content, calls = parse(HermesParser(NAMES), text + '<tool_call>{"name": "get_time", "argu')
+    assert len(calls) == 2 and content == '<tool_call>{"name": "get_time", "argu'
+    content, calls = parse(HermesParser(NAMES), "Let me check.\n" + text + "\n Done. ")
+    assert len(calls) == 2 and content == "Let me check.\nDone."  # joined by the gap before the calls
 
 
 @pytest.mark.parametrize("text", [
@@ -133,6 +139,62 @@ def test_render_sends_malformed_output_as_content_and_calls_as_deltas():
     assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"]  # length stays length
 
 
+# ------------------------------------------------------------------ parallel_tool_calls: false (at most one call)
+TWO_CALLS = ('Let me check. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n'
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}</tool_call> Done.')
+
+
+def test_a_parser_with_max_calls_1_ends_the_answer_at_the_first_call():
+    for text, first in ((TWO_CALLS, "get_time"),
+                        # a malformed first call is text, so the next valid call is the one
+                        ('<tool_call>{"bad</tool_call> ' + TWO_CALLS.split(" ", 2)[2], "get_time")):
+        whole = HermesParser(NAMES, max_calls=1)
+        content, calls = parse(whole, text)
+        assert [c.name for c in calls] == [first] and whole.ended
+        assert "get_weather" not in (content or "") and "Done" not in (content or "")
+        for step in (1, 3, 11):  # the same, however the text is cut
+            p = HermesParser(NAMES, max_calls=1)
+            pieces = [x for i in range(0, len(text), step) for x in p.feed(text[i:i + step])] + p.finish()
+            assert [c.name for k, c in pieces if k == "call"] == [first]
+            assert ("".join(x for k, x in pieces if k == "content") or None) == content
+    assert [c.name for c in parse(HermesParser(NAMES), TWO_CALLS)[1]] == ["get_time", "get_weather"]
+
+
+def _render_for(body: dict) -> Render:
+    """The Render the chat route builds for ``body`` (its parser from :func:`parser_factory`)."""
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, **body})
+    return Render("chat", "chatcmpl-x", 0, "m", str, tool_parser=parser_factory("hermes", req))
+
+
+def _streamed_calls(render: Render, text: str, finish: str) -> tuple[list[str], str]:
+    chunks = [c for i in range(0, len(text), 9) for c in render.text_chunks(0, text[i:i + 9])]
+    chunks += render.finish_chunks(0, _out(text, finish))
+    names = [d["function"]["name"] for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []
+             if d.get("id")]
+    return names, chunks[-1]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_parallel_tool_calls_false_returns_at_most_one_call_plain_and_streamed(tool_choice, finish):
+    """``parallel_tool_calls: false`` used to shape only the ``required`` grammar: under ``auto`` every call the
+    model wrote was returned (OpenAI returns at most one). What the engine decoded after the first call, up to a
+    ``length``, is dropped, so the answer is a complete call: ``finish_reason`` ``tool_calls``."""
+    from unmask.server.responses import Usage
+    usage = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+    body = {"tools": [WEATHER, TIME], "parallel_tool_calls": False}
+    if tool_choice:
+        body["tool_choice"] = tool_choice
+    choice = _render_for(body).body([_out(TWO_CALLS, finish)], usage)["choices"][0]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
+    assert choice["message"]["content"] == "Let me check." and choice["finish_reason"] == "tool_calls"
+    assert _streamed_calls(_render_for(body), TWO_CALLS, finish) == (["get_time"], "tool_calls")
+    # parallel_tool_calls true (the default): every call, and length stays length
+    both = _render_for({**body, "parallel_tool_calls": True}).body([_out(TWO_CALLS, finish)], usage)["choices"][0]
+    assert [c["function"]["name"] for c in both["message"]["tool_calls"]] == ["get_time", "get_weather"]
+    assert both["finish_reason"] == ("tool_calls" if finish == "stop" else "length")
+
+
 # ------------------------------------------------------------------ the app
 def test_tool_choice_required_always_yields_parseable_calls(client):
     for seed in range(4):
@@ -152,6 +214,49 @@ def test_named_tool_choice_calls_that_function_with_n_choices(client):
     for choice in r.json()["choices"]:
         assert choice["finish_reason"] == "tool_calls"
         _valid_calls(choice["message"]["tool_calls"], {"get_time"})
+
+
+def _eos_bias(client) -> dict[str, int]:
+    """``logit_bias`` pushing every EOS id of the served model to -100 (a grammar still allows them, unlikely)."""
+    tok = client.app.state.unmask.tokenizer  # tiny.loaded's EOS ids
+    return {str(tok.convert_tokens_to_ids(t)): -100 for t in ("<|endoftext|>", "<|im_end|>")}
+
+
+def test_required_with_parallel_calls_gives_several_calls_each_parseable(client):
+    """``required`` with ``parallel_tool_calls`` (the default): the grammar allows ``call ("\n" call)*``. With EOS
+    pushed to -100 after each call the model must go on, so the answer holds several calls; every complete call
+    parses and names a listed tool, and the call ``max_tokens`` cut is returned as text (``length``)."""
+    r = chat(client, tools=[WEATHER, TIME], tool_choice="required", seed=5, temperature=1.0,
+             max_tokens=3 * CALL_TOKENS, logit_bias=_eos_bias(client))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert len(choice["message"]["tool_calls"]) >= 2, choice
+    _valid_calls(choice["message"]["tool_calls"], NAMES)
+    assert choice["finish_reason"] == "length" and (choice["message"]["content"] or "").startswith("<tool_call>")
+    for seed in range(3):  # without the bias: one or more calls, each parseable
+        r = chat(client, tools=[WEATHER, TIME], tool_choice="required", seed=seed, temperature=1.0,
+                 max_tokens=CALL_TOKENS)
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "tool_calls":
+            _valid_calls(choice["message"]["tool_calls"], NAMES)
+            assert choice["message"]["content"] is None
+
+
+def test_tool_choice_none_renders_no_tools_parses_nothing_and_constrains_nothing(client):
+    """``tool_choice: none``: the prompt is the one without tools, the answer is the tool-less answer token for
+    token (no grammar), and model text that looks like a call stays content (no parser)."""
+    kw = dict(seed=2, temperature=1.0, max_tokens=24)
+    plain, none = chat(client, **kw).json(), chat(client, tools=[WEATHER, TIME], tool_choice="none", **kw).json()
+    auto = chat(client, tools=[WEATHER, TIME], **kw).json()
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] < auto["usage"]["prompt_tokens"]
+    assert none["choices"] == plain["choices"] and "tool_calls" not in none["choices"][0]["message"]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": [WEATHER],
+                                                "tool_choice": "none"})
+    assert req.constraint() is None and req.template_tools() is None and parser_factory("hermes", req) is None
+    from unmask.server.responses import Usage
+    render = _render_for({"tools": [WEATHER, TIME], "tool_choice": "none"})
+    body = render.body([_out(TWO_CALLS)], Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2))
+    assert body["choices"][0]["message"]["content"] == TWO_CALLS and body["choices"][0]["finish_reason"] == "stop"
 
 
 def _stream(client, body):
@@ -231,6 +336,35 @@ def test_a_template_without_tools_is_a_400_naming_the_fix():
         r = chat(c, tools=[WEATHER])
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         assert "--chat-template chatml-tools" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("form", ["string", "tool_use dict"])
+def test_the_models_own_tools_capable_template_is_used_without_chat_template(form):
+    """No ``--chat-template``: the tokenizer's own template renders the tools, as a Qwen-style model's does; in the
+    transformers dict form (``{"default": ..., "tool_use": ...}``) ``tool_use`` renders requests with tools and
+    ``default`` the others. An enforced call parses."""
+    from tiny import CHAT_TEMPLATE
+
+    model = loaded(block_size=4)
+    tok = model.tokenizer
+    tok.chat_template = TOOLS_TEMPLATE if form == "string" else {"default": CHAT_TEMPLATE, "tool_use": TOOLS_TEMPLATE}
+
+    def prompt_len(template, tools=None):
+        return len(tok(tok.apply_chat_template(USER, tools=tools, tokenize=False, add_generation_prompt=True,
+                                               chat_template=template), add_special_tokens=False).input_ids)
+
+    with TestClient(build_app(AsyncEngine(model), "m")) as c:
+        r = chat(c, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, seed=0,
+                 temperature=1.0, max_tokens=CALL_TOKENS)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == prompt_len(TOOLS_TEMPLATE, [WEATHER, TIME])
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        _valid_calls(choice["message"]["tool_calls"], NAMES)
+        plain = chat(c, max_tokens=2, seed=0)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["prompt_tokens"] == prompt_len(
+            TOOLS_TEMPLATE if form == "string" else CHAT_TEMPLATE)
 
 
 def test_the_shipped_chatml_tools_template_renders_tools_calls_and_results():
@@ -336,3 +470,20 @@ def test_an_unknown_response_format_type_is_a_400_naming_it(client):
     r = chat(client, response_format={"type": "xml"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     assert "json_schema" in r.json()["error"]["message"] and "JsonSchema" not in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("where", ["--tool-call-parser", "$UNMASK_TOOL_CALL_PARSER"])
+def test_an_unknown_tool_call_parser_is_a_one_line_error_before_the_model_loads(capsys, monkeypatch, where):
+    """``unmask serve --tool-call-parser NAME`` (or the variable): the names are the server's parsers (one list); an
+    unknown one exits 2 with one line naming the option or variable and the known names (argparse's ``choices``
+    printed the usage too)."""
+    from unmask.cli.main import main
+
+    argv = ["serve", "no-such-model-dir"]
+    if where.startswith("$"):
+        monkeypatch.setenv(where[1:], "nope")
+    else:
+        argv += [where, "nope"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{where}: unknown parser 'nope'" in err and "hermes" in err, err
