@@ -90,6 +90,9 @@ def _is(field: str, schema: dict) -> dict:
     return {"properties": {field: schema}, "required": [field]}
 
 
+# stream_options only with stream: true (chat, completions and /v1/responses)
+STREAM_OPTIONS_RULE = {"if": _is("stream_options", {"type": "object"}), "then": _is("stream", {"const": True})}
+
 # cross-field rules that validation enforces, written into the published schema too (docs/design.md section 15):
 # request model name -> JSON Schema subschemas the body must also satisfy ("allOf")
 _SCHEMA_RULES: dict[str, list[dict]] = {
@@ -97,8 +100,7 @@ _SCHEMA_RULES: dict[str, list[dict]] = {
         # speculative_epsilon and speculative_ratio are two relaxed rules: one of the two, not both (null = unset)
         {"not": {"allOf": [_is("speculative_epsilon", {"type": "number"}),
                            _is("speculative_ratio", {"type": "number"})]}},
-        # stream_options only with stream: true
-        {"if": _is("stream_options", {"type": "object"}), "then": _is("stream", {"const": True})},
+        STREAM_OPTIONS_RULE,
     ],
     "CompletionRequest": [{"not": {"allOf": [_is("echo", {"const": True}), _is("logprobs", {"type": "integer"})]}}],
     "ChatCompletionRequest": [
