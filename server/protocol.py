@@ -65,6 +65,13 @@ def _integral(value: Any) -> Any:
     return value
 
 
+def integral_fields(data: Any, names: frozenset[str] | set[str]) -> Any:
+    """A request body (before validation) with :func:`_integral` applied to its fields ``names``."""
+    if isinstance(data, dict):
+        return {k: _integral(v) if k in names else v for k, v in data.items()}
+    return data
+
+
 # the integer fields (and lists of ids) of the request models: 7.0 is the integer 7 there, as in the schema
 _INTEGER_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of", "seed", "steps", "block_size",
                              "sub_block_size", "top_k", "min_tokens", "speculative_branches",
@@ -228,10 +235,8 @@ class _Common(_Rules):
     @model_validator(mode="before")
     @classmethod
     def _integers(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            ints = _INTEGER_FIELDS | ({"prompt", "logprobs"} if cls.__name__ == "CompletionRequest" else set())
-            data = {k: _integral(v) if k in ints else v for k, v in data.items()}
-        return data
+        return integral_fields(data, _INTEGER_FIELDS | ({"prompt", "logprobs"} if cls.__name__ == "CompletionRequest"
+                                                        else set()))
 
     @model_validator(mode="before")
     @classmethod

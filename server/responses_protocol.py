@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
+from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, integral_fields, ranged
 from .tool_protocol import FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema
 
 MAX_ITEMS = 1024
@@ -125,6 +125,8 @@ class TextOptions(Strict):
 class ResponsesStreamOptions(Strict):
     include_denoising: bool = False
 
+
+INTEGER_FIELDS = frozenset({"max_output_tokens", "seed", "steps", "block_size", "top_k"})
 
 # the diffusion extras passed through to the chat request as they are
 EXTRAS = ("seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", "top_k", "cache", "speculative")
@@ -233,6 +235,12 @@ class ResponsesRequest(RequestBody):
         if parts[:1] == ["tool_call_id"]:
             parts[0] = "call_id"
         return ".".join([src[""], *parts])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        """``7.0`` is the integer 7 in the integer fields, as in the schema and on chat completions."""
+        return integral_fields(data, INTEGER_FIELDS)
 
     @model_validator(mode="after")
     def _cross_field(self):

@@ -183,3 +183,14 @@ def test_a_value_outside_the_published_range_is_a_400_naming_it(client, field, v
     raw = client._client.post("/v1/responses", json={"model": "m", "input": "hi", field: value},
                               headers={"Authorization": "Bearer k"})
     assert raw.status_code == 400 and raw.json()["error"]["param"] == field, raw.text
+
+
+def test_integral_numbers_are_integers_as_in_the_schema(client):
+    """JSON Schema's integer includes ``4.0``: chat completions took it, /v1/responses refused it (schemathesis)."""
+    body = {"model": "m", "input": "hi", "max_output_tokens": 4.0, "top_k": 2.0, "seed": 1.0, "block_size": 4.0,
+            "steps": 4.0}
+    raw = client._client.post("/v1/responses", json=body, headers={"Authorization": "Bearer k"})
+    assert raw.status_code == 200 and raw.json()["usage"]["output_tokens"] <= 4, raw.text
+    for value in (2.5, "2", True):
+        raw = client._client.post("/v1/responses", json={**body, "top_k": value}, headers={"Authorization": "Bearer k"})
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "top_k", (value, raw.text)
