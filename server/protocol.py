@@ -32,7 +32,7 @@ from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
 from .structured import (LOGIT_BIAS_KEY, MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
 from .messages import ChatMessage
-from .tool_protocol import MAX_TOOLS, RequestBody, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
+from .tool_protocol import MAX_TOOLS, RequestBody, integral_fields, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
 
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
@@ -52,24 +52,6 @@ UNSUPPORTED_FIELDS = {
 
 RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
 CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema's ``integer`` includes numbers written with a zero fraction (``7.0``): take them as the integer
-    (also inside lists of ids); every other value goes on to the strict int check (``"7"``, ``true`` and ``7.5``
-    stay errors)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    return value
-
-
-def integral_fields(data: Any, names: frozenset[str] | set[str]) -> Any:
-    """A request body (before validation) with :func:`_integral` applied to its fields ``names``."""
-    if isinstance(data, dict):
-        return {k: _integral(v) if k in names else v for k, v in data.items()}
-    return data
 
 
 # the integer fields (and lists of ids) of the request models: 7.0 is the integer 7 there, as in the schema
