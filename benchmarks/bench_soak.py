@@ -5,9 +5,12 @@ What it does:
 
 1. writes a tiny random a2d checkpoint (``tests/tiny.py``) and starts ``unmask serve`` on it, on 127.0.0.1 only;
 2. runs ``--clients`` concurrent clients for ``--minutes`` minutes; each picks, per request, one kind from
-   :data:`KINDS` (weights in brackets): normal completions and chats, streamed (with the denoising stream), ``n: 2``;
-   clients that disconnect in the middle of a stream or before a plain answer; abusive requests (invalid JSON, a
-   wrong content type, a 256 KiB field, over-limit values, a prompt longer than the context, unknown routes);
+   :data:`KINDS` (weights in brackets): normal completions and chats, streamed (with the denoising stream), ``n: 2``,
+   ``/v1/responses`` (plain and streamed), chats with ``tools`` (``tool_choice: required``, so a call is made) and
+   with a ``response_format`` JSON schema; clients that disconnect in the middle of a stream or before a plain
+   answer; abusive requests (invalid JSON, a wrong content type, a 256 KiB field, over-limit values, a prompt longer
+   than the context, unknown routes, bad ``/v1/responses`` bodies); the server runs with a compact tools-capable
+   template (``tests/server/test_tools.py`` ``TOOLS_TEMPLATE``: the tiny model has 512 positions);
 3. samples the server's RSS (``/proc/PID/status`` ``VmRSS``) and ``/health`` every ``--sample-seconds``;
 4. writes ``benchmarks/results/bench_soak.json`` + ``.md`` + ``.png``: per-kind counts and status codes, failures
    (a 5xx, a connection error, a normal request without its tokens, or an abusive one not answered 4xx), and the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -44,27 +48,44 @@ BIG = "x" * (256 * 1024)
 KINDS = {
     "completion": (4, "normal"), "chat": (4, "normal"), "stream_chat": (4, "normal"),
     "stream_denoising": (2, "normal"), "n2": (2, "normal"),
+    "responses": (2, "normal"), "responses_stream": (2, "normal"), "tools_chat": (2, "normal"),
+    "json_schema": (2, "normal"),
     "disconnect_stream": (3, "disconnect"), "disconnect_plain": (2, "disconnect"),
     "bad_json": (1, "abusive"), "wrong_content_type": (1, "abusive"), "huge_field": (1, "abusive"),
     "over_limit": (2, "abusive"), "prompt_over_context": (1, "abusive"), "unknown_route": (1, "abusive"),
+    "bad_responses": (1, "abusive"),
 }
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _test_helpers():
+    """``tests/tiny.py`` ``loaded`` and the tools template + tool of ``tests/server/test_tools.py``."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "server")]
+    from test_tools import TOOLS_TEMPLATE, WEATHER
+    from tiny import loaded
+    return loaded, TOOLS_TEMPLATE, WEATHER
 
 
 def start_server(tmp: Path, port: int, block_size: int) -> subprocess.Popen:
-    """Write the tiny checkpoint and start ``unmask serve`` on it at ``127.0.0.1:port`` (log in ``tmp``)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import loaded
+    """Write the tiny checkpoint and start ``unmask serve`` on it at ``127.0.0.1:port`` with the tools template
+    (log in ``tmp``)."""
+    loaded, template, _ = _test_helpers()
 
     from unmask.engine.checkpoint import write_checkpoint
 
     m = loaded(block_size=block_size)
     ckpt = write_checkpoint(tmp / "tiny-a2d", m.model, m.tokenizer, m.dllm)
     del m
+    (tmp / "tools.jinja").write_text(template)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1"}
     log = open(tmp / "server.log", "w")
     return subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", str(ckpt), "--host", "127.0.0.1",
-                             "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning"],
+                             "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning",
+                             "--chat-template", str(tmp / "tools.jinja")],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -113,6 +134,33 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) 
                     if kind == "disconnect_stream" and chunks >= rng.randint(1, 3):
                         return "disconnected", status == 200  # leaving the block closes the connection
         return str(status), status == 200 and done and chunks > 1
+    if kind == "responses":
+        r = await client.post("/v1/responses", json={"model": MODEL, "input": words, "max_output_tokens": tokens,
+                                                     "instructions": rng.choice([None, "Be brief."])})
+        return str(r.status_code), r.status_code == 200 and r.json()["usage"]["output_tokens"] > 0
+    if kind == "responses_stream":
+        body = {"model": MODEL, "input": [{"role": "user", "content": words}], "max_output_tokens": tokens,
+                "stream": True}
+        async with client.stream("POST", "/v1/responses", json=body) as r:
+            events = [line[7:] async for line in r.aiter_lines() if line.startswith("event: ")]
+        end = events[-1] if events else ""
+        return str(r.status_code), r.status_code == 200 and end in ("response.completed", "response.incomplete")
+    if kind == "tools_chat":
+        body = {**chat, "tools": [_test_helpers()[2]], "tool_choice": "required", "max_tokens": 128,
+                "seed": rng.randint(0, 9)}
+        r = await client.post("/v1/chat/completions", json=body)
+        return str(r.status_code), r.status_code == 200 and bool(r.json()["choices"][0]["message"]["tool_calls"])
+    if kind == "json_schema":
+        r = await client.post("/v1/chat/completions", json={
+            **chat, "max_tokens": 48, "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "r", "schema": SCHEMA}}})
+        if r.status_code != 200:
+            return str(r.status_code), False
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "length":
+            return "200:length", True
+        value = json.loads(choice["message"]["content"])
+        return "200", set(value) == {"ok", "n"}
     if kind == "disconnect_plain":
         try:
             await client.post("/v1/completions", json={"model": MODEL, "prompt": words, "max_tokens": 64},
@@ -140,6 +188,11 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) 
         r = await client.post("/v1/chat/completions", json={**chat, **bad})
     elif kind == "prompt_over_context":
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "fox " * 2000, "max_tokens": 4})
+    elif kind == "bad_responses":
+        bad = rng.choice([{"input": []}, {"block_size": 10 ** 6}, {"max_output_tokens": 0}, {"top_k": -2},
+                          {"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
+                          {"previous_response_id": "resp_1"}, {"tool_choice": "sometimes"}, {"input": 3}])
+        r = await client.post("/v1/responses", json={"model": MODEL, "input": words, **bad})
     else:  # unknown_route
         r = await client.request(rng.choice(["GET", "POST"]), rng.choice(["/v1/nothing", "/v2/chat", "/v1/models/x"]))
     return str(r.status_code), 400 <= r.status_code < 500

@@ -32,7 +32,7 @@ from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
 from .structured import (LOGIT_BIAS_KEY, MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
 from .messages import ChatMessage
-from .tool_protocol import MAX_TOOLS, RequestBody, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
+from .tool_protocol import MAX_TOOLS, RequestBody, integral_fields, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
 
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
@@ -52,17 +52,6 @@ UNSUPPORTED_FIELDS = {
 
 RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
 CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema's ``integer`` includes numbers written with a zero fraction (``7.0``): take them as the integer
-    (also inside lists of ids); every other value goes on to the strict int check (``"7"``, ``true`` and ``7.5``
-    stay errors)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    return value
 
 
 # the integer fields (and lists of ids) of the request models: 7.0 is the integer 7 there, as in the schema
@@ -90,6 +79,9 @@ def _is(field: str, schema: dict) -> dict:
     return {"properties": {field: schema}, "required": [field]}
 
 
+# stream_options only with stream: true (chat, completions and /v1/responses)
+STREAM_OPTIONS_RULE = {"if": _is("stream_options", {"type": "object"}), "then": _is("stream", {"const": True})}
+
 # cross-field rules that validation enforces, written into the published schema too (docs/design.md section 15):
 # request model name -> JSON Schema subschemas the body must also satisfy ("allOf")
 _SCHEMA_RULES: dict[str, list[dict]] = {
@@ -97,8 +89,7 @@ _SCHEMA_RULES: dict[str, list[dict]] = {
         # speculative_epsilon and speculative_ratio are two relaxed rules: one of the two, not both (null = unset)
         {"not": {"allOf": [_is("speculative_epsilon", {"type": "number"}),
                            _is("speculative_ratio", {"type": "number"})]}},
-        # stream_options only with stream: true
-        {"if": _is("stream_options", {"type": "object"}), "then": _is("stream", {"const": True})},
+        STREAM_OPTIONS_RULE,
     ],
     "CompletionRequest": [{"not": {"allOf": [_is("echo", {"const": True}), _is("logprobs", {"type": "integer"})]}}],
     "ChatCompletionRequest": [
@@ -226,10 +217,8 @@ class _Common(_Rules):
     @model_validator(mode="before")
     @classmethod
     def _integers(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            ints = _INTEGER_FIELDS | ({"prompt", "logprobs"} if cls.__name__ == "CompletionRequest" else set())
-            data = {k: _integral(v) if k in ints else v for k, v in data.items()}
-        return data
+        return integral_fields(data, _INTEGER_FIELDS | ({"prompt", "logprobs"} if cls.__name__ == "CompletionRequest"
+                                                        else set()))
 
     @model_validator(mode="before")
     @classmethod

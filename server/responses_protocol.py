@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from .tool_protocol import FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema
+from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
+from .tool_protocol import (FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema,
+                            integral_fields)
 
 MAX_ITEMS = 1024
 
@@ -125,6 +127,8 @@ class ResponsesStreamOptions(Strict):
     include_denoising: bool = False
 
 
+INTEGER_FIELDS = frozenset({"max_output_tokens", "seed", "steps", "block_size", "top_k"})
+
 # the diffusion extras passed through to the chat request as they are
 EXTRAS = ("seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", "top_k", "cache", "speculative")
 
@@ -132,12 +136,14 @@ EXTRAS = ("seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", 
 class ResponsesRequest(RequestBody):
     """``POST /v1/responses`` (see the module docstring)."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_RULE]})  # validated by _cross_field
+
     model: str = Field(min_length=1, max_length=512)
     input: str | Annotated[list[Item], Field(min_length=1, max_length=MAX_ITEMS)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = ranged("max_tokens", None)
+    temperature: float | None = ranged("temperature", None)
+    top_p: float | None = ranged("top_p", None)
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
@@ -158,14 +164,15 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = Field(None, max_length=512)
     safety_identifier: str | None = Field(None, max_length=512)
     # --- ours ---
-    seed: int | None = None
-    steps: int | None = None
-    block_size: int | None = None
-    threshold: float | None = None
-    remasking: str | None = None
-    cfg_scale: float | None = None
-    top_k: int | None = None
-    cache: str | None = None
+    # (bounds: unmask.engine.limits.RANGES through protocol.ranged, as on chat completions; absent = its default)
+    seed: int | None = ranged("seed", None)
+    steps: int | None = ranged("steps", None)
+    block_size: int | None = ranged("block_size", None)
+    threshold: float | None = ranged("threshold", None)
+    remasking: RemaskingName | None = None
+    cfg_scale: float | None = ranged("cfg_scale", None)
+    top_k: int | None = ranged("top_k", None, lo=TOP_K_OFF)
+    cache: CacheName | None = None
     speculative: bool | None = None
 
     def messages(self) -> list[dict]:
@@ -229,6 +236,12 @@ class ResponsesRequest(RequestBody):
         if parts[:1] == ["tool_call_id"]:
             parts[0] = "call_id"
         return ".".join([src[""], *parts])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        """``7.0`` is the integer 7 in the integer fields, as in the schema and on chat completions."""
+        return integral_fields(data, INTEGER_FIELDS)
 
     @model_validator(mode="after")
     def _cross_field(self):

@@ -42,6 +42,24 @@ class RequestBody(Strict):
         return check_no_surrogates(data)
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's ``integer`` includes numbers written with a zero fraction (``7.0``): take them as the integer
+    (also inside lists of ids); every other value goes on to the strict int check (``"7"``, ``true`` and ``7.5``
+    stay errors)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+def integral_fields(data: Any, names: frozenset[str] | set[str]) -> Any:
+    """A request body (before validation) with :func:`_integral` applied to its fields ``names``."""
+    if isinstance(data, dict):
+        return {k: _integral(v) if k in names else v for k, v in data.items()}
+    return data
+
+
 def _well_formed(text: str) -> str:
     """Refuse a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): no tokenizer or chat template can
     encode it, so it is a 400 naming the field, not a template or tokenizer failure."""

@@ -200,3 +200,47 @@ def test_errors_name_the_responses_fields(client, body, param):
     for chat_field in ("messages", "max_tokens", "max_completion_tokens", "response_format", "function.",
                        "tool_call_id"):
         assert chat_field not in err["message"], err
+
+
+# the fields /v1/responses shares with chat completions (its name -> chat's): one declaration of their ranges
+SHARED = {"max_output_tokens": "max_completion_tokens", **{f: f for f in (
+    "temperature", "top_p", "seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", "top_k", "cache")}}
+
+
+def _bounds(props: dict, name: str) -> dict:
+    """A field's published JSON schema without ``null``, its title, default and description."""
+    schema = props[name]
+    branches = [b for b in schema.get("anyOf", [schema]) if b.get("type") != "null"]
+    assert len(branches) == 1, (name, schema)
+    return {k: v for k, v in branches[0].items() if k not in ("title", "default", "description")}
+
+
+def test_the_published_ranges_are_the_chat_ranges(client):
+    """The Responses schema used to publish ``steps``, ``block_size``, ``top_k``, ``remasking``... with no bound or
+    enum while validation refused values outside them (schemathesis' positive cases got undocumented 400s)."""
+    schema = client._client.get("/openapi.json").json()["components"]["schemas"]
+    chat, responses = schema["ChatCompletionRequest"]["properties"], schema["ResponsesRequest"]["properties"]
+    for ours, theirs in SHARED.items():
+        bounds = _bounds(responses, ours)
+        assert bounds == _bounds(chat, theirs), ours
+        assert bounds.keys() & {"minimum", "exclusiveMinimum", "maximum", "enum"}, (ours, bounds)
+
+
+@pytest.mark.parametrize("field,value", [("block_size", 513), ("block_size", 0), ("steps", 2**20 + 1),
+                                         ("top_k", -2), ("threshold", 1.5), ("cfg_scale", 101), ("seed", -1),
+                                         ("remasking", "sideways"), ("cache", "l2"), ("temperature", 2.5)])
+def test_a_value_outside_the_published_range_is_a_400_naming_it(client, field, value):
+    raw = client._client.post("/v1/responses", json={"model": "m", "input": "hi", field: value},
+                              headers={"Authorization": "Bearer k"})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == field, raw.text
+
+
+def test_integral_numbers_are_integers_as_in_the_schema(client):
+    """JSON Schema's integer includes ``4.0``: chat completions took it, /v1/responses refused it (schemathesis)."""
+    body = {"model": "m", "input": "hi", "max_output_tokens": 4.0, "top_k": 2.0, "seed": 1.0, "block_size": 4.0,
+            "steps": 4.0}
+    raw = client._client.post("/v1/responses", json=body, headers={"Authorization": "Bearer k"})
+    assert raw.status_code == 200 and raw.json()["usage"]["output_tokens"] <= 4, raw.text
+    for value in (2.5, "2", True):
+        raw = client._client.post("/v1/responses", json={**body, "top_k": value}, headers={"Authorization": "Bearer k"})
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "top_k", (value, raw.text)
