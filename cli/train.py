@@ -15,11 +15,12 @@ def register(sub, name):
     p.add_argument("--model", required=True, help="a2d checkpoint directory (`unmask convert` output)")
     p.add_argument("--data", required=True, help="JSONL: `messages` chats or `prompt`/`completion` (distill-data)")
     p.add_argument("--out", required=True, help="output directory (checkpoint-<step>/, latest, metrics.csv, loss.png)")
-    p.add_argument("--objective", default="block", choices=["mdlm", "block", "draft", "trajectory"],
+    p.add_argument("--objective", default="block", choices=["mdlm", "block", "draft", "trajectory", "vfm"],
                    help="mdlm: one t per sequence (bidirectional); block: every block in one forward (default); "
                         "draft: train the model as the drafter of verifier-routed speculative decoding (needs "
                         "--verifier); trajectory: d3LLM's pseudo-trajectory distillation (masks follow recorded "
-                        "reveal orders)")
+                        "reveal orders); vfm: the VFM trial (a prompt-conditioned noise adapter for one-step decoding; "
+                        "--trainable mask_lora, an experiment: docs/methods.md)")
     p.add_argument("--trajectories", default=None, metavar="JSONL",
                    help="--objective trajectory: the trajectory file (default DATA.trajectory.jsonl; recorded "
                         "there first where missing, resumable)")
@@ -31,6 +32,16 @@ def register(sub, name):
     p.add_argument("--trajectory-model", default=None, help="the recording model (default --model)")
     p.add_argument("--max-block-size", type=int, default=None,
                    help="--objective trajectory: the training block size doubles up to this (default 2x)")
+    p.add_argument("--init-adapter", default=None, metavar="DIR",
+                   help="--trainable mask_lora: start the mask-row adapter from this adapter checkpoint (same rank, "
+                        "alpha, targets, parent); --objective vfm keeps it frozen")
+    p.add_argument("--vfm-gen-len", type=int, default=32, help="--objective vfm: answer positions G")
+    p.add_argument("--vfm-beta", type=float, default=1e-3, help="--objective vfm: final KL weight beta")
+    p.add_argument("--vfm-beta-warmup", type=float, default=0.5,
+                   help="--objective vfm: beta rises linearly from 0 over this fraction of the run")
+    p.add_argument("--vfm-width", type=int, default=256, help="--objective vfm: the noise adapter's inner width")
+    p.add_argument("--vfm-full", type=float, default=0.5,
+                   help="--objective vfm: share of rows with every answer position masked (the one-step case)")
     p.add_argument("--verifier", default=None,
                    help="--objective draft: the a2d checkpoint whose causal path verifies the drafts (the untrained "
                         "conversion of the AR parent); the saved checkpoints name it as their verifier")
@@ -121,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
         align_anchors=args.align_anchors, align_anchor_budget_mb=args.align_anchor_budget_mb,
         trajectories=args.trajectories, trajectory_mode=args.trajectory_mode,
         trajectory_threshold=args.trajectory_threshold, trajectory_steps=args.trajectory_steps,
-        trajectory_model=args.trajectory_model, max_block_size=args.max_block_size)
+        trajectory_model=args.trajectory_model, max_block_size=args.max_block_size, init_adapter=args.init_adapter,
+        vfm_gen_len=args.vfm_gen_len, vfm_beta=args.vfm_beta, vfm_beta_warmup=args.vfm_beta_warmup,
+        vfm_width=args.vfm_width, vfm_full=args.vfm_full)
     try:
         out = train(cfg)
     except TrainError as exc:

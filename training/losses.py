@@ -57,7 +57,7 @@ from unmask.engine.config import DllmConfig
 
 from .data import Batch
 
-OBJECTIVES = ("mdlm", "block", "draft", "trajectory")  # trajectory: training/trajectory.py
+OBJECTIVES = ("mdlm", "block", "draft", "trajectory", "vfm")  # trajectory: training/trajectory.py; vfm: training/vfm.py
 
 
 @dataclass

@@ -173,10 +173,11 @@ def forward_module(tm, objective: str) -> torch.nn.Module:
 
 
 def save(path: Path, tm, block_size: int, objective: str, training_state: bytes | None = None,
-         training: dict | None = None) -> Path:
+         training: dict | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """Write an adapter-only checkpoint into ``path`` (its ``dllm`` overrides: ``block_size`` and
     ``default_sampling.speculative`` true with temperature 0, so greedy requests get the parent's answers by
-    default) plus ``training_state.pt`` when given.
+    default) plus ``training_state.pt`` when given and ``extra_files`` (name -> bytes, e.g. the VFM trial's noise
+    adapter, :func:`unmask.training.vfm.adapter_files`).
 
     Raises:
         ValueError: non-finite adapter tensors (names one).
@@ -191,6 +192,8 @@ def save(path: Path, tm, block_size: int, objective: str, training_state: bytes 
     write_adapter(tmp, weights, parent, dllm=dllm, training={"objective": objective, **(training or {})})
     if training_state is not None:
         (tmp / "training_state.pt").write_bytes(training_state)
+    for name, data in (extra_files or {}).items():
+        (tmp / name).write_bytes(data)
     if path.exists():
         import shutil
 

@@ -123,6 +123,13 @@ class TrainConfig:
     trajectory_steps: int = 8
     trajectory_model: str | None = None
     max_block_size: int | None = None
+    # the VFM trial (--objective vfm, unmask.training.vfm): answer positions, KL weight and its warm-up fraction,
+    # the adapter's width, the share of fully masked rows
+    vfm_gen_len: int = 32
+    vfm_beta: float = 1e-3
+    vfm_beta_warmup: float = 0.5
+    vfm_width: int = 256
+    vfm_full: float = 0.5
 
     def validate(self) -> None:
         """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
@@ -185,8 +192,10 @@ class TrainConfig:
             raise TrainError("--eval-every: needs --eval-data FILE (held-out prompts)")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise TrainError(f"--mixed-precision: {self.mixed_precision!r} is not one of auto, no, bf16, fp16")
-        if self.trainable == "mask_lora" and self.objective not in ("block", "draft"):
-            raise TrainError(f"--trainable mask_lora: trains --objective block or draft, not {self.objective}")
+        if self.trainable == "mask_lora" and self.objective not in ("block", "draft", "vfm"):
+            raise TrainError(f"--trainable mask_lora: trains --objective block, draft or vfm, not {self.objective}")
+        if self.objective == "vfm":
+            self._validate_vfm()
         if self.init_adapter and self.trainable != "mask_lora":
             raise TrainError("--init-adapter: only with --trainable mask_lora (it starts the mask-row adapter)")
         if self.trainable == "mask_lora" and self.verifier:
@@ -211,6 +220,24 @@ class TrainConfig:
                 check_fsdp(self.trainable, self.objective)
             except ValueError as exc:
                 raise TrainError(str(exc)) from exc
+
+
+    def _validate_vfm(self) -> None:
+        if self.trainable != "mask_lora":
+            raise TrainError("--objective vfm: needs --trainable mask_lora (the parent and the mask-row adapter are "
+                             "frozen; only the noise adapter trains)")
+        if self.eval_every or self.teacher_kl > 0 or self.certainty > 0 or self.complementary or \
+                self.align_weight > 0 or self.fsdp:
+            raise TrainError("--objective vfm: --eval-every, --teacher-kl, --certainty, --complementary, "
+                             "--align-weight and --fsdp do not apply")
+        for name in ("vfm_gen_len", "vfm_width"):
+            if getattr(self, name) < 1:
+                raise TrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.vfm_beta) and self.vfm_beta >= 0):
+            raise TrainError(f"--vfm-beta: must be a finite number >= 0, got {self.vfm_beta}")
+        for name in ("vfm_beta_warmup", "vfm_full"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise TrainError(f"--{name.replace('_', '-')}: must be in [0, 1], got {getattr(self, name)}")
 
 
 class DiffusionForward(torch.nn.Module):
@@ -555,6 +582,8 @@ class Trainer:
                     "complementary", "max_steps", "lr_schedule", "warmup", "eps", "fsdp"]
             if cfg.trainable in ("lora", "qlora", "mask_lora"):
                 keys += ["lora_r", "lora_alpha", "lora_targets"]
+            if cfg.objective == "vfm":
+                keys += ["vfm_gen_len", "vfm_beta", "vfm_beta_warmup", "vfm_width", "vfm_full", "init_adapter"]
             if cfg.align_weight > 0:  # (runs saved before Repr-Align existed have no align keys)
                 keys += ["align_weight", "align_layers", "align_exp", "align_confidence"]
             if cfg.objective == "draft" and cfg.trainable != "mask_lora":  # (runs saved before the draft objective existed have neither key)
@@ -584,15 +613,21 @@ class Trainer:
         except (CheckpointError, ValueError, OSError) as exc:
             raise TrainError(f"--model: {exc}") from exc
         self.tm.path = cfg.model  # LoRA merges into the original full-precision base
-        if state is not None and state.get("trainable"):
-            load_trainable_state(self.tm, state["trainable"])
-        elif cfg.init_adapter:  # a new run continuing another run's adapter (the recipe's draft stage)
+        # a new run continuing another run's adapter (the recipe's draft stage); the VFM trial's mask-row adapter is
+        # frozen (not in the trainable state), so a resumed VFM run reads it from --init-adapter again
+        if cfg.init_adapter and (state is None or cfg.objective == "vfm"):
             from .mask_adapter import initialise_from
 
             try:
                 initialise_from(self.tm, cfg.init_adapter)
             except (CheckpointError, ValueError) as exc:
                 raise TrainError(f"--init-adapter: {exc}") from exc
+        if cfg.objective == "vfm":
+            from .vfm import attach
+
+            attach(self.tm, cfg.vfm_gen_len, cfg.vfm_width, seed=_seed_of(cfg.seed, 5))
+        if state is not None and state.get("trainable"):
+            load_trainable_state(self.tm, state["trainable"])
         dllm = self.tm.dllm
         if cfg.objective in ("block", "trajectory") and dllm.attention == "bidirectional":
             raise TrainError("--objective block: needs a prefix_causal or block_causal checkpoint; this one is "
@@ -654,7 +689,11 @@ class Trainer:
             raise TrainError("--fsdp: not with --align-weight or --objective trajectory (untested together; "
                              "docs/design.md section 18)")
         self.forward = DraftForward(self.tm, self.verifier) if self.verifier is not None else DiffusionForward(self.tm)
-        if cfg.trainable == "mask_lora":
+        if cfg.objective == "vfm":
+            from .vfm import VfmForward
+
+            self.forward = VfmForward(self.tm)
+        elif cfg.trainable == "mask_lora":
             from .mask_adapter import forward_module
 
             self.forward = forward_module(self.tm, cfg.objective)
@@ -726,6 +765,15 @@ class Trainer:
 
     def _loss(self, module, batch: Batch, generator: torch.Generator, fixed_t: float | None = None):
         cfg, dllm = self.cfg, self.tm.dllm
+        if cfg.objective == "vfm":
+            from .vfm import beta_at, rows_from_batch, vfm_loss
+
+            rows = rows_from_batch(batch, cfg.vfm_gen_len, dllm.mask_token_id, dllm.eos_token_ids[0], self.pad_id,
+                                   generator, cfg.vfm_full).to(self.acc.device)
+            with self.acc.autocast():
+                parts = vfm_loss(module, rows, generator, beta_at(self._progress(), cfg.vfm_beta,
+                                                                  cfg.vfm_beta_warmup))
+            return parts, rows
         if cfg.objective == "draft":
             lay = build_draft_layout(batch, dllm, self.block_size, generator, cfg.draft_groups).to(self.acc.device)
             with self.acc.autocast():
@@ -738,8 +786,8 @@ class Trainer:
         if cfg.objective == "trajectory" and fixed_t is None:
             from .trajectory import trajectory_noise
 
-            progress = self.clock.fraction() if cfg.max_minutes > 0 else self.step / max(cfg.max_steps, 1)
-            noise, block_size = trajectory_noise(batch, dllm, self.trajectories, progress, generator, self.block_size,
+            noise, block_size = trajectory_noise(batch, dllm, self.trajectories, self._progress(), generator,
+                                                 self.block_size,
                                                  cfg.max_block_size or 2 * self.block_size, cfg.eps)
         else:  # held-out evaluation of the trajectory objective: the block ELBO, comparable across objectives
             objective = "block" if cfg.objective == "trajectory" else cfg.objective
@@ -770,6 +818,12 @@ class Trainer:
             parts.loss = parts.loss + cfg.align_weight * term
             parts.align = float(term.detach())
         return parts, layout
+
+    def _progress(self) -> float:
+        """The run's progress in [0, 1]: the wall-clock budget's fraction under ``--max-minutes``, else
+        step / max_steps (the trajectory curriculum's and the VFM beta's clock)."""
+        cfg = self.cfg
+        return self.clock.fraction() if cfg.max_minutes > 0 else self.step / max(cfg.max_steps, 1)
 
     def _certainty(self) -> float:
         """The certainty (entropy) weight: ``--certainty``; the trajectory objective's d3LLM entropy term defaults
@@ -835,9 +889,15 @@ class Trainer:
             if self.tm.scope == "mask_lora":  # an adapter-only checkpoint (training/mask_adapter.py)
                 from .mask_adapter import save as save_adapter
 
+                extra = None
+                if self.cfg.objective == "vfm":  # the noise adapter beside the (frozen) mask-row adapter
+                    from .vfm import adapter_files
+
+                    extra = adapter_files(self.tm.base.vfm_noise, {"step": self.step, "data": str(self.cfg.data),
+                                                                   "init_adapter": self.cfg.init_adapter})
                 try:
                     save_adapter(path, self.tm, self.block_size, self.cfg.objective, buf.getvalue(),
-                                 {"step": self.step, "data": str(self.cfg.data)})
+                                 {"step": self.step, "data": str(self.cfg.data)}, extra_files=extra)
                 except ValueError as exc:
                     raise TrainError(f"step {self.step}: {exc}") from exc
                 _write_latest(self.out, path.name)
