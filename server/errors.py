@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unmask.engine import CacheFull, EngineClosed, EngineError, ParamError, QueueFull
 
+from .json_text import DEPTH_RULE
 from .responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("unmask.server")
@@ -169,6 +170,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
                 return APIError(400, f"{param}: none of the accepted forms matches ({'; '.join(msgs)})",
                                 param=param, code="invalid_value")
     kind = err.get("type", "")
+    if kind == "json_too_deep":  # a JSON string inside the body (tool-call arguments): the body's own rule
+        param = param_path(tuple(err.get("loc", ())))
+        return APIError(400, f"{param}: {err.get('msg')}", param=param, code="invalid_json")
     if kind == "json_invalid":
         ctx = err.get("ctx") or {}
         return APIError(400, f"invalid JSON body: {ctx.get('error', err.get('msg'))}", code="invalid_json")
@@ -212,7 +216,7 @@ def install_handlers(app) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == _BODY_PARSE_DETAIL:
             return _rejected(request, APIError(400, "invalid JSON body: it must be UTF-8 encoded JSON (RFC 8259) "
-                                                    "nested at most a few hundred levels deep", code="invalid_json"))
+                                                    f"{DEPTH_RULE}", code="invalid_json"))
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
                                                           f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
         return _rejected(request, APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(

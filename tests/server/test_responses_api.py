@@ -178,6 +178,11 @@ BAD_FIELDS = [  # (body, the Responses field the 400 must name exactly): never a
                 {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "zz", "output": "o"}]}, "input.2.call_id"),
     ({"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 3000 + "]" * 3000}]},
+     "input.0.arguments"),                                      # nested past the body's rule: was a 500
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 1000 + "]" * 1000}]},
+     "input.1.arguments"),
     ({"input": "hi", "stream_options": {"include_denoising": True}}, "stream_options"),
     ({"input": "hi", "stream": False, "stream_options": {"include_denoising": True}}, "stream_options"),
     ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
