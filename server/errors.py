@@ -137,6 +137,20 @@ def _outer_union_loc(loc: tuple) -> tuple | None:
     return None
 
 
+def _deepest_into_a_member(err: dict, errors: list[dict]) -> dict | None:
+    """The error of the same outermost union as ``err`` that lies deepest inside a member's value, when it lies
+    deeper than ``err``: the member whose shape the value matched (``input: str | list[item]`` given a list whose
+    ``function_call`` item has object ``arguments`` names ``input.0.arguments``, not ``input``); else None."""
+    outer = _outer_union_loc(tuple(err.get("loc", ())))
+    if outer is None:
+        return None
+    def depth(e: dict) -> int:
+        return len((param_path(tuple(e.get("loc", ()))) or "").split("."))
+
+    deepest = max((e for e in errors if _outer_union_loc(tuple(e.get("loc", ()))) == outer), key=depth)
+    return deepest if depth(deepest) > depth(err) else None
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first meaningful pydantic error as a 400 that names the field."""
     errors = exc.errors()
@@ -161,8 +175,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
             outer = _outer_union_loc(tuple(err.get("loc", ())))
             specific = [e for e in errors if e.get("type") not in _TYPE_MISMATCH
                         and _outer_union_loc(tuple(e.get("loc", ()))) == outer]
+        deeper = _deepest_into_a_member(err, errors)
         if specific:
             err = specific[0]
+        elif deeper is not None:
+            err = deeper
         else:
             msgs = list(dict.fromkeys(e.get("msg", "") for e in same))
             if len(msgs) > 1:  # every member of the union refused the value's type
