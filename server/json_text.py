@@ -1,5 +1,5 @@
 """JSON text inside a request (tool-call ``arguments``) or in the model's output (a tool call's body), parsed under
-the request body's nesting rule (docs/design.md section 15).
+the request body's nesting rule (docs/design.md section 15), and the nesting depth of parsed values.
 
 The body itself is parsed by FastAPI with Python's ``json``, whose C scanner stops at the interpreter's recursion
 limit; a body nested deeper is a 400 ``invalid_json`` (:mod:`unmask.server.errors`). :func:`loads` applies the same
@@ -30,3 +30,14 @@ def loads(text: str) -> Any:
         return json.loads(text)
     except RecursionError:
         raise TooDeep(f"JSON {DEPTH_RULE}") from None
+
+
+def depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar 0, ``[]`` 1, ``[[1]]`` 2), counted without recursion."""
+    best, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            best = max(best, d + 1)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return best

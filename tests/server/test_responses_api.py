@@ -183,6 +183,11 @@ BAD_FIELDS = [  # (body, the Responses field the 400 must name exactly): never a
     ({"input": [{"role": "user", "content": "a"},
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 1000 + "]" * 1000}]},
      "input.1.arguments"),
+    ({"input": [{"role": "user", "content": "a"},                # parsed, but too deep for the template's tojson
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 600 + "]" * 600}]},
+     "input.1.arguments"),
+    ({"input": "hi", "tools": [FLAT_WEATHER, {"type": "function", "name": "g", "parameters": {
+        "type": "object", "properties": {"a": json.loads("[" * 600 + "]" * 600)}}}]}, "tools.1.parameters"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]},
      "input.0.arguments"),                                      # an object, not JSON text: was "input"
     ({"input": [{"role": "user", "content": "a"},

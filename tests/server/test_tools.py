@@ -128,6 +128,24 @@ def test_deeply_nested_tool_call_arguments_are_a_400_naming_the_field(client, ar
     assert chat(client, max_tokens=2).status_code == 200  # still serving
 
 
+DEEP_600 = ["[" * 600 + "]" * 600, '{"a":' * 600 + "1" + "}" * 600]
+
+
+@pytest.mark.parametrize("args", DEEP_600)
+def test_arguments_the_template_cannot_nest_that_deep_are_a_400_naming_them(client, args):
+    """Parsed (under the body's rule) but past the template's ``tojson`` recursion: a 400 naming ``messages``."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = chat(client, messages=messages, tools=[WEATHER])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.1.tool_calls.0.function.arguments" and err["code"] == "invalid_json", err
+    deep = {"type": "object", "properties": {"a": json.loads(args)}}
+    r = chat(client, tools=[WEATHER, {"type": "function", "function": {"name": "g", "parameters": deep}}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text
+
+
 def test_an_unclosed_call_at_the_end_counts_when_it_parses():
     content, calls = parse(HermesParser(NAMES), '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}')
     assert content is None and calls[0].name == "get_time"
