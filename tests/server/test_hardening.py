@@ -283,6 +283,7 @@ MODEL_DEPENDENT_400 = {
     "multi_block",         # needs a prefix/block-causal model, whole-block windows, no speculative decoding
     "response_format", "tool_choice", "tools",  # a schema llguidance cannot compile; a template without tools
     "messages.N.tool_call_id",  # a tool message must answer a call of an earlier assistant message (across items)
+    "messages.N.tool_calls.N.function.arguments", "tools.N.function.parameters",  # JSON nested too deep (section 15)
 }
 
 
