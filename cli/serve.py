@@ -23,19 +23,33 @@ from unmask.engine.checkpoint import unique_suffix
 log = logging.getLogger("unmask.server")
 
 
+MAX_KEY_FILE_BYTES = 4096  # far above any API key; a larger "key file" is the wrong file
+
+
 def read_api_key(path: str) -> str:
-    """The key in ``path`` with surrounding whitespace (the trailing newline) stripped.
+    """The key in ``path``: a leading UTF-8 BOM (Notepad, PowerShell) and surrounding whitespace (the trailing
+    newline) stripped.
 
     Raises:
-        UsageError: (names ``--api-key-file`` and the file, never the key) unreadable, not UTF-8, empty, or holding
-            more than one line.
+        UsageError: (names ``--api-key-file`` and the file, never the key) not a regular file (a FIFO would block
+            start-up, ``/dev/zero`` would be read until memory runs out), larger than :data:`MAX_KEY_FILE_BYTES`,
+            unreadable, not UTF-8, empty, or holding more than one line.
     """
+    import stat
+
     from unmask.cli.main import UsageError
 
     try:
-        key = Path(path).read_text(encoding="utf-8").strip()
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UsageError(f"--api-key-file: {path} is not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_KEY_FILE_BYTES:
+        raise UsageError(f"--api-key-file: {path} is larger than {MAX_KEY_FILE_BYTES} bytes (one key expected)")
+    try:
+        key = raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError:
         raise UsageError(f"--api-key-file: {path} is not UTF-8 text") from None
     if not key:

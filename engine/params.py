@@ -79,6 +79,9 @@ class Constraint:
                     parsed = json.loads(self.spec)
                 except ValueError as e:
                     raise ParamError(self.field, f"the JSON schema is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise ParamError(self.field, "the JSON schema is nested deeper than the JSON parser's "
+                                                 "recursion limit") from None
             else:
                 parsed = self.spec
             if not isinstance(parsed, (dict, bool)):

@@ -13,6 +13,7 @@ from importlib import resources
 
 from unmask.engine import ParamError
 
+from . import json_text
 from .errors import APIError
 
 SHIPPED = {"chatml-tools": "chatml_tools.jinja"}
@@ -59,7 +60,24 @@ def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None =
                                              add_generation_prompt=True, chat_template=template)
     except ParamError:
         raise
+    except RecursionError:  # a value the template serializes (tojson) nests deeper than its recursion allows
+        field = _deepest_field(messages, tools)
+        raise APIError(400, f"{field}: nested too deeply for the chat template to render it (RecursionError)",
+                       param=field, code="invalid_json") from None
     except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
         raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
                        param="messages", code="invalid_value") from exc
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _deepest_field(messages: list[dict], tools: list[dict] | None) -> str:
+    """The request field of the most deeply nested value the template receives: a tool call's parsed
+    ``arguments`` (``messages.I.tool_calls.J.function.arguments``) or a tool's ``parameters``
+    (``tools.K.function.parameters``); ``messages`` when neither nests."""
+    fields: dict[str, object] = {"messages": None}
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or []):
+            fields[f"messages.{i}.tool_calls.{j}.function.arguments"] = call["function"]["arguments"]
+    for k, tool in enumerate(tools or []):
+        fields[f"tools.{k}.function.parameters"] = tool.get("function", {}).get("parameters")
+    return max(fields, key=lambda name: json_text.depth(fields[name]))

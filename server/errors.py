@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unmask.engine import CacheFull, EngineClosed, EngineError, ParamError, QueueFull
 
+from .json_text import DEPTH_RULE
 from .responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("unmask.server")
@@ -136,6 +137,20 @@ def _outer_union_loc(loc: tuple) -> tuple | None:
     return None
 
 
+def _deepest_into_a_member(err: dict, errors: list[dict]) -> dict | None:
+    """The error of the same outermost union as ``err`` that lies deepest inside a member's value, when it lies
+    deeper than ``err``: the member whose shape the value matched (``input: str | list[item]`` given a list whose
+    ``function_call`` item has object ``arguments`` names ``input.0.arguments``, not ``input``); else None."""
+    outer = _outer_union_loc(tuple(err.get("loc", ())))
+    if outer is None:
+        return None
+    def depth(e: dict) -> int:
+        return len((param_path(tuple(e.get("loc", ()))) or "").split("."))
+
+    deepest = max((e for e in errors if _outer_union_loc(tuple(e.get("loc", ()))) == outer), key=depth)
+    return deepest if depth(deepest) > depth(err) else None
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first meaningful pydantic error as a 400 that names the field."""
     errors = exc.errors()
@@ -160,8 +175,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
             outer = _outer_union_loc(tuple(err.get("loc", ())))
             specific = [e for e in errors if e.get("type") not in _TYPE_MISMATCH
                         and _outer_union_loc(tuple(e.get("loc", ()))) == outer]
+        deeper = _deepest_into_a_member(err, errors)
         if specific:
             err = specific[0]
+        elif deeper is not None:
+            err = deeper
         else:
             msgs = list(dict.fromkeys(e.get("msg", "") for e in same))
             if len(msgs) > 1:  # every member of the union refused the value's type
@@ -169,6 +187,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
                 return APIError(400, f"{param}: none of the accepted forms matches ({'; '.join(msgs)})",
                                 param=param, code="invalid_value")
     kind = err.get("type", "")
+    if kind == "json_too_deep":  # a JSON string inside the body (tool-call arguments): the body's own rule
+        param = param_path(tuple(err.get("loc", ())))
+        return APIError(400, f"{param}: {err.get('msg')}", param=param, code="invalid_json")
     if kind == "json_invalid":
         ctx = err.get("ctx") or {}
         return APIError(400, f"invalid JSON body: {ctx.get('error', err.get('msg'))}", code="invalid_json")
@@ -212,7 +233,7 @@ def install_handlers(app) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == _BODY_PARSE_DETAIL:
             return _rejected(request, APIError(400, "invalid JSON body: it must be UTF-8 encoded JSON (RFC 8259) "
-                                                    "nested at most a few hundred levels deep", code="invalid_json"))
+                                                    f"{DEPTH_RULE}", code="invalid_json"))
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
                                                           f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
         return _rejected(request, APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(

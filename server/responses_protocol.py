@@ -217,8 +217,11 @@ class ResponsesRequest(RequestBody):
             return "text.format" + (f".{rest}" if rest else "")
         if head == "tools" and ".function" in param:
             return param.replace(".function", "", 1)
-        if head == "prompt":
-            return "input"
+        if head == "prompt":  # the whole prompt (too long in tokens): the part holding most of it, as the
+            # character pre-check names the longest message (docs/design.md section 15)
+            messages = self.messages()
+            longest = max(range(len(messages)), key=lambda i: len(messages[i].get("content") or ""))
+            return self.field_name(f"messages.{longest}.content")
         if head != "messages":
             return param
         index, _, rest = rest.partition(".")
@@ -248,7 +251,29 @@ class ResponsesRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError("invalid_field", "{field}: {why}",
                                       {"field": "stream_options", "why": "only allowed when stream is true"})
+        self._unique_call_ids()
         return self
+
+    def _unique_call_ids(self) -> None:
+        """``call_id`` links a ``function_call`` item to its ``function_call_output`` (OpenAI's docs), so it is
+        unique among the calls and answered at most once: a repeated one would make the link ambiguous (which
+        call's result is it?). OpenAI refuses repeated input items ("Duplicate item found"); a 400 naming
+        ``input.K.call_id`` of the repeat."""
+        if isinstance(self.input, str):
+            return
+        called: set[str] = set()
+        answered: set[str] = set()
+        for k, item in enumerate(self.input):
+            if isinstance(item, FunctionCallItem):
+                seen, why = called, "is the call_id of an earlier function_call item (call ids are unique)"
+            elif isinstance(item, FunctionCallOutputItem):
+                seen, why = answered, "was answered by an earlier function_call_output item"
+            else:
+                continue
+            if item.call_id in seen:
+                raise PydanticCustomError("invalid_field", "{field}: {why}",
+                                          {"field": f"input.{k}.call_id", "why": f"{item.call_id!r} {why}"})
+            seen.add(item.call_id)
 
     def chat_body(self) -> dict:
         """The equivalent ``/v1/chat/completions`` body (validated by the caller as a ChatCompletionRequest)."""

@@ -22,6 +22,8 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
+from . import json_text
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -90,8 +92,10 @@ class HermesParser(ToolParser):
             self._space += text
 
     def _call(self, body: str) -> ParsedCall | None:
+        """The call in a ``<tool_call>`` body, or None (the body comes back as text): not JSON, nested past the
+        request body's rule (:func:`unmask.server.json_text.loads`), or not ``{"name", "arguments"}`` of a tool."""
         try:
-            obj = json.loads(body)
+            obj = json_text.loads(body)
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in self.tool_names:
@@ -99,12 +103,15 @@ class HermesParser(ToolParser):
         args = obj.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = json_text.loads(args)
             except ValueError:
                 return None
         if not isinstance(args, dict) or set(obj) - {"name", "arguments"}:
             return None
-        return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":")))
+        try:
+            return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":")))
+        except RecursionError:  # parsed just under the limit, one frame deeper here: still text, never a 500
+            return None
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from . import json_text
+
 MAX_TOOLS = 128                # OpenAI's limit on tools per request
 MAX_TOOL_CALLS = 128           # tool calls in one assistant message
 MAX_SCHEMA_CHARS = 64 * 1024   # a tool's parameters / a response_format schema, as JSON text
@@ -149,6 +151,19 @@ class FunctionCall(Strict):
     name: str = Field(min_length=1, max_length=64)
     arguments: str
 
+    @field_validator("arguments")
+    @classmethod
+    def _nesting(cls, v: str) -> str:
+        """JSON nested past the request body's rule is a 400 ``invalid_json`` naming this field (a
+        ``RecursionError`` at template time was a 500); text that is not JSON stays text (OpenAI takes it)."""
+        try:
+            json_text.loads(v)
+        except json_text.TooDeep as exc:
+            raise PydanticCustomError("json_too_deep", "{why}", {"why": str(exc)}) from None
+        except ValueError:
+            pass
+        return v
+
 
 class ToolCall(Strict):
     """A tool call an assistant message made (sent back by the client as history)."""
@@ -161,8 +176,8 @@ class ToolCall(Strict):
         """The Hugging Face chat-template shape: ``arguments`` as an object when it parses (templates ``tojson``
         it), else the text as sent."""
         try:
-            args: Any = json.loads(self.function.arguments)
-        except ValueError:
+            args: Any = json_text.loads(self.function.arguments)
+        except ValueError:  # not JSON, or (validated elsewhere) too deep
             args = self.function.arguments
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
 

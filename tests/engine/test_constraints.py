@@ -189,6 +189,7 @@ def test_logit_bias_errors_name_the_field(llms):
 # ---------------------------------------------------------------- errors and compilation
 @pytest.mark.parametrize("kind,spec", [("lark", "start: foo("), ("regex", "[a-z"), ("json_schema", {"type": "nope"}),
                                        ("json_schema", "{not json"), ("json_schema", [1]), ("lark", ""),
+                                       ("json_schema", "[" * 3000 + "]" * 3000),  # was a RecursionError
                                        ("yaml", "a: b")])
 def test_invalid_grammar_is_a_param_error_naming_the_field(llms, kind, spec):
     with pytest.raises(ParamError) as e:

@@ -246,6 +246,54 @@ def test_an_unusable_key_file_is_one_line_naming_the_file(tmp_path, content, pro
     assert "two keys" not in msg
 
 
+@pytest.mark.parametrize("content", [b"\xef\xbb\xbfs3cret-Key\n", b"\xef\xbb\xbfs3cret-Key", b"s3cret-Key\r\n"])
+def test_a_key_file_with_a_utf8_bom_gives_the_key_without_it(tmp_path, content):
+    """Notepad and PowerShell write a BOM: as part of the key every client would get 401."""
+    from unmask.cli.serve import read_api_key
+
+    path = tmp_path / "keyfile"
+    path.write_bytes(content)
+    assert read_api_key(str(path)) == "s3cret-Key"
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "devzero", "huge"])
+def test_a_key_file_that_is_not_a_small_regular_file_is_refused_at_once(tmp_path, kind):
+    """A FIFO would block start-up, /dev/zero would be read until memory runs out (a MemoryError traceback)."""
+    import os
+
+    from unmask.cli.main import UsageError
+    from unmask.cli.serve import read_api_key
+
+    path = tmp_path / "keyfile"
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "devzero":
+        path = "/dev/zero"
+    else:
+        path.write_text("k" * 5000 + "\n")
+    result: list = []
+
+    def call():
+        try:
+            read_api_key(str(path))
+        except BaseException as exc:  # noqa: BLE001 - the test inspects what came out
+            result.append(exc)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(5)
+    if kind == "fifo" and t.is_alive():  # unblock the reader so the thread ends
+        with open(path, "w") as w:
+            w.write("x\n")
+        t.join(5)
+    assert result and isinstance(result[0], UsageError), result
+    msg = str(result[0])
+    assert msg.startswith("--api-key-file: ") and str(path) in msg and "\n" not in msg, msg
+    assert ("not a regular file" if kind in ("dir", "fifo", "devzero") else "larger than") in msg, msg
+
+
 def test_the_server_log_lines_of_a_request_carry_its_id(server, http):
     rid = "trace-Harden-42"
     r = http.post(C, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers={"X-Request-Id": rid})
@@ -291,6 +339,8 @@ MODEL_DEPENDENT_400 = {
     "input.N.call_id",     # a function_call_output must answer a function_call of an earlier item
     "text.format", "text.format.schema",  # as response_format
     "tools.N.parameters",  # a parameters schema llguidance cannot compile
+    "messages.N.tool_calls.N.function.arguments", "tools.N.function.parameters",
+    "input.N.arguments",  # JSON nested too deep (section 15)
 }
 
 

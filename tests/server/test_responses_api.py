@@ -178,6 +178,33 @@ BAD_FIELDS = [  # (body, the Responses field the 400 must name exactly): never a
                 {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "zz", "output": "o"}]}, "input.2.call_id"),
     ({"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 3000 + "]" * 3000}]},
+     "input.0.arguments"),                                      # nested past the body's rule: was a 500
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 1000 + "]" * 1000}]},
+     "input.1.arguments"),
+    ({"input": [{"role": "user", "content": "a"},                # parsed, but too deep for the template's tojson
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 600 + "]" * 600}]},
+     "input.1.arguments"),
+    ({"input": "hi", "tools": [FLAT_WEATHER, {"type": "function", "name": "g", "parameters": {
+        "type": "object", "properties": {"a": json.loads("[" * 600 + "]" * 600)}}}]}, "tools.1.parameters"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]},
+     "input.0.arguments"),                                      # an object, not JSON text: was "input"
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": 7}]}, "input.1.arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c", "name": "g", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input.1.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "o"},
+                {"role": "user", "content": "again"},
+                {"type": "function_call_output", "call_id": "c", "output": "o2"}]}, "input.3.call_id"),
+    # the context (512 tokens): past the character pre-check (the longest field is named) and past it only in tokens
+    ({"input": "hi", "instructions": "hello " * 2000}, "instructions"),
+    ({"input": "hi", "instructions": "hello " * 1000}, "instructions"),  # instructions alone overflow: was "input"
+    ({"input": "hello " * 1000, "instructions": "Be brief."}, "input"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": "hello " * 2000}],
+      "instructions": "Be brief."}, "input.1.content"),
     ({"input": "hi", "stream_options": {"include_denoising": True}}, "stream_options"),
     ({"input": "hi", "stream": False, "stream_options": {"include_denoising": True}}, "stream_options"),
     ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),

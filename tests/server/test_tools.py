@@ -100,6 +100,45 @@ def test_malformed_calls_are_returned_as_text(text):
     assert parse(HermesParser(NAMES), text) == (text, [])
 
 
+DEEP_JSON = ["[" * 1000 + "]" * 1000, "[" * 3000 + "]" * 3000, '{"a":' * 3000 + "1" + "}" * 3000]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>" + DEEP_JSON[1] + "</tool_call>",                                         # the body itself
+    '<tool_call>{"name": "get_time", "arguments": ' + DEEP_JSON[2] + "}</tool_call>",      # an object argument
+    '<tool_call>{"name": "get_time", "arguments": "' + DEEP_JSON[1] + '"}</tool_call>',   # a string argument
+    "<tool_call>" + DEEP_JSON[1],                                                           # unclosed at the end
+])
+def test_deeply_nested_model_output_comes_back_as_text(text):
+    """It was a RecursionError out of ``json.loads`` (a 500, or a broken stream)."""
+    assert parse(HermesParser(NAMES), text) == (text, [])
+
+
+DEEP_600 = ["[" * 600 + "]" * 600, '{"a":' * 600 + "1" + "}" * 600]  # parsed, but past the template's tojson
+
+
+@pytest.mark.parametrize("args", DEEP_JSON + DEEP_600)
+def test_deeply_nested_tool_call_arguments_are_a_400_naming_the_field(client, args):
+    """A RecursionError while rendering the history was a 500 with a traceback (breaker F5); JSON that parses but
+    is past the template's ``tojson`` recursion was a 400 naming ``messages``."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = chat(client, messages=messages, tools=[WEATHER])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.1.tool_calls.0.function.arguments" and err["code"] == "invalid_json", err
+    assert err["message"].startswith(err["param"] + ": ") and "nested" in err["message"], err
+    assert chat(client, max_tokens=2).status_code == 200  # still serving
+
+
+@pytest.mark.parametrize("args", DEEP_600)
+def test_tool_parameters_the_template_cannot_nest_that_deep_are_a_400_naming_them(client, args):
+    deep = {"type": "object", "properties": {"a": json.loads(args)}}
+    r = chat(client, tools=[WEATHER, {"type": "function", "function": {"name": "g", "parameters": deep}}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text
+
+
 def test_an_unclosed_call_at_the_end_counts_when_it_parses():
     content, calls = parse(HermesParser(NAMES), '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}')
     assert content is None and calls[0].name == "get_time"
