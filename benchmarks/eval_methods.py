@@ -16,8 +16,9 @@ over the run.
 
 Targets (issue 26), pass/fail in the JSON and Markdown:
 
-1. :func:`tpf_target`: per model the largest TPF among its settings whose accuracy interval still overlaps the
-   base's one-token-per-step interval, divided by the same quantity of the base; pass at >= 1.5.
+1. :func:`tpf_target`: per model the largest TPF among its settings whose accuracy (point estimate) is still
+   inside the base's one-token-per-step 95% interval or above it, divided by the same quantity of the base; pass
+   at >= 1.5.
 2. the alignment-minutes ratio, read off the training curves of ``benchmarks/methods_runs.py``
    (``--training-runs runs.json``; :func:`methods_runs.alignment_target`); pass at <= 0.5.
 
@@ -114,9 +115,12 @@ def run_stats(records: list[dict], ref: list[dict] | None, resamples: int, seed:
 
 def tpf_target(runs: list[dict], base: str, reference: str = REFERENCE, metric: str = "answer_acc",
                ratio_min: float = TPF_RATIO_MIN) -> dict:
-    """Issue 26's first target. ``runs``: ``{model, setting, tpf, <metric>: {mean, ci}}``. The base's interval is
-    its ``reference`` run's ``ci``; per model ``tpf_at_base_quality`` = the largest TPF of its runs whose interval
-    overlaps that interval (None when none does); ``ratio`` = that / the base's own; ``pass`` = ratio >= ratio_min.
+    """Issue 26's first target ("the TPF at which a model's accuracy is still inside the base's one-token-per-step
+    interval"). ``runs``: ``{model, setting, tpf, <metric>: {mean, ci}}``. The base's interval is its ``reference``
+    run's ``ci`` = [lo, hi]; per model ``tpf_at_base_quality`` = the largest TPF of its runs whose point estimate
+    ``mean`` is >= lo (inside the interval or above it: better than the base is not a failure; the run's own
+    interval is not used, so a noisy run whose interval merely overlaps does not count) (None when none is);
+    ``ratio`` = that / the base's own; ``pass`` = ratio >= ratio_min.
 
     Returns:
         ``{metric, base, reference, base_interval, base_tpf_at_base_quality, models: {name: {tpf_at_base_quality,
@@ -132,7 +136,7 @@ def tpf_target(runs: list[dict], base: str, reference: str = REFERENCE, metric: 
 
     def best(model: str):
         ok = [r for r in runs if r["model"] == model and r.get("tpf") is not None
-              and r[metric]["ci"][1] >= lo and r[metric]["ci"][0] <= hi]
+              and r[metric]["mean"] >= lo]
         return max(ok, key=lambda r: r["tpf"]) if ok else None
 
     b = best(base)
@@ -336,8 +340,8 @@ def markdown(result: dict) -> str:
     t = result["targets"]
     for name, label in (("tpf", "answer accuracy"), ("tpf_f1", "token F1")):
         tt = t[name]
-        out += ["", f"Target 1 ({label}): the largest TPF whose interval overlaps the base's {tt['reference']} "
-                f"interval {_ci({'ci': tt['base_interval']})}, as a ratio to the base's "
+        out += ["", f"Target 1 ({label}): the largest TPF whose point estimate is inside (or above) the base's "
+                f"{tt['reference']} 95% interval {_ci({'ci': tt['base_interval']})}, as a ratio to the base's "
                 f"({f(tt['base_tpf_at_base_quality'], 2)} at {tt['base_setting']}); pass at >= {tt['ratio_min']}:", ""]
         for model, v in tt["models"].items():
             out.append(f"- {model}: TPF {f(v['tpf_at_base_quality'], 2)} at {v['setting']}, ratio "

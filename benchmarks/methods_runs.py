@@ -41,9 +41,10 @@ and the alignment target (:func:`alignment_target`).
 
 Usage::
 
-    OMP_NUM_THREADS=2 python benchmarks/methods_runs.py --work /work/methods_run/budget \\
-        --data /work/methods_run/all.jsonl --heldout /work/methods_run/heldout.jsonl --minutes 20 \\
-        --arms base,align,trajectory,freeze_ffn,qk_only,lora,mask_lora
+    OMP_NUM_THREADS=1 python benchmarks/methods_runs.py --work W/budget \\
+        --data W/all.jsonl --heldout W/heldout.jsonl --minutes 8 --eval-every 10 \\
+        --arms base,align,trajectory,freeze_ffn,qk_only,lora,mask_lora \\
+        --results benchmarks/results/training/methods/budget/
 """
 from __future__ import annotations
 

@@ -53,8 +53,9 @@ def test_run_stats_tpf_and_paired_difference():
         em.run_stats(recs, ref[:1], resamples=10)
 
 
-def _run(model, setting, tpf, lo, hi):
-    return {"model": model, "setting": setting, "tpf": tpf, "answer_acc": {"mean": (lo + hi) / 2, "ci": [lo, hi]}}
+def _run(model, setting, tpf, lo, hi, mean=None):
+    mean = (lo + hi) / 2 if mean is None else mean
+    return {"model": model, "setting": setting, "tpf": tpf, "answer_acc": {"mean": mean, "ci": [lo, hi]}}
 
 
 def test_tpf_target_on_synthetic_curves():
@@ -72,6 +73,24 @@ def test_tpf_target_on_synthetic_curves():
     assert em.tpf_target(runs, "base")["models"]["fast"]["pass"] is False
     with pytest.raises(ValueError, match="base model"):
         em.tpf_target(runs, "nope")
+
+
+def test_tpf_target_counts_the_point_estimate_not_an_overlapping_interval():
+    # issue 26: "the TPF at which a model's accuracy is still inside the base's one-token-per-step interval"; the
+    # base's b1 interval is [0.30, 0.40]
+    runs = [_run("base", "b1-s64", 1.0, 0.30, 0.40), _run("base", "b4-t0.9", 1.2, 0.26, 0.36, mean=0.31),
+            _run("base", "b4-t0.7", 1.6, 0.20, 0.31, mean=0.25),   # interval overlaps, point below: out
+            _run("noisy", "b1-s64", 1.0, 0.29, 0.39, mean=0.34),
+            _run("noisy", "b4-t0.5", 3.0, 0.12, 0.32, mean=0.22),   # overlaps by 0.02, point far below: out
+            _run("better", "b1-s64", 1.0, 0.41, 0.51, mean=0.46),
+            _run("better", "b4-t0.6", 2.4, 0.42, 0.50, mean=0.46),  # above the whole interval: counts
+            _run("edge", "b4-t0.8", 1.9, 0.25, 0.35, mean=0.30)]    # exactly the lower bound: counts
+    t = em.tpf_target(runs, "base")
+    assert t["base_tpf_at_base_quality"] == 1.2 and t["base_setting"] == "b4-t0.9"
+    assert t["models"]["noisy"]["setting"] == "b1-s64" and t["models"]["noisy"]["pass"] is False
+    assert t["models"]["better"] == {"tpf_at_base_quality": 2.4, "setting": "b4-t0.6",
+                                     "ratio": pytest.approx(2.0), "pass": True}
+    assert t["models"]["edge"]["tpf_at_base_quality"] == 1.9 and t["models"]["edge"]["pass"] is True
 
 
 def test_alignment_target_on_synthetic_training_curves():
