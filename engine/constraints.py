@@ -141,7 +141,7 @@ PROBE_FORCED = 64
 
 
 def _probe(m, constraint: Constraint, forced: int) -> None:
-    for _ in range(forced + 1):
+    for i in range(forced + 1):
         mask = None if m.is_error() else m.compute_bitmask()
         if m.is_error():
             raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(m.get_error())}")
@@ -149,10 +149,9 @@ def _probe(m, constraint: Constraint, forced: int) -> None:
         if not bits and not (m.is_accepting() or m.is_stopped()):
             raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: no output satisfies it (its "
                                                f"grammar allows no next token)")
-        if bits.bit_count() != 1 or m.is_accepting() or m.consume_token(bits.bit_length() - 1) is False:
+        if i == forced or bits.bit_count() != 1 or m.is_accepting():
             return
-    if m.is_error():
-        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(m.get_error())}")
+        m.consume_token(bits.bit_length() - 1)  # on failure the matcher is in error: raised above next round
 
 
 def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_ids) -> "GrammarState":
