@@ -126,3 +126,32 @@ def test_the_first_mask_is_computed_at_compile_time_and_forced_runs_are_capped(t
     assert time.perf_counter() - t < 0.005 and g.n_allowed >= 1
     run = forced_run(g, 10_000)
     assert 0 < len(run) <= MAX_FORCED_PER_STEP
+
+
+def test_a_slow_grammar_does_not_stall_a_plain_request_beside_it():
+    """F2: `(k{300}){300}` forces every token and each of its masks costs ~0.1 s. One step used to reveal the whole
+    forced run (all of max_tokens: ~9 s on the engine thread, the plain request's stream frozen meanwhile); now a
+    step reveals at most MAX_FORCED_PER_STEP forced tokens past its window, so the plain request's steps interleave."""
+    import time
+
+    from tiny import loaded
+    from unmask.engine import LLM, SamplingParams
+    from unmask.engine.constraints import MAX_FORCED_PER_STEP
+    from unmask.engine.scheduler import Scheduler
+
+    llm = LLM(loaded(attention="prefix_causal", block_size=4))
+    plain = SamplingParams(max_tokens=40, temperature=0, speculative=False, ignore_eos=True)
+    slow = SamplingParams(max_tokens=200, temperature=0, speculative=False,
+                          constraint=Constraint("regex", "(k{300}){300}", field="response_format"))
+    seqs = llm.make_sequences(llm.encode("Hello"), plain, "plain") + llm.make_sequences(llm.encode("Hi"), slow, "slow")
+    sched = Scheduler(llm.denoiser, max_batch_size=8)
+    for s in seqs:
+        sched.add(s)
+    longest, most = 0.0, 0
+    while sched.has_work() and not seqs[0].finished:
+        before, t = seqs[1].grammar.consumed, time.perf_counter()
+        sched.step()
+        longest = max(longest, time.perf_counter() - t)
+        most = max(most, seqs[1].grammar.consumed - before)
+    assert most <= min(MAX_FORCED_PER_STEP, 16) + 4, most  # + the window's chain (block_size 4); was 200
+    assert longest < 3.0, longest  # was ~9 s (one step revealing all 200 tokens, 2 CPU cores under load)
