@@ -54,11 +54,12 @@ def grammar_text(constraint: Constraint) -> str:
     llg = _llg()
     m = llg.LLMatcher
     kind, spec = constraint.kind, constraint.spec
+    if kind == "json_schema":
+        check_integer_bounds(spec, constraint.field)  # llguidance crashes on some (the process dies)
     try:
         if kind == "json_object":
             return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "json_schema":
-            check_integer_bounds(spec, constraint.field)  # llguidance crashes on some (the process dies)
             return m.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         if kind == "lark":
             return m.grammar_from_lark(spec)

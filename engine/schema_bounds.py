@@ -38,7 +38,8 @@ def check_integer_bounds(schema, field: str) -> None:
 
     Raises:
         ParamError: naming ``field`` and the path of the offending keyword, e.g.
-            ``response_format: schema.properties.n.minimum = -2e+19 is outside the supported integer range ...``.
+            ``response_format: invalid json_schema constraint: schema.properties.n.minimum = -2e+19 is outside the
+            supported integer range ...``.
     """
     stack: list[tuple[object, list]] = [(schema, [])]
     while stack:
@@ -48,7 +49,7 @@ def check_integer_bounds(schema, field: str) -> None:
                 for key in _KEYS:
                     v = node.get(key)
                     if isinstance(v, (int, float)) and not isinstance(v, bool) and not abs(v) <= INT_LIMIT:
-                        raise ParamError(field, f"schema.{_path(path + [key])} = {v!r} is outside the supported "
+                        raise ParamError(field, f"invalid json_schema constraint: schema.{_path(path + [key])} = {v!r} is outside the supported "
                                                 f"integer range [-(2**53-1), 2**53-1] (I-JSON integers)")
             stack.extend((v, path + [k]) for k, v in node.items() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
