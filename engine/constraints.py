@@ -3,8 +3,9 @@
 A :class:`~unmask.engine.params.Constraint` (``json_object`` / ``json_schema`` / ``lark`` / ``regex``) becomes an
 llguidance grammar (``LLMatcher.grammar_from_*``), compiled once per (tokenizer, vocabulary size, EOS ids, spec)
 into a template matcher (:func:`compile_constraint`, an LRU cache); every choice gets a deep copy of it
-(:class:`GrammarState`, ~2 us). Compilation runs when the request is built (``unmask.engine.request.Request``),
-never inside a decoding step.
+(:class:`GrammarState`, ~2 us). Compilation, its checks (:mod:`.grammar_checks`) and each choice's first mask run
+when the request is built (``unmask.engine.request.Request``), never inside a decoding step; a step's forced run is
+capped (:data:`MAX_FORCED_PER_STEP`).
 
 JSON is generated compactly but readably: ``", "`` and ``": "`` between items and keys, no other whitespace
 (``whitespace_flexible: false``), so a model cannot pad forever; a schema's ``x-guidance`` key overrides that, as
@@ -16,7 +17,8 @@ advances it, :meth:`GrammarState.push` / :meth:`GrammarState.pop` try tokens and
 and speculative drafts are checked against the grammar before they are kept).
 
 Errors: :class:`~unmask.engine.limits.ParamError` naming the constraint's ``field`` (``response_format``,
-``tool_choice``) for an invalid schema, grammar or regex, or a tokenizer llguidance cannot read.
+``tool_choice``) for an invalid schema, grammar or regex, integer bounds llguidance cannot handle, a grammar that
+fails or allows nothing in its first mask or forced tokens, or a tokenizer llguidance cannot read.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch
 
 from .limits import ParamError
 from .params import Constraint
-from .schema_bounds import check_integer_bounds
+from .grammar_checks import check_integer_bounds, first_lines, probe
 
 __all__ = ["GrammarState", "compile_constraint", "check_constraint", "grammar_text", "JSON_OPTIONS"]
 
@@ -79,16 +81,8 @@ def _validated(constraint: Constraint, tokenizer) -> str:
     text = grammar_text(constraint)
     message = llg.LLMatcher.validate_grammar(text, tokenizer)
     if message and not message.startswith("WARNING"):
-        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(message)}")
+        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {first_lines(message)}")
     return text
-
-
-def _first_lines(message: str) -> str:
-    """llguidance's error without the grammar listing it appends (``   3 | body: ...`` and the caret line): the
-    listing is internal grammar text (a tool grammar embeds whole schemas), not what the client wrote."""
-    message = message.split("<state>")[0]  # llguidance's parser-state dump follows its error line
-    lines = [ln for ln in message.strip().splitlines() if not re.match(r"^\s*(\d+ \||\^)", ln)]
-    return " ".join(ln.strip() for ln in lines)
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
@@ -130,29 +124,11 @@ def _compiled(lltok, key: tuple[str, str], constraint: Constraint):
     # the first mask builds the lexer's initial automaton (seconds for a huge regex): here, at submit, off the
     # event loop and the engine thread; deep copies start from it. It also refuses a grammar llguidance gives up
     # on and one no output satisfies (its first mask allows nothing and it does not accept the empty output).
-    # A copy then follows the tokens the grammar forces (up to PROBE_FORCED): a grammar that fails there (a
+    # A copy then follows the tokens the grammar forces (up to grammar_checks.PROBE_FORCED): a grammar failing there (a
     # recursion that must nest forever, llguidance's item limit) fails every request, so it is refused too.
-    _probe(matcher, constraint, 0)
-    _probe(matcher.deep_copy(), constraint, PROBE_FORCED)
+    probe(matcher, constraint, 0)
+    probe(matcher.deep_copy(), constraint)
     return matcher
-
-
-#: forced tokens the compile-time probe follows (docs/design.md section 19)
-PROBE_FORCED = 64
-
-
-def _probe(m, constraint: Constraint, forced: int) -> None:
-    for i in range(forced + 1):
-        mask = None if m.is_error() else m.compute_bitmask()
-        if m.is_error():
-            raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(m.get_error())}")
-        bits = int.from_bytes(mask, "little")
-        if not bits and not (m.is_accepting() or m.is_stopped()):
-            raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: no output satisfies it (its "
-                                               f"grammar allows no next token)")
-        if i == forced or bits.bit_count() != 1 or m.is_accepting():
-            return
-        m.consume_token(bits.bit_length() - 1)  # on failure the matcher is in error: raised above next round
 
 
 def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_ids) -> "GrammarState":
@@ -229,7 +205,7 @@ class GrammarState:
         count = int.from_bytes(raw, "little").bit_count() if raw is not None else 0
         self.error = None
         if not count and not self.done and not (self.matcher.is_accepting() or self.matcher.is_stopped()):
-            self.error = (_first_lines(self.matcher.get_error()) if self.matcher.is_error() else
+            self.error = (first_lines(self.matcher.get_error()) if self.matcher.is_error() else
                           "no output satisfies it (its grammar allows no next token)")
         if not count:  # complete, or (self.error) the grammar failed: EOS only, and the caller reads .error
             out = torch.zeros(V, dtype=torch.bool)
