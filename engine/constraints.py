@@ -3,8 +3,9 @@
 A :class:`~unmask.engine.params.Constraint` (``json_object`` / ``json_schema`` / ``lark`` / ``regex``) becomes an
 llguidance grammar (``LLMatcher.grammar_from_*``), compiled once per (tokenizer, vocabulary size, EOS ids, spec)
 into a template matcher (:func:`compile_constraint`, an LRU cache); every choice gets a deep copy of it
-(:class:`GrammarState`, ~2 us). Compilation runs when the request is built (``unmask.engine.request.Request``),
-never inside a decoding step.
+(:class:`GrammarState`, ~2 us). Compilation, its checks (:mod:`.grammar_checks`) and each choice's first mask run
+when the request is built (``unmask.engine.request.Request``), never inside a decoding step; a step's forced run is
+capped (:data:`MAX_FORCED_PER_STEP`).
 
 JSON is generated compactly but readably: ``", "`` and ``": "`` between items and keys, no other whitespace
 (``whitespace_flexible: false``), so a model cannot pad forever; a schema's ``x-guidance`` key overrides that, as
@@ -16,7 +17,8 @@ advances it, :meth:`GrammarState.push` / :meth:`GrammarState.pop` try tokens and
 and speculative drafts are checked against the grammar before they are kept).
 
 Errors: :class:`~unmask.engine.limits.ParamError` naming the constraint's ``field`` (``response_format``,
-``tool_choice``) for an invalid schema, grammar or regex, or a tokenizer llguidance cannot read.
+``tool_choice``) for an invalid schema, grammar or regex, integer bounds llguidance cannot handle, a grammar that
+fails or allows nothing in its first mask or forced tokens, or a tokenizer llguidance cannot read.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 
 from .limits import ParamError
 from .params import Constraint
+from .grammar_checks import check_integer_bounds, first_lines, probe
 
 __all__ = ["GrammarState", "compile_constraint", "check_constraint", "grammar_text", "JSON_OPTIONS"]
 
@@ -53,6 +56,8 @@ def grammar_text(constraint: Constraint) -> str:
     llg = _llg()
     m = llg.LLMatcher
     kind, spec = constraint.kind, constraint.spec
+    if kind == "json_schema":
+        check_integer_bounds(spec, constraint.field)  # llguidance crashes on some (the process dies)
     try:
         if kind == "json_object":
             return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -76,15 +81,8 @@ def _validated(constraint: Constraint, tokenizer) -> str:
     text = grammar_text(constraint)
     message = llg.LLMatcher.validate_grammar(text, tokenizer)
     if message and not message.startswith("WARNING"):
-        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(message)}")
+        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {first_lines(message)}")
     return text
-
-
-def _first_lines(message: str) -> str:
-    """llguidance's error without the grammar listing it appends (``   3 | body: ...`` and the caret line): the
-    listing is internal grammar text (a tool grammar embeds whole schemas), not what the client wrote."""
-    lines = [ln for ln in message.strip().splitlines() if not re.match(r"^\s*(\d+ \||\^)", ln)]
-    return " ".join(ln.strip() for ln in lines)
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
@@ -113,13 +111,23 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
         return per[key]
 
 
-@functools.lru_cache(maxsize=256)
+#: compiled templates kept (each holds the lexer states its first masks built: up to tens of MB for a grammar near
+#: llguidance's limits, so the count is small; a grammar llguidance gives up on is refused and never cached)
+CACHE_ENTRIES = 32
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
 def _compiled(lltok, key: tuple[str, str], constraint: Constraint):
     llg = _llg()
     text = _validated(constraint, lltok)
     matcher = llg.LLMatcher(lltok, text, log_level=0)
-    if matcher.is_error():
-        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {_first_lines(matcher.get_error())}")
+    # the first mask builds the lexer's initial automaton (seconds for a huge regex): here, at submit, off the
+    # event loop and the engine thread; deep copies start from it. It also refuses a grammar llguidance gives up
+    # on and one no output satisfies (its first mask allows nothing and it does not accept the empty output).
+    # A copy then follows the tokens the grammar forces (up to grammar_checks.PROBE_FORCED): a grammar failing there (a
+    # recursion that must nest forever, llguidance's item limit) fails every request, so it is refused too.
+    probe(matcher, constraint, 0)
+    probe(matcher.deep_copy(), constraint)
     return matcher
 
 
@@ -141,7 +149,11 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_i
     lltok = ll_tokenizer(tokenizer, vocab_size, eos)
     with _lock:
         template = _compiled(lltok, constraint.key(), constraint)
-    return GrammarState(template.deep_copy(), int(vocab_size), eos)
+    state = GrammarState(template.deep_copy(), int(vocab_size), eos)
+    state.allowed()  # the copy's first mask, computed here (at submit) rather than in the first step
+    if state.error:  # llguidance gave up (a resource limit) or nothing satisfies the grammar: a 400, not EOS
+        raise ParamError(constraint.field, f"invalid {constraint.kind} constraint: {state.error}")
+    return state
 
 
 class GrammarState:
@@ -162,6 +174,8 @@ class GrammarState:
         self.done = False   # an EOS was consumed: nothing but EOS follows
         self._pushed: list[tuple[bool, bool]] = []  # per tried token: (matcher consumed it, done before it)
         self.n_allowed = 0  # tokens the last allowed() mask allowed (1 = the grammar forces the token)
+        self._first: tuple[torch.Tensor, int] | None = None  # the first mask, kept until a token is pushed
+        self.error: str | None = None  # why the last mask allowed nothing (llguidance error / unsatisfiable)
 
     def is_eos(self, token: int) -> bool:
         """Whether ``token`` is one of the EOS ids."""
@@ -176,11 +190,24 @@ class GrammarState:
         """``[V]`` bool (CPU): the tokens the grammar allows next (their count in :attr:`n_allowed`). Only EOS
         once the grammar is complete or an EOS was consumed; EOS alone too if the matcher is in an error state (a
         bug; the output then ends). Costs one llguidance mask (~10 us) and an unpack (~40 us at V = 49k)."""
+        if self._first is not None:
+            self.n_allowed = self._first[1]
+            return self._first[0].clone()
+        out = self._mask()
+        if not self.pushed and not self.consumed and not self.done:
+            self._first = (out.clone(), self.n_allowed)
+        return out
+
+    def _mask(self) -> torch.Tensor:
         V = self.vocab_size
         raw = None if self.done or self.matcher.is_error() or self.matcher.is_stopped() else \
             self.matcher.compute_bitmask()
         count = int.from_bytes(raw, "little").bit_count() if raw is not None else 0
-        if not count:  # complete (or, never expected, an error / empty mask): EOS only
+        self.error = None
+        if not count and not self.done and not (self.matcher.is_accepting() or self.matcher.is_stopped()):
+            self.error = (first_lines(self.matcher.get_error()) if self.matcher.is_error() else
+                          "no output satisfies it (its grammar allows no next token)")
+        if not count:  # complete, or (self.error) the grammar failed: EOS only, and the caller reads .error
             out = torch.zeros(V, dtype=torch.bool)
             out[self.eos_ids] = True
             self.n_allowed = int(out.sum())
@@ -194,6 +221,7 @@ class GrammarState:
         """Try ``token`` after the consumed and pushed tokens; ``True`` (and pushed) when the grammar allows it,
         ``False`` (state unchanged) otherwise. An EOS is allowed where the grammar may stop."""
         token = int(token)
+        self._first = None
         was_done = self.done
         if was_done:
             ok, used = token in self._eos, False
@@ -340,11 +368,19 @@ def grammar_drafts(logits: torch.Tensor, rows: list[int], grammar: GrammarState,
     return drafts, (torch.stack(qs) if qs else None)
 
 
+#: forced tokens one step reveals at most: each costs a mask (microseconds for usual grammars, up to ~0.1 s for a
+#: huge regex), and a step runs on the engine thread, so the run is cut and resumed next step, letting other
+#: requests' steps interleave (docs/design.md section 19)
+MAX_FORCED_PER_STEP = 16
+
+
 def forced_run(grammar: GrammarState, limit: int) -> list[int]:
     """The tokens the grammar forces after its consumed prefix (each the only token its mask allows; an
-    EOS-only mask does not count: the model picks among the EOS ids), at most ``limit``; consumed. They are final
+    EOS-only mask does not count: the model picks among the EOS ids), at most ``limit`` and
+    :data:`MAX_FORCED_PER_STEP`; consumed. They are final
     whatever the model would say, so the strategies reveal them without a forward of their own."""
     out: list[int] = []
+    limit = min(limit, MAX_FORCED_PER_STEP)
     while len(out) < limit:
         allowed = grammar.allowed()
         if grammar.n_allowed != 1:

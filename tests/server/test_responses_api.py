@@ -212,6 +212,12 @@ BAD_FIELDS = [  # (body, the Responses field the 400 must name exactly): never a
      "text.format.name"),
     ({"input": "hi", "tools": [FLAT_WEATHER, {"type": "function", "name": "g", "parameters": {
         "type": "object", "properties": {"z": {"type": "frob"}}}}], "tool_choice": "required"}, "tools.1.parameters"),
+    # llguidance segfaulted the server on these integer ranges (breaker F1)
+    ({"input": "hi", "tools": [FLAT_WEATHER, {"type": "function", "name": "g", "parameters": {
+        "type": "object", "properties": {"z": {"type": "integer", "minimum": -2e19, "maximum": -1e19}}}}],
+      "tool_choice": "required"}, "tools.1.parameters"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "r", "schema": {
+        "type": "integer", "minimum": -2 ** 63, "maximum": -2 ** 63}}}}, "text.format"),
 ]
 
 

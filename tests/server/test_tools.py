@@ -526,3 +526,30 @@ def test_an_unknown_tool_call_parser_is_a_one_line_error_before_the_model_loads(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{where}: unknown parser 'nope'" in err and "hermes" in err, err
+
+
+CRASHY = [{"type": "integer", "minimum": -2e19, "maximum": -1e19},
+          {"type": "object", "properties": {"n": {"type": "integer", "minimum": -2 ** 63, "maximum": -2 ** 63}}},
+          {"type": "integer", "minimum": 1e19, "maximum": 2e19}]
+
+
+@pytest.mark.parametrize("schema", CRASHY)
+def test_integer_bounds_llguidance_crashes_on_are_400s_and_the_server_keeps_serving(client, schema):
+    """F1: these integer ranges segfaulted the server (llguidance); a 400 naming the field now, as response_format
+    and as enforced tool parameters (chat and, in test_responses_api, /v1/responses)."""
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "integer range" in r.json()["error"]["message"], r.text
+    params = schema if schema.get("type") == "object" else {"type": "object", "properties": {"n": schema}}
+    tool = {"type": "function", "function": {"name": "get_n", "parameters": params}}
+    r = chat(client, tools=[WEATHER, tool], tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text
+    assert chat(client, max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize("schema", [{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                                    {"type": "string", "pattern": "^(a{1000}){1000}$"}])
+def test_a_schema_no_output_satisfies_is_a_400(client, schema):
+    """F4: used to be a 200 with an empty / invalid output and finish_reason stop."""
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
