@@ -9,7 +9,8 @@ token F1 and '= parent' against the reference, TPF = generated tokens / forwards
 ``eval_quality.py``; the first setting must be the reference (``b1-s<max tokens>``). Differences: F1 and '= parent' are
 against the parent through the engine (fp16-packed; it differs from transformers' float32 greedy at rare near-ties:
 F1 0.980 on this grid, docs/results.md), and there is no generative perplexity. Writes
-``<out>/eval_grid.{json,md}`` after every setting (``"finished": false`` until the last).
+``<out>/eval_grid.{json,md}`` and ``eval_grid_samples.jsonl`` (every output; not tracked) after every setting
+(``"finished": false`` until the last).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/eval_adapter_grid.py --model ~/.cache/unmask/models/smollm2-135m-a2d-mask-adapter \\
         --settings b1-s64 b4-spec b4-spec-br0 b4-t0.3 b4-t0.5 b4-t0.7 b4-t0.9 --out benchmarks/results/eval/default-adapter
@@ -76,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(out: Path, meta: dict, runs: list, finished: bool) -> None:
-    data = {"meta": {**meta, "finished": finished},
-            "runs": [{"setting": r.setting, **r.summary} for r in runs],
-            "samples": [{"setting": r.setting, "prompt_id": x.prompt_id, "token_ids": x.token_ids, "text": x.text,
-                         "finish_reason": x.finish_reason, "nfe": x.nfe} for r in runs for x in r.samples]}
+    data = {"meta": {**meta, "finished": finished}, "runs": [{"setting": r.setting, **r.summary} for r in runs]}
     (out / "eval_grid.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "eval_grid_samples.jsonl").write_text("".join(  # every output (not tracked, as eval_quality's samples)
+        json.dumps({"setting": r.setting, "prompt_id": x.prompt_id, "token_ids": x.token_ids, "text": x.text,
+                    "finish_reason": x.finish_reason, "nfe": x.nfe}) + "\n" for r in runs for x in r.samples))
     cols = [("setting", "setting", None), ("n", "n", None), ("NFE", "nfe_mean", 1), ("TPF", "tpf", 2),
             ("answer acc", "answer_acc", 3), ("EM", "exact_match", 3), ("F1 vs parent (engine)", "token_f1_vs_parent", 3),
             ("= parent", "same_as_parent", 2), ("rep-3", "rep3", 3), ("distinct-2", "distinct2", 3),
