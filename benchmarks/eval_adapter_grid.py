@@ -37,9 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--reference-samples", default=None, metavar="JSONL",
+                    help="another run's eval_grid_samples.jsonl: its first setting's outputs are the reference "
+                         "(same model, max tokens), so --settings need not start with it")
     args = ap.parse_args(argv)
     settings = [ev.parse_setting(s) for s in args.settings]
-    if settings[0].block_size != 1 or settings[0].speculative or settings[0].temperature:
+    reference = read_reference(args.reference_samples) if args.reference_samples else {}
+    if not reference and (settings[0].block_size != 1 or settings[0].speculative or settings[0].temperature):
         ap.error(f"--settings: the first must be the greedy block-1 reference (b1-s{args.max_tokens}), "
                  f"got {settings[0].name}")
     bc.set_threads(args.threads)
@@ -52,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = {pid: llm.apply_chat_template(ev.chat_messages(rows_by_id[pid])) for pid in grid_ids}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs, reference = [], {}
+    runs = []
     meta = {"command": bc.command_line(), "model": args.model, "weight_format": llm.model.weight_format,
             "adapter": llm.model.adapter, "grid_prompts": len(grid_ids), "max_tokens": args.max_tokens,
             "batch_size": args.batch_size, "environment": env,
-            "reference": f"{settings[0].name} of this model through the engine"}
+            "reference": (f"the first setting of {args.reference_samples}" if reference else
+                          f"{settings[0].name} of this model through the engine")}
     for st in settings:
         t0 = time.time()
         outs = llm.generate([prompt_ids[i] for i in grid_ids], st.params(args.max_tokens))
@@ -74,6 +79,17 @@ def main(argv: list[str] | None = None) -> int:
               f"= parent {s['same_as_parent']:.2f} ({s['batched_wall_s']} s)", flush=True)
         write(out, meta, runs, finished=st is settings[-1])
     return 0
+
+
+def read_reference(path: str) -> dict:
+    """``{prompt_id: Sample}`` of the first setting in an ``eval_grid_samples.jsonl`` (or an ``eval_grid.json``
+    holding ``samples``, as the first version of this script wrote them)."""
+    text = Path(path).read_text()
+    rows = (json.loads(text)["samples"] if path.endswith(".json") else
+            [json.loads(line) for line in text.splitlines() if line.strip()])
+    first = rows[0]["setting"]
+    return {r["prompt_id"]: ev.Sample(r["prompt_id"], r["token_ids"], r["text"], r["finish_reason"], r["nfe"],
+                                      r["nfe"]) for r in rows if r["setting"] == first}
 
 
 def write(out: Path, meta: dict, runs: list, finished: bool) -> None:
