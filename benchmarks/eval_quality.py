@@ -348,14 +348,15 @@ class Evaluation:
             have = {n for n, _ in specs}
             defaults = default_models()
             specs = [(n, p) for n, p in defaults if n not in have] + specs
+        from unmask.engine.adapter_files import is_adapter_dir
         from unmask.training.realmodel import is_checkpoint
 
         for n, p in specs:
             if n == "untrained" and not Path(p).exists():
                 continue  # converted on first use
-            if not is_checkpoint(Path(p).expanduser()):
+            if not (is_checkpoint(Path(p).expanduser()) or is_adapter_dir(Path(p).expanduser())):
                 raise EvalError(f"--model {n}={p}: not a diffusion checkpoint directory (no config.json with a "
-                                "`dllm` section)")
+                                "`dllm` section) nor a mask-row adapter directory (no mask_adapter.json)")
         if not specs and not self.args.parent_only:
             raise EvalError("no diffusion model to evaluate: pass --model NAME=PATH")
         unknown = [m.strip() for m in (self.args.full_models or "").split(",")

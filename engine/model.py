@@ -316,7 +316,7 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     name = family or detect_family(config, path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    from .packed_weights import pack_model, resolve_weight_format
+    from .packed_weights import pack_model, resolve_weight_format, return_freed_memory
 
     if device_map is not None and weights in (None, "auto"):
         weights = "native"  # offloaded weights run as loaded (docs/design.md section 18)
@@ -330,4 +330,5 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         place_model(loaded, device_map, max_memory, offload_folder)
     pack_model(loaded, fmt)
     apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md section 21), after packing
+    return_freed_memory()  # the adapter's float32 read copies
     return loaded

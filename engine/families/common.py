@@ -28,7 +28,13 @@ def max_context_of(config: dict, default: int = 4096) -> int:
 
 
 def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: torch.dtype, **kwargs):
-    """``cls.from_pretrained`` with sdpa attention, placing quantized (bitsandbytes) weights with a device map."""
+    """``cls.from_pretrained`` with sdpa attention, placing quantized (bitsandbytes) weights with a device map.
+
+    Unquantized safetensors checkpoints are read tensor by tensor with positioned reads (:func:`pread_tensors`)
+    instead of transformers' whole-file memory map: the map's pages stay resident (file-backed RSS) for as long as
+    any tensor views it, so on a CPU the float32 file (540 MB for SmolLM2-135M) stayed in RSS beside the packed fp16
+    weights made from it and its embedding kept it mapped for the server's life (docs/design.md section 21,
+    "Memory at start-up"). Same tensors, same values."""
     from ..checkpoint_check import check_loading_info
 
     quantized = isinstance(config.get("quantization_config"), dict)
@@ -37,13 +43,56 @@ def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: 
             model, info = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype,
                                               device_map={"": str(device)}, output_loading_info=True, **kwargs)
         else:
-            model, info = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype,
-                                              output_loading_info=True, **kwargs)
+            state = pread_tensors(path)
+            if state is None:
+                model, info = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype,
+                                                  output_loading_info=True, **kwargs)
+            else:
+                from transformers import AutoConfig
+
+                hf_config = AutoConfig.from_pretrained(str(path))
+                mapping = getattr(cls, "_model_mapping", None)  # an Auto class: its concrete class for this config
+                concrete = mapping[type(hf_config)] if mapping is not None else cls
+                model, info = concrete.from_pretrained(None, config=hf_config, state_dict=state,
+                                                       attn_implementation="sdpa", dtype=dtype,
+                                                       output_loading_info=True, **kwargs)
+                del state
+                if (Path(path) / "generation_config.json").is_file():  # as from_pretrained(path) reads it
+                    from transformers import GenerationConfig
+
+                    model.generation_config = GenerationConfig.from_pretrained(str(path))
             model.to(device)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise CheckpointError(f"{path}: cannot load the weights ({exc})") from exc
     check_loading_info(path, type(model).__name__, info)  # missing/unexpected tensors: an error, not a note
     return model
+
+
+def pread_tensors(path: Path) -> dict | None:
+    """``{name: lazy slice}`` over a checkpoint's safetensors file(s) (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``) opened with safetensors' ``pread`` backend: each tensor is read into its own
+    memory when transformers materialises it, and no file stays memory-mapped. None when the checkpoint has no
+    safetensors files or this safetensors has no ``pread`` backend (then transformers' own loading applies).
+    Raises nothing of its own: a bad file is reported by the loader that reads it."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        index = read_json_file(path / "model.safetensors.index.json")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            return None
+        files = [path / str(f) for f in sorted(set(weight_map.values()))]
+    state = {}
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu", backend="pread")
+        except TypeError:  # safetensors before the pread backend
+            return None
+        state.update({name: handle.get_slice(name) for name in handle.keys()})
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -278,3 +278,33 @@ def test_rescore_samples_recomputes_text_measures(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         rs.load_samples(bad)
     assert rs.main([str(bad)]) == 2
+
+
+def test_harness_takes_an_adapter_directory(tmp_path):
+    """``--model NAME=ADAPTER_DIR`` (an adapter-only checkpoint, as ``unmask serve`` takes it) is evaluated like a
+    checkpoint (it was refused as 'not a diffusion checkpoint directory'); its block 1 is the parent's answers."""
+    import argparse
+
+    from tiny import make_llama, make_tokenizer, random_adapter_weights
+
+    import eval_quality as ev
+    from unmask.engine.adapter_files import parent_hash, write_adapter
+    from unmask.engine.model import load_model
+    from unmask.training.convert import convert_checkpoint
+
+    tok = make_tokenizer(320)
+    parent_dir = tmp_path / "parent"
+    make_llama(len(tok), seed=1).save_pretrained(str(parent_dir))
+    tok.save_pretrained(str(parent_dir))
+    conv = convert_checkpoint(parent_dir, tmp_path / "conv", attention="prefix_causal", block_size=1,
+                              logit_shift=True)
+    write_adapter(tmp_path / "adapter", random_adapter_weights(load_model(conv, weights="native")),
+                  {"sha256": parent_hash(conv), "name": str(conv)})
+    p = ev.add_arguments(argparse.ArgumentParser())
+    a = p.parse_args(["--parent", str(parent_dir), "--no-defaults", "--model", f"ad={tmp_path / 'adapter'}",
+                      "--out", str(tmp_path / "res"), "--data", str(_tiny_eval_data(tmp_path)), "--grid", "b1-s12",
+                      "--max-tokens", "12", "--speed-prompts", "0", "--grid-prompts", "2", "--skip-full",
+                      "--batch-size", "2"])
+    result = ev.run_eval(a, log=lambda _: None)
+    run = next(r for r in result["runs"] if r["model"] == "ad")
+    assert run["n"] == 2 and run["same_as_parent"] == 1.0
