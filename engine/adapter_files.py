@@ -278,9 +278,14 @@ def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -
 
     from .mask_adapter import projection_shapes
 
-    decoder = loaded.model.base_model  # checked against its shapes before any module is wrapped
-    emb = getattr(decoder.embed_tokens, "base", decoder.embed_tokens)
-    weights, cfg = read_adapter(adapter_dir, projection_shapes(decoder), int(emb.weight.shape[-1]))
+    decoder = loaded.model.base_model  # the adapter is checked against its shapes before any module is wrapped
+    try:
+        emb = getattr(decoder.embed_tokens, "base", decoder.embed_tokens)
+        shapes, hidden = projection_shapes(decoder), int(emb.weight.shape[-1])
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{adapter_dir}: mask adapter: {type(loaded.model).__name__} has no Llama-style "
+                              f"decoder layers to adapt ({type(exc).__name__}: {exc})") from exc
+    weights, cfg = read_adapter(adapter_dir, shapes, hidden)
     want = cfg["parent"].get("sha256")
     relation = parent_relation(loaded.path, want, adapter_dir / ADAPTER_CONFIG) if check_parent else {}
     overrides = cfg.get("dllm") or {}
