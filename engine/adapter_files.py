@@ -127,14 +127,20 @@ def write_adapter(out: str | os.PathLike, weights: AdapterWeights, parent: dict,
     return out
 
 
-def read_adapter(path: str | os.PathLike) -> tuple[AdapterWeights, dict]:
-    """``(weights, config dict)`` of the adapter in ``path``.
+def read_adapter(path: str | os.PathLike, projections: dict[tuple[int, str], tuple[int, int]] | None = None,
+                 hidden: int | None = None) -> tuple[AdapterWeights, dict]:
+    """``(weights, config dict)`` of the adapter in ``path``, checked (:mod:`unmask.engine.adapter_check`): the
+    config's fields, then the weights' header (exactly the tensors of every layer and target, shapes, float
+    dtypes), then their values (finite). ``projections`` (``{(layer, target): (out, in)}``,
+    :func:`unmask.engine.mask_adapter.projection_shapes`) and ``hidden`` (the embedding width) are the model's
+    the adapter goes on; None checks the adapter's own consistency only.
 
     Raises:
-        CheckpointError: a missing/invalid file or field (names the file and field), tensors that do not match
-            the declared rank.
+        CheckpointError: (one line) a missing/invalid file, field or tensor, naming the file and field or tensor.
     """
     from safetensors.torch import load_file
+
+    from .adapter_check import check_adapter_config, check_adapter_tensors, check_adapter_values
 
     path = Path(path)
     cfg_file = path / ADAPTER_CONFIG
@@ -143,43 +149,25 @@ def read_adapter(path: str | os.PathLike) -> tuple[AdapterWeights, dict]:
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing (not a mask-adapter directory)")
     cfg = read_json_file(cfg_file)
-    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
-        raise CheckpointError(f"{cfg_file}: not a mask-adapter config (format must be {FORMAT!r})")
-    for key, kind in (("rank", int), ("alpha", (int, float)), ("targets", list), ("mask_token_id", int),
-                      ("parent", dict)):
-        if not isinstance(cfg.get(key), kind) or isinstance(cfg.get(key), bool):
-            raise CheckpointError(f"{cfg_file}: field {key!r} missing or not a {getattr(kind, '__name__', 'number')}")
-    unknown = [t for t in cfg["targets"] if t not in DEFAULT_TARGETS]
-    if unknown or not cfg["targets"]:
-        raise CheckpointError(f"{cfg_file}: field 'targets': {unknown or 'empty'} (expected names among "
-                              f"{list(DEFAULT_TARGETS)})")
+    check_adapter_config(cfg_file, cfg, FORMAT, DEFAULT_TARGETS)
     wfile = path / ADAPTER_WEIGHTS
     if not wfile.is_file():
         raise CheckpointError(f"{wfile}: missing (the adapter's weights)")
+    check_adapter_tensors(wfile, cfg["rank"], cfg["targets"], projections, hidden)
     try:
         tensors = load_file(str(wfile))
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointError(f"{wfile}: unreadable ({exc})") from exc
+    check_adapter_values(wfile, tensors)
     w = AdapterWeights(rank=cfg["rank"], alpha=float(cfg["alpha"]), targets=tuple(cfg["targets"]),
                        mask_token_id=cfg["mask_token_id"])
     w.stored_dtype = "float16" if any(t.dtype == torch.float16 for t in tensors.values()) else "float32"
-    for key, t in tensors.items():
-        if key == "mask_embedding":
-            w.mask_embedding = t.float()
-            continue
-        parts = key.split(".")
-        if len(parts) != 4 or parts[0] != "layers" or parts[3] not in ("lora_A", "lora_B"):
-            raise CheckpointError(f"{wfile}: unexpected tensor {key!r}")
-        i, target = int(parts[1]), parts[2]
-        a, b = w.layers.get((i, target), (None, None))
-        if parts[3] == "lora_A":
-            a = t.float()
-        else:
-            b = t.float()
-        w.layers[(i, target)] = (a, b)
-    for (i, target), (a, b) in w.layers.items():
-        if a is None or b is None or a.shape[0] != w.rank or b.shape[1] != w.rank:
-            raise CheckpointError(f"{wfile}: layers.{i}.{target}: lora_A/lora_B missing or not of rank {w.rank}")
+    if "mask_embedding" in tensors:
+        w.mask_embedding = tensors.pop("mask_embedding").float()
+    for key in sorted(tensors):  # the names are checked: layers.<i>.<target>.lora_A|lora_B
+        _, i, target, kind = key.split(".")
+        a, b = w.layers.get((int(i), target), (None, None))
+        w.layers[(int(i), target)] = (tensors[key].float(), b) if kind == "lora_A" else (a, tensors[key].float())
     return w, cfg
 
 
@@ -288,7 +276,16 @@ def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -
         return
     from .mask_adapter import attach_mask_adapter
 
-    weights, cfg = read_adapter(adapter_dir)
+    from .mask_adapter import projection_shapes
+
+    decoder = loaded.model.base_model  # the adapter is checked against its shapes before any module is wrapped
+    try:
+        emb = getattr(decoder.embed_tokens, "base", decoder.embed_tokens)
+        shapes, hidden = projection_shapes(decoder), int(emb.weight.shape[-1])
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{adapter_dir}: mask adapter: {type(loaded.model).__name__} has no Llama-style "
+                              f"decoder layers to adapt ({type(exc).__name__}: {exc})") from exc
+    weights, cfg = read_adapter(adapter_dir, shapes, hidden)
     want = cfg["parent"].get("sha256")
     relation = parent_relation(loaded.path, want, adapter_dir / ADAPTER_CONFIG) if check_parent else {}
     overrides = cfg.get("dllm") or {}

@@ -344,15 +344,26 @@ def check_finite(model: torch.nn.Module, path: Path) -> None:
         if id(tensor) in seen or not tensor.is_floating_point() or tensor.device.type == "meta":
             continue
         seen.add(id(tensor))
-        flat = tensor.detach().reshape(-1)  # a view for contiguous tensors
-        for chunk in flat.split(FINITE_CHUNK):
-            # fast path: a sum is finite when every element is (NaN/inf propagate); only a non-finite sum (a real
-            # NaN/inf, or an overflow of huge finite values) pays for the exact elementwise check
-            if not bool(torch.isfinite(chunk.sum())) and not bool(torch.isfinite(chunk).all()):
-                bad = sum(int((~torch.isfinite(c)).sum()) for c in flat.split(FINITE_CHUNK))
-                raise CheckpointError(f"{_weight_file(path)}: tensor {name} holds {bad} non-finite value(s) "
-                                      f"(NaN/inf) of {flat.numel()}: the weights are corrupt (a diverged "
-                                      "training run or a damaged file)")
+        bad = count_nonfinite(tensor)
+        if bad:
+            raise CheckpointError(f"{_weight_file(path)}: tensor {name} holds {bad} non-finite value(s) "
+                                  f"(NaN/inf) of {tensor.numel()}: the weights are corrupt (a diverged "
+                                  "training run or a damaged file)")
+
+
+@torch.no_grad()
+def count_nonfinite(tensor: torch.Tensor) -> int:
+    """How many elements of ``tensor`` are NaN or inf (0 for integer tensors), in chunks of :data:`FINITE_CHUNK`
+    elements: a sum per chunk first (NaN/inf propagate), the elementwise ``torch.isfinite`` only on a chunk whose
+    sum is not finite (a real NaN/inf, or an overflow of huge finite values). A view, never a copy, when
+    ``tensor`` is contiguous."""
+    if not tensor.is_floating_point():
+        return 0
+    flat = tensor.detach().reshape(-1)
+    if not any(not bool(torch.isfinite(c.sum())) and not bool(torch.isfinite(c).all())
+               for c in flat.split(FINITE_CHUNK)):
+        return 0
+    return sum(int((~torch.isfinite(c)).sum()) for c in flat.split(FINITE_CHUNK))
 
 
 def _weight_file(path: Path) -> Path:

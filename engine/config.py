@@ -34,15 +34,18 @@ def read_json_file(path: str | Path) -> dict | None:
     """A JSON object from ``path``, or None when the file does not exist.
 
     Raises:
-        CheckpointError: the file exists but is not valid JSON (names file, line and column) or not an object.
+        CheckpointError: the file exists but is not UTF-8, not valid JSON (names file, line and column) or not an
+            object.
     """
     path = Path(path)
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); JSON files are UTF-8") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

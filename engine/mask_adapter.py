@@ -213,6 +213,13 @@ def init_adapter(decoder: nn.Module, rank: int, alpha: float, targets=DEFAULT_TA
     return w
 
 
+def projection_shapes(decoder: nn.Module, targets=DEFAULT_TARGETS) -> dict[tuple[int, str], tuple[int, int]]:
+    """``{(layer, target): (out, in)}`` of ``decoder``'s projections (plain, packed, quantized, or the slices of a
+    fused projection): the shapes an adapter's ``B A`` must have (:mod:`unmask.engine.adapter_check`)."""
+    return {(i, t): _shape(getattr(getattr(layer, _OWNER[t]), t))
+            for i, layer in enumerate(decoder.layers) for t in targets}
+
+
 def _shape(module: nn.Module) -> tuple[int, int]:
     """``(out, in)`` of a linear module."""
     if hasattr(module, "out_features") and hasattr(module, "in_features"):
