@@ -221,7 +221,7 @@ def _malloc_trim():
 
         try:
             _TRIM = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError):
+        except (AttributeError, OSError, TypeError):  # no malloc_trim (musl, macOS); CDLL(None) on Windows
             _TRIM = None
     return _TRIM
 
