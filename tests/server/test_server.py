@@ -498,10 +498,16 @@ def _assert_nfe_stops(http):
     assert health(http)["batched_forwards"] == before, "the engine kept spending forwards on a cancelled request"
 
 
+# A request far longer than a client can be descheduled for: 480 steps of full forwards (no KV cache) over 4 choices
+# with their CFG lanes, ~16 s on a quiet 2-core CPU (480 steps of one lane, ~3 s, finished before the disconnect
+# when CI's client process was starved, and the abort could not happen).
+LONG = {"prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0, "cache": "none", "n": 4,
+        "cfg_scale": 1.0}
+
+
 def test_streaming_disconnect_aborts_the_request(http, server):
     before = scrape(http)
-    body = {"model": MODEL, "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0, "stream": True,
-            "cache": "none", "stream_options": {"include_denoising": True}}
+    body = {"model": MODEL, **LONG, "stream": True, "stream_options": {"include_denoising": True}}
     with httpx.Client(base_url=server["url"], headers=AUTH, timeout=60) as client:
         with client.stream("POST", C, json=body) as r:
             seen, text = 0, ""
@@ -526,8 +532,7 @@ def test_streaming_disconnect_aborts_the_request(http, server):
 
 def test_non_streaming_disconnect_aborts_the_request(http, server):
     before = scrape(http)
-    # 480 steps of full forwards (no KV cache): seconds, far longer than the client waits
-    body = {"model": MODEL, "prompt": "One two", "max_tokens": 480, "ignore_eos": True, "seed": 0, "cache": "none"}
+    body = {"model": MODEL, **LONG}  # far longer than the client waits
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server["url"] + C, json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
     _assert_nfe_stops(http)
