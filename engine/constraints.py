@@ -33,6 +33,7 @@ import torch
 from .limits import ParamError
 from .params import Constraint
 from .grammar_checks import check_integer_bounds, first_lines, probe
+from .heap import return_freed_memory
 
 __all__ = ["GrammarState", "compile_constraint", "check_constraint", "grammar_text", "JSON_OPTIONS"]
 
@@ -148,7 +149,12 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_i
                                            "(the model declares no EOS id)")
     lltok = ll_tokenizer(tokenizer, vocab_size, eos)
     with _lock:
-        template = _compiled(lltok, constraint.key(), constraint)
+        built = _compiled.cache_info().misses
+        try:
+            template = _compiled(lltok, constraint.key(), constraint)
+        finally:  # a grammar was built (kept or refused): its transient automata back to the system (engine/heap.py)
+            if _compiled.cache_info().misses != built:
+                return_freed_memory()
     state = GrammarState(template.deep_copy(), int(vocab_size), eos)
     state.allowed()  # the copy's first mask, computed here (at submit) rather than in the first step
     if state.error:  # llguidance gave up (a resource limit) or nothing satisfies the grammar: a 400, not EOS

@@ -316,7 +316,8 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     name = family or detect_family(config, path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    from .packed_weights import pack_model, resolve_weight_format, return_freed_memory
+    from .heap import return_freed_memory
+    from .packed_weights import pack_model, resolve_weight_format
 
     if device_map is not None and weights in (None, "auto"):
         weights = "native"  # offloaded weights run as loaded (docs/design.md section 18)

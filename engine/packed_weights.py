@@ -31,6 +31,9 @@ import warnings
 import torch
 from torch import nn
 
+from .heap import return_freed_memory
+
+
 WEIGHT_FORMATS = ("auto", "native", "fp16", "int8", "int4")
 
 
@@ -202,31 +205,6 @@ def pack_model(loaded, weight_format: str) -> None:
     loaded.weight_format = fmt
     loaded.decoder_forward = FusedDecoder(decoder) if fused else None
     return_freed_memory()
-
-
-def return_freed_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``; nothing where the C library has
-    none). Packing frees a float32 layer (up to 14 MB) per packed layer; glibc keeps freed chunks of that size in
-    its heap once its dynamic mmap threshold has risen, so without this the freed float32 model stayed in RSS
-    beside the packed one: +290 MB of start-up peak on SmolLM2-135M (docs/adapter.md, "Memory")."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _malloc_trim():
-    global _TRIM
-    if _TRIM is False:
-        import ctypes
-
-        try:
-            _TRIM = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError, TypeError):  # no malloc_trim (musl, macOS); CDLL(None) on Windows
-            _TRIM = None
-    return _TRIM
-
-
-_TRIM = False
 
 
 def _returning_freed_memory(make_linear):
