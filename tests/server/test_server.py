@@ -510,15 +510,18 @@ def test_streaming_disconnect_aborts_the_request(http, server):
     body = {"model": MODEL, **LONG, "stream": True, "stream_options": {"include_denoising": True}}
     with httpx.Client(base_url=server["url"], headers=AUTH, timeout=60) as client:
         with client.stream("POST", C, json=body) as r:
-            seen, text = 0, ""
+            assert r.status_code == 200, r.read()
+            seen, text, lines = 0, "", []
             for line in r.iter_lines():
+                lines.append(line[:300])
                 if line.startswith("data: "):
                     seen += 1
                     chunk = json.loads(line[6:])
                     text += "".join(c.get("text") or "" for c in chunk.get("choices", []))
                 if seen >= 2:  # streaming has started; disconnect long before the request's last step
                     break
-            assert health(http)["running"] == 1
+            h = health(http)
+            assert h["running"] == 1, (h, lines, server["log"].read_text()[-3000:])
     _assert_nfe_stops(http)
     after = scrape(http)
     key = ("unmask:request_failure_total", (("reason", "abort"),))
