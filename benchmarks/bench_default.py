@@ -10,6 +10,10 @@ Rows:
 * ``llama.cpp``: ``llama-bench`` ``tg<max-tokens>`` on the same GGUF (``--llama-bench``; default the binary that
   ``benchmarks/build_llama_bench.sh`` builds, skipped with a note when absent);
 * ``engine block 1`` with ``fp16`` (fbgemm-packed), ``int8`` and ``int4`` weights (engine/lowbit.py) of the parent;
+* ``engine block 1 tg``: the same three, measured as ``llama-bench`` measures ``tg``: generation only, the prompt's
+  processing not counted (:func:`engine_tg`). The block-1 target against llama.cpp is judged on this row, the same
+  quantity on both sides; the end-to-end rows above include each prompt's prefill and per-request work, which
+  ``llama-bench -p 0 -n N`` never does;
 * ``speculative``: the served default (``unmask serve`` with no MODEL: the conversion + mask-row adapter, in the
   weight format it is served in; ``--served DIR`` measures another adapter), verified speculative decoding - answers
   must be the served parent's block-1 answers;
@@ -60,6 +64,27 @@ def run_hf(hf, llm, prompts: list[dict], max_tokens: int, eos: list[int]) -> dic
             "outs": outs}
 
 
+def engine_tg(llm, prompts: list[dict], n: int, params_for) -> dict:
+    """Generation-only tokens/s of ``llm``, as ``llama-bench`` ``tg<n>`` measures it: for each prompt (chat
+    template, batch 1), the wall time of ``n + 1`` generated tokens (``ignore_eos``) minus that of 1 token, i.e. of
+    ``n`` decoding steps after the prompt's forward. ``params_for(max_tokens)`` builds the SamplingParams.
+    ``{"seconds": summed decode seconds, "tokens": n * len(prompts)}``."""
+    import time
+
+    secs = 0.0
+    for p in prompts:
+        ids = llm.apply_chat_template([{"role": "user", "content": p["prompt"]}])
+        t0 = time.perf_counter()
+        llm.generate([ids], params_for(1))
+        t1 = time.perf_counter()
+        o = llm.generate([ids], params_for(n + 1))[0].outputs[0]
+        t2 = time.perf_counter()
+        if len(o.token_ids) != n + 1:
+            raise RuntimeError(f"tg: expected {n + 1} tokens with ignore_eos, got {len(o.token_ids)}")
+        secs += (t2 - t1) - (t1 - t0)
+    return {"seconds": secs, "tokens": n * len(prompts)}
+
+
 def accuracy(outs, prompts: list[dict]) -> float:
     """Answer accuracy over the checkable prompts (those with an ``answer``): ``quality_metrics.answer_match``, the
     extracted-answer rule of the results tables (whole-answer exact match scored 0 for every decoder, the parent
@@ -98,15 +123,18 @@ def server_memory(serve_args: list[str], bodies: list[dict], threads: int, log_p
 
 def judge(summary: dict, served_fmt: str, llama_tps: float | None) -> None:
     """Add to each mode's entry of ``summary`` (``{mode: {"tokens_per_s", "tpf", "identical_to_parent",
-    "accuracy"}}``, with ``hf`` = the parent and ``block1-<served_fmt>`` = the reference) its ratios ``x_block1``
-    and ``x_llama_cpp`` (None without ``llama_tps``) and, for the modes issue 25 sets a target for, ``target``
-    (text) and ``pass`` (None when it cannot be judged: no llama.cpp figure)."""
+    "accuracy"}}``, with ``hf`` = the parent, ``block1-<served_fmt>`` = the reference and ``tg-<fmt>`` the
+    generation-only rows) its ratios ``x_block1`` (end-to-end rows against the end-to-end reference, tg rows against
+    the tg reference) and ``x_llama_cpp`` (None without ``llama_tps``) and, for the modes issue 25 sets a target
+    for, ``target`` (text) and ``pass`` (None when it cannot be judged: no llama.cpp figure). The block-1 target is
+    judged on ``tg-<served_fmt>``: llama-bench's tg figure counts generation only."""
     ref_tps = summary[f"block1-{served_fmt}"]["tokens_per_s"]
+    tg_ref = summary.get(f"tg-{served_fmt}", {}).get("tokens_per_s")
     parent_acc = summary["hf"]["accuracy"]
     for m, s in summary.items():
-        s["x_block1"] = s["tokens_per_s"] / ref_tps
+        s["x_block1"] = s["tokens_per_s"] / (tg_ref if m.startswith("tg-") else ref_tps)
         s["x_llama_cpp"] = s["tokens_per_s"] / llama_tps if llama_tps else None
-        if m == f"block1-{served_fmt}":
+        if m == f"tg-{served_fmt}":
             s["target"] = f">= {TARGETS['block1_vs_llama_cpp']}x llama.cpp"
             s["pass"] = s["x_llama_cpp"] >= TARGETS["block1_vs_llama_cpp"] if llama_tps else None
         elif m == "spec":
@@ -139,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=36, help="first N prompts of the 60-prompt held-out grid")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tg-prompts", type=int, default=4,
+                    help="prompts of the generation-only (tg) rows: each generates --max-tokens after its prompt")
     ap.add_argument("--thresholds", default="0.9,0.7,0.5,0.3", help="plain-diffusion thresholds (block 4)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every row (llama.cpp -t too)")
     ap.add_argument("--llama-bench", default=str(LLAMA_BENCH), metavar="PATH",
@@ -185,11 +215,20 @@ def main(argv=None) -> int:
             **{**base, "max_tokens": n}, block_size=4, threshold=t, speculative=False)))(t)
     for run in modes.values():  # warm-up (first-call allocations), not timed
         run(prompts[:1], 4)
+    tg_prompts = prompts[: args.tg_prompts]
+    tg_modes = {f"tg-{fmt}": (lambda llm: lambda: engine_tg(llm, tg_prompts, args.max_tokens, lambda k: (
+        SamplingParams.from_flat(**{**base, "max_tokens": k}, block_size=1, speculative=False, ignore_eos=True))))(llm)
+        for fmt, llm in block1.items()}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    tg_runs: dict[str, list[dict]] = {m: [] for m in tg_modes}
     for rep in range(args.repeats):
         for m, run in modes.items():
             runs[m].append(run(prompts, args.max_tokens))
             r = runs[m][-1]
+            print(f"repeat {rep} {m}: {r['tokens']} tokens {r['seconds']:.2f} s", flush=True)
+        for m, run in tg_modes.items():
+            tg_runs[m].append(run())
+            r = tg_runs[m][-1]
             print(f"repeat {rep} {m}: {r['tokens']} tokens {r['seconds']:.2f} s", flush=True)
 
     llama = None
@@ -206,6 +245,10 @@ def main(argv=None) -> int:
                       "identical_to_parent": sum(o.token_ids == r for o, r in zip(outs, parent_ref)) / len(outs),
                       "identical_to_hf": sum(o.token_ids == r for o, r in zip(outs, hf_ref)) / len(outs),
                       "accuracy": accuracy(outs, prompts), "seconds": [round(r["seconds"], 3) for r in rs]}
+    for m, rs in tg_runs.items():
+        summary[m] = {"tokens_per_s": bc.median([r["tokens"] / r["seconds"] for r in rs]), "tpf": 1.0,
+                      "tokens": rs[0]["tokens"], "identical_to_parent": None, "identical_to_hf": None,
+                      "accuracy": None, "seconds": [round(r["seconds"], 3) for r in rs]}
     ref_tps = summary[f"block1-{served_fmt}"]["tokens_per_s"]
     judge(summary, served_fmt, llama["tokens_per_s"] if llama else None)
 
@@ -223,10 +266,12 @@ def main(argv=None) -> int:
 
     names = {"hf": "transformers greedy (parent, KV cache)", "spec": f"speculative, served default ({served_fmt})",
              **{f"block1-{f}": f"engine block 1, {f} weights" for f in FORMATS},
+             **{f"tg-{f}": f"engine block 1 tg{args.max_tokens} (generation only), {f} weights" for f in FORMATS},
              **{f"diffusion-t{t:g}": f"plain diffusion b4, threshold {t:g} ({served_fmt})" for t in thresholds}}
     rows = [[names[m], s["tokens_per_s"], f"{s['x_block1']:.2f}x",
              f"{s['x_llama_cpp']:.2f}x" if s["x_llama_cpp"] is not None else "", s["tpf"],
-             f"{s['identical_to_parent']:.0%}", f"{s['accuracy']:.0%}", s.get("target", ""),
+             "" if s["identical_to_parent"] is None else f"{s['identical_to_parent']:.0%}",
+             "" if s["accuracy"] is None else f"{s['accuracy']:.0%}", s.get("target", ""),
              verdict(s["pass"]) if "target" in s else ""] for m, s in summary.items()]
     if llama:
         rows.insert(1, [f"llama.cpp llama-bench tg{args.max_tokens} (same GGUF)", llama["tokens_per_s"],
@@ -236,7 +281,9 @@ def main(argv=None) -> int:
                         f"no binary at {args.llama_bench} (run benchmarks/build_llama_bench.sh)"])
     md = (f"{len(prompts)} held-out grid prompts ({sum(p.get('answer') is not None for p in prompts)} checkable), "
           f"max {args.max_tokens} new tokens, greedy, stop at EOS, batch 1, {args.threads} thread(s), "
-          f"{args.repeats} repeats (tokens/s: median over repeats of the set's tokens / seconds). Parent "
+          f"{args.repeats} repeats (tokens/s: median over repeats of the set's tokens / seconds; the 'tg' rows: "
+          f"{len(tg_prompts)} prompts, {args.max_tokens} tokens each after the prompt's forward, EOS ignored, "
+          f"prefill not counted, as llama-bench's tg; the block-1 target is judged there). Parent "
           f"{parent_dir}; served default: {served_what}; ratios against the engine block 1 in the served weight "
           f"format ({served_fmt}); 'identical' = answers equal to that block 1's (the served parent).\n\n"
           + bc.markdown_table(["decoder", "tokens/s", "x block 1", "x llama.cpp", "TPF", "identical to parent",

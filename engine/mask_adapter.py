@@ -66,12 +66,34 @@ class MaskAdapter:
             self.index = self.shape = None
 
 
+#: rows per adapter GEMM at inference (every call has exactly this many rows; see :func:`_fixed_chunk_linear`)
+DELTA_CHUNK = 16
+
+
+def _fixed_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` ``[n, in]`` float32 and ``w`` ``[out, in]`` float32, computed in GEMMs of exactly
+    :data:`DELTA_CHUNK` rows (the last chunk zero-padded) -> ``[n, out]`` float32.
+
+    Batch invariance (docs/design.md section 10): MKL's float32 GEMM picks its kernel by the row count, so one GEMM
+    over all selected rows made a mask row's delta depend on how many rows were selected; with a fixed shape a row's
+    result depends on its own values only (``tests/engine/test_mask_adapter.py`` checks it across positions and
+    batch mates). One ``[1, in]`` product per row (``bmm`` over stride-0 weights) had the same property at ~30x
+    the cost (docs/adapter.md, "Adapter delta cost").
+    """
+    n = x.shape[0]
+    pad = (-n) % DELTA_CHUNK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = [torch.nn.functional.linear(c, w) for c in x.split(DELTA_CHUNK)]
+    return (out[0] if len(out) == 1 else torch.cat(out))[:n]
+
+
 class MaskLoRALinear(nn.Module):
     """``base(x)`` on every row, plus ``scale * (x A^T) B^T`` on the rows of ``state.index``.
 
-    At inference the delta is one ``[1, in]`` row product per selected row (``torch.bmm`` over stride-0 copies of
-    A and B): MKL's float32 GEMM of the selected rows as one matrix picked other kernels by row count (K >= 128),
-    so a mask row's logits depended on its batch mates; per row they do not (batch invariance, section 10).
+    At inference the delta runs in GEMMs of a fixed row count (:func:`_fixed_chunk_linear`): MKL's float32 GEMM of
+    the selected rows as one matrix picked other kernels by row count (K >= 128), so a mask row's logits depended
+    on its batch mates; with a fixed shape they do not (batch invariance, section 10).
 
     Args:
         base: any linear module ``[..., in] -> [..., out]`` (``nn.Linear``, a packed fp16 linear, a fused
@@ -110,10 +132,8 @@ class MaskLoRALinear(nn.Module):
         training = torch.is_grad_enabled() and (sel.requires_grad or self.lora_A.requires_grad)
         if training:
             delta = ((sel.float() @ self.lora_A.t()) @ self.lora_B.t()) * self.scale
-        else:  # one row per GEMM (stride-0 weights): a row's delta does not depend on how many rows are selected
-            n, (r, k), o = sel.shape[0], self.lora_A.shape, self.lora_B.shape[0]
-            t = torch.bmm(sel.float().unsqueeze(1), self.lora_A.t().expand(n, k, r))
-            delta = torch.bmm(t, self.lora_B.t().expand(n, r, o)).squeeze(1) * self.scale
+        else:  # fixed-shape GEMMs: a row's delta does not depend on how many rows are selected
+            delta = _fixed_chunk_linear(_fixed_chunk_linear(sel.float(), self.lora_A), self.lora_B) * self.scale
         flat_y = y.reshape(-1, y.shape[-1])
         if torch.is_grad_enabled() and (delta.requires_grad or flat_y.requires_grad):
             return flat_y.index_add(0, idx, delta.to(y.dtype)).reshape(y.shape)

@@ -24,8 +24,9 @@ def mode(tps, tpf=1.0, identical=1.0, acc=0.5):
 
 
 def summary(**over):
-    s = {"hf": mode(20.0), "block1-fp16": mode(10.0), "block1-int8": mode(12.0),
-         "spec": mode(14.0, tpf=1.7), "diffusion-t0.5": mode(25.0, tpf=2.1, identical=0.0, acc=0.4)}
+    s = {"hf": mode(20.0), "block1-fp16": mode(8.0), "block1-int8": mode(12.0),
+         "spec": mode(11.2, tpf=1.7), "diffusion-t0.5": mode(25.0, tpf=2.1, identical=0.0, acc=0.4),
+         "tg-fp16": mode(10.0, identical=None, acc=None), "tg-int8": mode(12.0, identical=None, acc=None)}
     s.update(over)
     return s
 
@@ -33,33 +34,35 @@ def summary(**over):
 def test_judge_ratios_and_targets():
     s = summary()
     bd.judge(s, "fp16", llama_tps=18.0)
-    assert s["block1-int8"]["x_block1"] == pytest.approx(1.2)
+    assert s["block1-int8"]["x_block1"] == pytest.approx(1.5)   # end to end against end to end
+    assert s["tg-int8"]["x_block1"] == pytest.approx(1.2)       # tg against tg
     assert s["hf"]["x_llama_cpp"] == pytest.approx(20 / 18)
-    assert s["block1-fp16"]["pass"] is True          # 10/18 = 0.56 >= 0.5
-    assert s["spec"]["pass"] is True                 # 1.4x, identical, TPF 1.7
+    assert s["tg-fp16"]["pass"] is True              # tg 10/18 = 0.56 >= 0.5 (end to end 8/18 is not judged)
+    assert "target" not in s["block1-fp16"]
+    assert s["spec"]["pass"] is True                 # 1.4x the end-to-end block 1, identical, TPF 1.7
     assert s["diffusion-t0.5"]["accuracy_vs_parent"] == pytest.approx(0.8)
     assert s["diffusion-t0.5"]["pass"] is True
-    assert "target" not in s["block1-int8"] and "target" not in s["hf"]
+    assert "target" not in s["block1-int8"] and "target" not in s["hf"] and "target" not in s["tg-int8"]
 
 
 def test_judge_failures():
     s = summary(spec=mode(14.0, tpf=1.7, identical=35 / 36), **{"diffusion-t0.9": mode(9.0, tpf=1.9, acc=0.5),
                                                                "diffusion-t0.3": mode(30.0, tpf=3.0, acc=0.3)})
     bd.judge(s, "fp16", llama_tps=21.0)
-    assert s["block1-fp16"]["pass"] is False         # 10/21 < 0.5
+    assert s["tg-fp16"]["pass"] is False             # 10/21 < 0.5
     assert s["spec"]["pass"] is False                # one answer differs from the parent's
     assert s["diffusion-t0.9"]["pass"] is False      # TPF < 2
     assert s["diffusion-t0.3"]["pass"] is False      # 0.6x the parent's accuracy
-    slow = summary(spec=mode(12.0, tpf=1.7))
+    slow = summary(spec=mode(9.6, tpf=1.7))
     bd.judge(slow, "fp16", None)
     assert slow["spec"]["pass"] is False             # 1.2x < 1.3x
-    assert slow["block1-fp16"]["pass"] is None and slow["block1-fp16"]["x_llama_cpp"] is None
+    assert slow["tg-fp16"]["pass"] is None and slow["tg-fp16"]["x_llama_cpp"] is None
 
 
 def test_judge_reference_is_the_served_format_and_zero_parent_accuracy_fails():
     s = summary(hf=mode(20.0, acc=0.0))
     bd.judge(s, "int8", llama_tps=18.0)
-    assert s["block1-int8"]["x_block1"] == 1.0 and "target" in s["block1-int8"] and "target" not in s["block1-fp16"]
+    assert s["block1-int8"]["x_block1"] == 1.0 and "target" in s["tg-int8"] and "target" not in s["tg-fp16"]
     assert math.isnan(s["diffusion-t0.5"]["accuracy_vs_parent"]) and s["diffusion-t0.5"]["pass"] is False
 
 
@@ -106,3 +109,27 @@ def test_build_llama_bench_is_idempotent(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == str(binary)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]
+
+
+def test_engine_tg_counts_only_the_decoding_steps():
+    """The tg row (llama-bench's quantity): n tokens per prompt, and the time of the 1-token run (the prompt's
+    forward) subtracted: a model whose every forward sleeps 10 ms gives ~n * 10 ms per prompt, not n + 1."""
+    import time
+
+    import tiny
+    from unmask.engine import LLM, SamplingParams
+
+    lm = tiny.loaded()
+    llm = LLM(lm, max_batch_size=1)
+    forward = lm.hidden_states
+
+    def slow(*a, **k):
+        time.sleep(0.01)
+        return forward(*a, **k)
+
+    lm.hidden_states = slow
+    prompts = [{"prompt": "Hello world"}, {"prompt": "the quick brown"}]
+    r = bd.engine_tg(llm, prompts, 8, lambda k: SamplingParams(max_tokens=k, temperature=0, block_size=1,
+                                                                 ignore_eos=True))
+    assert r["tokens"] == 16
+    assert 0.16 <= r["seconds"] < 0.16 + 0.3     # 16 decoding forwards of >= 10 ms (the 2 prompt forwards not)

@@ -154,3 +154,34 @@ def test_bad_adapter_directories_and_targets_are_one_line_errors(ckpts, tmp_path
     with pytest.raises(CheckpointError, match="field 'targets'.*nonsense_proj") as err:
         load_model(ckpts / "parent", adapter=tmp_path / "ad")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("k,out,r", [(576, 1536, 16), (1536, 576, 16), (576, 960, 48)])
+def test_a_mask_rows_delta_does_not_depend_on_how_many_rows_are_selected(k, out, r):
+    """SmolLM2's shapes (hidden 576, MLP 1536, fused qkv with stacked A): one row's adapter delta is the same bit
+    for bit whether it is selected alone or with 1..40 others at any position (several DELTA_CHUNKs). Failed when
+    the delta was one float32 GEMM over all selected rows (MKL picks its kernel by the row count)."""
+    from types import SimpleNamespace
+
+    from unmask.engine.mask_adapter import MaskLoRALinear
+
+    g = torch.Generator().manual_seed(0)
+    state = SimpleNamespace(index=None, shape=None)
+    layer = MaskLoRALinear(torch.nn.Identity() if k == out else torch.nn.Linear(k, out, bias=False),
+                           torch.randn(r, k, generator=g) * 0.05, torch.randn(out, r, generator=g) * 0.05, 2.0,
+                           state)
+    x0 = torch.randn(k, generator=g)
+
+    def delta_of_x0(n: int, at: int) -> torch.Tensor:
+        x = torch.randn(n + 3, k, generator=g)
+        x[at] = x0
+        state.index, state.shape = torch.arange(n), (n + 3,)
+        with torch.inference_mode():
+            y = layer(x) - layer.base(x)
+        state.index = state.shape = None
+        return y[at]
+
+    alone = delta_of_x0(1, 0)
+    for n in (2, 3, 5, 8, 15, 16, 17, 31, 33, 40):
+        for at in (0, n // 2, n - 1):
+            assert torch.equal(delta_of_x0(n, at), alone), (n, at)
