@@ -18,6 +18,9 @@ Rows:
   weight format it is served in; ``--served DIR`` measures another adapter), verified speculative decoding - answers
   must be the served parent's block-1 answers;
 * ``diffusion b4 t<τ>``: plain diffusion of the same adapter model, block 4, threshold τ (``--thresholds``);
+* ``diffusion b<k> quota``: the same, block k, one step per block (``steps = max_tokens / k``: k tokens per
+  forward; ``--quota-blocks``); at block 2 the block's first token comes from the committed row (the parent's
+  prediction, logit shift) and only the second from a mask row;
 * memory: ``unmask serve PARENT`` vs ``unmask serve [DIR]`` (the default: parent + adapter), each given the same few
   requests: RSS after them (``/proc/PID/status`` VmRSS) and peak RSS (VmHWM).
 
@@ -167,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=36, help="first N prompts of the 60-prompt held-out grid")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quota-blocks", default="2", help="plain-diffusion block sizes decoded one step per block")
     ap.add_argument("--tg-prompts", type=int, default=4,
                     help="prompts of the generation-only (tg) rows: each generates --max-tokens after its prompt")
     ap.add_argument("--thresholds", default="0.9,0.7,0.5,0.3", help="plain-diffusion thresholds (block 4)")
@@ -203,6 +207,7 @@ def main(argv=None) -> int:
     eos = list(block1["fp16"].model.dllm.eos_token_ids)
     prompts = bc.grid_prompts(args.prompts)
     thresholds = [float(x) for x in args.thresholds.split(",") if x]
+    quota_blocks = [int(x) for x in args.quota_blocks.split(",") if x]
     base = dict(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     modes = {"hf": lambda ps, n: run_hf(hf, served, ps, n, eos)}
     for fmt, llm in block1.items():
@@ -213,6 +218,9 @@ def main(argv=None) -> int:
     for t in thresholds:
         modes[f"diffusion-t{t:g}"] = (lambda t: lambda ps, n: bc.run_mode(served, ps, SamplingParams.from_flat(
             **{**base, "max_tokens": n}, block_size=4, threshold=t, speculative=False)))(t)
+    for k in quota_blocks:
+        modes[f"diffusion-b{k}-quota"] = (lambda k: lambda ps, n: bc.run_mode(served, ps, SamplingParams.from_flat(
+            **{**base, "max_tokens": n}, block_size=k, steps=max(1, n // k), speculative=False)))(k)
     for run in modes.values():  # warm-up (first-call allocations), not timed
         run(prompts[:1], 4)
     tg_prompts = prompts[: args.tg_prompts]
@@ -267,7 +275,9 @@ def main(argv=None) -> int:
     names = {"hf": "transformers greedy (parent, KV cache)", "spec": f"speculative, served default ({served_fmt})",
              **{f"block1-{f}": f"engine block 1, {f} weights" for f in FORMATS},
              **{f"tg-{f}": f"engine block 1 tg{args.max_tokens} (generation only), {f} weights" for f in FORMATS},
-             **{f"diffusion-t{t:g}": f"plain diffusion b4, threshold {t:g} ({served_fmt})" for t in thresholds}}
+             **{f"diffusion-t{t:g}": f"plain diffusion b4, threshold {t:g} ({served_fmt})" for t in thresholds},
+             **{f"diffusion-b{k}-quota": f"plain diffusion b{k}, one step per block ({served_fmt})"
+                for k in quota_blocks}}
     rows = [[names[m], s["tokens_per_s"], f"{s['x_block1']:.2f}x",
              f"{s['x_llama_cpp']:.2f}x" if s["x_llama_cpp"] is not None else "", s["tpf"],
              "" if s["identical_to_parent"] is None else f"{s['identical_to_parent']:.0%}",
