@@ -348,11 +348,12 @@ def markdown(result: dict) -> str:
                        f"{f(v['ratio'], 2)}: {'PASS' if v['pass'] else 'fail'}")
     if "alignment_minutes" in t:
         out += ["", "Target 2: with alignment, the base's final held-out quality in <= 0.5 x the base's training "
-                "minutes (training curves):", ""]
+                "minutes to it (training curves; first evaluated point at least as good, for both arms):", ""]
         for metric, v in t["alignment_minutes"].items():
             verdict = "n/a" if v["pass"] is None else ("PASS" if v["pass"] else "fail")
-            out.append(f"- {metric}: base final {f(v['base_final'], 4)} after {f(v['base_minutes'], 2)} min; align "
-                       f"reaches it at {f(v['aligned_minutes_to_reach'], 2)} min; ratio {f(v['ratio'], 3)}: {verdict}")
+            out.append(f"- {metric}: base final {f(v['base_final'], 4)} after {f(v['base_minutes'], 2)} min, first "
+                       f"reached at {f(v.get('base_minutes_to_reach'), 2)} min; align reaches it at "
+                       f"{f(v['aligned_minutes_to_reach'], 2)} min; ratio {f(v['ratio'], 3)}: {verdict}")
     return "\n".join(out) + "\n"
 
 

@@ -205,15 +205,21 @@ def alignment_target(arms: dict, metric: str = "eval_loss", ratio_max: float = 0
                      base: str = "base", aligned: str = "align") -> dict:
     """Issue 26's second target: with alignment, the base's final quality in at most ``ratio_max`` of the base's
     training minutes. ``arms[name]`` = ``{"curve": [{train_min, eval_loss, eval_acc}], "train_minutes": M}``
-    (:func:`summarise`'s per-arm entries); the base's final quality is its last evaluated point.
+    (:func:`summarise`'s per-arm entries); the base's final quality is its last evaluated point, and the base's
+    minutes are those of its *first* evaluated point at that quality (``base_minutes_to_reach``): its whole budget
+    when the curve improves to the end (the held-out ELBO here), less when the metric peaked earlier (masked-token
+    accuracy, which falls over the first steps of these runs: dividing by the whole budget would credit alignment
+    with reaching a quality the base already had at its first point).
 
     Returns:
-        ``{metric, base_final, base_minutes, aligned_minutes_to_reach, ratio, pass}`` (``pass`` None when an arm
-        or its curve is missing; ``ratio`` None and ``pass`` False when the aligned arm never reaches it).
+        ``{metric, base_final, base_minutes, base_minutes_to_reach, aligned_minutes_to_reach, ratio, pass}``
+        (``ratio`` = aligned / base minutes to reach; ``pass`` None when an arm or its curve is missing; ``ratio``
+        None and ``pass`` False when the aligned arm never reaches it).
     """
     lower = metric == "eval_loss"
     out = {"metric": metric, "lower_is_better": lower, "ratio_max": ratio_max, "base_final": None,
-           "base_minutes": None, "aligned_minutes_to_reach": None, "ratio": None, "pass": None}
+           "base_minutes": None, "base_minutes_to_reach": None, "aligned_minutes_to_reach": None, "ratio": None,
+           "pass": None}
     if base not in arms or aligned not in arms:
         return out
     pts = {k: [(p["train_min"], p[metric]) for p in arms[k]["curve"] if p.get(metric) is not None]
@@ -222,9 +228,11 @@ def alignment_target(arms: dict, metric: str = "eval_loss", ratio_max: float = 0
         return out
     final = max(pts[base])[1]
     m_base = arms[base]["train_minutes"]
+    base_reach = minutes_to_reach(pts[base], final, lower)
     reach = minutes_to_reach(pts[aligned], final, lower)
-    out.update(base_final=final, base_minutes=m_base, aligned_minutes_to_reach=reach)
-    out["ratio"] = reach / m_base if reach is not None and m_base else None
+    out.update(base_final=final, base_minutes=m_base, base_minutes_to_reach=base_reach,
+               aligned_minutes_to_reach=reach)
+    out["ratio"] = reach / base_reach if reach is not None and base_reach else None
     out["pass"] = out["ratio"] is not None and out["ratio"] <= ratio_max
     return out
 
@@ -372,11 +380,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {arm} | {r['steps']} | {_f(r['train_minutes'], 2)} | {_f(r['record_seconds'], 0)} | "
                      f"{_f(r['final_eval_loss'], 4)} | {_f(r['final_eval_acc'], 4)} |")
     lines += ["", "Alignment target (the base's final quality reached with alignment in <= 0.5 x the base's training "
-              "minutes; first evaluated point at least as good):", ""]
+              "minutes to it; first evaluated point at least as good, for both arms):", ""]
     for metric, t in result["alignment_target"].items():
-        lines.append(f"- {metric}: base final {_f(t['base_final'], 4)} after {_f(t['base_minutes'], 2)} min; "
-                     f"align reaches it at {_f(t['aligned_minutes_to_reach'], 2)} min; ratio {_f(t['ratio'], 3)}; "
-                     f"pass: {t['pass']}")
+        lines.append(f"- {metric}: base final {_f(t['base_final'], 4)} after {_f(t['base_minutes'], 2)} min, first "
+                     f"reached at {_f(t.get('base_minutes_to_reach'), 2)} min; align reaches it at "
+                     f"{_f(t['aligned_minutes_to_reach'], 2)} min; ratio {_f(t['ratio'], 3)}; pass: {t['pass']}")
     return "\n".join(lines) + "\n"
 
 

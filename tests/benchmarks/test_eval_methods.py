@@ -111,6 +111,14 @@ def test_alignment_target_on_synthetic_training_curves():
     t = mr.alignment_target({"base": base, "align": never})
     assert t["aligned_minutes_to_reach"] is None and t["pass"] is False
     assert mr.alignment_target({"base": base})["pass"] is None
+    # a metric that peaked before the base's last point: the base's minutes are those of its first point at its
+    # final value (here minute 5), so an aligned arm at minute 6 is slower, not 0.3 x the budget
+    peaked = arm([(5, 2.2), (10, 2.6), (20, 2.2)], 20.0)
+    late = arm([(6, 2.2), (20, 2.1)], 20.0)
+    t = mr.alignment_target({"base": peaked, "align": late})
+    assert t["base_minutes_to_reach"] == 5 and t["aligned_minutes_to_reach"] == 6
+    assert t["ratio"] == pytest.approx(1.2) and t["pass"] is False
+    assert mr.alignment_target({"base": base, "align": fast})["base_minutes_to_reach"] == 20
     assert mr.minutes_to_reach([(3, 0.5), (1, 0.2), (2, 0.6)], 0.55, lower_is_better=False) == 2
 
 
