@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_quality as ev  # noqa: E402
+import methods_runs as mr  # noqa: E402
 import quality_metrics as qm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,8 +285,6 @@ class MethodsEval:
                    "tpf_f1": tpf_target([r for r in runs if r["model"] != "parent"], self.base, a.reference,
                                         metric="token_f1")}
         if a.training_runs:
-            import methods_runs as mr
-
             try:
                 tr = json.loads(Path(a.training_runs).expanduser().read_text())
             except (OSError, ValueError) as exc:
@@ -351,9 +350,7 @@ def markdown(result: dict) -> str:
                 "minutes to it (training curves; first evaluated point at least as good, for both arms):", ""]
         for metric, v in t["alignment_minutes"].items():
             verdict = "n/a" if v["pass"] is None else ("PASS" if v["pass"] else "fail")
-            out.append(f"- {metric}: base final {f(v['base_final'], 4)} after {f(v['base_minutes'], 2)} min, first "
-                       f"reached at {f(v.get('base_minutes_to_reach'), 2)} min; align reaches it at "
-                       f"{f(v['aligned_minutes_to_reach'], 2)} min; ratio {f(v['ratio'], 3)}: {verdict}")
+            out.append(f"{mr.alignment_target_line(metric, v)}: {verdict}")
     return "\n".join(out) + "\n"
 
 

@@ -361,6 +361,14 @@ def summarise(a: argparse.Namespace, arms: list[str], split: dict, results: Path
     return result
 
 
+def alignment_target_line(metric: str, t: dict) -> str:
+    """One Markdown bullet of :func:`alignment_target`'s result ``t`` for ``metric``, without the verdict (the
+    callers append theirs)."""
+    return (f"- {metric}: base final {_f(t['base_final'], 4)} after {_f(t['base_minutes'], 2)} min, first reached at "
+            f"{_f(t['base_minutes_to_reach'], 2)} min; align reaches it at {_f(t['aligned_minutes_to_reach'], 2)} "
+            f"min; ratio {_f(t['ratio'], 3)}")
+
+
 def _f(x, nd=3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else (f"{x:.{nd}f}" if isinstance(x, float)
                                                                              else str(x))
@@ -382,9 +390,7 @@ def markdown(result: dict) -> str:
     lines += ["", "Alignment target (the base's final quality reached with alignment in <= 0.5 x the base's training "
               "minutes to it; first evaluated point at least as good, for both arms):", ""]
     for metric, t in result["alignment_target"].items():
-        lines.append(f"- {metric}: base final {_f(t['base_final'], 4)} after {_f(t['base_minutes'], 2)} min, first "
-                     f"reached at {_f(t.get('base_minutes_to_reach'), 2)} min; align reaches it at "
-                     f"{_f(t['aligned_minutes_to_reach'], 2)} min; ratio {_f(t['ratio'], 3)}; pass: {t['pass']}")
+        lines.append(f"{alignment_target_line(metric, t)}; pass: {t['pass']}")
     return "\n".join(lines) + "\n"
 
 
