@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weights", default="auto", help="the engine's --weights (default auto, as `unmask serve`)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--reference-samples", default=None, metavar="JSONL",
                     help="another run's eval_grid_samples.jsonl: its first setting's outputs are the reference "
@@ -52,12 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     rows, grid_ids, _ = ev.load_eval_sets()
     rows_by_id = {r["id"]: r for r in rows}
     env = bc.environment(args.threads)
-    llm = LLM(os.path.expanduser(args.model), max_batch_size=args.batch_size)
+    llm = LLM(os.path.expanduser(args.model), max_batch_size=args.batch_size, weights=args.weights)
     prompt_ids = {pid: llm.apply_chat_template(ev.chat_messages(rows_by_id[pid])) for pid in grid_ids}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     meta = {"command": bc.command_line(), "model": args.model, "weight_format": llm.model.weight_format,
+            "packed_layers": llm.model.packed_layers,
             "adapter": llm.model.adapter, "grid_prompts": len(grid_ids), "max_tokens": args.max_tokens,
             "batch_size": args.batch_size, "environment": env,
             "reference": (f"the first setting of {args.reference_samples}" if reference else
