@@ -47,6 +47,9 @@ def register(sub, name):
                         "conversion of the AR parent); the saved checkpoints name it as their verifier")
     p.add_argument("--draft-groups", type=int, default=32,
                    help="--objective draft: draft groups (of --block-size masks) per example per step")
+    p.add_argument("--draft-block-sizes", default=None, metavar="K,K,...",
+                   help="--objective draft: block sizes the draft groups cycle through, one per step (e.g. 2,4: "
+                        "drafting at block 4 and plain diffusion at block 2 from one adapter; default --block-size)")
     p.add_argument("--trainable", default="full", choices=["full", "freeze_ffn", "qk_only", "lora", "qlora", "mask_lora"],
                    help="mask_lora: the mask-row adapter (LoRA only mask rows see; --lora-r/--lora-alpha/--lora-targets)")
     p.add_argument("--block-size", type=int, default=None, help="training block size (default: the checkpoint's)")
@@ -105,6 +108,22 @@ def register(sub, name):
     return p
 
 
+def _int_list(option: str, text: str | None) -> list[int] | None:
+    """``"2,4"`` -> ``[2, 4]`` (None stays None).
+
+    Raises:
+        UsageError: an item is not an integer (names ``option``).
+    """
+    if text is None:
+        return None
+    from unmask.cli.main import UsageError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{option}: expected comma-separated integers such as 2,4, got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Build a :class:`~unmask.training.trainer.TrainConfig` from the options and train; returns 0.
 
@@ -127,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None,
         mixed_precision=args.mixed_precision, progress=not args.no_progress, verifier=args.verifier,
-        draft_groups=args.draft_groups, fsdp=args.fsdp, align_weight=args.align_weight, align_layers=args.align_layers,
+        draft_groups=args.draft_groups, draft_block_sizes=_int_list("--draft-block-sizes", args.draft_block_sizes), fsdp=args.fsdp, align_weight=args.align_weight, align_layers=args.align_layers,
         align_exp=args.align_exp, align_confidence=args.align_confidence, align_teacher=args.align_teacher,
         align_anchors=args.align_anchors, align_anchor_budget_mb=args.align_anchor_budget_mb,
         trajectories=args.trajectories, trajectory_mode=args.trajectory_mode,

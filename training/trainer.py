@@ -107,6 +107,8 @@ class TrainConfig:
     halt_after: int | None = None
     verifier: str | None = None
     draft_groups: int = 32
+    #: --objective draft: block sizes its draft groups cycle through, one per step (None = --block-size only)
+    draft_block_sizes: list[int] | None = None
     fsdp: bool = False
     # Repr-Align (unmask.training.align, docs/design.md section 22); 0 = off
     align_weight: float = 0.0
@@ -208,11 +210,17 @@ class TrainConfig:
                 raise TrainError("--objective draft: --teacher-kl, --complementary and --certainty do not apply")
             if self.draft_groups < 1:
                 raise TrainError(f"--draft-groups: must be >= 1, got {self.draft_groups}")
+            if self.draft_block_sizes is not None and (not self.draft_block_sizes
+                                                       or any(int(b) < 2 for b in self.draft_block_sizes)):
+                raise TrainError(f"--draft-block-sizes: each must be >= 2 (a group of one mask drafts nothing), got "
+                                 f"{self.draft_block_sizes}")
             if self.gradient_checkpointing:
                 raise TrainError("--objective draft: --gradient-checkpointing is not supported (the checkpointed "
                                  "layers drop the verifier's keys/values)")
         elif self.verifier:
             raise TrainError("--verifier: only used by --objective draft")
+        elif self.draft_block_sizes is not None:
+            raise TrainError("--draft-block-sizes: only used by --objective draft")
         if self.fsdp:
             from .distributed import check_fsdp
 
@@ -775,7 +783,10 @@ class Trainer:
                                                                   cfg.vfm_beta_warmup))
             return parts, rows
         if cfg.objective == "draft":
-            lay = build_draft_layout(batch, dllm, self.block_size, generator, cfg.draft_groups).to(self.acc.device)
+            sizes = cfg.draft_block_sizes or [self.block_size]
+            # a mixture of draft block sizes: step s drafts groups of sizes[s % len(sizes)] (one size per step)
+            lay = build_draft_layout(batch, dllm, int(sizes[self.step % len(sizes)]), generator,
+                                     cfg.draft_groups).to(self.acc.device)
             with self.acc.autocast():
                 logits = module(lay.context_ids, lay.context_mask, lay.input_ids, lay.position_ids,
                                 lay.attention_mask, lay.src_row, lay.src_col)

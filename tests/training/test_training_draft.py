@@ -228,3 +228,28 @@ def test_resume_of_a_run_saved_before_the_draft_objective(workdir, tmp_path):
     torch.save(state, ck / "training_state.pt")
     train(TrainConfig(resume=True, **base))
     assert (out / "latest").read_text().strip() == "checkpoint-2"
+
+
+def test_draft_block_sizes_cycle_one_per_step(workdir, tmp_path, monkeypatch):
+    """--draft-block-sizes 2,3: step s drafts groups of sizes[s % 2] (a mixture trains block-2 diffusion and
+    block-3 drafting into one drafter)."""
+    from unmask.training import losses, trainer as trainer_mod
+
+    seen = []
+    real = losses.build_draft_layout
+
+    def spy(batch, dllm, block_size, generator, max_groups=32):
+        seen.append(block_size)
+        return real(batch, dllm, block_size, generator, max_groups)
+
+    monkeypatch.setattr(trainer_mod, "build_draft_layout", spy)
+    train(TrainConfig(model=str(workdir / "drafter"), data=str(workdir / "data.jsonl"), out=str(tmp_path / "o"),
+                      objective="draft", verifier=str(workdir / "parent"), block_size=3, draft_block_sizes=[2, 3],
+                      batch_size=2, max_steps=4, seq_len=64, lr=1e-3, progress=False))
+    assert seen == [2, 3, 2, 3]
+    base = dict(model=str(workdir / "drafter"), data=str(workdir / "data.jsonl"), out=str(tmp_path / "e"),
+                progress=False, max_steps=1)
+    with pytest.raises(TrainError, match="--draft-block-sizes: each must be >= 2"):
+        TrainConfig(objective="draft", verifier="x", draft_block_sizes=[1, 4], **base).validate()
+    with pytest.raises(TrainError, match="--draft-block-sizes: only used by --objective draft"):
+        TrainConfig(objective="block", draft_block_sizes=[2], **base).validate()

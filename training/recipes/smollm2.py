@@ -99,6 +99,8 @@ class RecipeConfig:
             (``benchmarks/results/verified/``), while it makes greedy answers exactly the parent's. draft_max_steps: its optimizer-step cap (0 = budget only).
         draft_lr*, draft_batch_size, draft_groups*: the draft stage's learning rate, examples per step and draft
             groups per example (``unmask train --objective draft``).
+        draft_block_sizes: ``"2,4"``: the draft stage's groups cycle through these block sizes, one per step
+            (``unmask train --draft-block-sizes``); empty = ``block_size`` only.
         max_steps: optimizer-step cap (0 = only the time budget, with a cosine learning-rate decay over the
             budget's wall clock, ``cosine_time``; > 0 = cosine decay over that many steps).
         batch_size*, grad_accum, seq_len*, lr*, warmup, trainable, teacher_kl*, complementary, certainty,
@@ -132,6 +134,7 @@ class RecipeConfig:
     draft_lr: float | None = None
     draft_batch_size: int = 4
     draft_groups: int | None = None
+    draft_block_sizes: str = ""
     batch_size: int | None = None
     grad_accum: int = 1
     seq_len: int | None = None
@@ -180,6 +183,13 @@ class RecipeConfig:
             raise RecipeError(f"--draft-minutes: must be finite and >= 0, got {self.draft_minutes}")
         if not (math.isfinite(self.draft_lr) and self.draft_lr > 0):
             raise RecipeError(f"--draft-lr: must be > 0, got {self.draft_lr}")
+        try:
+            sizes = [int(x) for x in self.draft_block_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise RecipeError(f"--draft-block-sizes: expected comma-separated integers such as 2,4, got "
+                              f"{self.draft_block_sizes!r}") from None
+        if any(b < 2 for b in sizes):
+            raise RecipeError(f"--draft-block-sizes: each must be >= 2, got {self.draft_block_sizes!r}")
         if (self.draft_minutes > 0 or self.draft_max_steps > 0) and self.block_size < 2:
             raise RecipeError("--draft-minutes: the draft stage needs --block-size >= 2 (or --draft-minutes 0)")
         for name in ("prompts_limit", "top_k_dist", "max_steps", "warmup", "save_every", "teacher_kl",
@@ -528,8 +538,10 @@ class Recipe:
             describe = f"drafter for {self.converted.name} (the parent)"
         self._run_trainer("draft", self.draft_dir, cfg.draft_minutes, cfg.draft_max_steps,
                           f"{describe}, block {cfg.block_size}, lr {cfg.draft_lr:g}, batch {cfg.draft_batch_size}, "
-                          f"{cfg.draft_groups} groups/example",
+                          f"{cfg.draft_groups} groups/example"
+                          + (f", draft blocks {cfg.draft_block_sizes} by turns" if cfg.draft_block_sizes else ""),
                           source=str(src), objective="draft", block_size=cfg.block_size,
+                          draft_block_sizes=[int(x) for x in cfg.draft_block_sizes.split(",") if x.strip()] or None,
                           batch_size=cfg.draft_batch_size, lr=cfg.draft_lr, draft_groups=cfg.draft_groups, **what)
 
     def _run_trainer(self, stage: str, out_dir: Path, budget: float, max_steps: int, describe: str,
@@ -784,6 +796,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--draft-groups", type=int, default=None,
                    help=f"draft groups per example per step ({both('draft_groups')})")
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--draft-block-sizes", default="", metavar="K,K,...",
+                   help="the draft stage's groups cycle through these block sizes, one per step (e.g. 2,4; "
+                        "default --block-size only)")
     p.add_argument("--attention", default=d.attention, choices=("prefix_causal", "block_causal"))
     p.add_argument("--prompts-limit", type=int, default=None,
                    help=f"first N training prompts (0 = all; {both('prompts_limit')})")
