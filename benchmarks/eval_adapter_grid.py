@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     meta = {"command": bc.command_line(), "model": args.model, "weight_format": llm.model.weight_format,
-            "packed_layers": llm.model.packed_layers,
             "adapter": llm.model.adapter, "grid_prompts": len(grid_ids), "max_tokens": args.max_tokens,
             "batch_size": args.batch_size, "environment": env,
             "reference": (f"the first setting of {args.reference_samples}" if reference else

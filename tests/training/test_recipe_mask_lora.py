@@ -84,7 +84,8 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
     assert any("the engine at block 1" in line for line in logs)
     # 2) rerun: the train stage resumes at step 2, then draft and export
     logs.clear()
-    recipe = Recipe(_cfg(tmp_path, extra=LORA), log=logs.append, command="unmask recipe --trainable mask_lora")
+    recipe = Recipe(_cfg(tmp_path, extra=LORA, draft_block_sizes="2,4"), log=logs.append,
+                    command="unmask recipe --trainable mask_lora")
     out = recipe.run()
     assert any("[recipe 4/6 train] resuming checkpoint-2" in line for line in logs), logs
     with open(work / "train" / "metrics.csv") as fh:
@@ -112,6 +113,11 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
     assert rec["train"]["steps"] == 4 and rec["draft"]["steps"] == 2 and rec["draft"]["accepted_final"] is not None
     assert set(rec["minutes"]) == {"convert", "prompts", "distill", "train", "draft", "export", "total"}
     assert rec["config"]["trainable"] == "mask_lora" and rec["config"]["teacher_kl"] == 0.0
+    assert rec["config"]["draft_block_sizes"] == "2,4" and any("draft blocks 2,4 by turns" in line for line in logs)
+    with pytest.raises(RecipeError, match="--draft-block-sizes: each must be >= 2"):
+        _cfg(tmp_path, draft_block_sizes="1,4").validate()
+    with pytest.raises(RecipeError, match="--draft-block-sizes: expected comma-separated integers"):
+        _cfg(tmp_path, draft_block_sizes="2,x").validate()
     # served: the parent + the adapter, speculative by default = the parent's block-1 greedy answer
     ref = LLM(str(work / "converted")).generate("Two plus", SamplingParams(
         max_tokens=8, temperature=0, block_size=1, ignore_eos=True))[0].outputs[0].token_ids
@@ -130,6 +136,11 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
     again = LLM(load_model(shipped, parent=work / "converted")).generate(
         "Two plus", SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert again.token_ids == ref
+    # --block-size sets the served default block (recorded), nothing else
+    assert record_main(["ship", str(out), str(tmp_path / "shipped3"), "--block-size", "3"]) == 0
+    assert read_adapter(tmp_path / "shipped3")[1]["dllm"]["block_size"] == 3
+    assert json.loads((tmp_path / "shipped3" / "recipe.json").read_text())["shipped_block_size"] == 3
+    assert (tmp_path / "shipped3" / "mask_adapter.safetensors").read_bytes() == (shipped / "mask_adapter.safetensors").read_bytes()
     # a rerun finds every stage done and exports nothing new
     logs.clear()
     Recipe(_cfg(tmp_path, extra=LORA), log=logs.append).run()

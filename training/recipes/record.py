@@ -113,11 +113,14 @@ SHIPPED_PARENT = {"name": "smollm2-135m-a2d",
                          "unmask serve with no MODEL finds it"}
 
 
-def ship(export: str | os.PathLike, dest: str | os.PathLike) -> Path:
+def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | None = None) -> Path:
     """Copy a recipe's adapter export into ``dest`` (e.g. ``default_adapter/``) without machine paths: the two
     adapter files with ``parent.name`` / ``parent.how`` of :data:`SHIPPED_PARENT` (hash and GGUF provenance kept;
     ``training.data`` reduced to the file name), and the record with the work and out directories written
     ``WORK`` and ``OUT`` and a ``--parent`` path reduced to its name. Other files of ``dest`` (README.md, __init__.py) are left alone. Returns ``dest``.
+    ``block_size``: the served default block size (``dllm.block_size`` of the shipped adapter; speculative requests
+    draft at it), e.g. the largest of a ``--draft-block-sizes`` run's blocks; recorded in the record as
+    ``shipped_block_size``. None keeps the export's.
 
     Raises:
         CheckpointError: ``export`` holds no adapter. FileNotFoundError: it has no ``recipe.json``.
@@ -147,6 +150,11 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike) -> Path:
         return value
 
     cfg["parent"] = {**cfg["parent"], **SHIPPED_PARENT}
+    if block_size is not None:
+        if block_size < 1:
+            raise ValueError(f"--block-size: must be >= 1, got {block_size}")
+        cfg["dllm"] = {**cfg.get("dllm", {}), "block_size": int(block_size)}
+        record["shipped_block_size"] = int(block_size)
     if isinstance(cfg.get("training"), dict) and isinstance(cfg["training"].get("data"), str):
         cfg["training"]["data"] = Path(cfg["training"]["data"]).name
     dest.mkdir(parents=True, exist_ok=True)
@@ -167,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("ship", help="copy an adapter export into DEST (default_adapter/) without machine paths")
     s.add_argument("export")
     s.add_argument("dest")
+    s.add_argument("--block-size", type=int, default=None,
+                   help="the served default block size (speculative requests draft at it); default the export's")
     a = p.parse_args(argv)
-    print(ship(a.export, a.dest))
+    print(ship(a.export, a.dest, a.block_size))
     return 0
 
 
