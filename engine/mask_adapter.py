@@ -140,6 +140,19 @@ class MaskLoRALinear(nn.Module):
         flat_y.index_add_(0, idx, delta.to(y.dtype))  # in place: the base output is not needed elsewhere
         return flat_y.reshape(y.shape)
 
+    def as_function(self):
+        """``f(x) == self(x)``, for the fused decoder's per-layer plans: a forward without mask rows (``index`` None:
+        every block-1 step and causal-only forward) calls the base layer's own function directly, without the two
+        ``nn.Module`` dispatches (~5 us per call, 121 calls per SmolLM2 step: 5% of a block-1 step measured)."""
+        base = getattr(self.base, "as_function", None)
+        base = base() if base is not None else self.base
+        state = self._state
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return base(x) if state.index is None else self(x)
+
+        return run
+
     def extra_repr(self) -> str:
         return f"rank={self.lora_A.shape[0]}, scale={self.scale:g}, mask rows only"
 

@@ -185,3 +185,23 @@ def test_a_mask_rows_delta_does_not_depend_on_how_many_rows_are_selected(k, out,
     for n in (2, 3, 5, 8, 15, 16, 17, 31, 33, 40):
         for at in (0, n // 2, n - 1):
             assert torch.equal(delta_of_x0(n, at), alone), (n, at)
+
+
+def test_block1_steps_skip_the_adapter_wrappers(ckpts, monkeypatch):
+    """A forward without mask rows (every block-1 step) calls the parent's layers directly through the fused
+    decoder's plan (``MaskLoRALinear.as_function``), not the wrapper modules: block 1 of the adapter model runs at
+    the parent's speed (docs/adapter.md, "Measured"); rows with masks still go through the wrappers."""
+    from unmask.engine.mask_adapter import MaskLoRALinear
+
+    calls = []
+    real = MaskLoRALinear.forward
+    monkeypatch.setattr(MaskLoRALinear, "forward", lambda self, x: calls.append(1) or real(self, x))
+    adapted = LLM(load_model(ckpts / "adapter", weights=FORMATS[-1]))
+    parent = LLM(load_model(ckpts / "parent", weights=FORMATS[-1]))
+    if adapted.model.decoder_path != "fused":
+        pytest.skip("no fused decoder here (fbgemm missing)")
+    ref = _gen(parent, temperature=0, block_size=1).token_ids
+    calls.clear()
+    assert _gen(adapted, temperature=0, block_size=1).token_ids == ref and not calls
+    _gen(adapted, temperature=0, block_size=4, steps=4, speculative=False)
+    assert calls
