@@ -178,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block-size", type=int, default=None,
                    help="the served default block size (speculative requests draft at it); default the export's")
     a = p.parse_args(argv)
-    if a.block_size is not None and a.block_size < 1:
-        p.error(f"--block-size: must be >= 1, got {a.block_size}")
-    print(ship(a.export, a.dest, a.block_size))
+    try:
+        print(ship(a.export, a.dest, a.block_size))
+    except ValueError as exc:  # a bad --block-size, refused before anything is written
+        p.error(str(exc))
     return 0
 
 

@@ -165,6 +165,18 @@ class RecipeConfig:
             if getattr(self, name) is None:
                 setattr(self, name, value)
 
+    def draft_block_list(self) -> list[int]:
+        """``draft_block_sizes`` as integers (``"2,4"`` -> ``[2, 4]``; ``""`` -> ``[]``).
+
+        Raises:
+            RecipeError: an item is not an integer (names ``--draft-block-sizes``).
+        """
+        try:
+            return [int(x) for x in self.draft_block_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise RecipeError(f"--draft-block-sizes: expected comma-separated integers such as 2,4, got "
+                              f"{self.draft_block_sizes!r}") from None
+
     def validate(self) -> None:
         """Raise :class:`RecipeError` naming the first bad option."""
         if self.distill_teacher not in TEACHERS:
@@ -183,12 +195,7 @@ class RecipeConfig:
             raise RecipeError(f"--draft-minutes: must be finite and >= 0, got {self.draft_minutes}")
         if not (math.isfinite(self.draft_lr) and self.draft_lr > 0):
             raise RecipeError(f"--draft-lr: must be > 0, got {self.draft_lr}")
-        try:
-            sizes = [int(x) for x in self.draft_block_sizes.split(",") if x.strip()]
-        except ValueError:
-            raise RecipeError(f"--draft-block-sizes: expected comma-separated integers such as 2,4, got "
-                              f"{self.draft_block_sizes!r}") from None
-        if any(b < 2 for b in sizes):
+        if any(b < 2 for b in self.draft_block_list()):
             raise RecipeError(f"--draft-block-sizes: each must be >= 2, got {self.draft_block_sizes!r}")
         if (self.draft_minutes > 0 or self.draft_max_steps > 0) and self.block_size < 2:
             raise RecipeError("--draft-minutes: the draft stage needs --block-size >= 2 (or --draft-minutes 0)")
@@ -541,7 +548,7 @@ class Recipe:
                           f"{cfg.draft_groups} groups/example"
                           + (f", draft blocks {cfg.draft_block_sizes} by turns" if cfg.draft_block_sizes else ""),
                           source=str(src), objective="draft", block_size=cfg.block_size,
-                          draft_block_sizes=[int(x) for x in cfg.draft_block_sizes.split(",") if x.strip()] or None,
+                          draft_block_sizes=cfg.draft_block_list() or None,
                           batch_size=cfg.draft_batch_size, lr=cfg.draft_lr, draft_groups=cfg.draft_groups, **what)
 
     def _run_trainer(self, stage: str, out_dir: Path, budget: float, max_steps: int, describe: str,
