@@ -211,9 +211,10 @@ class TrainConfig:
             if self.draft_groups < 1:
                 raise TrainError(f"--draft-groups: must be >= 1, got {self.draft_groups}")
             if self.draft_block_sizes is not None and (not self.draft_block_sizes
-                                                       or any(int(b) < 2 for b in self.draft_block_sizes)):
-                raise TrainError(f"--draft-block-sizes: each must be >= 2 (a group of one mask drafts nothing), got "
-                                 f"{self.draft_block_sizes}")
+                                                       or any(not 2 <= int(b) <= self.seq_len
+                                                              for b in self.draft_block_sizes)):
+                raise TrainError(f"--draft-block-sizes: each must be in 2..--seq-len ({self.seq_len}; a group of one "
+                                 f"mask drafts nothing), got {self.draft_block_sizes}")
             if self.gradient_checkpointing:
                 raise TrainError("--objective draft: --gradient-checkpointing is not supported (the checkpointed "
                                  "layers drop the verifier's keys/values)")

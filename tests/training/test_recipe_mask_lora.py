@@ -67,7 +67,7 @@ def test_the_engine_teacher_and_the_teacher_kl_rule():
     assert config_from_args(add_arguments(argparse.ArgumentParser()).parse_args([])).lr == 1e-4
 
 
-def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
+def test_mask_lora_recipe_end_to_end_with_resume(tmp_path, monkeypatch):
     """An interrupted train stage resumes; the draft stage continues the train stage's adapter over the converted
     parent; the export is adapter-only fp16 with its record, and serves the parent's greedy answers."""
     from unmask.engine import LLM, SamplingParams
@@ -114,8 +114,10 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
     assert set(rec["minutes"]) == {"convert", "prompts", "distill", "train", "draft", "export", "total"}
     assert rec["config"]["trainable"] == "mask_lora" and rec["config"]["teacher_kl"] == 0.0
     assert rec["config"]["draft_block_sizes"] == "2,4" and any("draft blocks 2,4 by turns" in line for line in logs)
-    with pytest.raises(RecipeError, match="--draft-block-sizes: each must be >= 2"):
+    with pytest.raises(RecipeError, match="--draft-block-sizes: each must be in 2"):
         _cfg(tmp_path, draft_block_sizes="1,4").validate()
+    with pytest.raises(RecipeError, match="--draft-block-sizes: each must be in 2"):
+        _cfg(tmp_path, draft_block_sizes="2,100000").validate()
     with pytest.raises(RecipeError, match="--draft-block-sizes: expected comma-separated integers"):
         _cfg(tmp_path, draft_block_sizes="2,x").validate()
     # served: the parent + the adapter, speculative by default = the parent's block-1 greedy answer
@@ -141,6 +143,34 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path):
     assert read_adapter(tmp_path / "shipped3")[1]["dllm"]["block_size"] == 3
     assert json.loads((tmp_path / "shipped3" / "recipe.json").read_text())["shipped_block_size"] == 3
     assert (tmp_path / "shipped3" / "mask_adapter.safetensors").read_bytes() == (shipped / "mask_adapter.safetensors").read_bytes()
+    # refused before anything is written: a block the server cannot draft at, a DEST that is a file or the export
+    from unmask.training.recipes.record import ship
+
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="--block-size: must be in 1..32"):
+            ship(out, tmp_path / "shipped4", block_size=bad)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        ship(out, tmp_path / "afile")
+    with pytest.raises(ValueError, match="the export itself"):
+        ship(out, out)
+    assert not (tmp_path / "shipped4").exists()
+    # a write that fails part-way (here: the record) leaves DEST's files as they were, and no temporary files
+    before = {f.name: f.read_bytes() for f in (tmp_path / "shipped3").iterdir()}
+    real_write = type(out).write_text
+
+    def failing(self, *a, **k):
+        if self.name.startswith(".recipe.json.tmp"):
+            raise OSError("disk full")
+        return real_write(self, *a, **k)
+
+    import pathlib
+
+    monkeypatch.setattr(pathlib.Path, "write_text", failing)
+    with pytest.raises(OSError, match="disk full"):
+        ship(out, tmp_path / "shipped3", block_size=2)
+    monkeypatch.undo()
+    assert {f.name: f.read_bytes() for f in (tmp_path / "shipped3").iterdir()} == before
     # a rerun finds every stage done and exports nothing new
     logs.clear()
     Recipe(_cfg(tmp_path, extra=LORA), log=logs.append).run()

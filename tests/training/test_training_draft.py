@@ -249,7 +249,9 @@ def test_draft_block_sizes_cycle_one_per_step(workdir, tmp_path, monkeypatch):
     assert seen == [2, 3, 2, 3]
     base = dict(model=str(workdir / "drafter"), data=str(workdir / "data.jsonl"), out=str(tmp_path / "e"),
                 progress=False, max_steps=1)
-    with pytest.raises(TrainError, match="--draft-block-sizes: each must be >= 2"):
+    with pytest.raises(TrainError, match="--draft-block-sizes: each must be in 2"):
         TrainConfig(objective="draft", verifier="x", draft_block_sizes=[1, 4], **base).validate()
+    with pytest.raises(TrainError, match="--draft-block-sizes: each must be in 2..--seq-len"):
+        TrainConfig(objective="draft", verifier="x", draft_block_sizes=[2, 100000], **base).validate()
     with pytest.raises(TrainError, match="--draft-block-sizes: only used by --objective draft"):
         TrainConfig(objective="block", draft_block_sizes=[2], **base).validate()

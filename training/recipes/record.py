@@ -122,16 +122,33 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | N
     draft at it), e.g. the largest of a ``--draft-block-sizes`` run's blocks; recorded in the record as
     ``shipped_block_size``. None keeps the export's.
 
+    Writes: every file goes to a temporary name in ``dest`` first and is renamed into place only once all three are
+    written, so a killed ship leaves whole files (a kill between the renames may pair the new weights with the old
+    record; rerun it).
+
     Raises:
-        CheckpointError: ``export`` holds no adapter. FileNotFoundError: it has no ``recipe.json``.
+        CheckpointError: ``export`` holds no adapter. ValueError: ``block_size`` outside 1..``MAX_SPECULATIVE_BLOCK``
+        (the shipped default decodes speculatively), ``recipe.json`` missing or not JSON (naming it), or ``dest``
+        is ``export`` or not a directory.
     """
     import shutil
 
     from unmask.engine.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
+    from unmask.engine.limits import MAX_SPECULATIVE_BLOCK
 
     export, dest = Path(export), Path(dest)
+    if block_size is not None and not 1 <= block_size <= MAX_SPECULATIVE_BLOCK:
+        raise ValueError(f"--block-size: must be in 1..{MAX_SPECULATIVE_BLOCK} (the served default drafts groups of "
+                         f"that size), got {block_size}")
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"{dest}: not a directory")
+    if dest.exists() and dest.resolve() == export.resolve():
+        raise ValueError(f"{dest}: is the export itself; ship into another directory")
     _, cfg = read_adapter(export)  # validates the files
-    record = json.loads((export / RECORD).read_text(encoding="utf-8"))
+    try:
+        record = json.loads((export / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{export / RECORD}: cannot read the recipe's record ({exc})") from None
     work, out = record["config"].get("work") or "", record["config"].get("out") or ""
     parent = record["config"].get("parent") or ""
 
@@ -151,18 +168,22 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | N
 
     cfg["parent"] = {**cfg["parent"], **SHIPPED_PARENT}
     if block_size is not None:
-        if block_size < 1:
-            raise ValueError(f"--block-size: must be >= 1, got {block_size}")
         cfg["dllm"] = {**cfg.get("dllm", {}), "block_size": int(block_size)}
         record["shipped_block_size"] = int(block_size)
     if isinstance(cfg.get("training"), dict) and isinstance(cfg["training"].get("data"), str):
         cfg["training"]["data"] = Path(cfg["training"]["data"]).name
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(export / ADAPTER_WEIGHTS, dest / ADAPTER_WEIGHTS)
-    for name, obj in ((ADAPTER_CONFIG, cfg), (RECORD, scrub(record))):
-        tmp = dest / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(obj, indent=2 if name == ADAPTER_CONFIG else 1) + "\n", encoding="utf-8")
-        os.replace(tmp, dest / name)
+    staged = {name: dest / f".{name}.tmp-{os.getpid()}" for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, RECORD)}
+    try:
+        shutil.copyfile(export / ADAPTER_WEIGHTS, staged[ADAPTER_WEIGHTS])
+        for name, obj in ((ADAPTER_CONFIG, cfg), (RECORD, scrub(record))):
+            staged[name].write_text(json.dumps(obj, indent=2 if name == ADAPTER_CONFIG else 1) + "\n",
+                                    encoding="utf-8")
+        for name, tmp in staged.items():
+            os.replace(tmp, dest / name)
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
     return dest
 
 
@@ -178,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block-size", type=int, default=None,
                    help="the served default block size (speculative requests draft at it); default the export's")
     a = p.parse_args(argv)
+    from unmask.engine.config import CheckpointError
+
     try:
         print(ship(a.export, a.dest, a.block_size))
-    except ValueError as exc:  # a bad --block-size, refused before anything is written
+    except (ValueError, OSError, CheckpointError) as exc:  # bad input, refused before anything is renamed into DEST
         p.error(str(exc))
     return 0
 

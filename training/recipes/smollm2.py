@@ -195,8 +195,9 @@ class RecipeConfig:
             raise RecipeError(f"--draft-minutes: must be finite and >= 0, got {self.draft_minutes}")
         if not (math.isfinite(self.draft_lr) and self.draft_lr > 0):
             raise RecipeError(f"--draft-lr: must be > 0, got {self.draft_lr}")
-        if any(b < 2 for b in self.draft_block_list()):
-            raise RecipeError(f"--draft-block-sizes: each must be >= 2, got {self.draft_block_sizes!r}")
+        if any(not 2 <= b <= self.seq_len for b in self.draft_block_list()):
+            raise RecipeError(f"--draft-block-sizes: each must be in 2..--seq-len ({self.seq_len}), got "
+                              f"{self.draft_block_sizes!r}")
         if (self.draft_minutes > 0 or self.draft_max_steps > 0) and self.block_size < 2:
             raise RecipeError("--draft-minutes: the draft stage needs --block-size >= 2 (or --draft-minutes 0)")
         for name in ("prompts_limit", "top_k_dist", "max_steps", "warmup", "save_every", "teacher_kl",
