@@ -61,6 +61,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_quality import _f  # noqa: E402  (one number formatter for every results table)
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "benchmarks" / "results" / "training" / "methods" / "budget"
 DEFAULT_MODEL = "~/.cache/unmask/models/smollm2-135m-a2d"
@@ -367,11 +370,6 @@ def alignment_target_line(metric: str, t: dict) -> str:
     return (f"- {metric}: base final {_f(t['base_final'], 4)} after {_f(t['base_minutes'], 2)} min, first reached at "
             f"{_f(t['base_minutes_to_reach'], 2)} min; align reaches it at {_f(t['aligned_minutes_to_reach'], 2)} "
             f"min; ratio {_f(t['ratio'], 3)}")
-
-
-def _f(x, nd=3) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else (f"{x:.{nd}f}" if isinstance(x, float)
-                                                                             else str(x))
 
 
 def markdown(result: dict) -> str:

@@ -115,3 +115,11 @@ def test_budget_in_training_minutes(src, tmp_path):
     rounding = 2e-4   # metrics.csv's per-row minutes are rounded to 1e-4
     assert done["train_minutes"] >= 0.005 - max(5e-5, step_min) - rounding
     assert done["train_minutes"] <= 0.005 + step_min + rounding
+
+
+def test_number_formatting_is_eval_qualitys():
+    """One formatter for every results table: methods_runs uses eval_quality's ``_f`` (no copy that could drift)."""
+    import eval_quality as ev
+
+    assert mr._f is ev._f
+    assert [mr._f(x) for x in (None, float("nan"), 0.12345, 7)] == ["-", "-", "0.123", "7"]
