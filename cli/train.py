@@ -31,7 +31,8 @@ def register(sub, name):
     p.add_argument("--trajectory-steps", type=int, default=8, help="entropy mode's steps per answer")
     p.add_argument("--trajectory-model", default=None, help="the recording model (default --model)")
     p.add_argument("--max-block-size", type=int, default=None,
-                   help="--objective trajectory: the training block size doubles up to this (default 2x)")
+                   help="--objective trajectory: the training block size doubles up to this (default 2x; "
+                        "at most --seq-len)")
     p.add_argument("--init-adapter", default=None, metavar="DIR",
                    help="--trainable mask_lora: start the mask-row adapter from this adapter checkpoint (same rank, "
                         "alpha, targets, parent); --objective vfm keeps it frozen")
@@ -49,10 +50,15 @@ def register(sub, name):
                    help="--objective draft: draft groups (of --block-size masks) per example per step")
     p.add_argument("--draft-block-sizes", default=None, metavar="K,K,...",
                    help="--objective draft: block sizes the draft groups cycle through, one per step (e.g. 2,4: "
-                        "drafting at block 4 and plain diffusion at block 2 from one adapter; default --block-size)")
+                        "drafting at block 4 and plain diffusion at block 2 from one adapter; each in 2..--seq-len; "
+                        "default --block-size). Given alone on a block-1 checkpoint it implies --block-size: the "
+                        "saved checkpoints draft at the largest of them by default")
     p.add_argument("--trainable", default="full", choices=["full", "freeze_ffn", "qk_only", "lora", "qlora", "mask_lora"],
                    help="mask_lora: the mask-row adapter (LoRA only mask rows see; --lora-r/--lora-alpha/--lora-targets)")
-    p.add_argument("--block-size", type=int, default=None, help="training block size (default: the checkpoint's)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="training block size, 1..--seq-len (default: the checkpoint's; --objective draft: >= 2, the "
+                        "block its checkpoints draft at, default the largest --draft-block-sizes on a block-1 "
+                        "checkpoint)")
     p.add_argument("--complementary", action="store_true", help="also train the complementary mask of each block")
     p.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch per process")
     p.add_argument("--grad-accum", type=int, default=1)

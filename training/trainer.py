@@ -153,8 +153,9 @@ class TrainConfig:
                 raise TrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 2:
             raise TrainError(f"--seq-len: must be >= 2, got {self.seq_len}")
-        if self.block_size is not None and self.block_size < 1:
-            raise TrainError(f"--block-size: must be >= 1, got {self.block_size}")
+        if self.block_size is not None and not 1 <= self.block_size <= self.seq_len:
+            # a block longer than the longest example trains nothing more and its layout grows with the block
+            raise TrainError(f"--block-size: must be in 1..--seq-len ({self.seq_len}), got {self.block_size}")
         for name in ("max_minutes", "eval_every", "save_every", "keep_last", "warmup", "weight_decay",
                      "max_grad_norm", "teacher_kl", "certainty"):
             if getattr(self, name) < 0:
@@ -182,8 +183,9 @@ class TrainConfig:
                 raise TrainError(f"--trajectory-threshold: must be in [0, 1], got {self.trajectory_threshold}")
             if self.trajectory_steps < 1:
                 raise TrainError(f"--trajectory-steps: must be >= 1, got {self.trajectory_steps}")
-            if self.max_block_size is not None and self.max_block_size < (self.block_size or 1):
-                raise TrainError(f"--max-block-size: must be >= --block-size, got {self.max_block_size}")
+            if self.max_block_size is not None and not (self.block_size or 1) <= self.max_block_size <= self.seq_len:
+                raise TrainError(f"--max-block-size: must be in --block-size..--seq-len ({self.block_size or 1}.."
+                                 f"{self.seq_len}), got {self.max_block_size}")
         if self.no_ce and self.teacher_kl <= 0:
             raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
         if self.lr_schedule == "cosine_time" and self.max_minutes <= 0:
@@ -210,6 +212,10 @@ class TrainConfig:
                 raise TrainError("--objective draft: --teacher-kl, --complementary and --certainty do not apply")
             if self.draft_groups < 1:
                 raise TrainError(f"--draft-groups: must be >= 1, got {self.draft_groups}")
+            if self.block_size is not None and self.block_size < 2:
+                raise TrainError(f"--block-size: the draft objective drafts groups of >= 2 masks and its checkpoints "
+                                 f"draft at --block-size by default, got {self.block_size}; give K >= 2, or leave it "
+                                 f"out with --draft-block-sizes (a block-1 checkpoint then drafts at the largest)")
             if self.draft_block_sizes is not None and (not self.draft_block_sizes
                                                        or any(not 2 <= int(b) <= self.seq_len
                                                               for b in self.draft_block_sizes)):
@@ -576,7 +582,7 @@ class Trainer:
         self.resume_from = resolve_latest(self.out) if cfg.resume else None
         if cfg.resume and self.resume_from is None and acc.is_main_process:
             print(f"unmask train: --resume: no {self.out / 'latest'} yet; starting from step 0")
-        if not cfg.resume and self.out.exists() and any(self.out.glob("checkpoint-*")):
+        if not cfg.resume and self.out.exists() and any(".tmp-" not in c.name for c in self.out.glob("checkpoint-*")):
             raise TrainError(f"--out: {self.out} already holds checkpoints; use --resume or a new directory")
         state = None
         src = cfg.model
@@ -643,16 +649,21 @@ class Trainer:
                              "bidirectional (use --objective mdlm)")
         if cfg.complementary and dllm.attention == "bidirectional":
             raise TrainError("--complementary: needs the block layout (a prefix_causal or block_causal checkpoint)")
-        if dllm.fixed_block_size and cfg.block_size not in (None, dllm.block_size):
+        block = cfg.block_size
+        if block is None and cfg.objective == "draft" and cfg.draft_block_sizes and dllm.block_size < 2:
+            # --draft-block-sizes alone on a block-1 checkpoint (e.g. a conversion at block 1): the checkpoints
+            # this run writes draft at the largest of them by default (`record ship --block-size` changes it later)
+            block = max(int(b) for b in cfg.draft_block_sizes)
+        if dllm.fixed_block_size and block not in (None, dllm.block_size):
             raise TrainError(f"--block-size: this checkpoint decodes with block size {dllm.block_size} only")
-        self.block_size = cfg.block_size or dllm.block_size
+        self.block_size = block or dllm.block_size
         self.verifier = None
         if cfg.objective == "draft":
             if dllm.attention != "prefix_causal" or not dllm.logit_shift:
                 raise TrainError("--objective draft: needs a prefix_causal checkpoint with the logit shift")
             if self.block_size < 2:
-                raise TrainError(f"--block-size: the draft objective drafts from groups of >= 2 masks, got "
-                                 f"{self.block_size}")
+                raise TrainError(f"--block-size: the draft objective drafts groups of >= 2 masks; this checkpoint's "
+                                 f"block size is {self.block_size}: give --block-size K >= 2 or --draft-block-sizes")
             if cfg.trainable == "mask_lora":  # the parent verifies (training/mask_adapter.py)
                 dllm.block_size = self.block_size
         if cfg.objective == "draft" and cfg.trainable != "mask_lora":
@@ -975,15 +986,15 @@ class Trainer:
         cfg, acc = self.cfg, self.acc
         if self.out.exists() and not self.out.is_dir():
             raise TrainError(f"--out: {self.out} is a file, not a directory")
+        # every option is checked against the checkpoint and the data before OUT is created: a refused run leaves
+        # no directory behind (loading writes nothing into OUT)
+        self._load()
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            import shutil
-
             for stale in [*self.out.glob("checkpoint-*.tmp-*"), *self.out.glob("latest.tmp-*")]:
                 # left by a killed run: never referenced by `latest`
                 shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         acc.wait_for_everyone()
-        self._load()
         self._open_metrics()
         world, rank = acc.num_processes, acc.process_index
         per_step = cfg.batch_size * cfg.grad_accum * world

@@ -173,6 +173,33 @@ def test_recipe_options_and_state_lock(tmp_path):
         Recipe(RecipeConfig(work=str(tmp_path / "w2"), parent=str(tmp_path / "nope")), log=lambda m: None).parent_path()
 
 
+
+def test_recipe_block_options_are_refused_before_work_is_created(tmp_path, capsys):
+    """--block-size beyond --seq-len (a huge allocation in the train stage, after the conversion wrote it) and
+    --draft-block-sizes with the draft stage off (silently ignored) are one-line usage errors naming the options,
+    raised before WORK exists."""
+    from unmask.cli.main import main
+    from unmask.training.recipes.smollm2 import RecipeConfig, RecipeError
+
+    work = tmp_path / "w"
+    base = ["recipe", "--work", str(work), "--out", str(tmp_path / "o"), "--parent", str(tmp_path / "none.gguf")]
+    for extra, words in ((["--block-size", "100000"], "--block-size: must be in 1..--seq-len (128), got 100000"),
+                         (["--block-size", "65", "--seq-len", "64"], "--block-size: must be in 1..--seq-len (64)"),
+                         (["--draft-block-sizes", "2,4", "--draft-minutes", "0"],
+                          "--draft-block-sizes: only used by the draft stage, which --draft-minutes 0 skips"),
+                         (["--draft-block-sizes", "2,4"], "--draft-minutes 0 skips")):  # full: no draft by default
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, (extra, err)
+        assert not work.exists(), extra
+    with pytest.raises(RecipeError, match="--draft-block-sizes.*--draft-minutes.*--draft-block-sizes"):
+        RecipeConfig(work=str(work), draft_block_sizes="2,4", draft_minutes=0).validate()
+    # with the draft stage on (a budget, a step cap, or mask_lora's default budget) the option applies
+    RecipeConfig(work=str(work), draft_block_sizes="2,4", draft_minutes=5).validate()
+    RecipeConfig(work=str(work), draft_block_sizes="2,4", draft_max_steps=3).validate()
+    RecipeConfig(work=str(work), trainable="mask_lora", draft_block_sizes="2,4").validate()
+    RecipeConfig(work=str(work), block_size=128, seq_len=128).validate()  # the bound itself is fine
+
 def test_recipe_pipeline_on_a_tiny_parent(tmp_path):
     """convert -> prompts -> distill -> train (3 steps) -> export, then a rerun that finds every stage done."""
     from tiny import make_llama, make_tokenizer

@@ -220,6 +220,27 @@ def test_cli_errors_are_one_line(workdir, tmp_path, capsys):
     assert "is a file" in capsys.readouterr().err
 
 
+
+def test_block_size_is_bounded_by_seq_len_before_anything_is_allocated(workdir, tmp_path, capsys):
+    """--block-size 100000 used to train (or, drafting, die on a 2 TB allocation); it is a one-line usage error
+    naming the option and the bound, before --out exists (--max-block-size likewise)."""
+    from unmask.cli.main import main
+
+    out = tmp_path / "o"
+    base = ["train", "--model", str(workdir / "src"), "--data", str(workdir / "data.jsonl"), "--out", str(out),
+            "--no-progress", "--max-steps", "1", "--batch-size", "1"]
+    for extra, words in ((["--block-size", "100000"], "--block-size: must be in 1..--seq-len (256), got 100000"),
+                         (["--block-size", "65", "--seq-len", "64"], "--block-size: must be in 1..--seq-len (64)"),
+                         (["--block-size", "100000", "--objective", "draft", "--trainable", "mask_lora"],
+                          "--block-size: must be in 1..--seq-len (256)"),
+                         (["--objective", "trajectory", "--block-size", "2", "--max-block-size", "100000"],
+                          "--max-block-size: must be in --block-size..--seq-len (2..256), got 100000")):
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, (extra, err)
+        assert not out.exists(), extra
+    _cfg(workdir, out, block_size=64).validate()  # the bound itself is fine
+
 _KILL_SCRIPT = """
 import sys, time
 import unmask.engine.checkpoint as ck

@@ -255,3 +255,27 @@ def test_draft_block_sizes_cycle_one_per_step(workdir, tmp_path, monkeypatch):
         TrainConfig(objective="draft", verifier="x", draft_block_sizes=[2, 100000], **base).validate()
     with pytest.raises(TrainError, match="--draft-block-sizes: only used by --objective draft"):
         TrainConfig(objective="block", draft_block_sizes=[2], **base).validate()
+
+
+
+def test_draft_block_sizes_alone_on_a_block_1_checkpoint(workdir, tmp_path, capsys):
+    """A block-1 checkpoint (e.g. a conversion at block 1) trains as a drafter with --draft-block-sizes alone: its
+    checkpoints draft at the largest size. Without either option, or with an explicit --block-size 1, the run is a
+    one-line error naming both options - and a refused run leaves no --out directory."""
+    from unmask.cli.main import main
+
+    lm = tiny.loaded(block_size=1, seed=1, initializer_range=0.5)
+    write_checkpoint(tmp_path / "b1", lm.model, lm.tokenizer, lm.dllm)
+    refused = tmp_path / "refused"
+    base = ["train", "--model", str(tmp_path / "b1"), "--data", str(workdir / "data.jsonl"), "--out", str(refused),
+            "--objective", "draft", "--verifier", str(workdir / "parent"), "--no-progress", "--max-steps", "2",
+            "--batch-size", "2", "--seq-len", "64", "--lr", "1e-3"]
+    for extra in ([], ["--block-size", "1", "--draft-block-sizes", "2,3"]):
+        assert main(base + extra) == 2, extra
+        (err,) = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]  # (loading bars aside)
+        assert err.startswith("unmask train: error: --block-size") and "--draft-block-sizes" in err, (extra, err)
+        assert not refused.exists(), extra
+    out = tmp_path / "out"
+    assert main([str(out) if a == str(refused) else a for a in base] + ["--draft-block-sizes", "2,3"]) == 0
+    ck = out / (out / "latest").read_text().strip()
+    assert json.loads((ck / "config.json").read_text())["dllm"]["block_size"] == 3

