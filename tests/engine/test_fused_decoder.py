@@ -171,3 +171,29 @@ def test_no_mask_means_causal_as_in_transformers():
         ref = lm.hidden_states(ids, pos, None)
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused[:, :3], prefix, rtol=1e-5, atol=1e-5)  # earlier rows never see later ones
+
+
+def test_per_layer_helpers_equal_the_reference_formulas():
+    """The cheaper per-layer pieces compute transformers' formulas: RMSNorm through LayerNorm of ``[x, -x]``
+    (float rounding only), RoPE through roll/addcmul (float rounding only) and SDPA given no mask when every key is
+    visible (bit for bit the all-True boolean mask: the forward drops such a mask)."""
+    import torch.nn.functional as F
+
+    from unmask.engine.fused_decoder import _cpu_rms_norm, _rotate, _signed_sin
+
+    torch.manual_seed(0)
+    weight = torch.rand(96) + 0.5
+    norm = _cpu_rms_norm(weight, 1e-6)
+    for shape in [(1, 1, 96), (3, 5, 96), (2, 7, 4, 96)]:
+        x = torch.randn(shape) * 5
+        want = F.rms_norm(x, (96,), weight, 1e-6)
+        torch.testing.assert_close(norm(x), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(norm(x[..., ::1].transpose(0, -2).transpose(0, -2)), want, rtol=1e-6, atol=1e-6)
+    x, cos, sin = torch.randn(2, 3, 6, 16), torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16)
+    want = x * cos + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin
+    torch.testing.assert_close(_rotate(x, cos, _signed_sin(sin)), want, rtol=1e-6, atol=1e-6)
+    for q_len, k_len in [(1, 1), (1, 37), (4, 300), (16, 600)]:
+        q, k, v = torch.randn(1, 6, q_len, 16), torch.randn(1, 2, k_len, 16), torch.randn(1, 2, k_len, 16)
+        visible = torch.ones(1, 1, q_len, k_len, dtype=torch.bool)
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True),
+                           F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
