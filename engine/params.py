@@ -160,8 +160,10 @@ class SamplingParams:
         speculative: self-speculative decoding (``unmask.engine.speculative``): mask-block drafts verified by the
             model's causal path; greedy: the output is token for token the model's ``block_size=1`` greedy decoding;
             temperature > 0: speculative sampling, every token distributed as ``block_size=1`` sampling from the
-            verifying model (the causal path, or the checkpoint's verifier) would draw it. ``prefix_causal`` models with the logit shift only (``temperature`` ``None`` resolves to the
-            checkpoint's, else 0); ``steps``, ``threshold`` and ``remasking`` do not apply; ``block_size`` is the draft block. ``None`` =
+            verifying model (the causal path, or the checkpoint's verifier) would draw it. ``prefix_causal`` models
+            with the logit shift only (``temperature`` ``None`` resolves to the checkpoint's, else 0); ``steps`` and
+            ``threshold`` set with it are a ``ParamError`` naming them (it decides its own reveals), ``remasking``
+            does not apply; ``block_size`` is the draft block. ``None`` =
             the checkpoint's ``dllm.default_sampling.speculative`` where the request allows it (see
             ``unmask.engine.plan``), else off.
         speculative_options: :class:`SpeculativeOptions` (branches, epsilon, ratio, no_repeat_ngram), ``None`` =

@@ -143,12 +143,19 @@ def drafts_by_default(default_drafts: str, device_type: str, has_draft_head: boo
 
 def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
     """Raise :class:`ParamError` when this (resolved) request cannot be decoded self-speculatively: it needs a
-    ``prefix_causal`` model with the logit shift (the causal path is then an AR model), no CFG and no penalties
+    ``prefix_causal`` model with the logit shift (the causal path is then an AR model), no ``steps`` or
+    ``threshold`` (the request's own: a speculative request never gets the checkpoint's default threshold, and one
+    that gets speculative decoding only from the checkpoint's default sets neither), no CFG and no penalties
     (they would make the verifier differ from ``block_size=1`` decoding), a draft block of at most
     :data:`MAX_SPECULATIVE_BLOCK`; the relaxed acceptance rules are greedy only, the loop guard needs one."""
     if dllm.attention != "prefix_causal" or not dllm.logit_shift:
         raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
                                         f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
+    for name in ("steps", "threshold"):
+        if getattr(params, name) is not None:
+            raise ParamError(name, f"does not apply to speculative decoding, which decides its own reveals (each step "
+                                   f"keeps the drafts the causal path verifies): drop {name}, or set "
+                                   f"speculative=false to decode in parallel with it")
     for name in ("speculative_epsilon", "speculative_ratio"):
         if getattr(params, name) is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
             raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "

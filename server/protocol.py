@@ -188,7 +188,8 @@ class _Common(_Rules):
                                                         "output identical to block_size=1 greedy decoding; "
                                                         "temperature > 0: speculative sampling, distributed as "
                                                         "block_size=1 sampling of the verifying model; "
-                                                        "absent: the checkpoint's default; false: off")
+                                                        "absent: the checkpoint's default; false: off; "
+                                                        "true with steps or threshold: a 400 naming it")
     speculative_branches: int | None = ranged(
         "speculative_branches", None, description="fallback draft groups per step; default min(3, block_size - 1)")
     speculative_epsilon: float | None = ranged("speculative_epsilon", None,
@@ -252,9 +253,11 @@ class _Common(_Rules):
     def sampling_params(self, max_tokens: int, logprobs: bool, default_cache: str = "auto") -> SamplingParams:
         """The engine's :class:`SamplingParams` (raises ``ParamError`` naming the field). An explicit
         ``"threshold": null`` turns the checkpoint's default threshold off: quota decoding, ``steps`` or one token
-        per step. ``default_cache``: the server's KV-cache policy for a request that sends no ``cache``."""
+        per step (with ``"speculative": true`` it changes nothing). ``default_cache``: the server's KV-cache policy
+        for a request that sends no ``cache``."""
         steps = self.steps
-        if steps is None and self.threshold is None and "threshold" in self.model_fields_set:
+        if (steps is None and self.threshold is None and "threshold" in self.model_fields_set
+                and self.speculative is not True):  # (speculative decoding takes no steps and has no threshold)
             steps = max_tokens
         # the flat HTTP speculative_* fields: SamplingParams.from_flat groups them into SpeculativeOptions
         params = SamplingParams.from_flat(

@@ -517,6 +517,40 @@ def test_checkpoint_default_applies_to_greedy_requests_that_fit_it():
     assert err.value.field == "speculative_branches"
 
 
+
+def test_steps_or_threshold_on_an_explicit_speculative_request_are_refused_by_name():
+    """speculative=true with steps / threshold used to decode speculatively and ignore them; the request's own
+    values are refused naming the field. The checkpoint's defaults never cause it: its default threshold is not
+    applied to a speculative request, and a request with steps/threshold does not get its speculative default."""
+    from unmask.engine.speculative import SpeculativeSequence as Spec
+
+    lm = loaded(block_size=4)
+    lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True, "threshold": 0.9}
+    llm = LLM(lm)
+    ids = llm.encode(PROMPTS[1])
+
+    def seqs(**kw):
+        return llm.make_sequences(ids, SamplingParams.from_flat(**{"max_tokens": 8, **kw}), "k")
+
+    for field, value in (("steps", 4), ("threshold", 0.9), ("threshold", 0.0)):
+        for extra in ({}, {"block_size": 2}, {"temperature": 0.7}):
+            with pytest.raises(ParamError) as err:
+                seqs(speculative=True, **{field: value}, **extra)
+            assert err.value.field == field and "speculative decoding" in str(err.value), (field, extra)
+            assert "decides its own reveals" in str(err.value)
+    with pytest.raises(ParamError) as err:  # through the public API too
+        llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=4, speculative=True, steps=4))
+    assert err.value.field == "steps"
+    # unchanged: the checkpoint's speculative default (its default threshold not applied), an explicit
+    # speculative request without them, steps/threshold without speculative or with speculative=false
+    assert isinstance(seqs()[0], Spec) and seqs()[0].plan.threshold is None
+    assert isinstance(seqs(speculative=True)[0], Spec)
+    for kw in ({"steps": 4}, {"threshold": 0.5}, {"steps": 4, "speculative": False},
+               {"threshold": 0.5, "speculative": False}):
+        assert not isinstance(seqs(**kw)[0], Spec), kw
+    out = llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=4, steps=4, speculative=False))[0].outputs[0]
+    assert len(out.token_ids) >= 1
+
 @pytest.mark.parametrize("dllm_kw, value, words", [
     ({}, "yes", "true or false"),
     ({"attention": "bidirectional"}, True, "prefix_causal"),

@@ -320,7 +320,7 @@ MODEL_DEPENDENT_400 = {
     "messages",            # the chat template refuses the role order
     "stop_token_ids",      # an id outside the vocabulary
     "block_size",          # longer than max_tokens can use / than the context
-    "steps",               # with speculative decoding (which does not take steps)
+    "steps", "threshold",  # with speculative: true (speculative decoding decides its own reveals)
     "sub_block_size",      # longer than block_size
     "min_tokens",          # more than max_tokens
     "best_of",             # best_of != n

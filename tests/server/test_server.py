@@ -429,6 +429,28 @@ def test_bad_requests_get_documented_4xx_then_a_good_request_succeeds(http):
     assert health(http)["running"] == 0
 
 
+
+def test_steps_or_threshold_with_speculative_true_is_a_400_naming_it_and_serving_goes_on(http):
+    """docs/design.md section 15: `steps` / `threshold` on a request that sets `speculative: true` are 400s naming
+    the field (they were 200s that ignored them); speculative alone, `speculative: false` with them, and
+    `"threshold": null` with speculative (no steps of the client's) are served as before."""
+    bad = [(CH, _ch(speculative=True, steps=4), "steps"), (C, _c(speculative=True, steps=4), "steps"),
+           (CH, _ch(speculative=True, threshold=0.9), "threshold"), (C, _c(speculative=True, threshold=0), "threshold"),
+           (CH, _ch(speculative=True, steps=4, stream=True), "steps"),
+           ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "speculative": True,
+                              "steps": 4}, "steps")]
+    for path, body, field in bad:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["param"] == field and "speculative decoding" in err["message"], (path, err)
+        assert "decides its own reveals" in err["message"], err
+    for body in (_ch(speculative=True), _ch(speculative=False, steps=4), _ch(speculative=False, threshold=0.9),
+                 _ch(speculative=True, threshold=None), _ch(steps=4), _ch(threshold=0.9)):
+        r = http.post(CH, json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), (body, r.text)
+    assert health(http)["running"] == 0
+
 def test_null_fields_take_their_defaults_and_extreme_values_are_served(http):
     # the openai SDK sends null for an explicit None; OpenAI documents these fields as nullable
     r = http.post(C, json=_c(top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None,
