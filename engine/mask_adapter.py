@@ -52,6 +52,7 @@ class MaskAdapter:
         self.weights = dataclasses.replace(weights, layers={}, mask_embedding=None)
         self.index: torch.Tensor | None = None  # [n] int64 flat row indices, set per forward
         self.shape: tuple[int, ...] | None = None
+        self.row_mask: torch.Tensor | None = None  # [N, 1] bool: the variant rows of a small forward, else None
 
     @contextlib.contextmanager
     def select(self, variant_rows: torch.Tensor):
@@ -60,14 +61,19 @@ class MaskAdapter:
         flat = variant_rows.reshape(-1)
         self.index = flat.nonzero().flatten() if bool(flat.any()) else None
         self.shape = tuple(variant_rows.shape)
+        self.row_mask = flat[:, None] if self.index is not None and flat.numel() <= DENSE_DELTA_ROWS else None
         try:
             yield
         finally:
-            self.index = self.shape = None
+            self.index = self.shape = self.row_mask = None
 
 
 #: rows per adapter GEMM at inference (every call has exactly this many rows; see :func:`_fixed_chunk_linear`)
 DELTA_CHUNK = 16
+#: forwards of at most this many rows (plain decoding steps, small speculative steps) compute the delta on every
+#: row in one chunk and keep it on the variant rows (:func:`_dense_delta`); longer ones gather the variant rows first
+#: (a block-4 speculative step forwards ~24 rows of which ~16 are mask rows: one chunk gathered, two dense)
+DENSE_DELTA_ROWS = DELTA_CHUNK
 
 
 def _fixed_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -86,6 +92,30 @@ def _fixed_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     out = [torch.nn.functional.linear(c, w) for c in x.split(DELTA_CHUNK)]
     return (out[0] if len(out) == 1 else torch.cat(out))[:n]
+
+
+def _dense_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                 row_mask: torch.Tensor) -> torch.Tensor:
+    """``y`` plus the adapter delta ``scale * (x A^T) B^T`` on the rows of ``row_mask`` (``[N, 1]`` bool over the
+    ``N`` flattened rows of ``x`` ``[..., in]`` / ``y`` ``[..., out]``), the other rows ``y``'s own values bit for
+    bit (``torch.where``). Inference only (no gradients).
+
+    The same per-row arithmetic as the gathered path of :meth:`MaskLoRALinear.forward` (GEMMs of exactly
+    :data:`DELTA_CHUNK` rows, zero-padded; a padded row of ``x A^T`` is exactly zero, so one padding serves both
+    GEMMs), without its gather/scatter: on the 2-core CPU measured a speculative step spent about as long in the
+    120 projections' gather, padding, scatter and module dispatch as in its weight GEMMs (docs/adapter.md,
+    "Adapter delta cost"). Every row costs the delta's FLOPs, so only short forwards (:data:`DENSE_DELTA_ROWS`)
+    take this path."""
+    flat_x = x.reshape(-1, x.shape[-1]).float()
+    n = flat_x.shape[0]
+    pad = (-n) % DELTA_CHUNK
+    if pad:
+        flat_x = torch.cat([flat_x, flat_x.new_zeros(pad, flat_x.shape[1])])
+    linear = torch.nn.functional.linear
+    parts = [linear(linear(c, a), b) for c in flat_x.split(DELTA_CHUNK)]
+    delta = (parts[0] if len(parts) == 1 else torch.cat(parts))[:n] * scale
+    flat_y = y.reshape(n, y.shape[-1])
+    return torch.where(row_mask, flat_y + delta.to(y.dtype), flat_y).reshape(y.shape)
 
 
 class MaskLoRALinear(nn.Module):
@@ -147,9 +177,16 @@ class MaskLoRALinear(nn.Module):
         base = getattr(self.base, "as_function", None)
         base = base() if base is not None else self.base
         state = self._state
+        a, b = self.lora_A, self.lora_B
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return base(x) if state.index is None else self(x)
+            if state.index is None:
+                return base(x)
+            if state.row_mask is None or torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
+                return self(x)
+            if tuple(x.shape[:-1]) != state.shape:
+                raise RuntimeError(f"mask adapter: variant rows {state.shape} do not match input {tuple(x.shape)}")
+            return _dense_delta(x, base(x), a, b, self.scale, state.row_mask)
 
         return run
 

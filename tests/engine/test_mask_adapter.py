@@ -190,12 +190,16 @@ def test_a_mask_rows_delta_does_not_depend_on_how_many_rows_are_selected(k, out,
 def test_block1_steps_skip_the_adapter_wrappers(ckpts, monkeypatch):
     """A forward without mask rows (every block-1 step) calls the parent's layers directly through the fused
     decoder's plan (``MaskLoRALinear.as_function``), not the wrapper modules: block 1 of the adapter model runs at
-    the parent's speed (docs/adapter.md, "Measured"); rows with masks still go through the wrappers."""
+    the parent's speed (docs/adapter.md, "Measured"); rows with masks still get the delta (through the wrapper, or
+    ``_dense_delta`` in a forward of at most ``DENSE_DELTA_ROWS`` rows)."""
     from unmask.engine.mask_adapter import MaskLoRALinear
 
+    from unmask.engine import mask_adapter
+
     calls = []
-    real = MaskLoRALinear.forward
+    real, dense = MaskLoRALinear.forward, mask_adapter._dense_delta
     monkeypatch.setattr(MaskLoRALinear, "forward", lambda self, x: calls.append(1) or real(self, x))
+    monkeypatch.setattr(mask_adapter, "_dense_delta", lambda *a: calls.append(2) or dense(*a))
     adapted = LLM(load_model(ckpts / "adapter", weights=FORMATS[-1]))
     parent = LLM(load_model(ckpts / "parent", weights=FORMATS[-1]))
     if adapted.model.decoder_path != "fused":
@@ -205,3 +209,29 @@ def test_block1_steps_skip_the_adapter_wrappers(ckpts, monkeypatch):
     assert _gen(adapted, temperature=0, block_size=1).token_ids == ref and not calls
     _gen(adapted, temperature=0, block_size=4, steps=4, speculative=False)
     assert calls
+
+
+@pytest.mark.parametrize("k,out,r", [(576, 1536, 16), (576, 960, 48)])
+def test_the_dense_delta_of_short_forwards_equals_the_gathered_one_bit_for_bit(k, out, r):
+    """A forward of at most DENSE_DELTA_ROWS rows takes ``_dense_delta`` (the delta on every row, kept on the
+    variant rows by ``torch.where``) instead of the gather/scatter of ``MaskLoRALinear.forward``: the variant rows
+    get the same bits either way and every other row keeps the base output bit for bit (a causal row is the
+    parent's)."""
+    from unmask.engine.mask_adapter import DENSE_DELTA_ROWS, MaskAdapter, MaskLoRALinear
+
+    g = torch.Generator().manual_seed(1)
+    state = MaskAdapter.__new__(MaskAdapter)
+    state.index = state.shape = state.row_mask = None
+    layer = MaskLoRALinear(torch.nn.Linear(k, out, bias=False), torch.randn(r, k, generator=g) * 0.05,
+                           torch.randn(out, r, generator=g) * 0.05, 2.0, state)
+    run = layer.as_function()
+    for shape in [(1, 4), (2, 5), (1, DENSE_DELTA_ROWS), (3, 7)]:
+        x = torch.randn(*shape, k, generator=g)
+        rows = torch.rand(shape, generator=g) < 0.5
+        rows.view(-1)[0] = True
+        with torch.inference_mode(), state.select(rows):
+            dense_taken = state.row_mask is not None
+            got, gathered, base = run(x), layer(x), layer.base(x)
+        assert dense_taken == (rows.numel() <= DENSE_DELTA_ROWS), shape
+        assert torch.equal(got, gathered), shape
+        assert torch.equal(got[~rows], base[~rows]) and not torch.equal(got[rows], base[rows]), shape
