@@ -17,6 +17,8 @@ Rows:
 * ``speculative``: the served default (``unmask serve`` with no MODEL: the conversion + mask-row adapter, in the
   weight format it is served in; ``--served DIR`` measures another adapter), verified speculative decoding - answers
   must be the served parent's block-1 answers;
+* ``speculative, block B, BR branches`` (``--spec-configs B:BR,...``): the same with another draft block and
+  number of fallback groups (fewer rows per verified step; informative, no target);
 * ``diffusion b4 t<τ>``: plain diffusion of the same adapter model, block 4, threshold τ (``--thresholds``);
 * ``diffusion b<k> quota``: the same, block k, one step per block (``steps = max_tokens / k``: k tokens per
   forward; ``--quota-blocks``); at block 2 the block's first token comes from the committed row (the parent's
@@ -161,6 +163,21 @@ def judge_memory(parent: dict, default: dict) -> dict:
             "default_peak_pass": default["peak_rss_mb"] < TARGETS["default_peak_rss_mb"]}
 
 
+def parse_spec_configs(text: str) -> list[tuple[int, int]]:
+    """``"2:0,3:1"`` -> ``[(2, 0), (3, 1)]`` (draft block, fallback branches). Raises ValueError naming
+    ``--spec-configs`` and the bad item: not ``B:BR`` integers, ``B < 2`` or ``BR`` outside ``0..B-1``."""
+    out = []
+    for item in (c.strip() for c in text.split(",") if c.strip()):
+        try:
+            b, br = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise ValueError(f"--spec-configs: {item!r} is not B:BR (two integers)") from None
+        if b < 2 or not 0 <= br < b:
+            raise ValueError(f"--spec-configs: {item!r} needs a block B >= 2 and 0 <= BR <= B - 1 branches")
+        out.append((b, br))
+    return out
+
+
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("pass" if ok else "FAIL")
 
@@ -174,6 +191,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tg-prompts", type=int, default=4,
                     help="prompts of the generation-only (tg) rows: each generates --max-tokens after its prompt")
     ap.add_argument("--thresholds", default="0.9,0.7,0.5,0.3", help="plain-diffusion thresholds (block 4)")
+    ap.add_argument("--spec-configs", default="", metavar="B:BR,...",
+                    help="more speculative rows: draft block B with BR fallback branches each (e.g. 2:0,3:1); a "
+                         "step forwards more rows the larger both are")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every row (llama.cpp -t too)")
     ap.add_argument("--llama-bench", default=str(LLAMA_BENCH), metavar="PATH",
                     help="llama-bench binary (benchmarks/build_llama_bench.sh builds it); skipped when absent")
@@ -215,6 +235,13 @@ def main(argv=None) -> int:
             llm, ps, SamplingParams.from_flat(**{**base, "max_tokens": n}, block_size=1, speculative=False)))(llm)
     modes["spec"] = lambda ps, n: bc.run_mode(served, ps, SamplingParams.from_flat(
         **{**base, "max_tokens": n}, speculative=True))  # block size: the served model's default
+    try:
+        spec_configs = parse_spec_configs(args.spec_configs)
+    except ValueError as e:
+        ap.error(str(e))
+    for b, br in spec_configs:
+        modes[f"spec-b{b}-br{br}"] = (lambda b, br: lambda ps, n: bc.run_mode(served, ps, SamplingParams.from_flat(
+            **{**base, "max_tokens": n}, block_size=b, speculative=True, speculative_branches=br)))(b, br)
     for t in thresholds:
         modes[f"diffusion-t{t:g}"] = (lambda t: lambda ps, n: bc.run_mode(served, ps, SamplingParams.from_flat(
             **{**base, "max_tokens": n}, block_size=4, threshold=t, speculative=False)))(t)
@@ -275,6 +302,7 @@ def main(argv=None) -> int:
     names = {"hf": "transformers greedy (parent, KV cache)", "spec": f"speculative, served default ({served_fmt})",
              **{f"block1-{f}": f"engine block 1, {f} weights" for f in FORMATS},
              **{f"tg-{f}": f"engine block 1 tg{args.max_tokens} (generation only), {f} weights" for f in FORMATS},
+             **{f"spec-b{b}-br{br}": f"speculative, block {b}, {br} branches ({served_fmt})" for b, br in spec_configs},
              **{f"diffusion-t{t:g}": f"plain diffusion b4, threshold {t:g} ({served_fmt})" for t in thresholds},
              **{f"diffusion-b{k}-quota": f"plain diffusion b{k}, one step per block ({served_fmt})"
                 for k in quota_blocks}}

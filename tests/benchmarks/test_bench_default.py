@@ -133,3 +133,10 @@ def test_engine_tg_counts_only_the_decoding_steps():
                                                                  ignore_eos=True))
     assert r["tokens"] == 16
     assert 0.16 <= r["seconds"] < 0.16 + 0.3     # 16 decoding forwards of >= 10 ms (the 2 prompt forwards not)
+
+
+def test_parse_spec_configs():
+    assert bd.parse_spec_configs("2:0, 3:1,") == [(2, 0), (3, 1)] and bd.parse_spec_configs("") == []
+    for bad in ("2", "2:x", "1:0", "3:3", "4:-1"):
+        with pytest.raises(ValueError, match="--spec-configs"):
+            bd.parse_spec_configs(bad)
