@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+
+NEGATABLE = ("speculative",)  # the boolean options that also have a --no-NAME form
 
 
 def register(sub, name):
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                                 speculative_ratio=args.speculative_ratio,
                                 speculative_no_repeat_ngram=args.speculative_no_repeat_ngram)
     except ParamError as exc:
-        raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
+        raise UsageError(_in_flags(exc, args)) from exc
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads: must be >= 1, got {args.threads}")
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             if show is not None:
                 show.close()
     except ParamError as exc:  # a rule between options (e.g. a relaxed rule with a temperature): name the option
-        raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from exc
+        raise UsageError(_in_flags(exc, args)) from exc
     except (CheckpointError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     seconds = time.perf_counter() - t0
@@ -130,6 +133,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(out.text)
     return 0
+
+
+def _in_flags(exc, args: argparse.Namespace) -> str:
+    """A :class:`ParamError`'s message in this command's options instead of the API's field names: the field as
+    ``--field-name``; in the reason ``set speculative=false`` as ``use --no-speculative`` (``=true``:
+    ``--speculative``) and every multi-word field this command has an option for (``speculative_epsilon``,
+    ``block_size``) as that option. One-word names stay as they are: they are also words (``temperature 0``)."""
+    options = {name for name in vars(args) if not name.startswith("_")}
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    def assignment(m: re.Match) -> str:  # "set speculative=false" -> "use --no-speculative"
+        verb, name, value = m.group(1), m.group(2), m.group(3)
+        if name not in options or (value == "false" and name not in NEGATABLE):
+            return m.group(0)
+        return ("use " if verb else "") + flag(name if value == "true" else f"no_{name}")
+
+    reason = re.sub(r"\b(set )?([a-z_]+)=(true|false)\b", assignment, exc.reason)
+    reason = re.sub(r"(?<![-\w])([a-z]+(?:_[a-z]+)+)\b",
+                    lambda m: flag(m.group(1)) if m.group(1) in options else m.group(0), reason)
+    return f"{flag(exc.field)}: {reason}"
 
 
 class _StepView:

@@ -25,6 +25,7 @@ class SpeculativeOptions:
     Attributes:
         branches: fallback mask groups per step (drafts for when draft i is the first rejected),
             ``0..block_size - 1``; ``None`` = ``min(3, block_size - 1)``. More rows per forward, fewer wasted steps.
+            With a checkpoint's draft head there are none (the head drafts): a value > 0 is a ``ParamError``.
         epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact verification: a
             draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) * exp(-H))`` (H = entropy
             of the causal distribution). In (0, 1]; ``None`` = exact (output = greedy). Greedy requests only.
@@ -161,9 +162,10 @@ class SamplingParams:
             model's causal path; greedy: the output is token for token the model's ``block_size=1`` greedy decoding;
             temperature > 0: speculative sampling, every token distributed as ``block_size=1`` sampling from the
             verifying model (the causal path, or the checkpoint's verifier) would draw it. ``prefix_causal`` models
-            with the logit shift only (``temperature`` ``None`` resolves to the checkpoint's, else 0); ``steps`` and
-            ``threshold`` set with it are a ``ParamError`` naming them (it decides its own reveals), ``remasking``
-            does not apply; ``block_size`` is the draft block. ``None`` =
+            with the logit shift only (``temperature`` ``None`` resolves to the checkpoint's, else 0); ``steps``,
+            ``threshold``, a ``remasking`` other than ``low_confidence`` and ``sub_block_size`` set with it are a
+            ``ParamError`` naming the field (it decides its own reveals: they would have no effect;
+            ``unmask.engine.plan.NOT_SPECULATIVE_FIELDS``); ``block_size`` is the draft block. ``None`` =
             the checkpoint's ``dllm.default_sampling.speculative`` where the request allows it (see
             ``unmask.engine.plan``), else off.
         speculative_options: :class:`SpeculativeOptions` (branches, epsilon, ratio, no_repeat_ngram), ``None`` =

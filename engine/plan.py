@@ -11,7 +11,10 @@ and 10):
   speculative decoding only from the checkpoint's default drafts (block ``block_size``) only where the policy
   says so, else it decodes one token per forward (draft block 1) through the same verifying path;
 * the model's rules (:func:`resolve`): a fixed block size, infilling on bidirectional models only, self-speculative
-  decoding on ``prefix_causal`` models with the logit shift only, the cache mode.
+  decoding on ``prefix_causal`` models with the logit shift only, the cache mode;
+* what a speculative request may not set (:data:`NOT_SPECULATIVE_FIELDS`, :func:`check_speculative`): the fields
+  self-speculative decoding has no use for (``steps``, ``threshold``, ``remasking``, ``sub_block_size``), and
+  ``speculative_branches`` with a draft head.
 
 Errors: :class:`~unmask.engine.limits.ParamError` naming the field (HTTP 400).
 """
@@ -77,12 +80,36 @@ class DecodingPlan:
         return replace(self, seed=seed, params=replace(self.params, seed=seed))
 
 
+# The request fields self-speculative decoding has no use for (``unmask.engine.speculative``): it decides its own
+# reveals, the drafts the causal path verifies, left to right, whatever these say. name -> (whether the request set
+# it, why it has no effect there). Only the request's own values count: a checkpoint's ``default_sampling`` holds
+# none of them but ``threshold``, which a speculative request never gets (:func:`resolve_params`), and
+# ``dllm.sub_block_size`` is not ``params.sub_block_size``. Set on a request that asks for ``speculative=true``:
+# a ParamError naming the field (:func:`check_speculative`); set on one that leaves ``speculative`` unset: the
+# checkpoint's speculative default does not apply (:func:`speculative_conflicts`).
+NOT_SPECULATIVE_FIELDS = {
+    "steps": (lambda p: p.steps is not None, "a step keeps the drafts the causal path verifies, as many as it "
+                                             "verifies: there is no step budget to spend"),
+    "threshold": (lambda p: p.threshold is not None, "a draft is kept when the causal path verifies it, not by its "
+                                                     "confidence"),
+    "remasking": (lambda p: p.remasking != "low_confidence", "the verified drafts are revealed left to right: "
+                                                             "there is no order of masked positions to choose"),
+    "sub_block_size": (lambda p: p.sub_block_size is not None, "the draft block (block_size) is revealed left to "
+                                                               "right, with no decoding windows inside it"),
+}
+
+
+def not_speculative_fields(params: SamplingParams) -> list[str]:
+    """The fields of :data:`NOT_SPECULATIVE_FIELDS` this request sets, in that order (e.g. ``["steps"]``)."""
+    return [name for name, (is_set, _) in NOT_SPECULATIVE_FIELDS.items() if is_set(params)]
+
+
 def speculative_conflicts(params: SamplingParams, model_block_size: int | None) -> list[str]:
     """The fields of a request that self-speculative decoding ignores or refuses (empty: a checkpoint's
     speculative default may apply), e.g. ``["steps", "cfg_scale"]``."""
     block = params.block_size or model_block_size
-    checks = [("steps", params.steps is not None), ("threshold", params.threshold is not None),
-              ("remasking", params.remasking != "low_confidence"), ("cfg_scale", params.cfg_scale != 0),
+    checks = [(name, True) for name in not_speculative_fields(params)] + [
+              ("cfg_scale", params.cfg_scale != 0),
               ("presence_penalty", params.presence_penalty != 0), ("frequency_penalty", params.frequency_penalty != 0),
               ("repetition_penalty", params.repetition_penalty != 1.0),
               (f"block_size over {MAX_SPECULATIVE_BLOCK}", block is not None and block > MAX_SPECULATIVE_BLOCK),
@@ -143,19 +170,22 @@ def drafts_by_default(default_drafts: str, device_type: str, has_draft_head: boo
 
 def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
     """Raise :class:`ParamError` when this (resolved) request cannot be decoded self-speculatively: it needs a
-    ``prefix_causal`` model with the logit shift (the causal path is then an AR model), no ``steps`` or
-    ``threshold`` (the request's own: a speculative request never gets the checkpoint's default threshold, and one
-    that gets speculative decoding only from the checkpoint's default sets neither), no CFG and no penalties
-    (they would make the verifier differ from ``block_size=1`` decoding), a draft block of at most
-    :data:`MAX_SPECULATIVE_BLOCK`; the relaxed acceptance rules are greedy only, the loop guard needs one."""
+    ``prefix_causal`` model with the logit shift (the causal path is then an AR model), none of the fields it has no
+    use for (:data:`NOT_SPECULATIVE_FIELDS`: ``steps``, ``threshold``, a ``remasking`` other than
+    ``low_confidence``, ``sub_block_size``; the request's own: a speculative request never gets the checkpoint's
+    default threshold, and one that gets speculative decoding only from the checkpoint's default sets none of
+    them), no CFG and no penalties (they would make the verifier differ from ``block_size=1`` decoding), a draft
+    block of at most :data:`MAX_SPECULATIVE_BLOCK`; the relaxed acceptance rules are greedy only, the loop guard
+    needs one."""
     if dllm.attention != "prefix_causal" or not dllm.logit_shift:
         raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
                                         f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
-    for name in ("steps", "threshold"):
-        if getattr(params, name) is not None:
-            raise ParamError(name, f"does not apply to speculative decoding, which decides its own reveals (each step "
-                                   f"keeps the drafts the causal path verifies): drop {name}, or set "
-                                   f"speculative=false to decode in parallel with it")
+    unused = not_speculative_fields(params)
+    if unused:
+        name = unused[0]
+        raise ParamError(name, f"has no effect with speculative decoding, which decides its own reveals "
+                               f"({NOT_SPECULATIVE_FIELDS[name][1]}): drop it, or set speculative=false to decode "
+                               f"in parallel with it")
     for name in ("speculative_epsilon", "speculative_ratio"):
         if getattr(params, name) is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
             raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "
@@ -257,6 +287,9 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
     if b is not None and b > bs - 1:  # a fallback group per draft position at most: refused, not clamped
         raise ParamError("speculative_branches", f"must be <= block_size - 1 ({bs - 1}): one fallback group per "
                                                  f"draft position, got {b}")
+    if b and has_draft_head:  # (0 says what happens)
+        raise ParamError("speculative_branches", "has no effect with this checkpoint's draft head: the drafts come "
+                                                 "from the head, which forwards no fallback mask groups: drop it")
     branches = 0 if has_draft_head else min(DEFAULT_BRANCHES if b is None else int(b), bs - 1)
     epsilon, ratio = p.speculative_epsilon, p.speculative_ratio
     guard = p.speculative_no_repeat_ngram

@@ -161,17 +161,20 @@ class _Common(_Rules):
     # --- diffusion extras (docs/design.md section 5) ---
     steps: int | None = ranged("steps", None,
                                description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
-                                           "(one token per step) unless the checkpoint sets a default threshold")
+                                           "(one token per step) unless the checkpoint sets a default threshold; "
+                                           "not with speculative: true")
     block_size: int | None = ranged("block_size", None, description="block length; default from the checkpoint")
     sub_block_size: int | None = ranged("sub_block_size", None,
                                         description="decoding window inside a block (Fast-dLLM v2 sub-blocks); "
-                                                    "default from the checkpoint, else the whole block")
-    remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed")
+                                                    "default from the checkpoint, else the whole block; not with "
+                                                    "speculative: true")
+    remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed; "
+                                                                   "with speculative: true only low_confidence")
     threshold: float | None = ranged("threshold", None,
                                      description="confidence-threshold parallel decoding (steps is then ignored); "
                                                 "absent: the checkpoint's default threshold when it has one, "
                                                 "steps is absent and remasking is low_confidence; null: no "
-                                                "threshold (quota decoding)")
+                                                "threshold (quota decoding); a number not with speculative: true")
     cfg_scale: float = ranged("cfg_scale", 0.0, description="classifier-free guidance scale; 0 = off")
     multi_block: float | None = ranged("multi_block", None,
                                        description="multi-block decoding: the next block joins once the last "
@@ -189,9 +192,13 @@ class _Common(_Rules):
                                                         "temperature > 0: speculative sampling, distributed as "
                                                         "block_size=1 sampling of the verifying model; "
                                                         "absent: the checkpoint's default; false: off; "
-                                                        "true with steps or threshold: a 400 naming it")
+                                                        "true with steps, threshold, sub_block_size or a remasking "
+                                                        "other than low_confidence: a 400 naming the field "
+                                                        "(speculative decoding decides its own reveals: they "
+                                                        "would have no effect)")
     speculative_branches: int | None = ranged(
-        "speculative_branches", None, description="fallback draft groups per step; default min(3, block_size - 1)")
+        "speculative_branches", None, description="fallback draft groups per step; default min(3, block_size - 1); "
+                                                  "none with a checkpoint's draft head (> 0: a 400)")
     speculative_epsilon: float | None = ranged("speculative_epsilon", None,
                                                description="typical acceptance of drafts (Medusa; greedy requests); "
                                                           "absent: exact")

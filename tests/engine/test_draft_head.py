@@ -85,6 +85,28 @@ def test_head_drafts_are_used_and_mask_groups_are_not(with_head):
     assert seq.proposed_drafts > 0
 
 
+def test_fallback_branches_with_a_head_are_refused_by_name(with_head):
+    """With a draft head a step forwards no fallback mask groups, so speculative_branches > 0 had no effect (it was
+    ignored): a 400-style ParamError naming it; 0 (what happens) and no value are served, and without a head the
+    same request uses its branches."""
+    from unmask.engine import ParamError
+    from unmask.engine.speculative import SpeculativeSequence
+
+    llm, plain = with_head
+    ids = llm.tokenizer(PROMPTS[1]).input_ids
+    for kw in ({}, {"temperature": 0.7}, {"cache": "none"}):
+        p = SamplingParams.from_flat(**{"max_tokens": 8, "block_size": 4, "speculative": True, **kw},
+                                     speculative_branches=2)
+        with pytest.raises(ParamError) as err:
+            llm.make_sequences(ids, p, "r")
+        assert err.value.field == "speculative_branches" and "draft head" in str(err.value), kw
+        assert plain.make_sequences(ids, p, "r")[0].branches == 2
+    for b in (0, None):
+        seq = llm.make_sequences(ids, SamplingParams.from_flat(max_tokens=8, block_size=4, speculative=True,
+                                                               speculative_branches=b), "r")[0]
+        assert isinstance(seq, SpeculativeSequence) and seq.head is not None and seq.branches == 0
+
+
 def test_sampling_with_a_head_is_seeded_and_valid(with_head):
     llm, _ = with_head
     p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=5, block_size=4, speculative=True,

@@ -551,6 +551,58 @@ def test_steps_or_threshold_on_an_explicit_speculative_request_are_refused_by_na
     out = llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=4, steps=4, speculative=False))[0].outputs[0]
     assert len(out.token_ids) >= 1
 
+# every request field self-speculative decoding has no use for (engine/plan.py NOT_SPECULATIVE_FIELDS), with values
+# other than its default; each used to be ignored by an explicit speculative request (steps/threshold: refused since)
+NOT_SPECULATIVE = [("steps", 4), ("threshold", 0.9), ("threshold", 0.0), ("remasking", "margin"),
+                   ("remasking", "entropy"), ("remasking", "random"), ("sub_block_size", 2), ("sub_block_size", 4)]
+
+
+def test_the_not_speculative_table_is_what_the_tests_cover():
+    from unmask.engine.plan import NOT_SPECULATIVE_FIELDS
+
+    assert set(NOT_SPECULATIVE_FIELDS) == {f for f, _ in NOT_SPECULATIVE}
+
+
+@pytest.mark.parametrize("field, value", NOT_SPECULATIVE)
+def test_a_field_speculative_decoding_has_no_use_for_is_refused_by_name(field, value):
+    """speculative=true with a plain-diffusion knob speculative decoding does not use (a remasking order, a
+    sub-block window, steps, a threshold) decoded speculatively and ignored it; the request's own value is refused
+    naming the field and saying why. The checkpoint's defaults never cause it (its default threshold is not applied
+    to a speculative request, its own sub_block_size is not the request's, and a request that sets the field does
+    not get its speculative default), and with speculative=false the field is decoded with."""
+    from unmask.engine.speculative import SpeculativeSequence as Spec
+
+    lm = loaded(block_size=4)
+    lm.dllm.default_sampling = {"temperature": 0.0, "speculative": True, "threshold": 0.9}
+    lm.dllm.sub_block_size = 2  # the checkpoint's window (as a Fast-dLLM v2 checkpoint has): not the request's
+    llm = LLM(lm)
+    ids = llm.encode(PROMPTS[1])
+
+    def seqs(**kw):
+        return llm.make_sequences(ids, SamplingParams.from_flat(**{"max_tokens": 8, **kw}), "k")
+
+    for extra in ({}, {"block_size": 4, "temperature": 0.7}, {"speculative_branches": 1, "cache": "none"}):
+        with pytest.raises(ParamError) as err:
+            seqs(speculative=True, **{field: value}, **extra)
+        msg = str(err.value)
+        assert err.value.field == field, (extra, msg)
+        assert "has no effect with speculative decoding" in msg and "decides its own reveals" in msg, msg
+        assert "speculative=false" in msg, msg
+    with pytest.raises(ParamError) as err:  # through the public API too
+        llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=4, speculative=True, **{field: value}))
+    assert err.value.field == field
+    # the checkpoint's defaults (speculative, threshold, sub_block_size) never cause it
+    assert isinstance(seqs()[0], Spec) and isinstance(seqs(speculative=True)[0], Spec)
+    assert isinstance(seqs(speculative=True, remasking="low_confidence")[0], Spec)  # the default value: no effect
+    # the field without `speculative`: the checkpoint's speculative default does not apply, no error
+    assert not isinstance(seqs(**{field: value})[0], Spec)
+    # with speculative=false: decoded with the field
+    assert not isinstance(seqs(speculative=False, **{field: value})[0], Spec)
+    out = llm.generate(PROMPTS[1], SamplingParams.from_flat(max_tokens=4, speculative=False, ignore_eos=True,
+                                                            **{field: value}))[0].outputs[0]
+    assert len(out.token_ids) == 4 and not out.speculative
+
+
 @pytest.mark.parametrize("dllm_kw, value, words", [
     ({}, "yes", "true or false"),
     ({"attention": "bidirectional"}, True, "prefix_causal"),

@@ -320,8 +320,8 @@ MODEL_DEPENDENT_400 = {
     "messages",            # the chat template refuses the role order
     "stop_token_ids",      # an id outside the vocabulary
     "block_size",          # longer than max_tokens can use / than the context
-    "steps", "threshold",  # with speculative: true (speculative decoding decides its own reveals)
-    "sub_block_size",      # longer than block_size
+    "steps", "threshold", "remasking",  # with speculative: true (speculative decoding decides its own reveals)
+    "sub_block_size",      # longer than block_size; with speculative: true
     "min_tokens",          # more than max_tokens
     "best_of",             # best_of != n
     "n",                   # prompts x n beyond --max-seqs-per-request

@@ -451,6 +451,32 @@ def test_steps_or_threshold_with_speculative_true_is_a_400_naming_it_and_serving
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), (body, r.text)
     assert health(http)["running"] == 0
 
+@pytest.mark.parametrize("field, value", [("remasking", "margin"), ("remasking", "random"), ("sub_block_size", 2),
+                                          ("steps", 4), ("threshold", 0.5)])
+def test_a_field_speculative_decoding_does_not_use_is_a_400_with_speculative_true(http, field, value):
+    """docs/design.md section 15: every field self-speculative decoding has no use for (engine/plan.py
+    NOT_SPECULATIVE_FIELDS), set with `speculative: true`, is a 400 naming it and saying why (`remasking` and
+    `sub_block_size` were 200s that ignored them); the server goes on serving, and the same field with
+    `speculative: false` (or without `speculative`) is a 200."""
+    bad = [(CH, _ch(speculative=True, **{field: value})), (C, _c(speculative=True, **{field: value})),
+           (CH, _ch(speculative=True, stream=True, **{field: value}))]
+    if field != "sub_block_size":  # (not a /v1/responses field)
+        bad.append(("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "speculative": True,
+                                      field: value}))
+    for path, body in bad:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["param"] == field and err["type"] == "invalid_request_error", (path, err)
+        assert "has no effect with speculative decoding" in err["message"], err
+        assert "decides its own reveals" in err["message"] and "speculative=false" in err["message"], err
+    for body in (_ch(speculative=True), _ch(speculative=False, **{field: value}), _ch(**{field: value}),
+                 _c(speculative=False, **{field: value}), _ch(speculative=True, remasking="low_confidence")):
+        r = http.post(CH if "messages" in body else C, json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), (body, r.text)
+    assert health(http)["running"] == 0
+
+
 def test_null_fields_take_their_defaults_and_extreme_values_are_served(http):
     # the openai SDK sends null for an explicit None; OpenAI documents these fields as nullable
     r = http.post(C, json=_c(top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None,

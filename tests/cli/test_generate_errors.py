@@ -1,0 +1,48 @@
+"""``unmask generate``'s errors name its own options (cli/generate.py): a rule between options found by the engine
+(a ParamError written in the API's field names, e.g. "set speculative=false") reaches the command line as
+``--steps: ... use --no-speculative ...``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny
+from unmask.cli.main import main
+from unmask.engine.checkpoint import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    m = tiny.loaded()
+    d = tmp_path_factory.mktemp("gen") / "ckpt"
+    write_checkpoint(d, m.model, m.tokenizer, m.dllm)
+    return str(d)
+
+
+def _generate(ckpt, *extra):
+    return main(["generate", ckpt, "--prompt", "Hello", "--max-tokens", "4", "--json", "--weights", "native",
+                 *extra])
+
+
+@pytest.mark.parametrize("option", [["--steps", "4"], ["--threshold", "0.9"], ["--remasking", "margin"]])
+def test_a_diffusion_option_with_speculative_names_the_cli_flags(ckpt, capsys, option):
+    """--speculative with --steps / --threshold / another --remasking: exit 2, one line naming the option and the
+    command's own way out (--no-speculative), not the API's (speculative=false)."""
+    assert _generate(ckpt, "--speculative", *option) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"unmask generate: error: {option[0]}: has no effect with speculative decoding"), err
+    assert "use --no-speculative" in err and "speculative=false" not in err, err
+    assert _generate(ckpt, "--no-speculative", "--temperature", "0", *option) == 0  # the way out works
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) >= 1
+
+
+def test_other_engine_rules_name_the_cli_flags_too(ckpt, capsys):
+    """Multi-word fields in a reason are the command's options (--speculative-epsilon, --block-size)."""
+    assert _generate(ckpt, "--speculative", "--speculative-branches", "3", "--block-size", "2") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unmask generate: error: --speculative-branches: must be <= --block-size - 1 (1)"), err
+    assert _generate(ckpt, "--speculative", "--temperature", "0.5", "--speculative-epsilon", "0.1") == 2
+    err = capsys.readouterr().err
+    assert "--speculative-epsilon: relaxed acceptance" in err and "temperature 0" in err, err
