@@ -104,7 +104,7 @@ def fake_gemms(model, mods: list) -> None:
 
         m.as_function = (lambda f: lambda: f)(fake)
         m.forward = fake
-    model.decoder_forward = FusedDecoder(model.decoder_forward.decoder)
+    model.decoder_forward = FusedDecoder(model.decoder_forward.decoder, model.decoder_forward.row_invariant)
 
 
 def main(argv=None) -> int:

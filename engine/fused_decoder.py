@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .row_attention import lane_plans, row_invariant_attention
+
 #: transformers decoder classes whose layer computation is the Llama one (Qwen3 adds per-head q/k RMSNorms)
 SUPPORTED_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
 
@@ -245,6 +247,10 @@ class FusedDecoder:
     :class:`~unmask.engine.kv_cache.BatchKV` or None; None = causal, as transformers) and returns the final-norm hidden states ``[B, Q, hidden]``,
     as ``LlamaModel.forward(...).last_hidden_state`` would.
 
+    ``row_invariant``: attention through :mod:`unmask.engine.row_attention` (a row's result independent of the
+    other rows and lanes; one call per lane and group), for the low-bit formats whose bf16 inputs amplify SDPA's
+    last-bit differences.
+
     Build it after the weights are packed: each layer's norms and projections are resolved once into plain
     functions (a one-row step calls ~10 per layer, where ``nn.Module`` dispatch is a visible share).
 
@@ -252,11 +258,12 @@ class FusedDecoder:
         ValueError: the decoder was not fused.
     """
 
-    def __init__(self, decoder: nn.Module):
+    def __init__(self, decoder: nn.Module, row_invariant: bool = False):
         layer0 = decoder.layers[0] if len(decoder.layers) else None
         if layer0 is None or not hasattr(layer0.self_attn, "qkv_proj") or not hasattr(layer0.mlp, "gate_up_proj"):
             raise ValueError("FusedDecoder: run fuse_projections(decoder) first")
         self.decoder = decoder
+        self.row_invariant = bool(row_invariant)
         cfg = decoder.config
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
@@ -284,7 +291,13 @@ class FusedDecoder:
         x = dec.embed_tokens(input_ids)
         cos, sin = dec.rotary_emb(x, position_ids=position_ids)  # [B, Q, D]
         cos, sin = cos[:, :, None].to(x.dtype), _signed_sin(sin[:, :, None].to(x.dtype))
-        if bool(attention_mask.all()):  # nothing masked (one lane, every key visible): SDPA's unmasked path
+        row_plan = None
+        if self.row_invariant:  # per lane and group (its unmasked calls are the one-lane calls bit for bit)
+            cached = 0 if cache is None else getattr(cache, "cached_len", None)
+            if cached is None:  # a transformers cache (benchmarks' bare forward): every lane equally long
+                cached = cache.get_seq_length()
+            row_plan = lane_plans(attention_mask.expand(B, -1, -1, -1), cached)
+        elif bool(attention_mask.all()):  # nothing masked (one lane, every key visible): SDPA's unmasked path
             attention_mask = None
         gqa = Hq != Hkv
         qk_v, q_k = (Hq + Hkv, Hkv), (Hq, Hkv)
@@ -300,8 +313,12 @@ class FusedDecoder:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(k, v, i)
-            o = sdpa(q, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+            if row_plan is not None:
+                o = row_invariant_attention(q, k, v, row_plan, scaling, gqa)
+            else:
+                o = sdpa(q, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
             x = x + o_proj(o.transpose(1, 2).reshape(B, Q, Hq * D))
             gate, up = gate_up_proj(post_norm(x)).chunk(2, dim=-1)
             x = x + down_proj(act(gate) * up)
         return self.final_norm(x)
+

@@ -380,7 +380,7 @@ def attach_mask_adapter(loaded, weights: AdapterWeights) -> MaskAdapter:
     if loaded.decoder_forward is not None:
         from .fused_decoder import FusedDecoder
 
-        loaded.decoder_forward = FusedDecoder(decoder)
+        loaded.decoder_forward = FusedDecoder(decoder, row_invariant=loaded.decoder_forward.row_invariant)
     loaded.row_variant = state
     loaded.refresh_head()
     return state

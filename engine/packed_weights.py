@@ -173,7 +173,8 @@ def pack_model(loaded, weight_format: str) -> None:
 
     For ``fp16``: q|k|v and gate|up become one packed GEMM each (:func:`~unmask.engine.fused_decoder.fuse_projections`,
     layer by layer), every other linear is packed, the draft head too, and Llama-architecture decoders get
-    ``loaded.decoder_forward`` = a :class:`~unmask.engine.fused_decoder.FusedDecoder`. ``native`` (or the format
+    ``loaded.decoder_forward`` = a :class:`~unmask.engine.fused_decoder.FusedDecoder` (row-invariant attention for
+    int8/int4, docs/design.md section 10). ``native`` (or the format
     already in place) changes nothing.
 
     Raises:
@@ -203,7 +204,7 @@ def pack_model(loaded, weight_format: str) -> None:
         loaded.draft_head.pack_fp16()
     loaded.refresh_head()
     loaded.weight_format = fmt
-    loaded.decoder_forward = FusedDecoder(decoder) if fused else None
+    loaded.decoder_forward = FusedDecoder(decoder, row_invariant=fmt in ("int8", "int4")) if fused else None
     return_freed_memory()
 
 

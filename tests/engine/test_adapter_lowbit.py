@@ -168,3 +168,23 @@ def test_the_export_records_its_source(ckpts):
     rec = json.loads((ckpts / "nf4" / "config.json").read_text())[EXPORT_RECORD]
     assert rec == {"quantization": "nf4", "source_sha256": parent_hash(ckpts / "parent"),
                    "sha256": parent_hash(ckpts / "nf4")}
+
+
+@needs_lowbit
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_lowbit_decoding_uses_row_invariant_attention_end_to_end(ckpts, weights):
+    """int4/int8 run the fused decoder with row-invariant attention (engine/row_attention.py), fp16 does not; with
+    it, speculative greedy decoding of the adapter model is its block-1 decoding token for token and a request's
+    tokens do not depend on its batch mates (prompts of different lengths: padded keys and queries)."""
+    adapted = load_model(ckpts / "parent", adapter=ckpts / "adapter", weights=weights)
+    assert adapted.decoder_forward.row_invariant
+    if fbgemm_available():
+        assert not load_model(ckpts / "parent", weights="fp16").decoder_forward.row_invariant
+    llm = LLM(adapted, max_batch_size=4)
+    prompts = ["Hello world the quick", "One two", "The lazy dog jumps over the fox again and again", "Paris"]
+    b1 = SamplingParams.from_flat(max_tokens=16, ignore_eos=True, temperature=0, block_size=1)
+    spec = SamplingParams.from_flat(max_tokens=16, ignore_eos=True, temperature=0, block_size=4, speculative=True)
+    alone = [llm.generate(p, b1)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, b1)] == alone
+    assert [llm.generate(p, spec)[0].outputs[0].token_ids for p in prompts] == alone
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, spec)] == alone
