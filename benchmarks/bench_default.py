@@ -9,8 +9,10 @@ Rows:
 * ``transformers greedy``: the parent (the A2D conversion loaded as a causal LM, float32, KV cache, batch 1);
 * ``llama.cpp``: ``llama-bench`` ``tg<max-tokens>`` on the same GGUF (``--llama-bench``; default the binary that
   ``benchmarks/build_llama_bench.sh`` builds, skipped with a note when absent);
-* ``engine block 1`` with ``fp16`` (fbgemm-packed), ``int8`` and ``int4`` weights (engine/lowbit.py) of the parent;
-* ``engine block 1 tg``: the same three, measured as ``llama-bench`` measures ``tg``: generation only, the prompt's
+* ``engine block 1`` with ``--weights`` ``auto`` (what the server runs: for this Q4_1 GGUF the GGUF's own 4-bit
+  blocks as int4 layers, the Q8_0 LM head fp16-packed; engine/packed_weights.py), ``fp16`` (fbgemm-packed),
+  ``int8`` and ``int4`` (everything quantized, LM head int8; engine/lowbit.py) of the parent;
+* ``engine block 1 tg``: the same four, measured as ``llama-bench`` measures ``tg``: generation only, the prompt's
   processing not counted (:func:`engine_tg`). The block-1 target against llama.cpp is judged on this row, the same
   quantity on both sides; the end-to-end rows above include each prompt's prefill and per-request work, which
   ``llama-bench -p 0 -n N`` never does;
@@ -49,7 +51,8 @@ import bench_common as bc  # noqa: E402
 import quality_metrics as qm  # noqa: E402
 from bench_ar import hf_greedy, llama_bench  # noqa: E402
 
-FORMATS = ("fp16", "int8", "int4")
+#: the parent's --weights values measured; "auto" is what `unmask serve` runs (on the Q4_1 GGUF: its int4 case)
+FORMATS = ("auto", "fp16", "int8", "int4")
 LLAMA_BENCH = Path.home() / ".cache" / "unmask" / "llama.cpp" / "bin" / "llama-bench"
 # issue 25's targets; MB = 10**6 bytes
 TARGETS = {"block1_vs_llama_cpp": 0.5, "spec_vs_block1": 1.3, "spec_tpf": 1.6, "diffusion_tpf": 2.0,
@@ -124,6 +127,12 @@ def server_memory(serve_args: list[str], bodies: list[dict], threads: int, log_p
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def _layers(model) -> str:
+    """``int4 (120 int4 + 1 fp16 layers)``: a loaded model's weight format and what it packed."""
+    parts = " + ".join(f"{n} {k}" for k, n in sorted(model.packed_layers.items()))
+    return f"{model.weight_format} ({parts} layers)" if parts else model.weight_format
 
 
 def judge(summary: dict, served_fmt: str, llama_tps: float | None) -> None:
@@ -222,7 +231,8 @@ def main(argv=None) -> int:
     env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     block1 = {fmt: LLM(load_model(parent_dir, weights=fmt), max_batch_size=1) for fmt in FORMATS}
     served = LLM(load_model(served_path), max_batch_size=1)
-    served_fmt = served.model.weight_format
+    served_fmt = "auto"  # the served model is loaded as `unmask serve` loads it
+    served_kind = _layers(served.model)
     hf = AutoModelForCausalLM.from_pretrained(parent_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     eos = list(block1["fp16"].model.dllm.eos_token_ids)
     prompts = bc.grid_prompts(args.prompts)
@@ -299,12 +309,13 @@ def main(argv=None) -> int:
         memory = {"parent": parent_mem, "default": default_mem, "served": served_what,
                   **judge_memory(parent_mem, default_mem)}
 
-    names = {"hf": "transformers greedy (parent, KV cache)", "spec": f"speculative, served default ({served_fmt})",
-             **{f"block1-{f}": f"engine block 1, {f} weights" for f in FORMATS},
-             **{f"tg-{f}": f"engine block 1 tg{args.max_tokens} (generation only), {f} weights" for f in FORMATS},
-             **{f"spec-b{b}-br{br}": f"speculative, block {b}, {br} branches ({served_fmt})" for b, br in spec_configs},
-             **{f"diffusion-t{t:g}": f"plain diffusion b4, threshold {t:g} ({served_fmt})" for t in thresholds},
-             **{f"diffusion-b{k}-quota": f"plain diffusion b{k}, one step per block ({served_fmt})"
+    label = {f: f if f != "auto" else f"auto: {_layers(block1[f].model)}" for f in FORMATS}
+    names = {"hf": "transformers greedy (parent, KV cache)", "spec": f"speculative, served default ({served_kind})",
+             **{f"block1-{f}": f"engine block 1, {label[f]}" for f in FORMATS},
+             **{f"tg-{f}": f"engine block 1 tg{args.max_tokens} (generation only), {label[f]}" for f in FORMATS},
+             **{f"spec-b{b}-br{br}": f"speculative, block {b}, {br} branches ({served_kind})" for b, br in spec_configs},
+             **{f"diffusion-t{t:g}": f"plain diffusion b4, threshold {t:g} ({served_kind})" for t in thresholds},
+             **{f"diffusion-b{k}-quota": f"plain diffusion b{k}, one step per block ({served_kind})"
                 for k in quota_blocks}}
     rows = [[names[m], s["tokens_per_s"], f"{s['x_block1']:.2f}x",
              f"{s['x_llama_cpp']:.2f}x" if s["x_llama_cpp"] is not None else "", s["tpf"],
@@ -323,7 +334,7 @@ def main(argv=None) -> int:
           f"{len(tg_prompts)} prompts, {args.max_tokens} tokens each after the prompt's forward, EOS ignored, "
           f"prefill not counted, as llama-bench's tg; the block-1 target is judged there). Parent "
           f"{parent_dir}; served default: {served_what}; ratios against the engine block 1 in the served weight "
-          f"format ({served_fmt}); 'identical' = answers equal to that block 1's (the served parent).\n\n"
+          f"format ({served_kind}); 'identical' = answers equal to that block 1's (the served parent).\n\n"
           + bc.markdown_table(["decoder", "tokens/s", "x block 1", "x llama.cpp", "TPF", "identical to parent",
                                "answer accuracy", "target (issue 25)", "result"], rows))
     if memory:
@@ -340,7 +351,7 @@ def main(argv=None) -> int:
                                      memory["adapter_extra_peak_mb"], f"<= {TARGETS['adapter_extra_rss_mb']:.0f} MB",
                                      verdict(memory["adapter_extra_pass"])]]))
     data = {"benchmark": "default", "settings": {**vars(args), "parent": parent_dir, "served": served_what,
-                                                 "served_path": served_path, "served_weights": served_fmt,
+                                                 "served_path": served_path, "served_weights": served_kind,
                                                  "prompt_ids": [p["id"] for p in prompts]},
             "targets": TARGETS, "environment": env, "summary": summary, "llama_cpp": llama, "memory": memory,
             "adapter": served.model.adapter,
@@ -353,7 +364,7 @@ def main(argv=None) -> int:
         fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(11 if memory else 7, 4), squeeze=False)
         ax = axes[0][0]
         ax.barh([n for n, _ in speed][::-1], [v for _, v in speed][::-1])
-        ax.axvline(ref_tps, color="grey", ls="--", lw=1, label=f"engine block 1 ({served_fmt})")
+        ax.axvline(ref_tps, color="grey", ls="--", lw=1, label=f"engine block 1 ({served_kind})")
         ax.set_xlabel("tokens/s (batch 1)")
         ax.legend(loc="lower right", fontsize=8)
         if memory:

@@ -11,7 +11,8 @@ For the served default (``unmask serve`` with no MODEL: the parent + the shipped
 * ``speculative == block 1``: speculative decoding's answer vs block-1 decoding's, each alone.
 
 ``prefill``: the median time of a ``--prefill-tokens`` prompt's prefill (random ids, so the prefix cache never
-serves it), as the row-invariant attention makes a prompt's rows one call each.
+serves it), as the row-invariant attention makes a prompt's rows one call each; ``block-1 tokens/s``: all the
+prompts decoded at once (``--batch`` slots), the throughput its per-lane calls cost.
 
 With ``--compare-plain-attention`` the same is measured a second time with the fused decoder's row-invariant
 attention switched off (one SDPA call per layer, as before it existed), in the same run.
@@ -64,9 +65,21 @@ def prefill_ms(llm, tokens: int, repeats: int = 3) -> float:
     return bc.median(secs[1:]) * 1e3
 
 
+def batch_tokens_per_s(llm, ids: list, max_tokens: int) -> float:
+    """Block-1 greedy tokens/s of all ``ids`` decoded in one ``generate`` (the batch slots full: throughput)."""
+    import time
+
+    from unmask.engine import SamplingParams
+
+    sp = SamplingParams.from_flat(max_tokens=max_tokens, temperature=0.0, seed=0, block_size=1, speculative=False)
+    t = time.perf_counter()
+    outs = llm.generate(ids, sp)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--weights", default="int4", help="fp16 | int8 | int4")
+    ap.add_argument("--weights", default="auto", help="auto | fp16 | int8 | int4 (names the result file)")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, default=16, help="batch slots (max_batch_size)")
@@ -90,6 +103,7 @@ def main(argv=None) -> int:
         r = measure(llm, ids, args.max_tokens)
         if args.prefill_tokens:
             r["prefill_ms"] = prefill_ms(llm, args.prefill_tokens)
+        r["batch_tokens_per_s"] = batch_tokens_per_s(llm, ids, args.max_tokens)
         return r
 
     runs = {f"row-invariant attention {'on' if fused is not None and fused.row_invariant else 'off'}": run()}
@@ -100,15 +114,17 @@ def main(argv=None) -> int:
     cols = ["block1_batched_equals_alone", "speculative_batched_equals_alone", "diffusion-b4-t0.5_batched_equals_alone",
             "spec_equals_block1"]
     n = len(ids)
-    rows = [[name] + [f"{round(r[c] * n)}/{n}" for c in cols] + [r.get("prefill_ms", "")] for name, r in runs.items()]
+    rows = [[name] + [f"{round(r[c] * n)}/{n}" for c in cols] + [r.get("prefill_ms", ""), r["batch_tokens_per_s"]]
+            for name, r in runs.items()]
     md = (f"The served default ({what}) in `{model.weight_format}` weights, {n} held-out grid prompts, greedy, "
           f"max {args.max_tokens} tokens; batched = all prompts in one batch of {args.batch} slots.\n\n"
           + bc.markdown_table(["attention", "block 1: batched = alone", "speculative: batched = alone",
                                "diffusion b4 t0.5: batched = alone", "speculative = block 1 (alone)",
-                               f"prefill of {args.prefill_tokens} tokens (ms, median of 3)"], rows))
+                               f"prefill of {args.prefill_tokens} tokens (ms, median of 3)",
+                               f"block-1 tokens/s, all prompts in {args.batch} slots"], rows))
     data = {"benchmark": "invariance", "settings": {**vars(args), "served": what, "weights": model.weight_format},
             "environment": bc.environment(args.threads), "runs": runs}
-    return bc.report(f"bench_invariance_{model.weight_format}", data, md)
+    return bc.report(f"bench_invariance_{args.weights}", data, md)
 
 
 if __name__ == "__main__":

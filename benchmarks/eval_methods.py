@@ -408,7 +408,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="engine batch")
     p.add_argument("--resamples", type=int, default=10000)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16"])
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16", "int8", "int4"])
     return p
 
 

@@ -58,7 +58,8 @@ def register(sub, name):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16", "int8", "int4"],
-                   help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU, as loaded elsewhere")
+                   help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU (int4 for weights on a "
+                        "4-bit grid, as a Q4 GGUF's), as loaded elsewhere")
     p.add_argument("--show-steps", action="store_true",
                    help="show the canvas after every step on stderr: redrawn in place on a terminal, one line per "
                         "step when piped (masks as _)")

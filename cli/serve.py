@@ -74,7 +74,13 @@ def _weights_kind(loaded) -> str:
     if loaded.weight_format == "fp16":
         kind += ", run as fp16-packed linear layers (fbgemm, float32 activations; --weights native to keep them)"
     elif loaded.weight_format in ("int8", "int4"):
-        kind += f", run as {loaded.weight_format} weight-only linear layers (bf16 activations; docs/scale.md)"
+        layers = getattr(loaded, "packed_layers", None) or {}
+        if loaded.weight_format == "int4" and "fp16" in layers and "int8" not in layers:
+            kind += (f" on a 4-bit grid of 32 (a Q4 GGUF's blocks), run as int4 weight-only linear layers holding "
+                     f"those blocks ({layers.get('int4', 0)} layers; bf16 activations and scales) and "
+                     f"{layers['fp16']} fp16-packed off the grid (the LM head); --weights fp16 to dequantize them")
+        else:
+            kind += f", run as {loaded.weight_format} weight-only linear layers (bf16 activations; docs/scale.md)"
     return kind
 
 
@@ -126,7 +132,8 @@ def register(sub, name):
                         "same either way), on, off")
     p.add_argument("--weights", default="auto", choices=["auto", "native", "fp16", "int8", "int4"],
                    help="how the linear layers run: auto = fbgemm-packed fp16 on a CPU (1.6-2.6x faster decoding "
-                        "than float32/nf4 there), as loaded elsewhere; native = as loaded; fp16 = packed (CPU only); "
+                        "than float32/nf4 there), int4 for weights on a 4-bit grid (a Q4 GGUF's, the default "
+                        "model's), as loaded elsewhere; native = as loaded; fp16 = packed (CPU only); "
                         "int8 / int4 = weight-only low-bit CPU kernels (docs/scale.md)")
     p.add_argument("--family", default=None, help="force the model family (default: detect)")
     p.add_argument("--device-map", default=None,

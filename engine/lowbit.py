@@ -88,6 +88,25 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
 
 
+def on_int4_grid(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``[out, in]`` lies exactly (float32) on the grid :func:`quantize_int4` builds: every group of
+    :data:`INT4_GROUP` input features is ``min + scale * q`` with ``q`` in 0..15 and both ends used. True for the
+    dequantized linear layers of a Q4_1 (and Q4_K) GGUF, whose blocks of 32 are ``d * q + m`` (llama.cpp's
+    ``quantize_row_q4_1``: ``m`` = the block's minimum, ``d`` = (max - min) / 15), so int4 packs them losslessly up
+    to the bfloat16 rounding of each group's scale and zero (relative 2^-9); False for float weights and for other
+    grids (Q8_0, Q6_K). Reads the layer once; allocates a few layer-sized temporaries.
+    """
+    if not int4_supported_shape(weight):
+        return False
+    w = weight.detach().float()
+    q, sz = quantize_int4(w)
+    n, k = w.shape
+    scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [out, groups, 1]
+    deq = (q.reshape(n, k // INT4_GROUP, INT4_GROUP).float() - 8.0) * scale + zero
+    # float32 rounding of (q - 8) * scale + zero only: far below a step of the grid (scale)
+    return bool(((deq - w.reshape(deq.shape)).abs() <= scale * 2.0 ** -12).all())
+
+
 def int4_supported_shape(weight: torch.Tensor) -> bool:
     """Whether the int4 kernel takes this ``[out, in]`` weight (in a multiple of the group, out of 8)."""
     n, k = weight.shape
@@ -153,5 +172,16 @@ def lowbit_linear(bits: int, head: bool = False):
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         b = 8 if head or (bits == 4 and not int4_supported_shape(weight)) else bits
         return LowbitLinear(weight, bias, b)
+
+    return make
+
+
+def grid_int4_linear(otherwise):
+    """A ``make_linear(weight, bias)`` factory for the ``auto`` format of a model whose weights lie on a 4-bit grid
+    (:func:`~unmask.engine.packed_weights.pack_model`): int4 for each layer :func:`on_int4_grid`, ``otherwise(weight,
+    bias)`` (fp16 packing) for the rest, so no layer loses more than the bfloat16 rounding of the int4 scales or
+    fp16's rounding. The built module records which (``.bits`` 4, or no ``bits`` for ``otherwise``)."""
+    def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        return LowbitLinear(weight, bias, 4) if on_int4_grid(weight) else otherwise(weight, bias)
 
     return make

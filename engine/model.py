@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol
 
@@ -106,8 +106,10 @@ class LoadedModel:
         max_context: the longest canvas (prompt + generation + suffix) the model accepts, in tokens.
         row_variant: a :class:`RowVariant` (per-row weight selection) or None; attached with
             :meth:`attach_row_variant`.
-        weight_format: how the linear layers run: ``native`` (as loaded) or ``fp16`` (fbgemm-packed; set by
-            :func:`unmask.engine.packed_weights.pack_model`, the packing seam).
+        weight_format: how the linear layers run: ``native`` (as loaded), ``fp16`` (fbgemm-packed), ``int8`` or
+            ``int4`` (weight-only low-bit kernels); set by :func:`unmask.engine.packed_weights.pack_model`, the
+            packing seam. packed_layers: ``{format: layers}`` it packed (``auto`` on a 4-bit GGUF's weights:
+            int4 layers plus the fp16 LM head).
         decoder_forward: a replacement forward of the decoder stack, ``(input_ids, position_ids, attention_mask,
             cache) -> [B, Q, H]`` with the transformers forward's meaning (the fused-decoder seam:
             :class:`~unmask.engine.fused_decoder.FusedDecoder`, installed by ``pack_model``), or None for the
@@ -127,6 +129,7 @@ class LoadedModel:
     max_context: int
     row_variant: RowVariant | None = None
     weight_format: str = "native"
+    packed_layers: dict = field(default_factory=dict)
     decoder_forward: Callable[..., torch.Tensor] | None = None
     draft_head: Any = None
     adapter: dict | None = None
@@ -289,7 +292,7 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         family: force a family (``a2d``, ``llada``, ``dream``, ``fast_dllm_v2``, ``sdar``); default: detect.
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``. dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
         weights: how the linear layers run (:mod:`unmask.engine.packed_weights`): ``auto`` (fbgemm-packed fp16 on
-            a CPU with fbgemm, else as loaded), ``native`` (as loaded: float32/bf16, or bitsandbytes nf4/int8),
+            a CPU with fbgemm, int4 for weights on a 4-bit grid, else as loaded), ``native`` (as loaded: float32/bf16, or bitsandbytes nf4/int8),
             ``fp16``. Inference only: train from a ``native`` load.
         device_map, max_memory, offload_folder: split the layers between a device, CPU memory and disk with
             accelerate (:func:`unmask.engine.placement.place_model`; ``auto`` weights then stay ``native``).
@@ -329,7 +332,7 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         from .placement import place_model
 
         place_model(loaded, device_map, max_memory, offload_folder)
-    pack_model(loaded, fmt)
+    pack_model(loaded, "auto" if (weights or "auto") == "auto" else fmt)  # auto's int4 case reads the weights
     apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md section 21), after packing
     return_freed_memory()  # the adapter's float32 read copies
     return loaded

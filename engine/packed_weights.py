@@ -17,9 +17,17 @@ fused decoder forward (:mod:`unmask.engine.fused_decoder`) on Llama-architecture
 (docs/design.md section 13).
 
 Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; float32 models on a CPU with fbgemm only),
-``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``), ``int8`` / ``int4``
-(weight-only low-bit kernels, :mod:`unmask.engine.lowbit`; where they cannot run, the ``auto`` choice with a
-warning).
+``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``; but ``int4`` when
+the weights lie on a 4-bit grid of 32, as a Q4_1 GGUF's do: see below), ``int8`` / ``int4`` (weight-only low-bit
+kernels, :mod:`unmask.engine.lowbit`; where they cannot run, the ``auto`` choice with a warning).
+
+``auto`` on a 4-bit GGUF's weights (the default model, converted from ``SmolLM2-135M-Instruct.Q4_1.gguf``): the
+checkpoint holds the GGUF's blocks dequantized (``d * q + m`` per 32 weights), so fp16 packing would read 4x the
+bytes of information the weights have. When the first decoder layer lies on int4's grid
+(:func:`unmask.engine.lowbit.on_int4_grid`, an exact test), every layer on the grid runs int4 holding those same
+blocks (only each block's scale and zero are rounded to bfloat16), every other layer (the LM head, Q8_0 in that
+GGUF) fp16-packed; ``loaded.packed_layers`` counts them. The fused decoder then runs row-invariant attention
+(:mod:`unmask.engine.row_attention`), as for ``int8``/``int4``. ``--weights fp16`` keeps the dequantized fp16 path.
 
 Memory: a packed layer holds fp16 weights (2 bytes per parameter: 4x an nf4 checkpoint's 0.5, half of float32); a
 tied LM head gets its own fp16 copy next to the float32 input embedding.
@@ -44,7 +52,8 @@ def fbgemm_available() -> bool:
 
 
 def resolve_weight_format(fmt: str | None, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """``auto`` -> ``fp16`` for a float32 model on a CPU with fbgemm, else ``native``.
+    """``auto`` -> ``fp16`` for a float32 model on a CPU with fbgemm, else ``native`` (:func:`pack_model` may still
+    take ``auto``'s int4 case, which reads the weights).
 
     Raises:
         ValueError: (names ``weights``) an unknown format, or ``fp16`` on a non-CPU device, without fbgemm, or with
@@ -171,6 +180,9 @@ def pack_model(loaded, weight_format: str) -> None:
     Inference only. The low-bit formats build :class:`~unmask.engine.lowbit.LowbitLinear` layers the same way
     (fused projections included; the draft head stays fp16).
 
+    ``auto`` packs as :func:`resolve_weight_format` says, or in its int4 case (the module docstring) when the
+    first decoder layer's weights lie on the int4 grid.
+
     For ``fp16``: q|k|v and gate|up become one packed GEMM each (:func:`~unmask.engine.fused_decoder.fuse_projections`,
     layer by layer), every other linear is packed, the draft head too, and Llama-architecture decoders get
     ``loaded.decoder_forward`` = a :class:`~unmask.engine.fused_decoder.FusedDecoder` (row-invariant attention for
@@ -183,6 +195,9 @@ def pack_model(loaded, weight_format: str) -> None:
     from .fused_decoder import FusedDecoder, fuse_projections
 
     fmt = resolve_weight_format(weight_format, loaded.device, loaded.dtype)
+    on_grid = (weight_format or "auto") == "auto" and fmt == "fp16" and _first_layer_on_int4_grid(loaded)
+    if on_grid:
+        fmt = "int4"  # the auto rule's int4 case: the weights are a 4-bit GGUF's (docs/design.md section 13)
     if fmt == loaded.weight_format:
         return
     if loaded.weight_format != "native":
@@ -190,7 +205,11 @@ def pack_model(loaded, weight_format: str) -> None:
                          f"checkpoint again for {fmt}")
     decoder = loaded.model.base_model
     make_linear = fp16_linear
-    if fmt in ("int8", "int4"):
+    if on_grid:
+        from .lowbit import grid_int4_linear
+
+        make_linear = grid_int4_linear(fp16_linear)  # int4 where a layer is on the grid, fp16 elsewhere (the head)
+    elif fmt in ("int8", "int4"):
         from .lowbit import lowbit_linear
 
         make_linear = lowbit_linear(8 if fmt == "int8" else 4)
@@ -204,8 +223,40 @@ def pack_model(loaded, weight_format: str) -> None:
         loaded.draft_head.pack_fp16()
     loaded.refresh_head()
     loaded.weight_format = fmt
+    loaded.packed_layers = _count_formats(loaded.model)
     loaded.decoder_forward = FusedDecoder(decoder, row_invariant=fmt in ("int8", "int4")) if fused else None
     return_freed_memory()
+
+
+def _first_layer_on_int4_grid(loaded) -> bool:
+    """Whether int4 can run here and the first linear layer of the first decoder layer lies on the int4 grid
+    (:func:`unmask.engine.lowbit.on_int4_grid`): the probe of ``auto``'s int4 case (one layer read)."""
+    from .lowbit import lowbit_unavailable, on_int4_grid
+
+    if lowbit_unavailable("int4", loaded.device, loaded.dtype) is not None:
+        return False
+    layers = getattr(loaded.model.base_model, "layers", None)
+    if not layers:
+        return False
+    for module in layers[0].modules():
+        dense = dense_weight(module)
+        if dense is not None:
+            return on_int4_grid(dense[0])
+    return False
+
+
+def _count_formats(model: nn.Module) -> dict[str, int]:
+    """``{format: packed linear layers}`` under ``model`` (``fp16``, ``int8``, ``int4``; fused projections count
+    once, the LM head included)."""
+    from .lowbit import LowbitLinear
+
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        kind = (f"int{m.bits}" if isinstance(m, LowbitLinear) else "fp16" if isinstance(m, PackedFp16Linear)
+                else None)
+        if kind:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def _returning_freed_memory(make_linear):

@@ -62,7 +62,8 @@ def model_fingerprint(model) -> str:
     if getattr(model, "_prefix_files", None) is None:
         model._prefix_files = _checkpoint_files(model)
     ident, files = model._prefix_files
-    desc = {"model": ident, "files": files, "weights": model.weight_format, "dtype": str(model.dtype),
+    desc = {"model": ident, "files": files, "weights": model.weight_format,
+            "packed_layers": getattr(model, "packed_layers", None), "dtype": str(model.dtype),
             "device": str(model.device), "attention": model.dllm.attention,
             "adapter": model.adapter, "row_variant": type(model.row_variant).__name__ if model.row_variant else None}
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()

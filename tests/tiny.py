@@ -254,3 +254,24 @@ def loaded_with_verifier(verifier_seed=0, drafter_seed=1, block_size=4, **model_
     routed.attach_verifier(verifier.model)
     routed.dllm.verifier = "<memory>"
     return routed, verifier
+
+
+def int4_grid(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[out, in]`` moved onto the int4 grid of ``engine.lowbit.quantize_int4`` (groups of 32 input features,
+    16 levels from the group's min to its max): what a Q4_1 GGUF's dequantized blocks look like."""
+    from unmask.engine.lowbit import INT4_GROUP, quantize_int4
+
+    q, sz = quantize_int4(w)
+    n, k = w.shape
+    scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]
+    return ((q.reshape(n, -1, INT4_GROUP).float() - 8) * scale + zero).reshape(n, k)
+
+
+def snap_decoder_to_int4_grid(m):
+    """Move every decoder linear layer of loaded model ``m`` onto :func:`int4_grid` in place (the LM head and
+    embeddings stay float, like a Q4_1 GGUF's Q8_0 head); returns ``m``."""
+    with torch.no_grad():
+        for mod in m.model.base_model.modules():
+            if type(mod) is torch.nn.Linear:
+                mod.weight.copy_(int4_grid(mod.weight))
+    return m

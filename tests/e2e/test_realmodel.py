@@ -18,8 +18,9 @@ from unmask.training import realmodel
 
 NEAR_TIE = 1e-4
 NEAR_TIE_FP16 = 0.1  # fp16-packed weights move this model's logits by up to ~0.04
-#: --weights int4 (the GGUF's own Q4_1 blocks as int4, bf16 activations and scales, LM head int8): relative
-#: Frobenius error of the logits on the parent's greedy continuations of CHAT_PROMPTS, measured ~0.019
+#: auto's int4 case (the GGUF's own 4-bit blocks, bf16 activations and scales) moves them by up to ~0.63 on the
+#: generated positions of CHAT_PROMPTS, relative Frobenius error ~0.018
+NEAR_TIE_INT4 = 1.0
 INT4_LOGITS_RTOL = 0.03
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -120,9 +121,11 @@ def test_real_gguf_block1_reproduces_parent_greedy(tmp_path, one_thread):
     # as loaded (float32: exact up to the parent's own near-ties), then with the CPU default of fbgemm-packed fp16
     # linear layers (logits move by up to ~0.04 on this model: a token may differ only where the parent's top-2
     # gap is that small)
-    int4 = load_model(out, device="cpu", dtype="float32", weights="int4")
-    for weights, tie in (("native", NEAR_TIE), ("fp16", NEAR_TIE_FP16)):
+    # and with auto, which runs this GGUF's Q4_1 blocks as int4 (docs/design.md section 13)
+    for weights, tie in (("native", NEAR_TIE), ("fp16", NEAR_TIE_FP16), ("auto", NEAR_TIE_INT4)):
         lm = load_model(out, device="cpu", dtype="float32", weights=weights)
+        if weights == "auto":
+            assert lm.weight_format == "int4" and lm.packed_layers == {"int4": 4 * 30, "fp16": 1}
         assert lm.tokenizer.chat_template == parent_tok.chat_template
         llm = LLM(lm)
         n_new = 24
@@ -137,10 +140,10 @@ def test_real_gguf_block1_reproduces_parent_greedy(tmp_path, one_thread):
                                       max_new_tokens=n_new, do_sample=False, eos_token_id=dllm["eos_token_ids"],
                                       pad_token_id=dllm["pad_token_id"])
             ar = gen[0, len(prompt):].tolist()
-            if weights == "native":  # int4's logits on the same sequence, against the parent's (explicit tolerance)
+            if weights == "auto":
                 with torch.no_grad():
                     a = parent(gen).logits[0]
-                    b = int4.model(gen).logits[0, :, :a.shape[-1]]  # the conversion adds the mask token's row
+                    b = lm.model(gen).logits[0, :, :a.shape[-1]]  # the conversion adds the mask token's row
                 assert float((a - b).norm() / a.norm()) < INT4_LOGITS_RTOL, text
             ours = llm.generate([prompt], SamplingParams(max_tokens=n_new, temperature=0, block_size=1))[0].outputs[0]
             assert dllm["mask_token_id"] not in ours.token_ids

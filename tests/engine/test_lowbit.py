@@ -95,20 +95,50 @@ def test_fallback_where_a_kernel_cannot_run(monkeypatch):
     assert resolve_weight_format("int8", cpu) == "int8"
 
 
-def test_int4_holds_a_q4_1_gguf_block_grid_exactly():
-    """A Q4_1 GGUF (the default model's parent) stores blocks of 32 weights as ``d * q + m`` (fp16 d and m, q in
-    0..15 with both ends used: llama.cpp's ``quantize_row_q4_1``); min/max per group of 32 recovers d, m and every
-    q, so ``--weights int4`` runs the GGUF's own integers: its only loss is the bf16 rounding of each group's scale
-    and zero (docs/design.md section 13)."""
+def test_on_int4_grid_is_exact():
     torch.manual_seed(4)
+    w = torch.randn(48, 96)
+    assert not lowbit.on_int4_grid(w)  # float weights
+    snapped = tiny.int4_grid(w)
+    assert lowbit.on_int4_grid(snapped)
+    # Q4_1 blocks written out as llama.cpp does: d * q + m (fp16 d and m), q in 0..15 with both ends used
     d = (torch.rand(48, 3) * 0.01 + 1e-3).half().float()
     m = (-torch.rand(48, 3) * 0.1).half().float()
     q = torch.randint(0, 16, (48, 3, INT4_GROUP))
     q[..., 0], q[..., 1] = 0, 15
-    w = (d[..., None] * q + m[..., None]).reshape(48, 96)
-    q4, sz = quantize_int4(w)
-    assert torch.equal(q4.reshape(48, 3, INT4_GROUP), q)
-    assert torch.equal(sz[..., 0].T, d)  # the scale is the block's d, bit for bit
-    deq = ((q4.float().reshape(48, 3, INT4_GROUP) - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None])
-    assert (deq.reshape(48, 96) - w).abs().max() <= 1e-6 * w.abs().max()
-    assert _rel(w, LowbitLinear(w, None, 4).dequantized()) < 4e-3  # bf16 scale and zero only
+    assert lowbit.on_int4_grid((d[..., None] * q + m[..., None]).reshape(48, 96))
+    moved = snapped.clone()
+    moved[7, 40] += 1e-3  # one weight off its grid point by ~0.4% of a step (the steps are ~0.27 here)
+    assert not lowbit.on_int4_grid(moved)
+    assert not lowbit.on_int4_grid(torch.randn(8, 40))  # in_features not a multiple of the group
+    # on the grid, int4 multiplies by the same weights up to the bf16 rounding of scale and zero
+    lin = LowbitLinear(snapped, None, 4)
+    assert _rel(snapped, lin.dequantized()) < 2e-2
+
+
+def test_auto_runs_4bit_grid_weights_as_int4_and_the_rest_fp16():
+    ref = tiny.snap_decoder_to_int4_grid(tiny.loaded(vocab_size=320))
+    lm = tiny.snap_decoder_to_int4_grid(tiny.loaded(vocab_size=320))
+    pack_model(lm, "auto")
+    assert lm.weight_format == "int4" and lm.decoder_path == "fused"
+    n_layers = len(lm.model.base_model.layers)
+    assert lm.packed_layers == {"int4": 4 * n_layers, "fp16": 1}  # q|k|v, o, gate|up, down; the head off the grid
+    assert type(lm.model.get_output_embeddings()).__name__ == "PackedFp16Linear"
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 300, (6, 7), generator=g)
+    pos = torch.arange(7)[None].expand(6, 7)
+    with torch.no_grad():
+        a = ref.logits(ref.hidden_states(ids, pos, None).reshape(-1, 64))
+        full = lm.logits(lm.hidden_states(ids, pos, None).reshape(-1, 64)).reshape(6, 7, -1)
+        # only bf16 rounding (activations, scales, outputs) separates them: far inside explicit int4's 0.25
+        assert _rel(a, full.reshape(a.shape)) < 0.03
+        for rows in ([0], [0, 4, 2]):
+            sub = lm.logits(lm.hidden_states(ids[rows], pos[rows], None).reshape(-1, 64)).reshape(len(rows), 7, -1)
+            assert torch.equal(sub[0], full[0])
+    # float weights keep auto's fp16 packing; an explicit format is taken as asked
+    plain = tiny.loaded()
+    pack_model(plain, "auto")
+    assert plain.weight_format == "fp16" and plain.packed_layers == {"fp16": 4 * n_layers + 1}
+    forced = tiny.snap_decoder_to_int4_grid(tiny.loaded())
+    pack_model(forced, "fp16")
+    assert forced.weight_format == "fp16"

@@ -1,5 +1,6 @@
 """The mask-row adapter (unmask.engine.mask_adapter, docs/design.md section 21): only non-committed rows see the
-delta (causal rows are the parent's bit for bit through the same engine path, native and fp16-packed), block 1
+delta (causal rows are the parent's bit for bit through the same engine path: native, fp16-packed, and auto's int4
+case on a parent whose weights lie on a Q4 GGUF's grid, the default model's format), block 1
 and speculative decoding give the parent's tokens, plain diffusion differs, adapter-only = self-contained, and a
 parent with another content hash is refused."""
 from __future__ import annotations
@@ -16,10 +17,14 @@ from unmask.engine.adapter_files import (ADAPTER_CONFIG, parent_hash, read_adapt
 from unmask.engine.attention import build_attention_mask
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.config import CheckpointError
+from unmask.engine.lowbit import lowbit_unavailable
 from unmask.engine.model import load_model
 from unmask.engine.packed_weights import fbgemm_available
 
-FORMATS = ["native"] + (["fp16"] if fbgemm_available() else [])
+#: --weights values; "auto-grid" = auto on the parent moved onto the int4 grid (it runs int4 + an fp16 head)
+FORMATS = ["native"] + (["fp16"] if fbgemm_available() else []) + (
+    ["auto-grid"] if fbgemm_available() and lowbit_unavailable("int4", torch.device("cpu"), torch.float32) is None
+    else [])
 PROMPT = "Hello world the quick brown"
 
 
@@ -32,7 +37,20 @@ def ckpts(tmp_path_factory):
     write_adapter(tmp / "adapter", w, {"sha256": parent_hash(tmp / "parent"), "name": str(tmp / "parent")},
                   dllm={"block_size": 4, "default_sampling": {"speculative": True, "temperature": 0.0}})
     write_self_contained(tmp / "self_contained", tmp / "parent", tmp / "adapter")
+    tiny.snap_decoder_to_int4_grid(m)
+    write_checkpoint(tmp / "grid_parent", m.model, m.tokenizer, m.dllm)
+    write_adapter(tmp / "grid_adapter", w, {"sha256": parent_hash(tmp / "grid_parent"), "name": str(tmp / "grid_parent")},
+                  dllm={"block_size": 4, "default_sampling": {"speculative": True, "temperature": 0.0}})
     return tmp
+
+
+def _load_pair(ckpts, weights):
+    """``(parent, adapted)`` loaded models for a :data:`FORMATS` entry."""
+    if weights == "auto-grid":
+        parent, adapted = load_model(ckpts / "grid_parent"), load_model(ckpts / "grid_adapter")
+        assert parent.weight_format == adapted.weight_format == "int4" and parent.packed_layers["fp16"] == 1
+        return parent, adapted
+    return load_model(ckpts / "parent", weights=weights), load_model(ckpts / "adapter", weights=weights)
 
 
 def _forward_rows(lm):
@@ -54,8 +72,7 @@ def _forward_rows(lm):
 
 @pytest.mark.parametrize("weights", FORMATS)
 def test_causal_rows_are_the_parents_bit_for_bit_and_mask_rows_see_the_adapter(ckpts, weights):
-    parent = load_model(ckpts / "parent", weights=weights)
-    adapted = load_model(ckpts / "adapter", weights=weights)
+    parent, adapted = _load_pair(ckpts, weights)
     assert adapted.has_row_variant and adapted.adapter["rank"] == 4 and adapted.weight_format == parent.weight_format
     lp, committed = _forward_rows(parent)
     la, _ = _forward_rows(adapted)
@@ -69,8 +86,7 @@ def _gen(llm, **kw):
 
 @pytest.mark.parametrize("weights", FORMATS)
 def test_block1_and_speculative_give_the_parents_tokens_and_diffusion_differs(ckpts, weights):
-    parent = LLM(load_model(ckpts / "parent", weights=weights))
-    adapted = LLM(load_model(ckpts / "adapter", weights=weights))
+    parent, adapted = (LLM(m) for m in _load_pair(ckpts, weights))
     ref = _gen(parent, temperature=0, block_size=1).token_ids
     assert _gen(adapted, temperature=0, block_size=1).token_ids == ref
     for branches in (None, 0):
@@ -200,8 +216,7 @@ def test_block1_steps_skip_the_adapter_wrappers(ckpts, monkeypatch):
     real, dense = MaskLoRALinear.forward, mask_adapter._dense_delta
     monkeypatch.setattr(MaskLoRALinear, "forward", lambda self, x: calls.append(1) or real(self, x))
     monkeypatch.setattr(mask_adapter, "_dense_delta", lambda *a: calls.append(2) or dense(*a))
-    adapted = LLM(load_model(ckpts / "adapter", weights=FORMATS[-1]))
-    parent = LLM(load_model(ckpts / "parent", weights=FORMATS[-1]))
+    parent, adapted = (LLM(m) for m in _load_pair(ckpts, FORMATS[-1]))
     if adapted.model.decoder_path != "fused":
         pytest.skip("no fused decoder here (fbgemm missing)")
     ref = _gen(parent, temperature=0, block_size=1).token_ids
