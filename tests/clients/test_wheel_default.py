@@ -28,10 +28,11 @@ for mod in (serve, af, pkg):
     assert mod.__file__.startswith(site), mod.__file__  # the wheel's files, not the source tree's
 assert pkg.available(), pkg.directory()
 path, block, what = serve.default_model()
-lm = load_model(path, weights="fp16")
+lm = load_model(path)  # the weights `unmask serve` runs (auto: int4 over the GGUF's Q4_1 blocks where it can)
 assert lm.adapter is not None and lm.adapter["relation"] == "same", lm.adapter
 assert lm.dllm.default_sampling.get("speculative") and lm.dllm.block_size == 4
-parent = load_model(lm.path, weights="fp16")
+parent = load_model(lm.path)
+assert parent.weight_format == lm.weight_format, (parent.weight_format, lm.weight_format)
 assert parent.adapter is None
 prompt = parent.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                               tokenize=False, add_generation_prompt=True)
