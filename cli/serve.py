@@ -76,7 +76,8 @@ def _weights_kind(loaded) -> str:
     elif loaded.weight_format in ("int8", "int4"):
         layers = getattr(loaded, "packed_layers", None) or {}
         if loaded.weight_format == "int4" and "fp16" in layers and "int8" not in layers:
-            kind += (f" on a 4-bit grid of 32 (a Q4 GGUF's blocks), run as int4 weight-only linear layers holding "
+            kind += (f" checkpoint whose values lie on a 4-bit grid of 32 (a Q4 GGUF's blocks), run as int4 "
+                     f"weight-only linear layers holding "
                      f"those blocks ({layers.get('int4', 0)} layers; bf16 activations and scales) and "
                      f"{layers['fp16']} fp16-packed off the grid (the LM head); --weights fp16 to dequantize them")
         else:

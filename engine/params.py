@@ -138,8 +138,10 @@ class SamplingParams:
             ``random`` (LLaDA / Dream names).
         threshold: when set, threshold decoding (Fast-dLLM): reveal every position whose candidate probability
             is >= threshold, and always at least the best one; ``steps`` is then ignored. ``None`` = the
-            checkpoint's ``dllm.default_sampling.threshold`` when the request sets no ``steps`` and keeps the
-            default ``remasking``, else quota decoding.
+            checkpoint's ``dllm.default_sampling.threshold`` when the request sets no ``steps``, keeps the
+            default ``remasking`` and ``default_threshold``, else quota decoding.
+        default_threshold: False = never the checkpoint's default threshold (the HTTP API's explicit
+            ``"threshold": null``); every other default (a speculative one included) still applies.
         cfg_scale: classifier-free guidance scale s (LLaDA): ``l = l_u + (1 + s)(l_c - l_u)``; 0 = off.
         seed: seed of the request's own ``torch.Generator`` in [0, 2**63 - 1]; ``None`` = random. Choice i of an
             ``n > 1`` request uses ``(seed + i) mod 2**63``.
@@ -188,6 +190,7 @@ class SamplingParams:
     sub_block_size: int | None = None
     remasking: str = "low_confidence"
     threshold: float | None = None
+    default_threshold: bool = True
     cfg_scale: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)

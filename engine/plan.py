@@ -146,8 +146,8 @@ def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
     if temperature is None:
         temperature = float(defaults.get("temperature", 0.0 if speculative else 1.0))
     threshold = params.threshold
-    if (threshold is None and params.steps is None and params.remasking == "low_confidence" and not speculative
-            and defaults.get("threshold") is not None):
+    if (threshold is None and params.default_threshold and params.steps is None
+            and params.remasking == "low_confidence" and not speculative and defaults.get("threshold") is not None):
         threshold = float(defaults["threshold"])
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
     return replace(params, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)

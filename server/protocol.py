@@ -173,8 +173,10 @@ class _Common(_Rules):
     threshold: float | None = ranged("threshold", None,
                                      description="confidence-threshold parallel decoding (steps is then ignored); "
                                                 "absent: the checkpoint's default threshold when it has one, "
-                                                "steps is absent and remasking is low_confidence; null: no "
-                                                "threshold (quota decoding); a number not with speculative: true")
+                                                "steps is absent and remasking is low_confidence; null: not the "
+                                                "checkpoint's default threshold (quota decoding, or the "
+                                                "checkpoint's speculative default); a number not with "
+                                                "speculative: true")
     cfg_scale: float = ranged("cfg_scale", 0.0, description="classifier-free guidance scale; 0 = off")
     multi_block: float | None = ranged("multi_block", None,
                                        description="multi-block decoding: the next block joins once the last "
@@ -259,18 +261,17 @@ class _Common(_Rules):
 
     def sampling_params(self, max_tokens: int, logprobs: bool, default_cache: str = "auto") -> SamplingParams:
         """The engine's :class:`SamplingParams` (raises ``ParamError`` naming the field). An explicit
-        ``"threshold": null`` turns the checkpoint's default threshold off: quota decoding, ``steps`` or one token
-        per step (with ``"speculative": true`` it changes nothing). ``default_cache``: the server's KV-cache policy
-        for a request that sends no ``cache``."""
+        ``"threshold": null`` turns the checkpoint's default threshold off (``default_threshold=False``: quota
+        decoding, ``steps`` or one token per step) and nothing else: a checkpoint's speculative default still
+        applies, as when the field is absent. ``default_cache``: the server's KV-cache policy for a request that
+        sends no ``cache``."""
         steps = self.steps
-        if (steps is None and self.threshold is None and "threshold" in self.model_fields_set
-                and self.speculative is not True):  # (speculative decoding takes no steps and has no threshold)
-            steps = max_tokens
+        null_threshold = self.threshold is None and "threshold" in self.model_fields_set
         # the flat HTTP speculative_* fields: SamplingParams.from_flat groups them into SpeculativeOptions
         params = SamplingParams.from_flat(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
             steps=steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
-            remasking=self.remasking, threshold=self.threshold,
+            remasking=self.remasking, threshold=self.threshold, default_threshold=not null_threshold,
             cfg_scale=self.cfg_scale, seed=self.seed, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,

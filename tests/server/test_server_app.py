@@ -272,6 +272,25 @@ def test_checkpoint_default_threshold_and_explicit_null_over_http():
         assert nfe == {"default": 2, "null": 8, "steps": 4}  # 2 blocks of 4; null = no threshold: 1 token/step
 
 
+def test_explicit_null_threshold_keeps_a_speculative_default():
+    """`"threshold": null` only turns a checkpoint's default threshold off: with a speculative default (the served
+    default model's) it resolves as the same request as no threshold field. It used to become steps = max_tokens,
+    which dropped the speculative default for plain diffusion through the mask rows (another answer)."""
+    from unmask.engine.plan import resolve_params
+    from unmask.server.protocol import CompletionRequest
+
+    def resolved(body, defaults):
+        params = CompletionRequest(model="m", prompt="Hi", **body).sampling_params(12, logprobs=False)
+        return resolve_params(params, defaults, 4)
+
+    speculative_default = {"temperature": 0.0, "speculative": True}
+    absent, null = resolved({}, speculative_default), resolved({"threshold": None}, speculative_default)
+    assert absent.speculative and null.speculative and null.steps is None and null.threshold is None
+    threshold_default = {"temperature": 0.0, "threshold": 0.5}
+    assert resolved({}, threshold_default).threshold == 0.5
+    assert resolved({"threshold": None}, threshold_default).threshold is None  # null: no default threshold
+
+
 def test_error_messages_name_the_clients_field_and_the_real_reason(model):
     """Union fields report the constraint the value broke (not the first member's type error), renamed fields keep
     param and message in agreement, and undecodable bodies say why."""
