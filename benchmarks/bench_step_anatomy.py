@@ -68,22 +68,16 @@ def read_bandwidth(repeats: int) -> float:
     return t.numel() * 4 / bc.median(secs) / 1e9
 
 
-def step_seconds(llm, ids_list: list, n: int) -> float:
-    """Seconds per generation-only step over ``ids_list`` (each: ``n + 1`` tokens minus 1 token, ignore_eos)."""
+def step_seconds(llm, prompts: list[dict], n: int) -> float:
+    """Seconds per generation-only step over ``prompts`` (:func:`bench_default.engine_tg`: ``n + 1`` tokens minus 1
+    token each, ignore_eos)."""
+    from bench_default import engine_tg
+
     from unmask.engine import SamplingParams
 
-    def params(k):
-        return SamplingParams.from_flat(max_tokens=k, temperature=0.0, seed=0, block_size=1, speculative=False,
-                                        ignore_eos=True)
-
-    total = 0.0
-    for ids in ids_list:
-        t0 = time.perf_counter()
-        llm.generate([ids], params(1))
-        t1 = time.perf_counter()
-        llm.generate([ids], params(n + 1))
-        total += (time.perf_counter() - t1) - (t1 - t0)
-    return total / (n * len(ids_list))
+    r = engine_tg(llm, prompts, n, lambda k: SamplingParams.from_flat(
+        max_tokens=k, temperature=0.0, seed=0, block_size=1, speculative=False, ignore_eos=True))
+    return r["seconds"] / r["tokens"]
 
 
 def fake_gemms(model, mods: list) -> None:
@@ -125,21 +119,20 @@ def main(argv=None) -> int:
     if model.decoder_forward is None:
         raise SystemExit("bench_step_anatomy: no fused decoder for this model (fbgemm missing?)")
     llm = LLM(model, max_batch_size=1)
-    ids_list = [llm.apply_chat_template([{"role": "user", "content": p["prompt"]}])
-                for p in bc.grid_prompts(args.prompts)]
+    prompts = bc.grid_prompts(args.prompts)
     mods = packed_linears(model)
     weight_bytes = sum(m.in_features * m.out_features * 2 for _, m in mods)
     env = bc.environment(args.threads)
 
-    step_seconds(llm, ids_list[:1], 4)  # warm-up
+    step_seconds(llm, prompts[:1], 4)  # warm-up
     bandwidth, gemm, step = [], [], []
     for _ in range(args.repeats):  # interleaved: a shared machine's load drifts
         bandwidth.append(read_bandwidth(3))
         gemm.append(gemms_alone(mods, 3))
-        step.append(step_seconds(llm, ids_list, args.max_tokens))
+        step.append(step_seconds(llm, prompts, args.max_tokens))
     fake_gemms(model, mods)
-    step_seconds(llm, ids_list[:1], 4)
-    overhead = [step_seconds(llm, ids_list, args.max_tokens) for _ in range(args.repeats)]
+    step_seconds(llm, prompts[:1], 4)
+    overhead = [step_seconds(llm, prompts, args.max_tokens) for _ in range(args.repeats)]
 
     g, s, o = bc.median(gemm) * 1e3, bc.median(step) * 1e3, bc.median(overhead) * 1e3
     summary = {"read_bandwidth_gb_s": bc.median(bandwidth), "gemm_ms": g, "gemm_gb_s": weight_bytes / g / 1e6,
@@ -152,7 +145,7 @@ def main(argv=None) -> int:
             [f"engine step (tg{args.max_tokens}, block 1)", f"{s:.2f} ms", f"{summary['tokens_per_s']:.1f} tokens/s"],
             ["overhead (the same steps, GEMMs replaced by cached outputs)", f"{o:.2f} ms",
              f"GEMMs + overhead = {g + o:.2f} ms"]]
-    md = (f"SmolLM2-135M parent ({parent}), fp16-packed, batch 1, {len(ids_list)} grid prompts x "
+    md = (f"SmolLM2-135M parent ({parent}), fp16-packed, batch 1, {len(prompts)} grid prompts x "
           f"{args.max_tokens} generated tokens, {args.threads} thread(s), medians of {args.repeats} repeats.\n\n"
           + bc.markdown_table(["what", "median", "note"], rows))
     data = {"benchmark": "step_anatomy", "settings": {**vars(args), "parent": parent}, "environment": env,

@@ -101,19 +101,13 @@ def _dense_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Ten
     bit (``torch.where``). Inference only (no gradients).
 
     The same per-row arithmetic as the gathered path of :meth:`MaskLoRALinear.forward` (GEMMs of exactly
-    :data:`DELTA_CHUNK` rows, zero-padded; a padded row of ``x A^T`` is exactly zero, so one padding serves both
-    GEMMs), without its gather/scatter: on the 2-core CPU measured a speculative step spent about as long in the
+    :data:`DELTA_CHUNK` rows, :func:`_fixed_chunk_linear`), without its gather/scatter: on the 2-core CPU measured a speculative step spent about as long in the
     120 projections' gather, padding, scatter and module dispatch as in its weight GEMMs (docs/adapter.md,
     "Adapter delta cost"). Every row costs the delta's FLOPs, so only short forwards (:data:`DENSE_DELTA_ROWS`)
     take this path."""
     flat_x = x.reshape(-1, x.shape[-1]).float()
     n = flat_x.shape[0]
-    pad = (-n) % DELTA_CHUNK
-    if pad:
-        flat_x = torch.cat([flat_x, flat_x.new_zeros(pad, flat_x.shape[1])])
-    linear = torch.nn.functional.linear
-    parts = [linear(linear(c, a), b) for c in flat_x.split(DELTA_CHUNK)]
-    delta = (parts[0] if len(parts) == 1 else torch.cat(parts))[:n] * scale
+    delta = _fixed_chunk_linear(_fixed_chunk_linear(flat_x, a), b) * scale
     flat_y = y.reshape(n, y.shape[-1])
     return torch.where(row_mask, flat_y + delta.to(y.dtype), flat_y).reshape(y.shape)
 

@@ -265,12 +265,11 @@ class _Common(_Rules):
         decoding, ``steps`` or one token per step) and nothing else: a checkpoint's speculative default still
         applies, as when the field is absent. ``default_cache``: the server's KV-cache policy for a request that
         sends no ``cache``."""
-        steps = self.steps
         null_threshold = self.threshold is None and "threshold" in self.model_fields_set
         # the flat HTTP speculative_* fields: SamplingParams.from_flat groups them into SpeculativeOptions
         params = SamplingParams.from_flat(
             max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-            steps=steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
+            steps=self.steps, block_size=self.block_size, sub_block_size=self.sub_block_size,
             remasking=self.remasking, threshold=self.threshold, default_threshold=not null_threshold,
             cfg_scale=self.cfg_scale, seed=self.seed, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []), presence_penalty=self.presence_penalty,
