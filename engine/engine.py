@@ -108,7 +108,7 @@ class Engine:
         model = self.model
         plan = resolve(replace(params, max_tokens=1, min_tokens=0), model.dllm, self.default_drafts,
                        model.device.type, model.draft_head is not None)
-        n_suffix = len(suffix_ids(params, model.tokenizer))
+        n_suffix = len(suffix_ids(params, model.tokenizer, model.dllm.mask_token_id))
         absolute = model.dllm.block_alignment == "absolute"
 
         def need(m: int) -> int:

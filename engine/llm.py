@@ -13,22 +13,25 @@ from .limits import ParamError
 from .params import SamplingParams
 from .prefix_cache import PrefixCache
 from .request import Request
+from .text_ids import encode_text
 
 _ids = itertools.count()
 
 
-def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
-    """Token ids of a prompt: a string is tokenised with the tokenizer's special tokens (e.g. BOS); a list of ids
-    is returned as a copy."""
+def encode_prompt(tokenizer, prompt: str | list[int], mask_token_id: int | None = None) -> list[int]:
+    """Token ids of a prompt: a string is tokenised with the tokenizer's special tokens (e.g. BOS), the mask
+    token's text in it as plain text (:func:`~unmask.engine.text_ids.encode_text`); a list of ids is returned as a
+    copy (the engine refuses one holding ``mask_token_id``)."""
     if isinstance(prompt, list):
         return list(prompt)
-    return list(tokenizer(prompt).input_ids)
+    return encode_text(tokenizer, prompt, mask_token_id)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], chat_template: str | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], chat_template: str | None = None,
+                    mask_token_id: int | None = None) -> list[int]:
     """Token ids of a chat (``[{"role", "content"}, ...]``) rendered by the model's chat template (or
     ``chat_template``, a Jinja string) with the generation prompt; the rendered text is tokenised without adding
-    special tokens again (the template writes them).
+    special tokens again (the template writes them), the mask token's text as plain text.
 
     Raises:
         ParamError: (field ``messages``) the tokenizer has no chat template and none was given.
@@ -37,7 +40,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict], chat_template: str | None =
         raise ParamError("messages", "this model has no chat template; pass --chat-template or use completions")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          chat_template=chat_template)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return encode_text(tokenizer, text, mask_token_id, add_special_tokens=False)
 
 
 def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -97,11 +100,11 @@ class LLM:
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (see :func:`encode_prompt`)."""
-        return encode_prompt(self.tokenizer, prompt)
+        return encode_prompt(self.tokenizer, prompt, self.model.dllm.mask_token_id)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
         """Token ids of a chat rendered with the generation prompt (see :func:`chat_prompt_ids`)."""
-        return chat_prompt_ids(self.tokenizer, messages, chat_template)
+        return chat_prompt_ids(self.tokenizer, messages, chat_template, self.model.dllm.mask_token_id)
 
     def make_sequences(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1
                        ) -> list[Request]:

@@ -36,6 +36,7 @@ from .outputs import CompletionOutput, Revealed, StepEvent
 from .params import SamplingParams
 from .plan import DecodingPlan, resolve
 from .stopping import StopChecker
+from .text_ids import encode_text
 
 
 @dataclass
@@ -97,6 +98,17 @@ def check_token_ids(name: str, ids, vocab_size: int) -> None:
             raise ParamError(name, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_no_mask(name: str, ids: list[int], mask_token_id: int) -> None:
+    """Raise :class:`ParamError` naming ``name`` when token ids given as ids hold the mask id: a prompt or suffix
+    is committed context, so a mask there is never decoded, and under the mask-row adapter its row would run the
+    adapter (docs/design.md section 5, "Prompts and the mask token"; text spelling the mask token is tokenized as
+    plain text by :func:`unmask.engine.text_ids.encode_text` instead)."""
+    if mask_token_id in ids:
+        raise ParamError(name, f"token id {mask_token_id} at position {ids.index(mask_token_id)} is the model's mask "
+                               f"token, which a {name} cannot hold (it is never decoded there); positions to "
+                               f"generate are the generation region's, or use suffix/constraints to infill")
+
+
 def bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``logit_bias`` as ``([K] int64 ids, [K] float32 biases)`` for :func:`~unmask.engine.sampler.add_bias`;
     ``None`` when empty."""
@@ -107,12 +119,14 @@ def bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, tor
             torch.tensor([float(logit_bias[i]) for i in ids], dtype=torch.float32))
 
 
-def suffix_ids(params: SamplingParams, tokenizer) -> list[int]:
-    """The suffix's token ids (infilling), ``[]`` without one."""
+def suffix_ids(params: SamplingParams, tokenizer, mask_token_id: int | None = None) -> list[int]:
+    """The suffix's token ids (infilling), ``[]`` without one; a text suffix spelling the mask token has it as
+    plain text (:func:`~unmask.engine.text_ids.encode_text`)."""
     if params.suffix is None or params.suffix == "" or params.suffix == []:
         return []
-    return list(params.suffix) if isinstance(params.suffix, list) else tokenizer.encode(params.suffix,
-                                                                                        add_special_tokens=False)
+    if isinstance(params.suffix, list):
+        return list(params.suffix)
+    return encode_text(tokenizer, params.suffix, mask_token_id, add_special_tokens=False)
 
 
 class Request:
@@ -146,10 +160,12 @@ class Request:
             raise ParamError("prompt", "must contain at least one token")
         if vocab_size is not None:
             check_token_ids("prompt", prompt_ids, vocab_size)
+            check_no_mask("prompt", list(prompt_ids), dllm.mask_token_id)
             check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
             check_token_ids("constraints", list(params.constraints.values()), vocab_size)
             if isinstance(params.suffix, list):
                 check_token_ids("suffix", params.suffix, vocab_size)
+                check_no_mask("suffix", list(params.suffix), dllm.mask_token_id)
             check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
         self.group = request_id  # the unit of fair admission (docs/design.md section 15): the client's whole request
@@ -157,8 +173,8 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         check_block_use(params.block_size, params.max_tokens, dllm.block_size)  # docs/design.md section 15
         P = self.prompt_len = len(prompt_ids)
-        suffix = suffix_ids(params, tokenizer)
         mask_id = dllm.mask_token_id
+        suffix = suffix_ids(params, tokenizer, mask_id)
         fixed = frozenset(int(p) for p, t in params.constraints.items() if int(t) != mask_id)
         lay = self.layout = build_layout(P, params.max_tokens, len(suffix), plan.block_size, plan.window_size,
                                          dllm.block_alignment == "absolute", max_context, params.steps, fixed)

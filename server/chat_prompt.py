@@ -12,6 +12,7 @@ from __future__ import annotations
 from importlib import resources
 
 from unmask.engine import ParamError
+from unmask.engine.text_ids import encode_text
 
 from . import json_text
 from .errors import APIError
@@ -37,9 +38,10 @@ def _template(tokenizer, override: str | None, with_tools: bool) -> str | None:
 
 
 def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, mask_token_id: int | None = None) -> list[int]:
     """Token ids of ``messages`` (template dicts) with the generation prompt; ``tools``: the request's tools (None:
-    none offered, or ``tool_choice: none``).
+    none offered, or ``tool_choice: none``); the mask token's text in them is tokenized as plain text
+    (:func:`unmask.engine.text_ids.encode_text`).
 
     Raises:
         APIError: 400 naming ``messages`` (no template, or the template failed to render) or ``tools`` (the
@@ -67,7 +69,7 @@ def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None =
     except Exception as exc:  # jinja errors (e.g. the template's own raise_exception on a role order)
         raise APIError(400, f"messages: the chat template could not render them ({type(exc).__name__}: {exc})",
                        param="messages", code="invalid_value") from exc
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return encode_text(tokenizer, text, mask_token_id, add_special_tokens=False)
 
 
 def _deepest_field(messages: list[dict], tools: list[dict] | None) -> str:

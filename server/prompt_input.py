@@ -48,7 +48,8 @@ async def completion_ids(state, prompts: list[str | list[int]]) -> list[list[int
         elif len(prompt) >= state.max_context:
             raise APIError(400, f"{name}: {len(prompt)} token ids leave no room to generate in the model's context "
                                 f"of {state.max_context} tokens", param=name, code="invalid_value")
-    return await anyio.to_thread.run_sync(lambda: [encode_prompt(state.tokenizer, p) for p in prompts])
+    mask_id = state.engine.dllm.mask_token_id  # its text is tokenized as plain text (unmask.engine.text_ids)
+    return await anyio.to_thread.run_sync(lambda: [encode_prompt(state.tokenizer, p, mask_id) for p in prompts])
 
 
 async def chat_ids(state, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -57,4 +58,5 @@ async def chat_ids(state, messages: list[dict], tools: list[dict] | None = None)
     ``ChatMessage.as_template_dict``; ``tools``: the request's tools for the template (None: none)."""
     longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))  # named in the 400
     check_chars(state, f"messages.{longest}.content", sum(len(m["content"]) for m in messages))
-    return await anyio.to_thread.run_sync(render_chat_ids, state.tokenizer, messages, state.chat_template, tools)
+    return await anyio.to_thread.run_sync(render_chat_ids, state.tokenizer, messages, state.chat_template, tools,
+                                          state.engine.dllm.mask_token_id)
