@@ -190,19 +190,28 @@ def command_line() -> str:
     return " ".join([".venv/bin/python", *[a if " " not in a else repr(a) for a in sys.argv]])
 
 
+def portable(text: str) -> str:
+    """``text`` without this machine's paths: unmask's data directory as ``$UNMASK_HOME``, the repository root
+    as a relative path (results are committed; a machine path means nothing elsewhere)."""
+    from unmask.training.realmodel import unmask_home
+
+    root = str(RESULTS.parent.parent) + os.sep
+    return text.replace(str(unmask_home()), "$UNMASK_HOME").replace(root, "")
+
+
 def write_results(name: str, data: dict, markdown: str, plot=None) -> Path:
     """Write ``<name>.json``, ``<name>.md`` and, when ``plot(path)`` is given, ``<name>.png`` into results/."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = dict(data)
     data["environment"]["loadavg_end"] = list(os.getloadavg())
     data["command"] = command_line()
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
+    (RESULTS / f"{name}.json").write_text(portable(json.dumps(data, indent=2, default=float)) + "\n")
     env = data["environment"]
     head = (f"Command: `{data['command']}`  \n"
             f"Measured {env['utc']} on {env['cpu_count']} CPU cores, torch {env['torch']} with "
             f"{env['torch_threads']} thread(s), load average {env['loadavg_start'][0]:.1f} -> "
             f"{env['loadavg_end'][0]:.1f} (a shared machine: compare ratios, not absolute numbers).\n\n")
-    (RESULTS / f"{name}.md").write_text(head + markdown.rstrip() + "\n")
+    (RESULTS / f"{name}.md").write_text(portable(head + markdown.rstrip()) + "\n")
     if plot is not None:
         import matplotlib
 

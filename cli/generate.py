@@ -155,6 +155,9 @@ def _in_flags(exc, args: argparse.Namespace) -> str:
     reason = re.sub(r"\b(set )?([a-z_]+)=(true|false)\b", assignment, exc.reason)
     reason = re.sub(r"(?<![-\w])([a-z]+(?:_[a-z]+)+)\b",
                     lambda m: flag(m.group(1)) if m.group(1) in options else m.group(0), reason)
+    # one-word names where the reason lists fields ("also sets steps, threshold", "drop steps and threshold")
+    reason = re.sub(r"\b(sets|drop|and|,) ([a-z]+)\b",
+                    lambda m: f"{m.group(1)} {flag(m.group(2))}" if m.group(2) in options else m.group(0), reason)
     return f"{flag(exc.field)}: {reason}"
 
 

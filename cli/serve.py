@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from unmask.engine.limits import DEFAULT_MAX_SEQS_PER_REQUEST
+from unmask.engine.limits import DEFAULT_MAX_SEQS_PER_REQUEST, DEFAULT_PREFILL_CHUNK
 from unmask.engine.checkpoint import unique_suffix
 
 log = logging.getLogger("unmask.server")
@@ -160,6 +160,10 @@ def register(sub, name):
                         "within --max-cached-tokens, else 4096 tokens) and reuse it for requests whose prompts "
                         "start the same way, e.g. the next turn of a chat; exact on prefix-/block-causal models, "
                         "never used on bidirectional ones (default on; docs/design.md section 23)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
+                   help="chunked prefill: a prompt longer than this is forwarded this many tokens per step before "
+                        "its first denoising step, so that other requests keep decoding meanwhile; 0 = the whole "
+                        f"prompt in one step (default {DEFAULT_PREFILL_CHUNK}; docs/design.md section 4)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving "
                         "one to the HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
@@ -426,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if args.prefill_chunk < 0:
+        raise UsageError(f"--prefill-chunk: must be >= 0 (0 = off), got {args.prefill_chunk}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise UsageError(f"--request-timeout: must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
@@ -536,7 +542,7 @@ def _engine(engine_cls, loaded, args):
     ``default_drafts``)."""
     return engine_cls(loaded, default_drafts=args.default_drafts, max_batch_size=args.max_batch_size,
                       max_queue=args.max_queue, max_cached_tokens=args.max_cached_tokens,
-                      enable_prefix_caching=args.enable_prefix_caching)
+                      enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.prefill_chunk)
 
 
 def _drafts_by_default(loaded, policy: str) -> bool:

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 
 from .engine import Engine
+from .limits import DEFAULT_PREFILL_CHUNK
 from .model import LoadedModel
 from .outputs import CompletionOutput, StepEvent
 from .params import ParamError, SamplingParams
@@ -138,6 +139,8 @@ class AsyncEngine:
             checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
         enable_prefix_caching: reuse committed KV across requests that share a prompt prefix (docs/design.md
             section 23; the store counts against ``max_cached_tokens`` and is evicted first).
+        prefill_chunk: most prompt rows a sequence forwards per step before its first step (chunked prefill,
+            docs/design.md section 4; 0 = the whole prompt at once).
 
     Counters (read from any thread; updated by the engine thread after every step):
         ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished
@@ -155,7 +158,7 @@ class AsyncEngine:
 
     def __init__(self, loaded_model: LoadedModel, max_batch_size: int = 16, max_queue: int = 256,
                  max_cached_tokens: int | None = None, default_drafts: str = "auto",
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
         self.model = loaded_model
@@ -164,7 +167,7 @@ class AsyncEngine:
         self.max_context = loaded_model.max_context
         self.engine = Engine(loaded_model, max_batch_size=max_batch_size, max_queue=max_queue,
                              max_cached_tokens=max_cached_tokens, default_drafts=default_drafts,
-                             enable_prefix_caching=enable_prefix_caching)
+                             enable_prefix_caching=enable_prefix_caching, prefill_chunk=prefill_chunk)
         self.denoiser = self.engine.denoiser
         self.scheduler = self.engine.scheduler
         self.max_batch_size = max_batch_size

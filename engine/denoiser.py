@@ -15,6 +15,7 @@ import torch
 
 from .attention import build_attention_mask
 from .kv_cache import BatchKV
+from .limits import DEFAULT_PREFILL_CHUNK
 from .model import LoadedModel
 from .outputs import StepEvent
 from .request import DecodingStrategy, LaneInput
@@ -26,12 +27,18 @@ class Denoiser:
     Args:
         model: the loaded model (``model.enable_compile()`` compiles its decoder forward).
         compile: call ``model.enable_compile()`` first (kept for old callers).
+        prefill_chunk: most prompt rows a sequence forwards in one step before its first denoising step (chunked
+            prefill, :meth:`~unmask.engine.request.Request.prefill_inputs`); 0 = the whole prompt in the first
+            step.
 
     Raises:
-        ValueError: ``compile`` on a model with packed weights (names ``compile``).
+        ValueError: ``compile`` on a model with packed weights (names ``compile``); ``prefill_chunk`` < 0.
     """
 
-    def __init__(self, model: LoadedModel, compile: bool = False):
+    def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk: must be an integer >= 0, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         self.model = model
         self.device = model.device
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
@@ -49,36 +56,50 @@ class Denoiser:
         next to one-row decoding steps): see :func:`plan_forwards`. Results do not depend on the grouping
         (batch invariance).
 
+        A sequence with more than ``prefill_chunk`` prompt rows still to forward before its first step forwards
+        the next chunk of them instead (chunked prefill), so that a long prompt never holds up the others' steps
+        for its whole prefill; it yields no event.
+
         Returns:
-            one :class:`StepEvent` per sequence, in order.
+            one :class:`StepEvent` per sequence that stepped, in order.
         """
         if not seqs:
             return []
-        inputs = [seq.lane_inputs() for seq in seqs]
+        inputs, prefilling = [], []
+        for seq in seqs:
+            chunk = seq.prefill_inputs(self.prefill_chunk)
+            prefilling.append(chunk is not None)
+            inputs.append(chunk if chunk is not None else seq.lane_inputs())
         events: list[StepEvent | None] = [None] * len(seqs)
         widths = [max(int(inp.chunk.numel()) for inp in lane_ins) for lane_ins in inputs]
         for group in plan_forwards(widths, [len(lane_ins) for lane_ins in inputs], self.forward_overhead_rows):
-            for i, event in zip(group, self._step_group([seqs[i] for i in group], [inputs[i] for i in group])):
+            for i, event in zip(group, self._step_group([seqs[i] for i in group], [inputs[i] for i in group],
+                                                        [prefilling[i] for i in group])):
                 events[i] = event
-        return events
+        return [e for e in events if e is not None]
 
     #: fixed cost of one batched forward, in padded rows (weight streaming, per-layer launches): the
     #: :func:`plan_forwards` cost model. On the 2-core CPU measured, a 1-row pass of the 30 layers' linears takes
     #: ~30 ms and each further row ~4 ms (``benchmarks/bench_gemm_rows.py``): ~8 rows; GPUs are higher.
     forward_overhead_rows = 16
 
-    def _step_group(self, seqs: list[DecodingStrategy], inputs: list[list[LaneInput]]) -> list[StepEvent]:
-        """One forward for ``seqs`` whose lane inputs (``inputs[i]`` for ``seqs[i]``) were already taken."""
+    def _step_group(self, seqs: list[DecodingStrategy], inputs: list[list[LaneInput]], prefilling: list[bool]
+                    ) -> list[StepEvent | None]:
+        """One forward for ``seqs`` whose lane inputs (``inputs[i]`` for ``seqs[i]``) were already taken; a
+        ``prefilling`` sequence's rows are a prompt chunk: committed as they are, no event (``None``), no NFE."""
         rows = [(seq, li, lane_in) for seq, lane_ins in zip(seqs, inputs) for li, lane_in in enumerate(lane_ins)]
         logits_by_row, kv, hidden = self._forward(rows)
         events = []
         r = 0
-        for seq, lane_ins in zip(seqs, inputs):
+        for seq, lane_ins, prefill in zip(seqs, inputs, prefilling):
             n_lanes = len(lane_ins)
-            seq.nfe += n_lanes
-            feature_rows = lane_ins[0].feature_rows
-            features = hidden[r, feature_rows] if feature_rows is not None else None
-            event, commits = seq.consume(logits_by_row[r: r + n_lanes], features, self.forbidden)
+            if prefill:
+                event, commits = None, [inp.commit for inp in lane_ins]
+            else:
+                seq.nfe += n_lanes
+                feature_rows = lane_ins[0].feature_rows
+                features = hidden[r, feature_rows] if feature_rows is not None else None
+                event, commits = seq.consume(logits_by_row[r: r + n_lanes], features, self.forbidden)
             for li, (inp, commit) in enumerate(zip(lane_ins, commits)):
                 if commit is not None and commit.numel():
                     commit = commit.to(self.device)

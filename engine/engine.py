@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .denoiser import Denoiser
 from .layout import build_layout
-from .limits import ParamError
+from .limits import DEFAULT_PREFILL_CHUNK, ParamError
 from .model import LoadedModel
 from .outputs import StepEvent
 from .params import SamplingParams
@@ -60,6 +60,8 @@ class Engine:
         enable_prefix_caching: keep the committed KV of finished and running requests and reuse it for requests
             whose prompts start the same way (docs/design.md section 23); never on bidirectional models.
         prefix_cache: share an existing store (``LLM`` keeps one across its calls); implies reuse.
+        prefill_chunk: most prompt rows a sequence forwards per step before its first step (chunked prefill,
+            :class:`~unmask.engine.denoiser.Denoiser`; 0 = the whole prompt at once); ignored with ``denoiser``.
 
     Raises:
         ValueError: ``default_drafts`` is not a policy; ``compile`` on packed weights; a ``prefix_cache`` built for
@@ -69,11 +71,11 @@ class Engine:
     def __init__(self, model: LoadedModel, max_batch_size: int = 16, max_queue: int = 1 << 30,
                  max_cached_tokens: int | None = None, default_drafts: str = "auto", compile: bool = False,
                  denoiser: Denoiser | None = None, enable_prefix_caching: bool = True,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         drafts_by_default(default_drafts, model.device.type, model.draft_head is not None)  # validates
         self.model = model
         self.default_drafts = default_drafts
-        self.denoiser = denoiser or Denoiser(model, compile=compile)
+        self.denoiser = denoiser or Denoiser(model, compile=compile, prefill_chunk=prefill_chunk)
         if prefix_cache is None and enable_prefix_caching and model.dllm.attention != "bidirectional":
             prefix_cache = PrefixCache(model)
         elif prefix_cache is not None and prefix_cache.fingerprint != model_fingerprint(model):

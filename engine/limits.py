@@ -37,6 +37,10 @@ MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
+#: prompt rows per chunk of a long prompt's prefill (docs/design.md section 4, "Chunked prefill"; measured in
+#: docs/scale.md): small enough that other requests keep stepping during a long prefill, large enough that a
+#: forward's fixed cost stays a small share of the chunk's
+DEFAULT_PREFILL_CHUNK = 256
 
 
 class ParamError(ValueError):

@@ -9,7 +9,7 @@ from .denoiser import Denoiser
 from .model import LoadedModel, load_model
 from .engine import Engine, make_requests
 from .outputs import CompletionOutput, RequestOutput, StepEvent
-from .limits import ParamError
+from .limits import DEFAULT_PREFILL_CHUNK, ParamError
 from .params import SamplingParams
 from .prefix_cache import PrefixCache
 from .request import Request
@@ -63,6 +63,8 @@ class LLM:
             (:func:`~unmask.engine.model.load_model`; docs/design.md section 21; a path only).
         enable_prefix_caching: reuse the committed KV of earlier calls' prompts and answers for prompts that start
             the same way (docs/design.md section 23; default on; never on bidirectional models).
+        prefill_chunk: most prompt rows a sequence forwards per step before its first step (chunked prefill,
+            docs/design.md section 4; 0 = the whole prompt at once).
 
     Example::
 
@@ -74,12 +76,13 @@ class LLM:
     def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
                  dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto",
                  default_drafts: str = "auto", enable_prefix_caching: bool = True,
-                 adapter: str | None = None, parent: str | None = None):
+                 adapter: str | None = None, parent: str | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if compile and weights == "auto":
             weights = "native"  # torch.compile traces the weights as loaded, not fbgemm's packed kernels
         self.model = (model if isinstance(model, LoadedModel)
                       else load_model(model, family, device, dtype, weights=weights, adapter=adapter, parent=parent))
-        self.denoiser = Denoiser(self.model, compile=compile)
+        self.denoiser = Denoiser(self.model, compile=compile, prefill_chunk=prefill_chunk)
         self.max_batch_size = max_batch_size
         self.default_drafts = default_drafts
         # one store across calls, so that a chat's next turn reuses the last one's KV (docs/design.md section 23)

@@ -159,15 +159,6 @@ class PrefixCache:
             n = min(n, seq.origin)
         return n
 
-    def reuse_limit(self, seq) -> int:
-        """Most positions ``seq`` may take from the store: its first step must forward the last prompt position
-        (and, with a draft head, the last ``window`` of them)."""
-        limit = min(seq.prompt_len, seq.active[0]) - 1
-        head = getattr(seq, "head", None)  # a speculative request's draft head
-        if head is not None:
-            limit = min(limit, seq.prompt_len - head.cfg.window)
-        return limit
-
     # ------------------------------------------------------------------ the two hooks
     def load(self, seq) -> int:
         """Copy the longest stored prefix of ``seq``'s prompt into its cond lane (a request that has not run a
@@ -180,7 +171,7 @@ class PrefixCache:
         C = self.chunk_tokens_held
         chain, found = [], []
         parent = root
-        for i in range(max(0, self.reuse_limit(seq)) // C):
+        for i in range(max(0, seq.prefill_limit()) // C):  # the first step's own rows stay
             h = self._child(parent, seq.canvas[i * C:(i + 1) * C])
             chunk = self._chunks.get(h)
             if chunk is None:

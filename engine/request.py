@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from .attention import canvas_groups
 from .config import DllmConfig
 from .kv_cache import LaneCache
 from .layout import build_layout
@@ -251,6 +252,44 @@ class Request:
         self.win_idx = next(i for i, w in enumerate(self.windows) if w[0] == b)
         self.block_idx = b
         self.step_in_block = self.step_in_window = 0
+
+    def prefill_limit(self) -> int:
+        """Most canvas positions whose KV may be in a lane's cache before the first step: that step must forward
+        the last prompt position (its output gives the first block's first logits; the prefix cache and chunked
+        prefill both stop here)."""
+        return min(self.prompt_len, self.active[0]) - 1
+
+    def prefill_inputs(self, max_rows: int) -> list[LaneInput] | None:
+        """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence whose
+        lanes have more than ``max_rows`` committed prompt rows left to forward forwards the next ``max_rows`` of
+        them (cut back to a group boundary, e.g. a block-causal prompt block), committing their KV, instead of a
+        step. ``None`` when the step may run: the rest fits, ``max_rows`` is 0, the request already stepped, or
+        its prompt KV is not exact (bidirectional models, ``cache`` other than ``exact``). Every lane advances
+        alike (the CFG lane's prompt is mask tokens)."""
+        if (max_rows <= 0 or self.nfe or self.cache_mode != "exact" or self.dllm.attention == "bidirectional"):
+            return None
+        limit = self.prefill_limit()
+        c = self.lanes[0].cache.length
+        if any(lane.cache.length != c for lane in self.lanes) or limit - c <= max_rows:
+            return None
+        a, e = self.active
+        grp, start, committed = canvas_groups(self.length, self.dllm.attention, a, a, e, self.block_size,
+                                              self.origin, device=self.device)
+        end = c + max_rows
+        while end > c and int(grp[end - 1]) == int(grp[end]):  # never split a group
+            end -= 1
+        if end == c:
+            return None
+        rows = torch.arange(c, end, device=self.device)
+        none = torch.empty(0, dtype=torch.long, device=self.device)
+        out = []
+        for lane in self.lanes:
+            tokens = self.canvas[c:end]
+            if lane.kind == "uncond":
+                tokens = torch.full_like(tokens, self.dllm.mask_token_id)  # the prompt masked (c < prompt_len)
+            out.append(LaneInput(tokens=tokens, chunk=rows, grp=grp[c:end], start=start[c:end],
+                                 committed=committed[c:end], needed=none, commit=rows - c))
+        return out
 
     @property
     def active(self) -> tuple[int, int]:

@@ -127,6 +127,12 @@ class SpeculativeSequence(Request):
         self._head_tokens: list[int] = []
         self._head_pos: list[int] = []
 
+    def prefill_limit(self) -> int:
+        """As :meth:`Request.prefill_limit`; with a draft head also the last ``window`` prompt positions stay for
+        the first step (the head reads their hidden states)."""
+        limit = super().prefill_limit()
+        return limit if self.head is None else min(limit, self.prompt_len - self.head.cfg.window)
+
     # ------------------------------------------------------------------ one step: inputs
     def lane_inputs(self) -> list[LaneInput]:
         """The causal tokens, drafts, mask group A and fallback groups of the next step (one lane: no CFG).

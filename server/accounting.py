@@ -12,7 +12,7 @@ from dataclasses import astuple, dataclass
 from unmask.engine import CompletionOutput, StepEvent
 
 from .errors import APIError
-from .responses import Usage
+from .responses import PromptTokensDetails, Usage
 
 log = logging.getLogger("unmask.server")
 
@@ -93,10 +93,12 @@ def finished_work(stream) -> list[Work]:
     return [Work.of_output(o) if o is not None else Work() for o in stream.outputs]
 
 
-def usage(prompt_tokens: int, work: list[Work]) -> Usage:
-    """OpenAI usage (+ ``nfe``, ``denoising_steps``) of all choices."""
+def usage(prompt_tokens: int, work: list[Work], cached_tokens: int = 0) -> Usage:
+    """OpenAI usage (+ ``nfe``, ``denoising_steps``) of all choices; ``cached_tokens``: of ``prompt_tokens``, those
+    read from the prefix cache."""
     completion = sum(w.tokens for w in work)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
                  nfe=sum(w.nfe for w in work), denoising_steps=sum(w.steps for w in work))
 
 

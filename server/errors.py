@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -118,6 +119,19 @@ _TYPE_MISMATCH = frozenset({"string_type", "list_type", "int_type", "int_parsing
 _BODY_PARSE_DETAIL = "There was an error parsing the body"
 
 
+def _body_parse_why(cause: BaseException | None) -> str:
+    """Why Python's ``json`` could not parse the body (FastAPI chains its exception as the cause): not UTF-8,
+    nested past the parser's recursion limit, or an integer past Python's digit limit (``sys.int_info``)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "it must be UTF-8 encoded JSON (RFC 8259)"
+    if isinstance(cause, RecursionError):
+        return f"JSON must be {DEPTH_RULE}"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return (f"an integer has more than {sys.get_int_max_str_digits()} digits (the most Python's JSON parser "
+                f"converts)")
+    return f"it must be UTF-8 encoded JSON (RFC 8259) {DEPTH_RULE}"
+
+
 def _union_loc(loc: tuple) -> tuple | None:
     """The location of the innermost union field an error belongs to: ``loc`` up to its last member tag (``("body",
     "messages", 1, "content", "str")`` -> ``("body", "messages", 1, "content")``; a message's role tag before
@@ -197,13 +211,21 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if kind == "missing" and loc == ("body",):
         return APIError(400, "a JSON object body is required", code="invalid_request")
     param = param_path(loc)
+    if kind == "invalid_role":  # the message union's discriminator (unmask.server.messages): name the field
+        param = f"{param}.role"
     if kind == "extra_forbidden":
         return APIError(400, f"{param}: unknown field (not part of this API)", param=param, code="unknown_field")
     if param is None:
         return APIError(400, f"request body: {err.get('msg')}", code="invalid_request")
-    msg = err.get("msg", "invalid value")
+    msg = err.get("msg", "invalid value").replace(" after validation", "")
     if kind == "missing":
         msg = "required field is missing"
+    elif kind in ("too_long", "too_short") and isinstance(err.get("input"), str):
+        # pydantic says "Value should have at most N items" for a length bound on a constrained string type
+        ctx = err.get("ctx") or {}
+        bound = ctx.get("max_length") if kind == "too_long" else ctx.get("min_length")
+        msg = (f"String should have at {'most' if kind == 'too_long' else 'least'} {bound} characters, "
+               f"not {len(err['input'])}")
     return APIError(400, f"{param}: {msg}", param=param, code="invalid_value")
 
 
@@ -232,8 +254,8 @@ def install_handlers(app) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == _BODY_PARSE_DETAIL:
-            return _rejected(request, APIError(400, "invalid JSON body: it must be UTF-8 encoded JSON (RFC 8259) "
-                                                    f"{DEPTH_RULE}", code="invalid_json"))
+            return _rejected(request, APIError(400, f"invalid JSON body: {_body_parse_why(exc.__cause__)}",
+                                               code="invalid_json"))
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
                                                           f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
         return _rejected(request, APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(

@@ -85,10 +85,19 @@ class ToolMessage(_Message):
     tool_call_id: str = Field(min_length=1, max_length=256)
 
 
-def _role_tag(v: Any) -> str:
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _role_tag(v: Any) -> str | None:
+    """The member tag of a message; ``None`` (the ``invalid_role`` error, which lists every role) for a role that
+    is none of :data:`ROLES`; a missing role is ``Message``'s "required" error."""
     role = v.get("role") if isinstance(v, dict) else getattr(v, "role", None)
-    return {"assistant": "Assistant", "tool": "Tool"}.get(role, "Message")  # unknown roles: Message's role error
+    if role is not None and role not in ROLES:
+        return None
+    return {"assistant": "Assistant", "tool": "Tool"}.get(role, "Message")
 
 
 ChatMessage = Annotated[Annotated[SystemMessage, Tag("Message")] | Annotated[AssistantTurn, Tag("Assistant")]
-                        | Annotated[ToolMessage, Tag("Tool")], Discriminator(_role_tag)]
+                        | Annotated[ToolMessage, Tag("Tool")],
+                        Discriminator(_role_tag, custom_error_type="invalid_role",
+                                      custom_error_message="role must be one of " + ", ".join(map(repr, ROLES)))]

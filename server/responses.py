@@ -17,14 +17,21 @@ from pydantic import BaseModel, model_serializer
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens whose KV came from the prefix cache (docs/design.md section 23)."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts (``prompt_tokens + completion_tokens == total_tokens``); completion tokens count up to and
-    including the first EOS. Extras: ``nfe`` (model forwards of all choices, CFG counts twice) and
-    ``denoising_steps``."""
+    including the first EOS; ``prompt_tokens_details.cached_tokens`` as OpenAI's. Extras: ``nfe`` (model forwards
+    of all choices, CFG counts twice) and ``denoising_steps``."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
     nfe: int = 0
     denoising_steps: int = 0
 

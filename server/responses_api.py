@@ -58,7 +58,7 @@ def _hex() -> str:
 
 def usage_object(u: dict) -> dict:
     """Chat usage -> Responses usage (``input_tokens``, ``output_tokens``, ...; extras ``nfe``, ``denoising_steps``)."""
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"], "nfe": u.get("nfe", 0), "denoising_steps": u.get("denoising_steps", 0)}
 

@@ -79,8 +79,13 @@ class Run:
                 for c in range(self.num_choices)]
 
     def usage(self) -> Usage:
-        """OpenAI usage (+ ``nfe``, ``denoising_steps``); an unfinished (failed) choice counts its work so far."""
-        return usage(sum(len(p) for p in self.prompt_ids), self._work())
+        """OpenAI usage (+ ``nfe``, ``denoising_steps``); an unfinished (failed) choice counts its work so far.
+        A prompt's cached tokens are the most any of its choices loaded (choices joining together share nothing,
+        docs/design.md section 23)."""
+        outs = [self._output(c) for c in range(self.num_choices)]
+        cached = sum(max((o.cached_tokens for o in outs[p * self.n:(p + 1) * self.n] if o is not None), default=0)
+                     for p in range(len(self.prompt_ids)))
+        return usage(sum(len(p) for p in self.prompt_ids), self._work(), cached)
 
     def body(self) -> dict:
         """The non-streamed response (every choice finished)."""

@@ -46,3 +46,20 @@ def test_other_engine_rules_name_the_cli_flags_too(ckpt, capsys):
     assert _generate(ckpt, "--speculative", "--temperature", "0.5", "--speculative-epsilon", "0.1") == 2
     err = capsys.readouterr().err
     assert "--speculative-epsilon: relaxed acceptance" in err and "temperature 0" in err, err
+
+
+def test_listed_one_word_fields_name_the_cli_flags():
+    """A checkpoint that decodes speculatively by default, --steps with --speculative-branches: the reason lists
+    the conflicting fields, and one-word ones there are flags too ("drop --steps", not "drop steps")."""
+    import argparse
+
+    from unmask.cli.generate import _in_flags
+    from unmask.engine import ParamError, SamplingParams
+    from unmask.engine.plan import resolve_params
+
+    with pytest.raises(ParamError) as e:
+        resolve_params(SamplingParams.from_flat(steps=4, speculative_branches=1, max_tokens=8), {"speculative": True}, 4)
+    args = argparse.Namespace(steps=4, speculative_branches=1, threshold=None, temperature=None)
+    msg = _in_flags(e.value, args)
+    assert msg.startswith("--speculative-branches: only applies with self-speculative decoding"), msg
+    assert "also sets --steps" in msg and "drop --speculative-branches, or drop --steps to get" in msg, msg

@@ -500,3 +500,56 @@ def test_health_counts_batched_forwards_and_usage_counts_per_choice(client):
     calls = client.get("/health").json()["batched_forwards"] - before["batched_forwards"]
     per_choice = r.json()["usage"]["nfe"]
     assert 0 < calls < per_choice <= 2 * calls, (calls, per_choice)
+
+
+# ------------------------------------------------------------------------------------------- wording of 400s
+def test_an_integer_past_pythons_digit_limit_is_named_as_such(client):
+    """A 5000-digit integer: json.loads raises ValueError (int max str digits); the 400 said the body was not UTF-8
+    (break-it)."""
+    raw = ('{"model": "m", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}").encode()
+    r = client.post(C, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    msg = r.json()["error"]["message"]
+    assert "digits" in msg and "UTF-8" not in msg, msg
+
+
+def test_a_string_length_bound_counts_characters(client):
+    """A stop string past MAX_STOP_CHARS said "Value should have at most N items" (break-it)."""
+    r = client.post(C, json={"model": "m", "prompt": "hi", "max_tokens": 2, "stop": ["a" * (MAX_STOP_CHARS + 1)]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (f"stop.0: String should have at most {MAX_STOP_CHARS} characters, "
+                                            f"not {MAX_STOP_CHARS + 1}"), r.text
+    r = client.post(C, json={"model": "m", "prompt": "hi", "max_tokens": 2, "stop": ["a"] * 50})
+    assert r.status_code == 400 and "items" in r.json()["error"]["message"]
+    assert "after validation" not in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("role", ["wizard", "", 5, "Assistant"])
+def test_an_unknown_message_role_lists_every_role(client, role):
+    """The error named only system/developer/user (the first member of the message union; new-user run)."""
+    r = client.post(CH, json={"model": "m", "max_tokens": 2, "messages": [{"role": role, "content": "x"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.0.role", err
+    for name in ("system", "developer", "user", "assistant", "tool"):
+        assert f"'{name}'" in err["message"], err
+    r = client.post(CH, json={"model": "m", "max_tokens": 2, "messages": [{"content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role", r.text  # missing: required
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    """prompt_tokens_details.cached_tokens (chat, completions) and input_tokens_details.cached_tokens (Responses)
+    count the prompt tokens read from the prefix cache; the Responses value was hard-coded 0 (break-it)."""
+    prompt = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    client.post(C, json=body)
+    u = client.post(C, json=body).json()["usage"]
+    assert 16 <= u["prompt_tokens_details"]["cached_tokens"] < u["prompt_tokens"], u
+    chat = {"model": "m", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": prompt}]}
+    client.post(CH, json=chat)
+    u = client.post(CH, json=chat).json()["usage"]
+    assert 16 <= u["prompt_tokens_details"]["cached_tokens"] < u["prompt_tokens"], u
+    resp = {"model": "m", "input": prompt, "max_output_tokens": 2, "temperature": 0}
+    client.post("/v1/responses", json=resp)
+    u = client.post("/v1/responses", json=resp).json()["usage"]
+    assert 16 <= u["input_tokens_details"]["cached_tokens"] < u["input_tokens"], u
