@@ -121,6 +121,8 @@ class Denoiser:
         start = torch.zeros(B, Q, dtype=torch.long, device=dev)
         committed = torch.zeros(B, Q, dtype=torch.bool, device=dev)
         valid = torch.zeros(B, Q, dtype=torch.bool, device=dev)
+        # committed prompt rows: a row-invariant decoder computes them in prompt tiles (engine/row_attention.py)
+        prompt = torch.zeros(B, Q, dtype=torch.bool, device=dev) if self.model.tiles_prompt_rows else None
         # rows that run the model's row variant (today: a verifier for the causal rows of speculative requests)
         variant = torch.zeros(B, Q, dtype=torch.bool, device=dev) if self.model.has_row_variant else None
         # a mask-row adapter (engine/mask_adapter.py) runs on every non-committed row, whatever the strategy
@@ -134,6 +136,8 @@ class Denoiser:
             start[b, :n] = inp.start
             committed[b, :n] = inp.committed
             valid[b, :n] = True
+            if prompt is not None:
+                prompt[b, :n] = inp.committed & (inp.chunk < seq.prompt_len)
             if variant is not None:
                 rows_variant = ~inp.committed if uncommitted else seq.variant_rows(inp)
                 if rows_variant is not None:
@@ -149,7 +153,7 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
-        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant)
+        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant, prompt_rows=prompt)
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call

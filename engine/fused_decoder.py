@@ -249,7 +249,8 @@ class FusedDecoder:
 
     ``row_invariant``: attention through :mod:`unmask.engine.row_attention` (a row's result independent of the
     other rows and lanes; one call per lane and group), for the low-bit formats whose bf16 inputs amplify SDPA's
-    last-bit differences.
+    last-bit differences; ``prompt_rows`` (``[B, Q]`` bool, the committed prompt rows) are then computed in its
+    fixed prompt tiles.
 
     Build it after the weights are packed: each layer's norms and projections are resolved once into plain
     functions (a one-row step calls ~10 per layer, where ``nn.Module`` dispatch is a visible share).
@@ -281,7 +282,7 @@ class FusedDecoder:
                 _activation_function(mlp.act_fn), _linear_function(mlp.down_proj)))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 cache=None) -> torch.Tensor:
+                 cache=None, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
         dec = self.decoder
         B, Q = input_ids.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -296,7 +297,7 @@ class FusedDecoder:
             cached = 0 if cache is None else getattr(cache, "cached_len", None)
             if cached is None:  # a transformers cache (benchmarks' bare forward): every lane equally long
                 cached = cache.get_seq_length()
-            row_plan = lane_plans(attention_mask.expand(B, -1, -1, -1), cached)
+            row_plan = lane_plans(attention_mask.expand(B, -1, -1, -1), cached, position_ids, prompt_rows)
         elif bool(attention_mask.all()):  # nothing masked (one lane, every key visible): SDPA's unmasked path
             attention_mask = None
         gqa = Hq != Hkv

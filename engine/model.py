@@ -206,23 +206,36 @@ class LoadedModel:
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       cache=None, variant_rows: torch.Tensor | None = None, *,
-                      drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      drafter_rows: torch.Tensor | None = None,
+                      prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Last hidden states ``[B, Q, H]`` (the model's dtype) for ``input_ids``/``position_ids`` ``[B, Q]`` int64
         and a boolean mask ``[B, 1, Q, C + Q]`` (True = may attend; C = cached keys in ``cache``, a
         :class:`~unmask.engine.kv_cache.BatchKV`; None = causal, as transformers).
 
         ``variant_rows``: ``[B, Q]`` bool, the rows that run the :class:`RowVariant` (ignored without one); None =
         every row runs the model's weights. ``drafter_rows`` is the old spelling, its complement (compatibility).
+        ``prompt_rows``: ``[B, Q]`` bool, the committed prompt rows, which a row-invariant decoder computes in
+        prompt tiles (:attr:`tiles_prompt_rows`; ignored otherwise).
 
         Raises:
             RuntimeError: ``variant_rows``' shape is not ``[B, Q]`` (a routed module names both shapes).
         """
         with self._select(variant_rows, drafter_rows):
             if self.decoder_forward is not None:
+                if prompt_rows is not None and self.tiles_prompt_rows:
+                    return self.decoder_forward(input_ids, position_ids, attention_mask, cache,
+                                                prompt_rows=prompt_rows)
                 return self.decoder_forward(input_ids, position_ids, attention_mask, cache)
             out = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                 use_cache=False, **{self._cache_kw: cache})
         return out.last_hidden_state
+
+    @property
+    def tiles_prompt_rows(self) -> bool:
+        """Whether the decoder computes committed prompt rows in row-invariant prompt tiles
+        (``engine/row_attention.py``): their KV then differs in the last bits from block-1 steps' at the same
+        position, so the prefix cache keeps prompt rows only (docs/design.md section 23)."""
+        return bool(getattr(self.decoder_forward, "row_invariant", False))
 
     def logits(self, hidden: torch.Tensor, variant_rows: torch.Tensor | None = None, *,
                drafter_rows: torch.Tensor | None = None) -> torch.Tensor:

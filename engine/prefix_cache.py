@@ -157,6 +157,8 @@ class PrefixCache:
         d = self.model.dllm
         if d.attention == "block_causal" and seq.origin > 0:  # blocks from the generation: the prompt part only
             n = min(n, seq.origin)
+        if self.model.tiles_prompt_rows:  # prompt tiles: an answer's KV (block-1 calls) differs in the last bits
+            n = min(n, seq.blocks[0][0])
         return n
 
     # ------------------------------------------------------------------ the two hooks

@@ -188,3 +188,44 @@ def test_lowbit_decoding_uses_row_invariant_attention_end_to_end(ckpts, weights)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, b1)] == alone
     assert [llm.generate(p, spec)[0].outputs[0].token_ids for p in prompts] == alone
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, spec)] == alone
+
+
+@needs_lowbit
+def test_int4_prompt_tiles_give_the_same_kv_bits_however_the_prompt_arrives(ckpts):
+    """Under row-invariant attention prompt rows run in fixed tiles (engine/row_attention.py): the same KV bits with
+    the whole prompt in the first step, in chunks of 7 (chunked prefill) or after a prefix from the cache; the
+    prefix cache keeps prompt rows only (an answer's rows are block-1 calls), and a chat gets the same tokens with
+    and without reuse."""
+    from unmask.engine.engine import Engine
+
+    adapted = load_model(ckpts / "parent", adapter=ckpts / "adapter", weights="int4")
+    assert adapted.tiles_prompt_rows
+    prompt = torch.randint(5, 300, (75,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams.from_flat(max_tokens=6, ignore_eos=True, temperature=0, block_size=1)
+
+    def first_step_kv(engine, ids):
+        engine.add_request(ids, params, f"r{len(ids)}-{id(engine)}")
+        while not engine.step():
+            pass
+        cache = engine.scheduler.running[0].lanes[0].cache
+        return [t[..., :len(ids), :].clone() for t in cache.keys + cache.values]
+
+    whole = first_step_kv(Engine(adapted, prefill_chunk=0, enable_prefix_caching=False), prompt)
+    chunked = first_step_kv(Engine(adapted, prefill_chunk=7, enable_prefix_caching=False), prompt)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    # a chat's next turn: the first prompt (45 tokens) + its answer (6) + more; only the prompt's whole chunks
+    # (32 positions) are reused, not the 48 that its answer would complete
+    turn1 = LLM(adapted).generate([prompt[:45]], params)[0].outputs[0].token_ids
+    chat = prompt[:45] + turn1 + prompt[45:]
+    fresh = first_step_kv(Engine(adapted, prefill_chunk=0, enable_prefix_caching=False), chat)
+    shared = Engine(adapted, prefill_chunk=0)
+    shared.add_request(prompt[:45], params, "first")
+    while shared.has_unfinished():
+        shared.step()
+    reused = first_step_kv(shared, chat)
+    assert shared.scheduler.running[0].cached_tokens == 32
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+    with_reuse = LLM(adapted)
+    with_reuse.generate([prompt[:45]], params)
+    assert (with_reuse.generate([chat], params)[0].outputs[0].token_ids
+            == LLM(adapted, enable_prefix_caching=False).generate([chat], params)[0].outputs[0].token_ids)

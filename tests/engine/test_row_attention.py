@@ -117,3 +117,80 @@ def test_plain_sdpa_is_not_row_invariant_here():
     ones = [F.scaled_dot_product_attention(q[:, :, r:r + 1], k[:, :, :37 + r + 1], v[:, :, :37 + r + 1], scale=0.25,
                                            enable_gqa=True) for r in range(3)]
     assert not all(torch.equal(batched[:, :, r:r + 1], o) for r, o in enumerate(ones))
+
+
+# ---------------------------------------------------------------------------------------------- prompt tiles
+def _prompt_lane(n_cached: int, rows: int):
+    """A prefill chunk: ``rows`` committed causal prompt rows after ``n_cached`` cached keys (positions in order)."""
+    pos = list(range(n_cached, n_cached + rows))
+    return pos, list(pos), list(pos), [True] * rows
+
+
+def _prefill_outputs(q_all, k_all, v_all, n_cached: int, rows: int, mates=()):
+    """Row-invariant attention of prompt rows ``[n_cached, n_cached + rows)`` of one lane (queries/keys/values of
+    every position given as ``[H, P, D]``), flagged as prompt rows, optionally next to other lanes ``mates``
+    (``(n_cached, rows, q, k, v)``); returns the lane's ``[1, HQ, rows, D]`` output."""
+    specs = [(n_cached, rows, q_all, k_all, v_all)] + list(mates)
+    mask, C = _mask([(n, _prompt_lane(n, r)) for n, r, *_ in specs])
+    Q = max(r for _, r, *_ in specs)
+    B = len(specs)
+    q = torch.zeros(B, HQ, Q, D)
+    pos = torch.zeros(B, Q, dtype=torch.long)
+    flag = torch.zeros(B, Q, dtype=torch.bool)
+    for b, (n, r, qa, _, _) in enumerate(specs):
+        q[b, :, :r] = qa[:, n:n + r]
+        pos[b, :r] = torch.arange(n, n + r)
+        flag[b, :r] = True
+    k = _padded([ka[:, :n] for n, _, _, ka, _ in specs], [ka[:, n:n + r] for n, r, _, ka, _ in specs], C, Q)
+    v = _padded([va[:, :n] for n, _, _, _, va in specs], [va[:, n:n + r] for n, r, _, _, va in specs], C, Q)
+    plans = lane_plans(mask, C, pos, flag)
+    assert plans[0].tiles and not plans[0].groups and plans[0].other is None  # every row went into a tile
+    return row_invariant_attention(q, k, v, plans, 0.25, True)[:1, :, :rows]
+
+
+def test_a_prompt_rows_tile_output_is_the_same_whatever_chunk_cache_start_or_batch():
+    """Prompt rows are computed in tiles fixed by position (PROMPT_TILE): the same bits whether the prompt comes in
+    one chunk, in chunks of 7 or 40, after a prefix loaded from the cache, or next to other lanes."""
+    from unmask.engine.row_attention import PROMPT_TILE
+
+    g = torch.Generator().manual_seed(0)
+    P = 3 * PROMPT_TILE + 11
+    q_all, k_all, v_all = (torch.randn(HQ, P, D, generator=g), torch.randn(HKV, P, D, generator=g),
+                           torch.randn(HKV, P, D, generator=g))
+    whole = _prefill_outputs(q_all, k_all, v_all, 0, P)
+    ref = F.scaled_dot_product_attention(q_all[None], k_all[None], v_all[None], is_causal=True, scale=0.25,
+                                         enable_gqa=True)
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-6)  # the math: causal attention
+    for chunk in (7, 40, PROMPT_TILE):
+        parts = [_prefill_outputs(q_all, k_all, v_all, s, min(chunk, P - s)) for s in range(0, P, chunk)]
+        assert torch.equal(torch.cat(parts, 2), whole), chunk
+    for start in (5, PROMPT_TILE, 50):  # a prefix from the cache, then the rest
+        assert torch.equal(_prefill_outputs(q_all, k_all, v_all, start, P - start), whole[:, :, start:]), start
+    mate_q, mate_k, mate_v = (torch.randn(HQ, 90, D, generator=g), torch.randn(HKV, 90, D, generator=g),
+                              torch.randn(HKV, 90, D, generator=g))
+    for mate in ((0, 90, mate_q, mate_k, mate_v), (60, 3, mate_q, mate_k, mate_v)):
+        assert torch.equal(_prefill_outputs(q_all, k_all, v_all, 0, P, [mate]), whole)
+
+
+def test_a_tiles_row_ignores_the_other_slots_and_masked_keys():
+    """What the tiles rely on: in one CPU SDPA call of fixed shapes and mask, a row's output depends only on its own
+    query and the keys it sees (other query slots and masked keys may hold anything finite)."""
+    g = torch.Generator().manual_seed(1)
+    T, L = 32, 96
+    mask = (torch.arange(L)[None, :] <= (64 + torch.arange(T))[:, None])[None, None]
+    q, k, v = (torch.randn(1, HQ, T, D, generator=g), torch.randn(1, HKV, L, D, generator=g),
+               torch.randn(1, HKV, L, D, generator=g))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    for r in (0, 7, 31):
+        q2, k2, v2 = torch.zeros_like(q), k.clone(), v.clone()
+        q2[:, :, r] = q[:, :, r]
+        k2[:, :, 64 + r + 1:], v2[:, :, 64 + r + 1:] = 0, 0  # keys the row cannot see
+        out2 = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, scale=0.25, enable_gqa=True)
+        assert torch.equal(out2[:, :, r], out[:, :, r]), r
+
+
+def test_unflagged_causal_rows_stay_one_row_calls():
+    """Without the prompt flag a causal row is still its block-1 call (answers: block-1 steps)."""
+    mask, C = _mask([(10, _prompt_lane(10, 5))])
+    plans = lane_plans(mask, C, torch.arange(10, 15)[None], torch.zeros(1, 5, dtype=torch.bool))
+    assert not plans[0].tiles and [m for _, m in plans[0].groups] == [11, 12, 13, 14, 15]
