@@ -11,8 +11,11 @@ For the served default (``unmask serve`` with no MODEL) loaded with each ``--wei
   of the stream's tokens, ``median_gap_s`` its typical one, ``joiner_first_token_s`` the joiner's time to its first
   token (median of ``--repeats`` runs).
 
+``--compare-without-tiles`` measures the row-invariant formats a second time with prompt rows as one-row calls
+instead of prompt tiles (``engine/row_attention.py``), in the same run.
+
     .venv/bin/python benchmarks/bench_long_prefill.py --weights auto,fp16 --chunks 0,256 --lengths 512,2048 \
-        --stall-length 2048 --threads 2
+        --stall-length 2048 --threads 2 --compare-without-tiles
 """
 from __future__ import annotations
 
@@ -29,12 +32,12 @@ def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def prefill_s(engine_cls, model, chunk: int, length: int, repeats: int, rng) -> float:
-    """Median seconds to the first token of a ``length``-token prompt decoded alone."""
+    """Median seconds to the first token of a ``length``-token prompt decoded alone (after one untimed run)."""
     from unmask.engine import SamplingParams
 
     sp = SamplingParams.from_flat(max_tokens=1, temperature=0.0, block_size=1, speculative=False, ignore_eos=True)
     secs = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         engine = engine_cls(model, max_batch_size=4, prefill_chunk=chunk, enable_prefix_caching=False)
         engine.add_request(_random_ids(rng, length, model.vocab_size - 1), sp, "long")
         t0 = time.perf_counter()
@@ -42,7 +45,7 @@ def prefill_s(engine_cls, model, chunk: int, length: int, repeats: int, rng) -> 
             if engine.step():
                 break
         secs.append(time.perf_counter() - t0)
-    return statistics.median(secs)
+    return statistics.median(secs[1:])
 
 
 def stall(engine_cls, model, chunk: int, stream_ids: list[int], length: int, stream_tokens: int, join_after: int,
@@ -80,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--join-after", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-without-tiles", action="store_true",
+                    help="formats with row-invariant attention (int8/int4, auto on a 4-bit grid) are measured a "
+                         "second time with prompt rows as one-row calls instead of prompt tiles (same run)")
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
     from unmask.cli.serve import default_model
@@ -92,12 +98,19 @@ def main(argv=None) -> int:
     chunks = [int(c) for c in args.chunks.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
+    settings = []
     for fmt in args.weights.split(","):
         model = load_model(served_path, weights=fmt)
+        settings.append((fmt, model, True))
+        if args.compare_without_tiles and model.tiles_prompt_rows:
+            settings.append((fmt, model, False))
+    for fmt, model, tiles in settings:
+        if model.decoder_forward is not None:
+            model.decoder_forward.prompt_tiles = tiles
         stream_ids = chat_prompt_ids(model.tokenizer, [{"role": "user", "content": bc.grid_prompts(1)[0]["prompt"]}],
                                      mask_token_id=model.dllm.mask_token_id)
         for chunk in chunks:
-            row = {"weights": fmt, "prefill_chunk": chunk}
+            row = {"weights": fmt if tiles else f"{fmt}, prompt rows one call each", "prefill_chunk": chunk}
             for n in lengths:
                 row[f"prefill_s_{n}"] = prefill_s(Engine, model, chunk, n, args.repeats, rng)
                 print(fmt, chunk, n, f"{row[f'prefill_s_{n}']:.2f} s", flush=True)
@@ -111,7 +124,7 @@ def main(argv=None) -> int:
             "environment": bc.environment(args.threads), "rows": rows}
     cols = [f"prefill_s_{n}" for n in lengths] + ["max_gap_s", "median_gap_s", "joiner_first_token_s"]
     md = [f"# Long prompts: prefill and stalls ({what})", "",
-          f"`{' '.join(['benchmarks/bench_long_prefill.py'] + (argv or []))}`; stall: a {args.stall_length}-token "
+          f"Stall: a {args.stall_length}-token "
           f"prompt joins after the stream's {args.join_after}th token; medians of {args.repeats} runs, seconds.", "",
           "| weights | prefill chunk | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for r in rows:

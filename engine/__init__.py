@@ -14,7 +14,7 @@ from .params import CONSTRAINT_KINDS, Constraint, SamplingParams
 __all__ = ["LLM", "Engine", "AsyncEngine", "RequestStream", "SamplingParams", "SpeculativeOptions", "ParamError",
            "DllmConfig", "CheckpointError", "load_model", "RequestOutput", "CompletionOutput", "StepEvent",
            "Revealed", "QueueFull", "CacheFull", "EngineError", "EngineClosed", "encode_prompt", "chat_prompt_ids",
-           "TokenTexts", "DecodingPlan", "Constraint", "CONSTRAINT_KINDS", "check_constraint"]
+           "encode_text", "TokenTexts", "DecodingPlan", "Constraint", "CONSTRAINT_KINDS", "check_constraint"]
 
 _LAZY = {  # name -> module: importing the package must not import torch-heavy modules eagerly
     "LLM": "llm", "encode_prompt": "llm", "chat_prompt_ids": "llm",
@@ -22,7 +22,7 @@ _LAZY = {  # name -> module: importing the package must not import torch-heavy m
     "EngineError": "async_engine", "EngineClosed": "async_engine",
     "QueueFull": "scheduler", "CacheFull": "scheduler",
     "load_model": "model", "TokenTexts": "detokenize", "SpeculativeOptions": "params", "DecodingPlan": "plan",
-    "check_constraint": "constraints",
+    "check_constraint": "constraints", "encode_text": "text_ids",
 }
 
 

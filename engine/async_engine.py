@@ -139,8 +139,7 @@ class AsyncEngine:
             checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
         enable_prefix_caching: reuse committed KV across requests that share a prompt prefix (docs/design.md
             section 23; the store counts against ``max_cached_tokens`` and is evicted first).
-        prefill_chunk: most prompt rows a sequence forwards per step before its first step (chunked prefill,
-            docs/design.md section 4; 0 = the whole prompt at once).
+        prefill_chunk: prompt rows per step before a sequence's first step (chunked prefill, design section 4).
 
     Counters (read from any thread; updated by the engine thread after every step):
         ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished

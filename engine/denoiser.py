@@ -153,6 +153,8 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
+        if prompt is not None and not bool(prompt.any()):  # decoding steps: nothing to tile
+            prompt = None
         hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant, prompt_rows=prompt)
         self.forwards += 1
 

@@ -265,6 +265,7 @@ class FusedDecoder:
             raise ValueError("FusedDecoder: run fuse_projections(decoder) first")
         self.decoder = decoder
         self.row_invariant = bool(row_invariant)
+        self.prompt_tiles = True  # with row_invariant: prompt rows in prompt tiles (a benchmark switches it off)
         cfg = decoder.config
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)

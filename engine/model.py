@@ -235,7 +235,8 @@ class LoadedModel:
         """Whether the decoder computes committed prompt rows in row-invariant prompt tiles
         (``engine/row_attention.py``): their KV then differs in the last bits from block-1 steps' at the same
         position, so the prefix cache keeps prompt rows only (docs/design.md section 23)."""
-        return bool(getattr(self.decoder_forward, "row_invariant", False))
+        fused = self.decoder_forward
+        return bool(getattr(fused, "row_invariant", False) and getattr(fused, "prompt_tiles", False))
 
     def logits(self, hidden: torch.Tensor, variant_rows: torch.Tensor | None = None, *,
                drafter_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from unmask.engine import ParamError
-from unmask.engine.text_ids import encode_text
+from unmask.engine import ParamError, encode_text
 
 from . import json_text
 from .errors import APIError
