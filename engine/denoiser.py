@@ -15,7 +15,7 @@ import torch
 
 from .attention import build_attention_mask
 from .kv_cache import BatchKV
-from .limits import DEFAULT_PREFILL_CHUNK
+from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from .model import LoadedModel
 from .outputs import StepEvent
 from .request import DecodingStrategy, LaneInput
@@ -36,9 +36,7 @@ class Denoiser:
     """
 
     def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk: must be an integer >= 0, got {prefill_chunk!r}")
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.model = model
         self.device = model.device
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
@@ -153,9 +151,8 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
-        if prompt is not None and not bool(prompt.any()):  # decoding steps: nothing to tile
-            prompt = None
-        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant, prompt_rows=prompt)
+        extra = {"prompt_rows": prompt} if prompt is not None and bool(prompt.any()) else {}  # decoding: no tiles
+        hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant, **extra)
         self.forwards += 1
 
         # gather the needed outputs (and carries) in one LM-head call

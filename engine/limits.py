@@ -38,9 +38,20 @@ MAX_MESSAGE_NAME_CHARS = 256
 MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
 #: prompt rows per chunk of a long prompt's prefill (docs/design.md section 4, "Chunked prefill"; measured in
-#: docs/scale.md): small enough that other requests keep stepping during a long prefill, large enough that a
+#: benchmarks/results/bench_long_prefill.md): small enough that other requests keep stepping during a long prefill, large enough that a
 #: forward's fixed cost stays a small share of the chunk's
 DEFAULT_PREFILL_CHUNK = 256
+
+
+def check_prefill_chunk(value) -> int:
+    """``value`` as a chunked-prefill size (prompt rows per step, 0 = off).
+
+    Raises:
+        ValueError: not an integer >= 0 (names ``prefill_chunk``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"prefill_chunk: must be an integer >= 0, got {value!r}")
+    return value
 
 
 class ParamError(ValueError):

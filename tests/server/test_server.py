@@ -264,7 +264,9 @@ def test_sse_invariants_and_denoising_events(http):
     texts, denoise, usage = _check_stream(payloads, 2)
     plain = http.post(CH, json={**body, "stream": False, "stream_options": None}).json()
     assert texts == [c["message"]["content"] for c in plain["choices"]]
-    assert usage == plain["usage"]
+    # the same usage but for cached prompt tokens (whichever request came second may reuse the first's prompt KV)
+    assert {**usage, "prompt_tokens_details": None} == {**plain["usage"], "prompt_tokens_details": None}
+    assert all(0 <= u["prompt_tokens_details"]["cached_tokens"] < u["prompt_tokens"] for u in (usage, plain["usage"]))
     last_nfe = 0
     for i, events in denoise.items():
         assert [e["step"] for e in events] == list(range(len(events))), "one denoising event per step"
