@@ -1,7 +1,8 @@
 """Continuous batching: a FIFO waiting queue and a running batch that sequences join and leave every step.
 
-New sequences join at the next step (their prompt prefill runs in that step, in the same forward as the others'
-denoising steps or, when padding it into their rows would waste more than a forward costs, in its own:
+New sequences join at the next step (their prompt prefill runs in that step, or a long prompt in chunks over the
+next steps (chunked prefill, ``Request.prefill_inputs``), in the same forward as the others' denoising steps or,
+when padding it into their rows would waste more than a forward costs, in its own:
 ``unmask.engine.denoiser.plan_forwards``); finished and cancelled sequences leave at once, freeing their slot
 and their KV cache. A sequence's tokens never depend on who else is in the batch (batch invariance), so joining
 mid-block is exact; this is finer-grained than joining at block boundaries and gives a lower TTFT.
