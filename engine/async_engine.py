@@ -8,12 +8,10 @@ Threading model:
   the requests' canvases and the model). It sleeps on a condition variable while there is no work, otherwise it
   moves newly submitted sequences into the scheduler, applies pending aborts, and runs one step.
 * The **event loop** side calls :meth:`AsyncEngine.submit` (validation, building the sequences, admission checks:
-  all synchronous, so errors surface as exceptions at the call) and iterates the returned
-  :class:`RequestStream`. Events cross threads with ``loop.call_soon_threadsafe(queue.put_nowait, ...)`` into one
-  ``asyncio.Queue`` per request.
-* :meth:`AsyncEngine.abort` only records the request id; the engine thread applies it before its next step, so a
-  cancelled request takes part in at most the one step that was already running (its slot and KV cache are freed
-  then).
+  synchronous, so errors surface at the call) and iterates the returned :class:`RequestStream`. Events cross
+  threads with ``loop.call_soon_threadsafe(queue.put_nowait, ...)`` into one ``asyncio.Queue`` per request.
+* :meth:`AsyncEngine.abort` only records the request id; the engine thread applies it before its next step (a
+  cancelled request takes part in at most the step already running; its slot and KV cache are freed then).
 """
 from __future__ import annotations
 
@@ -130,8 +128,7 @@ class AsyncEngine:
     Args:
         loaded_model: the :class:`LoadedModel` to serve.
         max_batch_size: most sequences decoded together in one step.
-        max_queue: most sequences waiting for a batch slot; a submit beyond it raises :class:`QueueFull`
-            (HTTP 429). A request with ``n`` choices counts ``n``.
+        max_queue: most sequences waiting for a batch slot (``n`` choices count ``n``); beyond it :class:`QueueFull`.
         max_cached_tokens: KV budget in canvas tokens (see :class:`Scheduler`); a request that can never fit raises
             :class:`ParamError` (HTTP 400; an unset ``max_tokens`` is lowered to fit first), one that fits the budget
             but not what is left of it waits in the queue. ``None`` = unlimited.
@@ -229,8 +226,8 @@ class AsyncEngine:
                     group: str | None = None) -> list[RequestStream]:
         """Queue several prompts (one engine request each, ``request_ids[i]`` for ``prompts[i]``) atomically: all
         of them are admitted or none is (docs/design.md section 15, "Atomic admission"). The arguments and errors
-        are :meth:`submit`'s; ``group`` defaults to the first request id. A refused call leaves no trace in the
-        queue, so a request refused for room never holds room another request could use.
+        are :meth:`submit`'s (a prompt's own error names ``prompt.i`` when there are several); ``group`` defaults
+        to the first request id. A refused call leaves no trace in the queue.
 
         Raises:
             ValueError: ``len(prompts) != len(request_ids)`` or no prompt (a programming error).
@@ -242,8 +239,11 @@ class AsyncEngine:
             raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
         group = group or request_ids[0]
         built: list[tuple[str, list[Request]]] = []
-        for ids, rid in zip(prompts, request_ids):  # building checks every prompt id: outside the lock
-            seqs = self.engine.make_request(list(ids), params, rid, n, fit_max_tokens)
+        for i, (ids, rid) in enumerate(zip(prompts, request_ids)):  # checks every prompt id: outside the lock
+            try:
+                seqs = self.engine.make_request(list(ids), params, rid, n, fit_max_tokens)
+            except ParamError as exc:  # name the prompt of several (``prompt.1``), as the request's schema does
+                raise ParamError(f"prompt.{i}", exc.reason) if exc.field == "prompt" and len(prompts) > 1 else exc
             for s in seqs:  # the unit of fair admission: the client's whole request (docs/design.md section 15)
                 s.group = group
             self.scheduler.check_fits(seqs)

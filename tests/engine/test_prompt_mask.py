@@ -99,6 +99,9 @@ def test_server_chat_and_completions(model):
             r = c.post("/v1/completions", json={**base, "prompt": [5, mask_id, 6]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
             assert "mask token" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={**base, "prompt": [[5, 6], [7, mask_id]]})  # which prompt: named
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1", r.text
+            assert r.json()["error"]["message"].startswith("prompt.1: token id")
             assert c.post("/v1/completions", json={**base, "prompt": [5, 6]}).status_code == 200  # still serving
     finally:
         engine.shutdown()
