@@ -85,7 +85,8 @@ class Denoiser:
                     ) -> list[StepEvent | None]:
         """One forward for ``seqs`` whose lane inputs (``inputs[i]`` for ``seqs[i]``) were already taken; a
         ``prefilling`` sequence's rows are a prompt chunk: committed as they are, no event (``None``), no NFE."""
-        rows = [(seq, li, lane_in) for seq, lane_ins in zip(seqs, inputs) for li, lane_in in enumerate(lane_ins)]
+        rows = [(seq, lane_index(inp, li), inp) for seq, lane_ins in zip(seqs, inputs)
+                for li, inp in enumerate(lane_ins)]
         logits_by_row, kv, hidden = self._forward(rows)
         events = []
         r = 0
@@ -101,7 +102,8 @@ class Denoiser:
             for li, (inp, commit) in enumerate(zip(lane_ins, commits)):
                 if commit is not None and commit.numel():
                     commit = commit.to(self.device)
-                    kv.commit(r + li, commit, seq.lanes[li].cache, inp.chunk[commit], inp.grp[commit])
+                    kv.commit(r + li, commit, seq.lanes[lane_index(inp, li)].cache, inp.chunk[commit],
+                              inp.grp[commit])
             events.append(event)
             r += n_lanes
         return events
@@ -191,6 +193,12 @@ class Denoiser:
                 lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
         return out, kv, hidden
+
+
+def lane_index(inp: LaneInput, position: int) -> int:
+    """The lane ``inp`` belongs to: its own ``lane`` when set (a prompt chunk of some lanes only), else its position
+    in the sequence's list of lane inputs."""
+    return position if inp.lane is None else inp.lane
 
 
 def plan_forwards(widths: list[int], lanes: list[int], overhead_rows: int) -> list[list[int]]:

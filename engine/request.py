@@ -50,7 +50,8 @@ class LaneInput:
     to the lane cache after the forward (``None``: decided by the strategy's ``consume``);
     ``replace_cache`` = drop the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last
     committed token, whose output becomes the carry; ``feature_rows`` = chunk indices whose last hidden states
-    the strategy reads after the forward (``[n]`` int64; a draft head's context), ``None`` = none.
+    the strategy reads after the forward (``[n]`` int64; a draft head's context), ``None`` = none; ``lane`` = the
+    lane it feeds (``None``: its position in the list; set by prompt chunks that leave a lane out).
     """
 
     tokens: torch.Tensor
@@ -63,6 +64,7 @@ class LaneInput:
     replace_cache: bool = False
     carry_index: int = -1
     feature_rows: torch.Tensor | None = None
+    lane: int | None = None
 
 
 @dataclass
@@ -264,32 +266,33 @@ class Request:
         lanes have more than ``max_rows`` committed prompt rows left to forward forwards the next ``max_rows`` of
         them (cut back to a group boundary, e.g. a block-causal prompt block), committing their KV, instead of a
         step. ``None`` when the step may run: the rest fits, ``max_rows`` is 0, the request already stepped, or
-        its prompt KV is not exact (bidirectional models, ``cache`` other than ``exact``). Every lane advances
-        alike (the CFG lane's prompt is mask tokens)."""
+        its prompt KV is not exact (bidirectional models, ``cache`` other than ``exact``). Each lane advances from
+        its own cache length (a CFG request's cond lane may hold a cached prefix, its uncond lane, whose prompt is
+        mask tokens, none); a lane with nothing left sits the chunk out (``LaneInput.lane`` names the others)."""
         if (max_rows <= 0 or self.nfe or self.cache_mode != "exact" or self.dllm.attention == "bidirectional"):
             return None
         limit = self.prefill_limit()
-        c = self.lanes[0].cache.length
-        if any(lane.cache.length != c for lane in self.lanes) or limit - c <= max_rows:
+        if max(limit - lane.cache.length for lane in self.lanes) <= max_rows:
             return None
         a, e = self.active
         grp, start, committed = canvas_groups(self.length, self.dllm.attention, a, a, e, self.block_size,
                                               self.origin, device=self.device)
-        end = c + max_rows
-        while end > c and int(grp[end - 1]) == int(grp[end]):  # never split a group
-            end -= 1
-        if end == c:
-            return None
-        rows = torch.arange(c, end, device=self.device)
         none = torch.empty(0, dtype=torch.long, device=self.device)
         out = []
-        for lane in self.lanes:
+        for i, lane in enumerate(self.lanes):  # a CFG cond lane may start further on (a prefix-cache hit)
+            c = lane.cache.length
+            end = min(c + max_rows, limit)
+            while end > c and int(grp[end - 1]) == int(grp[end]):  # never split a group
+                end -= 1
+            if end <= c:
+                continue
+            rows = torch.arange(c, end, device=self.device)
             tokens = self.canvas[c:end]
             if lane.kind == "uncond":
                 tokens = torch.full_like(tokens, self.dllm.mask_token_id)  # the prompt masked (c < prompt_len)
             out.append(LaneInput(tokens=tokens, chunk=rows, grp=grp[c:end], start=start[c:end],
-                                 committed=committed[c:end], needed=none, commit=rows - c))
-        return out
+                                 committed=committed[c:end], needed=none, commit=rows - c, lane=i))
+        return out or None
 
     @property
     def active(self) -> tuple[int, int]:

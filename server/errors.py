@@ -220,11 +220,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
     msg = err.get("msg", "invalid value").replace(" after validation", "")
     if kind == "missing":
         msg = "required field is missing"
-    elif kind in ("too_long", "too_short") and isinstance(err.get("input"), str):
-        # pydantic says "Value should have at most N items" for a length bound on a constrained string type
+    elif kind.removeprefix("string_") in ("too_long", "too_short") and isinstance(err.get("input"), str):
+        # one wording for a string's length bound (pydantic says "Value should have at most N items" for a
+        # constrained string type, and omits the actual length for a plain one)
         ctx = err.get("ctx") or {}
-        bound = ctx.get("max_length") if kind == "too_long" else ctx.get("min_length")
-        msg = (f"String should have at {'most' if kind == 'too_long' else 'least'} {bound} characters, "
+        longer = kind.endswith("too_long")
+        bound = ctx.get("max_length") if longer else ctx.get("min_length")
+        msg = (f"String should have at {'most' if longer else 'least'} {bound} character{'s' * (bound != 1)}, "
                f"not {len(err['input'])}")
     return APIError(400, f"{param}: {msg}", param=param, code="invalid_value")
 

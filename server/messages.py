@@ -91,9 +91,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def _role_tag(v: Any) -> str | None:
     """The member tag of a message; ``None`` (the ``invalid_role`` error, which lists every role) for a role that
     is none of :data:`ROLES`; a missing role is ``Message``'s "required" error."""
-    role = v.get("role") if isinstance(v, dict) else getattr(v, "role", None)
-    if role is not None and role not in ROLES:
-        return None
+    if isinstance(v, dict):
+        if "role" in v and v["role"] not in ROLES:  # null included: only a missing role is "required"
+            return None
+        role = v.get("role")
+    else:
+        role = getattr(v, "role", None)
     return {"assistant": "Assistant", "tool": "Tool"}.get(role, "Message")
 
 

@@ -29,7 +29,7 @@ from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
 
 # the request-size caps (MAX_PROMPTS, MAX_STOP_CHARS, ...; MAX_N is RANGES['n']) are declared with the decoding ranges in unmask.engine.limits
 
-from .structured import (LOGIT_BIAS_KEY, MAX_LOGIT_BIAS, logit_bias_ids, response_format_constraint, tool_choice_constraint,
+from .structured import (LOGIT_BIAS_KEY, MAX_LOGIT_BIAS, bad_bias_key, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
 from .messages import ChatMessage
 from .tool_protocol import MAX_TOOLS, RequestBody, integral_fields, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
@@ -246,7 +246,7 @@ class _Common(_Rules):
         for key in v or {}:
             if not key.isdigit() or len(key) > 10:
                 raise PydanticCustomError("invalid_field", "{field}: {why}", {
-                    "field": "logit_bias", "why": f"keys are token ids (decimal integers), got {key!r}"})
+                    "field": "logit_bias", "why": bad_bias_key(key)})
         return v
 
     @model_validator(mode="after")

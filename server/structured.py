@@ -66,6 +66,13 @@ def tool_choice_constraint(tools, tool_choice, parallel: bool):
 LOGIT_BIAS_KEY = r"^[0-9]{1,10}$"  # a decimal token id (ASCII digits: the schema's propertyNames pattern)
 
 
+def bad_bias_key(key: str) -> str:
+    """The 400 reason for a ``logit_bias`` key that is not a token id, quoting at most its first 16 characters (a
+    5000-digit key must not come back whole)."""
+    shown = repr(key) if len(key) <= 16 else f"{key[:16]!r}... ({len(key)} characters)"
+    return f"keys are token ids (decimal integers of at most 10 digits), got {shown}"
+
+
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's ``{"token id": bias}`` -> ``{id: bias}`` (None / ``{}`` -> None).
 
@@ -77,8 +84,7 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     bad = [k for k in bias if not re.fullmatch(LOGIT_BIAS_KEY, k)]
     if bad:
-        raise APIError(400, f"logit_bias: keys are token ids (decimal integers), got {bad[0]!r}",
-                       param="logit_bias", code="invalid_value")
+        raise APIError(400, f"logit_bias: {bad_bias_key(bad[0])}", param="logit_bias", code="invalid_value")
     return {int(k): v for k, v in bias.items()}
 
 

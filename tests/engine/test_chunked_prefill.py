@@ -166,3 +166,32 @@ def test_serve_refuses_a_negative_chunk(capsys):
 
     assert main(["serve", "/nonexistent", "--prefill-chunk", "-1"]) == 2
     assert "--prefill-chunk: must be >= 0" in capsys.readouterr().err
+
+
+def test_a_cfg_request_with_a_prefix_cache_hit_still_prefills_in_chunks():
+    """A prefix-cache hit fills only the cond lane; the uncond lane (prompt masked) must still go in chunks, each
+    lane from its own cache length (break-it: it went in one step, an 18.7 s stall for a 3000-token prompt)."""
+    model = tiny.loaded()
+    prompt = _ids(200, 5)
+    llm = LLM(model, prefill_chunk=16)
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # stores the prompt's chunks
+    cfg = SamplingParams(max_tokens=8, temperature=0.0, cfg_scale=1.0, ignore_eos=True)
+    engine = Engine(model, prefill_chunk=16, prefix_cache=llm.prefix_cache)
+    (seq,) = engine.add_request(prompt, cfg, "cfg")
+    widths = []
+    while True:
+        engine.scheduler._admit()
+        inputs = seq.prefill_inputs(16)
+        if inputs is None:
+            break
+        widths.append(sorted((inp.lane, int(inp.chunk.numel())) for inp in inputs))
+        assert not engine.step()
+    assert seq.cached_tokens == 192 and widths[0] == [(0, 7), (1, 16)]  # cond: its last 7 rows; uncond: a chunk
+    assert all(w == [(1, 16)] for w in widths[1:]) and len(widths) == 199 // 16  # then the uncond lane alone
+    out = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                out[ev.request_id] = ev.output.token_ids
+    fresh = LLM(model, prefill_chunk=0, enable_prefix_caching=False).generate([prompt], cfg)[0].outputs[0]
+    assert out["cfg"] == fresh.token_ids

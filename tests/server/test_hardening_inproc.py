@@ -553,3 +553,18 @@ def test_usage_reports_cached_prompt_tokens(client):
     client.post("/v1/responses", json=resp)
     u = client.post("/v1/responses", json=resp).json()["usage"]
     assert 16 <= u["input_tokens_details"]["cached_tokens"] < u["input_tokens"], u
+
+
+def test_a_null_role_lists_every_role_too(client):
+    r = client.post(CH, json={"model": "m", "max_tokens": 2, "messages": [{"role": None, "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role", r.text
+    assert "'tool'" in r.json()["error"]["message"], r.text
+
+
+def test_length_wording_of_plain_strings_and_huge_bias_keys(client):
+    r = client.post(C, json={"model": "m", "prompt": "hi", "max_tokens": 2, "user": "u" * 600})
+    assert r.json()["error"]["message"] == "user: String should have at most 512 characters, not 600", r.text
+    r = client.post(C, json={"model": "m", "prompt": "hi", "max_tokens": 2, "stop": [""]})
+    assert r.json()["error"]["message"] == "stop.0: String should have at least 1 character, not 0", r.text
+    r = client.post(C, json={"model": "m", "prompt": "hi", "max_tokens": 2, "logit_bias": {"9" * 5000: 1}})
+    assert r.status_code == 400 and len(r.content) < 600 and "5000 characters" in r.text, r.text[:300]
