@@ -56,18 +56,26 @@ class Denoiser:
 
         A sequence with more than ``prefill_chunk`` prompt rows still to forward before its first step forwards
         the next chunk of them instead (chunked prefill), so that a long prompt never holds up the others' steps
-        for its whole prefill; it yields no event.
+        for its whole prefill; it yields no event. A step carries at most ``prefill_chunk`` such rows (at least one
+        sequence's chunk), first come first served: other prefilling sequences wait a step, their chunks unchanged.
 
         Returns:
             one :class:`StepEvent` per sequence that stepped, in order.
         """
         if not seqs:
             return []
-        inputs, prefilling = [], []
+        stepped, inputs, prefilling, prompt_rows = [], [], [], 0
         for seq in seqs:
             chunk = seq.prefill_inputs(self.prefill_chunk)
+            if chunk is not None:
+                rows = sum(int(inp.chunk.numel()) for inp in chunk)
+                if prompt_rows and prompt_rows + rows > self.prefill_chunk:
+                    continue  # the step's prompt rows are spent: this sequence's next chunk waits a step
+                prompt_rows += rows
+            stepped.append(seq)
             prefilling.append(chunk is not None)
             inputs.append(chunk if chunk is not None else seq.lane_inputs())
+        seqs = stepped
         events: list[StepEvent | None] = [None] * len(seqs)
         widths = [max(int(inp.chunk.numel()) for inp in lane_ins) for lane_ins in inputs]
         for group in plan_forwards(widths, [len(lane_ins) for lane_ins in inputs], self.forward_overhead_rows):
