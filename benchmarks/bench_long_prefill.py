@@ -7,15 +7,15 @@ For the served default (``unmask serve`` with no MODEL) loaded with each ``--wei
 * ``prefill_s``: median seconds from submitting a ``P``-token prompt alone (random ids: the prefix cache never
   serves it) to its first token (block 1, ``max_tokens=1``), for each ``P`` in ``--lengths``;
 * ``stall``: a block-1 stream (a grid prompt, ``--stream-tokens`` tokens, greedy) decodes; after its
-  ``--join-after``-th token a ``--stall-length``-token prompt joins; ``max_gap_s`` is the longest wait between two
-  of the stream's tokens, ``median_gap_s`` its typical one, ``joiner_first_token_s`` the joiner's time to its first
-  token (median of ``--repeats`` runs).
+  ``--join-after``-th token ``--joiners`` prompts of ``--stall-length`` tokens join at once; ``max_gap_s`` is the
+  longest wait between two of the stream's tokens, ``median_gap_s`` its typical one, ``joiner_first_token_s`` /
+  ``last_joiner_first_token_s`` the first / last joiner's time to its first token (medians of ``--repeats`` runs).
 
 ``--compare-without-tiles`` measures the row-invariant formats a second time with prompt rows as one-row calls
 instead of prompt tiles (``engine/row_attention.py``), in the same run.
 
     .venv/bin/python benchmarks/bench_long_prefill.py --weights auto,fp16 --chunks 0,256 --lengths 512,2048 \
-        --stall-length 2048 --threads 2 --compare-without-tiles
+        --stall-length 2048 --joiners 1,3 --threads 2 --compare-without-tiles
 """
 from __future__ import annotations
 
@@ -49,28 +49,30 @@ def prefill_s(engine_cls, model, chunk: int, length: int, repeats: int, rng) -> 
 
 
 def stall(engine_cls, model, chunk: int, stream_ids: list[int], length: int, stream_tokens: int, join_after: int,
-          rng) -> dict:
-    """One run of the stall measurement (see the module docstring)."""
+          rng, joiners: int = 1) -> dict:
+    """One run of the stall measurement (see the module docstring); ``joiners`` long prompts join at once."""
     from unmask.engine import SamplingParams
 
-    engine = engine_cls(model, max_batch_size=4, prefill_chunk=chunk, enable_prefix_caching=False)
+    engine = engine_cls(model, max_batch_size=joiners + 3, prefill_chunk=chunk, enable_prefix_caching=False)
     greedy = dict(temperature=0.0, block_size=1, speculative=False, ignore_eos=True)
     engine.add_request(stream_ids, SamplingParams.from_flat(max_tokens=stream_tokens, **greedy), "stream")
-    times, joined_at, joiner_first = [], None, None
+    times, joined_at, firsts = [], None, {}
     while engine.has_unfinished():
         events = engine.step()
         now = time.perf_counter()
         for ev in events:
             if ev.request_id == "stream" and ev.revealed:
                 times.append(now)
-            if ev.request_id == "long" and joiner_first is None:
-                joiner_first = now - joined_at
+            elif ev.request_id != "stream":
+                firsts.setdefault(ev.request_id, now - joined_at)
         if joined_at is None and len(times) >= join_after:
-            engine.add_request(_random_ids(rng, length, model.vocab_size - 1),
-                               SamplingParams.from_flat(max_tokens=1, **greedy), "long")
+            for j in range(joiners):
+                engine.add_request(_random_ids(rng, length, model.vocab_size - 1),
+                                   SamplingParams.from_flat(max_tokens=1, **greedy), f"long-{j}")
             joined_at = time.perf_counter()
     gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"max_gap_s": max(gaps), "median_gap_s": statistics.median(gaps), "joiner_first_token_s": joiner_first}
+    return {"max_gap_s": max(gaps), "median_gap_s": statistics.median(gaps),
+            "joiner_first_token_s": min(firsts.values()), "last_joiner_first_token_s": max(firsts.values())}
 
 
 def main(argv=None) -> int:
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stall-length", type=int, default=2048, help="the joining prompt's tokens")
     ap.add_argument("--stream-tokens", type=int, default=48)
     ap.add_argument("--join-after", type=int, default=8)
+    ap.add_argument("--joiners", default="1", help="comma-separated counts of long prompts that join at once")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare-without-tiles", action="store_true",
@@ -114,22 +117,23 @@ def main(argv=None) -> int:
             for n in lengths:
                 row[f"prefill_s_{n}"] = prefill_s(Engine, model, chunk, n, args.repeats, rng)
                 print(fmt, chunk, n, f"{row[f'prefill_s_{n}']:.2f} s", flush=True)
-            runs = [stall(Engine, model, chunk, stream_ids, args.stall_length, args.stream_tokens, args.join_after,
-                          rng) for _ in range(args.repeats)]
-            for k in runs[0]:
-                row[k] = statistics.median(r[k] for r in runs)
-            print(row, flush=True)
-            rows.append(row)
+            for joiners in [int(j) for j in args.joiners.split(",")]:
+                runs = [stall(Engine, model, chunk, stream_ids, args.stall_length, args.stream_tokens,
+                              args.join_after, rng, joiners) for _ in range(args.repeats)]
+                jrow = {**row, "joiners": joiners, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+                print(jrow, flush=True)
+                rows.append(jrow)
     data = {"benchmark": "bench_long_prefill", "served": what, "args": vars(args),
             "environment": bc.environment(args.threads), "rows": rows}
-    cols = [f"prefill_s_{n}" for n in lengths] + ["max_gap_s", "median_gap_s", "joiner_first_token_s"]
+    cols = [f"prefill_s_{n}" for n in lengths] + ["max_gap_s", "median_gap_s", "joiner_first_token_s",
+                                                  "last_joiner_first_token_s"]
     md = [f"# Long prompts: prefill and stalls ({what})", "",
           f"Stall: a {args.stall_length}-token "
           f"prompt joins after the stream's {args.join_after}th token; medians of {args.repeats} runs, seconds.", "",
-          "| weights | prefill chunk | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+          "| weights | prefill chunk | joiners | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
     for r in rows:
-        md.append(f"| {r['weights']} | {r['prefill_chunk'] or 'off'} | " + " | ".join(f"{r[c]:.3f}" for c in cols)
-                  + " |")
+        md.append(f"| {r['weights']} | {r['prefill_chunk'] or 'off'} | {r['joiners']} | "
+                  + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
     return bc.report("bench_long_prefill", data, "\n".join(md) + "\n")
 
 
