@@ -56,26 +56,28 @@ class Denoiser:
 
         A sequence with more than ``prefill_chunk`` prompt rows still to forward before its first step forwards
         the next chunk of them instead (chunked prefill), so that a long prompt never holds up the others' steps
-        for its whole prefill; it yields no event. A step carries at most ``prefill_chunk`` such rows (at least one
-        sequence's chunk), first come first served: other prefilling sequences wait a step, their chunks unchanged.
+        for its whole prefill; it yields no event. A step carries at most ``prefill_chunk`` prompt rows, chunks and
+        first steps' alike (always at least one sequence's), the fewest first: the others wait a step, their chunks
+        unchanged (shortest pending prompt first keeps short requests from waiting behind a long prefill).
 
         Returns:
             one :class:`StepEvent` per sequence that stepped, in order.
         """
         if not seqs:
             return []
-        stepped, inputs, prefilling, prompt_rows = [], [], [], 0
-        for seq in seqs:
-            chunk = seq.prefill_inputs(self.prefill_chunk)
-            if chunk is not None:
-                rows = sum(int(inp.chunk.numel()) for inp in chunk)
-                if prompt_rows and prompt_rows + rows > self.prefill_chunk:
-                    continue  # the step's prompt rows are spent: this sequence's next chunk waits a step
-                prompt_rows += rows
-            stepped.append(seq)
-            prefilling.append(chunk is not None)
-            inputs.append(chunk if chunk is not None else seq.lane_inputs())
-        seqs = stepped
+        chunks = [seq.prefill_inputs(self.prefill_chunk) for seq in seqs]
+        rows = [sum(int(inp.chunk.numel()) for inp in c) if c is not None
+                else seq.pending_prompt_rows() if self.prefill_chunk else 0 for seq, c in zip(seqs, chunks)]
+        waiting, spent = set(), 0
+        for i in sorted((i for i in range(len(seqs)) if rows[i]), key=lambda i: rows[i]):
+            if spent and spent + rows[i] > self.prefill_chunk:
+                waiting.add(i)  # the step's prompt rows are spent: this sequence waits a step
+            else:
+                spent += rows[i]
+        keep = [i for i in range(len(seqs)) if i not in waiting]
+        prefilling = [chunks[i] is not None for i in keep]
+        inputs = [chunks[i] if chunks[i] is not None else seqs[i].lane_inputs() for i in keep]
+        seqs = [seqs[i] for i in keep]
         events: list[StepEvent | None] = [None] * len(seqs)
         widths = [max(int(inp.chunk.numel()) for inp in lane_ins) for lane_ins in inputs]
         for group in plan_forwards(widths, [len(lane_ins) for lane_ins in inputs], self.forward_overhead_rows):

@@ -20,11 +20,12 @@ from .outputs import StepEvent
 from .params import SamplingParams
 from .plan import drafts_by_default, resolve
 from .prefix_cache import PrefixCache, model_fingerprint
-from .request import Request, suffix_ids
+from .request import Request
 from .scheduler import Scheduler
 from .multi_block import MultiBlockSequence
 from .sequence import Sequence
 from .speculative import SpeculativeSequence
+from .text_ids import suffix_ids
 
 __all__ = ["Engine", "make_requests"]
 

@@ -163,17 +163,22 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ the two hooks
     def load(self, seq) -> int:
-        """Copy the longest stored prefix of ``seq``'s prompt into its cond lane (a request that has not run a
-        step: empty lane cache). Returns the tokens loaded (0 for a request that never shares)."""
+        """Copy the longest stored prefix of ``seq``'s prompt into its cond lane, or extend what the lane holds
+        (a request that has not run a step, whose lane ends where its chain of chunks does: a prefill waiting a
+        step may find chunks another sequence stored meanwhile). Returns the tokens loaded (0 for a request that
+        never shares)."""
         root = self._root(seq)
         lane = seq.lanes[0].cache  # the cond lane (a CFG request's uncond lane is never shared)
-        if root is None or lane.length or seq.nfe:
-            return 0
-        self.queries += seq.prompt_len
         C = self.chunk_tokens_held
+        have = len(seq.prefix_chain)
+        if root is None or seq.nfe or lane.length != have * C:
+            return 0
+        if not seq.prefix_queried:  # looked up again while its prefill waits: counted once
+            self.queries += seq.prompt_len
+            seq.prefix_queried = True
         chain, found = [], []
-        parent = root
-        for i in range(max(0, seq.prefill_limit()) // C):  # the first step's own rows stay
+        parent = seq.prefix_chain[-1] if have else root
+        for i in range(have, max(0, seq.prefill_limit()) // C):  # the first step's own rows stay
             h = self._child(parent, seq.canvas[i * C:(i + 1) * C])
             chunk = self._chunks.get(h)
             if chunk is None:
@@ -187,10 +192,10 @@ class PrefixCache:
             self._chunks.move_to_end(h)
         kv = torch.cat([c.kv for c in found], dim=-2)  # [2, layers, H_kv, m, D]
         m = int(kv.shape[-2])
-        lane.append(list(kv[0].unbind(0)), list(kv[1].unbind(0)), torch.arange(m, device=kv.device),
-                    torch.cat([c.grp for c in found]))
-        seq.prefix_chain = chain
-        seq.cached_tokens = m
+        lane.append(list(kv[0].unbind(0)), list(kv[1].unbind(0)),
+                    torch.arange(have * C, have * C + m, device=kv.device), torch.cat([c.grp for c in found]))
+        seq.prefix_chain = seq.prefix_chain + chain
+        seq.cached_tokens += m
         self.hits += m
         return m
 

@@ -9,6 +9,8 @@ threads read only :meth:`Request.num_output_tokens` and the output objects.
 Strategy protocol (:class:`DecodingStrategy`): the denoiser calls exactly these and never looks at the type:
 
 * ``lane_inputs()`` -> one :class:`LaneInput` per lane: the rows to forward;
+* ``prefill_inputs(max_rows)`` / ``pending_prompt_rows()`` -> a prompt chunk instead of a step (chunked prefill,
+  :class:`Request`'s for every strategy) / the prompt rows its first step still has to forward;
 * ``variant_rows(inp)`` -> ``[Q]`` bool of the chunk rows that run the model's row variant, or ``None``;
 * ``consume(logits, features, forbidden_ids)`` -> ``(StepEvent, commits)``: take the ``[N, V]`` logits of each
   lane's needed rows, reveal tokens, and say which chunk indices of each lane are committed to its KV cache.
@@ -21,7 +23,6 @@ longer than the context...).
 """
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,7 +38,7 @@ from .outputs import CompletionOutput, Revealed, StepEvent
 from .params import SamplingParams
 from .plan import DecodingPlan, resolve
 from .stopping import StopChecker
-from .text_ids import encode_text
+from .text_ids import check_no_mask, check_token_ids, suffix_ids
 
 
 @dataclass
@@ -83,33 +84,14 @@ class DecodingStrategy(Protocol):
 
     def lane_inputs(self) -> list[LaneInput]: ...
 
+    def prefill_inputs(self, max_rows: int) -> list[LaneInput] | None: ...
+
+    def pending_prompt_rows(self) -> int: ...
+
     def variant_rows(self, inp: LaneInput) -> torch.Tensor | None: ...
 
     def consume(self, logits: list[torch.Tensor], features: torch.Tensor | None,
                 forbidden_ids: torch.Tensor) -> tuple[StepEvent, list[torch.Tensor | None]]: ...
-
-
-def check_token_ids(name: str, ids, vocab_size: int) -> None:
-    """Raise :class:`ParamError` naming ``name`` when an id is not in ``[0, vocab_size)`` (an id outside it would
-    fail an index in the middle of a batched step and take the other requests of the batch down with it)."""
-    for t in ids:
-        try:
-            ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
-        except TypeError:
-            raise ParamError(name, f"token ids must be integers, got {t!r}") from None
-        if not ok:
-            raise ParamError(name, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
-
-
-def check_no_mask(name: str, ids: list[int], mask_token_id: int) -> None:
-    """Raise :class:`ParamError` naming ``name`` when token ids given as ids hold the mask id: a prompt or suffix
-    is committed context, so a mask there is never decoded, and under the mask-row adapter its row would run the
-    adapter (docs/design.md section 5, "Prompts and the mask token"; text spelling the mask token is tokenized as
-    plain text by :func:`unmask.engine.text_ids.encode_text` instead)."""
-    if mask_token_id in ids:
-        raise ParamError(name, f"token id {mask_token_id} at position {ids.index(mask_token_id)} is the model's mask "
-                               f"token, which a {name} cannot hold (it is never decoded there); positions to "
-                               f"generate are the generation region's, or use suffix/constraints to infill")
 
 
 def bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -120,16 +102,6 @@ def bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, tor
     ids = sorted(logit_bias)
     return (torch.tensor(ids, dtype=torch.long),
             torch.tensor([float(logit_bias[i]) for i in ids], dtype=torch.float32))
-
-
-def suffix_ids(params: SamplingParams, tokenizer, mask_token_id: int | None = None) -> list[int]:
-    """The suffix's token ids (infilling), ``[]`` without one; a text suffix spelling the mask token has it as
-    plain text (:func:`~unmask.engine.text_ids.encode_text`)."""
-    if params.suffix is None or params.suffix == "" or params.suffix == []:
-        return []
-    if isinstance(params.suffix, list):
-        return list(params.suffix)
-    return encode_text(tokenizer, params.suffix, mask_token_id, add_special_tokens=False)
 
 
 class Request:
@@ -223,6 +195,7 @@ class Request:
         self.blocks_done_steps: list[int] = []
         self.prefix_chain: list[bytes] = []  # chunk keys of the committed KV (engine/prefix_cache.py)
         self.cached_tokens = 0  # prompt positions loaded from the prefix cache
+        self.prefix_queried = False  # counted in the prefix cache's queries
         self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
         self.accepted_drafts = 0
         self._skip_empty_blocks()
@@ -261,18 +234,24 @@ class Request:
         prefill both stop here)."""
         return min(self.prompt_len, self.active[0]) - 1
 
+    def pending_prompt_rows(self) -> int:
+        """Committed prompt rows (all lanes) still to forward before the first step under the exact cache; 0 once
+        stepped or without the exact cache (the chunked-prefill budget, ``Denoiser.step``)."""
+        if self.nfe or self.cache_mode != "exact" or self.dllm.attention == "bidirectional":
+            return 0
+        return sum(max(0, min(self.prompt_len, self.active[0]) - lane.cache.length) for lane in self.lanes)
+
     def prefill_inputs(self, max_rows: int) -> list[LaneInput] | None:
         """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence whose
         lanes have more than ``max_rows`` committed prompt rows left to forward forwards the next ``max_rows`` of
-        them (cut back to a group boundary, e.g. a block-causal prompt block), committing their KV, instead of a
-        step. ``None`` when the step may run: the rest fits, ``max_rows`` is 0, the request already stepped, or
-        its prompt KV is not exact (bidirectional models, ``cache`` other than ``exact``). Each lane advances from
-        its own cache length (a CFG request's cond lane may hold a cached prefix, its uncond lane, whose prompt is
-        mask tokens, none); a lane with nothing left sits the chunk out (``LaneInput.lane`` names the others)."""
-        if (max_rows <= 0 or self.nfe or self.cache_mode != "exact" or self.dllm.attention == "bidirectional"):
-            return None
+        them (cut back to a group boundary, e.g. a block-causal prompt block; a group longer than ``max_rows``
+        whole), committing their KV, instead of a step. ``None`` when the step may run: the rest fits,
+        ``max_rows`` is 0, or :meth:`pending_prompt_rows` is 0. Each lane advances from its own cache length (a
+        CFG request's cond lane may hold a cached prefix, its uncond lane, whose prompt is mask tokens, none); a
+        lane with nothing left sits the chunk out (``LaneInput.lane`` names the others)."""
         limit = self.prefill_limit()
-        if max(limit - lane.cache.length for lane in self.lanes) <= max_rows:
+        if (max_rows <= 0 or not self.pending_prompt_rows()
+                or max(limit - lane.cache.length for lane in self.lanes) <= max_rows):
             return None
         a, e = self.active
         grp, start, committed = canvas_groups(self.length, self.dllm.attention, a, a, e, self.block_size,
@@ -281,11 +260,17 @@ class Request:
         out = []
         for i, lane in enumerate(self.lanes):  # a CFG cond lane may start further on (a prefix-cache hit)
             c = lane.cache.length
-            end = min(c + max_rows, limit)
-            while end > c and int(grp[end - 1]) == int(grp[end]):  # never split a group
-                end -= 1
-            if end <= c:
+            if c >= limit:
                 continue
+            end = min(c + max_rows, limit)
+            while end > c and int(grp[end - 1]) == int(grp[end]):  # never split a group ...
+                end -= 1
+            if end == c:  # ... and take a group longer than max_rows whole
+                end = c + 1
+                while end < limit and int(grp[end - 1]) == int(grp[end]):
+                    end += 1
+                if int(grp[end - 1]) == int(grp[end]):  # no group ends before the limit
+                    continue
             rows = torch.arange(c, end, device=self.device)
             tokens = self.canvas[c:end]
             if lane.kind == "uncond":

@@ -242,6 +242,10 @@ class Scheduler:
         self._bound_prefix_cache()
         done_before = [s.final_event() for s in self.running if s.finished]  # e.g. nothing left to decode
         active = [s for s in self.running if not s.finished]
+        if self.prefix_cache is not None:  # a sequence whose prefill waited may find what another stored meanwhile
+            for seq in active:
+                if not seq.nfe:
+                    self.prefix_cache.load(seq)
         events = done_before + self.denoiser.step(active)
         if self.prefix_cache is not None:
             self._bound_prefix_cache()  # finished sequences' reservations are free now

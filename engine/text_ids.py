@@ -1,13 +1,22 @@
-"""Text to token ids with the mask token's text kept literal (docs/design.md section 5, "Prompts and the mask
-token").
+"""A request's token ids: text to ids with the mask token's text kept literal, and the checks on ids a request
+carries (docs/design.md section 5, "Prompts and the mask token").
 
 A tokenizer parses its added tokens out of any text, so a user who writes the mask token's text (``<|mask|>``,
 ``<|mdm_mask|>``) in a prompt or a message would put the mask id into the committed prompt: a position the engine
 never decodes and, under the mask-row adapter (section 21), a row that runs the adapter's weights and is outside
 the parent's vocabulary. Here such text becomes the ordinary tokens of its characters, as any other text; token-id
-prompts that hold the mask id are refused by :func:`unmask.engine.request.check_no_mask`.
+prompts that hold the mask id are refused by :func:`check_no_mask`.
 """
 from __future__ import annotations
+
+import operator
+
+from typing import TYPE_CHECKING
+
+from .limits import ParamError
+
+if TYPE_CHECKING:
+    from .params import SamplingParams
 
 
 def _ids(tokenizer, text: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
@@ -41,3 +50,36 @@ def encode_text(tokenizer, text: str, mask_token_id: int | None, add_special_tok
     bare = _ids(tokenizer, text, False)  # the full call = its special tokens around these
     start = next(k for k in range(len(ids) - len(bare) + 1) if ids[k:k + len(bare)] == bare)
     return ids[:start] + body + ids[start + len(bare):]
+
+
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """Raise :class:`ParamError` naming ``name`` when an id is not in ``[0, vocab_size)`` (an id outside it would
+    fail an index in the middle of a batched step and take the other requests of the batch down with it)."""
+    for t in ids:
+        try:
+            ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
+        except TypeError:
+            raise ParamError(name, f"token ids must be integers, got {t!r}") from None
+        if not ok:
+            raise ParamError(name, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_no_mask(name: str, ids: list[int], mask_token_id: int) -> None:
+    """Raise :class:`ParamError` naming ``name`` when token ids given as ids hold the mask id: a prompt or suffix
+    is committed context, so a mask there is never decoded, and under the mask-row adapter its row would run the
+    adapter (docs/design.md section 5, "Prompts and the mask token"; text spelling the mask token is tokenized as
+    plain text by :func:`unmask.engine.text_ids.encode_text` instead)."""
+    if mask_token_id in ids:
+        raise ParamError(name, f"token id {mask_token_id} at position {ids.index(mask_token_id)} is the model's mask "
+                               f"token, which a {name} cannot hold (it is never decoded there); positions to "
+                               f"generate are the generation region's, or use suffix/constraints to infill")
+
+
+def suffix_ids(params: SamplingParams, tokenizer, mask_token_id: int | None = None) -> list[int]:
+    """The suffix's token ids (infilling), ``[]`` without one; a text suffix spelling the mask token has it as
+    plain text (:func:`~unmask.engine.text_ids.encode_text`)."""
+    if params.suffix is None or params.suffix == "" or params.suffix == []:
+        return []
+    if isinstance(params.suffix, list):
+        return list(params.suffix)
+    return encode_text(tokenizer, params.suffix, mask_token_id, add_special_tokens=False)

@@ -99,7 +99,8 @@ def test_block_causal_chunks_end_at_block_boundaries():
     engine.scheduler._admit()
     inputs = seq.prefill_inputs(7)
     assert inputs is not None and inputs[0].chunk.tolist() == list(range(4))  # 7 cut back to one whole block
-    assert seq.prefill_inputs(3) is None  # no whole block fits: the first step prefills as before
+    # a chunk smaller than a block takes one whole block (break-it: chunking went off, the prompt in one step)
+    assert seq.prefill_inputs(3)[0].chunk.tolist() == list(range(4))
 
 
 def test_other_requests_keep_stepping_during_a_long_prefill():
@@ -227,3 +228,54 @@ def test_a_step_carries_one_chunk_of_prompt_rows_first_come_first_served():
     alone = LLM(model, prefill_chunk=16, enable_prefix_caching=False)
     assert outs["a"] == alone.generate([_ids(100, 10)], greedy)[0].outputs[0].token_ids
     assert outs["b"] == alone.generate([_ids(90, 11)], greedy)[0].outputs[0].token_ids
+
+
+def test_first_steps_prompt_rows_count_against_the_step_budget_shortest_first():
+    """Prompts that fit one chunk each used to go all into one step (their first steps were not counted: break-it,
+    8 prompts of 255 tokens made a 5.98 s step). First steps count too, shortest pending prompt first, so a short
+    request does not wait behind a long prefill either; every answer is the one it gets alone."""
+    model = tiny.loaded()
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, block_size=1)
+    engine = Engine(model, prefill_chunk=16, enable_prefix_caching=False)
+    prompts = {f"p{i}": _ids(15, 20 + i) for i in range(5)}
+    prompts["long"] = _ids(120, 30)
+    engine.add_request(prompts["long"], greedy, "long")
+    engine.step()  # the long prompt's first chunk
+    for rid, ids in prompts.items():
+        if rid != "long":
+            engine.add_request(ids, greedy, rid)
+    counted, outs = [], {}
+    real = engine.denoiser._forward
+
+    def counting(rows):
+        counted.append(sum(int((inp.committed & (inp.chunk < seq.prompt_len)).sum()) for seq, _, inp in rows))
+        return real(rows)
+
+    engine.denoiser._forward = counting
+    while engine.has_unfinished():
+        start = len(counted)
+        for ev in engine.step():
+            if ev.finished:
+                outs[ev.request_id] = ev.output.token_ids
+        assert sum(counted[start:]) <= 16, counted[start:]  # one step: at most one chunk's worth of prompt rows
+    alone = LLM(model, prefill_chunk=0, enable_prefix_caching=False)
+    for rid, ids in prompts.items():
+        assert outs[rid] == alone.generate([ids], greedy)[0].outputs[0].token_ids, rid
+
+
+def test_choices_that_prefill_one_after_another_share_the_prompt():
+    """n=2 (or the same prompt sent twice at once): the second choice's prefill waits for the first's, then loads
+    what the first stored instead of computing it again (break-it: both reported cached_tokens 0)."""
+    model = tiny.loaded()
+    engine = Engine(model, prefill_chunk=16)
+    prompt = _ids(200, 40)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, block_size=1)
+    engine.add_request(prompt, greedy, "r", n=2)
+    outs = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                outs[ev.index] = ev.output
+    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens == 192
+    assert outs[0].token_ids == outs[1].token_ids
+    assert engine.prefix_cache_stats()["queries"] == 2 * 200  # each choice looked up once, however long it waited

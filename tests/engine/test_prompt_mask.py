@@ -76,7 +76,7 @@ def test_mask_ids_are_refused_naming_the_field(bidirectional, field):
 
 
 def test_text_suffix_spelling_the_mask_is_plain_text(bidirectional):
-    from unmask.engine.request import suffix_ids
+    from unmask.engine.text_ids import suffix_ids
 
     llm = LLM(bidirectional)
     params = SamplingParams(max_tokens=4, temperature=0, suffix=" [MASK] end")
