@@ -317,6 +317,7 @@ MODEL_DEPENDENT_400 = {
     "max_tokens",          # prompt + max_tokens beyond the context (or the KV budget)
     "max_completion_tokens",
     "prompt",              # a token id outside the vocabulary; a prompt that fills the context
+    "prompt.N",            # the same for one prompt of several (named by its index)
     "messages",            # the chat template refuses the role order
     "stop_token_ids",      # an id outside the vocabulary
     "block_size",          # longer than max_tokens can use / than the context
