@@ -65,9 +65,10 @@ class Denoiser:
         """
         if not seqs:
             return []
-        chunks = [seq.prefill_inputs(self.prefill_chunk) for seq in seqs]
-        rows = [sum(int(inp.chunk.numel()) for inp in c) if c is not None
-                else seq.pending_prompt_rows() if self.prefill_chunk else 0 for seq, c in zip(seqs, chunks)]
+        # decoding sequences (nothing pending) skip the chunked-prefill bookkeeping
+        pending = [seq.pending_prompt_rows() if self.prefill_chunk else 0 for seq in seqs]
+        chunks = [seq.prefill_inputs(self.prefill_chunk) if p else None for seq, p in zip(seqs, pending)]
+        rows = [sum(int(inp.chunk.numel()) for inp in c) if c is not None else p for c, p in zip(chunks, pending)]
         waiting, spent = set(), 0
         for i in sorted((i for i in range(len(seqs)) if rows[i]), key=lambda i: rows[i]):
             if spent and spent + rows[i] > self.prefill_chunk:
@@ -146,8 +147,8 @@ class Denoiser:
             start[b, :n] = inp.start
             committed[b, :n] = inp.committed
             valid[b, :n] = True
-            if prompt is not None:
-                prompt[b, :n] = inp.committed & (inp.chunk < seq.prompt_len)
+            if prompt is not None and (inp.replace_cache or seq.lanes[li].cache.length < seq.prompt_len):
+                prompt[b, :n] = inp.committed & (inp.chunk < seq.prompt_len)  # (a decoding step has none)
             if variant is not None:
                 rows_variant = ~inp.committed if uncommitted else seq.variant_rows(inp)
                 if rows_variant is not None:

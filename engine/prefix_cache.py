@@ -167,11 +167,13 @@ class PrefixCache:
         (a request that has not run a step, whose lane ends where its chain of chunks does: a prefill waiting a
         step may find chunks another sequence stored meanwhile). Returns the tokens loaded (0 for a request that
         never shares)."""
-        root = self._root(seq)
         lane = seq.lanes[0].cache  # the cond lane (a CFG request's uncond lane is never shared)
         C = self.chunk_tokens_held
         have = len(seq.prefix_chain)
-        if root is None or seq.nfe or lane.length != have * C:
+        if seq.nfe or lane.length != have * C:  # the cheap checks first: called before every step of a prefill
+            return 0
+        root = self._root(seq)
+        if root is None:
             return 0
         if not seq.prefix_queried:  # looked up again while its prefill waits: counted once
             self.queries += seq.prompt_len

@@ -249,9 +249,10 @@ class Request:
         ``max_rows`` is 0, or :meth:`pending_prompt_rows` is 0. Each lane advances from its own cache length (a
         CFG request's cond lane may hold a cached prefix, its uncond lane, whose prompt is mask tokens, none); a
         lane with nothing left sits the chunk out (``LaneInput.lane`` names the others)."""
+        if max_rows <= 0 or not self.pending_prompt_rows():
+            return None
         limit = self.prefill_limit()
-        if (max_rows <= 0 or not self.pending_prompt_rows()
-                or max(limit - lane.cache.length for lane in self.lanes) <= max_rows):
+        if max(limit - lane.cache.length for lane in self.lanes) <= max_rows:
             return None
         a, e = self.active
         grp, start, committed = canvas_groups(self.length, self.dllm.attention, a, a, e, self.block_size,
