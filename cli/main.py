@@ -1,6 +1,7 @@
 """``unmask`` command line: one sub-command per module in this package (``generate``, ``convert``, ``serve``,
-``train``, ``train-head``, ``export``, ``distill-data``, ``eval``, ``recipe``). Heavy imports happen inside each command, so
-``unmask --help`` is instant. Bad values exit with status 2 and a one-line reason."""
+``train``, ``export``, ``distill-data``, ``eval``, ``recipe``). Heavy imports happen inside each command, so
+``unmask --help`` is instant. Bad values exit with status 2 and a one-line reason; so does a removed command
+(:data:`REMOVED`)."""
 from __future__ import annotations
 
 import argparse
@@ -15,12 +16,17 @@ COMMANDS = {
     "convert": "convert",
     "serve": "serve",
     "train": "train",
-    "train-head": "train_head",
     "export": "export",
     "distill-data": "distill",
     "eval": "evaluate",
     "recipe": "recipe",
     "chat": "chat",
+}
+
+# removed sub-command -> why and what to use instead (exit status 2 with this line, not argparse's "invalid choice")
+REMOVED = {
+    "train-head": "removed on 2026-12-05 with the draft head: the mask-row adapter replaces it as the drafter of "
+                  "speculative decoding (docs/adapter.md); train one with `unmask recipe --trainable mask_lora`",
 }
 
 
@@ -54,14 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns its exit status (130 on Ctrl-C, 2 with a
-    one-line message on :class:`UsageError`; argparse exits 2 on bad syntax)."""
+    one-line message on :class:`UsageError` or a :data:`REMOVED` command; argparse exits 2 on bad syntax)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in REMOVED:
+        print(f"unmask {argv[0]}: error: {REMOVED[argv[0]]}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
-        how = {"recipe": "rerun the same command", "train-head": "rerun the same command",
-               "distill-data": "rerun the same command", "train": "rerun it with --resume"}.get(args.command)
+        how = {"recipe": "rerun the same command", "distill-data": "rerun the same command",
+               "train": "rerun it with --resume"}.get(args.command)
         print(f"\nunmask {args.command}: interrupted" + (f"; {how} to continue where it stopped" if how else ""),
               file=sys.stderr)
         return 130

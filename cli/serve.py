@@ -547,10 +547,10 @@ def _engine(engine_cls, loaded, args):
 
 def _drafts_by_default(loaded, policy: str) -> bool:
     """Whether requests that get speculative decoding from the checkpoint's default draft: the decoding plan's rule
-    (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU, or with a draft head)."""
+    (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU)."""
     from unmask.engine.plan import drafts_by_default
 
-    return drafts_by_default(policy, loaded.device.type, loaded.draft_head is not None)
+    return drafts_by_default(policy, loaded.device.type)
 
 
 def _absorb_reraised_signals() -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,13 @@ FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar")
 BLOCK_ALIGNMENTS = ("generation", "absolute")
 # request fields a checkpoint may set defaults for, with their allowed ranges (those of SamplingParams)
 DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0), "speculative": bool}
+#: ``dllm`` keys of removed capabilities, with why: an old checkpoint that names one still loads, the key is ignored
+#: (:meth:`DllmConfig.from_dict`) and its loaders log :func:`warn_removed_fields` once
+REMOVED_FIELDS = {"draft_head": "the draft head was removed on 2026-12-05 and is no longer used; speculative "
+                                "requests draft from the model's mask rows (a mask-row adapter replaces the head, "
+                                "docs/adapter.md)"}
+
+log = logging.getLogger("unmask.engine")
 
 
 class CheckpointError(ValueError):
@@ -106,9 +114,6 @@ class DllmConfig:
         verifier: directory (relative to the checkpoint, or absolute) of a checkpoint with the same architecture
             and tokenizer whose weights run the causal rows of speculative requests (``unmask.engine.routed``):
             their output is then the verifier's greedy decoding. Needs ``prefix_causal`` with the logit shift.
-        draft_head: directory (relative to the checkpoint, or absolute) of a diffusion draft head
-            (``unmask.engine.draft_head``): speculative requests then take their drafts from it instead of mask
-            groups. Needs ``prefix_causal`` with the logit shift.
     """
 
     family: str
@@ -124,7 +129,6 @@ class DllmConfig:
     default_sampling: dict[str, Any] = field(default_factory=dict)
     suppress_token_ids: list[int] = field(default_factory=list)
     verifier: str | None = None
-    draft_head: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,14 +143,11 @@ class DllmConfig:
         check_int(where, "mask_token_id", self.mask_token_id, 0)
         if not self.eos_token_ids:
             raise CheckpointError(f"{where}.eos_token_ids: at least one EOS id is required")
-        for key in ("verifier", "draft_head"):  # directories of a checkpoint's optional capabilities
-            value = getattr(self, key)
-            if value is None:
-                continue
-            if not isinstance(value, str) or not value.strip():
-                raise CheckpointError(f"{where}.{key}: must be a non-empty directory path, got {value!r}")
+        if self.verifier is not None:  # the directory of a checkpoint's optional verifier
+            if not isinstance(self.verifier, str) or not self.verifier.strip():
+                raise CheckpointError(f"{where}.verifier: must be a non-empty directory path, got {self.verifier!r}")
             if not (self.attention == "prefix_causal" and self.logit_shift):
-                raise CheckpointError(f"{where}.{key}: needs prefix_causal attention with the logit shift "
+                raise CheckpointError(f"{where}.verifier: needs prefix_causal attention with the logit shift "
                                       f"(this checkpoint: {self.attention}, logit_shift={self.logit_shift})")
         if not isinstance(self.default_sampling, dict):
             raise CheckpointError(f"{where}.default_sampling: must be an object, got "
@@ -187,12 +188,15 @@ class DllmConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config.json:dllm") -> "DllmConfig":
-        """Build from the ``dllm`` section; unknown keys are an error naming them.
+        """Build from the ``dllm`` section; unknown keys are an error naming them, the keys of removed capabilities
+        (:data:`REMOVED_FIELDS`) are ignored.
 
         Raises:
             CheckpointError: a required key is missing, a key is unknown, or a value is invalid.
         """
         default_where = "config.json:dllm"  # what __post_init__'s validate() names; the caller's file replaces it
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in REMOVED_FIELDS}
         try:
             return dataclass_from_dict(cls, data, where, required=(
                 "family", "mask_token_id", "attention", "block_size", "logit_shift", "eos_token_ids"))
@@ -200,3 +204,12 @@ class DllmConfig:
             if where != default_where and str(exc).startswith(default_where + "."):
                 raise CheckpointError(where + str(exc)[len(default_where):]) from None
             raise
+
+
+def warn_removed_fields(data: Any, where: str) -> None:
+    """Log a warning for each removed capability (:data:`REMOVED_FIELDS`) that the ``dllm`` section ``data`` still
+    names (a value other than null); ``where`` names the section (``.../config.json:dllm``)."""
+    if isinstance(data, dict):
+        for key, why in REMOVED_FIELDS.items():
+            if data.get(key) is not None:
+                log.warning("%s.%s (%r) is ignored: %s", where, key, data[key], why)

@@ -98,7 +98,7 @@ class Denoiser:
         ``prefilling`` sequence's rows are a prompt chunk: committed as they are, no event (``None``), no NFE."""
         rows = [(seq, lane_index(inp, li), inp) for seq, lane_ins in zip(seqs, inputs)
                 for li, inp in enumerate(lane_ins)]
-        logits_by_row, kv, hidden = self._forward(rows)
+        logits_by_row, kv = self._forward(rows)
         events = []
         r = 0
         for seq, lane_ins, prefill in zip(seqs, inputs, prefilling):
@@ -107,9 +107,7 @@ class Denoiser:
                 event, commits = None, [inp.commit for inp in lane_ins]
             else:
                 seq.nfe += n_lanes
-                feature_rows = lane_ins[0].feature_rows
-                features = hidden[r, feature_rows] if feature_rows is not None else None
-                event, commits = seq.consume(logits_by_row[r: r + n_lanes], features, self.forbidden)
+                event, commits = seq.consume(logits_by_row[r: r + n_lanes], self.forbidden)
             for li, (inp, commit) in enumerate(zip(lane_ins, commits)):
                 if commit is not None and commit.numel():
                     commit = commit.to(self.device)
@@ -120,9 +118,9 @@ class Denoiser:
         return events
 
     def _forward(self, rows: list[tuple[DecodingStrategy, int, LaneInput]]
-                 ) -> tuple[list[torch.Tensor], BatchKV, torch.Tensor]:
-        """Batched forward; returns the ``[N_r, V]`` logits per row (needed outputs), the forward's
-        :class:`BatchKV` (for the commits) and the ``[B, Q, H]`` last hidden states (for draft heads)."""
+                 ) -> tuple[list[torch.Tensor], BatchKV]:
+        """Batched forward; returns the ``[N_r, V]`` logits per row (needed outputs) and the forward's
+        :class:`BatchKV` (for the commits)."""
         dev = self.device
         B = len(rows)
         Q = max(int(inp.chunk.numel()) for _, _, inp in rows)
@@ -203,7 +201,7 @@ class Denoiser:
             if n_extra or carry_at >= 0:
                 lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
-        return out, kv, hidden
+        return out, kv
 
 
 def lane_index(inp: LaneInput, position: int) -> int:

@@ -40,11 +40,10 @@ def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingPar
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ParamError("n", f"must be a positive integer, got {n!r}")
-    plan = resolve(params, model.dllm, default_drafts, model.device.type, model.draft_head is not None)
+    plan = resolve(params, model.dllm, default_drafts, model.device.type)
     kind = SpeculativeSequence if plan.speculative else MultiBlockSequence if plan.multi_block else Sequence
-    extra = {"draft_head": model.draft_head} if plan.speculative else {}
     return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, model.max_context,
-                 model.device, vocab_size=model.vocab_size, index=i, **extra) for i in range(n)]
+                 model.device, vocab_size=model.vocab_size, index=i) for i in range(n)]
 
 
 class Engine:
@@ -73,7 +72,7 @@ class Engine:
                  max_cached_tokens: int | None = None, default_drafts: str = "auto", compile: bool = False,
                  denoiser: Denoiser | None = None, enable_prefix_caching: bool = True,
                  prefix_cache: PrefixCache | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        drafts_by_default(default_drafts, model.device.type, model.draft_head is not None)  # validates
+        drafts_by_default(default_drafts, model.device.type)  # validates
         self.model = model
         self.default_drafts = default_drafts
         self.denoiser = denoiser or Denoiser(model, compile=compile, prefill_chunk=prefill_chunk)
@@ -110,7 +109,7 @@ class Engine:
         layout alone); raises ParamError (``max_tokens``/``prompt``) when its canvas exceeds the context."""
         model = self.model
         plan = resolve(replace(params, max_tokens=1, min_tokens=0), model.dllm, self.default_drafts,
-                       model.device.type, model.draft_head is not None)
+                       model.device.type)
         n_suffix = len(suffix_ids(params, model.tokenizer, model.dllm.mask_token_id))
         absolute = model.dllm.block_alignment == "absolute"
 

@@ -12,8 +12,7 @@ Optional capabilities, one seam each (docs/design.md section 13); the core path 
   (:mod:`unmask.engine.mask_adapter`) the second (see :class:`RowVariant`);
 * CPU weight packing: :func:`unmask.engine.packed_weights.pack_model` (``load_model(weights=...)`` calls it once),
   which also installs the fused decoder forward (``LoadedModel.decoder_forward``,
-  :mod:`unmask.engine.fused_decoder`) for Llama-architecture models;
-* the draft head: ``LoadedModel.draft_head`` (:mod:`unmask.engine.draft_head`), read only by speculative requests.
+  :mod:`unmask.engine.fused_decoder`) for Llama-architecture models.
 
 Whether checkpoint-default speculative requests draft is not the model's business: the engine's decoding plan
 decides it from the engine option ``default_drafts`` and :attr:`LoadedModel.device`.
@@ -114,8 +113,6 @@ class LoadedModel:
             cache) -> [B, Q, H]`` with the transformers forward's meaning (the fused-decoder seam:
             :class:`~unmask.engine.fused_decoder.FusedDecoder`, installed by ``pack_model``), or None for the
             transformers forward.
-        draft_head: the draft-head seam: a :class:`~unmask.engine.draft_head.DraftHeadRuntime` when the checkpoint
-            has one (``dllm.draft_head``); speculative requests then draft with it (``draft(...)``).
         adapter: what :mod:`unmask.engine.adapter_files` attached (path, rank, alpha, targets, parameters, parent
             hash) when a mask-row adapter is the row variant, else None.
     """
@@ -131,7 +128,6 @@ class LoadedModel:
     weight_format: str = "native"
     packed_layers: dict = field(default_factory=dict)
     decoder_forward: Callable[..., torch.Tensor] | None = None
-    draft_head: Any = None
     adapter: dict | None = None
 
     def __post_init__(self) -> None:

@@ -13,8 +13,7 @@ quantization error). fbgemm's int8 dynamic linears would be faster still, but th
 tensor, i.e. over the whole batch, so a request's tokens would depend on its batch mates: not offered.
 
 The seam: :func:`pack_model` is the one entry point (``load_model(weights=...)`` calls it once); it also installs the
-fused decoder forward (:mod:`unmask.engine.fused_decoder`) on Llama-architecture models and packs a draft head
-(docs/design.md section 13).
+fused decoder forward (:mod:`unmask.engine.fused_decoder`) on Llama-architecture models (docs/design.md section 13).
 
 Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; float32 models on a CPU with fbgemm only),
 ``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``; but ``int4`` when
@@ -178,13 +177,13 @@ def pack_model(loaded, weight_format: str) -> None:
     """Run the linear layers of ``loaded`` (a :class:`~unmask.engine.model.LoadedModel`, any row variant attached
     already) in ``weight_format`` (``auto`` | ``native`` | ``fp16`` | ``int8`` | ``int4``); once per model.
     Inference only. The low-bit formats build :class:`~unmask.engine.lowbit.LowbitLinear` layers the same way
-    (fused projections included; the draft head stays fp16).
+    (fused projections included).
 
     ``auto`` packs as :func:`resolve_weight_format` says, or in its int4 case (the module docstring) when the
     first decoder layer's weights lie on the int4 grid.
 
     For ``fp16``: q|k|v and gate|up become one packed GEMM each (:func:`~unmask.engine.fused_decoder.fuse_projections`,
-    layer by layer), every other linear is packed, the draft head too, and Llama-architecture decoders get
+    layer by layer), every other linear is packed, and Llama-architecture decoders get
     ``loaded.decoder_forward`` = a :class:`~unmask.engine.fused_decoder.FusedDecoder` (row-invariant attention for
     int8/int4, docs/design.md section 10). ``native`` (or the format
     already in place) changes nothing.
@@ -219,8 +218,6 @@ def pack_model(loaded, weight_format: str) -> None:
     make_linear = _returning_freed_memory(make_linear)
     fused = fuse_projections(decoder, make_linear=make_linear)
     pack_linears_fp16(loaded.model, make_linear)
-    if loaded.draft_head is not None:
-        loaded.draft_head.pack_fp16()
     loaded.refresh_head()
     loaded.weight_format = fmt
     loaded.packed_layers = _count_formats(loaded.model)

@@ -25,7 +25,6 @@ class SpeculativeOptions:
     Attributes:
         branches: fallback mask groups per step (drafts for when draft i is the first rejected),
             ``0..block_size - 1``; ``None`` = ``min(3, block_size - 1)``. More rows per forward, fewer wasted steps.
-            With a checkpoint's draft head there are none (the head drafts): a value > 0 is a ``ParamError``.
         epsilon: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1) instead of exact verification: a
             draft is also accepted when its causal probability is > ``min(eps, sqrt(eps) * exp(-H))`` (H = entropy
             of the causal distribution). In (0, 1]; ``None`` = exact (output = greedy). Greedy requests only.

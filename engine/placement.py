@@ -15,7 +15,7 @@ refused: that is pipeline parallelism, which this engine does not do).
 Limits: the weights are read in full into CPU memory once before being dispatched (the family loaders read whole
 checkpoints), so CPU RAM must hold the model at load time; disk offload then bounds the resident memory while
 serving. Offloaded weights run as loaded (``weights="native"``): fbgemm packing would materialise them all. A verifier
-(``dllm.verifier``) or draft head is refused with a device map (their weights are routed per row, not per layer).
+(``dllm.verifier``) is refused with a device map (its weights are routed per row, not per layer).
 """
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ def place_model(loaded, device_map: str | dict | None, max_memory: str | dict | 
     the life of the process.
 
     Raises:
-        ValueError: (names ``device_map``) a malformed map, more than one accelerator, packed weights, a verifier or
-            draft head, or a map that does not cover the model's modules (accelerate's message).
+        ValueError: (names ``device_map``) a malformed map, more than one accelerator, packed weights, a verifier, or
+            a map that does not cover the model's modules (accelerate's message).
     """
     from accelerate import dispatch_model
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
@@ -119,8 +119,8 @@ def place_model(loaded, device_map: str | dict | None, max_memory: str | dict | 
         return None
     if loaded.weight_format != "native":
         raise ValueError(f"device_map: the weights are packed ({loaded.weight_format}); load with weights='native'")
-    if loaded.row_variant is not None or loaded.draft_head is not None:
-        raise ValueError("device_map: not supported with a verifier or draft head (per-row weights)")
+    if loaded.row_variant is not None:
+        raise ValueError("device_map: not supported with a verifier (per-row weights)")
     mem = parse_max_memory(max_memory)
     model = loaded.model
     dmap = infer_device_map(model, spec, mem) if isinstance(spec, str) else dict(spec)

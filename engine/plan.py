@@ -13,8 +13,7 @@ and 10):
 * the model's rules (:func:`resolve`): a fixed block size, infilling on bidirectional models only, self-speculative
   decoding on ``prefix_causal`` models with the logit shift only, the cache mode;
 * what a speculative request may not set (:data:`NOT_SPECULATIVE_FIELDS`, :func:`check_speculative`): the fields
-  self-speculative decoding has no use for (``steps``, ``threshold``, ``remasking``, ``sub_block_size``), and
-  ``speculative_branches`` with a draft head.
+  self-speculative decoding has no use for (``steps``, ``threshold``, ``remasking``, ``sub_block_size``).
 
 Errors: :class:`~unmask.engine.limits.ParamError` naming the field (HTTP 400).
 """
@@ -153,10 +152,10 @@ def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
     return replace(params, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
 
 
-def drafts_by_default(default_drafts: str, device_type: str, has_draft_head: bool) -> bool:
+def drafts_by_default(default_drafts: str, device_type: str) -> bool:
     """Whether checkpoint-default speculative requests draft. ``auto``: not on a CPU, where a forward's cost grows
     with its rows so that mask-group drafts cost more than they save (``benchmarks/results/``); on a GPU rows are
-    ~free. With a draft head ``auto`` is on everywhere (a step forwards only the context and the drafts).
+    ~free.
 
     Raises:
         ValueError: (names ``default_drafts``) not one of auto, on, off.
@@ -164,7 +163,7 @@ def drafts_by_default(default_drafts: str, device_type: str, has_draft_head: boo
     if default_drafts not in DRAFT_POLICIES:
         raise ValueError(f"default_drafts: {default_drafts!r} is not one of auto, on, off")
     if default_drafts == "auto":
-        return has_draft_head or device_type != "cpu"
+        return device_type != "cpu"
     return default_drafts == "on"
 
 
@@ -236,14 +235,14 @@ def resolve_cache(mode: str, dllm: DllmConfig) -> str:
     return mode
 
 
-def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "auto", device_type: str = "cpu",
-            has_draft_head: bool = False) -> DecodingPlan:
+def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "auto", device_type: str = "cpu"
+            ) -> DecodingPlan:
     """The frozen plan of choice 0 of a request (:meth:`DecodingPlan.for_choice` gives the others).
 
     Args:
         params: the request's parameters (validated). dllm: the checkpoint's diffusion settings.
         default_drafts: the engine's draft policy (``auto`` | ``on`` | ``off``; see :func:`drafts_by_default`).
-        device_type: the model's device type (``cpu``, ``cuda``...). has_draft_head: the model has a draft head.
+        device_type: the model's device type (``cpu``, ``cuda``...).
 
     Raises:
         ParamError: a parameter this model cannot honour (names the field).
@@ -252,7 +251,7 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
     p = resolve_params(params, dllm.default_sampling, dllm.block_size)
     if (p.speculative and params.speculative is None and params.block_size is None
             and params.speculative_options is None
-            and not drafts_by_default(default_drafts, device_type, has_draft_head)):
+            and not drafts_by_default(default_drafts, device_type)):
         p = replace(p, block_size=1)
     if dllm.fixed_block_size and p.block_size not in (None, dllm.block_size):
         raise ParamError("block_size", f"this {dllm.family} model decodes with its trained block size "
@@ -287,10 +286,7 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
     if b is not None and b > bs - 1:  # a fallback group per draft position at most: refused, not clamped
         raise ParamError("speculative_branches", f"must be <= block_size - 1 ({bs - 1}): one fallback group per "
                                                  f"draft position, got {b}")
-    if b and has_draft_head:  # (0 says what happens)
-        raise ParamError("speculative_branches", "has no effect with this checkpoint's draft head: the drafts come "
-                                                 "from the head, which forwards no fallback mask groups: drop it")
-    branches = 0 if has_draft_head else min(DEFAULT_BRANCHES if b is None else int(b), bs - 1)
+    branches = min(DEFAULT_BRANCHES if b is None else int(b), bs - 1)
     epsilon, ratio = p.speculative_epsilon, p.speculative_ratio
     guard = p.speculative_no_repeat_ngram
     no_repeat = 0 if epsilon is None and ratio is None else DEFAULT_NO_REPEAT_NGRAM if guard is None else int(guard)

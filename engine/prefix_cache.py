@@ -22,8 +22,7 @@ weights, the block grouping)``:
 Never shared: bidirectional models (their prompt KV depends on the canvas), requests without the exact cache
 (``cache: none``, Fast-dLLM's approximate caches), the unconditional CFG lane (its prompt is mask tokens).
 A new request reuses at most ``min(prompt, first block start) - 1`` positions (its first step needs the output of
-the last prompt position), and with a draft head at most ``prompt - window`` (the head reads the hidden states of
-the last ``window`` prompt positions).
+the last prompt position).
 
 Memory: each chunk holds ``[2, layers, H_kv, C, D]`` keys/values (copies: a lane's cache is one contiguous buffer,
 ``engine/kv_cache.py``). :attr:`PrefixCache.limit` bounds the tokens held; the scheduler sets it to what the KV

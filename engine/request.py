@@ -12,7 +12,7 @@ Strategy protocol (:class:`DecodingStrategy`): the denoiser calls exactly these 
 * ``prefill_inputs(max_rows)`` / ``pending_prompt_rows()`` -> a prompt chunk instead of a step (chunked prefill,
   :class:`Request`'s for every strategy) / the prompt rows its first step still has to forward;
 * ``variant_rows(inp)`` -> ``[Q]`` bool of the chunk rows that run the model's row variant, or ``None``;
-* ``consume(logits, features, forbidden_ids)`` -> ``(StepEvent, commits)``: take the ``[N, V]`` logits of each
+* ``consume(logits, forbidden_ids)`` -> ``(StepEvent, commits)``: take the ``[N, V]`` logits of each
   lane's needed rows, reveal tokens, and say which chunk indices of each lane are committed to its KV cache.
 
 Plain denoising (``unmask.engine.sequence.Sequence``) and self-speculative decoding
@@ -50,9 +50,8 @@ class LaneInput:
     whose outputs are read (or -1 = use the lane's carry logits); ``commit`` = chunk indices whose KV is appended
     to the lane cache after the forward (``None``: decided by the strategy's ``consume``);
     ``replace_cache`` = drop the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last
-    committed token, whose output becomes the carry; ``feature_rows`` = chunk indices whose last hidden states
-    the strategy reads after the forward (``[n]`` int64; a draft head's context), ``None`` = none; ``lane`` = the
-    lane it feeds (``None``: its position in the list; set by prompt chunks that leave a lane out).
+    committed token, whose output becomes the carry; ``lane`` = the lane it feeds (``None``: its position in the
+    list; set by prompt chunks that leave a lane out).
     """
 
     tokens: torch.Tensor
@@ -64,7 +63,6 @@ class LaneInput:
     commit: torch.Tensor | None
     replace_cache: bool = False
     carry_index: int = -1
-    feature_rows: torch.Tensor | None = None
     lane: int | None = None
 
 
@@ -90,8 +88,8 @@ class DecodingStrategy(Protocol):
 
     def variant_rows(self, inp: LaneInput) -> torch.Tensor | None: ...
 
-    def consume(self, logits: list[torch.Tensor], features: torch.Tensor | None,
-                forbidden_ids: torch.Tensor) -> tuple[StepEvent, list[torch.Tensor | None]]: ...
+    def consume(self, logits: list[torch.Tensor], forbidden_ids: torch.Tensor
+                ) -> tuple[StepEvent, list[torch.Tensor | None]]: ...
 
 
 def bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:

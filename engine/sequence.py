@@ -87,8 +87,8 @@ class Sequence(Request):
         """Plain denoising never runs the model's row variant."""
         return None
 
-    def consume(self, logits: list[torch.Tensor], features: torch.Tensor | None,
-                forbidden_ids: torch.Tensor) -> tuple[StepEvent, list[torch.Tensor | None]]:
+    def consume(self, logits: list[torch.Tensor], forbidden_ids: torch.Tensor
+                ) -> tuple[StepEvent, list[torch.Tensor | None]]:
         """CFG, sampling and reveals of one step (``logits[i]``: ``[N, V]`` of lane i's needed rows); every lane
         commits what :meth:`lane_inputs` said."""
         cond = logits[0]

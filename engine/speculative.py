@@ -106,12 +106,11 @@ class SpeculativeSequence(Request):
 
     committed_rows_variant = True  # variant_rows(inp) = inp.committed: a verifier's weights run the causal rows
 
-    def __init__(self, *args, draft_head=None, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         plan = self.plan
         self.draft_block = self.block_size
-        self.head = draft_head                       # a DraftHeadRuntime: drafts come from it, not mask groups
-        self.branches = 0 if draft_head is not None else plan.branches
+        self.branches = plan.branches
         self.final_len = self.prompt_len            # canvas positions < final_len hold final tokens
         self.end = self.prompt_len + self.max_tokens  # nothing is drafted at or past max_tokens
         self.drafts: list[int] = []                  # draft tokens for positions final_len, final_len + 1, ...
@@ -122,16 +121,6 @@ class SpeculativeSequence(Request):
         self.sampling = plan.sampling                # speculative sampling instead of argmax checks
         self.draft_probs: torch.Tensor | None = None  # sampling: [len(drafts), V] float64 q the drafts came from
         self._layout: dict | None = None
-        # draft head context: the last `window` pairs (h_{t-1}, x_t, t) of final positions t, oldest first
-        self._head_feats: torch.Tensor | None = None
-        self._head_tokens: list[int] = []
-        self._head_pos: list[int] = []
-
-    def prefill_limit(self) -> int:
-        """As :meth:`Request.prefill_limit`; with a draft head also the last ``window`` prompt positions stay for
-        the first step (the head reads their hidden states)."""
-        limit = super().prefill_limit()
-        return limit if self.head is None else min(limit, self.prompt_len - self.head.cfg.window)
 
     # ------------------------------------------------------------------ one step: inputs
     def lane_inputs(self) -> list[LaneInput]:
@@ -153,7 +142,7 @@ class SpeculativeSequence(Request):
         start = [torch.arange(lo, fm, device=dev)]
         committed = [torch.ones(fm - lo, dtype=torch.bool, device=dev)]
         n = fm - lo
-        starts = ([("A", fm)] if fm + 1 < self.end and self.draft_block > 1 and self.head is None else []) + \
+        starts = ([("A", fm)] if fm + 1 < self.end and self.draft_block > 1 else []) + \
                  [(i, f + i) for i in range(min(self.branches, len(drafts)))]
         # needed outputs: the causal rows from f - 1 (verify + correction), every mask row but each group's last
         needed = list(range(f - 1 - lo, fm - lo))
@@ -171,61 +160,9 @@ class SpeculativeSequence(Request):
         self._layout = {"lo": lo, "f": f, "drafts": drafts, "group_rows": group_rows,
                         "pred_pos": [lo + i + 1 for i in needed[: fm - f + 1]] + sum(
                             ([s + 1 + j for j in range(len(group_rows[k]))] for k, s in starts), [])}
-        feature_rows = None
-        if self.head is not None:  # hidden states of positions max(lo, f - window) .. fm - 1 (see _extend_head_context)
-            first = max(lo, f - self.head.cfg.window)
-            self._layout["feature_first"] = first
-            feature_rows = torch.arange(first - lo, fm - lo, dtype=torch.long, device=dev)
         return [LaneInput(tokens=torch.cat(toks), chunk=torch.cat(pos), grp=torch.cat(grp), start=torch.cat(start),
                           committed=torch.cat(committed), needed=torch.tensor(needed, dtype=torch.long, device=dev),
-                          commit=None, feature_rows=feature_rows)]
-
-    # ------------------------------------------------------------------ draft head
-    def _extend_head_context(self, features: torch.Tensor, first: int) -> None:
-        """Append the pairs ``(h_{t-1}, x_t, t)`` whose hidden state ``h_{t-1}`` this forward computed
-        (``features``: ``[n, H]`` for positions ``first .. first + n - 1``) and whose token ``x_t`` is final now,
-        skipping positions already held; keep the last ``window``."""
-        have = self._head_pos[-1] if self._head_pos else 0
-        last_final = self.final_len - 1
-        ts = [first + i + 1 for i in range(int(features.shape[0]))]
-        keep = [i for i, t in enumerate(ts) if have < t <= last_final]
-        if not keep:
-            return
-        new = features[keep].float()
-        toks = self.canvas[torch.tensor([ts[i] for i in keep], device=self.canvas.device)].tolist()
-        feats = new if self._head_feats is None else torch.cat((self._head_feats, new))
-        W = self.head.cfg.window
-        self._head_feats = feats[-W:]
-        self._head_tokens = (self._head_tokens + toks)[-W:]
-        self._head_pos = (self._head_pos + [ts[i] for i in keep])[-W:]
-
-    def _head_drafts(self) -> None:
-        """Set ``self.drafts`` (and ``draft_probs`` when sampling) from the draft head, for the positions after
-        the last final token: ``block_size - 1`` of them, at most the head's ``max_drafts`` (the block it was
-        trained for)."""
-        n = min(self.draft_block - 1, self.head.cfg.max_drafts, self.end - self.final_len - 1)
-        if n < 1 or self.finished or self._head_feats is None:
-            self.drafts, self.draft_probs = [], None
-            return
-        dev = self._head_feats.device
-        if self.sampling:
-            def pick(logits):
-                lg = logits
-                if self.params.top_k or self.params.top_p < 1.0:
-                    lg = filter_top_k_top_p(lg, self.params.top_k, self.params.top_p)
-                q = torch.softmax(lg.to(torch.float64) / self.temperature, dim=-1)
-                return sample_from_probs(q, self.generator), q
-        else:
-            def pick(logits):
-                return torch.argmax(logits, dim=-1), None
-        drafts, qs = self.head.draft(self._head_feats, torch.tensor(self._head_tokens, device=dev),
-                                     torch.tensor(self._head_pos, device=dev), n, pick)
-        self.drafts = drafts
-        if self.sampling:
-            full = torch.zeros(len(qs), self.vocab_rows, dtype=torch.float64, device=dev)
-            full[:, self.head.vocab.to(dev)] = torch.stack(qs)
-            self.draft_probs = full
-
+                          commit=None)]
 
     def _relaxed_ok(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor | None:
         """``[D]`` bool: which drafts the relaxed acceptance rule keeps even when they are not the causal argmax;
@@ -277,22 +214,20 @@ class SpeculativeSequence(Request):
         """The causal (committed-context) rows run the model's row variant (a checkpoint's verifier)."""
         return inp.committed
 
-    def consume(self, logits: list[torch.Tensor], features: torch.Tensor | None,
-                forbidden_ids: torch.Tensor) -> tuple[StepEvent, list[torch.Tensor | None]]:
+    def consume(self, logits: list[torch.Tensor], forbidden_ids: torch.Tensor
+                ) -> tuple[StepEvent, list[torch.Tensor | None]]:
         """:meth:`verify` the one lane's rows; its commit is the verified causal tokens."""
-        event, commit = self.verify(logits[0], forbidden_ids, features=features)
+        event, commit = self.verify(logits[0], forbidden_ids)
         return event, [commit]
 
     # ------------------------------------------------------------------ one step: verify and reveal
-    def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None,
-               features: torch.Tensor | None = None) -> tuple[StepEvent, torch.Tensor]:
+    def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None
+               ) -> tuple[StepEvent, torch.Tensor]:
         """Verify the drafts, reveal the accepted ones plus the correction, pick the next drafts.
 
         Args:
             logits: ``[N, V]`` float logits of the ``needed`` rows of :meth:`lane_inputs`, in that order.
             forbidden_ids: ``[F]`` int64 ids never generated (the model's ``never_generate_ids``).
-            features: ``[n, H]`` last hidden states of the ``feature_rows`` of :meth:`lane_inputs` (with a draft
-                head; ignored without one).
 
         Returns:
             ``(event, commit)``: the step's :class:`StepEvent` and the ``[m]`` int64 chunk indices whose KV is
@@ -364,9 +299,4 @@ class SpeculativeSequence(Request):
         block = self.block_idx = (f - self.prompt_len) // self.draft_block  # the block of the first revealed token
         self.step += 1
         self._check_finished()
-        if self.head is not None:
-            self.vocab_rows = int(logits.shape[-1])
-            if features is not None:
-                self._extend_head_context(features, lay["feature_first"])
-            self._head_drafts()
         return self.event(block, step, revealed), commit

@@ -199,8 +199,7 @@ class _Common(_Rules):
                                                         "(speculative decoding decides its own reveals: they "
                                                         "would have no effect)")
     speculative_branches: int | None = ranged(
-        "speculative_branches", None, description="fallback draft groups per step; default min(3, block_size - 1); "
-                                                  "none with a checkpoint's draft head (> 0: a 400)")
+        "speculative_branches", None, description="fallback draft groups per step; default min(3, block_size - 1)")
     speculative_epsilon: float | None = ranged("speculative_epsilon", None,
                                                description="typical acceptance of drafts (Medusa; greedy requests); "
                                                           "absent: exact")

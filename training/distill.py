@@ -18,7 +18,7 @@ which the logit shift makes exactly its parent at ``block_size=1``) and unmask's
 forward, greedy, with continuous batching over the whole file (a finished answer's slot is refilled at the next
 step and its record written at once, so records are in completion order) and, on a CPU,
 the fbgemm-packed fp16 linear layers the server runs. The tokens are then the served checkpoint's own greedy
-answers (what a draft head must predict) and come ~2x faster than transformers' padded batches on a 2-core CPU;
+answers (what a drafter must predict) and come ~2x faster than transformers' padded batches on a 2-core CPU;
 no ``teacher`` distributions (``top_k_dist`` must be 0).
 
 The prompt file is JSONL (``{"prompt": str}`` or ``{"messages": [...]}`` without the final answer) or plain text

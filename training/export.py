@@ -114,7 +114,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         ExportError: bad arguments/source, a quantized source, or a reload whose logits differ from the
             exporter's by more than 1e-4.
     """
-    from unmask.engine.config import CheckpointError, DllmConfig
+    from unmask.engine.config import CheckpointError, DllmConfig, warn_removed_fields
     from unmask.engine.families.common import load_tokenizer
     from unmask.engine.model import read_config, resolve_dtype
 
@@ -154,6 +154,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
     if outp.exists() and any(outp.iterdir()) and not overwrite:
         raise ExportError(f"{outp}: exists and is not empty; choose a new directory")
     dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")
+    warn_removed_fields(cfg["dllm"], f"{srcp / 'config.json'}:dllm")  # not exported (an old checkpoint's draft head)
     if clear_default_threshold:
         if default_threshold is not None:
             raise ExportError("--no-default-threshold: cannot be combined with --default-threshold")
@@ -184,15 +185,6 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         dllm.verifier = VERIFIER_DIR
     elif dllm.verifier:
         dllm.verifier = None
-    from unmask.engine.draft_head import HEAD_DIR
-
-    hsrc = None
-    if dllm.draft_head:  # the draft head is copied as it is (float32; it is small)
-        hsrc = Path(dllm.draft_head).expanduser()
-        hsrc = hsrc if hsrc.is_absolute() else srcp / hsrc
-        if not hsrc.is_dir():
-            raise ExportError(f"{srcp / 'config.json'}:dllm.draft_head: {hsrc} is not a directory")
-        dllm.draft_head = HEAD_DIR
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export
@@ -207,8 +199,6 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         from unmask.engine.adapter_files import record_export
 
         record_export(staging, srcp, quantization)  # the source's hash: its adapters apply here (design.md s. 21)
-        if hsrc is not None:
-            shutil.copytree(hsrc, staging / HEAD_DIR)
         if vsrc is not None:
             vmodel = load_quantized_fresh(vsrc, verifier_quantization, dev, dt)
             write_quantized(staging / VERIFIER_DIR, vmodel, load_tokenizer(vsrc), vdllm)
@@ -227,8 +217,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         shutil.rmtree(staging, ignore_errors=True)
     return {"out": str(outp), "source": str(srcp), "quantization": quantization, "max_abs_logit_diff": diff,
             "verifier": None if vsrc is None else str(vsrc),
-            "verifier_quantization": None if vsrc is None else verifier_quantization,
-            "draft_head": None if hsrc is None else str(hsrc)}
+            "verifier_quantization": None if vsrc is None else verifier_quantization}
 
 
 def write_quantized(out: Path, model, tokenizer, dllm, overwrite: bool = False) -> Path:

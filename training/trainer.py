@@ -681,8 +681,6 @@ class Trainer:
         elif dllm.verifier and not Path(dllm.verifier).expanduser().is_absolute():
             # the source names its verifier relatively (an export): the saved checkpoints live elsewhere
             dllm.verifier = str((Path(cfg.model) / Path(dllm.verifier)).resolve())
-        # a draft head read the source's hidden states; it does not carry over to retrained weights
-        dllm.draft_head = None
         eos = set(eos_ids_of(self.tm.tokenizer, extra=dllm.eos_token_ids))
         try:
             self.data = load_dataset(cfg.data, self.tm.tokenizer, cfg.seq_len, eos)

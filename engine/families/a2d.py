@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import CheckpointError, DllmConfig
+from ..config import CheckpointError, DllmConfig, warn_removed_fields
 from ..model import LoadedModel
 from . import FamilyAdapter
 from .common import from_pretrained, load_tokenizer, max_context_of
@@ -32,37 +32,18 @@ def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype) -> 
     if not isinstance(config.get("dllm"), dict):
         raise CheckpointError(f"{path / 'config.json'}: no `dllm` section (run `unmask convert` first)")
     dllm = DllmConfig.from_dict(config["dllm"], where=f"{path / 'config.json'}:dllm")
+    warn_removed_fields(config["dllm"], f"{path / 'config.json'}:dllm")  # e.g. an old checkpoint's draft head
     model = from_pretrained(AutoModelForCausalLM, path, config, device, dtype)
     tokenizer = load_tokenizer(path)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
                          max_context=max_context_of(config))
-    verifier = _attach_verifier(loaded, path) if dllm.verifier else None
-    if dllm.draft_head:
-        _attach_draft_head(loaded, path, verifier if verifier is not None else model)
+    if dllm.verifier:
+        _attach_verifier(loaded, path)
     return loaded
 
 
-def _attach_draft_head(loaded: LoadedModel, path: Path, verifier_model) -> None:
-    """Load ``dllm.draft_head`` (relative to ``path`` unless absolute), bound to the model whose weights run the
-    causal rows (the verifier when there is one). Raises :class:`CheckpointError` naming the field and file."""
-    from ..draft_head import load_draft_head
-
-    where = f"{path / 'config.json'}:dllm.draft_head"
-    hpath = Path(loaded.dllm.draft_head).expanduser()
-    hpath = hpath if hpath.is_absolute() else path / hpath
-    if not hpath.is_dir():
-        raise CheckpointError(f"{where}: {hpath} is not a directory")
-    try:
-        loaded.draft_head = load_draft_head(hpath, verifier_model, loaded.dllm.mask_token_id, loaded.device, where)
-    except CheckpointError as exc:
-        if str(exc).startswith(where):
-            raise
-        raise CheckpointError(f"{where}: {exc}") from exc
-
-
-def _attach_verifier(loaded: LoadedModel, path: Path):
-    """Load ``dllm.verifier`` (relative to ``path`` unless absolute), route ``loaded``'s causal rows to it and
-    return it (the transformers module).
+def _attach_verifier(loaded: LoadedModel, path: Path) -> None:
+    """Load ``dllm.verifier`` (relative to ``path`` unless absolute) and route ``loaded``'s causal rows to it.
 
     Raises:
         CheckpointError: the verifier is missing, not an ``a2d`` prefix-causal checkpoint with the logit shift, has
@@ -107,7 +88,6 @@ def _attach_verifier(loaded: LoadedModel, path: Path):
         route_to_verifier(loaded, verifier)
     except ValueError as exc:
         raise CheckpointError(f"{where}: {vpath}: {exc}") from exc
-    return verifier
 
 
 ADAPTER = FamilyAdapter(name="a2d", detect=detect, load=load)

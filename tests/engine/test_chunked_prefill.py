@@ -11,7 +11,6 @@ import torch
 import tiny
 from unmask.engine import LLM, SamplingParams
 from unmask.engine.denoiser import Denoiser
-from unmask.engine.draft_head import load_draft_head
 from unmask.engine.engine import Engine
 from unmask.engine.mask_adapter import attach_mask_adapter
 
@@ -27,23 +26,12 @@ def _with_adapter():
     return m
 
 
-def _with_head(tmp_path_factory):
-    from test_draft_head import _random_head
-
-    lm = tiny.loaded(initializer_range=0.5)
-    d = tmp_path_factory.mktemp("head")
-    _random_head(lm).save(d / "h")
-    lm.draft_head = load_draft_head(d / "h", lm.model, lm.dllm.mask_token_id, lm.device, "test")
-    return lm
-
-
 MODELS = {
-    "prefix_causal": lambda _: tiny.loaded(),
-    "block_causal_absolute": lambda _: tiny.loaded(attention="block_causal", block_alignment="absolute",
-                                                   fixed_block_size=True, logit_shift=False),
-    "block_causal_generation": lambda _: tiny.loaded(attention="block_causal"),
-    "mask_adapter": lambda _: _with_adapter(),
-    "draft_head": _with_head,
+    "prefix_causal": lambda: tiny.loaded(),
+    "block_causal_absolute": lambda: tiny.loaded(attention="block_causal", block_alignment="absolute",
+                                                 fixed_block_size=True, logit_shift=False),
+    "block_causal_generation": lambda: tiny.loaded(attention="block_causal"),
+    "mask_adapter": _with_adapter,
 }
 CASES = [  # (model, params)
     ("prefix_causal", dict(block_size=1, temperature=0.0)),
@@ -56,7 +44,6 @@ CASES = [  # (model, params)
     ("block_causal_generation", dict(temperature=0.7, seed=2)),
     ("mask_adapter", dict(block_size=4, temperature=0.0, steps=4)),
     ("mask_adapter", dict(block_size=4, speculative=True, temperature=0.0)),
-    ("draft_head", dict(block_size=4, speculative=True, temperature=0.0)),
 ]
 
 
@@ -72,8 +59,8 @@ def _first_step(model, prompt, params, chunk):
 
 @pytest.mark.parametrize("model_name, kw", CASES, ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
                                                         for m, kw in CASES])
-def test_the_same_tokens_nfe_and_kv_as_the_whole_prompt_at_once(model_name, kw, tmp_path_factory):
-    model = MODELS[model_name](tmp_path_factory)
+def test_the_same_tokens_nfe_and_kv_as_the_whole_prompt_at_once(model_name, kw):
+    model = MODELS[model_name]()
     prompt = _ids(101)
     params = SamplingParams(max_tokens=12, ignore_eos=True, **kw)
     whole = LLM(model, prefill_chunk=0).generate([prompt], params)[0].outputs[0]

@@ -77,8 +77,8 @@ def test_a_later_block_never_commits_kv_of_an_unfinished_earlier_block(models, a
         self._recorded = [(inp.tokens.clone(), inp.chunk.clone()) for inp in inputs]
         return inputs
 
-    def consume(self, logits, features, forbidden_ids):
-        event, commits = orig_consume(self, logits, features, forbidden_ids)
+    def consume(self, logits, forbidden_ids):
+        event, commits = orig_consume(self, logits, forbidden_ids)
         for (tokens, chunk), commit in zip(self._recorded, commits):
             if commit is not None and commit.numel():
                 last = int(commit.max())

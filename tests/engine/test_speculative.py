@@ -655,8 +655,8 @@ def test_checkpoint_default_drafts_per_policy_with_the_same_tokens():
         assert isinstance(s, SpeculativeSequence)
         return s
 
-    assert lm.device.type == "cpu" and llm.default_drafts == "auto" and not drafts_by_default("auto", "cpu", False)
-    assert drafts_by_default("auto", "cuda", False) and drafts_by_default("auto", "cpu", True)
+    assert lm.device.type == "cpu" and llm.default_drafts == "auto" and not drafts_by_default("auto", "cpu")
+    assert drafts_by_default("auto", "cuda")
     assert seq().draft_block == 1 and seq(temperature=0.7).draft_block == 1
     for kw in ({"speculative": True}, {"block_size": 4}, {"speculative_branches": 1}, {"speculative_epsilon": 0.1},
                {"speculative_ratio": 0.5}):

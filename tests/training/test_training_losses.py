@@ -236,7 +236,7 @@ def test_training_mask_and_logits_equal_engine(attention):
         masked = seq.masked_positions().tolist()
         assert masked == blk.masked
         with torch.no_grad():
-            (eng_logits,), _, _ = den._forward([(seq, 0, inp)])
+            (eng_logits,), _ = den._forward([(seq, 0, inp)])
         sel = [i for i, p in enumerate(lay.label_pos.tolist()) if p in masked and a <= p < e]
         assert len(sel) == len(masked)
         torch.testing.assert_close(train_logits[sel], eng_logits, atol=2e-5, rtol=1e-5)

@@ -608,7 +608,7 @@ def build_train_extra(factor: int = 4, seed: int = 1) -> list[dict]:
     """More training prompts from the same ``train.*`` templates: up to ``factor`` times each template's count,
     drawn with another seed, dropping every text already in the training or held-out set (so the evaluation stays
     template- and text-disjoint). Ids ``trainx-00000`` ...; hand-written prompts are not repeated. For data-hungry
-    stages such as the draft head (``unmask train-head``); ``factor=4`` gives 3,475 prompts (single-slot
+    stages; ``factor=4`` gives 3,475 prompts (single-slot
     templates run out of new texts), ``factor=1`` 1,556.
 
     Raises:
