@@ -26,12 +26,13 @@ log = logging.getLogger("unmask.server")
 MAX_KEY_FILE_BYTES = 4096  # far above any API key; a larger "key file" is the wrong file
 
 
-def read_api_key(path: str) -> str:
+def read_api_key(path: str, option: str = "--api-key-file") -> str:
     """The key in ``path``: a leading UTF-8 BOM (Notepad, PowerShell) and surrounding whitespace (the trailing
-    newline) stripped.
+    newline) stripped. ``option``: how the path was given, for the errors (``$UNMASK_API_KEY_FILE`` when it came
+    from the environment: :func:`option_name`).
 
     Raises:
-        UsageError: (names ``--api-key-file`` and the file, never the key) not a regular file (a FIFO would block
+        UsageError: (names ``option`` and the file, never the key) not a regular file (a FIFO would block
             start-up, ``/dev/zero`` would be read until memory runs out), larger than :data:`MAX_KEY_FILE_BYTES`,
             unreadable, not UTF-8, empty, or holding more than one line.
     """
@@ -41,21 +42,21 @@ def read_api_key(path: str) -> str:
 
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
-            raise UsageError(f"--api-key-file: {path} is not a regular file")
+            raise UsageError(f"{option}: {path} is not a regular file")
         with open(path, "rb") as f:
             raw = f.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
-        raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
     if len(raw) > MAX_KEY_FILE_BYTES:
-        raise UsageError(f"--api-key-file: {path} is larger than {MAX_KEY_FILE_BYTES} bytes (one key expected)")
+        raise UsageError(f"{option}: {path} is larger than {MAX_KEY_FILE_BYTES} bytes (one key expected)")
     try:
         key = raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError:
-        raise UsageError(f"--api-key-file: {path} is not UTF-8 text") from None
+        raise UsageError(f"{option}: {path} is not UTF-8 text") from None
     if not key:
-        raise UsageError(f"--api-key-file: {path} is empty")
+        raise UsageError(f"{option}: {path} is empty")
     if any(c.isspace() for c in key):
-        raise UsageError(f"--api-key-file: {path} holds whitespace inside the key (one key on one line expected)")
+        raise UsageError(f"{option}: {path} holds whitespace inside the key (one key on one line expected)")
     return key
 
 
@@ -93,7 +94,8 @@ def register(sub, name):
                        epilog="Every option can also be set in the environment: --max-batch-size 8 is "
                               "UNMASK_MAX_BATCH_SIZE=8 (UNMASK_ + the option's name in capitals, '-' as '_'; MODEL "
                               "is UNMASK_MODEL; a list is comma-separated; a switch takes 1/0, true/false). The "
-                              "command line wins over the environment.")
+                              "command line wins over the environment; an error about a value names the "
+                              "variable it came from.")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or hub id (default: the A2D SmolLM2 default model)")
     p.add_argument("--host", default="127.0.0.1",
@@ -154,7 +156,9 @@ def register(sub, name):
     p.add_argument("--block-size", type=int, default=None,
                    help="default block size for requests that send none (default: the checkpoint's)")
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
-                   help="default KV-cache policy for requests that send none")
+                   help="default KV-cache policy for requests that send none (prefix/dual: Fast-dLLM's approximate "
+                        "caches on bidirectional models; on prefix-/block-causal models they are the exact cache, "
+                        "as auto)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the committed KV of recent prompts and answers (least recently used evicted first, "
                         "within --max-cached-tokens, else 4096 tokens) and reuse it for requests whose prompts "
@@ -262,15 +266,42 @@ def _convert(value: EnvValue):
 
 
 def resolve_env(args: argparse.Namespace) -> argparse.Namespace:
-    """Replace every :class:`EnvValue` left in ``args`` (options the command line did not set) by its typed value.
+    """Replace every :class:`EnvValue` left in ``args`` (options the command line did not set) by its typed value,
+    and record where each came from in ``args.env_origins`` (dest -> variable; :func:`option_name` reads it).
 
     Raises:
         UsageError: a variable's value does not fit its option (the message names the variable).
     """
+    origins = dict(getattr(args, "env_origins", None) or {})
     for key, value in vars(args).items():
         if isinstance(value, EnvValue):
             setattr(args, key, _convert(value))
+            origins[key] = value.var
+    args.env_origins = origins
     return args
+
+
+def option_name(args: argparse.Namespace, dest: str) -> str:
+    """What an error about option ``dest`` names: ``$UNMASK_<OPTION>`` when its value came from the environment
+    (:func:`resolve_env`), else the flag (``--prefill-chunk``; ``MODEL`` for the positional), so that a bad
+    ``UNMASK_PREFILL_CHUNK=-3`` is not blamed on a flag nobody typed."""
+    var = (getattr(args, "env_origins", None) or {}).get(dest)
+    if var is not None:
+        return f"${var}"
+    return "MODEL" if dest == "model" else "--" + dest.replace("_", "-")
+
+
+# serve options that load_model reads under the same name; its errors start "<name>: " (the Python API's words)
+LOAD_OPTIONS = ("device", "dtype", "weights", "device_map", "max_memory", "family")
+
+
+def name_load_option(args: argparse.Namespace, message: str) -> str:
+    """``message`` (a load error such as ``device_map: 'x' is not one of ...``) with its leading option name
+    replaced by what the user set (:func:`option_name`: the flag, or the variable) when the option is set."""
+    head, sep, rest = message.partition(": ")
+    if sep and head in LOAD_OPTIONS and getattr(args, head, None) is not None:
+        return f"{option_name(args, head)}: {rest}"
+    return message
 
 
 def check_tool_call_parser(value) -> None:
@@ -423,19 +454,22 @@ def run(args: argparse.Namespace) -> int:
 
     check_tool_call_parser(args.tool_call_parser)  # before resolve_env: an error names the variable it came from
     resolve_env(args)
+    def opt(dest: str) -> str:  # every error below names the flag, or the variable the value came from
+        return option_name(args, dest)
+
     for name in ("max_batch_size", "max_queue", "default_max_tokens", "max_seqs_per_request"):
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+            raise UsageError(f"{opt(name)}: must be >= 1, got {getattr(args, name)}")
     for name in ("max_model_len", "max_cached_tokens", "block_size", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+            raise UsageError(f"{opt(name)}: must be >= 1, got {value}")
     if args.prefill_chunk < 0:
-        raise UsageError(f"--prefill-chunk: must be >= 0 (0 = off), got {args.prefill_chunk}")
+        raise UsageError(f"{opt('prefill_chunk')}: must be >= 0 (0 = off), got {args.prefill_chunk}")
     if args.request_timeout is not None and not args.request_timeout > 0:
-        raise UsageError(f"--request-timeout: must be > 0 seconds, got {args.request_timeout}")
+        raise UsageError(f"{opt('request_timeout')}: must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port: must be in 0..65535, got {args.port}")
+        raise UsageError(f"{opt('port')}: must be in 0..65535, got {args.port}")
     chat_template = None
     if args.chat_template:
         from unmask.server.chat_prompt import shipped_template
@@ -444,10 +478,10 @@ def run(args: argparse.Namespace) -> int:
             chat_template = shipped_template(args.chat_template) if not Path(args.chat_template).exists() else None
             chat_template = chat_template or Path(args.chat_template).read_text()
         except OSError as exc:
-            raise UsageError(f"--chat-template: cannot read {args.chat_template}: {exc.strerror} (a file, or a "
+            raise UsageError(f"{opt('chat_template')}: cannot read {args.chat_template}: {exc.strerror} (a file, or a "
                              f"shipped template: chatml-tools)") from exc
 
-    api_key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+    api_key = read_api_key(args.api_key_file, opt("api_key_file")) if args.api_key_file else args.api_key
 
     from unmask.server.request_id import LOG_FORMAT, install_log_filter
 
@@ -474,19 +508,19 @@ def run(args: argparse.Namespace) -> int:
                             device_map=args.device_map, max_memory=args.max_memory, offload_folder=args.offload_folder,
                             adapter=args.adapter, parent=args.parent)
     except (CheckpointError, ValueError) as exc:
-        raise UsageError(str(exc)) from exc
+        raise UsageError(name_load_option(args, str(exc))) from exc
     threads = server_threads(args.threads, loaded.device.type, torch.get_num_threads(), os.environ)
     torch.set_num_threads(threads)
     if args.max_model_len is not None:
         if args.max_model_len > loaded.max_context:
-            raise UsageError(f"--max-model-len: {args.max_model_len} exceeds the model's context of "
+            raise UsageError(f"{opt('max_model_len')}: {args.max_model_len} exceeds the model's context of "
                              f"{loaded.max_context} tokens")
         loaded.max_context = args.max_model_len
     block = args.block_size or default_block
     if block is not None:
         if loaded.dllm.fixed_block_size and block != loaded.dllm.block_size:
-            raise UsageError(f"--block-size: this {loaded.dllm.family} model decodes with its trained block size "
-                             f"{loaded.dllm.block_size} only")
+            raise UsageError(f"{opt('block_size')}: this {loaded.dllm.family} model decodes with its trained block "
+                             f"size {loaded.dllm.block_size} only")
         loaded.dllm.block_size = block
     name = args.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
     engine = _engine(AsyncEngine, loaded, args)

@@ -38,7 +38,7 @@ from .outputs import CompletionOutput, Revealed, StepEvent
 from .params import SamplingParams
 from .plan import DecodingPlan, resolve
 from .stopping import StopChecker
-from .text_ids import check_no_mask, check_token_ids, suffix_ids
+from .text_ids import check_no_mask, check_sampleable, check_token_ids, suffix_ids
 
 
 @dataclass
@@ -140,6 +140,10 @@ class Request:
                 check_token_ids("suffix", params.suffix, vocab_size)
                 check_no_mask("suffix", list(params.suffix), dllm.mask_token_id)
             check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
+        # ids the model never samples: options on them would be accepted and do nothing (docs/design.md section 15)
+        check_sampleable("logit_bias", sorted(params.logit_bias or ()), dllm,
+                         "a bias on it has no effect", key=True)
+        check_sampleable("stop_token_ids", params.stop_token_ids, dllm, "it can never stop a choice")
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
         self.group = request_id  # the unit of fair admission (docs/design.md section 15): the client's whole request
         self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)

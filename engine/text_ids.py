@@ -5,7 +5,9 @@ A tokenizer parses its added tokens out of any text, so a user who writes the ma
 ``<|mdm_mask|>``) in a prompt or a message would put the mask id into the committed prompt: a position the engine
 never decodes and, under the mask-row adapter (section 21), a row that runs the adapter's weights and is outside
 the parent's vocabulary. Here such text becomes the ordinary tokens of its characters, as any other text; token-id
-prompts that hold the mask id are refused by :func:`check_no_mask`.
+prompts that hold the mask id are refused by :func:`check_no_mask`. Options on a token the model never samples (a
+``logit_bias`` key, a ``stop_token_ids`` entry on the mask token, padding, a suppressed id) would have no effect and
+are refused by :func:`check_sampleable` (docs/design.md section 15).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 from .limits import ParamError
 
 if TYPE_CHECKING:
+    from .config import DllmConfig
     from .params import SamplingParams
 
 
@@ -73,6 +76,31 @@ def check_no_mask(name: str, ids: list[int], mask_token_id: int) -> None:
         raise ParamError(name, f"token id {mask_token_id} at position {ids.index(mask_token_id)} is the model's mask "
                                f"token, which a {name} cannot hold (it is never decoded there); positions to "
                                f"generate are the generation region's, or use suffix/constraints to infill")
+
+
+def never_generated_reason(token_id: int, dllm: DllmConfig) -> str | None:
+    """Why the model never samples ``token_id`` (it is in ``dllm.never_generate_ids``, whose logits are -inf before
+    every draw: ``unmask.engine.sampler.forbid``), or ``None`` when it may be sampled."""
+    if token_id not in dllm.never_generate_ids:
+        return None
+    if token_id == dllm.mask_token_id:
+        return "the model's mask token"
+    if token_id in dllm.suppress_token_ids:
+        return "an id the checkpoint suppresses (dllm.suppress_token_ids)"
+    return "the model's padding token (not an end-of-sequence token)"
+
+
+def check_sampleable(name: str, ids, dllm: DllmConfig, effect: str, key: bool = False) -> None:
+    """Raise :class:`ParamError` naming ``name`` when one of ``ids`` is never sampled (the mask token, padding,
+    suppressed ids: :func:`never_generated_reason`): an option on such a token (a ``logit_bias`` key, a
+    ``stop_token_ids`` entry) would be accepted and have no effect (docs/design.md section 15). ``effect``: what
+    the option would fail to do, for the message; ``key``: name the id as a quoted key (``logit_bias``)."""
+    never = set(dllm.never_generate_ids)
+    bad = next((t for t in ids if t in never), None)
+    if bad is not None:
+        which = f'key "{bad}" (token id {bad})' if key else f"token id {bad}"
+        raise ParamError(name, f"{which} is {never_generated_reason(bad, dllm)}, which is never sampled, so "
+                               f"{effect}; drop it")
 
 
 def suffix_ids(params: SamplingParams, tokenizer, mask_token_id: int | None = None) -> list[int]:

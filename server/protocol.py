@@ -51,6 +51,14 @@ UNSUPPORTED_FIELDS = {
 }
 
 RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
+# what each cache mode does on each attention type (docs/design.md section 10 "Cache"): prefix/dual on a causal model
+# are accepted as its exact cache, on purpose, and said so here rather than left silent
+CACHE_DESCRIPTION = ("KV-cache policy: auto | none | prefix | dual; absent: the server's --cache (default auto). auto: "
+                     "the exact cache on prefix_causal and block_causal models, no cache on bidirectional ones; "
+                     "none: no cache; prefix / dual: Fast-dLLM's approximate caches on bidirectional models (dual "
+                     "caches the positions after the block too). On a prefix_causal or block_causal model prefix "
+                     "and dual are its exact cache, the same as auto: it already forwards only the active block "
+                     "and its output equals no cache's")
 CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
 
 
@@ -150,7 +158,8 @@ class _Common(_Rules):
     frequency_penalty: float = ranged("frequency_penalty", 0.0)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling "
-                          "(OpenAI's; the ids are checked against the vocabulary)",
+                          "(OpenAI's); a key outside the vocabulary or one the model never samples (its mask "
+                          "token, padding) is a 400",
         json_schema_extra={"propertyNames": {"pattern": LOGIT_BIAS_KEY}})
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = Field(None, description="accepted, stored nowhere (OpenAI's "
@@ -186,8 +195,10 @@ class _Common(_Rules):
     repetition_penalty: float = ranged("repetition_penalty", 1.0, description="vLLM's repetition penalty; 1 = off")
     min_tokens: int = ranged("min_tokens", 0, description="EOS/stop tokens forbidden before this many tokens")
     ignore_eos: bool = False
-    cache: CacheName = Field("auto", description="KV-cache policy: auto | none | prefix | dual")
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    cache: CacheName = Field("auto", description=CACHE_DESCRIPTION)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="token ids that end a choice, as EOS does (vLLM's); an id outside the vocabulary or one "
+                          "the model never samples (its mask token, padding) is a 400")
     speculative: bool | None = Field(None, description="self-speculative decoding: mask-block drafts verified by "
                                                         "the model's causal path (prefix_causal models); greedy: "
                                                         "output identical to block_size=1 greedy decoding; "

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
+from .protocol import CACHE_DESCRIPTION, STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
 from .tool_protocol import (FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema,
                             integral_fields)
 
@@ -172,7 +172,7 @@ class ResponsesRequest(RequestBody):
     remasking: RemaskingName | None = None
     cfg_scale: float | None = ranged("cfg_scale", None)
     top_k: int | None = ranged("top_k", None, lo=TOP_K_OFF)
-    cache: CacheName | None = None
+    cache: CacheName | None = Field(None, description=CACHE_DESCRIPTION)
     speculative: bool | None = None
 
     def messages(self) -> list[dict]:

@@ -319,7 +319,7 @@ MODEL_DEPENDENT_400 = {
     "prompt",              # a token id outside the vocabulary; a prompt that fills the context
     "prompt.N",            # the same for one prompt of several (named by its index)
     "messages",            # the chat template refuses the role order
-    "stop_token_ids",      # an id outside the vocabulary
+    "stop_token_ids",      # an id outside the vocabulary, or one the model never samples (its mask token)
     "block_size",          # longer than max_tokens can use / than the context
     "steps", "threshold", "remasking",  # with speculative: true (speculative decoding decides its own reveals)
     "sub_block_size",      # longer than block_size; with speculative: true
@@ -329,7 +329,7 @@ MODEL_DEPENDENT_400 = {
     "suffix",              # infilling needs a bidirectional model
     "speculative", "speculative_branches", "speculative_epsilon", "speculative_ratio",
     "speculative_no_repeat_ngram",  # speculative decoding's model and greedy-only rules
-    "logit_bias",          # a token id outside the vocabulary
+    "logit_bias",          # a token id outside the vocabulary, or one the model never samples (its mask token)
     "multi_block",         # needs a prefix/block-causal model, whole-block windows, no speculative decoding
     "response_format", "tool_choice", "tools",  # a schema llguidance cannot compile; a template without tools
     "messages.N.tool_call_id",  # a tool message must answer a call of an earlier assistant message (across items)
