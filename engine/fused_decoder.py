@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .row_attention import lane_plans, row_invariant_attention
+from .row_attention import lane_plans, padded_lanes, row_invariant_attention
 
 #: transformers decoder classes whose layer computation is the Llama one (Qwen3 adds per-head q/k RMSNorms)
 SUPPORTED_DECODERS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
@@ -298,7 +298,8 @@ class FusedDecoder:
             cached = 0 if cache is None else getattr(cache, "cached_len", None)
             if cached is None:  # a transformers cache (benchmarks' bare forward): every lane equally long
                 cached = cache.get_seq_length()
-            row_plan = lane_plans(attention_mask.expand(B, -1, -1, -1), cached, position_ids, prompt_rows)
+            lengths = [lane.length for lane in cache.lanes] if hasattr(cache, "lane_update") else [cached] * B
+            row_plan = lane_plans(attention_mask.expand(B, -1, -1, -1), cached, position_ids, prompt_rows, lengths)
         elif bool(attention_mask.all()):  # nothing masked (one lane, every key visible): SDPA's unmasked path
             attention_mask = None
         gqa = Hq != Hkv
@@ -313,11 +314,15 @@ class FusedDecoder:
             else:
                 q, k = _rotate(qk, cos, sin).split(q_k, dim=2)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if cache is not None:
-                k, v = cache.update(k, v, i)
-            if row_plan is not None:
-                o = row_invariant_attention(q, k, v, row_plan, scaling, gqa)
+            if row_plan is not None:  # each lane's own keys (a decoding lane's are a view of its cache buffer)
+                if hasattr(cache, "lane_update"):
+                    lane_kv = cache.lane_update(k, v, i)
+                else:
+                    lane_kv = padded_lanes(*(cache.update(k, v, i) if cache is not None else (k, v)), row_plan)
+                o = row_invariant_attention(q, lane_kv, row_plan, scaling, gqa)
             else:
+                if cache is not None:
+                    k, v = cache.update(k, v, i)
                 o = sdpa(q, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
             x = x + o_proj(o.transpose(1, 2).reshape(B, Q, Hq * D))
             gate, up = gate_up_proj(post_norm(x)).chunk(2, dim=-1)

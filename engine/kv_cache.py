@@ -157,7 +157,10 @@ class BatchKV:
         self.lanes = lanes
         self.device = device
         self.cached_len = max((lane.length for lane in lanes), default=0)
-        self._scratch = False  # True once a forward wrote its chunk into lane 0's scratch tail (every layer)
+        # batch row -> (the lane's length then, layers) for rows whose chunk a forward wrote into the lane's scratch tail
+        self._scratch: dict[int, tuple[int, set[int]]] = {}
+        seen: set[int] = set()
+        self._shared = {id(lane) for lane in lanes if id(lane) in seen or seen.add(id(lane))}  # in two rows
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
 
@@ -189,12 +192,8 @@ class BatchKV:
             return key_states, value_states
         B, H, Q, D = key_states.shape
         C = self.cached_len
-        lane = self.lanes[0]
-        if B == 1 and C + Q <= lane.capacity and not (key_states.requires_grad or value_states.requires_grad):
-            k, v = lane.key_value(layer_idx, extra=Q)
-            k[:, C:] = key_states[0]
-            v[:, C:] = value_states[0]
-            self._scratch = True
+        if B == 1 and self._to_scratch(0, key_states, value_states, layer_idx):
+            k, v = self.lanes[0].key_value(layer_idx, extra=Q)
             return k[None], v[None]
         k = key_states.new_empty(B, H, C + Q, D)
         v = value_states.new_empty(B, H, C + Q, D)
@@ -211,17 +210,57 @@ class BatchKV:
         v[:, :, C:] = value_states
         return k, v
 
+    def lane_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As :meth:`update`, but each lane's keys/values on their own: ``[1, H, n_b + Q, D]`` for batch row ``b``, its
+        ``n_b`` cached keys then the whole chunk row ``b`` (the layout of ``engine/row_attention.py``).
+
+        A lane whose buffer has room for the chunk gets it written into its scratch tail and a view of the buffer is
+        returned (a decoding lane costs no copy of its cache; :meth:`commit` then adopts the written keys); a lane
+        with nothing cached gets a view of the chunk; otherwise (no room, autograd, a lane cache shared by two rows)
+        one copy of that lane's cache and chunk."""
+        self.new_keys[layer_idx] = key_states
+        self.new_values[layer_idx] = value_states
+        out = []
+        for b, lane in enumerate(self.lanes):
+            kb, vb = key_states[b:b + 1], value_states[b:b + 1]
+            n = lane.length
+            if n and self._to_scratch(b, key_states, value_states, layer_idx):
+                k, v = lane.key_value(layer_idx, extra=key_states.shape[2])
+                kb, vb = k[None], v[None]
+            elif n:
+                lk, lv = lane.key_value(layer_idx)
+                kb, vb = torch.cat([lk[None], kb], 2), torch.cat([lv[None], vb], 2)
+            out.append((kb, vb))
+        return out
+
+    def _to_scratch(self, b: int, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> bool:
+        """Write batch row ``b``'s chunk ``[H, Q, D]`` after its lane's cached keys if the buffer has room, no
+        gradient flows (the training ``draft`` objective forwards with gradients) and no other row uses the lane.
+        Returns whether it did."""
+        lane = self.lanes[b]
+        n, Q = lane.length, key_states.shape[2]
+        if (n + Q > lane.capacity or key_states.requires_grad or value_states.requires_grad
+                or id(lane) in self._shared):
+            return False
+        k, v = lane.key_value(layer_idx, extra=Q)
+        k[:, n:] = key_states[b]
+        v[:, n:] = value_states[b]
+        self._scratch.setdefault(b, (n, set()))[1].add(layer_idx)
+        return True
+
     def commit(self, row: int, idx: torch.Tensor, lane: LaneCache, pos: torch.Tensor, grp: torch.Tensor) -> None:
         """Append to ``lane`` the new keys/values of batch row ``row`` at chunk indices ``idx`` (``[m]`` int64) with
         their ``[m]`` positions and groups.
 
-        When this forward wrote the chunk into that lane's scratch tail (one lane, cache unchanged since) and ``idx``
+        When this forward wrote the chunk into that lane's scratch tail (cache unchanged since) and ``idx``
         is the chunk's first m positions - the usual commit: the causal tokens the forward starts with - the values
         are already in place and only the length moves; otherwise they are copied in.
         """
         m = int(idx.numel())
-        if (self._scratch and row == 0 and lane is self.lanes[0] and lane.length == self.cached_len and m
-                and len(self.new_keys) == len(lane._k)
+        written = self._scratch.get(row)
+        if (written is not None and lane is self.lanes[row] and lane.length == written[0] and m
+                and len(written[1]) == len(lane._k)
                 and torch.equal(idx, torch.arange(m, device=idx.device, dtype=idx.dtype))):
             lane.adopt_scratch(m, pos, grp)
             return

@@ -30,6 +30,9 @@ Here every row's keys are its own lane's (``[cached | chunk]``, no padding) and 
 
 The grouping is computed once per forward (:func:`lane_plans`, from the boolean mask) and reused by every layer
 (:func:`row_invariant_attention`). A forward costs one call per (lane, group or tile) per layer instead of one.
+Each lane's keys come as its own tensor (``[cached | chunk]``: :meth:`~unmask.engine.kv_cache.BatchKV.lane_update`
+writes a chunk after the lane's cached keys in its buffer, so a decoding lane attends to a view, no copy);
+:func:`padded_lanes` takes them out of one right-padded ``[B, H, C + Q, D]`` tensor instead.
 The fused decoder uses it for the low-bit weight formats only.
 """
 from __future__ import annotations
@@ -61,8 +64,9 @@ class LanePlan:
     """The attention calls of one lane (batch row ``b``) of a forward.
 
     Attributes:
-        b: the batch row. keys: the lane's key columns of the forward's ``[C + Q]`` keys (``slice`` when they are
-            contiguous, else ``[K_b]`` int64): its ``n_b`` cached keys, then its ``Q_b`` chunk rows.
+        b: the batch row. keys: the lane's key columns of the forward's right-padded ``[C + Q]`` keys (``slice``
+            when they are contiguous, else ``[K_b]`` int64): its ``n_b`` cached keys, then its ``Q_b`` chunk rows.
+        n_keys: ``n_b + Q_b``, the lane's keys in its own layout (cached keys then chunk rows).
         groups: ``(rows, m)``: query rows (``slice`` or ``[n]`` int64) that see exactly the lane's first ``m`` keys.
         other: query rows (``[n]`` int64) that see another set, or None; other_mask: their ``[1, 1, n, K_b]`` mask.
         tiles: the prompt rows' tiles (:class:`PromptTile`).
@@ -70,6 +74,7 @@ class LanePlan:
 
     b: int
     keys: slice | torch.Tensor
+    n_keys: int
     groups: list[tuple[slice | torch.Tensor, int]]
     other: torch.Tensor | None
     other_mask: torch.Tensor | None
@@ -89,10 +94,11 @@ def _tiles(rows: torch.Tensor, positions: torch.Tensor, masks: dict) -> list[Pro
 
 
 def lane_plans(mask: torch.Tensor, cached: int, positions: torch.Tensor | None = None,
-               prompt_rows: torch.Tensor | None = None) -> list[LanePlan]:
+               prompt_rows: torch.Tensor | None = None, lengths: list[int] | None = None) -> list[LanePlan]:
     """The per-lane calls for a boolean mask ``[B, 1, Q, C + Q]`` (True = may attend; ``cached`` = C, the padded
     cached width; each lane's cached keys are its first ``n_b`` columns, its chunk rows the first ``Q_b`` rows, as
     ``engine/denoiser.py`` lays them out). A padded query row (it sees only itself) is left out: its output is 0.
+    ``lengths``: each lane's cached keys ``n_b`` (a cache knows them); without it, the cached columns some row sees.
 
     ``prompt_rows`` (``[B, Q]`` bool, with ``positions`` ``[B, Q]`` int64): rows to compute in prompt tiles; one
     counts only when it sees exactly the keys of positions ``0..pos`` (its lane's keys start at position 0 and run
@@ -103,7 +109,7 @@ def lane_plans(mask: torch.Tensor, cached: int, positions: torch.Tensor | None =
     tile_masks: dict = {}
     for b in range(B):
         vis = mask[b, 0]
-        n_b = int(vis[:, :C].any(0).sum()) if C else 0
+        n_b = int(lengths[b]) if lengths is not None else (int(vis[:, :C].any(0).sum()) if C else 0)
         sees_more = vis.sum(-1) > 1
         sees_more[0] = True  # row 0 is always a real row (a lane has at least one)
         q_b = int(sees_more.nonzero().max()) + 1
@@ -129,20 +135,35 @@ def lane_plans(mask: torch.Tensor, cached: int, positions: torch.Tensor | None =
             contiguous = int(rows[-1]) - start + 1 == rows.numel()
             groups.append((slice(start, start + rows.numel()) if contiguous else rows, int(size)))
         other = (~is_prefix & (m >= 0)).nonzero().flatten()
-        plans.append(LanePlan(b, keys, groups, other if other.numel() else None,
+        plans.append(LanePlan(b, keys, n_b + q_b, groups, other if other.numel() else None,
                               lane[other][None, None] if other.numel() else None, tiles))
     return plans
 
 
-def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plans: list[LanePlan],
-                            scale: float, gqa: bool) -> torch.Tensor:
-    """``scaled_dot_product_attention`` of ``q`` ``[B, Hq, Q, D]`` over ``k``/``v`` ``[B, Hkv, C + Q, D]`` by the
-    calls of ``plans`` (:func:`lane_plans`); returns ``[B, Hq, Q, D]`` (padded rows 0)."""
+def padded_lanes(k: torch.Tensor, v: torch.Tensor, plans: list[LanePlan]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each lane's ``[1, Hkv, n_keys, D]`` keys/values out of right-padded ``k``/``v`` ``[B, Hkv, C + Q, D]``
+    (lane ``b``'s cached keys in columns ``[0, n_b)``, its chunk from column C): views where they are contiguous,
+    else gathered copies."""
+    out = [(k[:0], v[:0])] * k.shape[0]
+    for p in plans:
+        b = slice(p.b, p.b + 1)
+        out[p.b] = (k[b][:, :, p.keys], v[b][:, :, p.keys])
+    return out
+
+
+def row_invariant_attention(q: torch.Tensor, lane_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                            plans: list[LanePlan], scale: float, gqa: bool) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``q`` ``[B, Hq, Q, D]`` by the calls of ``plans`` (:func:`lane_plans`);
+    ``lane_kv[b]``: lane ``b``'s keys/values ``[1, Hkv, >= n_keys, D]``, its ``n_b`` cached keys then its chunk
+    rows (:meth:`~unmask.engine.kv_cache.BatchKV.lane_update`, :func:`padded_lanes`). Returns ``[B, Hq, Q, D]``
+    (padded rows 0)."""
     sdpa = F.scaled_dot_product_attention
     o = torch.zeros_like(q)
     for p in plans:
+        kb, vb = lane_kv[p.b]
+        kb, vb = kb[:, :, :p.n_keys], vb[:, :, :p.n_keys]
         b = slice(p.b, p.b + 1)
-        kb, vb = k[b][:, :, p.keys], v[b][:, :, p.keys]
         qb, ob = q[b], o[b]
         for rows, m in p.groups:
             ob[:, :, rows] = sdpa(qb[:, :, rows], kb[:, :, :m], vb[:, :, :m], scale=scale, enable_gqa=gqa)

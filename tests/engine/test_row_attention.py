@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from unmask.engine.attention import build_attention_mask
-from unmask.engine.row_attention import lane_plans, row_invariant_attention
+from unmask.engine.row_attention import lane_plans, padded_lanes, row_invariant_attention
 
 HQ, HKV, D = 6, 2, 16
 
@@ -71,7 +71,7 @@ def test_a_causal_rows_output_is_the_one_row_calls_whatever_the_forward_holds(n_
                         torch.randn(HQ, Q, D, generator=g))
     mask, C = _mask([(n_cached, lane)])
     k, v = _padded([cache_k], [ch_k], C, Q), _padded([cache_v], [ch_v], C, Q)
-    alone = row_invariant_attention(ch_q[None], k, v, lane_plans(mask, C), 0.25, True)
+    alone = row_invariant_attention(ch_q[None], padded_lanes(k, v, plans := lane_plans(mask, C)), plans, 0.25, True)
     # the math: SDPA with the mask, up to rounding
     torch.testing.assert_close(alone, F.scaled_dot_product_attention(ch_q[None], k, v, attn_mask=mask, scale=0.25,
                                                                      enable_gqa=True), rtol=1e-5, atol=1e-6)
@@ -98,8 +98,9 @@ def test_a_causal_rows_output_is_the_one_row_calls_whatever_the_forward_holds(n_
         qs[0, :, :Q] = ch_q
         for b, q in enumerate(Qs[1:], 1):
             qs[b, :, :q] = torch.randn(HQ, q, D, generator=g)
-        out = row_invariant_attention(qs, _padded(ks, cks, Cb, Qb), _padded(vs, cvs, Cb, Qb),
-                                      lane_plans(mask_b, Cb), 0.25, True)
+        plans = lane_plans(mask_b, Cb)
+        out = row_invariant_attention(qs, padded_lanes(_padded(ks, cks, Cb, Qb), _padded(vs, cvs, Cb, Qb), plans),
+                                      plans, 0.25, True)
         assert torch.equal(out[:1, :, :Q], alone)
         assert not out[0, :, Q:].any()  # padded query rows: zeros
 
@@ -145,7 +146,7 @@ def _prefill_outputs(q_all, k_all, v_all, n_cached: int, rows: int, mates=()):
     v = _padded([va[:, :n] for n, _, _, _, va in specs], [va[:, n:n + r] for n, r, _, _, va in specs], C, Q)
     plans = lane_plans(mask, C, pos, flag)
     assert plans[0].tiles and not plans[0].groups and plans[0].other is None  # every row went into a tile
-    return row_invariant_attention(q, k, v, plans, 0.25, True)[:1, :, :rows]
+    return row_invariant_attention(q, padded_lanes(k, v, plans), plans, 0.25, True)[:1, :, :rows]
 
 
 def test_a_prompt_rows_tile_output_is_the_same_whatever_chunk_cache_start_or_batch():

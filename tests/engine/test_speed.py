@@ -260,3 +260,54 @@ def test_block1_forwards_one_token_per_step_like_ar(attention):
     assert sizes == [len(ids)] + [1] * 8 and fast.nfe == 9
     slow = llm.generate([ids], SamplingParams(cache="none", **sp))[0].outputs[0]
     assert fast.token_ids == slow.token_ids
+
+
+def test_lane_update_gives_each_lane_its_keys_as_a_view_and_commits_adopt_them():
+    """Row-invariant attention's per-lane keys (``BatchKV.lane_update``): a lane with room gets cached keys + its
+    chunk row as a view of its own buffer (no copy of the cache), an empty lane a view of the chunk, a lane without
+    room, with autograd or shared by two rows a copy; every one equals its cache followed by its chunk row, no
+    committed key changes, and a commit of the chunk's first positions adopts the scratch keys of that lane only."""
+    g = torch.Generator().manual_seed(1)
+
+    def lane(n, hint):
+        c = LaneCache(capacity_hint=hint)
+        if n:
+            k = torch.randn(2, n, 8, generator=g)
+            c.append([k, k + 1], [k * 3, k * 3 + 1], torch.arange(n), torch.zeros(n, dtype=torch.long))
+        return c
+
+    lanes = [lane(5, 16), lane(0, 0), lane(3, 4), lane(9, 32)]  # lanes[2]: no room for a chunk of 3
+    before = [[t.clone() for t in ln.keys] for ln in lanes]
+    new = torch.randn(4, 2, 3, 8, generator=g)
+    kv = BatchKV(lanes, torch.device("cpu"))
+    for layer in range(2):
+        per_lane = kv.lane_update(new + layer, new * 2 + layer, layer)
+        for b, (ln, (k, v)) in enumerate(zip(lanes, per_lane)):
+            n = ln.length
+            assert k.shape == (1, 2, n + 3, 8)
+            assert (not n or torch.equal(k[0, :, :n], before[b][layer])) and torch.equal(k[0, :, n:], new[b] + layer)
+            assert torch.equal(v[0, :, n:], new[b] * 2 + layer)
+        assert per_lane[0][0].data_ptr() == lanes[0]._k[layer].data_ptr()  # a view of the lane's buffer
+        assert per_lane[3][0].data_ptr() == lanes[3]._k[layer].data_ptr()
+        assert per_lane[2][0].data_ptr() != lanes[2]._k[layer].data_ptr()  # no room: copied
+    assert [ln.length for ln in lanes] == [5, 0, 3, 9]
+    assert all(torch.equal(a, b) for ln, bb in zip(lanes, before) for a, b in zip(ln.keys, bb))
+    kv.commit(0, torch.tensor([0, 1]), lanes[0], torch.tensor([5, 6]), torch.tensor([0, 0]))    # adopted
+    kv.commit(3, torch.tensor([1]), lanes[3], torch.tensor([9]), torch.tensor([0]))             # not a prefix
+    kv.commit(2, torch.tensor([0, 1, 2]), lanes[2], torch.tensor([3, 4, 5]), torch.tensor([0, 0, 0]))
+    for b, idx in ((0, [0, 1]), (3, [1]), (2, [0, 1, 2])):
+        for layer in range(2):
+            assert torch.equal(lanes[b].keys[layer][:, -len(idx):], new[b][:, idx] + layer)
+            assert torch.equal(lanes[b].values[layer][:, -len(idx):], new[b][:, idx] * 2 + layer)
+    # one lane cache in two rows: neither writes into it (the second would overwrite the first's chunk)
+    shared = lane(4, 16)
+    kv = BatchKV([shared, shared], torch.device("cpu"))
+    per_lane = kv.lane_update(new[:2], new[:2], 0)
+    for b in range(2):
+        assert torch.equal(per_lane[b][0][0, :, 4:], new[b]) and per_lane[b][0].data_ptr() != shared._k[0].data_ptr()
+    # autograd: copies, gradients reach the chunk, the buffer is untouched
+    grad_chunk = torch.randn(1, 2, 1, 8, requires_grad=True)
+    solo = lane(2, 8)
+    (k, _), = BatchKV([solo], torch.device("cpu")).lane_update(grad_chunk, grad_chunk, 0)
+    k.sum().backward()
+    assert torch.equal(grad_chunk.grad, torch.ones_like(grad_chunk)) and not solo._k[0].requires_grad
