@@ -31,34 +31,13 @@ from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
 
 from .structured import (LOGIT_BIAS_KEY, MAX_LOGIT_BIAS, bad_bias_key, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
+from .field_text import CACHE_DESCRIPTION, UNSUPPORTED_FIELDS
 from .messages import ChatMessage
 from .tool_protocol import MAX_TOOLS, RequestBody, integral_fields, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
 
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
 
-# OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored)
-UNSUPPORTED_FIELDS = {
-    "functions": "the deprecated functions field is not supported: send tools",
-    "function_call": "the deprecated function_call field is not supported: send tool_choice",
-    "prompt_logprobs": "prompt_logprobs is not an OpenAI field, and prompt log-probabilities are not computed "
-                       "(a diffusion model reveals only generated tokens)",
-    "audio": "audio output is not supported by this server",
-    "prediction": "predicted outputs are not supported by this server",
-    "web_search_options": "web search is not supported by this server",
-    "reasoning_effort": "reasoning effort is not supported by this server",
-    "modalities": "only text output is supported by this server",
-    "verbosity": "verbosity control is not supported by this server",
-}
-
 RemaskingName = Literal[tuple(REMASKING_STRATEGIES)]  # type: ignore[valid-type]
-# what each cache mode does on each attention type (docs/design.md section 10 "Cache"): prefix/dual on a causal model
-# are accepted as its exact cache, on purpose, and said so here rather than left silent
-CACHE_DESCRIPTION = ("KV-cache policy: auto | none | prefix | dual; absent: the server's --cache (default auto). auto: "
-                     "the exact cache on prefix_causal and block_causal models, no cache on bidirectional ones; "
-                     "none: no cache; prefix / dual: Fast-dLLM's approximate caches on bidirectional models (dual "
-                     "caches the positions after the block too). On a prefix_causal or block_causal model prefix "
-                     "and dual are its exact cache, the same as auto: it already forwards only the active block "
-                     "and its output equals no cache's")
 CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
 
 

@@ -23,7 +23,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from .protocol import CACHE_DESCRIPTION, STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
+from .field_text import CACHE_DESCRIPTION
+from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
 from .tool_protocol import (FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema,
                             integral_fields)
 
