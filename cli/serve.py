@@ -164,10 +164,12 @@ def register(sub, name):
                         "within --max-cached-tokens, else 4096 tokens) and reuse it for requests whose prompts "
                         "start the same way, e.g. the next turn of a chat; exact on prefix-/block-causal models, "
                         "never used on bidirectional ones (default on; docs/design.md section 23)")
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
-                   help="chunked prefill: a prompt longer than this is forwarded this many tokens per step before "
-                        "its first denoising step, so that other requests keep decoding meanwhile; 0 = the whole "
-                        f"prompt in one step (default {DEFAULT_PREFILL_CHUNK}; docs/design.md section 4)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="ROWS",
+                   help="chunked prefill: a long prompt is forwarded in chunks of this many row-equivalents per step "
+                        "before its first denoising step, so that other requests keep decoding meanwhile; a row at "
+                        "position p counts 1 + p/P0 (P0 from the model's size, 3072 for SmolLM2-135M), so this is "
+                        "rows at the prompt's start and fewer further on, where each row attends to more keys; 0 = "
+                        f"the whole prompt in one step (default {DEFAULT_PREFILL_CHUNK}; docs/design.md section 4)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving "
                         "one to the HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")

@@ -136,7 +136,7 @@ class AsyncEngine:
             checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
         enable_prefix_caching: reuse committed KV across requests that share a prompt prefix (docs/design.md
             section 23; the store counts against ``max_cached_tokens`` and is evicted first).
-        prefill_chunk: prompt rows per step before a sequence's first step (chunked prefill, design section 4).
+        prefill_chunk: row-equivalents per step before a sequence's first step (chunked prefill, design section 4).
 
     Counters (read from any thread; updated by the engine thread after every step):
         ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished

@@ -18,7 +18,9 @@ from .kv_cache import BatchKV
 from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from .model import LoadedModel
 from .outputs import StepEvent
+from .prefill_cost import PrefillBudget, attention_crossover_keys
 from .request import DecodingStrategy, LaneInput
+from .row_attention import PROMPT_TILE
 
 
 class Denoiser:
@@ -27,9 +29,11 @@ class Denoiser:
     Args:
         model: the loaded model (``model.enable_compile()`` compiles its decoder forward).
         compile: call ``model.enable_compile()`` first (kept for old callers).
-        prefill_chunk: most prompt rows a sequence forwards in one step before its first denoising step (chunked
-            prefill, :meth:`~unmask.engine.request.Request.prefill_inputs`); 0 = the whole prompt in the first
-            step.
+        prefill_chunk: what a sequence's prompt chunk before its first denoising step, and a step's prompt rows in
+            all, may cost, in row-equivalents (chunked prefill, :meth:`~unmask.engine.request.Request.prefill_inputs`;
+            a row at position p costs ``1 + p / P0``, P0 from the model's config:
+            :func:`~unmask.engine.prefill_cost.attention_crossover_keys`); 0 = the whole prompt in the first step.
+            :attr:`budget` holds both, and the prompt-tile alignment of chunk ends (a test may replace it).
 
     Raises:
         ValueError: ``compile`` on a model with packed weights (names ``compile``); ``prefill_chunk`` < 0.
@@ -37,6 +41,8 @@ class Denoiser:
 
     def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        self.budget = PrefillBudget(self.prefill_chunk, attention_crossover_keys(model.model.config),
+                                    PROMPT_TILE if model.tiles_prompt_rows else 1)  # whole prompt tiles
         self.model = model
         self.device = model.device
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
@@ -54,11 +60,12 @@ class Denoiser:
         next to one-row decoding steps): see :func:`plan_forwards`. Results do not depend on the grouping
         (batch invariance).
 
-        A sequence with more than ``prefill_chunk`` prompt rows still to forward before its first step forwards
-        the next chunk of them instead (chunked prefill), so that a long prompt never holds up the others' steps
-        for its whole prefill; it yields no event. A step carries at most ``prefill_chunk`` prompt rows, chunks and
-        first steps' alike (always at least one sequence's), the fewest first: the others wait a step, their chunks
-        unchanged (shortest pending prompt first keeps short requests from waiting behind a long prefill).
+        A sequence whose prompt rows still to forward before its first step cost more than ``prefill_chunk``
+        row-equivalents (:attr:`budget`) forwards the next chunk of them instead (chunked prefill), so that a long
+        prompt never holds up the others' steps for its whole prefill; it yields no event. A step's prompt rows,
+        chunks and first steps' alike, cost at most ``prefill_chunk`` (always at least one sequence's): first steps
+        cheapest first (a short request does not wait behind a long prefill), then chunks in arrival order; the
+        others wait a step, their chunks unchanged.
 
         Returns:
             one :class:`StepEvent` per sequence that stepped, in order.
@@ -66,15 +73,20 @@ class Denoiser:
         if not seqs:
             return []
         # decoding sequences (nothing pending) skip the chunked-prefill bookkeeping
-        pending = [seq.pending_prompt_rows() if self.prefill_chunk else 0 for seq in seqs]
-        chunks = [seq.prefill_inputs(self.prefill_chunk) if p else None for seq, p in zip(seqs, pending)]
-        rows = [sum(int(inp.chunk.numel()) for inp in c) if c is not None else p for c, p in zip(chunks, pending)]
-        waiting, spent = set(), 0
-        for i in sorted((i for i in range(len(seqs)) if rows[i]), key=lambda i: rows[i]):
-            if spent and spent + rows[i] > self.prefill_chunk:
-                waiting.add(i)  # the step's prompt rows are spent: this sequence waits a step
+        budget = self.budget
+        pending = [seq.pending_prompt_rows() if budget.chunk else 0 for seq in seqs]
+        chunks = [seq.prefill_inputs(budget) if p else None for seq, p in zip(seqs, pending)]
+        costs = [sum(budget.cost(int(inp.chunk[0]), int(inp.chunk[-1]) + 1) for inp in c) if c is not None
+                 else seq.pending_prompt_cost(budget) if p else 0 for seq, c, p in zip(seqs, chunks, pending)]
+        # first steps cheapest first, then chunks in arrival order (a chunk counts as a whole budget: the first
+        # prompt to join finishes its prefill first, and the next one can reuse it through the prefix cache)
+        order = {i: costs[i] if chunks[i] is None else max(costs[i], budget.chunk) for i in range(len(seqs))}
+        waiting, spent = set(), 0.0
+        for i in sorted((i for i in range(len(seqs)) if costs[i]), key=order.__getitem__):
+            if spent and spent + costs[i] > budget.chunk:
+                waiting.add(i)  # the step's prompt budget is spent: this sequence waits a step
             else:
-                spent += rows[i]
+                spent += costs[i]
         keep = [i for i in range(len(seqs)) if i not in waiting]
         prefilling = [chunks[i] is not None for i in keep]
         inputs = [chunks[i] if chunks[i] is not None else seqs[i].lane_inputs() for i in keep]

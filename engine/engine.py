@@ -60,8 +60,9 @@ class Engine:
         enable_prefix_caching: keep the committed KV of finished and running requests and reuse it for requests
             whose prompts start the same way (docs/design.md section 23); never on bidirectional models.
         prefix_cache: share an existing store (``LLM`` keeps one across its calls); implies reuse.
-        prefill_chunk: most prompt rows a sequence forwards per step before its first step (chunked prefill,
-            :class:`~unmask.engine.denoiser.Denoiser`; 0 = the whole prompt at once); ignored with ``denoiser``.
+        prefill_chunk: what a sequence's prompt rows forwarded per step before its first step may cost, in
+            row-equivalents (chunked prefill, :class:`~unmask.engine.denoiser.Denoiser`; 0 = the whole prompt at
+            once); ignored with ``denoiser``.
 
     Raises:
         ValueError: ``default_drafts`` is not a policy; ``compile`` on packed weights; a ``prefix_cache`` built for

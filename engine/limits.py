@@ -37,14 +37,15 @@ MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
-#: prompt rows per chunk of a long prompt's prefill (docs/design.md section 4, "Chunked prefill"; measured in
-#: benchmarks/results/bench_long_prefill.md): small enough that other requests keep stepping during a long prefill, large enough that a
-#: forward's fixed cost stays a small share of the chunk's
+#: row-equivalents per chunk of a long prompt's prefill, rows at the prompt's start (docs/design.md section 4,
+#: "Chunked prefill"; engine/prefill_cost.py; measured in benchmarks/results/bench_long_prefill.md): small enough
+#: that other requests keep stepping during a long prefill, large enough that a forward's fixed cost stays a small
+#: share of the chunk's
 DEFAULT_PREFILL_CHUNK = 256
 
 
 def check_prefill_chunk(value) -> int:
-    """``value`` as a chunked-prefill size (prompt rows per step, 0 = off).
+    """``value`` as a chunked-prefill size (row-equivalents of prompt rows per step, 0 = off).
 
     Raises:
         ValueError: not an integer >= 0 (names ``prefill_chunk``).

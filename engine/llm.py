@@ -63,8 +63,9 @@ class LLM:
             (:func:`~unmask.engine.model.load_model`; docs/design.md section 21; a path only).
         enable_prefix_caching: reuse the committed KV of earlier calls' prompts and answers for prompts that start
             the same way (docs/design.md section 23; default on; never on bidirectional models).
-        prefill_chunk: most prompt rows a sequence forwards per step before its first step (chunked prefill,
-            docs/design.md section 4; 0 = the whole prompt at once).
+        prefill_chunk: what a sequence's prompt rows forwarded per step before its first step may cost, in
+            row-equivalents (rows at the prompt's start; chunked prefill, docs/design.md section 4; 0 = the whole
+            prompt at once).
 
     Example::
 

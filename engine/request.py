@@ -9,8 +9,9 @@ threads read only :meth:`Request.num_output_tokens` and the output objects.
 Strategy protocol (:class:`DecodingStrategy`): the denoiser calls exactly these and never looks at the type:
 
 * ``lane_inputs()`` -> one :class:`LaneInput` per lane: the rows to forward;
-* ``prefill_inputs(max_rows)`` / ``pending_prompt_rows()`` -> a prompt chunk instead of a step (chunked prefill,
-  :class:`Request`'s for every strategy) / the prompt rows its first step still has to forward;
+* ``prefill_inputs(budget)`` / ``pending_prompt_rows()`` / ``pending_prompt_cost(budget)`` -> a prompt chunk
+  instead of a step (chunked prefill, :class:`Request`'s for every strategy) / the prompt rows its first step
+  still has to forward, in rows / in row-equivalents (:class:`~unmask.engine.prefill_cost.PrefillBudget`);
 * ``variant_rows(inp)`` -> ``[Q]`` bool of the chunk rows that run the model's row variant, or ``None``;
 * ``consume(logits, forbidden_ids)`` -> ``(StepEvent, commits)``: take the ``[N, V]`` logits of each
   lane's needed rows, reveal tokens, and say which chunk indices of each lane are committed to its KV cache.
@@ -37,6 +38,7 @@ from .limits import ParamError, check_block_use
 from .outputs import CompletionOutput, Revealed, StepEvent
 from .params import SamplingParams
 from .plan import DecodingPlan, resolve
+from .prefill_cost import PrefillBudget
 from .stopping import StopChecker
 from .text_ids import check_no_mask, check_sampleable, check_token_ids, suffix_ids
 
@@ -82,9 +84,11 @@ class DecodingStrategy(Protocol):
 
     def lane_inputs(self) -> list[LaneInput]: ...
 
-    def prefill_inputs(self, max_rows: int) -> list[LaneInput] | None: ...
+    def prefill_inputs(self, budget: PrefillBudget) -> list[LaneInput] | None: ...
 
     def pending_prompt_rows(self) -> int: ...
+
+    def pending_prompt_cost(self, budget: PrefillBudget) -> float: ...
 
     def variant_rows(self, inp: LaneInput) -> torch.Tensor | None: ...
 
@@ -239,23 +243,32 @@ class Request:
     def pending_prompt_rows(self) -> int:
         """Committed prompt rows (all lanes) still to forward before the first step under the exact cache; 0 once
         stepped or without the exact cache (the chunked-prefill budget, ``Denoiser.step``)."""
-        if self.nfe or self.cache_mode != "exact" or self.dllm.attention == "bidirectional":
-            return 0
-        return sum(max(0, min(self.prompt_len, self.active[0]) - lane.cache.length) for lane in self.lanes)
+        return sum(e - c for c, e in self._pending_ranges())
 
-    def prefill_inputs(self, max_rows: int) -> list[LaneInput] | None:
-        """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence whose
-        lanes have more than ``max_rows`` committed prompt rows left to forward forwards the next ``max_rows`` of
-        them (cut back to a group boundary, e.g. a block-causal prompt block; a group longer than ``max_rows``
-        whole), committing their KV, instead of a step. ``None`` when the step may run: the rest fits,
-        ``max_rows`` is 0, or :meth:`pending_prompt_rows` is 0. Each lane advances from its own cache length (a
-        CFG request's cond lane may hold a cached prefix, its uncond lane, whose prompt is mask tokens, none); a
+    def pending_prompt_cost(self, budget: PrefillBudget) -> float:
+        """:meth:`pending_prompt_rows` in ``budget``'s row-equivalents (a row's cost grows with its position)."""
+        return sum(budget.cost(c, e) for c, e in self._pending_ranges())
+
+    def _pending_ranges(self) -> list[tuple[int, int]]:
+        """Per lane with rows pending, the prompt positions ``[cache length, end)`` its first step would forward."""
+        if self.nfe or self.cache_mode != "exact" or self.dllm.attention == "bidirectional":
+            return []
+        end = min(self.prompt_len, self.active[0])
+        return [(lane.cache.length, end) for lane in self.lanes if lane.cache.length < end]
+
+    def prefill_inputs(self, budget: PrefillBudget) -> list[LaneInput] | None:
+        """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence with a
+        lane whose pending prompt rows cost more than ``budget.chunk`` row-equivalents (a row at position p costs
+        ``1 + p / budget.keys``) forwards in each lane the next rows up to :meth:`prefill_limit` that fit it (at
+        least one; cut back to a group boundary, e.g. a block-causal prompt block; a group costing more, whole),
+        committing their KV, instead of a step; their bounds depend on the lane's cache length alone. ``None``:
+        the step may run (every lane's rest fits, ``budget.chunk`` is 0, nothing pending). Each lane advances from
+        its own cache length (a CFG cond lane may hold a cached prefix, its uncond lane, prompt masked, none); a
         lane with nothing left sits the chunk out (``LaneInput.lane`` names the others)."""
-        if max_rows <= 0 or not self.pending_prompt_rows():
+        pending = self._pending_ranges() if budget.chunk > 0 else []
+        if all(budget.cost(c, e) <= budget.chunk for c, e in pending):
             return None
         limit = self.prefill_limit()
-        if max(limit - lane.cache.length for lane in self.lanes) <= max_rows:
-            return None
         a, e = self.active
         grp, start, committed = canvas_groups(self.length, self.dllm.attention, a, a, e, self.block_size,
                                               self.origin, device=self.device)
@@ -265,10 +278,10 @@ class Request:
             c = lane.cache.length
             if c >= limit:
                 continue
-            end = min(c + max_rows, limit)
+            end = budget.end(c, limit)
             while end > c and int(grp[end - 1]) == int(grp[end]):  # never split a group ...
                 end -= 1
-            if end == c:  # ... and take a group longer than max_rows whole
+            if end == c:  # ... and take a group that alone costs more than the budget whole
                 end = c + 1
                 while end < limit and int(grp[end - 1]) == int(grp[end]):
                     end += 1

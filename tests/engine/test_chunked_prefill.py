@@ -1,9 +1,16 @@
 """Chunked prefill (docs/design.md section 4, "Chunked prefill"; ``Request.prefill_inputs``): a long prompt is
-forwarded ``prefill_chunk`` rows per step before its first denoising step. It gives the same tokens, NFE and lane KV
-as the whole prompt at once, in every strategy and attention; other requests keep stepping meanwhile; its KV is
-shared through the prefix cache as it is computed. Found by a break-it run: other streams stalled 11-15 s while a
-6000-token prompt was prefilled in one step."""
+forwarded in chunks of at most ``prefill_chunk`` row-equivalents (a row at position p costs ``1 + p / P0``) before
+its first denoising step. It gives the same tokens, NFE and lane KV as the whole prompt at once, in every strategy
+and attention; other requests keep stepping meanwhile; its KV is shared through the prefix cache as it is computed.
+Found by a break-it run: other streams stalled 11-15 s while a 6000-token prompt was prefilled in one step; then
+that a chunk of 256 rows cost 0.46 s at the start of such a prompt and 1.74 s at its end (hence the cost bound).
+
+The tiny model's P0 is 288 (:data:`P0_TINY`), so the expectations below follow the rule written out here
+(:func:`_chunk_sizes`, exact fractions), not the engine's own arithmetic."""
 from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
 
 import pytest
 import torch
@@ -13,11 +20,35 @@ from unmask.engine import LLM, SamplingParams
 from unmask.engine.denoiser import Denoiser
 from unmask.engine.engine import Engine
 from unmask.engine.mask_adapter import attach_mask_adapter
+from unmask.engine.prefill_cost import PrefillBudget, attention_crossover_keys
+
+#: P0 of ``tiny.loaded()`` (H 64, I 128, L 2, Hq 4, Hkv 2, D 16): linear FLOPs per row 2 * 2 * (64*64 + 2*64*32 +
+#: 64*64 + 3*64*128) = 147,456 over attention FLOPs per key 4 * 4 * 16 * 2 = 512
+P0_TINY = 288
 
 
 def _ids(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(5, 300, (n,), generator=g).tolist()
+
+
+def _cost(start: int, end: int, keys=P0_TINY) -> Fraction:
+    """Row-equivalents of the prompt positions ``[start, end)``: the sum of ``1 + p / P0``."""
+    return sum((1 + Fraction(p, keys) for p in range(start, end)), Fraction(0))
+
+
+def _chunk_sizes(prompt_len: int, budget: int, start: int = 0, keys=P0_TINY) -> list[int]:
+    """The rows of each chunk a prefix-causal lane's prompt goes in, from ``start``: while its pending rows ``[c,
+    prompt_len)`` cost more than ``budget``, the most rows from ``c`` (before the last prompt position, which the
+    first step forwards) costing at most ``budget``, at least one."""
+    sizes, c, limit = [], start, prompt_len - 1
+    while c < limit and _cost(c, prompt_len, keys) > budget:
+        n = 1
+        while c + n < limit and _cost(c, c + n + 1, keys) <= budget:
+            n += 1
+        sizes.append(n)
+        c += n
+    return sizes
 
 
 def _with_adapter():
@@ -84,10 +115,12 @@ def test_block_causal_chunks_end_at_block_boundaries():
     engine = Engine(model, prefill_chunk=7, enable_prefix_caching=False)
     (seq,) = engine.add_request(_ids(50), SamplingParams(max_tokens=8, temperature=0.0), "r")
     engine.scheduler._admit()
-    inputs = seq.prefill_inputs(7)
-    assert inputs is not None and inputs[0].chunk.tolist() == list(range(4))  # 7 cut back to one whole block
+    budget = engine.denoiser.budget
+    assert _chunk_sizes(50, 7) == [6] + _chunk_sizes(50, 7, 6)  # 6 rows fit 7 row-equivalents at the start ...
+    inputs = seq.prefill_inputs(budget)
+    assert inputs is not None and inputs[0].chunk.tolist() == list(range(4))  # ... cut back to one whole block
     # a chunk smaller than a block takes one whole block (break-it: chunking went off, the prompt in one step)
-    assert seq.prefill_inputs(3)[0].chunk.tolist() == list(range(4))
+    assert seq.prefill_inputs(dataclasses.replace(budget, chunk=3))[0].chunk.tolist() == list(range(4))
 
 
 def test_other_requests_keep_stepping_during_a_long_prefill():
@@ -104,7 +137,7 @@ def test_other_requests_keep_stepping_during_a_long_prefill():
         if "long" in names:
             break
         steps_before_long += 1
-    assert steps_before_long == 199 // 16  # ceil((200 - 1) / 16) - 1 chunks, then its first step prefills the rest
+    assert steps_before_long == len(_chunk_sizes(200, 16)) == 17  # its chunks, then its first step takes the rest
     alone = LLM(model, prefill_chunk=0).generate([_ids(5, 1)], SamplingParams(max_tokens=40, **greedy))
     outs = {}
     while engine.has_unfinished():
@@ -121,10 +154,12 @@ def test_a_prompt_shares_its_prefix_while_it_is_being_prefilled():
     params = SamplingParams(max_tokens=4, temperature=0.0, block_size=1, ignore_eos=True)
     engine.add_request(prompt, params, "first")
     for _ in range(4):
-        assert not engine.step()  # four chunks of 32: 128 prompt tokens committed and stored
+        assert not engine.step()  # four chunks of 32 row-equivalents: 30 + 27 + 25 + 24 prompt tokens committed
+    committed = sum(_chunk_sizes(300, 32)[:4])
+    assert committed == 106 == engine.scheduler.running[0].lanes[0].cache.length
     (second,) = engine.add_request(prompt[:200] + _ids(20, 4), params, "second")
     engine.step()
-    assert second.cached_tokens == 128
+    assert second.cached_tokens == committed // 16 * 16 == 96  # the whole prefix-cache chunks (16 tokens) stored
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
@@ -169,13 +204,14 @@ def test_a_cfg_request_with_a_prefix_cache_hit_still_prefills_in_chunks():
     widths = []
     while True:
         engine.scheduler._admit()
-        inputs = seq.prefill_inputs(16)
+        inputs = seq.prefill_inputs(engine.denoiser.budget)
         if inputs is None:
             break
         widths.append(sorted((inp.lane, int(inp.chunk.numel())) for inp in inputs))
         assert not engine.step()
-    assert seq.cached_tokens == 192 and widths[0] == [(0, 7), (1, 16)]  # cond: its last 7 rows; uncond: a chunk
-    assert all(w == [(1, 16)] for w in widths[1:]) and len(widths) == 199 // 16  # then the uncond lane alone
+    uncond = _chunk_sizes(200, 16)
+    assert seq.cached_tokens == 192 and widths[0] == [(0, 7), (1, uncond[0])]  # cond: its last 7 rows; uncond: a chunk
+    assert [w[-1] for w in widths] == [(1, n) for n in uncond] and all(len(w) == 1 for w in widths[1:])  # uncond alone
     out = {}
     while engine.has_unfinished():
         for ev in engine.step():
@@ -185,16 +221,23 @@ def test_a_cfg_request_with_a_prefix_cache_hit_still_prefills_in_chunks():
     assert out["cfg"] == fresh.token_ids
 
 
+def _engine_with_a_stream(seed: int, max_tokens: int, rid: str) -> Engine:
+    """An engine (tiny model, chunks of 16, no prefix cache) whose greedy block-1 stream ``rid`` (a 5-token
+    prompt) has taken its first step."""
+    engine = Engine(tiny.loaded(), prefill_chunk=16, enable_prefix_caching=False)
+    engine.add_request(_ids(5, seed), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                     block_size=1), rid)
+    engine.step()
+    return engine
+
+
 def test_a_step_carries_one_chunk_of_prompt_rows_first_come_first_served():
     """Several long prompts at once: a step carries at most prefill_chunk prompt rows (break-it: six 2000-token
     prompts prefilling side by side held a stream up 4.9 s per step). The first to join prefills first; each keeps
     its own chunks, so every answer is the one it gets alone."""
-    model = tiny.loaded()
+    engine = _engine_with_a_stream(9, 60, "short")
+    model = engine.model
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, block_size=1)
-    engine = Engine(model, prefill_chunk=16, enable_prefix_caching=False)
-    engine.add_request(_ids(5, 9), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, block_size=1),
-                       "short")
-    engine.step()
     a = engine.add_request(_ids(100, 10), greedy, "a")[0]
     b = engine.add_request(_ids(90, 11), greedy, "b")[0]
     history, outs = [], {}
@@ -266,3 +309,88 @@ def test_choices_that_prefill_one_after_another_share_the_prompt():
     assert outs[0].cached_tokens == 0 and outs[1].cached_tokens == 192
     assert outs[0].token_ids == outs[1].token_ids
     assert engine.prefix_cache_stats()["queries"] == 2 * 200  # each choice looked up once, however long it waited
+
+
+def test_p0_comes_from_the_models_config():
+    """P0 = 2 * N_linear / (4 * Hq * D * L) (engine/prefill_cost.py): the key count at which one row's attention
+    costs what its linear layers cost."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    assert attention_crossover_keys(tiny.loaded().model.config) == P0_TINY
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3)  # SmolLM2-135M: N_linear = 30 * 3,538,944 = 106,168,320
+    assert attention_crossover_keys(smollm2) == 2 * 106_168_320 / (4 * 9 * 64 * 30) == 3072
+    qwen = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2)  # head_dim = hidden_size / heads when the config has none
+    assert attention_crossover_keys(qwen) == P0_TINY
+    with pytest.raises(ValueError, match="intermediate_size"):
+        attention_crossover_keys(LlamaConfig(intermediate_size=0))
+    rows = PrefillBudget(16)  # keys = inf: every row costs 1, the bound on rows of before
+    assert [rows.end(c, 100) for c in (0, 50, 90, 99)] == [16, 66, 100, 100]
+    # whole prompt tiles (row-invariant attention): an end rounded down to a multiple of 32 when one lies past the
+    # start; SmolLM2-135M's default chunk: 246 rows fit at the start, 224 taken, then 86 near position 6000
+    tiles = PrefillBudget(256, 3072, align=32)
+    assert [tiles.end(c, 10_000) - c for c in (0, 224, 5984)] == [224, 224, 64]
+    assert tiles.end(5984, 5999) == 5999 and PrefillBudget(7, P0_TINY, 32).end(10, 20) == 16  # no multiple of 32
+    assert _chunk_sizes(10_000, 256, keys=3072)[0] == 246 and _cost(5984, 5984 + 86, 3072) <= 256
+
+
+def test_chunks_shrink_with_position_as_the_rule_says():
+    """A 480-token prompt in chunks of 16 row-equivalents: 15 rows at its start, 6 at its end, each chunk the most
+    rows that fit (one more would not); the answer is the unchunked one."""
+    model = tiny.loaded()
+    prompt = _ids(480, 50)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, block_size=2)
+    engine = Engine(model, prefill_chunk=16, enable_prefix_caching=False)
+    (seq,) = engine.add_request(prompt, params, "long")
+    sizes, out = [], None
+    while out is None:
+        before = seq.lanes[0].cache.length
+        events = engine.step()
+        if not seq.nfe:
+            sizes.append(seq.lanes[0].cache.length - before)
+        out = next((ev.output for ev in events if ev.finished), out)
+    expected = _chunk_sizes(480, 16)
+    assert sizes == expected and expected[0] == 15 and expected[-1] == 6  # 1 + 470 / 288 = 2.6 per row at the end
+    c = 0
+    for n in sizes:
+        assert _cost(c, c + n) <= 16 < _cost(c, c + n + 1)
+        c += n
+    assert _cost(c, 480) <= 16  # the first step's own prompt rows fit too
+    whole = LLM(model, prefill_chunk=0, enable_prefix_caching=False).generate([prompt], params)[0].outputs[0]
+    assert out.token_ids == whole.token_ids and out.nfe == whole.nfe
+
+
+def test_a_steps_prompt_cost_stays_within_the_budget_with_several_long_prompts():
+    """Three long prompts join a decoding stream at once: no step's prompt rows cost more than 16 row-equivalents,
+    each prompt goes in the very chunks it gets alone (bounds from its own position, never its batch mates), and
+    every answer is the unchunked one."""
+    engine = _engine_with_a_stream(60, 200, "stream")
+    model = engine.model
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, block_size=1)
+    prompts = {"a": _ids(450, 61), "b": _ids(400, 62), "c": _ids(300, 63)}
+    seqs = {rid: engine.add_request(ids, greedy, rid)[0] for rid, ids in prompts.items()}
+    costs, sizes, outs = [], {rid: [] for rid in prompts}, {}
+    real = engine.denoiser._forward
+
+    def counting(rows):
+        costs[-1] += sum(1 + Fraction(p, P0_TINY) for seq, _, inp in rows
+                         for p in inp.chunk[inp.committed & (inp.chunk < seq.prompt_len)].tolist())
+        return real(rows)
+
+    engine.denoiser._forward = counting
+    while any(not s.finished for s in seqs.values()):
+        before = {rid: s.lanes[0].cache.length for rid, s in seqs.items()}
+        costs.append(Fraction(0))
+        events = engine.step()
+        assert "stream" in [ev.request_id for ev in events]  # the stream steps every time
+        for rid, s in seqs.items():
+            if not s.nfe and s.lanes[0].cache.length > before[rid]:
+                sizes[rid].append(s.lanes[0].cache.length - before[rid])
+        outs.update({ev.request_id: ev.output.token_ids for ev in events if ev.finished})
+    assert max(costs) <= 16 and max(costs) > 15  # full steps, never over
+    assert sum(costs) == sum(_cost(0, len(ids)) for ids in prompts.values())  # every prompt row forwarded once
+    whole = LLM(model, prefill_chunk=0, enable_prefix_caching=False)
+    for rid, ids in prompts.items():
+        assert sizes[rid] == _chunk_sizes(len(ids), 16), rid
+        assert outs[rid] == whole.generate([ids], greedy)[0].outputs[0].token_ids, rid
