@@ -294,7 +294,7 @@ def option_name(args: argparse.Namespace, dest: str) -> str:
 
 
 # serve options that load_model reads under the same name; its errors start "<name>: " (the Python API's words)
-LOAD_OPTIONS = ("device", "dtype", "weights", "device_map", "max_memory", "family")
+LOAD_OPTIONS = ("device", "dtype", "weights", "device_map", "max_memory", "offload_folder", "family")
 
 
 def name_load_option(args: argparse.Namespace, message: str) -> str:

@@ -317,7 +317,8 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
             corrupt, incomplete, a writer's staging directory, or holds non-finite weights
             (:mod:`unmask.engine.checkpoint_check`, docs/design.md section 16); an adapter whose parent hash
             differs from the checkpoint's (section 21).
-        ValueError: a bad ``device``, ``dtype`` or ``weights`` (the message names it).
+        ValueError: a bad ``device``, ``dtype`` or ``weights``, or ``max_memory`` / ``offload_folder`` without
+            ``device_map`` (the message names it).
     """
     from .checkpoint_check import load_checked
     from .families import detect_family, get_family
@@ -332,6 +333,10 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     from .heap import return_freed_memory
     from .packed_weights import pack_model, resolve_weight_format
 
+    for option, value in (("max_memory", max_memory), ("offload_folder", offload_folder)):
+        if value is not None and device_map is None:  # would be ignored: say so instead
+            raise ValueError(f"{option}: applies only with device_map (auto | balanced | sequential, or a map); "
+                             "set device_map or drop it")
     if device_map is not None and weights in (None, "auto"):
         weights = "native"  # offloaded weights run as loaded (docs/design.md section 18)
     fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read

@@ -109,7 +109,8 @@ def place_model(loaded, device_map: str | dict | None, max_memory: str | dict | 
 
     Raises:
         ValueError: (names ``device_map``) a malformed map, more than one accelerator, packed weights, a verifier, or
-            a map that does not cover the model's modules (accelerate's message).
+            a map that does not cover the model's modules (accelerate's message); (names ``max_memory``) a
+            ``max_memory`` beside an explicit map, which would ignore it.
     """
     from accelerate import dispatch_model
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
@@ -122,6 +123,9 @@ def place_model(loaded, device_map: str | dict | None, max_memory: str | dict | 
     if loaded.row_variant is not None:
         raise ValueError("device_map: not supported with a verifier (per-row weights)")
     mem = parse_max_memory(max_memory)
+    if mem is not None and not isinstance(spec, str):
+        raise ValueError("max_memory: an explicit device_map places every module itself; max_memory is read only "
+                         "by device_map auto | balanced | sequential")
     model = loaded.model
     dmap = infer_device_map(model, spec, mem) if isinstance(spec, str) else dict(spec)
     if dmap.get("") == "disk" or not any(d != "disk" for d in dmap.values()):

@@ -98,6 +98,8 @@ AT_LOAD = [
     ({"UNMASK_DEVICE_MAP": "bogus"}, "device_map", "'bogus' is not one of"),
     ({"UNMASK_DEVICE_MAP": "auto", "UNMASK_MAX_MEMORY": "lots"}, "max_memory", "'lots' is not DEVICE=SIZE"),
     ({"UNMASK_FAMILY": "nope"}, "family", "'nope' is not one of"),
+    ({"UNMASK_MAX_MEMORY": "cpu=2GiB"}, "max_memory", "applies only with device_map"),   # was silently ignored
+    ({"UNMASK_OFFLOAD_FOLDER": "/tmp/x"}, "offload_folder", "applies only with device_map"),
     ({"UNMASK_MAX_MODEL_LEN": "100000"}, "max_model_len", "exceeds the model's context of 512"),
 ]
 

@@ -77,6 +77,13 @@ def test_bad_device_map_and_weights_fail_naming_the_field(ckpt):
         load_model(ckpt, device="cpu", weights="fp16", device_map="auto")
     with pytest.raises(ValueError, match="max_memory"):
         load_model(ckpt, device="cpu", device_map="auto", max_memory="cpu=1KB")
+    # options that only a device map reads are refused without one (and max_memory beside an explicit map), not
+    # silently ignored
+    for kw, says in ((dict(max_memory="cpu=2GiB"), "max_memory: applies only with device_map"),
+                     (dict(offload_folder="/tmp/x"), "offload_folder: applies only with device_map"),
+                     (dict(device_map={"": "cpu"}, max_memory="cpu=2GiB"), "max_memory: an explicit device_map")):
+        with pytest.raises(ValueError, match=says):
+            load_model(ckpt, device="cpu", **kw)
     with pytest.raises(ValueError, match="accelerators"):
         load_model(ckpt, device="cpu", device_map={**_split_map(), "model.layers.0": "cuda:0",
                                                     "model.layers.1": "cuda:1"})
