@@ -444,6 +444,34 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
                             f"rows only; {src})")
 
 
+def check_can_listen(host: str, port: int, port_name: str = "--port", host_name: str = "--host") -> None:
+    """Bind ``host:port`` once, as uvicorn will (``SO_REUSEADDR``), and let it go: a port in use or a host that is
+    not this machine's is refused before the model loads (new-user report: the error came after the whole load).
+    Port 0 (any free port) is not checked. A port taken between this check and uvicorn's bind still fails there.
+
+    Raises:
+        UsageError: one line naming the option (or its variable), the address and the system's reason.
+    """
+    import socket
+
+    from unmask.cli.main import UsageError
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"{host_name}: cannot resolve {host!r} ({exc.strerror})") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise UsageError(f"{port_name}: cannot listen on {host}:{port} ({exc.strerror}); stop what uses it or "
+                             "pick another port") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the options, load the model (or the default one) and serve it with uvicorn until SIGINT/SIGTERM;
     returns 0 after a graceful shutdown.
@@ -472,6 +500,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{opt('request_timeout')}: must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"{opt('port')}: must be in 0..65535, got {args.port}")
+    check_can_listen(args.host, args.port, opt("port"), opt("host"))  # before minutes of loading, not after
     chat_template = None
     if args.chat_template:
         from unmask.server.chat_prompt import shipped_template

@@ -41,6 +41,7 @@ class Denoiser:
 
     def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        self._chunk_waited = False  # the prompt budget left a chunk waiting in the last step
         self.budget = PrefillBudget(self.prefill_chunk, attention_crossover_keys(model.model.config),
                                     PROMPT_TILE if model.tiles_prompt_rows else 1)  # whole prompt tiles
         self.model = model
@@ -64,8 +65,9 @@ class Denoiser:
         row-equivalents (:attr:`budget`) forwards the next chunk of them instead (chunked prefill), so that a long
         prompt never holds up the others' steps for its whole prefill; it yields no event. A step's prompt rows,
         chunks and first steps' alike, cost at most ``prefill_chunk`` (always at least one sequence's): first steps
-        cheapest first (a short request does not wait behind a long prefill), then chunks in arrival order; the
-        others wait a step, their chunks unchanged.
+        cheapest first (a short request does not wait behind a long prefill), then chunks in arrival order, except
+        after a step that left a chunk waiting, when chunks go first (no starvation); the others wait a step, their
+        chunks unchanged.
 
         Returns:
             one :class:`StepEvent` per sequence that stepped, in order.
@@ -81,12 +83,17 @@ class Denoiser:
         # first steps cheapest first, then chunks in arrival order (a chunk counts as a whole budget: the first
         # prompt to join finishes its prefill first, and the next one can reuse it through the prefix cache)
         order = {i: costs[i] if chunks[i] is None else max(costs[i], budget.chunk) for i in range(len(seqs))}
+        # ... but after a step that left a chunk waiting, chunks go first (a stream of new first steps would
+        # otherwise starve a long prompt for ever: break-it)
+        starved = self._chunk_waited
         waiting, spent = set(), 0.0
-        for i in sorted((i for i in range(len(seqs)) if costs[i]), key=order.__getitem__):
+        for i in sorted((i for i in range(len(seqs)) if costs[i]),
+                        key=lambda i: ((chunks[i] is None) == starved, order[i])):
             if spent and spent + costs[i] > budget.chunk:
                 waiting.add(i)  # the step's prompt budget is spent: this sequence waits a step
             else:
                 spent += costs[i]
+        self._chunk_waited = any(chunks[i] is not None for i in waiting)
         keep = [i for i in range(len(seqs)) if i not in waiting]
         prefilling = [chunks[i] is not None for i in keep]
         inputs = [chunks[i] if chunks[i] is not None else seqs[i].lane_inputs() for i in keep]

@@ -70,7 +70,7 @@ class PrefillBudget:
     def end(self, start: int, limit: int) -> int:
         """The end of a chunk from ``start``: the largest ``e <= limit`` whose rows ``[start, e)`` cost at most
         :attr:`chunk`, at least ``start + 1`` (one row whatever it costs), then rounded down to a multiple of
-        :attr:`align` when one lies after ``start`` (``limit`` is never rounded); ``limit`` when ``start >= limit``."""
+        :attr:`align` when it holds at least :attr:`align` rows (``limit`` is never rounded); ``limit`` when ``start >= limit``."""
         if start >= limit:
             return limit
         lo, hi = 1, limit - start  # rows: lo always taken; the cost grows with the rows
@@ -82,4 +82,5 @@ class PrefillBudget:
                 hi = mid - 1
         end = start + lo
         aligned = end // self.align * self.align
-        return aligned if end < limit and aligned > start else end
+        # only a chunk holding a whole tile is cut back to one: shorter ones would split every tile in two chunks
+        return aligned if end < limit and end - start >= self.align else end

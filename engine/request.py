@@ -258,17 +258,19 @@ class Request:
 
     def prefill_inputs(self, budget: PrefillBudget) -> list[LaneInput] | None:
         """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence with a
-        lane whose pending prompt rows cost more than ``budget.chunk`` row-equivalents (a row at position p costs
-        ``1 + p / budget.keys``) forwards in each lane the next rows up to :meth:`prefill_limit` that fit it (at
-        least one; cut back to a group boundary, e.g. a block-causal prompt block; a group costing more, whole),
+        whose lanes' pending prompt rows cost more than ``budget.chunk`` row-equivalents (a row at position p costs
+        ``1 + p / budget.keys``) forwards in each lane the next rows up to :meth:`prefill_limit` that fit its share
+        of it (the budget split evenly between the lanes with rows left; at least one; cut back to a group boundary, e.g. a block-causal prompt block; a group costing more, whole),
         committing their KV, instead of a step; their bounds depend on the lane's cache length alone. ``None``:
         the step may run (every lane's rest fits, ``budget.chunk`` is 0, nothing pending). Each lane advances from
         its own cache length (a CFG cond lane may hold a cached prefix, its uncond lane, prompt masked, none); a
         lane with nothing left sits the chunk out (``LaneInput.lane`` names the others)."""
         pending = self._pending_ranges() if budget.chunk > 0 else []
-        if all(budget.cost(c, e) <= budget.chunk for c, e in pending):
+        if sum(budget.cost(c, e) for c, e in pending) <= budget.chunk:
             return None
         limit = self.prefill_limit()
+        shares = max(1, sum(ln.cache.length < limit for ln in self.lanes))  # a CFG request's two lanes: half each
+        budget = PrefillBudget(budget.chunk / shares, budget.keys, budget.align)
         a, e = self.active
         grp, start, committed = canvas_groups(self.length, self.dllm.attention, a, a, e, self.block_size,
                                               self.origin, device=self.device)

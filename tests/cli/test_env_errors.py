@@ -124,3 +124,23 @@ def test_every_load_option_is_a_serve_option():
 
     args = build_parser().parse_args(["serve"])
     assert all(hasattr(args, dest) for dest in LOAD_OPTIONS)
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(monkeypatch, capsys):
+    """New-user report: with port 8000 taken, ``unmask serve`` loaded the whole model and only then failed to bind.
+    The bind is tried first (exit 2 in one line naming the option, or its variable), and fast."""
+    import socket
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        t0 = time.perf_counter()
+        err = _serve(["/nonexistent/model", "--port", port], monkeypatch, capsys)
+        assert f"--port: cannot listen on 127.0.0.1:{port}" in err, err
+        err = _serve(["/nonexistent/model"], monkeypatch, capsys, {"UNMASK_PORT": port})
+        assert f"$UNMASK_PORT: cannot listen on 127.0.0.1:{port}" in err, err
+        assert time.perf_counter() - t0 < 5
+    err = _serve(["/nonexistent/model", "--host", "no-such-host.invalid"], monkeypatch, capsys)
+    assert "--host: cannot resolve 'no-such-host.invalid'" in err, err

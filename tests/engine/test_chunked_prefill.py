@@ -207,11 +207,19 @@ def test_a_cfg_request_with_a_prefix_cache_hit_still_prefills_in_chunks():
         inputs = seq.prefill_inputs(engine.denoiser.budget)
         if inputs is None:
             break
-        widths.append(sorted((inp.lane, int(inp.chunk.numel())) for inp in inputs))
+        widths.append(sorted((inp.lane, int(inp.chunk[0]), int(inp.chunk.numel())) for inp in inputs))
         assert not engine.step()
-    uncond = _chunk_sizes(200, 16)
-    assert seq.cached_tokens == 192 and widths[0] == [(0, 7), (1, uncond[0])]  # cond: its last 7 rows; uncond: a chunk
-    assert [w[-1] for w in widths] == [(1, n) for n in uncond] and all(len(w) == 1 for w in widths[1:])  # uncond alone
+    assert seq.cached_tokens == 192 and [w[:2] for w in widths[0]] == [(0, 192), (1, 0)]  # each from its own length
+    # the two lanes share a chunk (break-it: each took a whole one, two chunks' work in one step): each lane takes
+    # the most rows that fit its half while both have rows left, the whole budget once one lane is done
+    for w in widths:
+        share = Fraction(16, len(w))
+        for _, c, n in w:
+            assert _cost(c, c + n) <= share or n == 1
+            assert c + n == 199 or _cost(c, c + n + 1) > share  # the most that fit
+    uncond = [(c, n) for w in widths for lane, c, n in w if lane == 1]
+    assert len(uncond) > 5 and all(c == sum(n for _, n in uncond[:i]) for i, (c, _) in enumerate(uncond))
+    assert _cost(sum(n for _, n in uncond), 200) <= 16  # in many chunks, until its first step's rows fit
     out = {}
     while engine.has_unfinished():
         for ev in engine.step():
@@ -394,3 +402,38 @@ def test_a_steps_prompt_cost_stays_within_the_budget_with_several_long_prompts()
     for rid, ids in prompts.items():
         assert sizes[rid] == _chunk_sizes(len(ids), 16), rid
         assert outs[rid] == whole.generate([ids], greedy)[0].outputs[0].token_ids, rid
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_new_requests():
+    """Break-it: first steps go before chunks, so a short request joining every step kept a long prompt's chunk
+    waiting for ever (30 steps, cache length 0). After a step that left a chunk waiting, chunks go first."""
+    engine = Engine(tiny.loaded(), max_batch_size=4, prefill_chunk=16, enable_prefix_caching=False)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, block_size=1)
+    (long,) = engine.add_request(_ids(150, 3), greedy, "long")
+    k, first = 0, None
+    for step in range(60):
+        while len(engine.scheduler.waiting) < 2:  # the queue always holds new short requests
+            engine.add_request(_ids(10, 100 + k), greedy, f"s{k}")
+            k += 1
+        if "long" in [ev.request_id for ev in engine.step()] and first is None:
+            first = step
+    # the prompt's chunks (at most every other step) and its first step came through the stream of joiners
+    assert first is not None and first <= 2 * (len(_chunk_sizes(150, 16)) + 1), (first, long.lanes[0].cache.length)
+
+
+def test_chunk_ends_align_to_prompt_tiles_only_when_a_tile_fits():
+    """Break-it: rounding a chunk's end down to a prompt tile when fewer than a tile's rows fit split every tile
+    in two chunks (28 + 4, ...): 22 chunks where 13 do. Only a chunk of at least one tile is aligned."""
+    aligned = PrefillBudget(256, 3072.0, 32)
+    assert aligned.end(0, 8000) == 224 and aligned.end(224, 8000) % 32 == 0  # whole tiles
+    small = PrefillBudget(31, 3072.0, 32)
+    ends, c = [], 0
+    while c < 366:
+        c = small.end(c, 366)
+        ends.append(c)
+    unaligned = PrefillBudget(31, 3072.0, 1)
+    ref, c = [], 0
+    while c < 366:
+        c = unaligned.end(c, 366)
+        ref.append(c)
+    assert ends == ref  # under a tile's rows a chunk is not cut back
