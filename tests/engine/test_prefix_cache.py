@@ -151,6 +151,26 @@ def test_lru_eviction_inside_a_small_budget_keeps_the_recently_used_prefix():
     assert run(y, "y2") == 0
 
 
+def test_the_store_holds_its_tokens_kv_and_nothing_more():
+    """Each stored chunk owns exactly its keys/values and groups (copies, never views of the lane that computed
+    them: a view would keep that request's whole buffer alive after it ended), so the store's memory is its tokens x
+    the model's KV bytes per token: what bounds a server's RSS (docs/history.md, "The server's RSS plateaus")."""
+    model = tiny.loaded()
+    engine = Engine(model)
+    store = engine.prefix_cache
+    for i in range(3):
+        _run(engine, _ids(70, 40 + i), SamplingParams(max_tokens=20, block_size=4, temperature=0.0), f"r{i}")
+    assert not engine.scheduler.running and store.tokens >= 3 * 64
+    cfg = model.model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    held = 0
+    for chunk in store._chunks.values():
+        for t in (chunk.kv, chunk.grp):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (t.shape, t.untyped_storage().nbytes())
+        held += chunk.kv.untyped_storage().nbytes()
+    assert held == store.tokens * per_token
+
+
 def test_a_live_request_never_waits_for_cached_prefixes():
     model = tiny.loaded()
     budget = 160
