@@ -82,13 +82,12 @@ class Denoiser:
                  else seq.pending_prompt_cost(budget) if p else 0 for seq, c, p in zip(seqs, chunks, pending)]
         # first steps cheapest first, then chunks in arrival order (a chunk counts as a whole budget: the first
         # prompt to join finishes its prefill first, and the next one can reuse it through the prefix cache)
-        order = {i: costs[i] if chunks[i] is None else max(costs[i], budget.chunk) for i in range(len(seqs))}
+        order = {i: c if chunks[i] is None else max(c, budget.chunk) for i, c in enumerate(costs) if c}
         # ... but after a step that left a chunk waiting, chunks go first (a stream of new first steps would
         # otherwise starve a long prompt for ever: break-it)
         starved = self._chunk_waited
         waiting, spent = set(), 0.0
-        for i in sorted((i for i in range(len(seqs)) if costs[i]),
-                        key=lambda i: ((chunks[i] is None) == starved, order[i])):
+        for i in sorted(order, key=lambda i: ((chunks[i] is None) == starved, order[i])):
             if spent and spent + costs[i] > budget.chunk:
                 waiting.add(i)  # the step's prompt budget is spent: this sequence waits a step
             else:

@@ -246,7 +246,10 @@ class BatchKV:
         k, v = lane.key_value(layer_idx, extra=Q)
         k[:, n:] = key_states[b]
         v[:, n:] = value_states[b]
-        self._scratch.setdefault(b, (n, set()))[1].add(layer_idx)
+        written = self._scratch.get(b)
+        if written is None:  # first layer of this forward (no set built per layer and lane)
+            self._scratch[b] = written = (n, set())
+        written[1].add(layer_idx)
         return True
 
     def commit(self, row: int, idx: torch.Tensor, lane: LaneCache, pos: torch.Tensor, grp: torch.Tensor) -> None:
