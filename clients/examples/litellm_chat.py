@@ -10,3 +10,4 @@ reply = litellm.completion(model=f"openai/{model}", api_base=BASE_URL, api_key=A
                            messages=[{"role": "user", "content": "Name three colours."}],
                            extra_body={"block_size": 4, "steps": 8})
 print(reply.choices[0].message.content)
+print("usage:", reply.usage.completion_tokens, "tokens")
