@@ -77,10 +77,9 @@ def _weights_kind(loaded) -> str:
     elif loaded.weight_format in ("int8", "int4"):
         layers = getattr(loaded, "packed_layers", None) or {}
         if loaded.weight_format == "int4" and "fp16" in layers and "int8" not in layers:
-            kind += (f" checkpoint whose values lie on a 4-bit grid of 32 (a Q4 GGUF's blocks), run as int4 "
-                     f"weight-only linear layers holding "
-                     f"those blocks ({layers.get('int4', 0)} layers; bf16 activations and scales) and "
-                     f"{layers['fp16']} fp16-packed off the grid (the LM head); --weights fp16 to dequantize them")
+            kind = (f"int4 ({layers.get('int4', 0)} linear layers hold the checkpoint's 4-bit grid of 32, a Q4 "
+                    f"GGUF's blocks, bf16 activations; {layers['fp16']} fp16-packed: the LM head; "
+                    f"--weights fp16 to dequantize)")
         else:
             kind += f", run as {loaded.weight_format} weight-only linear layers (bf16 activations; docs/scale.md)"
     return kind
@@ -571,13 +570,15 @@ def run(args: argparse.Namespace) -> int:
         drafts = ("with drafts" if _drafts_by_default(loaded, args.default_drafts) else
                   "without drafts, i.e. one token per forward (on a CPU drafting costs more than it saves; the "
                   "answers are the same; --default-drafts on to draft)")
-        decoding = (f"[requests without steps/threshold: causal-path decoding {how}, {drafts}; "
-                    f"other requests: {decoding}]")
-    log.info("serving %s as %r: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s "
-             "threads=%d default decoding=%s on http://%s:%d%s", what or model_path, name, d.family, d.attention,
-             d.block_size, d.logit_shift, loaded.max_context, loaded.device, _weights_kind(loaded),
-             torch.get_num_threads(), decoding,
-             args.host, args.port, " (API key required on /v1)" if api_key else "")
+        decoding = (f"requests without steps/threshold: causal-path decoding {how}, {drafts}; "
+                    f"other requests: {decoding}")
+    # three lines, not one: what is served and where, the model's settings, its default decoding
+    log.info("serving %s as %r on http://%s:%d%s", what or model_path, name, args.host, args.port,
+             " (API key required on /v1)" if api_key else "")
+    log.info("model: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s threads=%d",
+             d.family, d.attention, d.block_size, d.logit_shift, loaded.max_context, loaded.device,
+             _weights_kind(loaded), torch.get_num_threads())
+    log.info("default decoding: %s", decoding)
     from unmask.server.wire import protocol_class
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

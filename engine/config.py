@@ -2,8 +2,9 @@
 
 Every family adapter (``unmask.engine.families``) produces a :class:`DllmConfig`; the denoiser, the server and
 the trainer read only this object, never family-specific fields. See docs/design.md sections 3, 6 and 10.
-Also the checkpoint-file helpers every reader shares: :func:`read_json_file`, :func:`dataclass_from_dict`,
-:func:`check_int` (errors are :class:`CheckpointError` naming the file and field).
+Also the checkpoint-file helpers: :func:`read_json_file` (shared by every checkpoint reader),
+:func:`dataclass_from_dict` and :func:`check_int` (this module's ``dllm`` parsing); errors are
+:class:`CheckpointError` naming the file and field.
 """
 from __future__ import annotations
 
