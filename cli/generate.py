@@ -168,22 +168,26 @@ class _StepView:
     ``_``)."""
 
     def __init__(self, texts, block_size: int | None):
+        from unmask.clients.stream import Canvas
+
         self.texts = texts
+        self.canvas = Canvas(block_size=block_size)
         self.live = None
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.live import Live
 
-            from unmask.clients.stream import Canvas
-
-            self.canvas = Canvas(block_size=block_size)
             self.live = Live(console=Console(stderr=True), auto_refresh=False, transient=False)
             self.live.start()
 
     def update(self, ev) -> None:
-        cells = [None if t is None else self.texts(t) for t in ev.canvas]
+        self.canvas.update({"canvas": [None if t is None else self.texts(t) for t in ev.canvas], "step": ev.step,
+                            "block": ev.block, "nfe": ev.nfe,
+                            "revealed": [{"position": r.position} for r in ev.revealed]})
+        if ev.finished:  # the last event: after an early EOS nothing decodes the rest of the canvas
+            self.canvas.drop_unrevealed_tail()
         if self.live is None:
-            canvas = "".join("_" if c is None else c for c in cells)
+            canvas = "".join("_" if c is None else c for c in self.canvas.cells)
             print(f"[block {ev.block} step {ev.step} nfe {ev.nfe}] {canvas}", file=sys.stderr, flush=True)
             return
         from rich.console import Group
@@ -191,8 +195,6 @@ class _StepView:
 
         from unmask.clients.chat import render_canvas
 
-        self.canvas.update({"canvas": cells, "step": ev.step, "block": ev.block, "nfe": ev.nfe,
-                            "revealed": [{"position": r.position} for r in ev.revealed]})
         tpf = ev.num_tokens / ev.nfe if ev.nfe else 0.0
         status = Text(f"block {ev.block}  step {ev.step}  NFE {ev.nfe}  tokens {ev.num_tokens}  TPF {tpf:.2f}",
                       style="grey62")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from unmask.cli import UsageError  # noqa: F401  (re-exported: unmask.cli.main.UsageError)
@@ -58,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def library_bars_off_terminal(stderr, env) -> None:
+    """Off a terminal (stderr redirected to a log file) the libraries' progress bars are hundreds of carriage-return
+    frames on one line: transformers' (loading weights, a GGUF's de-quantisation, writing shards) and
+    huggingface_hub's. They are turned off through ``TQDM_DISABLE`` and ``HF_HUB_DISABLE_PROGRESS_BARS`` in ``env``,
+    which tqdm and huggingface_hub read when first imported (every command imports them later, inside its run).
+    unmask's own bars (``distill``, ``train``) pass ``disable`` explicitly and are unaffected; a value the user set
+    wins."""
+    if not stderr.isatty():
+        env.setdefault("TQDM_DISABLE", "1")
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns its exit status (130 on Ctrl-C, 2 with a
     one-line message on :class:`UsageError` or a :data:`REMOVED` command; argparse exits 2 on bad syntax)."""
@@ -67,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args = parser.parse_args(argv)
+    library_bars_off_terminal(sys.stderr, os.environ)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

@@ -564,14 +564,14 @@ def run(args: argparse.Namespace) -> int:
     decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
                 else "one token per step")
     if d.default_sampling.get("speculative"):
-        how = (f"verified by {Path(loaded.path) / Path(d.verifier).expanduser()}" if d.verifier
-               else "verified by the parent's causal path, drafts from the mask-row adapter" if loaded.adapter
-               else "self-verified")
-        drafts = ("with drafts" if _drafts_by_default(loaded, args.default_drafts) else
-                  "without drafts, i.e. one token per forward (on a CPU drafting costs more than it saves; the "
-                  "answers are the same; --default-drafts on to draft)")
-        decoding = (f"requests without steps/threshold: causal-path decoding {how}, {drafts}; "
-                    f"other requests: {decoding}")
+        verifier = (str(Path(loaded.path) / Path(d.verifier).expanduser()) if d.verifier
+                    else "the parent's causal path" if loaded.adapter else "the model's causal path")
+        drafter = "the mask-row adapter" if loaded.adapter else "the model's mask rows"
+        plain = (f"requests without steps/threshold: speculative decoding, drafts from {drafter} verified by "
+                 f"{verifier}" if _drafts_by_default(loaded, args.default_drafts) else
+                 f"requests without steps/threshold: {verifier}, one token per forward (no drafts: on a CPU "
+                 f"drafting costs more than it saves, and the answers are the same; --default-drafts on to draft)")
+        decoding = f"{plain}; other requests: {decoding}"
     # three lines, not one: what is served and where, the model's settings, its default decoding
     log.info("serving %s as %r on http://%s:%d%s", what or model_path, name, args.host, args.port,
              " (API key required on /v1)" if api_key else "")

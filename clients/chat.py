@@ -222,6 +222,8 @@ class Chat:
                     live.update(view(), refresh=True)
                 if stepped:
                     canvas.last_revealed = []
+                    if finish is not None:  # finished, not interrupted: nothing fills the rest
+                        canvas.drop_unrevealed_tail()
                     live.update(Group(render_canvas(canvas), Text(canvas.status(), style="bold cyan")), refresh=True)
         finally:
             gen.close()

@@ -242,6 +242,14 @@ class Canvas:
                 self.step_of[p], self.block_of[p] = self.step, self.block
                 self.revealed += 1
 
+    def drop_unrevealed_tail(self) -> None:
+        """Forget the positions after the last revealed one: a finished answer (an EOS before ``max_tokens``)
+        never decodes them, so they are not placeholders any more."""
+        n = len(self.cells)
+        while n and self.cells[n - 1] is None:
+            n -= 1
+        del self.cells[n:], self.step_of[n:], self.block_of[n:]
+
     def block_span(self) -> tuple[int, int] | None:
         """``(start, end)`` positions of the current block, or None when not known."""
         earlier = [p for p, b in enumerate(self.block_of) if b is not None and b < self.block]

@@ -63,6 +63,8 @@ class ServerState:
     chat_template: str | None = None
     default_cache: str = "auto"
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    #: the option that set ``max_seqs_per_request``: ``--max-queue`` where the queue is the smaller bound
+    max_seqs_option: str = "--max-seqs-per-request"
     tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -141,6 +143,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics, default_max_tokens=default_max_tokens,
                         request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache,
                         max_seqs_per_request=min(max_seqs_per_request, engine.max_queue),
+                        max_seqs_option=("--max-seqs-per-request" if max_seqs_per_request <= engine.max_queue
+                                         else "--max-queue"),
                         tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
@@ -268,7 +272,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     params = await anyio.to_thread.run_sync(lambda: body.sampling_params(max_tokens, logprobs, state.default_cache))
     if len(prompts) * body.n > state.max_seqs_per_request:
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's limit of "
-                            f"{state.max_seqs_per_request} sequences per request (--max-seqs-per-request)",
+                            f"{state.max_seqs_per_request} sequences per request ({state.max_seqs_option})",
                        param="n", code="invalid_value")
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
     streams = []

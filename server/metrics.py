@@ -20,7 +20,7 @@ What moves when (values move exactly with the requests served):
   per request, one ``tokens_per_forward`` observation per choice (generated tokens / NFE), one ``steps_per_block``
   observation per decoded block (none for self-speculative requests: they reveal left to right with no denoising
   blocks; their steps are in ``denoising_steps``);
-* a request that fails after admission (client disconnect, timeout, engine fault, queue/cache full):
+* a request refused at admission (queue or cache full) or failing after it (client disconnect, timeout, engine fault):
   ``request_failure_total{reason}`` += 1 with reason ``abort`` | ``timeout`` | ``error`` | ``queue_full`` |
   ``cache_full``; the work it got before it ended stays counted (the revealed prefix an aborted request keeps, its
   forwards, steps and drafts, and the prompts that ran at least one forward), so
@@ -81,7 +81,7 @@ class Metrics:
                                          L, registry=r)
         self.request_success = Counter("unmask:request_success", "Finished choices by finish reason.",
                                        L + ["finished_reason"], registry=r)
-        self.request_failure = Counter("unmask:request_failure", "Requests that failed after admission, by reason.",
+        self.request_failure = Counter("unmask:request_failure", "Requests refused at admission (queue_full, cache_full) or failed after it (abort, timeout, error), by reason.",
                                        L + ["reason"], registry=r)
         self.nfe = Counter("unmask:nfe", "Model forward evaluations per request (CFG counts twice), completed or not.",
                            L, registry=r)

@@ -6,7 +6,7 @@ answer runs the same parser over the whole text (:func:`parse`), so streamed and
 
 ``hermes`` (Hermes 2 Pro / Qwen2.5 / Qwen3 templates, vLLM's ``hermes``): a call is
 ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``; the body is JSON (surrounding whitespace ignored);
-an unclosed call at the end of the text counts when its body parses. A body that is not such an object, or names
+an unclosed call at the end of the text counts when its body parses (without a close tag cut short there). A body that is not such an object, or names
 a function the request did not offer, is returned as text (content), never an error. Trailing whitespace of the
 content is held back until more content follows (so the result does not depend on how the text was cut into
 pieces). Whitespace around calls belongs to them: between calls, and before or after them at the edges of the
@@ -154,7 +154,11 @@ class HermesParser(ToolParser):
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
         if self._in_call and not self.ended:
-            self._emit(self._buf, closed=False, out=out)
+            body = self._buf  # a close tag cut short by max_tokens ("...}</tool_c") is not part of the body
+            partial = _tag_prefix_len(body, self.CLOSE)
+            if partial and self._call(body[:-partial]) is not None:
+                body = body[:-partial]
+            self._emit(body, closed=False, out=out)
         elif not self.ended:
             self._content(self._buf, out)
         self._buf, self._in_call = "", False

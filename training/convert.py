@@ -31,7 +31,6 @@ import contextlib
 import copy
 import os
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -115,22 +114,6 @@ def _no_init():
     return no_init_weights()
 
 
-@contextlib.contextmanager
-def _progress_bars_on_terminals_only():
-    """transformers' loading bars (a GGUF's de-quantisation) off while stderr is not a terminal: redirected to a
-    log file, a bar is hundreds of carriage-return updates on one line. Restores the previous setting."""
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    if was_on and not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-
-
 def plain_copy_of_gguf_model(model):
     """A serialisable copy of a GGUF-loaded model (docs/design.md section 8).
 
@@ -188,9 +171,7 @@ def load_parent(src: str | os.PathLike, gguf_file: str | None = None, dtype: str
     except Exception as exc:
         raise ConversionError(f"SRC: cannot load the tokenizer from {where} ({exc})") from exc
     try:
-        with _progress_bars_on_terminals_only():
-            model = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch_dtype, attn_implementation="sdpa",
-                                                         **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch_dtype, attn_implementation="sdpa", **kw)
     except Exception as exc:
         raise ConversionError(f"SRC: cannot load a causal LM from {where} ({exc})") from exc
     if gguf_file or getattr(model.config, "quantization_config", None) is not None:

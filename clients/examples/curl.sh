@@ -7,7 +7,7 @@ MODEL="$(curl -sf "$BASE_URL/models" -H "Authorization: Bearer $KEY" | python3 -
 
 curl -sf "$BASE_URL/chat/completions" -H "Authorization: Bearer $KEY" -H 'content-type: application/json' -d '{
   "model": "'"$MODEL"'", "messages": [{"role": "user", "content": "Name three colours."}],
-  "max_tokens": 16, "temperature": 0, "block_size": 4, "steps": 8}'
+  "max_tokens": 16, "temperature": 0, "block_size": 2, "steps": 8}'
 echo
 
 curl -sfN "$BASE_URL/chat/completions" -H "Authorization: Bearer $KEY" -H 'content-type: application/json' -d '{

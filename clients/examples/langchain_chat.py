@@ -7,7 +7,7 @@ from _common import API_KEY, BASE_URL
 
 model = OpenAI(base_url=BASE_URL, api_key=API_KEY).models.list().data[0].id
 llm = ChatOpenAI(model=model, base_url=BASE_URL, api_key=API_KEY, max_tokens=16, temperature=0,
-                 extra_body={"block_size": 4, "steps": 8})
+                 extra_body={"block_size": 2, "steps": 8})
 reply = llm.invoke("Name three colours.")
 print(reply.content)
 print("usage:", reply.usage_metadata["output_tokens"], "tokens")

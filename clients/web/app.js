@@ -81,6 +81,14 @@ function snapshot(c) {
            tps: secs > 0 ? c.revealed / secs : 0 };
 }
 
+// the positions after the last revealed one, which a finished answer (an EOS before max_tokens) never decodes
+function dropUnrevealedTail(f) {
+  let n = f.cells.length;
+  while (n > 0 && f.cells[n - 1] === null) n--;
+  f.cells = f.cells.slice(0, n); f.stepOf = f.stepOf.slice(0, n); f.blockOf = f.blockOf.slice(0, n);
+  if (f.span) f.span = [Math.min(f.span[0], n), Math.min(f.span[1], n)];
+}
+
 function draw(f) {
   const root = $("canvas"); root.innerHTML = "";
   const fresh = new Set(f.fresh);
@@ -190,6 +198,7 @@ async function send(question) {
   else { state.messages.pop(); out.textContent = text + " (stopped)"; }
   if (state.frames.length) {
     const last = state.frames[state.frames.length - 1]; last.fresh = [];
+    if (ok) dropUnrevealedTail(last);   // after an early EOS nothing will fill the rest of the canvas
     const s = $("slider"); s.max = String(state.frames.length - 1); s.value = s.max; s.disabled = false;
     showFrame(state.frames.length - 1);
   }

@@ -63,3 +63,22 @@ def test_listed_one_word_fields_name_the_cli_flags():
     msg = _in_flags(e.value, args)
     assert msg.startswith("--speculative-branches: only applies with self-speculative decoding"), msg
     assert "also sets --steps" in msg and "drop --speculative-branches, or drop --steps to get" in msg, msg
+
+
+def test_show_steps_drops_the_canvas_after_an_early_eos(capsys):
+    """The last ``--show-steps`` line of a finished answer has no placeholders after its last revealed token: nothing
+    decodes them after an EOS (a masked position inside stays ``_``)."""
+    from types import SimpleNamespace
+
+    from unmask.cli.generate import _StepView
+
+    view = _StepView(lambda t: f"<{t}>", block_size=4)
+
+    def ev(canvas, finished):
+        return SimpleNamespace(canvas=canvas, block=0, step=0, nfe=1, revealed=[], finished=finished, num_tokens=2)
+
+    view.update(ev([None, 5, None, 2, None, None], finished=False))
+    view.update(ev([None, 5, None, 2, None, None], finished=True))
+    view.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].endswith("] _<5>_<2>__") and lines[1].endswith("] _<5>_<2>"), lines

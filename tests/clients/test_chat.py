@@ -56,6 +56,17 @@ def test_client_streams_steps(server):
     assert any(None in s.denoising["canvas"] for s in steps)   # placeholders before the end
 
 
+def test_a_finished_canvas_drops_the_positions_after_an_early_eos():
+    """After an EOS before max_tokens nothing decodes the rest: the final canvas has no placeholders there (found by
+    a new user in the browser page; the terminal views share this Canvas). Masks inside stay."""
+    c = Canvas(block_size=4)
+    c.update({"canvas": [None, "b", None, "<eos>", None, None, None, None], "step": 0, "block": 0, "nfe": 1,
+              "revealed": [{"position": 1}, {"position": 3}]})
+    c.drop_unrevealed_tail()
+    assert c.cells == [None, "b", None, "<eos>"] and len(c.step_of) == len(c.block_of) == 4
+    assert c.block_span() == (0, 4)
+
+
 def test_retries_once_without_include_denoising():
     bodies = []
 

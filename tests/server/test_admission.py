@@ -88,3 +88,21 @@ def test_submit_many_admits_all_prompts_or_none(model):
     finally:
         gate.set()
         eng.shutdown()
+
+
+@pytest.mark.parametrize("max_queue, per_request, option", [(2, 64, "--max-queue"), (8, 2, "--max-seqs-per-request")])
+def test_the_per_request_limit_names_the_option_that_set_it(model, max_queue, per_request, option):
+    """A request over prompts x n gets a 400 naming the option that set the limit: the queue's size when it is the
+    smaller bound (found by a new user: `--max-queue 1` and n=2 blamed --max-seqs-per-request, left at 64)."""
+    eng = AsyncEngine(model, max_batch_size=1, max_queue=max_queue)
+    try:
+        app = build_app(eng, "m", shutdown_engine=False, max_seqs_per_request=per_request)
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2, "n": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+            msg = r.json()["error"]["message"]
+            assert f"limit of 2 sequences per request ({option})" in msg, msg
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2, "n": 2})
+            assert r.status_code == 200, r.text
+    finally:
+        eng.shutdown()

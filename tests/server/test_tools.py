@@ -144,6 +144,17 @@ def test_an_unclosed_call_at_the_end_counts_when_it_parses():
     assert content is None and calls[0].name == "get_time"
 
 
+@pytest.mark.parametrize("cut", ["</tool_call", "</", "<", "\n</tool_ca"])
+def test_a_close_tag_cut_short_at_the_end_is_not_part_of_the_call(cut):
+    """max_tokens can stop the text inside the close tag (found by a new user: the cut call came back as markup in
+    content beside the parsed call before it). A body that still does not parse stays text, tag and all."""
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>\n'
+    content, calls = parse(HermesParser(NAMES), call + '<tool_call>\n{"name": "get_time", "arguments": {}}' + cut)
+    assert content is None and [c.name for c in calls] == ["get_time", "get_time"], (content, calls)
+    content, calls = parse(HermesParser(NAMES), call + '<tool_call>{"name": "get_ti' + cut)
+    assert content == '<tool_call>{"name": "get_ti' + cut and len(calls) == 1
+
+
 def test_feeding_pieces_gives_what_the_whole_text_gives():
     text = ('Ok <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> and '
             '<tool_call>{"bad</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>  ')

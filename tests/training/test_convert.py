@@ -10,7 +10,6 @@ masks take effect; the mask token is never generated; ``unmask convert`` exits 2
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -404,27 +403,3 @@ def test_cli_convert(parents, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and field in err, err
     assert not (tmp_path / "bad").exists()
-
-
-def test_loading_bars_only_on_a_terminal(monkeypatch):
-    """transformers' GGUF de-quantisation bar is off while stderr is a file (a log of carriage returns otherwise)
-    and on at a terminal; the setting is restored after loading."""
-    import io
-
-    from transformers.utils import logging as hf_logging
-
-    from unmask.training.convert import _progress_bars_on_terminals_only
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    assert hf_logging.is_progress_bar_enabled()
-    monkeypatch.setattr(sys, "stderr", io.StringIO())
-    with _progress_bars_on_terminals_only():
-        assert not hf_logging.is_progress_bar_enabled()
-    assert hf_logging.is_progress_bar_enabled()
-    monkeypatch.setattr(sys, "stderr", Terminal())
-    with _progress_bars_on_terminals_only():
-        assert hf_logging.is_progress_bar_enabled()
-    assert hf_logging.is_progress_bar_enabled()
