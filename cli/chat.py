@@ -36,7 +36,7 @@ def register(sub, name):
 def options_from(args) -> dict:
     """The request fields the flags set."""
     from unmask.cli import UsageError
-    from unmask.clients.chat import parse_value
+    from unmask.clients.chat import check_option, parse_value
 
     out = {}
     for flag, field in (("max_tokens", "max_tokens"), ("steps", "steps"), ("block_size", "block_size"),
@@ -44,11 +44,17 @@ def options_from(args) -> dict:
                         ("cfg_scale", "cfg_scale"), ("speculative", "speculative")):
         value = getattr(args, flag)
         if value is not None:
+            why = check_option(field, value)
+            if why is not None:
+                raise UsageError(f"--{flag.replace('_', '-')}: {why}")
             out[field] = value
     for item in args.set:
         field, sep, value = item.partition("=")
         if not sep or not field:
             raise UsageError(f"--set: expected FIELD=VALUE, got {item!r}")
+        why = check_option(field.strip(), parse_value(value))
+        if why is not None:
+            raise UsageError(f"--set {field.strip()}: {why}")
         out[field.strip()] = parse_value(value)
     return out
 

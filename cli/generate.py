@@ -88,8 +88,18 @@ def run(args: argparse.Namespace) -> int:
                                 speculative_epsilon=args.speculative_epsilon,
                                 speculative_ratio=args.speculative_ratio,
                                 speculative_no_repeat_ngram=args.speculative_no_repeat_ngram)
+        if params.speculative:  # rules that need no model: before the seconds of loading one
+            from unmask.engine.plan import check_no_unused_fields
+
+            check_no_unused_fields(params)
     except ParamError as exc:
         raise UsageError(_in_flags(exc, args)) from exc
+    for name in ("prompt", "suffix"):
+        _check_text(f"--{name}", getattr(args, name))
+    for text in args.stop or []:
+        _check_text("--stop", text)
+    if not args.prompt and not args.chat:  # as the engine would say after the model's load
+        raise UsageError("--prompt: empty: give the text to continue (with --chat an empty message is a prompt)")
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads: must be >= 1, got {args.threads}")
@@ -134,6 +144,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(out.text)
     return 0
+
+
+def _check_text(option: str, text: str | None) -> None:
+    """Command-line text must be UTF-8: the shell hands other bytes to Python as surrogate escapes, which the
+    tokenizer cannot take (break-it: ``--prompt $'\\xff'`` ended in a traceback).
+
+    Raises:
+        UsageError: naming the option and the first byte that is not UTF-8.
+    """
+    from unmask.cli.main import UsageError
+
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"character U+{char:04X}"
+        raise UsageError(f"{option}: not UTF-8 text ({what} at position {exc.start}); "
+                         f"pass the text in UTF-8") from None
 
 
 def _in_flags(exc, args: argparse.Namespace) -> str:

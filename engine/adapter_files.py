@@ -53,10 +53,15 @@ def parent_hash(path: str | os.PathLike) -> str:
     count). ``sha256:<hex>``. The result is cached in ``<path>/.unmask-content-hash.json`` keyed by the weight
     files' names, sizes and modification times (when the directory is writable): hashing 0.5 GB takes seconds.
 
+    A cache file that cannot be read (bad JSON, another shape) is ignored and rewritten: it is only a cache.
+
     Raises:
-        CheckpointError: no ``*.safetensors`` files in ``path``.
+        CheckpointError: no ``*.safetensors`` files in ``path``, or one that is not a whole safetensors file (names
+            it: truncated, not safetensors; ``checkpoint_check.safetensors_header``).
     """
     from safetensors import safe_open
+
+    from .checkpoint_check import safetensors_header
 
     path = Path(path)
     files = [f for f in sorted(path.glob("*.safetensors")) if f.name != ADAPTER_WEIGHTS]
@@ -64,9 +69,14 @@ def parent_hash(path: str | os.PathLike) -> str:
         raise CheckpointError(f"{path}: no *.safetensors weights to hash (the adapter's parent must be a "
                               f"safetensors checkpoint directory)")
     key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    cached = read_json_file(path / HASH_CACHE) if (path / HASH_CACHE).is_file() else None
+    try:
+        cached = read_json_file(path / HASH_CACHE) if (path / HASH_CACHE).is_file() else None
+    except CheckpointError:  # a damaged cache: hash again and rewrite it
+        cached = None
     if isinstance(cached, dict) and cached.get("files") == key and str(cached.get("sha256", "")).startswith("sha256:"):
         return cached["sha256"]
+    for f in files:  # a damaged weight file is a one-line error naming it, not the reader's exception
+        safetensors_header(f)
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
     h = hashlib.sha256()

@@ -103,6 +103,17 @@ def not_speculative_fields(params: SamplingParams) -> list[str]:
     return [name for name, (is_set, _) in NOT_SPECULATIVE_FIELDS.items() if is_set(params)]
 
 
+def check_no_unused_fields(params: SamplingParams) -> None:
+    """Raise :class:`ParamError` naming the first field of :data:`NOT_SPECULATIVE_FIELDS` a speculative request
+    sets. Needs no model, so callers may check a request that sets ``speculative`` itself before loading one."""
+    unused = not_speculative_fields(params)
+    if unused:
+        name = unused[0]
+        raise ParamError(name, f"has no effect with speculative decoding, which decides its own reveals "
+                               f"({NOT_SPECULATIVE_FIELDS[name][1]}): drop it, or set speculative=false to decode "
+                               f"in parallel with it")
+
+
 def speculative_conflicts(params: SamplingParams, model_block_size: int | None) -> list[str]:
     """The fields of a request that self-speculative decoding ignores or refuses (empty: a checkpoint's
     speculative default may apply), e.g. ``["steps", "cfg_scale"]``."""
@@ -179,12 +190,7 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
     if dllm.attention != "prefix_causal" or not dllm.logit_shift:
         raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
                                         f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
-    unused = not_speculative_fields(params)
-    if unused:
-        name = unused[0]
-        raise ParamError(name, f"has no effect with speculative decoding, which decides its own reveals "
-                               f"({NOT_SPECULATIVE_FIELDS[name][1]}): drop it, or set speculative=false to decode "
-                               f"in parallel with it")
+    check_no_unused_fields(params)
     for name in ("speculative_epsilon", "speculative_ratio"):
         if getattr(params, name) is not None and float(params.temperature or 0.0) >= MIN_SAMPLING_TEMPERATURE:
             raise ParamError(name, f"relaxed acceptance applies to greedy verification only: needs temperature 0, "

