@@ -154,13 +154,7 @@ class Chat:
             if not field or not value:
                 self.say("usage: /set FIELD VALUE  (VALUE as JSON, e.g. /set top_k 5)")
             else:
-                parsed = parse_value(value.strip())
-                why = check_option(field, parsed)
-                if why is not None:
-                    self.say(f"/set {field}: {why}; not set")
-                else:
-                    self.options[field] = parsed
-                    self.say(f"{field} = {self.options[field]!r}")
+                self._set(f"/set {field}", field, parse_value(value.strip()))
         elif name in KNOBS:
             field, conv, helptext = KNOBS[name]
             if not arg:
@@ -171,15 +165,19 @@ class Chat:
                 except ValueError:
                     self.say(f"/{name}: expected {_KINDS.get(conv, 'a value')}, got {arg!r}; not set")
                 else:
-                    why = check_option(field, value)
-                    if why is not None:
-                        self.say(f"/{name}: {why}; not set")
-                    else:
-                        self.options[field] = value
-                        self.say(f"{field} = {value!r}")
+                    self._set(f"/{name}", field, value)
         else:
             self.say(f"unknown command /{name}; /help lists them")
         return True
+
+    def _set(self, command: str, field: str, value) -> None:
+        """Set ``field`` for the next questions unless unmask would refuse the value (then say why)."""
+        why = check_option(field, value)
+        if why is not None:
+            self.say(f"{command}: {why}; not set")
+        else:
+            self.options[field] = value
+            self.say(f"{field} = {value!r}")
 
     def _status(self) -> int:
         """The exit status: 1 when piped input had an answer fail (a script sees it), else 0."""

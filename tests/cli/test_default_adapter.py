@@ -2,28 +2,18 @@
 ``default_with_adapter``; docs/design.md section 21), and the fallbacks when there is no adapter."""
 from __future__ import annotations
 
-import pytest
-
 import json
 
-import torch
+import pytest
 
-import tiny
-from unmask.engine.adapter_files import ADAPTER_CONFIG, parent_hash, write_adapter
-from unmask.engine.checkpoint import write_checkpoint
-from unmask.engine.mask_adapter import init_adapter
+from default_stand_ins import write_default
+from unmask.engine.adapter_files import ADAPTER_CONFIG
 from unmask.engine.model import load_model
 
 
 def _shipped(tmp_path):
-    m = tiny.loaded()
-    parent = tmp_path / "models" / "smollm2-135m-a2d"
-    write_checkpoint(parent, m.model, m.tokenizer, m.dllm)
-    w = init_adapter(m.model.base_model, 2, 4.0, mask_token_id=m.dllm.mask_token_id,
-                     generator=torch.Generator().manual_seed(0))
-    write_adapter(tmp_path / "pkg", w, {"sha256": parent_hash(parent), "name": "smollm2-135m-a2d"},
-                  dllm={"block_size": 4, "default_sampling": {"speculative": True, "temperature": 0.0}})
-    return parent, tmp_path / "pkg"
+    return write_default(tmp_path, dllm={"block_size": 4, "default_sampling": {"speculative": True,
+                                                                              "temperature": 0.0}})
 
 
 def test_the_default_is_the_parent_plus_the_shipped_adapter(monkeypatch, tmp_path):

@@ -4,37 +4,22 @@ line naming the file or is repaired, never a traceback and never a silently diff
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
-import torch
 
 import tiny
-from unmask.engine.adapter_files import HASH_CACHE, parent_hash, write_adapter
+from default_stand_ins import patch_default, write_default
+from unmask.engine.adapter_files import HASH_CACHE, parent_hash
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.config import CheckpointError
-from unmask.engine.mask_adapter import init_adapter
 
 
 @pytest.fixture
 def home(monkeypatch, tmp_path):
-    """(conversion dir, shipped adapter dir): a tiny parent and an adapter trained on it, the package's adapter and
-    the realmodel helpers patched to them."""
-    import unmask.default_adapter as pkg
-
-    m = tiny.loaded()
-    parent = tmp_path / "models" / "smollm2-135m-a2d"
-    write_checkpoint(parent, m.model, m.tokenizer, m.dllm)
-    w = init_adapter(m.model.base_model, 2, 4.0, mask_token_id=m.dllm.mask_token_id,
-                     generator=torch.Generator().manual_seed(0))
-    write_adapter(tmp_path / "pkg", w, {"sha256": parent_hash(parent), "name": "smollm2-135m-a2d"},
-                  dllm={"block_size": 4})
-    monkeypatch.setattr(pkg, "directory", lambda: tmp_path / "pkg")
-    fake = types.ModuleType("unmask.training.realmodel")
-    fake.ensure_default_converted = lambda: parent
-    monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
-    return parent, tmp_path / "pkg"
+    """(conversion dir, shipped adapter dir), patched in as the default's."""
+    parent, package = write_default(tmp_path)
+    patch_default(monkeypatch, parent, package)
+    return parent, package
 
 
 def _weights(parent):

@@ -4,37 +4,20 @@ hashes; an explicit ``--adapter`` over a wrong parent still fails in one line (c
 section 21). Tiny stand-ins for the conversion and the shipped adapter."""
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
-import torch
 
 import tiny
+from default_stand_ins import patch_default, write_default
 from unmask.engine.adapter_files import parent_hash, write_adapter
-from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.mask_adapter import init_adapter
 
 
 @pytest.fixture
 def stand_ins(monkeypatch, tmp_path):
-    """(conversion dir, adapter trained on ANOTHER parent): the package's adapter and the realmodel helpers
-    patched to them."""
-    import unmask.default_adapter as pkg
-
-    m, trained_on = tiny.loaded(), tiny.loaded(seed=5)
-    parent = tmp_path / "models" / "smollm2-135m-a2d"
-    write_checkpoint(parent, m.model, m.tokenizer, m.dllm)
-    write_checkpoint(tmp_path / "other", trained_on.model, trained_on.tokenizer, trained_on.dllm)
-    w = init_adapter(m.model.base_model, 2, 4.0, mask_token_id=m.dllm.mask_token_id,
-                     generator=torch.Generator().manual_seed(0))
-    write_adapter(tmp_path / "pkg", w, {"sha256": parent_hash(tmp_path / "other"), "name": "smollm2-135m-a2d"},
-                  dllm={"block_size": 4})
-    monkeypatch.setattr(pkg, "directory", lambda: tmp_path / "pkg")
-    fake = types.ModuleType("unmask.training.realmodel")
-    fake.ensure_default_converted = lambda: parent
-    monkeypatch.setitem(sys.modules, "unmask.training.realmodel", fake)
-    return parent, tmp_path / "pkg"
+    """(conversion dir, adapter trained on ANOTHER parent), patched in as the default's."""
+    parent, package = write_default(tmp_path, trained_on_another_parent=True)
+    patch_default(monkeypatch, parent, package)
+    return parent, package
 
 
 def test_a_shipped_adapter_of_another_parent_serves_the_parent_with_one_warning(stand_ins, capsys):
