@@ -7,8 +7,8 @@ Python module imports the ``llm`` tool, so the file is located through package m
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
