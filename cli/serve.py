@@ -432,14 +432,27 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
         return None
     cfg["parent"] = {**cfg["parent"], "name": str(parent.resolve())}
     text = json.dumps(cfg, indent=2) + "\n"
-    if not _same_adapter_copy(out, src, text):
-        tmp = out.parent / f"{out.name}.tmp-{unique_suffix()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        shutil.copy2(src / "mask_adapter.safetensors", tmp / "mask_adapter.safetensors")
-        (tmp / "mask_adapter.json").write_text(text, encoding="utf-8")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+    from filelock import FileLock
+
+    from unmask.cli.main import UsageError
+
+    # one process at a time checks and replaces the copy (two servers starting together raced here: break-it)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if not _same_adapter_copy(out, src, text):
+            tmp = out.parent / f"{out.name}.tmp-{unique_suffix()}"
+            try:
+                tmp.mkdir(parents=True)
+                shutil.copy2(src / "mask_adapter.safetensors", tmp / "mask_adapter.safetensors")
+                (tmp / "mask_adapter.json").write_text(text, encoding="utf-8")
+                if out.is_symlink() or out.is_file():  # whatever stands in its place: a file, a (dangling) link
+                    out.unlink()
+                elif out.exists():
+                    shutil.rmtree(out)
+                os.replace(tmp, out)
+            except OSError as exc:
+                raise UsageError(f"cannot set up the default adapter's copy at {out}: {exc}") from exc
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     rank, n = cfg.get("rank"), cfg.get("n_parameters")
     return (str(out), None, f"the default A2D SmolLM2-135M-Instruct: the parent {parent} (its exact answers through "
                             f"the causal path) + the shipped mask-row adapter (rank {rank}, {n} parameters, on mask "

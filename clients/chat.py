@@ -60,18 +60,23 @@ _KINDS = {int: "an integer", float: "a number", _opt_float: "a number or off", _
 def check_option(field: str, value) -> str | None:
     """Why unmask would refuse ``field = value`` on its own (its range, e.g. ``must be >= 1, got -3``), or None:
     the same check the server makes (``SamplingParams.from_flat``), made before a question is sent, so a bad knob is
-    refused once instead of failing every later answer (break-it). Fields unmask does not know (other servers'
-    extras) and rules between fields are left to the server."""
+    refused once instead of failing every later answer (break-it). Only plain values (numbers, booleans, strings,
+    null) are checked: objects and lists (``logit_bias``, ``stop``) take the HTTP layer's conversions first, so the
+    server checks them. Fields unmask does not know (other servers' extras) and rules between fields are left to
+    the server too: ``max_tokens`` is taken at its largest when another field is checked (``min_tokens`` <=
+    ``max_tokens`` is the server's to judge)."""
     import dataclasses
 
     from unmask.engine import ParamError, SamplingParams, SpeculativeOptions
+    from unmask.engine.limits import MAX_POSITIONS
 
     known = {f.name for f in dataclasses.fields(SamplingParams)} | {
         f"speculative_{name}" for name in SpeculativeOptions.FIELDS}
-    if field not in known:
+    if field not in known or isinstance(value, (dict, list)):
         return None
+    fields = {field: value} if field == "max_tokens" else {"max_tokens": MAX_POSITIONS, field: value}
     try:
-        SamplingParams.from_flat(**{field: value})
+        SamplingParams.from_flat(**fields)
     except ParamError as exc:
         return exc.reason
     except (TypeError, ValueError) as exc:

@@ -68,7 +68,10 @@ def parent_hash(path: str | os.PathLike) -> str:
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights to hash (the adapter's parent must be a "
                               f"safetensors checkpoint directory)")
-    key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    try:
+        key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    except OSError as exc:  # a dangling link in place of a weight file
+        raise CheckpointError(f"{exc.filename}: cannot be read ({exc.strerror})") from None
     try:
         cached = read_json_file(path / HASH_CACHE) if (path / HASH_CACHE).is_file() else None
     except CheckpointError:  # a damaged cache: hash again and rewrite it

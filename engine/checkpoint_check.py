@@ -177,11 +177,15 @@ def safetensors_header(file: Path) -> dict[str, tuple[list[int], str]]:
     byte ranges match their dtypes and shapes and cover the file exactly (the format's rule).
 
     Raises:
-        CheckpointError: naming the file: truncated (fewer bytes than the header declares), not safetensors, or
-            inconsistent.
+        CheckpointError: naming the file: truncated (fewer bytes than the header declares), not safetensors,
+            inconsistent, or not a readable file (a directory, a dangling link).
     """
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
+    try:
+        size = file.stat().st_size
+        fh = open(file, "rb")
+    except OSError as exc:  # a directory or a dangling link in place of the file
+        raise CheckpointError(f"{file}: cannot be read ({exc.strerror})") from None
+    with fh:
         head = fh.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{file}: not a safetensors file ({size} bytes; truncated or empty)")

@@ -112,3 +112,81 @@ def test_parent_hash_names_a_damaged_file(tmp_path):
         fh.truncate(100)
     with pytest.raises(CheckpointError, match=str(f)):
         parent_hash(tmp_path / "p")
+
+
+@pytest.mark.parametrize("stand_in", ["file", "link-to-dir", "dangling-link"])
+def test_something_else_in_place_of_the_adapter_copy_is_replaced(home, tmp_path, stand_in):
+    """A file or a link where the copy's directory belongs (break-it: NotADirectoryError, and a .tmp-* directory
+    left behind every run)."""
+    from unmask.cli import serve
+
+    parent, shipped = home
+    out = parent.parent / "smollm2-135m-a2d-mask-adapter"
+    if stand_in == "file":
+        out.write_text("junk")
+    elif stand_in == "link-to-dir":
+        (tmp_path / "elsewhere").mkdir()
+        out.symlink_to(tmp_path / "elsewhere")
+    else:
+        out.symlink_to(tmp_path / "nowhere")
+    assert serve.default_with_adapter(parent)[0] == str(out)
+    assert out.is_dir() and not out.is_symlink()
+    assert (out / "mask_adapter.safetensors").read_bytes() == (shipped / "mask_adapter.safetensors").read_bytes()
+    assert not list(parent.parent.glob("*.tmp-*"))
+
+
+def test_processes_setting_up_the_copy_at_once(home):
+    """Starts at the same moment over a damaged copy (break-it: one died with 'Directory not empty' and left a
+    .tmp-* directory): a lock lets one process check and replace the copy at a time. Three processes damage the
+    copy and set it up again 60 times each; none fails, and a last start leaves the shipped bytes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    parent, shipped = home
+    from unmask.cli import serve
+
+    serve.default_with_adapter(parent)
+    copy = parent.parent / "smollm2-135m-a2d-mask-adapter" / "mask_adapter.safetensors"
+    with open(copy, "r+b") as fh:
+        fh.seek(-8, 2)
+        fh.write(b"\x01" * 8)
+    tests = Path(__file__).resolve().parents[1]
+    script = (f"import sys; sys.path.insert(0, {str(tests)!r})\n"
+              "from pathlib import Path\nimport unmask.default_adapter as pkg\n"
+              f"pkg.directory = lambda: Path({str(shipped)!r})\n"
+              "from unmask.cli import serve\n"
+              f"copy = Path({str(copy)!r})\n"
+              "for _ in range(60):\n"
+              "    try:\n"
+              "        with open(copy, 'r+b') as fh:\n"
+              "            fh.seek(-8, 2); fh.write(b'\\x02' * 8)\n"
+              "    except OSError:\n"
+              "        pass\n"
+              f"    serve.default_with_adapter(Path({str(parent)!r}))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    serve.default_with_adapter(parent)
+    assert copy.read_bytes() == (shipped / "mask_adapter.safetensors").read_bytes()
+    assert not list(parent.parent.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("stand_in", ["directory", "dangling-link"])
+def test_something_else_in_place_of_a_parent_weight_file_is_one_line(home, tmp_path, stand_in):
+    from unmask.cli import serve
+    from unmask.cli.main import UsageError
+
+    parent, _ = home
+    f = _weights(parent)
+    f.unlink()
+    (parent / HASH_CACHE).unlink(missing_ok=True)
+    if stand_in == "directory":
+        f.mkdir()
+    else:
+        f.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UsageError) as exc:
+        serve.default_model()
+    assert "\n" not in str(exc.value) and str(f) in str(exc.value) and "cannot be read" in str(exc.value)

@@ -198,9 +198,13 @@ def test_bad_knobs_are_refused_locally_once(capsys):
         assert chat.command(line)
         assert says in capsys.readouterr().err
     assert chat.options == {}
-    for line in ("/steps 8", "/threshold off", "/set vendor_field 1", "/set seed 3"):
+    # objects go to the server as they are (JSON keys are strings: the HTTP layer converts them), and a rule between
+    # fields is the server's to judge (min_tokens <= this chat's max_tokens, not the default 256); break-it
+    for line in ("/steps 8", "/threshold off", "/set vendor_field 1", "/set seed 3", '/set logit_bias {"5": 10}',
+                 "/max 512", "/set min_tokens 300"):
         chat.command(line)
-    assert chat.options == {"steps": 8, "threshold": None, "vendor_field": 1, "seed": 3}
+    assert chat.options == {"steps": 8, "threshold": None, "vendor_field": 1, "seed": 3, "logit_bias": {"5": 10},
+                            "max_tokens": 512, "min_tokens": 300}
 
 
 def test_bad_flags_exit_2_before_connecting():
