@@ -153,7 +153,8 @@ def register(sub, name):
                    help="a mask-row adapter directory to put on MODEL (default: the default model's conversion); "
                         "its parent hash must match, else the server does not start (docs/design.md section 21)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="default block size for requests that send none (default: the checkpoint's)")
+                   help="default block size for requests that send none, speculative or plain diffusion (default: "
+                        "the checkpoint's block_size, and its diffusion_block_size for plain diffusion)")
     p.add_argument("--cache", default="auto", choices=["auto", "none", "prefix", "dual"],
                    help="default KV-cache policy for requests that send none (prefix/dual: Fast-dLLM's approximate "
                         "caches on bidirectional models; on prefix-/block-causal models they are the exact cache, "
@@ -459,6 +460,23 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
                             f"rows only; {src})")
 
 
+def set_default_block(dllm, block: int | None, option: str) -> None:
+    """``--block-size`` (or the untrained default's block 1): the default block of every request that sends none,
+    plain diffusion included (it replaces ``dllm.diffusion_block_size`` too); None changes nothing.
+
+    Raises:
+        UsageError: naming ``option``, on a family that decodes with its trained block size only.
+    """
+    from unmask.cli.main import UsageError
+
+    if block is None:
+        return
+    if dllm.fixed_block_size and block != dllm.block_size:
+        raise UsageError(f"{option}: this {dllm.family} model decodes with its trained block size {dllm.block_size} "
+                         f"only")
+    dllm.block_size, dllm.diffusion_block_size = block, None
+
+
 def _same_adapter_copy(out: Path, src: Path, config_text: str) -> bool:
     """Whether ``out`` holds exactly the shipped adapter: its config text and a byte-for-byte copy of its weights
     (~10 MB, compared at every start: a copy damaged in place at the same size is replaced, not served; break-it)."""
@@ -574,12 +592,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{opt('max_model_len')}: {args.max_model_len} exceeds the model's context of "
                              f"{loaded.max_context} tokens")
         loaded.max_context = args.max_model_len
-    block = args.block_size or default_block
-    if block is not None:
-        if loaded.dllm.fixed_block_size and block != loaded.dllm.block_size:
-            raise UsageError(f"{opt('block_size')}: this {loaded.dllm.family} model decodes with its trained block "
-                             f"size {loaded.dllm.block_size} only")
-        loaded.dllm.block_size = block
+    set_default_block(loaded.dllm, args.block_size or default_block, opt("block_size"))
     name = args.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
     engine = _engine(AsyncEngine, loaded, args)
     app = build_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
@@ -591,6 +604,7 @@ def run(args: argparse.Namespace) -> int:
     thr = d.default_sampling.get("threshold")
     decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
                 else "one token per step")
+    decoding += f", block {d.diffusion_block_size or d.block_size} unless sent"
     if d.default_sampling.get("speculative"):
         verifier = (str(Path(loaded.path) / Path(d.verifier).expanduser()) if d.verifier
                     else "the parent's causal path" if loaded.adapter else "the model's causal path")

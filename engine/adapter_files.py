@@ -4,7 +4,7 @@ Two files describe an adapter, in one directory:
 
 * ``mask_adapter.json`` (not ``adapter_config.json``: transformers would read that as a peft adapter): ``{"format": "unmask-mask-adapter", "version": 1, "rank", "alpha", "targets",
   "mask_token_id", "parent": {"sha256": CONTENT_HASH, "name": HINT, "gguf_sha256"?: ...}, "dllm": {overrides of
-  the parent's dllm section: block_size, default_sampling}, "training"?: {...}}``;
+  the parent's dllm section: block_size, diffusion_block_size, default_sampling}, "training"?: {...}}``;
 * ``mask_adapter.safetensors``: ``layers.<i>.<target>.lora_A`` ``[r, in]``, ``.lora_B`` ``[out, r]`` float32 (or
   float16) and ``mask_embedding`` ``[H]``.
 
@@ -32,7 +32,7 @@ ADAPTER_CONFIG = "mask_adapter.json"
 ADAPTER_WEIGHTS = "mask_adapter.safetensors"
 FORMAT = "unmask-mask-adapter"
 #: dllm fields an adapter may override on its parent
-OVERRIDABLE = ("block_size", "default_sampling")
+OVERRIDABLE = ("block_size", "diffusion_block_size", "default_sampling")
 
 
 def is_adapter_dir(path: str | os.PathLike) -> bool:

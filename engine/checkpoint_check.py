@@ -325,9 +325,10 @@ def check_loaded(loaded, path: Path) -> None:
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
             raise CheckpointError(f"{where}.{name}: {tid!r} is not a token id of this model (the LM head has "
                                   f"{vocab} rows: 0..{vocab - 1})")
-    if dllm.block_size > loaded.max_context:
-        raise CheckpointError(f"{where}.block_size: {dllm.block_size} exceeds the model's context of "
-                              f"{loaded.max_context} tokens")
+    for name in ("block_size", "diffusion_block_size"):
+        if (getattr(dllm, name) or 0) > loaded.max_context:
+            raise CheckpointError(f"{where}.{name}: {getattr(dllm, name)} exceeds the model's context of "
+                                  f"{loaded.max_context} tokens")
     check_chat_template(loaded.tokenizer, path)
     check_finite(loaded.model, path)
 

@@ -97,7 +97,11 @@ class DllmConfig:
         family: one of ``FAMILIES``.
         mask_token_id: id of the ``[MASK]`` noise token (from the checkpoint, never hard-coded in the engine).
         attention: ``bidirectional`` | ``prefix_causal`` | ``block_causal`` (docs/design.md section 2).
-        block_size: block size the checkpoint was trained with; the default for requests.
+        block_size: block size the checkpoint was trained with; the default for requests (and the draft block of
+            speculative ones).
+        diffusion_block_size: the default block size of requests decoded by plain diffusion (not speculatively)
+            that send no ``block_size``; None = ``block_size``. A mask-row adapter drafts best at one block size and
+            decodes in parallel best at another (docs/adapter.md, "Plain diffusion by block size").
         logit_shift: True when the logits for position j are read from output j-1 (AR-initialised models).
         eos_token_ids: ids that end generation (EOS and end-of-turn), in order of preference.
         pad_token_id: id used for padding rows in a batch (never generated); may equal an EOS id.
@@ -130,6 +134,7 @@ class DllmConfig:
     default_sampling: dict[str, Any] = field(default_factory=dict)
     suppress_token_ids: list[int] = field(default_factory=list)
     verifier: str | None = None
+    diffusion_block_size: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +146,11 @@ class DllmConfig:
             if getattr(self, key) not in allowed:
                 raise CheckpointError(f"{where}.{key}: {getattr(self, key)!r} is not one of {allowed}")
         check_int(where, "block_size", self.block_size, 1)
+        if self.diffusion_block_size is not None:
+            check_int(where, "diffusion_block_size", self.diffusion_block_size, 1)
+            if self.fixed_block_size and self.diffusion_block_size != self.block_size:
+                raise CheckpointError(f"{where}.diffusion_block_size: this {self.family} model decodes with its "
+                                      f"trained block size {self.block_size} only, got {self.diffusion_block_size}")
         check_int(where, "mask_token_id", self.mask_token_id, 0)
         if not self.eos_token_ids:
             raise CheckpointError(f"{where}.eos_token_ids: at least one EOS id is required")

@@ -259,6 +259,8 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
             and params.speculative_options is None
             and not drafts_by_default(default_drafts, device_type)):
         p = replace(p, block_size=1)
+    if not p.speculative and params.block_size is None and dllm.diffusion_block_size is not None:
+        p = replace(p, block_size=dllm.diffusion_block_size)  # plain diffusion's own default block
     if dllm.fixed_block_size and p.block_size not in (None, dllm.block_size):
         raise ParamError("block_size", f"this {dllm.family} model decodes with its trained block size "
                                        f"{dllm.block_size} only, got {p.block_size}")

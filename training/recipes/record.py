@@ -113,14 +113,16 @@ SHIPPED_PARENT = {"name": "smollm2-135m-a2d",
                          "unmask serve with no MODEL finds it"}
 
 
-def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | None = None) -> Path:
+def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | None = None,
+         diffusion_block_size: int | None = None) -> Path:
     """Copy a recipe's adapter export into ``dest`` (e.g. ``default_adapter/``) without machine paths: the two
     adapter files with ``parent.name`` / ``parent.how`` of :data:`SHIPPED_PARENT` (hash and GGUF provenance kept;
     ``training.data`` reduced to the file name), and the record with the work and out directories written
     ``WORK`` and ``OUT`` and a ``--parent`` path reduced to its name. Other files of ``dest`` (README.md, __init__.py) are left alone. Returns ``dest``.
     ``block_size``: the served default block size (``dllm.block_size`` of the shipped adapter; speculative requests
     draft at it), e.g. the largest of a ``--draft-block-sizes`` run's blocks; recorded in the record as
-    ``shipped_block_size``. None keeps the export's.
+    ``shipped_block_size``. None keeps the export's. ``diffusion_block_size``: the default block of plain-diffusion
+    requests (``dllm.diffusion_block_size``), recorded as ``shipped_diffusion_block_size``; None keeps the export's.
 
     Writes: every file goes to a temporary name in ``dest`` first and is renamed into place only once all three are
     written, so a killed ship leaves whole files (a kill between the renames may pair the new weights with the old
@@ -140,6 +142,8 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | N
     if block_size is not None and not 1 <= block_size <= MAX_SPECULATIVE_BLOCK:
         raise ValueError(f"--block-size: must be in 1..{MAX_SPECULATIVE_BLOCK} (the served default drafts groups of "
                          f"that size), got {block_size}")
+    if diffusion_block_size is not None and diffusion_block_size < 1:
+        raise ValueError(f"--diffusion-block-size: must be >= 1, got {diffusion_block_size}")
     if dest.exists() and not dest.is_dir():
         raise ValueError(f"{dest}: not a directory")
     if dest.exists() and dest.resolve() == export.resolve():
@@ -170,6 +174,9 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | N
     if block_size is not None:
         cfg["dllm"] = {**cfg.get("dllm", {}), "block_size": int(block_size)}
         record["shipped_block_size"] = int(block_size)
+    if diffusion_block_size is not None:
+        cfg["dllm"] = {**cfg.get("dllm", {}), "diffusion_block_size": int(diffusion_block_size)}
+        record["shipped_diffusion_block_size"] = int(diffusion_block_size)
     if isinstance(cfg.get("training"), dict) and isinstance(cfg["training"].get("data"), str):
         cfg["training"]["data"] = Path(cfg["training"]["data"]).name
     dest.mkdir(parents=True, exist_ok=True)
@@ -198,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("dest")
     s.add_argument("--block-size", type=int, default=None,
                    help="the served default block size (speculative requests draft at it); default the export's")
+    s.add_argument("--diffusion-block-size", type=int, default=None,
+                   help="the default block of plain-diffusion requests; default the export's (none: --block-size)")
     a = p.parse_args(argv)
     from unmask.engine.config import CheckpointError
 
     try:
-        print(ship(a.export, a.dest, a.block_size))
+        print(ship(a.export, a.dest, a.block_size, a.diffusion_block_size))
     except (ValueError, OSError, CheckpointError) as exc:  # bad input, refused before anything is renamed into DEST
         p.error(str(exc))
     return 0

@@ -1,0 +1,94 @@
+"""``dllm.diffusion_block_size``: the default block of plain-diffusion requests that send no ``block_size``
+(engine/plan.py ``resolve``; docs/design.md section 3). Speculative requests keep ``block_size`` as their draft
+block; a request's own ``block_size`` wins; an adapter may set it; ``unmask serve --block-size`` replaces both."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import tiny
+from unmask.engine import LLM, SamplingParams
+from unmask.engine.adapter_files import parent_hash, write_adapter
+from unmask.engine.checkpoint import write_checkpoint
+from unmask.engine.config import CheckpointError, DllmConfig
+from unmask.engine.model import load_model
+from unmask.engine.plan import resolve
+
+
+def _dllm(**kw):
+    base = dict(family="a2d", mask_token_id=3, attention="prefix_causal", block_size=4, logit_shift=True,
+                eos_token_ids=[0], default_sampling={"speculative": True, "temperature": 0.0})
+    return DllmConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("request_fields, block", [
+    ({"steps": 8}, 2), ({"threshold": 0.9}, 2), ({"speculative": False}, 2),  # plain diffusion: its own default
+    ({}, 4), ({"speculative": True}, 4),                                       # speculative: the draft block
+    ({"steps": 8, "block_size": 8}, 8), ({"speculative": False, "block_size": 1}, 1),   # the request's own wins
+])
+def test_plain_diffusion_gets_its_own_default_block(request_fields, block):
+    plan = resolve(SamplingParams.from_flat(max_tokens=16, **request_fields), _dllm(diffusion_block_size=2),
+                   default_drafts="on")
+    assert plan.block_size == block
+
+
+def test_without_it_every_request_gets_block_size():
+    plan = resolve(SamplingParams.from_flat(max_tokens=16, steps=8), _dllm(), default_drafts="on")
+    assert plan.block_size == 4
+
+
+@pytest.mark.parametrize("value, says", [(0, "must be a positive integer"), (True, "must be a positive integer"),
+                                         ("2", "must be a positive integer")])
+def test_bad_values_name_the_field(value, says):
+    with pytest.raises(CheckpointError, match=f"diffusion_block_size: {says}"):
+        _dllm(diffusion_block_size=value)
+
+
+def test_a_fixed_block_family_cannot_take_another():
+    with pytest.raises(CheckpointError, match="diffusion_block_size: this sdar model decodes with its trained"):
+        DllmConfig(family="sdar", mask_token_id=3, attention="block_causal", block_size=4, logit_shift=False,
+                   eos_token_ids=[0], fixed_block_size=True, diffusion_block_size=2)
+
+
+def test_an_adapter_sets_it_and_decoding_uses_it(tmp_path):
+    """Through a mask-row adapter's dllm overrides (as the shipped default's): a plain-diffusion request without
+    block_size decodes exactly as the same request with block_size 2."""
+    m = tiny.loaded()
+    write_checkpoint(tmp_path / "parent", m.model, m.tokenizer, m.dllm)
+    write_adapter(tmp_path / "adapter", tiny.random_adapter_weights(m),
+                  {"sha256": parent_hash(tmp_path / "parent"), "name": str(tmp_path / "parent")},
+                  dllm={"block_size": 4, "diffusion_block_size": 2})
+    lm = load_model(tmp_path / "adapter")
+    assert (lm.dllm.block_size, lm.dllm.diffusion_block_size) == (4, 2)
+    assert dataclasses.asdict(lm.dllm)["diffusion_block_size"] == 2
+    llm = LLM(lm)
+    ids = llm.encode("Hello world the quick brown")
+    implicit = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0, steps=6, ignore_eos=True))[0]
+    explicit = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0, steps=6, ignore_eos=True,
+                                                  block_size=2))[0]
+    assert implicit.outputs[0].token_ids == explicit.outputs[0].token_ids
+    assert implicit.outputs[0].nfe == explicit.outputs[0].nfe
+
+    def blocks(**kw):  # the blocks the denoising stream reports: 12 tokens in blocks of 2 are 6, of 4 are 3
+        events = list(llm.stream(ids, SamplingParams(max_tokens=12, temperature=0, steps=6, ignore_eos=True, **kw)))
+        return max(ev.block for ev in events) + 1
+
+    assert blocks() == 6 and blocks(block_size=4) == 3
+
+
+def test_serves_block_size_option_is_every_requests_default():
+    from unmask.cli.main import UsageError
+    from unmask.cli.serve import set_default_block
+
+    d = _dllm(diffusion_block_size=2)
+    set_default_block(d, None, "--block-size")
+    assert (d.block_size, d.diffusion_block_size) == (4, 2)
+    set_default_block(d, 8, "--block-size")
+    assert (d.block_size, d.diffusion_block_size) == (8, None)
+    plan = resolve(SamplingParams.from_flat(max_tokens=16, steps=8), d, default_drafts="on")
+    assert plan.block_size == 8
+    fixed = DllmConfig(family="sdar", mask_token_id=3, attention="block_causal", block_size=4, logit_shift=False,
+                       eos_token_ids=[0], fixed_block_size=True)
+    with pytest.raises(UsageError, match=r"^\$UNMASK_BLOCK_SIZE: this sdar model decodes with its trained block"):
+        set_default_block(fixed, 8, "$UNMASK_BLOCK_SIZE")
