@@ -55,7 +55,7 @@ DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
 _SETTING = re.compile(r"^b(\d+)-(s(\d+)|t(0(?:\.\d+)?|1(?:\.0+)?)|spec(?:-br(\d+))?(?:-(e|r)(0?\.\d+|1(?:\.0+)?)(?:-ng(\d+))?)?)"
-                      r"(?:-mb(0?\.\d+|1(?:\.0+)?))?"
+                      r"(?:-mb(0?\.\d+|1(?:\.0+)?))?(-ltr)?"
                       r"(?:-cache-(auto|none|prefix|dual))?(?:-T(\d+(?:\.\d*)?|\.\d+))?$")
 
 
@@ -80,6 +80,7 @@ class Setting:
     no_repeat_ngram: int | None = None
     temperature: float = 0.0
     multi_block: float | None = None
+    remasking: str = "low_confidence"
 
     def params(self, max_tokens: int):
         """``SamplingParams`` for decoding with this setting (greedy unless the setting names a temperature;
@@ -90,7 +91,8 @@ class Setting:
                               steps=self.steps, threshold=self.threshold, cache=self.cache, seed=0,
                               speculative=self.speculative, speculative_branches=self.branches,
                               speculative_epsilon=self.epsilon, speculative_ratio=self.ratio,
-                              speculative_no_repeat_ngram=self.no_repeat_ngram, multi_block=self.multi_block)
+                              speculative_no_repeat_ngram=self.no_repeat_ngram, multi_block=self.multi_block,
+                              remasking=self.remasking)
 
 
 def parse_setting(text: str) -> Setting:
@@ -99,7 +101,9 @@ def parse_setting(text: str) -> Setting:
     epsilon 0.2; ``"b4-spec-r0.3"``: relaxed verification keeping drafts within a probability ratio 0.3 of the causal
     argmax; either followed by ``-ng<n>``, the loop guard's n-gram size, ``-ng0`` = no guard: ``"b4-spec-e0.03-ng0"``;
     default 3); an optional ``-mb<f>`` suffix decodes with multi-block decoding at activation fraction f
-    (docs/design.md section 22), e.g. ``b4-t0.9-mb0.5``; an optional ``-cache-MODE`` suffix
+    (docs/design.md section 22), e.g. ``b4-t0.9-mb0.5``; an optional ``-ltr`` suffix reveals with
+    ``remasking: left_to_right`` (the leftmost masked position first), e.g. ``b4-t0.5-ltr``; an optional
+    ``-cache-MODE`` suffix
     (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``; an optional
     final ``-T<temperature>`` samples instead of greedy decoding (seed 0), e.g. ``b4-spec-T0.7``, ``b1-s64-T0.7``.
 
@@ -115,8 +119,9 @@ def parse_setting(text: str) -> Setting:
                         "b<block>-spec[-br<branches>][(-e<epsilon>|-r<ratio>)[-ng<n>]], optionally "
                         "followed by -cache-auto|none|prefix|dual, e.g. b4-s32 or b32-s256-cache-none")
     block = int(m.group(1))
-    cache = m.group(10) or "auto"
-    temperature = float(m.group(11)) if m.group(11) is not None else 0.0
+    cache = m.group(11) or "auto"
+    temperature = float(m.group(12)) if m.group(12) is not None else 0.0
+    remasking = "left_to_right" if m.group(10) else "low_confidence"
     mb = float(m.group(9)) if m.group(9) is not None else None
     if block < 1:
         raise EvalError(f"setting {text!r}: block size must be >= 1")
@@ -126,8 +131,12 @@ def parse_setting(text: str) -> Setting:
         steps = int(m.group(3))
         if steps < 1:
             raise EvalError(f"setting {text!r}: steps must be >= 1")
-        return Setting(text.strip(), block, steps=steps, cache=cache, temperature=temperature, multi_block=mb)
-    if m.group(2).startswith("spec") and mb is not None:
+        return Setting(text.strip(), block, steps=steps, cache=cache, temperature=temperature, multi_block=mb,
+                       remasking=remasking)
+    if m.group(2).startswith("spec") and (mb is not None or m.group(10)):
+        if m.group(10):
+            raise EvalError(f"setting {text!r}: -ltr orders plain diffusion's reveals; speculative decoding reveals "
+                            "its verified drafts left to right already")
         raise EvalError(f"setting {text!r}: multi-block decoding does not combine with self-speculative decoding")
     if m.group(2).startswith("spec"):
         from unmask.engine.params import MAX_SPECULATIVE_BLOCK
@@ -149,7 +158,7 @@ def parse_setting(text: str) -> Setting:
                        epsilon=value if m.group(6) == "e" else None, ratio=value if m.group(6) == "r" else None,
                        no_repeat_ngram=int(m.group(8)) if m.group(8) is not None else None, temperature=temperature)
     return Setting(text.strip(), block, threshold=float(m.group(4)), cache=cache, temperature=temperature,
-                   multi_block=mb)
+                   multi_block=mb, remasking=remasking)
 
 
 def parse_model_spec(text: str) -> tuple[str, str]:

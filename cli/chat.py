@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from unmask.engine.limits import REMASKING_STRATEGIES
+
 
 def register(sub, name):
     """Add the ``unmask chat`` sub-parser (named ``name``); returns it."""
@@ -20,7 +22,7 @@ def register(sub, name):
     p.add_argument("--max-tokens", type=int, default=None, help="most tokens per answer")
     p.add_argument("--steps", type=int, default=None, help="total denoising steps")
     p.add_argument("--block-size", type=int, default=None, help="block size")
-    p.add_argument("--remasking", default=None, choices=["low_confidence", "margin", "entropy", "random"])
+    p.add_argument("--remasking", default=None, choices=list(REMASKING_STRATEGIES))
     p.add_argument("--threshold", type=float, default=None, help="confidence threshold (parallel decoding)")
     p.add_argument("--temperature", type=float, default=None, help="0 = argmax")
     p.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale")

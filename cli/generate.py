@@ -8,6 +8,8 @@ import re
 import sys
 import time
 
+from unmask.engine.limits import REMASKING_STRATEGIES
+
 NEGATABLE = ("speculative",)  # the boolean options that also have a --no-NAME form
 
 
@@ -26,7 +28,7 @@ def register(sub, name):
                         "when it has one)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--remasking", default="low_confidence",
-                   help="low_confidence | margin | entropy | random")
+                   help=" | ".join(REMASKING_STRATEGIES))
     p.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy; default: the checkpoint's default temperature (else 1.0, or 0 when speculative)")

@@ -18,6 +18,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from unmask.engine.limits import REMASKING_STRATEGIES
+
 from .stream import Canvas, Client, ClientError, Delta, Finish, Notice, Step, Usage, printable
 
 PALETTE = ["#5fafff", "#5fd7ff", "#5fffd7", "#87ff87", "#d7ff5f", "#ffd75f", "#ffaf5f", "#ff875f", "#ff5f87",
@@ -41,7 +43,7 @@ def _opt_float(v: str):
 KNOBS = {
     "steps": ("steps", int, "total denoising steps"),
     "block": ("block_size", int, "block size"),
-    "remasking": ("remasking", str, "low_confidence | margin | entropy | random"),
+    "remasking": ("remasking", str, " | ".join(REMASKING_STRATEGIES)),
     "threshold": ("threshold", _opt_float, "reveal every position with confidence >= T (off: none)"),
     "temperature": ("temperature", float, "0 = argmax"),
     "cfg": ("cfg_scale", float, "classifier-free guidance scale"),

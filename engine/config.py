@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .limits import REMASKING_STRATEGIES
 from .params import MAX_SPECULATIVE_BLOCK
 
 ATTENTION_MODES = ("bidirectional", "prefix_causal", "block_causal")
 FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar")
 BLOCK_ALIGNMENTS = ("generation", "absolute")
 # request fields a checkpoint may set defaults for, with their allowed ranges (those of SamplingParams)
-DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0), "speculative": bool}
+DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0), "speculative": bool,
+                           "remasking": REMASKING_STRATEGIES}
 #: ``dllm`` keys of removed capabilities, with why: an old checkpoint that names one still loads, the key is ignored
 #: (:meth:`DllmConfig.from_dict`) and its loaders log :func:`warn_removed_fields` once
 REMOVED_FIELDS = {"draft_head": "the draft head was removed on 2026-12-05 and is no longer used; speculative "
@@ -176,6 +178,11 @@ class DllmConfig:
                                           f"prefix_causal attention with the logit shift and a block size <= "
                                           f"{MAX_SPECULATIVE_BLOCK} (this checkpoint: {self.attention}, logit_shift="
                                           f"{self.logit_shift}, block_size {self.block_size})")
+                continue
+            if DEFAULT_SAMPLING_FIELDS[key] is REMASKING_STRATEGIES:
+                if value not in REMASKING_STRATEGIES:
+                    raise CheckpointError(f"{where}.default_sampling.{key}: must be one of "
+                                          f"{list(REMASKING_STRATEGIES)}, got {value!r}")
                 continue
             lo, hi = DEFAULT_SAMPLING_FIELDS[key]
             # range first: a huge JSON integer would overflow float() inside isfinite

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random")
+REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random", "left_to_right")
 CACHE_MODES = ("auto", "none", "prefix", "dual")
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4

@@ -134,7 +134,9 @@ class SamplingParams:
             the windows. ``None`` = the checkpoint's ``dllm.sub_block_size``, else the whole block; at most
             ``block_size``.
         remasking: which masked positions are revealed first: ``low_confidence`` | ``margin`` | ``entropy`` |
-            ``random`` (LLaDA / Dream names).
+            ``left_to_right`` | ``random`` (LLaDA / Dream names). ``None`` = the checkpoint's
+            ``dllm.default_sampling.remasking`` for a plain-diffusion request, else ``low_confidence``
+            (:func:`unmask.engine.plan.resolve_params`).
         threshold: when set, threshold decoding (Fast-dLLM): reveal every position whose candidate probability
             is >= threshold, and always at least the best one; ``steps`` is then ignored. ``None`` = the
             checkpoint's ``dllm.default_sampling.threshold`` when the request sets no ``steps``, keeps the
@@ -187,7 +189,7 @@ class SamplingParams:
     steps: int | None = None
     block_size: int | None = None
     sub_block_size: int | None = None
-    remasking: str = "low_confidence"
+    remasking: str | None = None
     threshold: float | None = None
     default_threshold: bool = True
     cfg_scale: float = 0.0
@@ -236,7 +238,7 @@ class SamplingParams:
         check("repetition_penalty", self.repetition_penalty)
         check("min_tokens", self.min_tokens)
         check("multi_block", self.multi_block)
-        if self.remasking not in REMASKING_STRATEGIES:
+        if self.remasking is not None and self.remasking not in REMASKING_STRATEGIES:
             raise ParamError("remasking", f"must be one of {list(REMASKING_STRATEGIES)}, got {self.remasking!r}")
         if self.cache not in CACHE_MODES:
             raise ParamError("cache", f"must be one of {list(CACHE_MODES)}, got {self.cache!r}")

@@ -5,8 +5,9 @@ and 10):
 
 * request-level defaults (:func:`resolve_params`): ``temperature`` (the request's, else the checkpoint's
   ``dllm.default_sampling``, else 1.0; 0 for a speculative request), ``threshold`` (the checkpoint's only for a
-  request that sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"``), ``seed``
-  (random when unset), ``speculative`` (the request's, else the checkpoint's where the request allows it);
+  request that sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"``), ``remasking``
+  (the request's, else the checkpoint's for a request decoded by plain diffusion, else ``low_confidence``),
+  ``seed`` (random when unset), ``speculative`` (the request's, else the checkpoint's where the request allows it);
 * the engine's draft policy (:func:`drafts_by_default`, engine option ``default_drafts``): a request that gets
   speculative decoding only from the checkpoint's default drafts (block ``block_size``) only where the policy
   says so, else it decodes one token per forward (draft block 1) through the same verifying path;
@@ -91,7 +92,8 @@ NOT_SPECULATIVE_FIELDS = {
                                              "verifies: there is no step budget to spend"),
     "threshold": (lambda p: p.threshold is not None, "a draft is kept when the causal path verifies it, not by its "
                                                      "confidence"),
-    "remasking": (lambda p: p.remasking != "low_confidence", "the verified drafts are revealed left to right: "
+    "remasking": (lambda p: p.remasking not in (None, "low_confidence"), "the verified drafts are revealed left "
+                                                                        "to right: "
                                                              "there is no order of masked positions to choose"),
     "sub_block_size": (lambda p: p.sub_block_size is not None, "the draft block (block_size) is revealed left to "
                                                                "right, with no decoding windows inside it"),
@@ -129,9 +131,9 @@ def speculative_conflicts(params: SamplingParams, model_block_size: int | None) 
 
 def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
                    model_block_size: int | None = None) -> SamplingParams:
-    """A copy of ``params`` with ``temperature``, ``threshold``, ``seed`` and ``speculative`` resolved from the
-    checkpoint's ``dllm.default_sampling`` (validated by :class:`~unmask.engine.config.DllmConfig`) and a random
-    seed (see the module docstring for the rules).
+    """A copy of ``params`` with ``temperature``, ``threshold``, ``remasking``, ``seed`` and ``speculative``
+    resolved from the checkpoint's ``dllm.default_sampling`` (validated by
+    :class:`~unmask.engine.config.DllmConfig`) and a random seed (see the module docstring for the rules).
 
     Raises:
         ParamError: ``speculative_branches`` / ``speculative_epsilon`` / ``speculative_ratio`` /
@@ -157,10 +159,15 @@ def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
         temperature = float(defaults.get("temperature", 0.0 if speculative else 1.0))
     threshold = params.threshold
     if (threshold is None and params.default_threshold and params.steps is None
-            and params.remasking == "low_confidence" and not speculative and defaults.get("threshold") is not None):
+            and params.remasking in (None, "low_confidence") and not speculative
+            and defaults.get("threshold") is not None):
         threshold = float(defaults["threshold"])
+    remasking = params.remasking
+    if remasking is None:  # the checkpoint's order applies to plain diffusion only: speculative steps reveal in order
+        remasking = "low_confidence" if speculative else defaults.get("remasking", "low_confidence")
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
-    return replace(params, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative)
+    return replace(params, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative,
+                   remasking=remasking)
 
 
 def drafts_by_default(default_drafts: str, device_type: str) -> bool:

@@ -153,7 +153,8 @@ def sample_candidates(
         :class:`Candidates`. Candidate: temperature 0 -> argmax; else ``argmax(l / T + g)`` with g standard
         Gumbel (equal to LLaDA's ``argmax(exp(l) / (-log u)^T)``). Scores by ``params.remasking``:
         ``low_confidence`` = p(candidate); ``margin`` = p1 - p2 (Dream); ``entropy`` = -H(p) (Dream);
-        ``random`` = uniform from the generator (LLaDA).
+        ``random`` = uniform from the generator (LLaDA); ``left_to_right`` = -(row index): the leftmost masked
+        position first (rows are the masked positions in ascending order), as semi-autoregressive decoding.
     """
     logits = prepare_logits(logits, params, forbidden_ids, forbidden_rows, row_forbidden_ids, context_ids, bias)
     logits = filter_top_k_top_p(logits, params.top_k, params.top_p)
@@ -193,7 +194,7 @@ def score_candidates(logits: torch.Tensor, tokens: torch.Tensor, params: Samplin
     lse = log_normalizer(logits)
     cand_logp = logits.gather(-1, tokens[:, None])[:, 0].to(torch.float64) - lse
     probability = cand_logp.exp()
-    strategy = params.remasking
+    strategy = params.remasking or "low_confidence"  # None: unresolved (plan.resolve_params), the default order
     if strategy == "low_confidence":
         score = probability
     elif strategy == "margin":
@@ -205,6 +206,8 @@ def score_candidates(logits: torch.Tensor, tokens: torch.Tensor, params: Samplin
         score = torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim=-1)
     elif strategy == "random":
         score = torch.rand(tokens.shape, dtype=torch.float64, generator=generator, device="cpu").to(tokens.device)
+    elif strategy == "left_to_right":  # with a threshold: the leftmost masked position plus every confident one
+        score = -torch.arange(tokens.shape[0], dtype=torch.float64, device=tokens.device)
     else:  # pragma: no cover - validated in SamplingParams
         raise ValueError(f"remasking: unknown strategy {strategy!r}")
     return Candidates(tokens=tokens, probability=probability, score=score, logprob=cand_logp.float())

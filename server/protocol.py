@@ -156,8 +156,10 @@ class _Common(_Rules):
                                         description="decoding window inside a block (Fast-dLLM v2 sub-blocks); "
                                                     "default from the checkpoint, else the whole block; not with "
                                                     "speculative: true")
-    remasking: RemaskingName = Field("low_confidence", description="order in which masked positions are revealed; "
-                                                                   "with speculative: true only low_confidence")
+    remasking: RemaskingName | None = Field(None, description="order in which masked positions are revealed; "
+                                                              "absent or null: the checkpoint's default for plain "
+                                                              "diffusion, else low_confidence; with speculative: "
+                                                              "true only low_confidence")
     threshold: float | None = ranged("threshold", None,
                                      description="confidence-threshold parallel decoding (steps is then ignored); "
                                                 "absent: the checkpoint's default threshold when it has one, "

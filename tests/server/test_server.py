@@ -135,7 +135,7 @@ def test_models_health_metrics_routes(http, server):
     assert req["properties"]["temperature"]["anyOf"][0]["maximum"] == 2
     # null means the default (section 15): the enum is the first member of anyOf
     assert set(req["properties"]["remasking"]["anyOf"][0]["enum"]) == {"low_confidence", "margin", "entropy",
-                                                                       "random"}
+                                                                       "random", "left_to_right"}
 
 
 # ---------------------------------------------------------------------------------------------- openai SDK

@@ -140,11 +140,13 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path, monkeypatch):
     assert again.token_ids == ref
     # --block-size / --diffusion-block-size set the served default blocks (recorded), nothing else
     assert record_main(["ship", str(out), str(tmp_path / "shipped3"), "--block-size", "3",
-                        "--diffusion-block-size", "2"]) == 0
+                        "--diffusion-block-size", "2", "--default-remasking", "left_to_right"]) == 0
     assert read_adapter(tmp_path / "shipped3")[1]["dllm"]["block_size"] == 3
     assert read_adapter(tmp_path / "shipped3")[1]["dllm"]["diffusion_block_size"] == 2
     shipped_record = json.loads((tmp_path / "shipped3" / "recipe.json").read_text())
     assert shipped_record["shipped_block_size"] == 3 and shipped_record["shipped_diffusion_block_size"] == 2
+    assert read_adapter(tmp_path / "shipped3")[1]["dllm"]["default_sampling"]["remasking"] == "left_to_right"
+    assert shipped_record["shipped_default_remasking"] == "left_to_right"
     assert (tmp_path / "shipped3" / "mask_adapter.safetensors").read_bytes() == (shipped / "mask_adapter.safetensors").read_bytes()
     # refused before anything is written: a block the server cannot draft at, a DEST that is a file or the export
     from unmask.training.recipes.record import ship
@@ -154,6 +156,8 @@ def test_mask_lora_recipe_end_to_end_with_resume(tmp_path, monkeypatch):
             ship(out, tmp_path / "shipped4", block_size=bad)
     with pytest.raises(ValueError, match="--diffusion-block-size: must be >= 1"):
         ship(out, tmp_path / "shipped4", diffusion_block_size=0)
+    with pytest.raises(ValueError, match="--default-remasking: must be one of"):
+        ship(out, tmp_path / "shipped4", default_remasking="best")
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         ship(out, tmp_path / "afile")

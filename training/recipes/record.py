@@ -114,7 +114,7 @@ SHIPPED_PARENT = {"name": "smollm2-135m-a2d",
 
 
 def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | None = None,
-         diffusion_block_size: int | None = None) -> Path:
+         diffusion_block_size: int | None = None, default_remasking: str | None = None) -> Path:
     """Copy a recipe's adapter export into ``dest`` (e.g. ``default_adapter/``) without machine paths: the two
     adapter files with ``parent.name`` / ``parent.how`` of :data:`SHIPPED_PARENT` (hash and GGUF provenance kept;
     ``training.data`` reduced to the file name), and the record with the work and out directories written
@@ -123,6 +123,8 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | N
     draft at it), e.g. the largest of a ``--draft-block-sizes`` run's blocks; recorded in the record as
     ``shipped_block_size``. None keeps the export's. ``diffusion_block_size``: the default block of plain-diffusion
     requests (``dllm.diffusion_block_size``), recorded as ``shipped_diffusion_block_size``; None keeps the export's.
+    ``default_remasking``: the order of plain-diffusion requests that send no ``remasking``
+    (``dllm.default_sampling.remasking``), recorded as ``shipped_default_remasking``; None keeps the export's.
 
     Writes: every file goes to a temporary name in ``dest`` first and is renamed into place only once all three are
     written, so a killed ship leaves whole files (a kill between the renames may pair the new weights with the old
@@ -144,6 +146,11 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | N
                          f"that size), got {block_size}")
     if diffusion_block_size is not None and diffusion_block_size < 1:
         raise ValueError(f"--diffusion-block-size: must be >= 1, got {diffusion_block_size}")
+    from unmask.engine.limits import REMASKING_STRATEGIES
+
+    if default_remasking is not None and default_remasking not in REMASKING_STRATEGIES:
+        raise ValueError(f"--default-remasking: must be one of {list(REMASKING_STRATEGIES)}, got "
+                         f"{default_remasking!r}")
     if dest.exists() and not dest.is_dir():
         raise ValueError(f"{dest}: not a directory")
     if dest.exists() and dest.resolve() == export.resolve():
@@ -177,6 +184,10 @@ def ship(export: str | os.PathLike, dest: str | os.PathLike, block_size: int | N
     if diffusion_block_size is not None:
         cfg["dllm"] = {**cfg.get("dllm", {}), "diffusion_block_size": int(diffusion_block_size)}
         record["shipped_diffusion_block_size"] = int(diffusion_block_size)
+    if default_remasking is not None:
+        dllm = cfg.get("dllm", {})
+        cfg["dllm"] = {**dllm, "default_sampling": {**dllm.get("default_sampling", {}), "remasking": default_remasking}}
+        record["shipped_default_remasking"] = default_remasking
     if isinstance(cfg.get("training"), dict) and isinstance(cfg["training"].get("data"), str):
         cfg["training"]["data"] = Path(cfg["training"]["data"]).name
     dest.mkdir(parents=True, exist_ok=True)
@@ -207,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the served default block size (speculative requests draft at it); default the export's")
     s.add_argument("--diffusion-block-size", type=int, default=None,
                    help="the default block of plain-diffusion requests; default the export's (none: --block-size)")
+    s.add_argument("--default-remasking", default=None,
+                   help="the reveal order of plain-diffusion requests that send none; default the export's")
     a = p.parse_args(argv)
     from unmask.engine.config import CheckpointError
 
     try:
-        print(ship(a.export, a.dest, a.block_size, a.diffusion_block_size))
+        print(ship(a.export, a.dest, a.block_size, a.diffusion_block_size, a.default_remasking))
     except (ValueError, OSError, CheckpointError) as exc:  # bad input, refused before anything is renamed into DEST
         p.error(str(exc))
     return 0
