@@ -5,7 +5,7 @@ and 10):
 
 * request-level defaults (:func:`resolve_params`): ``temperature`` (the request's, else the checkpoint's
   ``dllm.default_sampling``, else 1.0; 0 for a speculative request), ``threshold`` (the checkpoint's only for a
-  request that sets neither ``threshold`` nor ``steps`` and keeps ``remasking="low_confidence"``), ``remasking``
+  request that sets neither ``threshold`` nor ``steps`` and sends no ``remasking`` or ``low_confidence``), ``remasking``
   (the request's, else the checkpoint's for a request decoded by plain diffusion, else ``low_confidence``),
   ``seed`` (random when unset), ``speculative`` (the request's, else the checkpoint's where the request allows it);
 * the engine's draft policy (:func:`drafts_by_default`, engine option ``default_drafts``): a request that gets
