@@ -27,8 +27,9 @@ def register(sub, name):
                    help="total denoising steps (default: one token per step, or the checkpoint's default threshold "
                         "when it has one)")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--remasking", default="low_confidence",
-                   help=" | ".join(REMASKING_STRATEGIES))
+    p.add_argument("--remasking", default=None,
+                   help=" | ".join(REMASKING_STRATEGIES) + " (default: the checkpoint's for plain diffusion, else "
+                        "low_confidence)")
     p.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy; default: the checkpoint's default temperature (else 1.0, or 0 when speculative)")

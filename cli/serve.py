@@ -604,7 +604,8 @@ def run(args: argparse.Namespace) -> int:
     thr = d.default_sampling.get("threshold")
     decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
                 else "one token per step")
-    decoding += f", block {d.diffusion_block_size or d.block_size} unless sent"
+    decoding += (f", block {d.diffusion_block_size or d.block_size} and remasking "
+                 f"{d.default_sampling.get('remasking', 'low_confidence')} unless sent")
     if d.default_sampling.get("speculative"):
         verifier = (str(Path(loaded.path) / Path(d.verifier).expanduser()) if d.verifier
                     else "the parent's causal path" if loaded.adapter else "the model's causal path")

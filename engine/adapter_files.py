@@ -306,8 +306,11 @@ def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -
     if bad:
         raise CheckpointError(f"{adapter_dir / ADAPTER_CONFIG}: dllm.{bad[0]} cannot be overridden by an adapter")
     if overrides:
+        from .checkpoint_check import check_block_sizes
+
         merged = {**loaded.dllm.to_dict(), **overrides}
         loaded.dllm = DllmConfig.from_dict(merged, where=f"{adapter_dir / ADAPTER_CONFIG}:dllm")
+        check_block_sizes(loaded.dllm, loaded.max_context, f"{adapter_dir / ADAPTER_CONFIG}:dllm")
     try:
         attach_mask_adapter(loaded, weights)
     except ValueError as exc:

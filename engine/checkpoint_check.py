@@ -325,12 +325,16 @@ def check_loaded(loaded, path: Path) -> None:
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
             raise CheckpointError(f"{where}.{name}: {tid!r} is not a token id of this model (the LM head has "
                                   f"{vocab} rows: 0..{vocab - 1})")
-    for name in ("block_size", "diffusion_block_size"):
-        if (getattr(dllm, name) or 0) > loaded.max_context:
-            raise CheckpointError(f"{where}.{name}: {getattr(dllm, name)} exceeds the model's context of "
-                                  f"{loaded.max_context} tokens")
+    check_block_sizes(dllm, loaded.max_context, where)
     check_chat_template(loaded.tokenizer, path)
     check_finite(loaded.model, path)
+
+
+def check_block_sizes(dllm: DllmConfig, max_context: int, where: str) -> None:
+    """:class:`CheckpointError` naming ``where``'s field: a default block longer than the model's context."""
+    for name in ("block_size", "diffusion_block_size"):
+        if (getattr(dllm, name) or 0) > max_context:
+            raise CheckpointError(f"{where}.{name}: {getattr(dllm, name)} exceeds the model's context of {max_context}")
 
 
 @torch.no_grad()

@@ -5,7 +5,8 @@ and 10):
 
 * request-level defaults (:func:`resolve_params`): ``temperature`` (the request's, else the checkpoint's
   ``dllm.default_sampling``, else 1.0; 0 for a speculative request), ``threshold`` (the checkpoint's only for a
-  request that sets neither ``threshold`` nor ``steps`` and sends no ``remasking`` or ``low_confidence``), ``remasking``
+  request that sets neither ``threshold`` nor ``steps`` and sends no ``remasking``, ``low_confidence`` or the
+  checkpoint's own), ``remasking``
   (the request's, else the checkpoint's for a request decoded by plain diffusion, else ``low_confidence``),
   ``seed`` (random when unset), ``speculative`` (the request's, else the checkpoint's where the request allows it);
 * the engine's draft policy (:func:`drafts_by_default`, engine option ``default_drafts``): a request that gets
@@ -92,9 +93,8 @@ NOT_SPECULATIVE_FIELDS = {
                                              "verifies: there is no step budget to spend"),
     "threshold": (lambda p: p.threshold is not None, "a draft is kept when the causal path verifies it, not by its "
                                                      "confidence"),
-    "remasking": (lambda p: p.remasking not in (None, "low_confidence"), "the verified drafts are revealed left "
-                                                                        "to right: "
-                                                             "there is no order of masked positions to choose"),
+    "remasking": (lambda p: p.remasking not in (None, "low_confidence"),
+                  "a step reveals the drafts the causal path verified, in their order: it chooses no reveal order"),
     "sub_block_size": (lambda p: p.sub_block_size is not None, "the draft block (block_size) is revealed left to "
                                                                "right, with no decoding windows inside it"),
 }
@@ -159,7 +159,7 @@ def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
         temperature = float(defaults.get("temperature", 0.0 if speculative else 1.0))
     threshold = params.threshold
     if (threshold is None and params.default_threshold and params.steps is None
-            and params.remasking in (None, "low_confidence") and not speculative
+            and params.remasking in (None, "low_confidence", defaults.get("remasking")) and not speculative
             and defaults.get("threshold") is not None):
         threshold = float(defaults["threshold"])
     remasking = params.remasking
@@ -266,8 +266,9 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
             and params.speculative_options is None
             and not drafts_by_default(default_drafts, device_type)):
         p = replace(p, block_size=1)
-    if not p.speculative and params.block_size is None and dllm.diffusion_block_size is not None:
-        p = replace(p, block_size=dllm.diffusion_block_size)  # plain diffusion's own default block
+    default_block = dllm.block_size  # plain diffusion may have its own (not a request's field: not its limits)
+    if not p.speculative and dllm.diffusion_block_size is not None:
+        default_block = dllm.diffusion_block_size
     if dllm.fixed_block_size and p.block_size not in (None, dllm.block_size):
         raise ParamError("block_size", f"this {dllm.family} model decodes with its trained block size "
                                        f"{dllm.block_size} only, got {p.block_size}")
@@ -282,7 +283,7 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
         raise ParamError(p.constraint.field, "a grammar constraint cannot be combined with fixed-position "
                                              "constraints or a suffix (infilling): the grammar is applied to the "
                                              "revealed left-to-right prefix (docs/design.md section 19)")
-    bs = p.block_size or dllm.block_size
+    bs = p.block_size or default_block
     if p.sub_block_size is not None and p.sub_block_size > bs:  # docs/design.md section 15: refused, not clamped
         raise ParamError("sub_block_size", f"must be <= block_size ({bs}), got {p.sub_block_size}")
     temperature = float(p.temperature or 0.0)

@@ -163,7 +163,7 @@ class _Common(_Rules):
     threshold: float | None = ranged("threshold", None,
                                      description="confidence-threshold parallel decoding (steps is then ignored); "
                                                 "absent: the checkpoint's default threshold when it has one, "
-                                                "steps is absent and remasking is absent or low_confidence; null: not the "
+                                                "steps is absent and remasking is absent, low_confidence or the checkpoint's; null: not the "
                                                 "checkpoint's default threshold (quota decoding, or the "
                                                 "checkpoint's speculative default); a number not with "
                                                 "speculative: true")

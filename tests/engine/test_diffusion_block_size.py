@@ -92,3 +92,22 @@ def test_serves_block_size_option_is_every_requests_default():
                        eos_token_ids=[0], fixed_block_size=True)
     with pytest.raises(UsageError, match=r"^\$UNMASK_BLOCK_SIZE: this sdar model decodes with its trained block"):
         set_default_block(fixed, 8, "$UNMASK_BLOCK_SIZE")
+
+
+def test_a_checkpoint_default_longer_than_a_requests_limit_is_still_served():
+    """The default is the checkpoint's, not a request field: a request's 512 limit does not apply to it (break-it:
+    every plain-diffusion request became a 400 naming block_size, a field the client never sent)."""
+    plan = resolve(SamplingParams.from_flat(max_tokens=16, steps=8), _dllm(diffusion_block_size=600),
+                   default_drafts="on")
+    assert plan.block_size == 600 and plan.params.block_size is None
+
+
+def test_an_adapters_default_longer_than_the_context_is_refused_at_load(tmp_path):
+    m = tiny.loaded()
+    write_checkpoint(tmp_path / "parent", m.model, m.tokenizer, m.dllm)
+    write_adapter(tmp_path / "adapter", tiny.random_adapter_weights(m),
+                  {"sha256": parent_hash(tmp_path / "parent"), "name": str(tmp_path / "parent")},
+                  dllm={"block_size": 4, "diffusion_block_size": 100000})
+    with pytest.raises(CheckpointError, match=r"mask_adapter\.json:dllm\.diffusion_block_size: 100000 exceeds the "
+                                              r"model's context"):
+        load_model(tmp_path / "adapter")

@@ -69,3 +69,21 @@ def test_a_bad_default_order_names_the_field():
 
     with pytest.raises(CheckpointError, match=r"default_sampling\.remasking: must be one of"):
         _dllm(remasking="best")
+
+
+def test_sending_the_checkpoints_own_order_keeps_its_default_threshold():
+    """An explicit remasking equal to the checkpoint's default decodes as leaving it out (break-it: it dropped the
+    checkpoint's threshold)."""
+    from unmask.engine.plan import resolve
+
+    d = _dllm(threshold=0.5, remasking="left_to_right")
+    for remasking in (None, "left_to_right", "low_confidence"):
+        plan = resolve(SamplingParams(max_tokens=16, remasking=remasking), d, default_drafts="on")
+        assert plan.threshold == 0.5, remasking
+    assert resolve(SamplingParams(max_tokens=16, remasking="margin"), d, default_drafts="on").threshold is None
+
+
+def test_generate_leaves_the_order_to_the_checkpoint():
+    from unmask.cli.main import build_parser
+
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).remasking is None
