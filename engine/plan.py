@@ -7,7 +7,8 @@ and 10):
   ``dllm.default_sampling``, else 1.0; 0 for a speculative request), ``threshold`` (the checkpoint's only for a
   request that sets neither ``threshold`` nor ``steps`` and sends no ``remasking``, ``low_confidence`` or the
   checkpoint's own), ``remasking`` (the request's, else the checkpoint's for a request decoded by plain
-  diffusion, else ``low_confidence``), ``seed`` (random when unset), ``speculative`` (the request's, else the checkpoint's where the request allows it);
+  diffusion, else ``low_confidence``), ``seed`` (random when unset), ``speculative`` (the request's, else the
+  checkpoint's where the request allows it);
 * the engine's draft policy (:func:`drafts_by_default`, engine option ``default_drafts``): a request that gets
   speculative decoding only from the checkpoint's default drafts (block ``block_size``) only where the policy
   says so, else it decodes one token per forward (draft block 1) through the same verifying path;
