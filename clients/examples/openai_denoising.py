@@ -9,7 +9,7 @@ model = client.models.list().data[0].id
 stream = client.chat.completions.create(
     model=model, max_tokens=12, stream=True, messages=[{"role": "user", "content": "Hi"}],
     stream_options={"include_denoising": True, "include_usage": True},
-    extra_body={"block_size": 2, "steps": 6})
+    extra_body={"threshold": 0.9})   # parallel decoding: every position at least 90% sure, with the next one
 for chunk in stream:
     d = (chunk.model_extra or {}).get("denoising")
     if d:
