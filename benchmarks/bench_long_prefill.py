@@ -11,8 +11,7 @@ For the served default (``unmask serve`` with no MODEL) loaded with each ``--wei
   longest wait between two of the stream's tokens, ``median_gap_s`` its typical one, ``joiner_first_token_s`` /
   ``last_joiner_first_token_s`` the first / last joiner's time to its first token (medians of ``--repeats`` runs).
 
-Results: ``benchmarks/results/bench_long_prefill.{json,md}``, or ``bench_long_prefill_stall<N>`` for another
-``--stall-length`` than 2048.
+Results: ``benchmarks/results/bench_long_prefill.{json,md}`` (the latest run, whatever its ``--stall-length``).
 
 ``--compare-without-tiles`` measures the row-invariant formats a second time with prompt rows as one-row calls
 instead of prompt tiles (``engine/row_attention.py``), in the same run.
@@ -138,7 +137,7 @@ def main(argv=None) -> int:
         md.append(f"| {r['weights']} | {r['prefill_chunk'] or 'off'} | {r['joiners']} | "
                   + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
     # another stall length is a result of its own: the default's figures stay in the file the docs cite
-    name = "bench_long_prefill" if args.stall_length == 2048 else f"bench_long_prefill_stall{args.stall_length}"
+    name = "bench_long_prefill"  # one stable name: the latest run, whatever its --stall-length (git keeps the rest)
     return bc.report(name, data, "\n".join(md) + "\n")
 
 
