@@ -58,7 +58,7 @@ class PrefillBudget:
             unaligned chunks of 256 spent 1.3x the attention a 6000-token prompt needs; 1 = anywhere).
     """
 
-    chunk: int
+    chunk: float
     keys: float = math.inf
     align: int = 1
 
@@ -70,7 +70,8 @@ class PrefillBudget:
     def end(self, start: int, limit: int) -> int:
         """The end of a chunk from ``start``: the largest ``e <= limit`` whose rows ``[start, e)`` cost at most
         :attr:`chunk`, at least ``start + 1`` (one row whatever it costs), then rounded down to a multiple of
-        :attr:`align` when it holds at least :attr:`align` rows (``limit`` is never rounded); ``limit`` when ``start >= limit``."""
+        :attr:`align` when it holds at least :attr:`align` rows (``limit`` is never rounded); ``limit`` when
+        ``start >= limit``."""
         if start >= limit:
             return limit
         lo, hi = 1, limit - start  # rows: lo always taken; the cost grows with the rows

@@ -257,11 +257,12 @@ class Request:
         return [(lane.cache.length, end) for lane in self.lanes if lane.cache.length < end]
 
     def prefill_inputs(self, budget: PrefillBudget) -> list[LaneInput] | None:
-        """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence with a
-        whose lanes' pending prompt rows cost more than ``budget.chunk`` row-equivalents (a row at position p costs
+        """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence whose
+        lanes' pending prompt rows cost more than ``budget.chunk`` row-equivalents (a row at position p costs
         ``1 + p / budget.keys``) forwards in each lane the next rows up to :meth:`prefill_limit` that fit its share
-        of it (the budget split evenly between the lanes with rows left; at least one; cut back to a group boundary, e.g. a block-causal prompt block; a group costing more, whole),
-        committing their KV, instead of a step; their bounds depend on the lane's cache length alone. ``None``:
+        of it (the budget split evenly between the lanes with rows left; at least one row; cut back to a group
+        boundary, e.g. a block-causal prompt block; a group costing more, whole), committing their KV, instead of
+        a step; their bounds depend on the lane's cache length alone. ``None``:
         the step may run (every lane's rest fits, ``budget.chunk`` is 0, nothing pending). Each lane advances from
         its own cache length (a CFG cond lane may hold a cached prefix, its uncond lane, prompt masked, none); a
         lane with nothing left sits the chunk out (``LaneInput.lane`` names the others)."""
