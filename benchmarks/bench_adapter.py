@@ -1,4 +1,4 @@
-"""The mask-row adapter on the real model (docs/design.md section 21, docs/adapter.md): speed, TPF and answers.
+"""The mask-row adapter on the real model (docs/design.md#mask-row-adapter, docs/adapter.md): speed, TPF and answers.
 
 Decodes the first ``--prompts`` prompts of the held-out grid (``benchmarks/data/eval_grid_ids.json``, chat
 template, greedy, ``--max-tokens``) one at a time, in every mode, ``--repeats`` times (medians of the per-mode

@@ -6,7 +6,7 @@ Same prompts (chat template), same run, batch 1, greedy, stopping at EOS (tokens
   weights loaded as a plain causal LM - the parent's weights plus the one added mask row (which only widens the
   LM head by one row).
 * ``engine_block1``: the engine at ``block_size=1`` with the exact cache: the same computation as AR decoding
-  (docs/design.md section 4), through the general decoding loop; its tokens must equal ``hf_greedy``'s.
+  (docs/design.md#decoding), through the general decoding loop; its tokens must equal ``hf_greedy``'s.
 * ``engine_parallel``: the engine at a parallel setting (``--parallel``, the quality harness's syntax: ``b32-t0.9`` =
   block 32, threshold 0.9; ``b4-s24`` = block 4, quota of 24 steps for ``--max-tokens``; exact cache), on
   ``--parallel-model`` (default: the same model; a trained A2D model is what makes parallel decoding accurate).

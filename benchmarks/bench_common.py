@@ -1,7 +1,7 @@
 """Shared helpers of the speed benchmarks (``benchmarks/bench_*.py``): the model, the environment record, output.
 
 Every benchmark writes ``benchmarks/results/<name>.json`` (settings, environment, raw timings, medians),
-``<name>.md`` (a table with the command that made it) and ``<name>.png`` (a plot), following docs/design.md section 9:
+``<name>.md`` (a table with the command that made it) and ``<name>.png`` (a plot), following docs/design.md#measuring:
 all baselines in the same run, medians of several runs, ratios next to absolute numbers. ``<name>`` is the
 benchmark's stable name (:func:`result_name`): a rerun overwrites the previous result of the same benchmark (git
 keeps the history), so ``benchmarks/results/`` holds the latest result of each benchmark and nothing else.
@@ -31,8 +31,8 @@ def result_name(benchmark: str, block_size: int | None = None, default_block_siz
 
 
 def cut_at_eos(ids: list[int], eos_ids) -> list[int]:
-    """``ids`` up to and including the first EOS id (generated tokens are counted that way: docs/design.md
-    section 10)."""
+    """``ids`` up to and including the first EOS id (generated tokens are counted that way:
+    docs/design.md#decisions)."""
     for i, t in enumerate(ids):
         if t in eos_ids:
             return ids[: i + 1]

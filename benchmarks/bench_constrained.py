@@ -1,4 +1,4 @@
-"""Tokens per forward (TPF) with and without a grammar constraint (docs/design.md section 19, issue 27).
+"""Tokens per forward (TPF) with and without a grammar constraint (docs/design.md#constrained-decoding, issue 27).
 
 Part 1, the real model (``--model``, default the converted SmolLM2-135M A2D model), chat prompts asking for a JSON
 object, greedy, batch 1, each setting with no constraint and with a JSON-schema constraint:

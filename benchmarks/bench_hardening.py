@@ -1,4 +1,5 @@
-"""Issue 22's hardening, measured on the tiny test model in-process (docs/design.md section 15; docs/reliability.md).
+"""Issue 22's hardening, measured on the tiny test model in-process (docs/design.md#admission-and-limits;
+docs/reliability.md).
 
 Three figures, each beside the behaviour before the fix where that can be reproduced in the same run:
 

@@ -1,5 +1,5 @@
 """Exactness of the served default's decoding in a weight format: a request's tokens alone vs in a batch, and
-speculative greedy decoding vs the block-1 decoding it verifies (docs/design.md section 10).
+speculative greedy decoding vs the block-1 decoding it verifies (docs/design.md#decisions).
 
 For the served default (``unmask serve`` with no MODEL: the parent + the shipped mask-row adapter) loaded with
 ``--weights`` (fp16 | int8 | int4), on the first ``--prompts`` held-out grid prompts (chat template, greedy, at most

@@ -1,5 +1,5 @@
 """Long prompts on the served default: prefill time, and how long a decoding stream stalls while another request's
-long prompt is prefilled, with and without chunked prefill (docs/design.md section 4, "Chunked prefill").
+long prompt is prefilled, with and without chunked prefill (docs/design.md#decoding, "Chunked prefill").
 
 For the served default (``unmask serve`` with no MODEL) loaded with each ``--weights`` format and each
 ``--chunks`` setting (``--prefill-chunk`` tokens; 0 = the whole prompt in one step):

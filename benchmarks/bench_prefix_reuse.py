@@ -1,4 +1,4 @@
-"""Time to first token of a chat's fifth turn with and without prefix reuse (issue 25; docs/design.md section 23).
+"""Time to first token of a chat's fifth turn with and without prefix reuse (issue 25; docs/design.md#prefix-reuse).
 
 A realistic 5-turn conversation (a system prompt and five user turns; the model's own greedy answers of at most
 ``--answer-tokens`` tokens are the assistant turns), rendered with the model's chat template, so every turn resends

@@ -1,7 +1,7 @@
 """The 60-prompt grid of ``eval_quality.py`` for one engine model, without the transformers parent: the reference
-is the model's own ``b1-s64`` decoding through the engine (for a mask-row adapter: its parent, exactly; docs/design.md
-section 21), so the run needs no float32 transformers copy and no perplexity pass (a loaded machine could not afford
-them).
+is the model's own ``b1-s64`` decoding through the engine (for a mask-row adapter: its parent, exactly;
+docs/design.md#mask-row-adapter), so the run needs no float32 transformers copy and no perplexity pass (a loaded machine
+could not afford them).
 
 Same prompts (``benchmarks/data/eval_grid_ids.json``, chat template), same settings grammar (``eval_quality.parse_setting``),
 same greedy decoding, max tokens and scoring (``eval_quality.summarise``: answer accuracy, exact match, contains,

@@ -1,5 +1,5 @@
 """Issue 26's evaluation: answer accuracy and token F1 against TPF on the whole checkable held-out set, with 95%
-paired-bootstrap intervals, for several checkpoints (docs/methods.md "Results", docs/design.md section 9).
+paired-bootstrap intervals, for several checkpoints (docs/methods.md "Results", docs/design.md#measuring).
 
 For every ``--model NAME=PATH`` and every decoding setting (``--settings``; the ``eval_quality`` setting syntax:
 ``b1-s64`` = one token per step, the reference; ``b4-t0.9`` threshold; ``b4-s32`` quota; ``-mb0.5`` multi-block
@@ -7,7 +7,7 @@ decoding) all checkable prompts of ``benchmarks/data/eval_prompts.jsonl`` (152, 
 decoded greedily in one batched ``LLM.generate`` call (the engine is batch-invariant). Per prompt: the extracted
 answer accuracy (``quality_metrics.answer_match``; strict exact match beside it), token F1 against the parent's
 greedy answer, tokens and forwards. The parent's answers come from ``--parent`` at block 1 (the a2d conversion at
-block 1 decodes exactly the AR parent, docs/design.md section 8), so no transformers copy is loaded.
+block 1 decodes exactly the AR parent, docs/design.md#the-real-model), so no transformers copy is loaded.
 
 Statistics (``scipy.stats.bootstrap``, percentile intervals, ``--resamples`` resamples, fixed seed): per run the
 mean with its 95% interval over prompts, and the paired difference against the reference run (``--base`` model at

@@ -1,5 +1,5 @@
 """Quality/speed evaluation of diffusion checkpoints against their AR parent, in one process and one run
-(issue 5 "Evaluation harness", docs/design.md sections 9-10).
+(issue 5 "Evaluation harness", docs/design.md#measuring and #decisions).
 
 What one run does:
 
@@ -101,7 +101,7 @@ def parse_setting(text: str) -> Setting:
     epsilon 0.2; ``"b4-spec-r0.3"``: relaxed verification keeping drafts within a probability ratio 0.3 of the causal
     argmax; either followed by ``-ng<n>``, the loop guard's n-gram size, ``-ng0`` = no guard: ``"b4-spec-e0.03-ng0"``;
     default 3); an optional ``-mb<f>`` suffix decodes with multi-block decoding at activation fraction f
-    (docs/design.md section 22), e.g. ``b4-t0.9-mb0.5``; an optional ``-ltr`` suffix reveals with
+    (docs/design.md#the-seeds-methods), e.g. ``b4-t0.9-mb0.5``; an optional ``-ltr`` suffix reveals with
     ``remasking: left_to_right`` (the leftmost masked position first), e.g. ``b4-t0.5-ltr``; an optional
     ``-cache-MODE`` suffix
     (``auto`` | ``none`` | ``prefix`` | ``dual``) picks the KV cache, e.g. ``b32-s256-cache-none``; an optional
@@ -501,7 +501,7 @@ class Evaluation:
                 n_tok.append(len(ro.outputs[0].token_ids))
                 mismatch += list(ro.outputs[0].token_ids) != by_id[pid].token_ids
             run.speed = self._speed_from(timings, n_tok)
-            # batch invariance (docs/design.md section 4): batch-1 outputs must equal the batched ones
+            # batch invariance (docs/design.md#decoding): batch-1 outputs must equal the batched ones
             run.speed["batch1_vs_batched_mismatches"] = mismatch
         run.speed["batched_wall_s"] = batch_s
         self._finish(run)

@@ -1,4 +1,4 @@
-"""Fixed-budget training arms of issue 26 (docs/methods.md "Fixed-budget comparison"; docs/design.md section 22).
+"""Fixed-budget training arms of issue 26 (docs/methods.md "Fixed-budget comparison"; docs/design.md#the-seeds-methods).
 
 Every arm starts from the same checkpoint (``--model``, by default the a2d conversion of SmolLM2-135M-Instruct,
 ``~/.cache/unmask/models/smollm2-135m-a2d``) and trains on the same examples (``--data`` minus every example whose

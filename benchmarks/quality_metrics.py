@@ -1,4 +1,4 @@
-"""Quality measures for generated answers (issue 5, docs/design.md section 9 "Quality of a diffusion model").
+"""Quality measures for generated answers (issue 5, docs/design.md#measuring "Quality of a diffusion model").
 
 Pure-Python functions over strings and token-id lists, plus one torch helper (:func:`continuation_nll`) that
 scores generated tokens under the AR parent for generative perplexity. Used by ``benchmarks/eval_quality.py``.
@@ -17,7 +17,7 @@ Definitions (sources):
 * :func:`token_f1` -- SQuAD bag-of-words F1 between a prediction and a reference (here: the parent's greedy
   answer), on words normalised the same way (articles kept: they carry agreement between two free answers).
 * :func:`repeated_ngram_rate` -- share of a sequence's n-grams that repeat an earlier n-gram of the same sequence
-  (``1 - unique/total``), the repetition measure shown beside perplexity (docs/design.md section 10).
+  (``1 - unique/total``), the repetition measure shown beside perplexity (docs/design.md#decisions).
 * :func:`distinct_n` -- corpus-level distinct-n (Li et al. 2016, "A Diversity-Promoting Objective Function"):
   unique n-grams / total n-grams over all outputs of one run.
 * :func:`generative_perplexity` -- ``exp(sum NLL / sum tokens)`` of the generated tokens under the AR parent,

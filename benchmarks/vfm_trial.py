@@ -1,4 +1,4 @@
-"""Issue 26's VFM trial, evaluated (docs/methods.md "VFM trial", docs/design.md section 22).
+"""Issue 26's VFM trial, evaluated (docs/methods.md "VFM trial", docs/design.md#the-seeds-methods).
 
 One- and K-step decoding of held-out prompts with the default model (the a2d conversion of SmolLM2 + the shipped
 mask-row adapter) through :func:`unmask.training.vfm.decode` (an evaluation-only decoder: the answer's G

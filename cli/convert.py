@@ -1,5 +1,5 @@
 """``unmask convert SRC OUT``: turn an autoregressive checkpoint (HF directory or GGUF) into an ``a2d`` diffusion
-checkpoint (docs/design.md section 7; rules in :mod:`unmask.training.convert`)."""
+checkpoint (docs/design.md#training; rules in :mod:`unmask.training.convert`)."""
 from __future__ import annotations
 
 import argparse

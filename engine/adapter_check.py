@@ -1,5 +1,5 @@
-"""Refusing broken mask-row adapter files at load, one line naming the file and the problem (docs/design.md
-sections 16 and 21).
+"""Refusing broken mask-row adapter files at load, one line naming the file and the problem
+(docs/design.md#checks-at-load and #mask-row-adapter).
 
 :func:`check_adapter_config` checks ``mask_adapter.json``'s fields; :func:`check_adapter_tensors` checks
 ``mask_adapter.safetensors`` from its header (:func:`unmask.engine.checkpoint_check.safetensors_header`: whole

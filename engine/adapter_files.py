@@ -1,4 +1,4 @@
-"""Mask-row adapter checkpoints on disk: adapter-only and self-contained (docs/design.md section 21).
+"""Mask-row adapter checkpoints on disk: adapter-only and self-contained (docs/design.md#mask-row-adapter).
 
 Two files describe an adapter, in one directory:
 
@@ -228,8 +228,8 @@ EXPORT_RECORD = "unmask_export"
 def record_export(out: str | os.PathLike, source: str | os.PathLike, quantization: str) -> dict:
     """Record in ``<out>/config.json`` that ``out`` is ``unmask export --quantization Q`` of ``source``:
     ``"unmask_export": {"quantization", "source_sha256": parent_hash(source), "sha256": parent_hash(out)}``
-    (both content hashes; docs/design.md section 21). An adapter trained on ``source`` is then accepted over ``out``
-    (:func:`parent_relation`) while ``out``'s tensors are still those the record names. Returns the record.
+    (both content hashes; docs/design.md#mask-row-adapter). An adapter trained on ``source`` is then accepted over
+    ``out`` (:func:`parent_relation`) while ``out``'s tensors are still those the record names. Returns the record.
 
     Raises:
         CheckpointError: ``out`` or ``source`` has no safetensors weights, or ``out`` has no ``config.json``.
@@ -248,11 +248,11 @@ def record_export(out: str | os.PathLike, source: str | os.PathLike, quantizatio
 
 
 def parent_relation(parent_dir: str | os.PathLike, want: str, adapter_cfg: Path) -> dict:
-    """How the checkpoint in ``parent_dir`` relates to the parent hash ``want`` an adapter names (section 21):
-    ``{"parent_sha256": want, "relation": "same"}`` when its content hash is ``want``; ``{..., "relation":
-    "quantized export", "quantization": Q, "loaded_sha256": HASH}`` when its ``config.json`` records
-    (:func:`record_export`) that it is an export of the parent ``want`` and its tensors still hash to the
-    recorded ``sha256``.
+    """How the checkpoint in ``parent_dir`` relates to the parent hash ``want`` an adapter names
+    (docs/design.md#mask-row-adapter): ``{"parent_sha256": want, "relation": "same"}`` when its content hash is
+    ``want``; ``{..., "relation": "quantized export", "quantization": Q, "loaded_sha256": HASH}`` when its
+    ``config.json`` records (:func:`record_export`) that it is an export of the parent ``want`` and its tensors still
+    hash to the recorded ``sha256``.
 
     Raises:
         CheckpointError: (one line naming both hashes) any other parent: another model, an export of another

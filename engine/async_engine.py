@@ -1,6 +1,6 @@
 """The engine the server talks to: one background thread owns the model and the scheduler; asyncio code submits
-requests and consumes their :class:`~unmask.engine.outputs.StepEvent` streams (docs/design.md sections 1 and 4,
-"Scheduling"). The loop itself is :class:`~unmask.engine.engine.Engine`'s; this module adds the thread.
+requests and consumes their :class:`~unmask.engine.outputs.StepEvent` streams (docs/design.md#layout-and-layers and
+#decoding, "Scheduling"). The loop itself is :class:`~unmask.engine.engine.Engine`'s; this module adds the thread.
 
 Threading model:
 
@@ -134,9 +134,10 @@ class AsyncEngine:
             but not what is left of it waits in the queue. ``None`` = unlimited.
         default_drafts: ``auto`` | ``on`` | ``off``: whether requests that get speculative decoding only from the
             checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
-        enable_prefix_caching: reuse committed KV across requests that share a prompt prefix (docs/design.md
-            section 23; the store counts against ``max_cached_tokens`` and is evicted first).
-        prefill_chunk: row-equivalents per step before a sequence's first step (chunked prefill, design section 4).
+        enable_prefix_caching: reuse committed KV across requests that share a prompt prefix
+            (docs/design.md#prefix-reuse; the store counts against ``max_cached_tokens`` and is evicted first).
+        prefill_chunk: row-equivalents per step before a sequence's first step (chunked prefill,
+            docs/design.md#decoding).
 
     Counters (read from any thread; updated by the engine thread after every step):
         ``num_running`` / ``num_waiting``: requests with a sequence in the running batch / all other unfinished
@@ -208,7 +209,7 @@ class AsyncEngine:
             request_id: unique id (default: generated). n: number of choices. group: the unit of fair admission
             (default ``request_id``; the server passes one id for every prompt of a completions request).
             fit_max_tokens: ``params.max_tokens`` is a default rather than the client's value: lower it until the
-                canvas fits the model's context (docs/design.md section 10: "lowered to the remaining context when
+                canvas fits the model's context (docs/design.md#decisions: "lowered to the remaining context when
                 unset") and the KV budget.
 
         Raises:
@@ -225,8 +226,8 @@ class AsyncEngine:
                     fit_max_tokens: bool = False, loop: asyncio.AbstractEventLoop | None = None,
                     group: str | None = None) -> list[RequestStream]:
         """Queue several prompts (one engine request each, ``request_ids[i]`` for ``prompts[i]``) atomically: all
-        of them are admitted or none is (docs/design.md section 15, "Atomic admission"). The arguments and errors
-        are :meth:`submit`'s (a prompt's own error names ``prompt.i`` when there are several); ``group`` defaults
+        of them are admitted or none is (docs/design.md#admission-and-limits, "Atomic admission"). The arguments and
+        errors are :meth:`submit`'s (a prompt's own error names ``prompt.i`` when there are several); ``group`` defaults
         to the first request id. A refused call leaves no trace in the queue.
 
         Raises:
@@ -244,7 +245,8 @@ class AsyncEngine:
                 seqs = self.engine.make_request(list(ids), params, rid, n, fit_max_tokens)
             except ParamError as exc:  # name the prompt of several (``prompt.1``), as the request's schema does
                 raise ParamError(f"prompt.{i}", exc.reason) if exc.field == "prompt" and len(prompts) > 1 else exc
-            for s in seqs:  # the unit of fair admission: the client's whole request (docs/design.md section 15)
+            # the unit of fair admission: the client's whole request (docs/design.md#admission-and-limits)
+            for s in seqs:
                 s.group = group
             self.scheduler.check_fits(seqs)
             built.append((rid, seqs))
@@ -281,7 +283,7 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """Counters for /health and logs: running/waiting, ``batched_forwards`` (model calls, not ``usage.nfe``),
-        steps, ``prefix_cache`` (docs/design.md sections 5, 23)."""
+        steps, ``prefix_cache`` (docs/design.md#http-contract and #prefix-reuse)."""
         return {"running": self.num_running, "waiting": self.num_waiting, "batched_forwards": self.nfe,
                 "steps": self.steps, "prefix_cache": self.engine.prefix_cache_stats()}
 

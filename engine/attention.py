@@ -1,4 +1,4 @@
-"""The one attention-mask builder shared by decoding and training (docs/design.md sections 4, 7 and 10).
+"""The one attention-mask builder shared by decoding and training (docs/design.md#decoding, #training and #decisions).
 
 Every token (query or key) carries three integers and a flag:
 
@@ -12,7 +12,7 @@ before q's group starts:
 
     allowed(q, k) = valid_k and (grp_k == grp_q or (committed_k and pos_k < start_q))
 
-This single rule gives every attention mode of docs/design.md section 2:
+This single rule gives every attention mode of docs/design.md#words:
 
 * ``prefix_causal``: every committed token is its own group (``start = pos``), so committed context is
   strictly causal - exactly the AR parent - while the active block is one group that sees all committed context.

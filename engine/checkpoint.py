@@ -1,4 +1,4 @@
-"""Writing servable checkpoints atomically (docs/design.md sections 6 and 10).
+"""Writing servable checkpoints atomically (docs/design.md#checkpoints and #decisions).
 
 A servable checkpoint is a Hugging Face directory (safetensors weights, ``config.json`` with a ``dllm`` section,
 tokenizer with its chat template). Everything is written into ``<out>.tmp-<pid>`` first and renamed into place,

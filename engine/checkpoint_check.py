@@ -1,4 +1,4 @@
-"""Refusing corrupt checkpoints at load, with one line naming the file and the problem (docs/design.md section 16).
+"""Refusing corrupt checkpoints at load, with one line naming the file and the problem (docs/design.md#checks-at-load).
 
 :func:`load_checked` is what :func:`unmask.engine.model.load_model` calls instead of the family adapter's ``load``:
 
@@ -81,7 +81,8 @@ def check_files(path: Path, config: dict, family: str) -> None:
     """
     path = Path(path)
     check_not_staging(path)
-    if family == "a2d" and isinstance(config.get("dllm"), dict):  # its own errors name the field (section 6)
+    # its own errors name the field (docs/design.md#checkpoints)
+    if family == "a2d" and isinstance(config.get("dllm"), dict):
         DllmConfig.from_dict(config["dllm"], where=f"{path / 'config.json'}:dllm")
     check_config_fields(path / "config.json", config)
     headers = check_weight_files(path)

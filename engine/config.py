@@ -1,8 +1,8 @@
 """The diffusion-specific description of a checkpoint: the ``dllm`` section of ``config.json``.
 
 Every family adapter (``unmask.engine.families``) produces a :class:`DllmConfig`; the denoiser, the server and
-the trainer read only this object, never family-specific fields. See docs/design.md sections 3, 6 and 10.
-Also the checkpoint-file helpers: :func:`read_json_file` (shared by every checkpoint reader),
+the trainer read only this object, never family-specific fields. See docs/design.md#model-families, #checkpoints and
+#decisions. Also the checkpoint-file helpers: :func:`read_json_file` (shared by every checkpoint reader),
 :func:`dataclass_from_dict` and :func:`check_int` (this module's ``dllm`` parsing); errors are
 :class:`CheckpointError` naming the file and field.
 """
@@ -98,7 +98,7 @@ class DllmConfig:
     Attributes:
         family: one of ``FAMILIES``.
         mask_token_id: id of the ``[MASK]`` noise token (from the checkpoint, never hard-coded in the engine).
-        attention: ``bidirectional`` | ``prefix_causal`` | ``block_causal`` (docs/design.md section 2).
+        attention: ``bidirectional`` | ``prefix_causal`` | ``block_causal`` (docs/design.md#words).
         block_size: block size the checkpoint was trained with; the default for requests (and the draft block of
             speculative ones).
         diffusion_block_size: the default block size of requests decoded by plain diffusion (not speculatively)
@@ -109,7 +109,7 @@ class DllmConfig:
         pad_token_id: id used for padding rows in a batch (never generated); may equal an EOS id.
         block_alignment: ``generation`` = blocks start at the first generated position (bidirectional and
             prefix-causal models); ``absolute`` = blocks aligned to position 0 as the family was trained
-            (SDAR, Fast-dLLM v2): the prompt's last partial block is completed first (docs/design.md section 10).
+            (SDAR, Fast-dLLM v2): the prompt's last partial block is completed first (docs/design.md#decisions).
         fixed_block_size: True when requests may not choose another block size (block-causal families).
         sub_block_size: Fast-dLLM v2's per-request decoding window inside a block (None elsewhere).
         default_sampling: default request fields, :data:`DEFAULT_SAMPLING_FIELDS` only (e.g.

@@ -1,4 +1,4 @@
-"""Grammar constraints compiled with llguidance, and the per-choice grammar state (docs/design.md section 19).
+"""Grammar constraints compiled with llguidance, and the per-choice grammar state (docs/design.md#constrained-decoding).
 
 A :class:`~unmask.engine.params.Constraint` (``json_object`` / ``json_schema`` / ``lark`` / ``regex``) becomes an
 llguidance grammar (``LLMatcher.grammar_from_*``), compiled once per (tokenizer, vocabulary size, EOS ids, spec)
@@ -280,7 +280,7 @@ def mask_rows(logits: torch.Tensor, allowed: torch.Tensor, fallback: torch.Tenso
 
 def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator: torch.Generator,
                  quota: int | None, threshold: float | None):
-    """The constrained reveal rule of plain denoising (docs/design.md section 19): candidates for the window's
+    """The constrained reveal rule of plain denoising (docs/design.md#constrained-decoding): candidates for the window's
     masked positions, left to right, each under the grammar's mask after the candidates before it.
 
     Row 0 is the leftmost undecided position (every generated position before it is revealed), so its mask is the
@@ -331,12 +331,12 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator:
 
 
 def mask_verifier_rows(logits: torch.Tensor, grammar: GrammarState, drafts: list[int]) -> None:
-    """Mask the causal (verifier) rows of a constrained speculative step, in place (docs/design.md section 19):
-    row ``i`` of ``logits`` (``[N, V]`` float32; rows ``0..D`` predict the positions of ``drafts[0..D-1]`` and the
-    one after them) gets the grammar's mask after the final tokens and ``drafts[:i]``. Masking stops at the first
-    draft the grammar rejects: that draft has probability 0 under its masked row, so verification rejects it there
-    (greedy, relaxed and speculative sampling alike) and the rows after it are never read. The grammar is left as
-    it was (the drafts are pushed and popped)."""
+    """Mask the causal (verifier) rows of a constrained speculative step, in place
+    (docs/design.md#constrained-decoding): row ``i`` of ``logits`` (``[N, V]`` float32; rows ``0..D`` predict the
+    positions of ``drafts[0..D-1]`` and the one after them) gets the grammar's mask after the final tokens and
+    ``drafts[:i]``. Masking stops at the first draft the grammar rejects: that draft has probability 0 under its masked
+    row, so verification rejects it there (greedy, relaxed and speculative sampling alike) and the rows after it are
+    never read. The grammar is left as it was (the drafts are pushed and popped)."""
     for i in range(len(drafts) + 1):
         logits[i] = mask_rows(logits[i], grammar.allowed())
         if i == len(drafts) or not grammar.push(drafts[i]):
@@ -376,7 +376,7 @@ def grammar_drafts(logits: torch.Tensor, rows: list[int], grammar: GrammarState,
 
 #: forced tokens one step reveals at most: each costs a mask (microseconds for usual grammars, up to ~0.1 s for a
 #: huge regex), and a step runs on the engine thread, so the run is cut and resumed next step, letting other
-#: requests' steps interleave (docs/design.md section 19)
+#: requests' steps interleave (docs/design.md#constrained-decoding)
 MAX_FORCED_PER_STEP = 16
 
 

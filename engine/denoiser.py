@@ -1,9 +1,9 @@
-"""One batched denoising step over many requests (docs/design.md section 4, steps 1-8).
+"""One batched denoising step over many requests (docs/design.md#decoding, steps 1-8).
 
 Each request contributes one row per lane (two under CFG). Rows are right-padded to the longest chunk; the keys
 of a row are its lane's cached KV (padded to the longest cache) followed by its chunk. The boolean mask comes from
 the shared builder (``unmask.engine.attention``), so padding never changes a row's result: a row decodes the same
-tokens alone or in any batch (batch invariance, docs/design.md section 10).
+tokens alone or in any batch (batch invariance, docs/design.md#decisions).
 
 The denoiser knows requests only through the strategy protocol (``unmask.engine.request.DecodingStrategy``:
 ``lane_inputs``, ``variant_rows``, ``consume``) and the model only through its seam (``hidden_states`` and

@@ -1,5 +1,5 @@
 """The one engine loop: :class:`Engine` owns a :class:`~unmask.engine.scheduler.Scheduler` and a
-:class:`~unmask.engine.denoiser.Denoiser` (docs/design.md section 4, "Scheduling").
+:class:`~unmask.engine.denoiser.Denoiser` (docs/design.md#decoding, "Scheduling").
 
 ``LLM`` (offline), ``AsyncEngine`` (a thread for asyncio servers) and ``unmask generate`` are thin wrappers: they
 add requests, call :meth:`Engine.step` and read the :class:`~unmask.engine.outputs.StepEvent` objects it returns.
@@ -32,7 +32,7 @@ __all__ = ["Engine", "make_requests"]
 
 def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
                   default_drafts: str = "auto") -> list[Request]:
-    """The choices of one request: ``n`` of them with seeds seed, seed+1, ... (docs/design.md section 10), each
+    """The choices of one request: ``n`` of them with seeds seed, seed+1, ... (docs/design.md#decisions), each
     decoded by the strategy its resolved plan (``unmask.engine.plan.resolve``) names.
 
     Raises:
@@ -58,7 +58,7 @@ class Engine:
             checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
         compile: ``model.enable_compile()`` first. denoiser: share an existing denoiser (its forward counter).
         enable_prefix_caching: keep the committed KV of finished and running requests and reuse it for requests
-            whose prompts start the same way (docs/design.md section 23); never on bidirectional models.
+            whose prompts start the same way (docs/design.md#prefix-reuse); never on bidirectional models.
         prefix_cache: share an existing store (``LLM`` keeps one across its calls); implies reuse.
         prefill_chunk: what a sequence's prompt rows forwarded per step before its first step may cost, in
             row-equivalents (chunked prefill, :class:`~unmask.engine.denoiser.Denoiser`; 0 = the whole prompt at
@@ -92,7 +92,7 @@ class Engine:
         """Build (and check) the choices of one request without queueing them (any thread may call this).
 
         ``fit_max_tokens``: ``params.max_tokens`` is a default rather than the client's value: lower it to the
-        largest that fits the model's context (docs/design.md section 10: "lowered to the remaining context when
+        largest that fits the model's context (docs/design.md#decisions: "lowered to the remaining context when
         unset") and the KV budget (:meth:`Scheduler.fit_max_tokens`).
 
         Raises:

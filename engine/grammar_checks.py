@@ -1,5 +1,5 @@
-"""Compile-time checks of a grammar (docs/design.md section 19): JSON-schema integer bounds llguidance cannot handle
-(refused before it sees them), a compiled matcher probed along its first forced tokens, llguidance's error text.
+"""Compile-time checks of a grammar (docs/design.md#constrained-decoding): JSON-schema integer bounds llguidance cannot
+handle (refused before it sees them), a compiled matcher probed along its first forced tokens, llguidance's error text.
 
 Integer bounds.
 llguidance 1.9's integer-range regex builder crashes the whole process (SIGSEGV) in
@@ -69,7 +69,7 @@ def first_lines(message: str) -> str:
     return " ".join(ln.strip() for ln in lines)
 
 
-#: forced tokens the compile-time probe follows (docs/design.md section 19)
+#: forced tokens the compile-time probe follows (docs/design.md#constrained-decoding)
 PROBE_FORCED = 64
 
 

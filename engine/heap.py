@@ -2,9 +2,9 @@
 
 glibc keeps freed chunks in its heaps (one per thread that allocated, up to 8 x cores) once its dynamic mmap
 threshold has risen, so memory a burst of work freed stays in the process's RSS: the float32 layers replaced while
-packing weights (section 21 of docs/design.md, "Memory at start-up"), or the automata llguidance built for a grammar
-it then gave up on in a worker thread (about 170 MB per refused ``^(q{1000}){1000}$``; section 19).
-``malloc_trim(0)`` returns those pages from every heap.
+packing weights (docs/design.md#mask-row-adapter, "Memory at start-up"), or the automata llguidance built for a grammar
+it then gave up on in a worker thread (about 170 MB per refused ``^(q{1000}){1000}$``;
+docs/design.md#constrained-decoding). ``malloc_trim(0)`` returns those pages from every heap.
 """
 from __future__ import annotations
 

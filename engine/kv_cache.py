@@ -4,7 +4,7 @@ A *lane* is one canvas variant of one request (the conditional canvas, plus the 
 Each lane keeps, per layer, the keys and values of the tokens it has committed (``[H_kv, n, D]``), together with
 the position/group metadata the shared mask builder needs (``unmask.engine.attention``).
 
-Cache policies (``SamplingParams.cache``, docs/design.md sections 4 and 10):
+Cache policies (``SamplingParams.cache``, docs/design.md#decoding and #decisions):
 
 * ``none``: nothing cached; every step forwards the canvas (up to the active block's end for causal families).
 * exact (``auto`` on ``prefix_causal`` / ``block_causal`` models): committed tokens are forwarded once - the

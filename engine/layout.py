@@ -1,4 +1,4 @@
-"""The canvas layout of one request: pure arithmetic on lengths, no tensors (docs/design.md section 4).
+"""The canvas layout of one request: pure arithmetic on lengths, no tensors (docs/design.md#decoding).
 
 ``prompt (P) | generation region (G masks) | suffix (S)``, with G = ``max_tokens`` rounded up to whole blocks (for
 absolute alignment: up to the next multiple of ``block_size`` from position 0, so that the prompt's last partial
@@ -64,7 +64,7 @@ def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: 
 
     Raises:
         ParamError: (``prompt``) no room to generate; (``max_tokens``) the canvas exceeds the context;
-            (``block_size``) a block longer than the context (docs/design.md section 15). More
+            (``block_size``) a block longer than the context (docs/design.md#admission-and-limits). More
             ``steps`` than masked positions are not spent: a block never runs more steps than it has masks.
     """
     if block_size > max_context:
@@ -93,7 +93,7 @@ def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: 
             if lo < hi:
                 windows.append((b, lo, hi))
     # default steps = one per masked canvas position, window by window: max_tokens when it fills whole blocks
-    # (docs/design.md section 10), else max_tokens rounded up to the block; with ``max_tokens`` split evenly the
+    # (docs/design.md#decisions), else max_tokens rounded up to the block; with ``max_tokens`` split evenly the
     # budget would be shared with the hidden positions of the last block (and a partial first block under
     # absolute alignment, or uneven sub-block windows, would get an even share), so some steps would reveal more
     # than one token

@@ -1,4 +1,4 @@
-"""The one declaration of every request range (docs/design.md sections 5 and 10).
+"""The one declaration of every request range (docs/design.md#http-contract and #decisions).
 
 The HTTP protocol (``unmask.server.protocol``), the CLI (``unmask generate``) and the Python API
 (:class:`~unmask.engine.params.SamplingParams`) all check their fields against :data:`RANGES`; no other module
@@ -21,7 +21,7 @@ MAX_SPECULATIVE_BLOCK = 32  # self-speculative steps forward up to ~block_size^2
 MAX_NO_REPEAT_NGRAM = 64
 MIN_SAMPLING_TEMPERATURE = 1e-100  # below this a positive temperature decodes as argmax (l / T would overflow)
 
-# Size bounds (docs/design.md section 15): every size-like request field has a declared maximum here, and the
+# Size bounds (docs/design.md#admission-and-limits): every size-like request field has a declared maximum here, and the
 # engine checks the bounds that depend on the request and the model (block <= context, sub_block_size <=
 # block_size, speculative_branches <= block_size - 1) where it resolves them; a value past either is a ParamError
 # naming the field (HTTP 400), never silently clamped. (Steps beyond a block's masks are never run: free, accepted.)
@@ -37,7 +37,7 @@ MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
-#: row-equivalents per chunk of a long prompt's prefill, rows at the prompt's start (docs/design.md section 4,
+#: row-equivalents per chunk of a long prompt's prefill, rows at the prompt's start (docs/design.md#decoding,
 #: "Chunked prefill"; engine/prefill_cost.py; measured in benchmarks/results/bench_long_prefill.md): small enough
 #: that other requests keep stepping during a long prefill, large enough that a forward's fixed cost stays a small
 #: share of the chunk's
@@ -97,7 +97,8 @@ RANGES: dict[str, Range] = {
     "speculative_ratio": Range(0, 1, lo_open=True),
     "speculative_no_repeat_ngram": Range(0, MAX_NO_REPEAT_NGRAM, integer=True),
     "logit_bias": Range(-100, 100),  # OpenAI's: each bias value
-    "multi_block": Range(0, 1, lo_open=True),  # fraction of a block decoded before the next joins (section 22)
+    # fraction of a block decoded before the next joins (docs/design.md#the-seeds-methods)
+    "multi_block": Range(0, 1, lo_open=True),
 }
 
 
@@ -122,7 +123,7 @@ def prompt_chars_limit(max_context: int, max_token_chars: int) -> int:
     """Characters beyond which a text surely holds more than ``max_context`` tokens: no token covers more than
     ``max_token_chars`` characters (the longest vocabulary entry; byte-level BPE entries are at least as long as
     the text they cover), so a text longer than ``max_context * max_token_chars`` characters is refused before it
-    is tokenized (docs/design.md section 15)."""
+    is tokenized (docs/design.md#admission-and-limits)."""
     return max_context * max(1, max_token_chars)
 
 
@@ -130,7 +131,7 @@ def check_block_use(block_size: int | None, max_tokens: int, model_block_size: i
     """Raise :class:`ParamError` (``block_size``) when a request's own ``block_size`` is longer than it can use:
     more than both the model's block size and ``max_tokens`` rounded up to a power of two. The generation region
     is ``max_tokens`` rounded up to whole blocks and every masked position costs a step, so a block of 4096 for
-    ``max_tokens: 1`` would decode 4095 positions that are thrown away (docs/design.md section 15)."""
+    ``max_tokens: 1`` would decode 4095 positions that are thrown away (docs/design.md#admission-and-limits)."""
     if block_size is None:
         return
     usable = max(model_block_size, 1 << max(0, int(max_tokens) - 1).bit_length())

@@ -60,11 +60,11 @@ class LLM:
         max_batch_size: sequences decoded together.
         compile: ``torch.compile`` the decoder forward (see :class:`~unmask.engine.denoiser.Denoiser`).
         adapter, parent: a mask-row adapter directory over ``model``, or the parent of an adapter-only ``model``
-            (:func:`~unmask.engine.model.load_model`; docs/design.md section 21; a path only).
+            (:func:`~unmask.engine.model.load_model`; docs/design.md#mask-row-adapter; a path only).
         enable_prefix_caching: reuse the committed KV of earlier calls' prompts and answers for prompts that start
-            the same way (docs/design.md section 23; default on; never on bidirectional models).
+            the same way (docs/design.md#prefix-reuse; default on; never on bidirectional models).
         prefill_chunk: what a sequence's prompt rows forwarded per step before its first step may cost, in
-            row-equivalents (rows at the prompt's start; chunked prefill, docs/design.md section 4; 0 = the whole
+            row-equivalents (rows at the prompt's start; chunked prefill, docs/design.md#decoding; 0 = the whole
             prompt at once).
 
     Example::
@@ -86,7 +86,7 @@ class LLM:
         self.denoiser = Denoiser(self.model, compile=compile, prefill_chunk=prefill_chunk)
         self.max_batch_size = max_batch_size
         self.default_drafts = default_drafts
-        # one store across calls, so that a chat's next turn reuses the last one's KV (docs/design.md section 23)
+        # one store across calls, so that a chat's next turn reuses the last one's KV (docs/design.md#prefix-reuse)
         self.prefix_cache = (PrefixCache(self.model) if enable_prefix_caching
                              and self.model.dllm.attention != "bidirectional" else None)
         self._engine(1)  # validates default_drafts

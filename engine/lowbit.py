@@ -1,4 +1,5 @@
-"""Weight-only int8 / int4 linear layers for the CPU (``--weights int8|int4``; docs/design.md sections 13 and 18).
+"""Weight-only int8 / int4 linear layers for the CPU (``--weights int8|int4``; docs/design.md#extensions-and-seams and
+#scale-out).
 
 The kernels are PyTorch's own weight-only CPU matrix products, called as gpt-fast calls them
 (pytorch-labs/gpt-fast ``quantize.py``): ``torch.ops.aten._weight_int8pack_mm`` (int8 weights with one scale per
@@ -14,7 +15,7 @@ torchao's int8 weight-only tensor ran 564 us (float32) / 1538 us (bf16) per call
 have no CPU packing format (they need CUDA or the ``mslk`` package); the aten ops are what torchao's CPU layouts
 call underneath, without the tensor-subclass dispatch.
 
-Batch invariance (docs/design.md section 10): the ops quantize nothing at run time (weight-only), so a row's output
+Batch invariance (docs/design.md#decisions): the ops quantize nothing at run time (weight-only), so a row's output
 does not depend on its batch mates (``tests/engine/test_lowbit.py`` checks it bit for bit across batch sizes).
 
 CPU features: both kernels are ATen CPU kernels vectorised with ATen's ``Vectorized`` (AVX2 or AVX512 builds;

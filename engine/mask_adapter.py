@@ -1,4 +1,4 @@
-"""The mask-row adapter: a LoRA delta that only the mask rows of a forward see (docs/design.md section 21).
+"""The mask-row adapter: a LoRA delta that only the mask rows of a forward see (docs/design.md#mask-row-adapter).
 
 An A2D checkpoint can be its AR parent plus a low-rank delta ``scale * B A`` (LoRA, Hu et al. 2021,
 arXiv:2106.09685; rank ``r``, ``scale = alpha / r``) on chosen linear layers, applied **only on variant rows**:
@@ -80,7 +80,7 @@ def _fixed_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[n, in]`` float32 and ``w`` ``[out, in]`` float32, computed in GEMMs of exactly
     :data:`DELTA_CHUNK` rows (the last chunk zero-padded) -> ``[n, out]`` float32.
 
-    Batch invariance (docs/design.md section 10): MKL's float32 GEMM picks its kernel by the row count, so one GEMM
+    Batch invariance (docs/design.md#decisions): MKL's float32 GEMM picks its kernel by the row count, so one GEMM
     over all selected rows made a mask row's delta depend on how many rows were selected; with a fixed shape a row's
     result depends on its own values only (``tests/engine/test_mask_adapter.py`` checks it across positions and
     batch mates). One ``[1, in]`` product per row (``bmm`` over stride-0 weights) had the same property at ~30x
@@ -117,7 +117,7 @@ class MaskLoRALinear(nn.Module):
 
     At inference the delta runs in GEMMs of a fixed row count (:func:`_fixed_chunk_linear`): MKL's float32 GEMM of
     the selected rows as one matrix picked other kernels by row count (K >= 128), so a mask row's logits depended
-    on its batch mates; with a fixed shape they do not (batch invariance, section 10).
+    on its batch mates; with a fixed shape they do not (batch invariance, docs/design.md#decisions).
 
     Args:
         base: any linear module ``[..., in] -> [..., out]`` (``nn.Linear``, a packed fp16 linear, a fused

@@ -5,7 +5,7 @@
 The denoiser only calls :meth:`LoadedModel.hidden_states`, :meth:`LoadedModel.logits` (and once
 :meth:`LoadedModel.enable_compile`).
 
-Optional capabilities, one seam each (docs/design.md section 13); the core path reads the same without them:
+Optional capabilities, one seam each (docs/design.md#extensions-and-seams); the core path reads the same without them:
 
 * per-row weight selection: a :class:`RowVariant` (``LoadedModel.row_variant``, ``variant_rows=``). Verifier
   routing (:mod:`unmask.engine.routed`) is its first implementation, the mask-row adapter
@@ -77,9 +77,9 @@ class RowVariant(Protocol):
     Implementations:
 
     * :class:`unmask.engine.routed.RowRouter` (today): a *verifier* checkpoint's weights on the causal rows of
-      speculative requests (``dllm.verifier``; docs/design.md section 13).
+      speculative requests (``dllm.verifier``; docs/design.md#extensions-and-seams).
     * :class:`unmask.engine.mask_adapter.MaskAdapter`: a LoRA delta on the mask (non-committed) rows, ``y = W x +
-      scale * B A x`` on the variant rows only (docs/design.md section 21). Its ``rows = "uncommitted"`` makes the
+      scale * B A x`` on the variant rows only (docs/design.md#mask-row-adapter). Its ``rows = "uncommitted"`` makes the
       denoiser mark every valid non-committed row, whatever the strategy; it is attached after weight packing by
       :func:`unmask.engine.adapter_files.apply_adapter`.
     """
@@ -188,7 +188,7 @@ class LoadedModel:
     def enable_compile(self) -> None:
         """Run the transformers decoder forward through ``torch.compile(dynamic=True)`` from now on (same results;
         the first forwards of each new shape pay the compilation). Off by default: it did not pay on the CPU
-        measured (docs/design.md section 9). Idempotent.
+        measured (docs/design.md#measuring). Idempotent.
 
         Raises:
             ValueError: (names ``compile``) the weights are packed: torch.compile does not trace fbgemm's kernels.
@@ -230,7 +230,7 @@ class LoadedModel:
     def tiles_prompt_rows(self) -> bool:
         """Whether the decoder computes committed prompt rows in row-invariant prompt tiles
         (``engine/row_attention.py``): their KV then differs in the last bits from block-1 steps' at the same
-        position, so the prefix cache keeps prompt rows only (docs/design.md section 23)."""
+        position, so the prefix cache keeps prompt rows only (docs/design.md#prefix-reuse)."""
         fused = self.decoder_forward
         return bool(getattr(fused, "row_invariant", False) and getattr(fused, "prompt_tiles", False))
 
@@ -307,7 +307,7 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         device_map, max_memory, offload_folder: split the layers between a device, CPU memory and disk with
             accelerate (:func:`unmask.engine.placement.place_model`; ``auto`` weights then stay ``native``).
 
-        adapter: a mask-row adapter directory to put on the checkpoint (docs/design.md section 21); a
+        adapter: a mask-row adapter directory to put on the checkpoint (docs/design.md#mask-row-adapter); a
             self-contained or adapter-only ``name_or_path`` needs none. parent: an adapter-only checkpoint's parent
             directory (default: the adapter's ``parent.name`` hint).
 
@@ -315,8 +315,8 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     Raises:
         CheckpointError: (one line, naming the file) the directory is not a checkpoint of a known family, or it is
             corrupt, incomplete, a writer's staging directory, or holds non-finite weights
-            (:mod:`unmask.engine.checkpoint_check`, docs/design.md section 16); an adapter whose parent hash
-            differs from the checkpoint's (section 21).
+            (:mod:`unmask.engine.checkpoint_check`, docs/design.md#checks-at-load); an adapter whose parent hash
+            differs from the checkpoint's (docs/design.md#mask-row-adapter).
         ValueError: a bad ``device``, ``dtype`` or ``weights``, or ``max_memory`` / ``offload_folder`` without
             ``device_map`` (the message names it).
     """
@@ -338,16 +338,17 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
             raise ValueError(f"{option}: applies only with device_map (auto | balanced | sequential, or a map); "
                              "set device_map or drop it")
     if device_map is not None and weights in (None, "auto"):
-        weights = "native"  # offloaded weights run as loaded (docs/design.md section 18)
+        weights = "native"  # offloaded weights run as loaded (docs/design.md#scale-out)
     fmt = resolve_weight_format(weights, dev, dt)  # bad values fail before the weights are read
     if device_map is not None and fmt != "native":
         raise ValueError(f"weights: {fmt!r} packing cannot be combined with device_map (use weights='native')")
-    loaded = load_checked(get_family(name), path, config, dev, dt)  # refuses corrupt checkpoints (section 16)
+    # refuses corrupt checkpoints (docs/design.md#checks-at-load)
+    loaded = load_checked(get_family(name), path, config, dev, dt)
     if device_map is not None:
         from .placement import place_model
 
         place_model(loaded, device_map, max_memory, offload_folder)
     pack_model(loaded, "auto" if (weights or "auto") == "auto" else fmt)  # auto's int4 case reads the weights
-    apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md section 21), after packing
+    apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md#mask-row-adapter), after packing
     return_freed_memory()  # the adapter's float32 read copies
     return loaded

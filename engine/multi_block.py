@@ -1,5 +1,5 @@
 """Multi-block decoding: several blocks denoised at once, each joining when its predecessor is far enough along
-(docs/design.md section 22; D2F, Wang et al. 2025, arXiv:2508.09192, and d3LLM's multi-block decoding, arXiv
+(docs/design.md#the-seeds-methods; D2F, Wang et al. 2025, arXiv:2508.09192, and d3LLM's multi-block decoding, arXiv
 2601.07568: "the next block becomes active once the current one is a given fraction decoded").
 
 Rule (``SamplingParams.multi_block = f``, f in (0, 1]):

@@ -1,12 +1,12 @@
 """The engine's output objects: what every caller (``LLM``, ``AsyncEngine``, the server) reads, and nothing else
-(docs/design.md section 4, step 8; vLLM's shapes).
+(docs/design.md#decoding, step 8; vLLM's shapes).
 
 * :class:`StepEvent`: one per choice per denoising step (frozen); the finished one carries the choice's
   :class:`CompletionOutput` (aborts too: the partial output).
 * :class:`CompletionOutput`: one finished choice (frozen): text, token ids, logprobs, usage counters.
 * :class:`RequestOutput`: one finished request: prompt and choices.
 
-Token counting (docs/design.md section 10): ``token_ids`` runs up to and including the first EOS/stop id;
+Token counting (docs/design.md#decisions): ``token_ids`` runs up to and including the first EOS/stop id;
 ``ended_by_eos`` says the last id is such an id (counted in usage, never rendered in ``text``).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ class CompletionOutput:
     Attributes:
         index: choice index (``n`` > 1 gives seeds seed, seed+1, ...).
         text: generated text (EOS not rendered, cut before a stop string).
-        token_ids: generated ids up to and including the first EOS (docs/design.md section 10 counting).
+        token_ids: generated ids up to and including the first EOS (docs/design.md#decisions counting).
         finish_reason: ``stop`` | ``length`` | ``abort``.
         logprobs: per returned token, its log-probability at the step it was revealed (natural log), or None.
         steps: denoising steps. nfe: model forwards (CFG counts two per step).
@@ -41,7 +41,7 @@ class CompletionOutput:
         drafts_proposed / drafts_accepted: draft tokens verified / accepted (self-speculative decoding; else 0).
         speculative: decoded self-speculatively. draft_block: its draft block (``None`` otherwise).
         first_token_time / finish_time: wall times (``time.time()``) of the first shown text and of the finish.
-        cached_tokens: prompt tokens whose KV came from the prefix cache (docs/design.md section 23; vLLM's
+        cached_tokens: prompt tokens whose KV came from the prefix cache (docs/design.md#prefix-reuse; vLLM's
             ``num_cached_tokens``, OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     """
 
@@ -70,7 +70,7 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class StepEvent:
-    """What one denoising step did to one choice of a request (docs/design.md section 4, step 8).
+    """What one denoising step did to one choice of a request (docs/design.md#decoding, step 8).
 
     Attributes:
         request_id: the request (the same for every choice). index: the choice (0..n-1).

@@ -7,13 +7,14 @@ against every weight matrix. MKL's float32 GEMM handles such skinny products poo
 cheap: the seven linear layers of SmolLM2-135M run 1.6x (1 row) to 2.4x (2-4 rows) faster. This module swaps every
 linear layer (``nn.Linear`` and bitsandbytes' ``Linear4bit``/``Linear8bitLt``, dequantized first) for
 :class:`PackedFp16Linear` (the kernel of ``torch.ao.nn.quantized.dynamic.Linear`` with fp16 weights): activations and accumulation stay float32, so a row's
-result does not depend on the other rows of the batch beyond float32 rounding (the batch invariance of docs/design.md
-section 10 holds as with MKL), and the weights move by fp16 rounding only (relative ~2^-11, far below nf4's
-quantization error). fbgemm's int8 dynamic linears would be faster still, but they quantize activations per
+result does not depend on the other rows of the batch beyond float32 rounding (the batch invariance of
+docs/design.md#decisions holds as with MKL), and the weights move by fp16 rounding only (relative ~2^-11, far below
+nf4's quantization error). fbgemm's int8 dynamic linears would be faster still, but they quantize activations per
 tensor, i.e. over the whole batch, so a request's tokens would depend on its batch mates: not offered.
 
 The seam: :func:`pack_model` is the one entry point (``load_model(weights=...)`` calls it once); it also installs the
-fused decoder forward (:mod:`unmask.engine.fused_decoder`) on Llama-architecture models (docs/design.md section 13).
+fused decoder forward (:mod:`unmask.engine.fused_decoder`) on Llama-architecture models
+(docs/design.md#extensions-and-seams).
 
 Formats: ``native`` (the weights as loaded), ``fp16`` (packed as above; float32 models on a CPU with fbgemm only),
 ``auto`` (``fp16`` for a float32 model on a CPU whose torch build has fbgemm, else ``native``; but ``int4`` when
@@ -185,7 +186,7 @@ def pack_model(loaded, weight_format: str) -> None:
     For ``fp16``: q|k|v and gate|up become one packed GEMM each (:func:`~unmask.engine.fused_decoder.fuse_projections`,
     layer by layer), every other linear is packed, and Llama-architecture decoders get
     ``loaded.decoder_forward`` = a :class:`~unmask.engine.fused_decoder.FusedDecoder` (row-invariant attention for
-    int8/int4, docs/design.md section 10). ``native`` (or the format
+    int8/int4, docs/design.md#decisions). ``native`` (or the format
     already in place) changes nothing.
 
     Raises:
@@ -196,7 +197,7 @@ def pack_model(loaded, weight_format: str) -> None:
     fmt = resolve_weight_format(weight_format, loaded.device, loaded.dtype)
     on_grid = (weight_format or "auto") == "auto" and fmt == "fp16" and _first_layer_on_int4_grid(loaded)
     if on_grid:
-        fmt = "int4"  # the auto rule's int4 case: the weights are a 4-bit GGUF's (docs/design.md section 13)
+        fmt = "int4"  # the auto rule's int4 case: the weights are a 4-bit GGUF's (docs/design.md#extensions-and-seams)
     if fmt == loaded.weight_format:
         return
     if loaded.weight_format != "native":

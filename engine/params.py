@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, in the style of vLLM's ``SamplingParams`` (docs/design.md sections 4 and 10)."""
+"""Per-request sampling parameters, in the style of vLLM's ``SamplingParams`` (docs/design.md#decoding and
+#decisions)."""
 from __future__ import annotations
 
 import json
@@ -50,8 +51,8 @@ class SpeculativeOptions:
 
 @dataclass(frozen=True, eq=False)
 class Constraint:
-    """A grammar the generated text must follow (structured outputs, enforced tool calls; docs/design.md
-    section 19, ``docs/structured-output.md``). Compiled once per tokenizer and spec by
+    """A grammar the generated text must follow (structured outputs, enforced tool calls;
+    docs/design.md#constrained-decoding, ``docs/structured-output.md``). Compiled once per tokenizer and spec by
     ``unmask.engine.constraints`` (llguidance) when the request is built, never on the decoding step.
 
     Attributes:
@@ -123,12 +124,13 @@ class SamplingParams:
         top_k: keep the k most likely tokens (0 = off). top_p: nucleus filter (1.0 = off).
         steps: total denoising steps for the whole generation (LLaDA's ``steps``), split over the blocks as evenly
             as possible, remainder to the earliest blocks, at least one per block, at most the masked positions
-            (a ParamError beyond: docs/design.md section 15). ``None`` = one token per step:
+            (a ParamError beyond: docs/design.md#admission-and-limits). ``None`` = one token per step:
             ``max_tokens`` rounded up to whole blocks (the canvas's masked positions; a request stops as soon as its
             first ``max_tokens`` are revealed), unless the checkpoint's default threshold applies (see
             ``unmask.engine.plan``).
         block_size: block length in tokens; ``None`` = the checkpoint's ``dllm.block_size``. At most 512, the
-            context, and max(the checkpoint's block, ``max_tokens`` rounded up to a power of two) (section 15).
+            context, and max(the checkpoint's block, ``max_tokens`` rounded up to a power of two)
+            (docs/design.md#admission-and-limits).
         sub_block_size: decoding window inside a block (Fast-dLLM v2's sub-blocks): positions are revealed window
             by window, left to right, while attention and caching stay per block; the step budget is split over
             the windows. ``None`` = the checkpoint's ``dllm.sub_block_size``, else the whole block; at most
@@ -155,7 +157,7 @@ class SamplingParams:
         constraints: fixed tokens ``{generated position: token id}`` (infilling; bidirectional models only).
         constraint: a :class:`Constraint` (JSON object / JSON schema / Lark grammar / regex) the output follows:
             constrained positions are revealed left to right, each token sampled under the grammar's mask
-            (docs/design.md section 19); ``None`` = unconstrained.
+            (docs/design.md#constrained-decoding); ``None`` = unconstrained.
         logit_bias: ``{token id: bias}`` added to the logits before sampling, bias in [-100, 100] (OpenAI's
             ``logit_bias``: -100 in effect bans a token, +100 in effect forces it); ids are checked against the
             model's vocabulary when the request is built. ``None`` = none.
@@ -173,7 +175,7 @@ class SamplingParams:
             ``unmask.engine.plan``), else off.
         speculative_options: :class:`SpeculativeOptions` (branches, epsilon, ratio, no_repeat_ngram), ``None`` =
             every default; read flat as ``speculative_branches`` etc. (the HTTP names).
-        multi_block: multi-block decoding (``unmask.engine.multi_block``, docs/design.md section 22): the next
+        multi_block: multi-block decoding (``unmask.engine.multi_block``, docs/design.md#the-seeds-methods): the next
             block joins the active ones once the last active block has revealed this fraction of its positions,
             in (0, 1]; 1.0 = single-block decoding exactly; ``None`` = off. ``prefix_causal`` / ``block_causal``
             models, whole-block windows, not speculative.

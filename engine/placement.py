@@ -4,7 +4,7 @@
 adapter has loaded the model: accelerate's ``infer_auto_device_map`` decides, from ``max_memory``, which top-level
 modules (embedding, decoder layers, norm, LM head; a decoder layer is never split) live on the compute device, in
 CPU memory or on disk, and ``dispatch_model`` moves them there and installs the hooks that bring an offloaded
-layer's weights to the compute device for its forward and drop them after (docs/design.md section 18). The
+layer's weights to the compute device for its forward and drop them after (docs/design.md#scale-out). The
 computation is the unsplit model's, layer by layer, so the tokens are the same (``tests/engine/test_device_map.py``).
 
 What accelerate calls the main device is the one every layer *computes* on: the first accelerator in the map, else

@@ -1,6 +1,6 @@
 """Parameters resolved once: (request parameters x checkpoint config x engine options) -> a frozen decoding plan.
 
-Every default and every eligibility rule of a request lives here and nowhere else (docs/design.md sections 4
+Every default and every eligibility rule of a request lives here and nowhere else (docs/design.md#decoding
 and 10):
 
 * request-level defaults (:func:`resolve_params`): ``temperature`` (the request's, else the checkpoint's
@@ -222,7 +222,7 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
 def check_multi_block(params: SamplingParams, dllm: DllmConfig, window_size: int, block_size: int) -> None:
     """Raise :class:`ParamError` (``multi_block``) when multi-block decoding cannot serve this (resolved) request:
     it needs block order (``prefix_causal`` / ``block_causal`` attention), whole-block windows and no
-    self-speculative decoding or grammar constraint (docs/design.md sections 19 and 22)."""
+    self-speculative decoding or grammar constraint (docs/design.md#constrained-decoding and #the-seeds-methods)."""
     if dllm.attention == "bidirectional":
         raise ParamError("multi_block", f"needs a prefix_causal or block_causal model (blocks in order); this "
                                         f"{dllm.family} model's attention is bidirectional")
@@ -233,7 +233,8 @@ def check_multi_block(params: SamplingParams, dllm: DllmConfig, window_size: int
         raise ParamError("multi_block", "cannot be combined with self-speculative decoding (speculative=true)")
     if params.constraint is not None:
         raise ParamError("multi_block", f"cannot be combined with a grammar constraint ({params.constraint.field}): "
-                                        f"a grammar reveals one left-to-right prefix (docs/design.md section 19)")
+                                        "a grammar reveals one left-to-right prefix "
+                                        "(docs/design.md#constrained-decoding)")
 
 
 def resolve_cache(mode: str, dllm: DllmConfig) -> str:
@@ -282,9 +283,10 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
     if p.constraint is not None and (p.constraints or (p.suffix is not None and p.suffix not in ("", []))):
         raise ParamError(p.constraint.field, "a grammar constraint cannot be combined with fixed-position "
                                              "constraints or a suffix (infilling): the grammar is applied to the "
-                                             "revealed left-to-right prefix (docs/design.md section 19)")
+                                             "revealed left-to-right prefix (docs/design.md#constrained-decoding)")
     bs = p.block_size or default_block
-    if p.sub_block_size is not None and p.sub_block_size > bs:  # docs/design.md section 15: refused, not clamped
+    # refused, not clamped (docs/design.md#admission-and-limits)
+    if p.sub_block_size is not None and p.sub_block_size > bs:
         raise ParamError("sub_block_size", f"must be <= block_size ({bs}), got {p.sub_block_size}")
     temperature = float(p.temperature or 0.0)
     common = dict(params=p, block_size=bs, window_size=min(p.sub_block_size or dllm.sub_block_size or bs, bs),

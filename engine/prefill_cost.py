@@ -1,4 +1,4 @@
-"""What a prompt chunk costs (docs/design.md section 4, "Chunked prefill"): prompt rows in row-equivalents.
+"""What a prompt chunk costs (docs/design.md#decoding, "Chunked prefill"): prompt rows in row-equivalents.
 
 A prompt row runs the decoder's linear layers, the same work at any position, and attends to every key before it,
 work that grows with its position: a 256-row chunk of SmolLM2-135M took 0.46 s at the start of a 6000-token prompt

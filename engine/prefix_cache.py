@@ -1,9 +1,9 @@
 """Prefix reuse across requests: committed KV of earlier requests kept in fixed-size chunks, least recently used
-evicted first, and copied into a new request's lane when its token ids start the same way (docs/design.md
-section 23; the idea of vLLM's automatic prefix caching: hash chains over fixed-size token blocks).
+evicted first, and copied into a new request's lane when its token ids start the same way
+(docs/design.md#prefix-reuse; the idea of vLLM's automatic prefix caching: hash chains over fixed-size token blocks).
 
 Why it is exact: on ``prefix_causal`` and ``block_causal`` models a committed token's keys/values depend only on the
-tokens before it (and, block-causally, on its own block), never on the canvas after it (docs/design.md section 4).
+tokens before it (and, block-causally, on its own block), never on the canvas after it (docs/design.md#decoding).
 So the committed KV of positions ``[0, m)`` of one request is the KV a fresh prefill of the same ``m`` token ids
 would compute, provided everything else that enters it is equal too. The key of a chunk is
 ``sha256(parent key, its token ids)``, the root key ``sha256(model fingerprint, attention, the committed rows'
@@ -13,7 +13,7 @@ weights, the block grouping)``:
   format, dtype, device and the attached adapter: another checkpoint never matches;
 * the committed rows' weights: with a verifier (``engine/routed.py``) a speculative request's committed rows run
   the verifier's weights and a plain one's the drafter's, so the two never share; a mask-row adapter runs only on
-  non-committed rows (docs/design.md section 21), so it does not split the key;
+  non-committed rows (docs/design.md#mask-row-adapter), so it does not split the key;
 * positions: chains start at position 0, so chunk i always holds positions ``[i C, (i + 1) C)``;
 * block grouping: ``block_causal`` with blocks aligned at 0 groups committed tokens by absolute block, so chunks
   are whole blocks (C rounded up to a multiple of the block size) and the block size is in the key; with blocks

@@ -124,7 +124,7 @@ class Request:
     """
 
     #: whether the strategy runs its committed (causal) rows on the model's row variant (a verifier): their KV
-    #: then differs from a plain request's, so the prefix cache keys them apart (docs/design.md section 23)
+    #: then differs from a plain request's, so the prefix cache keys them apart (docs/design.md#prefix-reuse)
     committed_rows_variant = False
 
     def __init__(self, request_id: str, prompt_ids: list[int], plan: DecodingPlan | SamplingParams,
@@ -144,15 +144,17 @@ class Request:
                 check_token_ids("suffix", params.suffix, vocab_size)
                 check_no_mask("suffix", list(params.suffix), dllm.mask_token_id)
             check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
-        # ids the model never samples: options on them would be accepted and do nothing (docs/design.md section 15)
+        # ids the model never samples: options on them would be accepted and do nothing
+        # (docs/design.md#admission-and-limits)
         check_sampleable("logit_bias", sorted(params.logit_bias or ()), dllm,
                          "a bias on it has no effect", key=True)
         check_sampleable("stop_token_ids", params.stop_token_ids, dllm, "it can never stop a choice")
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
-        self.group = request_id  # the unit of fair admission (docs/design.md section 15): the client's whole request
+        # the unit of fair admission (docs/design.md#admission-and-limits): the client's whole request
+        self.group = request_id
         self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
         self.prompt_ids = list(prompt_ids)
-        check_block_use(params.block_size, params.max_tokens, dllm.block_size)  # docs/design.md section 15
+        check_block_use(params.block_size, params.max_tokens, dllm.block_size)  # docs/design.md#admission-and-limits
         P = self.prompt_len = len(prompt_ids)
         mask_id = dllm.mask_token_id
         suffix = suffix_ids(params, tokenizer, mask_id)
@@ -182,7 +184,8 @@ class Request:
                                            dtype=torch.long)
         self.stopper = StopChecker(tokenizer, params.stop, params.min_tokens, self.eos_ids, self.max_tokens)
         self.logit_bias = bias_tensors(params.logit_bias)
-        # the grammar state of the revealed prefix (docs/design.md section 19), compiled (cached) here, off the step
+        # the grammar state of the revealed prefix (docs/design.md#constrained-decoding), compiled (cached) here,
+        # off the step
         self.grammar = None
         if params.constraint is not None:
             from .constraints import compile_constraint
@@ -257,7 +260,7 @@ class Request:
         return [(lane.cache.length, end) for lane in self.lanes if lane.cache.length < end]
 
     def prefill_inputs(self, budget: PrefillBudget) -> list[LaneInput] | None:
-        """Chunked prefill (docs/design.md section 4, "Chunked prefill"): before its first step, a sequence whose
+        """Chunked prefill (docs/design.md#decoding, "Chunked prefill"): before its first step, a sequence whose
         lanes' pending prompt rows cost more than ``budget.chunk`` row-equivalents (a row at position p costs
         ``1 + p / budget.keys``) forwards in each lane the next rows up to :meth:`prefill_limit` that fit its share
         of it (the budget split evenly between the lanes with rows left; at least one row; cut back to a group

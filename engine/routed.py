@@ -16,7 +16,7 @@ serving, e.g. Punica/S-LoRA), at the FLOPs of one model's forward.
 
 The seam: :class:`RowRouter` is a :class:`unmask.engine.model.RowVariant` (``select(variant_rows)``), attached with
 :func:`route_to_verifier`; :class:`~unmask.engine.model.LoadedModel` knows nothing else of routing
-(docs/design.md section 13).
+(docs/design.md#extensions-and-seams).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Row-invariant attention: a row's attention output that does not depend on the other rows of the forward
-(docs/design.md section 10, "Row-invariant attention").
+(docs/design.md#decisions, "Row-invariant attention").
 
 CPU ``scaled_dot_product_attention`` is not bit-invariant in the number of query rows of a call or in the keys a
 row cannot see (key padding of batch mates, a chunk's later rows): its flash kernel splits queries and keys into

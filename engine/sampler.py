@@ -1,4 +1,4 @@
-"""Logits -> candidate tokens and confidences for the masked positions of one request (docs/design.md section 4).
+"""Logits -> candidate tokens and confidences for the masked positions of one request (docs/design.md#decoding).
 
 Everything here works on one request at a time (``[N, V]`` logits of its N masked positions in the active block),
 with the request's own ``torch.Generator``: a row's result never depends on the other rows of the batch. The one
@@ -67,7 +67,7 @@ class Candidates:
     Attributes:
         tokens: ``[N]`` int64 candidate token per position.
         probability: ``[N]`` float64 probability of the candidate under the softmax of the final logits at
-            temperature 1 (the quantity compared with the threshold, docs/design.md section 10).
+            temperature 1 (the quantity compared with the threshold, docs/design.md#decisions).
         score: ``[N]`` float64 ordering score of the remasking strategy (higher = revealed first).
         logprob: ``[N]`` float32 log-probability of the candidate (reported as ``logprobs``).
     """
@@ -166,7 +166,7 @@ def prepare_logits(logits: torch.Tensor, params: SamplingParams, forbidden_ids: 
                    forbidden_rows: torch.Tensor | None = None, row_forbidden_ids: torch.Tensor | None = None,
                    context_ids: torch.Tensor | None = None,
                    bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Steps 3 of docs/design.md section 4 before the filters: a float32 copy of ``[N, V]`` ``logits`` with the
+    """Steps 3 of docs/design.md#decoding before the filters: a float32 copy of ``[N, V]`` ``logits`` with the
     forbidden ids at -inf, ``logit_bias`` added and the penalties applied (arguments as
     :func:`sample_candidates`)."""
     logits = forbid(logits.float(), forbidden_ids, forbidden_rows, row_forbidden_ids)
@@ -220,7 +220,7 @@ def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
     several times more than this. The row max is subtracted in float32 (exact for the max itself), the
     exponentials are taken in float32 (relative error ~6e-8 per term) and summed in float64, so the candidate
     probabilities differ from a float64 softmax by a relative ~1e-7 - far below the 1e-4 near-tie bound of
-    docs/design.md section 10. A row whose logits are all -inf gives -inf (never happens: top-k/top-p keep one token).
+    docs/design.md#decisions. A row whose logits are all -inf gives -inf (never happens: top-k/top-p keep one token).
     """
     row_max = logits.amax(dim=-1, keepdim=True)
     safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

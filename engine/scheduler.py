@@ -7,8 +7,8 @@ when padding it into their rows would waste more than a forward costs, in its ow
 and their KV cache. A sequence's tokens never depend on who else is in the batch (batch invariance), so joining
 mid-block is exact; this is finer-grained than joining at block boundaries and gives a lower TTFT.
 
-Fair admission (docs/design.md section 15): a request's ``group`` (the client's whole request: every prompt and
-choice of one HTTP call; by default its own id) is the unit. Free batch slots go to the waiting sequence whose group
+Fair admission (docs/design.md#admission-and-limits): a request's ``group`` (the client's whole request: every prompt
+and choice of one HTTP call; by default its own id) is the unit. Free batch slots go to the waiting sequence whose group
 has the fewest sequences running (ties: queue order), and a request that waits with none running takes a slot from the
 request holding the most while that one holds more than its share (``max_batch_size // requests with work``, at
 least 1): the taken sequence is *paused* (it keeps its canvas and KV cache and its reservation of the budget, goes
@@ -16,13 +16,13 @@ back to the front of the queue, and resumes where it stopped: a sequence's token
 So one request cannot hold every slot while another waits, and a small request's first step comes at the next
 step however large the running one is.
 
-Admission and the KV budget live here only (docs/design.md section 10): a request reserves its canvas length x
+Admission and the KV budget live here only (docs/design.md#decisions): a request reserves its canvas length x
 lanes (2 under CFG) cached tokens; one that can never fit the budget is a client error (:class:`ParamError`,
 field ``max_tokens``), one that fits the budget but not what is left of it waits; a full queue is
 :class:`QueueFull` (HTTP 429). :meth:`Scheduler.fit_max_tokens` lowers a default ``max_tokens`` to fit, from the
 canvas layout alone (``unmask.engine.layout``), without building the request.
 
-Prefix reuse (docs/design.md section 23, ``unmask.engine.prefix_cache``): a sequence joining the batch for the first
+Prefix reuse (docs/design.md#prefix-reuse, ``unmask.engine.prefix_cache``): a sequence joining the batch for the first
 time gets the longest stored prefix of its prompt copied into its cache; after every step the complete chunks of
 each stepped sequence's committed KV are stored. The store is bounded by what the budget leaves after the running
 and paused reservations (re-bounded at every admission and step), so kept prefixes are evicted first and never

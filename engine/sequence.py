@@ -1,5 +1,5 @@
 """Plain denoising: the block-wise iterative unmasking strategy of a :class:`~unmask.engine.request.Request`
-(docs/design.md section 4, steps 1-8).
+(docs/design.md#decoding, steps 1-8).
 
 Each step forwards the active block (and what the cache mode needs around it), takes the logits of its masked
 positions (after CFG: ``l = l_u + (1 + s)(l_c - l_u)``, LLaDA), draws a candidate per position
@@ -100,7 +100,8 @@ class Sequence(Request):
         args = dict(forbidden_ids=forbidden_ids, forbidden_rows=self.min_tokens_rows(masked),
                     row_forbidden_ids=self.min_tokens_ids.to(cond.device),
                     context_ids=self.context_ids() if penalised else None, bias=self.logit_bias)
-        if self.grammar is not None:  # constrained: a left-to-right chain under the grammar (section 19)
+        # constrained: a left-to-right chain under the grammar (docs/design.md#constrained-decoding)
+        if self.grammar is not None:
             return self.apply_constrained(cond, masked, args), [inp.commit for inp in self._inputs]
         cands = sample_candidates(cond, p, self.generator, **args)
         return self.apply(cands, masked), [inp.commit for inp in self._inputs]

@@ -1,8 +1,8 @@
 """Self-speculative decoding: diffusion drafts verified by the model's own causal path.
 
-A ``prefix_causal`` A2D model with the logit shift (docs/design.md sections 2 and 4) is two models in one: its committed
-context is strictly causal, so the output at a committed position ``j`` is an autoregressive prediction of token
-``j + 1`` (``block_size=1`` decoding *is* that AR model), while a block of mask tokens after the context is a
+A ``prefix_causal`` A2D model with the logit shift (docs/design.md#words and #decoding) is two models in one: its
+committed context is strictly causal, so the output at a committed position ``j`` is an autoregressive prediction of
+token ``j + 1`` (``block_size=1`` decoding *is* that AR model), while a block of mask tokens after the context is a
 diffusion drafter that predicts several later tokens at once. One forward can therefore *verify* draft tokens
 placed as causal context and *draft* the next ones from mask blocks - the idea of speculative decoding (Leviathan
 et al. 2023, "Fast Inference from Transformers via Speculative Decoding") and Jacobi/lookahead decoding, with the
@@ -32,8 +32,8 @@ fallback group of the first rejected draft otherwise, and none when that group w
 tokens before the correction are committed to the KV cache; rejected drafts' keys/values are never stored (the
 rollback is free).
 
-A request with a grammar constraint (docs/design.md section 19) keeps it here: the causal rows are masked by the
-grammar state after the final tokens and the drafts before them (a draft the grammar forbids has probability 0 and
+A request with a grammar constraint (docs/design.md#constrained-decoding) keeps it here: the causal rows are masked by
+the grammar state after the final tokens and the drafts before them (a draft the grammar forbids has probability 0 and
 is rejected; the correction is drawn under the mask, so greedy output is constrained ``block_size=1`` decoding token
 for token), and the next drafts are drawn under the grammar's mask too (forced tokens are drafted for certain).
 """
@@ -238,7 +238,7 @@ class SpeculativeSequence(Request):
         pred_pos = torch.tensor(lay["pred_pos"], dtype=torch.long)  # position each row predicts (logit shift)
         early = (pred_pos - self.prompt_len < self.params.min_tokens) if self.params.min_tokens else None
         logits = add_bias(forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids), self.logit_bias)
-        if self.grammar is not None:  # masked verifier rows (docs/design.md section 19)
+        if self.grammar is not None:  # masked verifier rows (docs/design.md#constrained-decoding)
             mask_verifier_rows(logits, self.grammar, drafts)
         if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
             logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
@@ -271,7 +271,8 @@ class SpeculativeSequence(Request):
         self.accepted_drafts += accepted
         # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
         key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
-        if self.grammar is not None:  # + the tokens the grammar forces next, final at once (section 19)
+        # + the tokens the grammar forces next, final at once (docs/design.md#constrained-decoding)
+        if self.grammar is not None:
             self.grammar.consume(new_tokens)
             forced = forced_run(self.grammar, self.end - f - len(new_tokens))
             new_tokens += forced

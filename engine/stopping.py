@@ -1,4 +1,4 @@
-"""Stop and EOS handling of one choice, in one place (docs/design.md section 10).
+"""Stop and EOS handling of one choice, in one place (docs/design.md#decisions).
 
 A choice ends when the revealed left-to-right prefix of its generation region holds an EOS/stop id (every earlier
 position revealed; the id is counted, never rendered), when its text contains a stop string (cut before it,

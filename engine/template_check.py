@@ -1,4 +1,4 @@
-"""The checkpoint's chat template is checked at load (docs/design.md section 16): compiled, and rendered once on a
+"""The checkpoint's chat template is checked at load (docs/design.md#checks-at-load): compiled, and rendered once on a
 one-message conversation, so a broken ``chat_template.jinja`` is one :class:`CheckpointError` line naming the file
 and the Jinja error's line, not a server that starts healthy and answers every chat request with an error.
 

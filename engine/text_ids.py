@@ -1,13 +1,13 @@
 """A request's token ids: text to ids with the mask token's text kept literal, and the checks on ids a request
-carries (docs/design.md section 5, "Prompts and the mask token").
+carries (docs/design.md#http-contract, "Prompts and the mask token").
 
 A tokenizer parses its added tokens out of any text, so a user who writes the mask token's text (``<|mask|>``,
 ``<|mdm_mask|>``) in a prompt or a message would put the mask id into the committed prompt: a position the engine
-never decodes and, under the mask-row adapter (section 21), a row that runs the adapter's weights and is outside
-the parent's vocabulary. Here such text becomes the ordinary tokens of its characters, as any other text; token-id
-prompts that hold the mask id are refused by :func:`check_no_mask`. Options on a token the model never samples (a
-``logit_bias`` key, a ``stop_token_ids`` entry on the mask token, padding, a suppressed id) would have no effect and
-are refused by :func:`check_sampleable` (docs/design.md section 15).
+never decodes and, under the mask-row adapter (docs/design.md#mask-row-adapter), a row that runs the adapter's weights
+and is outside the parent's vocabulary. Here such text becomes the ordinary tokens of its characters, as any other text;
+token-id prompts that hold the mask id are refused by :func:`check_no_mask`. Options on a token the model never samples
+(a ``logit_bias`` key, a ``stop_token_ids`` entry on the mask token, padding, a suppressed id) would have no effect and
+are refused by :func:`check_sampleable` (docs/design.md#admission-and-limits).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def check_token_ids(name: str, ids, vocab_size: int) -> None:
 def check_no_mask(name: str, ids: list[int], mask_token_id: int) -> None:
     """Raise :class:`ParamError` naming ``name`` when token ids given as ids hold the mask id: a prompt or suffix
     is committed context, so a mask there is never decoded, and under the mask-row adapter its row would run the
-    adapter (docs/design.md section 5, "Prompts and the mask token"; text spelling the mask token is tokenized as
+    adapter (docs/design.md#http-contract, "Prompts and the mask token"; text spelling the mask token is tokenized as
     plain text by :func:`unmask.engine.text_ids.encode_text` instead)."""
     if mask_token_id in ids:
         raise ParamError(name, f"token id {mask_token_id} at position {ids.index(mask_token_id)} is the model's mask "
@@ -93,8 +93,8 @@ def never_generated_reason(token_id: int, dllm: DllmConfig) -> str | None:
 def check_sampleable(name: str, ids, dllm: DllmConfig, effect: str, key: bool = False) -> None:
     """Raise :class:`ParamError` naming ``name`` when one of ``ids`` is never sampled (the mask token, padding,
     suppressed ids: :func:`never_generated_reason`): an option on such a token (a ``logit_bias`` key, a
-    ``stop_token_ids`` entry) would be accepted and have no effect (docs/design.md section 15). ``effect``: what
-    the option would fail to do, for the message; ``key``: name the id as a quoted key (``logit_bias``)."""
+    ``stop_token_ids`` entry) would be accepted and have no effect (docs/design.md#admission-and-limits). ``effect``:
+    what the option would fail to do, for the message; ``key``: name the id as a quoted key (``logit_bias``)."""
     never = set(dllm.never_generate_ids)
     bad = next((t for t in ids if t in never), None)
     if bad is not None:

@@ -1,4 +1,4 @@
-"""What one API request cost: its usage, its metrics and its log line (docs/design.md section 10).
+"""What one API request cost: its usage, its metrics and its log line (docs/design.md#decisions).
 
 Everything is read from the engine's outputs: a finished choice's :class:`CompletionOutput` (tokens up to and
 including the first EOS, NFE, steps, drafts), and for a choice that never finished (timeout, disconnect, engine
@@ -42,7 +42,8 @@ class Work:
 
 
 class Tally:
-    """One API request's share of the work counters, counted as its choices advance (docs/design.md section 17).
+    """One API request's share of the work counters, counted as its choices advance
+    (docs/design.md#deployment-and-metrics).
 
     The counters only grow, so a tally adds per choice the increase of each :class:`Work` field since its last
     count, and a prompt's tokens once, at the first forward of one of its choices. The revealed prefix

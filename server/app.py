@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes over an :class:`~unmask.engine.AsyncEngine`.
 
 ``build_app(engine, model_name, ...)`` returns a new app each call (own Prometheus registry, own state), so tests
-and embedders can build several in one process. Routes (docs/design.md section 5):
+and embedders can build several in one process. Routes (docs/design.md#http-contract):
 
 * ``GET /v1/models``, ``GET /v1/models/{id}`` (404 for an unknown id)
 * ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``)
@@ -72,7 +72,8 @@ class ServerState:
         self.tokenizer = self.engine.tokenizer
         self.token_text = TokenTexts(self.tokenizer)
         self.max_context = self.engine.max_context
-        # a text longer than this surely exceeds the context: refused before tokenizing (docs/design.md section 15)
+        # a text longer than this surely exceeds the context: refused before tokenizing
+        # (docs/design.md#admission-and-limits)
         self.max_prompt_chars = prompt_chars_limit(self.max_context, longest_token_chars(self.tokenizer))
         # set when the server starts shutting down (SIGTERM/SIGINT); made per serving loop at start-up (an
         # asyncio.Event belongs to the first loop that waits on it)
@@ -122,7 +123,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
             ``dual``).
         shutdown_engine: stop the engine thread when the app's lifespan ends.
         max_seqs_per_request: most sequences (prompts x ``n``) one request may queue (400 naming ``n`` beyond);
-            lowered to the engine's queue (docs/design.md section 15).
+            lowered to the engine's queue (docs/design.md#admission-and-limits).
         tool_call_parser: how chat answers with tools are parsed into tool calls (``--tool-call-parser``;
             :data:`unmask.server.tool_parsers.PARSERS`).
 
@@ -228,7 +229,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                 for prm in op.get("parameters", []):
                     if prm.get("name") == "model_id":
                         prm["schema"]["enum"] = [model_name]
-            if api_key is not None:  # the key is required on /v1/* only (docs/design.md section 15)
+            if api_key is not None:  # the key is required on /v1/* only (docs/design.md#admission-and-limits)
                 schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
                                                                                      "scheme": "bearer"}}
                 for path, ops in schema.get("paths", {}).items():
@@ -238,7 +239,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         return app.openapi_schema
 
     app.openapi = openapi
-    from .responses_api import router as responses_router  # POST /v1/responses (docs/design.md section 20)
+    # POST /v1/responses (docs/design.md#tools-and-the-responses-api)
+    from .responses_api import router as responses_router
 
     app.include_router(responses_router, responses=_ERRORS)
     mount_visualizer(app)
@@ -268,7 +270,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
     max_tokens = explicit if explicit is not None else state.default_max_tokens
     # ParamError -> 400; off the event loop: an enforced tool_choice checks every tool's schema (seconds for large
-    # ones), docs/design.md section 15
+    # ones), docs/design.md#admission-and-limits
     params = await anyio.to_thread.run_sync(lambda: body.sampling_params(max_tokens, logprobs, state.default_cache))
     if len(prompts) * body.n > state.max_seqs_per_request:
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's limit of "
@@ -279,7 +281,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     loop = asyncio.get_running_loop()
 
     def submit_all() -> None:  # building the requests checks every prompt id: off the event loop
-        # one atomic admission for every prompt (docs/design.md section 15): all of them queue or none does
+        # one atomic admission for every prompt (docs/design.md#admission-and-limits): all of them queue or none does
         streams.extend(engine.submit_many(prompts, params, [f"{response_id}-{p}" for p in range(len(prompts))],
                                           n=body.n, fit_max_tokens=explicit is None, loop=loop, group=response_id))
 

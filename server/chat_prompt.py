@@ -1,4 +1,4 @@
-"""Chat messages (+ tools) -> prompt token ids through a chat template (docs/design.md section 20).
+"""Chat messages (+ tools) -> prompt token ids through a chat template (docs/design.md#tools-and-the-responses-api).
 
 The template is ``--chat-template`` when the server has one, else the tokenizer's (a dict of named templates picks
 ``tool_use`` for a request with tools when there is one, else ``default``). Tools are passed to transformers'

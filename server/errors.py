@@ -1,10 +1,10 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status.
 
-Status codes (docs/design.md section 5, issue 3):
+Status codes (docs/design.md#http-contract, issue 3):
 
 ======  ==========================================================================================
 400     invalid JSON or field value (``param`` names the field), unsupported field, a size past its bound
-        (docs/design.md section 15), prompt + max_tokens beyond the context (the message gives both numbers),
+        (docs/design.md#admission-and-limits), prompt + max_tokens beyond the context (the message gives both numbers),
         an unparsable request head (answered by the HTTP parser itself: ``server/wire.py``)
 401     missing or wrong API key when the server has one (``Authorization: Bearer KEY``)
 404     unknown model id or route

@@ -1,5 +1,5 @@
 """Wording the request models publish and refuse with: the OpenAI fields this server does not implement (each a 400
-that says why) and the ``cache`` field's description (docs/design.md sections 10 and 15)."""
+that says why) and the ``cache`` field's description (docs/design.md#decisions and #admission-and-limits)."""
 
 # OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored)
 UNSUPPORTED_FIELDS = {
@@ -15,7 +15,7 @@ UNSUPPORTED_FIELDS = {
     "verbosity": "verbosity control is not supported by this server",
 }
 
-# what each cache mode does on each attention type (docs/design.md section 10 "Cache"): prefix/dual on a causal model
+# what each cache mode does on each attention type (docs/design.md#decisions "Cache"): prefix/dual on a causal model
 # are accepted as its exact cache, on purpose, and said so here rather than left silent
 CACHE_DESCRIPTION = ("KV-cache policy: auto | none | prefix | dual; absent: the server's --cache (default auto). auto: "
                      "the exact cache on prefix_causal and block_causal models, no cache on bidirectional ones; "

@@ -1,6 +1,6 @@
-"""Pure ASGI guards before routing (docs/design.md sections 5 and 15): the API key on ``/v1/*`` (401), then, for a
-request some route takes with its method, the body size (413), the JSON content type (415) and UTF-8 (400: no
-BOM, no UTF-16/32). ``HEAD`` is answered as the ``GET`` of the same path without its body.
+"""Pure ASGI guards before routing (docs/design.md#http-contract and #admission-and-limits): the API key on ``/v1/*``
+(401), then, for a request some route takes with its method, the body size (413), the JSON content type (415) and UTF-8
+(400: no BOM, no UTF-16/32). ``HEAD`` is answered as the ``GET`` of the same path without its body.
 
 Routes open without the key: ``/health`` (probes), ``/metrics`` (Prometheus), ``/`` and ``/visualizer/*`` (the
 page; its own calls go to ``/v1``), ``/docs`` and ``/openapi.json``; everything under ``/v1/`` needs it. A method

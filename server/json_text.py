@@ -1,5 +1,5 @@
 """JSON text inside a request (tool-call ``arguments``) or in the model's output (a tool call's body), parsed under
-the request body's nesting rule (docs/design.md section 15), and the nesting depth of parsed values.
+the request body's nesting rule (docs/design.md#admission-and-limits), and the nesting depth of parsed values.
 
 The body itself is parsed by FastAPI with Python's ``json``, whose C scanner stops at the interpreter's recursion
 limit; a body nested deeper is a 400 ``invalid_json`` (:mod:`unmask.server.errors`). :func:`loads` applies the same

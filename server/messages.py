@@ -1,7 +1,7 @@
-"""Chat messages of ``POST /v1/chat/completions`` (docs/design.md sections 5 and 20), one model per role so that
-the schema states each role's required fields: ``system`` / ``developer`` / ``user`` (``content``), ``assistant``
-(``content`` and/or ``tool_calls``), ``tool`` (``content`` and ``tool_call_id``). Content is a string or a list of
-text parts; other part types (images, audio) are rejected.
+"""Chat messages of ``POST /v1/chat/completions`` (docs/design.md#http-contract and #tools-and-the-responses-api), one
+model per role so that the schema states each role's required fields: ``system`` / ``developer`` / ``user``
+(``content``), ``assistant`` (``content`` and/or ``tool_calls``), ``tool`` (``content`` and ``tool_call_id``). Content
+is a string or a list of text parts; other part types (images, audio) are rejected.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class SystemMessage(_Message):
 class AssistantTurn(_Message):
     """An earlier assistant message: ``content`` (may be null/absent with ``tool_calls``), its ``tool_calls``."""
 
-    # the published schema states the rule the validator below enforces (docs/design.md section 15)
+    # the published schema states the rule the validator below enforces (docs/design.md#admission-and-limits)
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra={"anyOf": [
         {"properties": {"content": {"not": {"type": "null"}}}, "required": ["content"]},
         {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]},

@@ -1,11 +1,11 @@
-"""Prometheus metrics of one app (docs/design.md section 10: vLLM's names with the ``unmask:`` prefix).
+"""Prometheus metrics of one app (docs/design.md#decisions: vLLM's names with the ``unmask:`` prefix).
 
 Every metric lives in the app's own ``CollectorRegistry``, so building the app twice in one process never raises
 "Duplicated timeseries". Label ``model_name`` on all of them.
 
 What moves when (values move exactly with the requests served):
 
-* as a request runs, after every denoising step of each of its choices (docs/design.md section 17):
+* as a request runs, after every denoising step of each of its choices (docs/design.md#deployment-and-metrics):
   ``generation_tokens_total`` += the tokens the step added to the choice's revealed left-to-right prefix
   (``StepEvent.num_tokens``; the final prefix of a choice, up to and including its first EOS, is its
   ``completion_tokens``), ``nfe_total`` += its new forwards, ``denoising_steps_total`` += 1,
@@ -28,7 +28,7 @@ What moves when (values move exactly with the requests served):
   nothing;
 * ``num_requests_running`` / ``num_requests_waiting`` read the engine's counters at scrape time, and so do the
   counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (vLLM's names: prompt tokens looked up in
-  / loaded from the prefix cache, docs/design.md section 23; hit rate = hits / queries).
+  / loaded from the prefix cache, docs/design.md#prefix-reuse; hit rate = hits / queries).
 
 Tokens/s for a dashboard: ``rate(unmask:generation_tokens_total[1m])``.
 """

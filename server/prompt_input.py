@@ -1,4 +1,4 @@
-"""Prompts to token ids without stalling the event loop (docs/design.md sections 12 and 15).
+"""Prompts to token ids without stalling the event loop (docs/design.md#threading-model and #admission-and-limits).
 
 Lengths that can never fit the context are refused first, from the request alone: a text longer than
 ``state.max_prompt_chars`` characters (the context x the longest vocabulary entry,

@@ -1,4 +1,5 @@
-"""Request models of the OpenAI-compatible API (docs/design.md sections 5 and 10; responses: :mod:`.responses`).
+"""Request models of the OpenAI-compatible API (docs/design.md#http-contract and #decisions; responses:
+:mod:`.responses`).
 
 Requests follow the OpenAI API (``/v1/completions``, ``/v1/chat/completions``) with our diffusion knobs as extra
 top-level fields, the way vLLM adds its extras. Validation is strict so that the published OpenAPI schema says
@@ -7,8 +8,8 @@ ranges (:data:`unmask.engine.limits.RANGES`, the one declaration the CLI and the
 enums in the schema, unknown fields rejected (``additionalProperties: false``). Fields of the OpenAI API
 that this server does not implement (the deprecated ``functions``, audio, ...) are rejected with a 400 that names
 the field rather than ignored; ``metadata``, ``service_tier`` and ``store`` are accepted and have no effect
-(nothing is stored). Tools and ``response_format`` are :mod:`unmask.server.tool_protocol` (docs/design.md
-section 20).
+(nothing is stored). Tools and ``response_format`` are :mod:`unmask.server.tool_protocol`
+(docs/design.md#tools-and-the-responses-api).
 
 ``logprobs``: a diffusion model reveals tokens in any order; the log-probability reported for a token is the one it
 had (under the final logits of that step, after penalties and top-k/top-p, at temperature 1) at the step it was
@@ -69,8 +70,9 @@ def _is(field: str, schema: dict) -> dict:
 # stream_options only with stream: true (chat, completions and /v1/responses)
 STREAM_OPTIONS_RULE = {"if": _is("stream_options", {"type": "object"}), "then": _is("stream", {"const": True})}
 
-# cross-field rules that validation enforces, written into the published schema too (docs/design.md section 15):
-# request model name -> JSON Schema subschemas the body must also satisfy ("allOf")
+# cross-field rules that validation enforces, written into the published schema too
+# (docs/design.md#admission-and-limits): request model name -> JSON Schema subschemas the body must also
+# satisfy ("allOf")
 _SCHEMA_RULES: dict[str, list[dict]] = {
     "_common": [
         # speculative_epsilon and speculative_ratio are two relaxed rules: one of the two, not both (null = unset)
@@ -108,7 +110,7 @@ class _Rules(RequestBody):
 
 class StreamOptions(_Strict):
     """``stream_options``: ``include_usage`` (OpenAI) adds a final chunk with ``choices: []`` and the usage;
-    ``include_denoising`` (ours) streams every denoising step (docs/design.md section 10)."""
+    ``include_denoising`` (ours) streams every denoising step (docs/design.md#decisions)."""
 
     include_usage: bool = False
     include_denoising: bool = False
@@ -146,7 +148,7 @@ class _Common(_Rules):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
         None, description="accepted; one tier here (answered as default)")
     store: bool | None = Field(None, description="accepted; nothing is stored")
-    # --- diffusion extras (docs/design.md section 5) ---
+    # --- diffusion extras (docs/design.md#http-contract) ---
     steps: int | None = ranged("steps", None,
                                description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
                                            "(one token per step) unless the checkpoint sets a default threshold; "
@@ -171,7 +173,7 @@ class _Common(_Rules):
     multi_block: float | None = ranged("multi_block", None,
                                        description="multi-block decoding: the next block joins once the last "
                                                    "active one has revealed this fraction, in (0, 1]; 1 = single-"
-                                                   "block decoding; absent = off (docs/design.md section 22)")
+                                                   "block decoding; absent = off (docs/design.md#the-seeds-methods)")
     top_k: int = ranged("top_k", 0, lo=TOP_K_OFF, description="0 or -1 = off")
     repetition_penalty: float = ranged("repetition_penalty", 1.0, description="vLLM's repetition penalty; 1 = off")
     min_tokens: int = ranged("min_tokens", 0, description="EOS/stop tokens forbidden before this many tokens")

@@ -1,4 +1,5 @@
-"""Engine outputs -> the response models of :mod:`unmask.server.responses` (docs/design.md sections 5 and 10).
+"""Engine outputs -> the response models of :mod:`unmask.server.responses` (docs/design.md#http-contract and
+#decisions).
 
 One :class:`Render` per response knows its kind (``chat`` | ``completion``), id, ``created``, the served name and
 whether logprobs were asked for; it builds the non-streamed body from the choices' :class:`CompletionOutput` and
@@ -34,7 +35,7 @@ class Render:
         include_usage: stream chunks carry ``"usage": null`` (and a last usage chunk follows).
         tool_parser: chat with tools: makes a fresh :class:`~unmask.server.tool_parsers.ToolParser` per choice;
             the text is split into content and tool calls (streamed as tool-call deltas), and a choice that called a
-            tool and stopped finishes with ``tool_calls`` (docs/design.md section 20).
+            tool and stopped finishes with ``tool_calls`` (docs/design.md#tools-and-the-responses-api).
         echo: completions ``echo``: the text of each prompt, prepended to its choices (``n`` choices a prompt).
     """
 

@@ -1,5 +1,5 @@
 """Request ids: every HTTP response carries ``X-Request-Id``, and every log line written while the request is
-handled names it (docs/design.md section 15).
+handled names it (docs/design.md#admission-and-limits).
 
 * :class:`RequestIdMiddleware` (pure ASGI, outermost but CORS) takes the client's ``X-Request-Id`` when it is sane
   (1..:data:`MAX_REQUEST_ID_CHARS` printable ASCII characters, no spaces: see :func:`sane`), else makes one

@@ -1,5 +1,5 @@
-"""Response bodies and stream chunks of the OpenAI-compatible API: one pydantic model per shape (docs/design.md
-sections 5 and 10).
+"""Response bodies and stream chunks of the OpenAI-compatible API: one pydantic model per shape
+(docs/design.md#http-contract and #decisions).
 
 The non-streamed bodies (and the model list, the error body) feed the OpenAPI schema and are what the routes send:
 ``model.model_dump()``, every field present (``"refusal": null``, ``"logprobs": null``). The stream chunks are
@@ -18,7 +18,7 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
-    """``cached_tokens``: prompt tokens whose KV came from the prefix cache (docs/design.md section 23)."""
+    """``cached_tokens``: prompt tokens whose KV came from the prefix cache (docs/design.md#prefix-reuse)."""
 
     cached_tokens: int = 0
 
@@ -108,7 +108,7 @@ class FunctionCallOut(BaseModel):
 
 
 class ToolCallOut(BaseModel):
-    """A generated tool call (docs/design.md section 20)."""
+    """A generated tool call (docs/design.md#tools-and-the-responses-api)."""
 
     id: str
     type: Literal["function"] = "function"
@@ -228,7 +228,7 @@ class RevealedToken(BaseModel):
 
 
 class Denoising(BaseModel):
-    """One denoising step of one choice (``stream_options.include_denoising``; docs/design.md section 10): the
+    """One denoising step of one choice (``stream_options.include_denoising``; docs/design.md#decisions): the
     tokens it revealed and the whole canvas (token text, ``None`` where still masked)."""
 
     index: int

@@ -1,4 +1,4 @@
-"""``POST /v1/responses``: OpenAI's Responses API over the chat path (docs/design.md section 20).
+"""``POST /v1/responses``: OpenAI's Responses API over the chat path (docs/design.md#tools-and-the-responses-api).
 
 A request is translated into a chat request (:meth:`ResponsesRequest.chat_body`), rendered, constrained and decoded
 exactly as ``/v1/chat/completions`` (one choice), and the chat answer is re-shaped: the body into a ``response``
@@ -7,7 +7,7 @@ object (:func:`response_object`), the chat chunks into the Responses stream's ty
 ``response.output_text.delta`` / ``.done``, ``response.content_part.done``, ``response.function_call_arguments.delta``
 / ``.done``, ``response.output_item.done``, then ``response.completed`` (``response.incomplete`` when
 ``max_output_tokens`` ended it); ours: ``response.denoising_step`` per denoising step with
-``stream_options.include_denoising`` (the chat stream's ``denoising`` object, docs/design.md section 10). Every
+``stream_options.include_denoising`` (the chat stream's ``denoising`` object, docs/design.md#decisions). Every
 event carries ``type`` and an increasing ``sequence_number``; an error is an ``error`` event then
 ``response.failed``. Nothing is stored (``store`` is accepted, ``previous_response_id`` refused).
 """
@@ -252,7 +252,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     except ValidationError as exc:
         raise _renamed(validation_error(RequestValidationError(exc.errors())), body) from None
     try:
-        # templated, tokenized and submitted off the event loop, as chat completions are (docs/design.md section 15)
+        # templated, tokenized and submitted off the event loop, as chat completions are
+        # (docs/design.md#admission-and-limits)
         ids = await chat_ids(state, [m.as_template_dict() for m in chat.messages], chat.template_tools())
         explicit = chat.max_completion_tokens
         rid = f"resp_{_hex()}"

@@ -1,5 +1,6 @@
-"""Request model of ``POST /v1/responses`` (OpenAI's Responses API; docs/design.md section 20) and its translation
-into a chat request (:meth:`ResponsesRequest.chat_body`), so that one path renders, constrains and decodes both.
+"""Request model of ``POST /v1/responses`` (OpenAI's Responses API; docs/design.md#tools-and-the-responses-api) and its
+translation into a chat request (:meth:`ResponsesRequest.chat_body`), so that one path renders, constrains and decodes
+both.
 
 * ``input``: a string (one user message) or items: messages (``role`` user | system | developer | assistant,
   ``content`` a string or ``input_text`` / ``output_text`` parts), ``function_call`` (``call_id``, ``name``,
@@ -219,7 +220,7 @@ class ResponsesRequest(RequestBody):
         if head == "tools" and ".function" in param:
             return param.replace(".function", "", 1)
         if head == "prompt":  # the whole prompt (too long in tokens): the part holding most of it, as the
-            # character pre-check names the longest message (docs/design.md section 15)
+            # character pre-check names the longest message (docs/design.md#admission-and-limits)
             messages = self.messages()
             longest = max(range(len(messages)), key=lambda i: len(messages[i].get("content") or ""))
             return self.field_name(f"messages.{longest}.content")

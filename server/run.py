@@ -54,7 +54,8 @@ class Run:
         deadline = None if timeout is None else self.arrival + timeout
         async for c, ev in choice_events(self.streams, self.n, deadline, timeout):
             self.work[c] = Work.of_event(ev)
-            self.tally.advance(c, self.work[c])  # the work counters grow per step (docs/design.md section 17)
+            # the work counters grow per step (docs/design.md#deployment-and-metrics)
+            self.tally.advance(c, self.work[c])
             if ev.output is not None:
                 self.outputs[c] = ev.output
             yield c, ev
@@ -81,7 +82,7 @@ class Run:
     def usage(self) -> Usage:
         """OpenAI usage (+ ``nfe``, ``denoising_steps``); an unfinished (failed) choice counts its work so far.
         A prompt's cached tokens are the most any of its choices loaded (choices joining together share nothing,
-        docs/design.md section 23)."""
+        docs/design.md#prefix-reuse)."""
         outs = [self._output(c) for c in range(self.num_choices)]
         cached = sum(max((o.cached_tokens for o in outs[p * self.n:(p + 1) * self.n] if o is not None), default=0)
                      for p in range(len(self.prompt_ids)))

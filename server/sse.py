@@ -1,4 +1,4 @@
-"""The server-sent events of a streamed request (docs/design.md sections 5 and 10, issue 3).
+"""The server-sent events of a streamed request (docs/design.md#http-contract and #decisions, issue 3).
 
 Streaming rules:
 
@@ -9,7 +9,7 @@ Streaming rules:
   equal the non-streamed text for the same seed;
 * ``finish_reason`` is null until the last chunk of each choice;
 * with ``stream_options.include_denoising`` each denoising step of each choice that reveals a token is one extra
-  chunk with empty delta/text and a top-level ``denoising`` object (docs/design.md section 10);
+  chunk with empty delta/text and a top-level ``denoising`` object (docs/design.md#decisions);
 * with ``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk has ``choices: []`` and
   the usage;
 * ``data: [DONE]`` ends every stream, also after an error, which is sent as ``data: {"error": {...}}``.

@@ -1,4 +1,5 @@
-"""Request fields -> the engine's constrained decoding and logit bias (docs/design.md sections 19 and 20).
+"""Request fields -> the engine's constrained decoding and logit bias (docs/design.md#constrained-decoding and
+#tools-and-the-responses-api).
 
 * ``response_format``: ``json_object`` -> ``Constraint("json_object", {})``; ``json_schema`` ->
   ``Constraint("json_schema", schema)`` (no ``schema``: as ``json_object``); ``text`` -> none;

@@ -1,5 +1,5 @@
 """``tool_choice: "required"`` / a named function -> a Lark grammar (llguidance syntax) whose every sentence is a
-call the ``hermes`` parser accepts (docs/design.md section 20).
+call the ``hermes`` parser accepts (docs/design.md#tools-and-the-responses-api).
 
 A call is ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`` with ARGS valid under that tool's
 ``parameters`` schema (embedded with llguidance's ``%json``), the layout of the Hermes/Qwen templates (``tojson``

@@ -1,4 +1,5 @@
-"""Tool-call parsers: generated text -> content and tool calls (docs/design.md section 20; ``--tool-call-parser``).
+"""Tool-call parsers: generated text -> content and tool calls (docs/design.md#tools-and-the-responses-api;
+``--tool-call-parser``).
 
 A parser is incremental: :meth:`ToolParser.feed` takes the next piece of a choice's text (the stream-safe text the
 engine reveals left to right) and returns what is final so far, :meth:`ToolParser.finish` the rest. A non-streamed
@@ -14,7 +15,7 @@ content, it is dropped; content before and after a run of calls is joined by the
 
 ``max_calls`` (``parallel_tool_calls: false`` -> 1): the answer ends with its last allowed call: once that call is
 closed, the rest of the text (content, further calls, malformed or not) is dropped and :attr:`ToolParser.ended` is
-set, as if the model had stopped there (docs/design.md section 20 says why this and not a grammar).
+set, as if the model had stopped there (docs/design.md#tools-and-the-responses-api says why this and not a grammar).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Request models of tool calling and structured output (docs/design.md section 20; OpenAI's chat API shapes).
+"""Request models of tool calling and structured output (docs/design.md#tools-and-the-responses-api; OpenAI's chat API
+shapes).
 
 * ``tools``: ``[{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}]``; a name
   matches ``^[a-zA-Z0-9_-]{1,64}$`` (OpenAI's rule) and names are unique;
@@ -29,7 +30,7 @@ FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class Strict(BaseModel):
-    """No type coercion, unknown fields rejected, no NaN/inf (docs/design.md section 5)."""
+    """No type coercion, unknown fields rejected, no NaN/inf (docs/design.md#http-contract)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 

@@ -1,4 +1,4 @@
-"""The HTTP/1.1 parser's own refusals in the OpenAI error shape (docs/design.md section 15).
+"""The HTTP/1.1 parser's own refusals in the OpenAI error shape (docs/design.md#admission-and-limits).
 
 A request whose head the parser rejects (``Content-Length: abc``, a malformed request line, a bad header) never
 reaches the app: uvicorn answers it itself with a plain-text ``Invalid HTTP request received.``. The protocol

@@ -1,4 +1,5 @@
-"""Representation alignment to the AR parent (Open-dLLM's Repr-Align; docs/design.md section 22, docs/methods.md).
+"""Representation alignment to the AR parent (Open-dLLM's Repr-Align; docs/design.md#the-seeds-methods,
+docs/methods.md).
 
 ``unmask train --align-weight W --align-layers all|L1,L2,...`` adds to the masked-diffusion loss
 

@@ -1,4 +1,4 @@
-"""The anchor cache: the AR teacher's hidden states precomputed once for Repr-Align (docs/design.md section 22).
+"""The anchor cache: the AR teacher's hidden states precomputed once for Repr-Align (docs/design.md#the-seeds-methods).
 
 As the seed's fork (dLLM-castlehill ``scripts/precompute_anchor.py``) does, the teacher's states are computed once
 and read during training, so that a step runs no teacher forward. A cache is a directory:

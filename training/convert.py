@@ -1,4 +1,5 @@
-"""A2D conversion: an autoregressive Hugging Face causal LM -> an ``a2d`` diffusion checkpoint (docs/design.md section 7).
+"""A2D conversion: an autoregressive Hugging Face causal LM -> an ``a2d`` diffusion checkpoint
+(docs/design.md#training).
 
 What :func:`convert_checkpoint` does, in order:
 
@@ -6,7 +7,7 @@ What :func:`convert_checkpoint` does, in order:
    GGUF file through transformers' ``gguf_file`` (de-quantised to float32). A GGUF-loaded model cannot be saved by
    transformers 5 ("quantized with gguf and is not serializable"), so the weights are moved into a plain model of
    the same class built from the config without its ``quantization_config`` (strict state-dict load: logits are
-   identical; docs/design.md section 8).
+   identical; docs/design.md#the-real-model).
 2. Choose the mask token: the source's ``dllm.mask_token_id`` when it already is a diffusion checkpoint; else the
    tokenizer's declared ``mask_token``; else ``mask_token`` when it is already in the vocabulary; else a reserved /
    unused special token (``<|reserved_special_token_0|>``, ``<unused0>``); else ``mask_token`` is added as a new
@@ -23,7 +24,7 @@ What :func:`convert_checkpoint` does, in order:
    end-of-turn ids, pad id, default sampling ``temperature: 0``).
 
 With ``prefix_causal`` (or ``block_causal``) attention, logit shift and ``block_size=1`` the converted model decodes
-exactly its AR parent's greedy output (docs/design.md section 4); ``tests/test_convert.py`` checks that.
+exactly its AR parent's greedy output (docs/design.md#decoding); ``tests/test_convert.py`` checks that.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def _no_init():
 
 
 def plain_copy_of_gguf_model(model):
-    """A serialisable copy of a GGUF-loaded model (docs/design.md section 8).
+    """A serialisable copy of a GGUF-loaded model (docs/design.md#the-real-model).
 
     transformers 5 refuses ``save_pretrained`` on a model loaded with ``gguf_file`` ("quantized with gguf and is
     not serializable") although its weights are already de-quantised. This builds a model of the same class from a

@@ -1,6 +1,6 @@
 """Training data for A2D fine-tuning: JSONL chats rendered by the chat template, labels on assistant tokens only.
 
-Input lines (docs/design.md section 7, issue 4), one JSON object per line:
+Input lines (docs/design.md#training, issue 4), one JSON object per line:
 
 * ``{"messages": [{"role": "system"|"user"|"assistant"|..., "content": str}, ...]}`` - every assistant turn is
   trained, everything else is context;

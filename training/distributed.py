@@ -1,12 +1,13 @@
 """Sharded multi-process training (FSDP2): a model whose weights, gradients and optimizer state do not fit one
-device is split across the processes of an ``accelerate launch`` / ``torchrun`` job (docs/design.md section 18).
+device is split across the processes of an ``accelerate launch`` / ``torchrun`` job (docs/design.md#scale-out).
 
 ``unmask train --fsdp`` under N processes shards every parameter of each decoder layer, and of the rest of the model
 (embedding, final norm, LM head), across the N processes with PyTorch's FSDP2 ``fully_shard`` (Zhao et al. 2023,
 "PyTorch FSDP", arXiv:2304.11277; the per-parameter DTensor sharding of ``torch.distributed.fsdp``): each process
 holds 1/N of the weights, gradients and AdamW state; a layer's weights are all-gathered for its forward and
 backward and its gradients reduce-scattered after. Each process trains its own micro-batches, as under DDP, so the
-loss is the single-process one (the trainer seeds each micro-batch's noise by its global index; section 18).
+loss is the single-process one (the trainer seeds each micro-batch's noise by its global index;
+docs/design.md#scale-out).
 
 Why not accelerate's FSDP plugin: accelerate (1.x, ``accelerate/state.py``) turns ``ACCELERATE_USE_FSDP`` /
 ``fsdp_plugin`` on only for accelerator backends (``MULTI_GPU``, ``MULTI_NPU``, ...), never for ``MULTI_CPU``, so

@@ -1,8 +1,9 @@
-"""Export a trained checkpoint as a servable (optionally bitsandbytes-quantized) checkpoint (docs/design.md sections 6, 10).
+"""Export a trained checkpoint as a servable (optionally bitsandbytes-quantized) checkpoint (docs/design.md#checkpoints
+and #decisions).
 
 ``export(src, out, quantization)``: ``src`` is a servable directory or a training ``OUT`` (its ``latest``
 checkpoint). Training checkpoints already hold the LoRA adapters merged into the full-precision base (never into
-dequantized NF4 weights, docs/design.md section 10), so export loads full-precision weights, quantizes them with
+dequantized NF4 weights, docs/design.md#decisions), so export loads full-precision weights, quantizes them with
 bitsandbytes (``nf4`` = 4-bit NormalFloat with float32 compute on CPU / bf16 on CUDA, ``int8`` = LLM.int8(),
 ``none`` = plain copy in ``dtype``) and writes the result with ``write_checkpoint`` (atomic; the
 ``quantization_config`` goes into ``config.json``).

@@ -1,6 +1,6 @@
 """Masked-diffusion training objectives built on the engine's one attention-mask builder.
 
-Objectives (docs/design.md section 7, issue 4):
+Objectives (docs/design.md#training, issue 4):
 
 * ``mdlm`` on a ``bidirectional`` checkpoint: per sequence ``t ~ U(eps, 1)``, each answer token replaced by the
   mask token with probability ``t``, one forward over the whole (bidirectional) sequence;
@@ -154,7 +154,7 @@ def answer_blocks(spans: list[tuple[int, int]], block_size: int | None, alignmen
                   ) -> list[tuple[int, int, int]]:
     """Blocks ``(start, end, span_start)`` covering the answer spans, as the engine lays them out.
 
-    ``generation``: blocks start at each span's first token (docs/design.md section 10); ``absolute``: blocks are the
+    ``generation``: blocks start at each span's first token (docs/design.md#decisions); ``absolute``: blocks are the
     multiples of ``block_size`` from position 0 that intersect the span (the first may start in the prompt).
     The last block of a span ends at the span's end (its EOS). ``block_size=None``: one block per span.
     """

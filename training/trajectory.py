@@ -1,5 +1,5 @@
-"""Pseudo-trajectory distillation (d3LLM, arXiv 2601.07568; ``unmask train --objective trajectory``; docs/design.md
-section 22, docs/methods.md).
+"""Pseudo-trajectory distillation (d3LLM, arXiv 2601.07568; ``unmask train --objective trajectory``;
+docs/design.md#the-seeds-methods, docs/methods.md).
 
 **Recording** (:func:`record_example`, :func:`ensure_trajectories`): for every answer span of every training
 example, the step at which each answer token is revealed. The engine decodes the span's prefix as the prompt with

@@ -1,5 +1,5 @@
-"""The VFM trial (``unmask train --objective vfm``; docs/design.md section 22, issue 26): prompt-conditioned noise
-in place of the mask embeddings, for decoding a whole answer in one (or a few) forward(s).
+"""The VFM trial (``unmask train --objective vfm``; docs/design.md#the-seeds-methods, issue 26): prompt-conditioned
+noise in place of the mask embeddings, for decoding a whole answer in one (or a few) forward(s).
 
 Source: variational flow maps ("make some noise", arXiv:2603.07276), as the seed's fork (dLLM-castlehill,
 ``tasks/train_vfm*.py``) carries it to text: an adapter reads the prompt and outputs, for every generation
@@ -332,7 +332,7 @@ def adapter_files(adapter: NoiseAdapter, training: dict | None = None) -> dict[s
 
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.state_dict().items()}
     cfg = {"format": FORMAT, "hidden": adapter.hidden, "gen_len": adapter.gen_len, "width": adapter.width,
-           "source": "arXiv:2603.07276 (variational flow maps), docs/design.md section 22",
+           "source": "arXiv:2603.07276 (variational flow maps), docs/design.md#the-seeds-methods",
            "training": training or {}}
     return {ADAPTER_FILE: save(tensors), CONFIG_FILE: (json.dumps(cfg, indent=2) + "\n").encode()}
 

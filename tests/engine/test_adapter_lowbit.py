@@ -1,4 +1,4 @@
-"""The mask-row adapter (fp16 A/B) over a quantized parent (docs/design.md section 21): an ``unmask export
+"""The mask-row adapter (fp16 A/B) over a quantized parent (docs/design.md#mask-row-adapter): an ``unmask export
 --quantization nf4|int8`` of the adapter's parent (bitsandbytes layers as loaded, or dequantized and packed) and the
 ``--weights int8|int4`` low-bit CPU kernels over the full-precision parent. In every case the causal rows of
 parent + adapter are the parent's logits bit for bit through the same low-bit path, the mask rows see the adapter,

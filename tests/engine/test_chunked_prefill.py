@@ -1,4 +1,4 @@
-"""Chunked prefill (docs/design.md section 4, "Chunked prefill"; ``Request.prefill_inputs``): a long prompt is
+"""Chunked prefill (docs/design.md#decoding, "Chunked prefill"; ``Request.prefill_inputs``): a long prompt is
 forwarded in chunks of at most ``prefill_chunk`` row-equivalents (a row at position p costs ``1 + p / P0``) before
 its first denoising step. It gives the same tokens, NFE and lane KV as the whole prompt at once, in every strategy
 and attention; other requests keep stepping meanwhile; its KV is shared through the prefix cache as it is computed.

@@ -1,6 +1,6 @@
-"""Grammars that crash, cannot be satisfied or cost too much (docs/design.md section 19): integer bounds llguidance
-cannot represent are refused before it sees them (it segfaults on some), unsatisfiable grammars are refused at
-compile time, and one step's grammar work is bounded."""
+"""Grammars that crash, cannot be satisfied or cost too much (docs/design.md#constrained-decoding): integer bounds
+llguidance cannot represent are refused before it sees them (it segfaults on some), unsatisfiable grammars are refused
+at compile time, and one step's grammar work is bounded."""
 from __future__ import annotations
 
 import json

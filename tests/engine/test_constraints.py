@@ -1,5 +1,5 @@
-"""Constrained decoding (docs/design.md section 19) and logit_bias on tiny random models: a random model's output
-under a grammar must still parse and validate, on the plain and the speculative path, and unconstrained requests
+"""Constrained decoding (docs/design.md#constrained-decoding) and logit_bias on tiny random models: a random model's
+output under a grammar must still parse and validate, on the plain and the speculative path, and unconstrained requests
 in the same batch must not change."""
 from __future__ import annotations
 

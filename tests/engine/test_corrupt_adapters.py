@@ -1,6 +1,6 @@
 """Broken mask-row adapter files are refused at load in one line naming the file and the problem
-(engine/adapter_check.py; docs/design.md sections 16 and 21). Before, these variants (breaker) were tracebacks
-(KeyError, AttributeError, IndexError), loaded and answered 500s or empty texts (NaN/inf tensors or alpha, a
+(engine/adapter_check.py; docs/design.md#checks-at-load and #mask-row-adapter). Before, these variants (breaker) were
+tracebacks (KeyError, AttributeError, IndexError), loaded and answered 500s or empty texts (NaN/inf tensors or alpha, a
 mask embedding of the wrong shape), or were silently accepted (integer tensors, targets disagreeing with the
 tensors, stray layer indices and projections)."""
 from __future__ import annotations

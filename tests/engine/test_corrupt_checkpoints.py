@@ -1,5 +1,5 @@
 """Corrupt, incomplete and half-written checkpoints are refused at load with one line naming the file and the
-problem (docs/design.md section 16, issue 22): through ``load_model`` and through ``unmask serve``.
+problem (docs/design.md#checks-at-load, issue 22): through ``load_model`` and through ``unmask serve``.
 
 Every variant starts from one tiny a2d checkpoint written by ``write_checkpoint`` and breaks one thing.
 """

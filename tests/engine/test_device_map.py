@@ -1,4 +1,4 @@
-"""device_map through accelerate (engine/placement.py, docs/design.md section 18): a tiny model's layers split
+"""device_map through accelerate (engine/placement.py, docs/design.md#scale-out): a tiny model's layers split
 between CPU memory and disk offload give the unsplit model's tokens and logits; bad maps fail naming the field."""
 from __future__ import annotations
 

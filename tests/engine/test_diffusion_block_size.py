@@ -1,5 +1,5 @@
 """``dllm.diffusion_block_size``: the default block of plain-diffusion requests that send no ``block_size``
-(engine/plan.py ``resolve``; docs/design.md section 3). Speculative requests keep ``block_size`` as their draft
+(engine/plan.py ``resolve``; docs/design.md#model-families). Speculative requests keep ``block_size`` as their draft
 block; a request's own ``block_size`` wins; an adapter may set it; ``unmask serve --block-size`` replaces both."""
 from __future__ import annotations
 

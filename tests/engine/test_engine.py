@@ -1,4 +1,4 @@
-"""Decoding rules of the engine (docs/design.md sections 4 and 10) on tiny random models."""
+"""Decoding rules of the engine (docs/design.md#decoding and #decisions) on tiny random models."""
 from __future__ import annotations
 
 import json
@@ -397,7 +397,7 @@ def test_bad_params_name_the_field(field, value):
 
 
 def test_attention_masks_take_effect():
-    """Bidirectional rows see later tokens; prefix-causal committed rows do not (docs/design.md section 10)."""
+    """Bidirectional rows see later tokens; prefix-causal committed rows do not (docs/design.md#decisions)."""
     from unmask.engine.attention import build_attention_mask, canvas_groups
 
     m = loaded()

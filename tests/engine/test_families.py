@@ -1,5 +1,5 @@
-"""Every dLLM family loads from a tiny replica saved in its own layout, without remote code (issue 2, docs/design.md
-section 3), and a directory that is none of them fails clearly.
+"""Every dLLM family loads from a tiny replica saved in its own layout, without remote code (issue 2,
+docs/design.md#model-families), and a directory that is none of them fails clearly.
 
 Each replica is a tiny random model of the transformers architecture the family maps onto, saved the way the family
 publishes it: its own ``config.json`` keys, ``architectures``/``model_type``/``auto_map``, weight names (LLaDA's

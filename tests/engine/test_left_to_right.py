@@ -1,6 +1,6 @@
 """``remasking: left_to_right`` (engine/sampler.py ``score_candidates``): the leftmost masked position first. Quota
 mode is semi-autoregressive decoding; threshold mode reveals the leftmost position plus every confident one, so
-on a logit-shift model each step keeps the causal row's prediction (docs/design.md section 4)."""
+on a logit-shift model each step keeps the causal row's prediction (docs/design.md#decoding)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Start-up memory of a loaded checkpoint (docs/design.md section 21, "Memory at start-up"): the weights are read
+"""Start-up memory of a loaded checkpoint (docs/design.md#mask-row-adapter, "Memory at start-up"): the weights are read
 into the process's own memory (no memory map of the safetensors file stays alive: its pages counted in RSS beside
 the packed weights made from them), with the same values transformers' own loading gives, and the mask-row
 adapter's state keeps no second copy of the adapter's tensors."""

@@ -1,4 +1,4 @@
-"""The mask-row adapter (unmask.engine.mask_adapter, docs/design.md section 21): only non-committed rows see the
+"""The mask-row adapter (unmask.engine.mask_adapter, docs/design.md#mask-row-adapter): only non-committed rows see the
 delta (causal rows are the parent's bit for bit through the same engine path: native, fp16-packed, and auto's int4
 case on a parent whose weights lie on a Q4 GGUF's grid, the default model's format), block 1
 and speculative decoding give the parent's tokens, plain diffusion differs, adapter-only = self-contained, and a
@@ -100,7 +100,7 @@ def test_block1_and_speculative_give_the_parents_tokens_and_diffusion_differs(ck
 
 def test_constrained_speculative_greedy_gives_the_parents_constrained_block_1(ckpts):
     """A grammar holds on the adapter's speculative path (its causal rows are the parent's): the constrained answer
-    is the parent's constrained block-1 answer (docs/design.md section 19)."""
+    is the parent's constrained block-1 answer (docs/design.md#constrained-decoding)."""
     from test_constraints import assert_speculative_constrained_greedy_is_constrained_block_1
 
     adapted, parent = LLM(load_model(ckpts / "adapter")), LLM(load_model(ckpts / "parent"))

@@ -1,4 +1,4 @@
-"""Multi-block decoding (engine/multi_block.py, docs/design.md section 22) on tiny random models."""
+"""Multi-block decoding (engine/multi_block.py, docs/design.md#the-seeds-methods) on tiny random models."""
 from __future__ import annotations
 
 import pytest

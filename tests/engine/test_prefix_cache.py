@@ -1,4 +1,4 @@
-"""Prefix reuse across requests (engine/prefix_cache.py, docs/design.md section 23): the same tokens with and
+"""Prefix reuse across requests (engine/prefix_cache.py, docs/design.md#prefix-reuse): the same tokens with and
 without reuse, exact hit counts, LRU eviction inside the KV budget, live requests first, what never shares."""
 from __future__ import annotations
 

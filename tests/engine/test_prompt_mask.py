@@ -1,4 +1,4 @@
-"""The mask token in prompts (docs/design.md section 5, "Prompts and the mask token"): text that spells it is
+"""The mask token in prompts (docs/design.md#http-contract, "Prompts and the mask token"): text that spells it is
 tokenized as plain text everywhere text becomes ids (completions prompts, chat messages, a text suffix), and ids
 that hold it are refused naming the field. Found by a break-it run: ``<|mask|>`` in a chat message became the mask
 id, a committed prompt row that ran the mask-row adapter and answered differently from the parent."""

@@ -49,8 +49,8 @@ def test_speculative_output_is_the_verifiers_greedy_output(pair, block, branches
 
 
 def test_constrained_greedy_is_the_verifiers_constrained_block_1(pair):
-    """A grammar holds on the separate-verifier path (docs/design.md section 19): the routed model's constrained
-    speculative answer is its verifier's constrained block-1 answer."""
+    """A grammar holds on the separate-verifier path (docs/design.md#constrained-decoding): the routed model's
+    constrained speculative answer is its verifier's constrained block-1 answer."""
     from test_constraints import assert_speculative_constrained_greedy_is_constrained_block_1
 
     routed, verifier, _ = pair

@@ -1,4 +1,4 @@
-"""Atomic admission (docs/design.md section 15): a request's prompts x ``n`` sequences are admitted or refused
+"""Atomic admission (docs/design.md#admission-and-limits): a request's prompts x ``n`` sequences are admitted or refused
 together against the queue's capacity, and a refused request holds no room afterwards (found by the breaker:
 6 simultaneous near-cap requests got 4 x 429 although the queue had room for them one after another)."""
 from __future__ import annotations

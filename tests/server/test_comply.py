@@ -1,5 +1,5 @@
 """The external OpenAI-Chat conformance checker ``llm-comply`` (PyPI ``llm-comply==0.5.0``, the test extra) against
-``unmask serve`` (docs/design.md section 20).
+``unmask serve`` (docs/design.md#tools-and-the-responses-api).
 
 On a tiny random model (a system test: ~50 s on the loaded 2-core machine, mostly starting the server): every
 check except

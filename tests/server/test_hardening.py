@@ -1,6 +1,6 @@
 """Issue 22 against a real `unmask serve` (uvicorn): the HTTP parser's 400 as JSON, a 2 MB prompt (completions,
 chat, /v1/responses) that stalls nobody, fair admission over HTTP, the API key from a file and never in a log line, the routes open without it, request ids in the log, and
-schemathesis with every check (docs/design.md section 15). In-process checks: test_hardening_inproc.py."""
+schemathesis with every check (docs/design.md#admission-and-limits). In-process checks: test_hardening_inproc.py."""
 from __future__ import annotations
 
 import json
@@ -118,7 +118,7 @@ def test_a_2mb_prompt_stalls_neither_health_nor_another_stream(server, http):
 
 
 def test_a_small_request_gets_its_first_token_while_a_large_one_holds_the_batch(server, http):
-    """Fair admission over HTTP (docs/design.md section 15): 2 prompts x n 4 (the server's
+    """Fair admission over HTTP (docs/design.md#admission-and-limits): 2 prompts x n 4 (the server's
     --max-seqs-per-request 8, twice its --max-batch-size 4) of 480 tokens with ignore_eos fill the batch; a
     4-token request sent after it gets its first token (or a 429) within 5 s, while the large one is still
     unfinished. First come first served would run all 8 large sequences (two full batches) before it, so the large
@@ -312,7 +312,7 @@ def test_the_server_log_lines_of_a_request_carry_its_id(server, http):
 
 # ---------------------------------------------------------------------------------------------- schemathesis
 # documented 400s that depend on the model or on another field in a way JSON Schema cannot state
-# (docs/design.md section 15): a schema-valid request may still get one of these, naming this field
+# (docs/design.md#admission-and-limits): a schema-valid request may still get one of these, naming this field
 MODEL_DEPENDENT_400 = {
     "max_tokens",          # prompt + max_tokens beyond the context (or the KV budget)
     "max_completion_tokens",
@@ -341,7 +341,7 @@ MODEL_DEPENDENT_400 = {
     "text.format", "text.format.schema",  # as response_format
     "tools.N.parameters",  # a parameters schema llguidance cannot compile
     "messages.N.tool_calls.N.function.arguments", "tools.N.function.parameters",
-    "input.N.arguments",  # JSON nested too deep (section 15)
+    "input.N.arguments",  # JSON nested too deep (docs/design.md#admission-and-limits)
 }
 
 

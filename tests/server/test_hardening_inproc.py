@@ -1,5 +1,5 @@
 """Issue 22 in-process (the app over a tiny model, no uvicorn): bounded request sizes, nothing on the event loop
-that stalls others, fair admission, schema = validation, request ids (docs/design.md section 15). The uvicorn
+that stalls others, fair admission, schema = validation, request ids (docs/design.md#admission-and-limits). The uvicorn
 checks (HTTP parser errors, keys in logs, schemathesis) are in test_hardening.py."""
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def server():
     import uvicorn
 
     engine = AsyncEngine(loaded(block_size=4))
-    # the prefix cache (docs/design.md section 23) grows until its bound, then holds steady: a bound the warm-up
+    # the prefix cache (docs/design.md#prefix-reuse) grows until its bound, then holds steady: a bound the warm-up
     # fills, so that the measured rounds see a full store (one chunk evicted per chunk added)
     engine.engine.prefix_cache.max_tokens = 64
     app = build_app(engine, "m", shutdown_engine=True)

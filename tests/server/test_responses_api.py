@@ -1,6 +1,6 @@
 """``POST /v1/responses`` through the openai SDK's ``client.responses`` (sync and streaming) on a tiny in-process
-server (docs/design.md section 20): text, instructions, multi-turn input items with function calls and their
-outputs, tools, the typed stream events and the denoising-step event."""
+server (docs/design.md#tools-and-the-responses-api): text, instructions, multi-turn input items with function calls and
+their outputs, tools, the typed stream events and the denoising-step event."""
 from __future__ import annotations
 
 import json

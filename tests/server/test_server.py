@@ -133,7 +133,7 @@ def test_models_health_metrics_routes(http, server):
     req = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert req["additionalProperties"] is False and req["properties"]["model"]["enum"] == [MODEL]
     assert req["properties"]["temperature"]["anyOf"][0]["maximum"] == 2
-    # null means the default (section 15): the enum is the first member of anyOf
+    # null means the default (docs/design.md#admission-and-limits): the enum is the first member of anyOf
     assert set(req["properties"]["remasking"]["anyOf"][0]["enum"]) == {"low_confidence", "margin", "entropy",
                                                                        "random", "left_to_right"}
 
@@ -242,7 +242,7 @@ def _check_stream(payloads, n, chat=True):
             texts[i] += ch["delta"].get("content") or ""
         else:
             texts[i] += ch["text"]
-        if "denoising" in c:  # exactly the docs/design.md section 10 shape
+        if "denoising" in c:  # exactly the docs/design.md#decisions shape
             assert ch == ({"index": i, "delta": {}, "finish_reason": None} if chat
                           else {"index": i, "text": "", "finish_reason": None})
             assert set(c["denoising"]) == {"index", "block", "step", "nfe", "revealed", "canvas"}
@@ -433,8 +433,8 @@ def test_bad_requests_get_documented_4xx_then_a_good_request_succeeds(http):
 
 
 def test_steps_or_threshold_with_speculative_true_is_a_400_naming_it_and_serving_goes_on(http):
-    """docs/design.md section 15: `steps` / `threshold` on a request that sets `speculative: true` are 400s naming
-    the field (they were 200s that ignored them); speculative alone, `speculative: false` with them, and
+    """docs/design.md#admission-and-limits: `steps` / `threshold` on a request that sets `speculative: true` are 400s
+    naming the field (they were 200s that ignored them); speculative alone, `speculative: false` with them, and
     `"threshold": null` with speculative (no steps of the client's) are served as before."""
     bad = [(CH, _ch(speculative=True, steps=4), "steps"), (C, _c(speculative=True, steps=4), "steps"),
            (CH, _ch(speculative=True, threshold=0.9), "threshold"), (C, _c(speculative=True, threshold=0), "threshold"),
@@ -456,7 +456,7 @@ def test_steps_or_threshold_with_speculative_true_is_a_400_naming_it_and_serving
 @pytest.mark.parametrize("field, value", [("remasking", "margin"), ("remasking", "random"), ("sub_block_size", 2),
                                           ("steps", 4), ("threshold", 0.5)])
 def test_a_field_speculative_decoding_does_not_use_is_a_400_with_speculative_true(http, field, value):
-    """docs/design.md section 15: every field self-speculative decoding has no use for (engine/plan.py
+    """docs/design.md#admission-and-limits: every field self-speculative decoding has no use for (engine/plan.py
     NOT_SPECULATIVE_FIELDS), set with `speculative: true`, is a 400 naming it and saying why (`remasking` and
     `sub_block_size` were 200s that ignored them); the server goes on serving, and the same field with
     `speculative: false` (or without `speculative`) is a 200."""

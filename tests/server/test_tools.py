@@ -1,7 +1,8 @@
-"""Tool calls on a tiny random model with a tools-capable chat template built here (docs/design.md section 20):
-the hermes parser (one call, several, malformed JSON, an unknown name, pieces), tool-call deltas, ``tool_choice``
-``required`` / named always yielding parseable calls (constrained decoding), ``n`` with tools, tool messages,
-``response_format``, ``logit_bias``, ``echo`` and the accepted/refused OpenAI fields."""
+"""Tool calls on a tiny random model with a tools-capable chat template built here
+(docs/design.md#tools-and-the-responses-api): the hermes parser (one call, several, malformed JSON, an unknown name,
+pieces), tool-call deltas, ``tool_choice`` ``required`` / named always yielding parseable calls (constrained decoding),
+``n`` with tools, tool messages, ``response_format``, ``logit_bias``, ``echo`` and the accepted/refused OpenAI
+fields."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,8 @@
-"""Request options the loaded model cannot honour are never accepted silently (docs/design.md section 15; new-user
-report): a ``logit_bias`` key or a ``stop_token_ids`` entry on a token the model never samples (its mask token,
+"""Request options the loaded model cannot honour are never accepted silently (docs/design.md#admission-and-limits;
+new-user report): a ``logit_bias`` key or a ``stop_token_ids`` entry on a token the model never samples (its mask token,
 padding, suppressed ids) is a fast 400 naming the field and the id, and the server goes on serving; ``cache:
 prefix|dual`` on a prefix-/block-causal model is its exact cache, the same output as ``auto``, accepted on purpose
-and said so in the published schema and the README (design.md section 10 "Cache"); the other attention-dependent
+and said so in the published schema and the README (docs/design.md#decisions "Cache"); the other attention-dependent
 options are 400s naming them on a model that cannot use them."""
 from __future__ import annotations
 

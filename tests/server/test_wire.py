@@ -1,6 +1,6 @@
 """The HTTP parser's refusals over a real socket (uvicorn with ``server/wire.py``'s protocol, a minimal app behind
-the request-id middleware; docs/design.md section 15): a head past h11's 16 KiB limit is a 431 the client reads
-(it was a connection reset: the server closed with the rest of the request unread), a malformed head a JSON 400,
+the request-id middleware; docs/design.md#admission-and-limits): a head past h11's 16 KiB limit is a 431 the client
+reads (it was a connection reset: the server closed with the rest of the request unread), a malformed head a JSON 400,
 an over-long X-Request-Id replaced, and the server keeps serving."""
 from __future__ import annotations
 

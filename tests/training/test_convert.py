@@ -1,10 +1,11 @@
-"""A2D conversion (issue 2, "Conversion"; docs/design.md sections 4, 7 and 10) on tiny Llama / Qwen2 / Qwen3 replicas.
+"""A2D conversion (issue 2, "Conversion"; docs/design.md#decoding, #training and #decisions) on tiny Llama / Qwen2 /
+Qwen3 replicas.
 
 What is checked: the mask token is added (or a declared unused one reused) and its id is in ``config.json``; the
 vocabulary is resized when needed (tokenizer length == vocabulary size) and not when the vocabulary is padded; the
 new rows are the mean rows and every original row is unchanged; the chat template and tied embeddings are kept;
 ``block_size=1`` decoding with logit shift reproduces the AR parent's greedy output token for token (differences
-allowed only at a checked near-tie, docs/design.md section 10) through the same decoding loop as block 4; the attention
+allowed only at a checked near-tie, docs/design.md#decisions) through the same decoding loop as block 4; the attention
 masks take effect; the mask token is never generated; ``unmask convert`` exits 2 with one line on bad values.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from unmask.training.convert import (ConversionError, convert_checkpoint, plain_
                                      resolve_source)
 
 VOCAB = 320  # tokens of the tiny tokenizer (incl. <|endoftext|>, <|im_start|>, <|im_end|>)
-NEAR_TIE = 1e-4  # docs/design.md section 10: a token may differ only where the parent's top-2 logits differ by less
+NEAR_TIE = 1e-4  # docs/design.md#decisions: a token may differ only where the parent's top-2 logits differ by less
 
 
 # ------------------------------------------------------------------------------------------------ tiny parents

@@ -1,4 +1,4 @@
-"""Quantized export round trip (docs/design.md section 10): saved tensors equal a fresh-process quantization of the same
+"""Quantized export round trip (docs/design.md#decisions): saved tensors equal a fresh-process quantization of the same
 weights, reloaded logits equal the exporter's - also after the exporting process ran a forward on a quantized model
 (the bitsandbytes 0.50 AVX512-BF16 repack trap), and a model that ran a forward is never written."""
 from __future__ import annotations

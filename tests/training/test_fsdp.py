@@ -1,4 +1,4 @@
-"""FSDP (training/distributed.py, docs/design.md section 18): a 2-process CPU (gloo) sharded run has the
+"""FSDP (training/distributed.py, docs/design.md#scale-out): a 2-process CPU (gloo) sharded run has the
 single-process run's losses and weights, writes a full checkpoint the engine loads, and resumes exactly (the
 full optimizer state re-sharded). Multi-process: system."""
 from __future__ import annotations

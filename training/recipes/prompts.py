@@ -12,7 +12,7 @@ Run ``python -m unmask.training.recipes.prompts`` (or ``--out DIR``) to (re)writ
 * ``benchmarks/data/eval_grid_ids.json`` -- the fixed 60-prompt subset used for the parallelism grid
   (``{"ids": [...], "quick_ids": [...]}``; ``quick_ids`` are its first 12, used by ``--quick``).
 
-Rules (issue 5, docs/design.md section 10 "Evaluation"):
+Rules (issue 5, docs/design.md#decisions "Evaluation"):
 
 * every item records the id of the template that produced it; training templates are named ``train.*`` and
   evaluation templates ``eval.*``, and no template produces items for both sets (hand-written items have their own

