@@ -76,6 +76,18 @@ DELTA_CHUNK = 16
 DENSE_DELTA_ROWS = DELTA_CHUNK
 
 
+def execution_device(module: nn.Module) -> torch.device:
+    """Where ``module`` computes: accelerate's execution device when a device map offloaded it (its weights then
+    sit on ``meta`` or the CPU), else the device of its first parameter or buffer, else the CPU."""
+    hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device("cuda", hook_device) if isinstance(hook_device, int) else torch.device(hook_device)
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
 def _fixed_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[n, in]`` float32 and ``w`` ``[out, in]`` float32, computed in GEMMs of exactly
     :data:`DELTA_CHUNK` rows (the last chunk zero-padded) -> ``[n, out]`` float32.
@@ -133,8 +145,9 @@ class MaskLoRALinear(nn.Module):
                  trainable: bool = False):
         super().__init__()
         self.base = base
-        self.lora_A = nn.Parameter(a.detach().float().clone(), requires_grad=trainable)
-        self.lora_B = nn.Parameter(b.detach().float().clone(), requires_grad=trainable)
+        home = execution_device(base)  # the adapter runs where its layer runs (docs/design.md#devices)
+        self.lora_A = nn.Parameter(a.detach().to(home, torch.float32, copy=True), requires_grad=trainable)
+        self.lora_B = nn.Parameter(b.detach().to(home, torch.float32, copy=True), requires_grad=trainable)
         self.scale = float(scale)
         object.__setattr__(self, "_state", state)  # shared, not a submodule
 
@@ -198,7 +211,8 @@ class MaskEmbedding(nn.Module):
         super().__init__()
         self.base = base
         self.mask_token_id = int(mask_token_id)
-        self.mask_vector = nn.Parameter(mask_vector.detach().float().clone(), requires_grad=trainable)
+        self.mask_vector = nn.Parameter(mask_vector.detach().to(execution_device(base), torch.float32, copy=True),
+                                        requires_grad=trainable)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -122,12 +122,10 @@ class Sequence(Request):
         nxt = int(masked[k - 1]) + 1  # every position after the chain is masked (the revealed region is a prefix)
         forced = forced_run(self.grammar, self.prompt_len + self.gen_len - nxt)
         if forced:  # forced tokens past the chain (and past the window) are final at once: probability 1
-            n = len(forced)
-            cands = Candidates(torch.cat([cands.tokens, torch.tensor(forced, dtype=torch.long,
-                                                                     device=cands.tokens.device)]),
-                               torch.cat([cands.probability, torch.ones(n, dtype=cands.probability.dtype)]),
-                               torch.cat([cands.score, torch.ones(n, dtype=cands.score.dtype)]),
-                               torch.cat([cands.logprob, torch.zeros(n, dtype=cands.logprob.dtype)]))
+            cands = Candidates(*(torch.cat([have, torch.tensor(value, dtype=have.dtype, device=have.device)])
+                                 for have, value in ((cands.tokens, forced), (cands.probability, [1.0] * len(forced)),
+                                                     (cands.score, [1.0] * len(forced)),
+                                                     (cands.logprob, [0.0] * len(forced)))))
         positions = torch.cat([masked[:k], torch.arange(nxt, nxt + len(forced), device=masked.device)])
         return self.apply(cands, positions, chosen=torch.arange(k + len(forced)))
 

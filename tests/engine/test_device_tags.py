@@ -1,0 +1,57 @@
+"""One device for every tensor (docs/design.md, "Devices"): every decoding path of ``tests/decoding_paths.py`` runs
+on fake CUDA (``tests/device_tags.py``: CPU storage, a ``cuda`` tag, CUDA's mixed-device rule) from
+``load_model(..., device="cuda")`` to the last token, and gives the tokens of a CPU run.
+
+Before the fixes these failed: the mask-row adapter's weights stayed on the CPU after the model moved (every request
+of the default model), and a constrained plain-diffusion step built its forced tokens' probabilities on the CPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import decoding_paths as dp
+from device_tags import MixedDeviceError, Tagged, devices_of, fake_cuda
+from unmask.engine import LLM
+from unmask.engine.model import load_model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return dp.write_checkpoints(tmp_path_factory.mktemp("device_paths"))
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(checkpoints):
+    """Each path's tokens on the CPU, float32, native weights (the reference)."""
+    llms = {name: LLM(load_model(d, device="cpu", dtype="float32", weights="native")) for name, d in checkpoints.items()}
+    return {p.name: dp.run_path(llms[p.checkpoint], p) for p in dp.PATHS}
+
+
+def test_the_harness_raises_where_cuda_raises_and_allows_what_cuda_allows(monkeypatch):
+    with fake_cuda(monkeypatch):
+        a = torch.arange(4.0, device="cuda")
+        assert isinstance(a, Tagged) and a.device.type == "cuda"
+        for bad in (lambda: a + torch.ones(4), lambda: torch.where(a > 1, a, torch.zeros(4)),
+                    lambda: torch.cat([a, torch.ones(2)]), lambda: torch.ones(4)[torch.tensor([1], device="cuda")],
+                    lambda: torch.rand(2, generator=torch.Generator().manual_seed(0), device="cuda"),
+                    lambda: torch.nn.Linear(4, 2)(a)):
+            with pytest.raises(MixedDeviceError):
+                bad()
+        assert (a + torch.tensor(2.0)).device.type == "cuda"  # a CPU scalar joins
+        assert a[torch.tensor([0, 2])].tolist() == [0.0, 2.0]  # CPU indices of a CUDA tensor
+        a[torch.tensor([1])] = 5.0
+        a[1:3] = torch.tensor([7.0, 8.0])  # basic indexing copies across devices
+        assert a.cpu().tolist() == [0.0, 7.0, 8.0, 3.0] and type(a.cpu()) is torch.Tensor
+        m = torch.nn.Linear(4, 2).to("cuda")
+        assert devices_of(m) == {"cuda:0"} and m(a).device.type == "cuda"
+
+
+@pytest.mark.parametrize("path", dp.PATHS, ids=lambda p: p.name)
+def test_every_path_runs_on_one_device_and_gives_the_cpu_tokens(path, checkpoints, cpu_tokens, monkeypatch):
+    with fake_cuda(monkeypatch):
+        model = load_model(checkpoints[path.checkpoint], device="cuda", dtype="float32")
+        print([(type(t), t.shape, str(t.device)) for t in list(model.model.parameters()) + list(model.model.buffers()) if str(t.device) != "cuda:0"][:5])
+        assert model.device.type == "cuda" and devices_of(model.model) == {"cuda:0"}
+        tokens = dp.run_path(LLM(model), path)
+    assert tokens == cpu_tokens[path.name]
