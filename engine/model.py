@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,20 +32,89 @@ import torch
 from .config import CheckpointError, DllmConfig, read_json_file
 
 
+def auto_device() -> torch.device:
+    """What ``auto`` means: CUDA when available, else the CPU. The one place that decides it (every ``auto``
+    default goes through :func:`resolve_device`; the tests pin it to the CPU: tests/conftest.py)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    note = cuda_unusable_note()
+    if note:  # one line: a GPU this torch cannot use is a mis-install, not a choice
+        logging.getLogger("unmask.engine").warning("device auto: the CPU, %s", note)
+    return torch.device("cpu")
+
+
+#: Where a loaded NVIDIA kernel driver states its version (Linux).
+NVIDIA_PROC_VERSION = Path("/proc/driver/nvidia/version")
+
+
+def nvidia_driver_version() -> str | None:
+    """The loaded NVIDIA driver's version (``'550.54.15'``), from :data:`NVIDIA_PROC_VERSION`, else from
+    ``nvidia-smi``; None when there is none (a file test and a PATH lookup on such a machine)."""
+    import re
+    import shutil
+    import subprocess
+
+    try:
+        m = re.search(r"Module\b.*?\s(\d+\.\d+(?:\.\d+)?)\s", NVIDIA_PROC_VERSION.read_text() + " ")
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        lines = r.stdout.split()
+        if r.returncode == 0 and lines:
+            return lines[0]
+    return None
+
+
+def cuda_unusable_note() -> str | None:
+    """One line when an NVIDIA driver is loaded but this torch cannot use CUDA, naming the driver and torch's build
+    (a CPU build; a CUDA build the driver is too old for: 13.x needs >= 580, 12.x >= 525.60.13; else no GPU visible
+    to the process); None when no driver is loaded. Fix: docs/deploy.md, "Which torch build"."""
+    driver = nvidia_driver_version()
+    if driver is None:
+        return None
+    cuda = torch.version.cuda
+    need = {"13": (580,), "12": (525, 60, 13)}.get(str(cuda).split(".")[0]) if cuda else None
+    try:
+        have = tuple(int(p) for p in driver.split("."))
+    except ValueError:
+        have = None
+    if not cuda:
+        why = "a CPU build"
+    elif need and have and have < need:
+        why = f"a CUDA {cuda} build, which needs driver >= {'.'.join(map(str, need))}"
+    else:
+        why = f"a CUDA {cuda} build, yet sees no GPU (CUDA_VISIBLE_DEVICES? a container without --gpus?)"
+    return (f"though an NVIDIA GPU is present (driver {driver}): torch {torch.__version__} is {why}; "
+            "./scripts/setup.sh installs the build this driver runs (docs/deploy.md, \"Which torch build\")")
+
+
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``auto`` -> CUDA when available, else CPU. Raises ``ValueError`` for an unknown device string."""
+    """``auto`` (or None) -> :func:`auto_device`. Raises ``ValueError`` for an unknown device string, an absent
+    CUDA device, and ``mps`` (the sampler draws float64, which MPS lacks)."""
     if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return auto_device()
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"device: {exc}") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: {device!r} requested but CUDA is not available (this torch: {torch.__version__})")
+            note = cuda_unusable_note()
+            raise ValueError(f"device: {device!r} requested but CUDA is not available "
+                             + (note if note else f"(this torch: {torch.__version__})"))
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device: {device!r} but only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type not in ("cpu", "mps"):
+    elif dev.type == "mps":
+        raise ValueError(f"device: {device!r} is not supported: the sampler draws in float64, which MPS lacks; "
+                         "use cpu")
+    elif dev.type != "cpu":
         raise ValueError(f"device: {device!r} is not one of auto, cpu, cuda, cuda:N")
     return dev
 
@@ -138,6 +208,28 @@ class LoadedModel:
         params = inspect.signature(self._decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.compiled = False
+
+    @classmethod
+    def from_module(cls, model, tokenizer, dllm: DllmConfig, max_context: int | None = None,
+                    path: str = "<memory>") -> "LoadedModel":
+        """A model built in memory (a replica with random weights, a benchmark's model built on its device):
+        ``device`` and ``dtype`` are read from its parameters, ``max_context`` from
+        ``config.max_position_embeddings`` unless given. Serve it with ``LLM(LoadedModel.from_module(...))``; build
+        the module with ``attn_implementation="sdpa"`` (or eager) so that the engine's boolean 4-D masks apply.
+
+        Raises:
+            ValueError: the module has no parameters, or they are on several devices or of several dtypes.
+        """
+        params = list(model.parameters())
+        devices = {p.device for p in params}
+        dtypes = {p.dtype for p in params}
+        if len(devices) != 1 or len(dtypes) != 1:
+            raise ValueError(f"model: expected its parameters on one device in one dtype, got devices "
+                             f"{sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}")
+        if max_context is None:
+            max_context = int(model.config.max_position_embeddings)
+        return cls(model=model, tokenizer=tokenizer, dllm=dllm, path=path, device=devices.pop(),
+                   dtype=dtypes.pop(), max_context=max_context)
 
     @property
     def vocab_size(self) -> int:
@@ -343,11 +435,14 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     if device_map is not None and fmt != "native":
         raise ValueError(f"weights: {fmt!r} packing cannot be combined with device_map (use weights='native')")
     # refuses corrupt checkpoints (docs/design.md#checks-at-load)
-    loaded = load_checked(get_family(name), path, config, dev, dt)
+    # with a device map the weights stay on the CPU until accelerate dispatches them: a model larger than the
+    # device must never be moved there whole (docs/design.md#scale-out)
+    load_device = torch.device("cpu") if device_map is not None else dev
+    loaded = load_checked(get_family(name), path, config, load_device, dt)
     if device_map is not None:
         from .placement import place_model
 
-        place_model(loaded, device_map, max_memory, offload_folder)
+        place_model(loaded, device_map, max_memory, offload_folder, device=dev)
     pack_model(loaded, "auto" if (weights or "auto") == "auto" else fmt)  # auto's int4 case reads the weights
     apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md#mask-row-adapter), after packing
     return_freed_memory()  # the adapter's float32 read copies

@@ -86,6 +86,16 @@ def _accelerators(device_map: dict) -> set[str]:
     return devs
 
 
+def _memory_on(device: torch.device, max_memory: dict | None) -> dict:
+    """``max_memory`` (None = accelerate's measure of every device) restricted to ``device`` (its accelerator
+    index), the CPU and disk: a strategy then never places a module on another accelerator."""
+    from accelerate.utils import get_max_memory
+
+    mem = dict(get_max_memory(max_memory))
+    index = (device.index or 0) if device.type == "cuda" else None
+    return {k: v for k, v in mem.items() if k in ("cpu", "disk") or k == index}
+
+
 def infer_device_map(model: torch.nn.Module, strategy: str = "auto", max_memory: dict | None = None) -> dict:
     """accelerate's ``infer_auto_device_map`` for ``model`` under ``max_memory`` (decoder layers kept whole, tied
     weights together); ``balanced`` first spreads ``max_memory`` over the accelerators (``get_balanced_memory``)."""
@@ -99,13 +109,14 @@ def infer_device_map(model: torch.nn.Module, strategy: str = "auto", max_memory:
 
 
 def place_model(loaded, device_map: str | dict | None, max_memory: str | dict | None = None,
-                offload_folder: str | Path | None = None) -> dict | None:
+                offload_folder: str | Path | None = None, device: torch.device | str | None = None) -> dict | None:
     """Split ``loaded.model`` (a :class:`~unmask.engine.model.LoadedModel` on the CPU or one accelerator, weights
     native) by ``device_map`` and dispatch it with accelerate; sets ``loaded.device`` to the compute device and
     ``loaded.device_map`` to the map used. Returns that map (None: ``device_map`` None, nothing done).
 
     ``offload_folder``: where ``"disk"`` modules' weights go (numpy memmaps); default a temporary directory kept for
-    the life of the process.
+    the life of the process. ``device``: the compute device asked for (``load_model``'s ``device``): a strategy
+    places modules only on it, the CPU and disk; None = wherever accelerate finds room.
 
     Raises:
         ValueError: (names ``device_map``) a malformed map, more than one accelerator, packed weights, a verifier, or
@@ -127,6 +138,8 @@ def place_model(loaded, device_map: str | dict | None, max_memory: str | dict | 
         raise ValueError("max_memory: an explicit device_map places every module itself; max_memory is read only "
                          "by device_map auto | balanced | sequential")
     model = loaded.model
+    if isinstance(spec, str) and device is not None:
+        mem = _memory_on(torch.device(device), mem)
     dmap = infer_device_map(model, spec, mem) if isinstance(spec, str) else dict(spec)
     if dmap.get("") == "disk" or not any(d != "disk" for d in dmap.values()):
         raise ValueError(f"device_map: max_memory {mem} leaves no module in memory (the whole model would go to disk)")
@@ -135,6 +148,8 @@ def place_model(loaded, device_map: str | dict | None, max_memory: str | dict | 
         raise ValueError(f"device_map: names {len(accel)} accelerators ({', '.join(sorted(accel))}); the engine keeps "
                          f"its KV cache on one device: use one accelerator plus cpu/disk")
     main = torch.device(next(iter(accel))) if accel else torch.device("cpu")
+    if device is not None and accel and torch.device(device).type == "cpu":
+        raise ValueError(f"device_map: places modules on {main}, but device is cpu")
     if "disk" in dmap.values() and offload_folder is None:
         offload_folder = tempfile.mkdtemp(prefix="unmask-offload-")
     try:

@@ -13,6 +13,7 @@ move data between devices, and a random op's generator is on the op's device. A 
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
@@ -52,7 +53,10 @@ class Tagged(torch.Tensor):
     _cpu_storage: torch.Tensor
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, device: torch.device = FAKE):
+    def __new__(cls, inner: torch.Tensor, device: torch.device | None = None, requires_grad: bool = False):
+        # ``type(t)(value, requires_grad=...)`` (accelerate re-creates parameters by their class) lands here too
+        device = device or (inner.device if isinstance(inner, Tagged) or inner.device.type == "meta" else FAKE)
+        inner = _unwrap(inner)
         r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
                                                 storage_offset=inner.storage_offset(), dtype=inner.dtype,
                                                 layout=inner.layout, device=device,
@@ -197,6 +201,8 @@ class _FakeCudaFunctions(torch.overrides.TorchFunctionMode):
             return _unwrap(args[0]).new_tensor(*args[1:], **kwargs).to(args[0].device)
         elif func is torch.Tensor.cuda:
             return args[0].to(FAKE, non_blocking=kwargs.get("non_blocking", False))
+        elif func is torch.device and args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            return torch.device("cuda", args[0])  # a bare index names the current accelerator
         elif func is torch.Tensor.to:
             args, kwargs = tree_map(_indexed, (args, kwargs))
         try:
@@ -250,8 +256,10 @@ def _on_cpu(x):
 
 
 def _indexed(x):
-    """``cuda`` (a string or a device without an index) as ``cuda:0``; anything else unchanged."""
+    """``cuda`` (a string, a device without an index, or a bare index) as ``cuda:0``; anything else unchanged."""
     if isinstance(x, str) and x.split(":")[0] == "cuda" or isinstance(x, torch.device) and x.type == "cuda":
+        return FAKE
+    if isinstance(x, int) and not isinstance(x, bool):  # Tensor.to(0): an accelerator index
         return FAKE
     return x
 
@@ -271,6 +279,11 @@ def fake_cuda(monkeypatch) -> Iterator[_FakeCudaDispatch]:
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "fake CUDA (CPU storage)")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (8 << 30, 16 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: SimpleNamespace(
+        name="fake CUDA", total_memory=16 << 30, is_integrated=False, major=9, minor=0))
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     torch._C._ensureCUDADeviceGuardSet()  # a no-op CUDA device guard on a CPU-only build (as fake tensors do)
     mode = _FakeCudaDispatch()
     # no autograd: a gradient edge of a fake-CUDA parameter needs a CUDA device guard (an abort, not an error)

@@ -51,7 +51,41 @@ def test_the_harness_raises_where_cuda_raises_and_allows_what_cuda_allows(monkey
 def test_every_path_runs_on_one_device_and_gives_the_cpu_tokens(path, checkpoints, cpu_tokens, monkeypatch):
     with fake_cuda(monkeypatch):
         model = load_model(checkpoints[path.checkpoint], device="cuda", dtype="float32")
-        print([(type(t), t.shape, str(t.device)) for t in list(model.model.parameters()) + list(model.model.buffers()) if str(t.device) != "cuda:0"][:5])
         assert model.device.type == "cuda" and devices_of(model.model) == {"cuda:0"}
         tokens = dp.run_path(LLM(model), path)
     assert tokens == cpu_tokens[path.name]
+
+
+def test_a_device_map_is_decided_before_any_weight_moves_to_the_device(checkpoints, monkeypatch):
+    """``device="cuda", device_map=...``: the family loads on the CPU and accelerate dispatches from there; before,
+    the whole model moved to the GPU first, so a model larger than the GPU failed before any offloading."""
+    from unmask.engine import checkpoint_check, placement
+
+    seen = {}
+    real_load, real_place = checkpoint_check.load_checked, placement.place_model
+
+    def load_spy(family, path, config, device, dtype):
+        seen["load"] = torch.device(device)
+        return real_load(family, path, config, device, dtype)
+
+    def place_spy(loaded, device_map, max_memory=None, offload_folder=None, device=None):
+        seen["place"] = (devices_of(loaded.model), device)
+        loaded.device = torch.device(device)  # the dispatch itself is accelerate's (tests/engine/test_device_map.py)
+        return {"": str(device)}
+
+    monkeypatch.setattr(checkpoint_check, "load_checked", load_spy)
+    monkeypatch.setattr(placement, "place_model", place_spy)
+    with fake_cuda(monkeypatch):
+        model = load_model(checkpoints["causal"], device="cuda", dtype="float32", device_map="auto")
+    assert seen["load"].type == "cpu" and seen["place"][0] == {"cpu"} and seen["place"][1].type == "cuda"
+    assert model.device.type == "cuda"
+
+
+def test_a_strategy_places_modules_only_on_the_requested_device(monkeypatch):
+    """``device_map="auto"`` with ``device="cpu"`` on a GPU machine: accelerate would fill the GPUs first; the map is
+    restricted to the requested device, the CPU and disk."""
+    from unmask.engine.placement import _memory_on
+
+    mem = {0: 1 << 30, 1: 1 << 30, "cpu": 1 << 31, "disk": 1 << 40}
+    assert _memory_on(torch.device("cpu"), dict(mem)) == {"cpu": 1 << 31, "disk": 1 << 40}
+    assert _memory_on(torch.device("cuda", 1), dict(mem)) == {1: 1 << 30, "cpu": 1 << 31, "disk": 1 << 40}
