@@ -574,7 +574,7 @@ def run(args: argparse.Namespace) -> int:
             default_block, what = None, f"the mask-row adapter {args.adapter} over {model_path}"
     import uvicorn
 
-    from unmask.engine import AsyncEngine, CheckpointError, load_model
+    from unmask.engine import AsyncEngine, CheckpointError, SelfCheckError, check_first_forward, load_model
     from unmask.server.app import build_app
 
     import torch
@@ -593,6 +593,10 @@ def run(args: argparse.Namespace) -> int:
                              f"{loaded.max_context} tokens")
         loaded.max_context = args.max_model_len
     set_default_block(loaded.dllm, args.block_size or default_block, opt("block_size"))
+    try:  # a model that cannot run on its device fails here, not in every request (docs/design.md#devices)
+        check_first_forward(loaded)
+    except SelfCheckError as exc:
+        raise UsageError(f"{exc} (see {opt('device')}, {opt('dtype')}, {opt('weights')})") from exc
     name = args.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
     engine = _engine(AsyncEngine, loaded, args)
     app = build_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,

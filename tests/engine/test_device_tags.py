@@ -89,3 +89,17 @@ def test_a_strategy_places_modules_only_on_the_requested_device(monkeypatch):
     mem = {0: 1 << 30, 1: 1 << 30, "cpu": 1 << 31, "disk": 1 << 40}
     assert _memory_on(torch.device("cpu"), dict(mem)) == {"cpu": 1 << 31, "disk": 1 << 40}
     assert _memory_on(torch.device("cuda", 1), dict(mem)) == {1: 1 << 30, "cpu": 1 << 31, "disk": 1 << 40}
+
+
+def test_the_first_forward_check_fails_at_start_for_a_model_split_across_devices(checkpoints, monkeypatch):
+    """``unmask serve`` forwards once before it listens (``engine/self_check.py``): the adapter left on the CPU
+    beside a CUDA model (the default model's crash) is one error at start, not every request's."""
+    from unmask.engine import SelfCheckError, check_first_forward, mask_adapter
+
+    with fake_cuda(monkeypatch):
+        check_first_forward(load_model(checkpoints["adapter"], device="cuda", dtype="float32"))
+        monkeypatch.setattr(mask_adapter, "execution_device", lambda module: torch.device("cpu"))
+        split = load_model(checkpoints["adapter"], device="cuda", dtype="float32")
+        with pytest.raises(SelfCheckError, match=r"first forward on cuda \(float32, weights native\) failed: "
+                                                 r"MixedDeviceError"):
+            check_first_forward(split)
