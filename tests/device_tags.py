@@ -13,6 +13,7 @@ move data between devices, and a random op's generator is on the op's device. A 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -94,6 +95,7 @@ class _FakeCudaDispatch(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.syncs: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -101,6 +103,7 @@ class _FakeCudaDispatch(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         target = self._target(func, args, kwargs, tensors)
+        self._count_sync(func, args, tensors, target)
         gen = kwargs.get("generator")
         if gen is not None and _normal(gen.device) != target:
             raise MixedDeviceError(f"{func}: a {gen.device} generator for a tensor on {target} (CUDA raises: "
@@ -125,6 +128,22 @@ class _FakeCudaDispatch(TorchDispatchMode):
             return same if same is not None else Tagged(o, target)
 
         return tree_map(tag, out)
+
+    def _count_sync(self, func, args, tensors: list[torch.Tensor], target: torch.device) -> None:
+        """Count what blocks the host on a GPU: device-to-host copies, value reads, data-dependent shapes, and
+        host-to-device copies of pageable memory (``syncs[kind]``)."""
+        on_cuda = any(_normal(t.device).type == "cuda" for t in tensors)
+        if func in TRANSFERS and tensors:
+            src = _normal((args[1] if func in (aten.copy_.default, aten.copy.default) else args[0]).device)
+            if src.type == "cuda" and target.type == "cpu":
+                self.syncs["device-to-host"] += 1
+            elif src.type == "cpu" and target.type == "cuda" and args[-1 if func is aten.copy_.default else 0].dim():
+                self.syncs["host-to-device"] += 1
+        elif on_cuda and func in (aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default):
+            self.syncs["value read"] += 1
+        elif on_cuda and func in (aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
+                                  aten.unique_consecutive.default, aten.repeat_interleave.Tensor):
+            self.syncs["data-dependent shape"] += 1
 
     @staticmethod
     def _target(func, args, kwargs, tensors: list[torch.Tensor]) -> torch.device:
@@ -174,9 +193,9 @@ class _FakeCudaFunctions(torch.overrides.TorchFunctionMode):
 
     BUILDERS = {torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor}
 
-    def __init__(self):
+    def __init__(self, syncs: Counter):
         super().__init__()
-        self.host_reads = 0
+        self.syncs = syncs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -186,7 +205,7 @@ class _FakeCudaFunctions(torch.overrides.TorchFunctionMode):
                 kwargs["device"] = "cpu"
                 return func(*args, **kwargs).to(FAKE)
         elif func in HOST_READS and _unwrap(args[0]) is not args[0]:
-            self.host_reads += 1
+            self.syncs["value read"] += 1
             return func(_unwrap(args[0]), *args[1:], **kwargs)
         elif getattr(func, "__self__", None) is DATA and func.__name__ == "__set__":
             target, value = args  # ``param.data = value`` (nn.Module.to): the parameter takes value's storage
@@ -215,7 +234,7 @@ class _FakeCudaFunctions(torch.overrides.TorchFunctionMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         target = _FakeCudaDispatch._target(func, args, kwargs, tensors)
         if func in DATA_DEPENDENT:
-            self.host_reads += 1
+            self.syncs["data-dependent shape"] += 1
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         return tree_map(lambda o: Tagged(o, target) if isinstance(o, torch.Tensor) else o, out)
 
@@ -268,8 +287,8 @@ def _indexed(x):
 def fake_cuda(monkeypatch) -> Iterator[_FakeCudaDispatch]:
     """Inside: ``torch.cuda.is_available()`` is True (one bf16-capable device), ``device="cuda"`` tensors are
     :class:`Tagged` CPU tensors, and a mixed-device op raises :class:`MixedDeviceError`. Yields the dispatch mode
-    (``.ops`` counts the ops it ran, ``.functions.host_reads`` the reads of device values on the host). Autograd is
-    off inside."""
+    (``.ops`` counts the ops it ran, ``.syncs`` what would block the host on a GPU, by kind). Autograd is off
+    inside."""
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -287,8 +306,7 @@ def fake_cuda(monkeypatch) -> Iterator[_FakeCudaDispatch]:
     torch._C._ensureCUDADeviceGuardSet()  # a no-op CUDA device guard on a CPU-only build (as fake tensors do)
     mode = _FakeCudaDispatch()
     # no autograd: a gradient edge of a fake-CUDA parameter needs a CUDA device guard (an abort, not an error)
-    with torch.no_grad(), _FakeCudaFunctions() as functions, mode:
-        mode.functions = functions
+    with torch.no_grad(), _FakeCudaFunctions(mode.syncs), mode:
         yield mode
 
 
