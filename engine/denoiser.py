@@ -216,8 +216,9 @@ class Denoiser:
             else:
                 row_logits = got
             out.append(row_logits)
-            if n_extra or carry_at >= 0:
-                lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)]
+            if n_extra or carry_at >= 0:  # a copy: the sampler edits a step's rows in place (forbidden ids,
+                # logit_bias), and a carry read again at a later step must be the model's output, not an edited row
+                lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)].clone()
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
         return out, kv
 

@@ -18,7 +18,7 @@ from .limits import DEFAULT_PREFILL_CHUNK, ParamError
 from .model import LoadedModel
 from .outputs import StepEvent
 from .params import SamplingParams
-from .plan import drafts_by_default, resolve
+from .plan import DecodingPlan, drafts_by_default, resolve
 from .prefix_cache import PrefixCache, model_fingerprint
 from .request import Request
 from .scheduler import Scheduler
@@ -27,7 +27,14 @@ from .sequence import Sequence
 from .speculative import SpeculativeSequence
 from .text_ids import suffix_ids
 
-__all__ = ["Engine", "make_requests"]
+__all__ = ["Engine", "make_requests", "plan_request"]
+
+
+def plan_request(model: LoadedModel, params: SamplingParams, default_drafts: str = "auto") -> DecodingPlan:
+    """The one resolution of a request's plan: :func:`unmask.engine.plan.resolve` with the checkpoint's settings,
+    the engine's draft policy and the model's device type (so that a request's defaults follow the device it runs
+    on, docs/design.md#exactness-contracts-by-device-and-dtype). Raises ParamError as ``resolve``."""
+    return resolve(params, model.dllm, default_drafts, model.device.type)
 
 
 def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
@@ -40,7 +47,7 @@ def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingPar
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ParamError("n", f"must be a positive integer, got {n!r}")
-    plan = resolve(params, model.dllm, default_drafts, model.device.type)
+    plan = plan_request(model, params, default_drafts)
     kind = SpeculativeSequence if plan.speculative else MultiBlockSequence if plan.multi_block else Sequence
     return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, model.max_context,
                  model.device, vocab_size=model.vocab_size, index=i) for i in range(n)]
@@ -109,8 +116,7 @@ class Engine:
         """``need(m)``: cached tokens a request with ``max_tokens = m`` reserves (canvas length x lanes, from the
         layout alone); raises ParamError (``max_tokens``/``prompt``) when its canvas exceeds the context."""
         model = self.model
-        plan = resolve(replace(params, max_tokens=1, min_tokens=0), model.dllm, self.default_drafts,
-                       model.device.type)
+        plan = plan_request(model, replace(params, max_tokens=1, min_tokens=0), self.default_drafts)
         n_suffix = len(suffix_ids(params, model.tokenizer, model.dllm.mask_token_id))
         absolute = model.dllm.block_alignment == "absolute"
 

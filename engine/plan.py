@@ -1,7 +1,7 @@
 """Parameters resolved once: (request parameters x checkpoint config x engine options) -> a frozen decoding plan.
 
 Every default and every eligibility rule of a request lives here and nowhere else (docs/design.md#decoding
-and 10):
+and #decisions):
 
 * request-level defaults (:func:`resolve_params`): ``temperature`` (the request's, else the checkpoint's
   ``dllm.default_sampling``, else 1.0; 0 for a speculative request), ``threshold`` (the checkpoint's only for a
@@ -11,7 +11,8 @@ and 10):
   checkpoint's where the request allows it);
 * the engine's draft policy (:func:`drafts_by_default`, engine option ``default_drafts``): a request that gets
   speculative decoding only from the checkpoint's default drafts (block ``block_size``) only where the policy
-  says so, else it decodes one token per forward (draft block 1) through the same verifying path;
+  says so, else it decodes one token per forward (draft block 1) through the same verifying path (``auto``: drafts
+  on a GPU in every dtype, none on a CPU; what its answers then are: :func:`drafts_by_default`);
 * the model's rules (:func:`resolve`): a fixed block size, infilling on bidirectional models only, self-speculative
   decoding on ``prefix_causal`` models with the logit shift only, the cache mode;
 * what a speculative request may not set (:data:`NOT_SPECULATIVE_FIELDS`, :func:`check_speculative`): the fields
@@ -173,7 +174,12 @@ def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
 def drafts_by_default(default_drafts: str, device_type: str) -> bool:
     """Whether checkpoint-default speculative requests draft. ``auto``: not on a CPU, where a forward's cost grows
     with its rows so that mask-group drafts cost more than they save (``benchmarks/results/``); on a GPU rows are
-    ~free.
+    ~free, so drafting stays the default there in every dtype, bf16 included. Its answers are then the parent's
+    greedy answers in the serving dtype: every token is the argmax of the parent's causal logits for its prefix,
+    computed in the verifying forward; they equal block 1's token for token until the first near-tie (top-2 logits
+    within the dtype's rounding, which a verifying forward's other shape moves), as block 1's own answers do
+    alone and in a batch. Declining drafts would not make a bf16 answer exact
+    (docs/design.md#exactness-contracts-by-device-and-dtype); ``off`` serves block 1.
 
     Raises:
         ValueError: (names ``default_drafts``) not one of auto, on, off.

@@ -36,8 +36,7 @@ from .kv_cache import LaneCache
 from .layout import build_layout
 from .limits import ParamError, check_block_use
 from .outputs import CompletionOutput, Revealed, StepEvent
-from .params import SamplingParams
-from .plan import DecodingPlan, resolve
+from .plan import DecodingPlan
 from .prefill_cost import PrefillBudget
 from .stopping import StopChecker
 from .text_ids import check_no_mask, check_sampleable, check_token_ids, suffix_ids
@@ -112,8 +111,8 @@ class Request:
     Args:
         request_id: the request's id (the same for every choice). index: the choice.
         prompt_ids: prompt token ids (already templated).
-        plan: the resolved :class:`~unmask.engine.plan.DecodingPlan` (a :class:`SamplingParams` is resolved
-            here with the checkpoint's defaults, for old callers).
+        plan: the resolved :class:`~unmask.engine.plan.DecodingPlan`, from
+            :func:`unmask.engine.engine.plan_request` (the engine's draft policy and the model's device type).
         dllm: the model's diffusion settings. tokenizer: for suffix tokenisation, stop strings and text.
         max_context: the model's context length in tokens.
         vocab_size: rows of the model's LM head; every token id the request carries (prompt, suffix ids,
@@ -121,17 +120,20 @@ class Request:
 
     Raises:
         ParamError: a parameter that this model cannot honour (names the field).
+        TypeError: ``plan`` is not a :class:`~unmask.engine.plan.DecodingPlan` (a :class:`SamplingParams` is
+            resolved once, by ``plan_request``: resolving it here would miss the engine's options and device).
     """
 
     #: whether the strategy runs its committed (causal) rows on the model's row variant (a verifier): their KV
     #: then differs from a plain request's, so the prefix cache keys them apart (docs/design.md#prefix-reuse)
     committed_rows_variant = False
 
-    def __init__(self, request_id: str, prompt_ids: list[int], plan: DecodingPlan | SamplingParams,
+    def __init__(self, request_id: str, prompt_ids: list[int], plan: DecodingPlan,
                  dllm: DllmConfig, tokenizer, max_context: int, device: torch.device | str = "cpu",
                  vocab_size: int | None = None, index: int = 0):
-        if isinstance(plan, SamplingParams):
-            plan = resolve(plan, dllm)
+        if not isinstance(plan, DecodingPlan):
+            raise TypeError(f"plan: a resolved DecodingPlan (unmask.engine.engine.plan_request), got "
+                            f"{type(plan).__name__}")
         params = plan.params
         if not prompt_ids:
             raise ParamError("prompt", "must contain at least one token")

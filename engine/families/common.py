@@ -42,6 +42,7 @@ def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: 
         if quantized:
             model, info = cls.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype,
                                               device_map={"": str(device)}, output_loading_info=True, **kwargs)
+            set_4bit_compute_dtype(model, dtype)
         else:
             state = pread_tensors(path)
             if state is None:
@@ -66,6 +67,23 @@ def from_pretrained(cls, path: Path, config: dict, device: torch.device, dtype: 
         raise CheckpointError(f"{path}: cannot load the weights ({exc})") from exc
     check_loading_info(path, type(model).__name__, info)  # missing/unexpected tensors: an error, not a note
     return model
+
+
+def set_4bit_compute_dtype(model, dtype: torch.dtype) -> int:
+    """Run the bitsandbytes 4-bit layers (nf4/fp4) of ``model`` in ``dtype``, the dtype it is served in; returns
+    how many. A checkpoint records the compute dtype of the machine that exported it (``training/export.py``:
+    float32 on a CPU, bfloat16 on a GPU), which says nothing about where it is served: an export made on a CPU
+    computed in float32 on a bf16 GPU (docs/design.md#exactness-contracts-by-device-and-dtype)."""
+    layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    for m in layers:
+        m.compute_dtype, m.compute_type_is_set = dtype, True  # set: bitsandbytes keeps it at the first forward
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    if layers and qc is not None:
+        if isinstance(qc, dict):
+            qc["bnb_4bit_compute_dtype"] = str(dtype).replace("torch.", "")
+        elif hasattr(qc, "bnb_4bit_compute_dtype"):
+            qc.bnb_4bit_compute_dtype = dtype
+    return len(layers)
 
 
 def pread_tensors(path: Path) -> dict | None:

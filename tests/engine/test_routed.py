@@ -59,6 +59,7 @@ def test_constrained_greedy_is_the_verifiers_constrained_block_1(pair):
 
 def test_drafts_come_from_the_drafter(pair):
     """Same tokens as the verifier drafting for itself, but other drafts: the mask rows run the drafter's weights."""
+    from unmask.engine.engine import plan_request
     from unmask.engine.speculative import SpeculativeSequence
 
     routed, verifier, _ = pair
@@ -66,7 +67,7 @@ def test_drafts_come_from_the_drafter(pair):
     ids = verifier.model.tokenizer(PROMPTS[1]).input_ids
     drafts = {}
     for name, llm in (("routed", routed), ("self", verifier)):
-        seq = SpeculativeSequence("r", ids, p.with_defaults({}, 4), llm.model.dllm, llm.model.tokenizer,
+        seq = SpeculativeSequence("r", ids, plan_request(llm.model, p), llm.model.dllm, llm.model.tokenizer,
                                   llm.model.max_context, llm.model.device, vocab_size=llm.model.vocab_size)
         seen = []
         while not seq.finished:

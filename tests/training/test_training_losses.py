@@ -9,6 +9,7 @@ import torch
 import tiny
 from unmask.engine.attention import build_attention_mask
 from unmask.engine.denoiser import Denoiser
+from unmask.engine.engine import plan_request
 from unmask.engine.params import SamplingParams
 from unmask.engine.sequence import Sequence
 from unmask.training.data import Example, collate
@@ -213,8 +214,8 @@ def test_training_mask_and_logits_equal_engine(attention):
     ids = batch.input_ids[0]
     for bi, (blk, (row, a, e, off)) in enumerate(zip(noise.blocks, lay.block_offsets)):
         assert (blk.start, blk.end) == (a, e)
-        seq = Sequence("t", ids[:P].tolist(), SamplingParams(max_tokens=A, temperature=0.0, cache="none", seed=0),
-                       lm.dllm, lm.tokenizer, lm.max_context)
+        plan = plan_request(lm, SamplingParams(max_tokens=A, temperature=0.0, cache="none", seed=0))
+        seq = Sequence("t", ids[:P].tolist(), plan, lm.dllm, lm.tokenizer, lm.max_context)
         seq.canvas[P:a] = ids[P:a]
         seq.canvas[a:e] = lay.input_ids[0, off:off + e - a]
         seq.goto_block(bi)
