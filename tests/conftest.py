@@ -13,6 +13,35 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+# Every test runs on the CPU, in float32 (the dtype `auto` gives there), whatever GPU the machine has, pinned here
+# at import so that module-level models and fixtures of any scope are pinned too: `auto` (and None) devices
+# resolve to the CPU through unmask.engine.model.auto_device, the one place that decides `auto`, and child
+# processes (servers, CLI runs) see no GPU. An explicit device="cuda" is untouched (the fake-CUDA harness passes
+# it). Tests marked `cuda` (the GPU lane, tests/test_cuda_lane.py) are exempt: `cuda_lane_unpinned` below.
+import unmask.engine.model as engine_model  # noqa: E402
+
+AUTO_DEVICE = engine_model.auto_device  # the unpinned rule
+# asked once, before CUDA_VISIBLE_DEVICES hides the GPUs: the CUDA runtime reads that variable at its first call,
+# which this is, so this process (the cuda lane) keeps the GPU and only child processes lose it
+HAS_CUDA = torch.cuda.is_available()
+VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+engine_model.auto_device = lambda: torch.device("cpu")
+if HAS_CUDA:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.fixture(autouse=True)
+def cuda_lane_unpinned(request, monkeypatch):
+    """Tests marked ``cuda`` get the unpinned ``auto`` and the GPUs in child processes back (the CPU pin above
+    holds for every other test)."""
+    if request.node.get_closest_marker("cuda") is not None:
+        monkeypatch.setattr(engine_model, "auto_device", AUTO_DEVICE)
+        if VISIBLE_DEVICES is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", VISIBLE_DEVICES)
+    yield
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():

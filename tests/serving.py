@@ -3,6 +3,10 @@
 The server process writes the tiny a2d checkpoint itself (``tiny.loaded``) and then runs ``main(["serve", ...])``:
 one torch import instead of two (the test process itself need not import torch). ``require`` is the one rule for
 system tools: skip when missing, except under ``CI=true`` where a missing tool is a failure.
+
+One exemption from that never-skip rule, by name (:data:`SKIP_UNDER_CI`): the ``cuda`` marker lane
+(``tests/test_cuda_lane.py``, :func:`require_cuda`) needs a real GPU, which no CI machine has, so it skips there
+too; ``benchmarks/gpu_check.py`` runs the same checks on a GPU host.
 """
 from __future__ import annotations
 
@@ -49,6 +53,20 @@ def require(binary: str) -> str:
             pytest.fail(f"{binary} is not installed (CI: .ci/run installs it with apt-get)")
         pytest.skip(f"{binary} is not installed")
     return path
+
+
+# markers whose tests may skip under CI=true (the never-skip rule's exemptions, each with its reason)
+SKIP_UNDER_CI = {"cuda": "needs a CUDA device; no CI machine has one (benchmarks/gpu_check.py runs the lane on a GPU)"}
+
+
+def require_cuda() -> None:
+    """Skip when torch cannot use a CUDA device, also under CI=true (the ``cuda`` lane is exempt from the
+    never-skip rule: :data:`SKIP_UNDER_CI`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}); the cuda lane "
+                    f"skips, also under CI=true: {SKIP_UNDER_CI['cuda']}")
 
 
 def free_port() -> int:

@@ -1,6 +1,7 @@
 """``serving.require``, the one lookup of system tools for the system tests: PATH first, then the sbin directories
 Debian installs daemons into (nginx is /usr/sbin/nginx, not on a non-root user's PATH); skip when missing, a
-failure under CI=true."""
+failure under CI=true. The one exemption from that rule, by name: the ``cuda`` lane skips without a GPU under
+CI=true too (``serving.SKIP_UNDER_CI``, ``serving.require_cuda``)."""
 from __future__ import annotations
 
 import pytest
@@ -41,3 +42,15 @@ def test_a_missing_tool_skips_except_under_ci(tmp_path, monkeypatch, ci, outcome
     monkeypatch.setenv("CI", ci)
     with pytest.raises(outcome, match="unmask-no-such-tool is not installed"):
         serving.require("unmask-no-such-tool")
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_the_cuda_lane_skips_without_a_gpu_even_under_ci(monkeypatch, ci):
+    """The never-skip rule's one exemption, by name: the ``cuda`` lane (no CI machine has a GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CI", ci)
+    assert set(serving.SKIP_UNDER_CI) == {"cuda"}
+    with pytest.raises(pytest.skip.Exception, match="no CUDA device"):
+        serving.require_cuda()

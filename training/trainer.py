@@ -565,7 +565,9 @@ class Trainer:
         self.cfg = cfg
         from accelerate import Accelerator
 
-        cuda = torch.cuda.is_available()
+        from unmask.engine.model import resolve_device
+
+        cuda = resolve_device("auto").type == "cuda"  # the one resolution of `auto` (the tests pin it to the CPU)
         mp = cfg.mixed_precision
         if mp == "auto":
             mp = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "no"
