@@ -10,7 +10,7 @@ Three kinds of check, on one ``(device, dtype)``:
   decoded on the CPU in float32 (native weights: the reference of every exactness contract).
 * **contracts**: the engine's exactness checks, both sides decoded on the device itself: batch invariance (each
   request alone = in a batch), cache = no cache (prefix-causal exact cache), prefix reuse = fresh prefill,
-  speculative greedy = block 1, the mask-row adapter's causal rows = its parent's (block 1 and speculative).
+  chunked prefill = the whole prompt, speculative greedy = block 1, the mask-row adapter's causal rows = its parent's (block 1 and speculative).
 
 What is required (:func:`judge`):
 
@@ -30,7 +30,9 @@ What is required (:func:`judge`):
   So a forward's argmax must agree on >= :data:`HALF_MIN_ARGMAX` of the positions (0.90-0.97 measured) and a path
   or contract on >= :data:`HALF_MIN_AGREEMENT` of its positions: a floor a broken forward (a wrong mask, rows
   read from the wrong place) does not reach, not a measure of quality; the agreement itself is the result.
-  Constrained outputs must parse as JSON objects in every dtype.
+  Constrained outputs must parse as JSON objects in every dtype. One contract is exact in every dtype
+  (:data:`EXACT_IN_EVERY_DTYPE`): the adapter at block 1 = its parent (the same forwards, the causal rows on the
+  parent's weights; docs/design.md#exactness-contracts-by-device-and-dtype).
 """
 from __future__ import annotations
 
@@ -105,10 +107,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, list[int] 
     return (same / total if total else 1.0), first
 
 
-def judge(dtype: torch.dtype, got: list[list[int]], want: list[list[int]]) -> tuple[bool, float, list[int] | None]:
-    """``(ok, agreement, first difference)`` under :func:`requirement` for ``dtype``."""
+def judge(dtype: torch.dtype, got: list[list[int]], want: list[list[int]], exact: bool = False
+          ) -> tuple[bool, float, list[int] | None]:
+    """``(ok, agreement, first difference)`` under :func:`requirement` for ``dtype`` (``exact``: equal tokens in
+    every dtype)."""
     frac, first = agreement(got, want)
-    ok = first is None if dtype == torch.float32 else frac >= HALF_MIN_AGREEMENT
+    ok = first is None if exact or dtype == torch.float32 else frac >= HALF_MIN_AGREEMENT
     return ok, frac, first
 
 
@@ -288,6 +292,13 @@ def _prefix_reuse(lane, device, dtype):
     return [out.token_ids], _tokens(fresh), note
 
 
+def _chunked_prefill(lane, device, dtype):
+    params = _params(temperature=0, speculative=False, block_size=4)
+    runs = [_tokens(lane.llm("causal", device, dtype, enable_prefix_caching=False, prefill_chunk=chunk)
+                    .generate([LONG_EXTENDED, LONG_PROMPT], params)) for chunk in (8, 0)]
+    return runs[0], runs[1], "chunks of 8 row-equivalents vs the whole prompt"
+
+
 def _speculative_equals_block_1(lane, device, dtype):
     llm = lane.llm("causal", device, dtype, enable_prefix_caching=False)
     spec = _tokens(llm.generate(list(dp.PROMPTS), _params(temperature=0, speculative=True, block_size=4)))
@@ -304,6 +315,10 @@ def _adapter_causal_rows(lane, device, dtype, speculative):
     return adapter, parent, ""
 
 
+# contracts exact in every dtype (docs/design.md#exactness-contracts-by-device-and-dtype: the adapter's causal rows
+# are the parent's bit for bit in the same forward, and its block-1 steps are the parent's forwards in shape)
+EXACT_IN_EVERY_DTYPE = frozenset({"adapter-block-1-equals-parent"})
+
 CONTRACTS = {
     "batch-invariance-exact-cache": lambda lane, d, t: _batch_invariance(
         lane, "causal", _params(temperature=0, speculative=False, block_size=4), d, t),
@@ -313,6 +328,7 @@ CONTRACTS = {
         lane, "bidirectional", _params(temperature=0, block_size=4, cache="none"), d, t),
     "cache-equals-no-cache": _cache_equals_no_cache,
     "prefix-reuse-equals-fresh-prefill": _prefix_reuse,
+    "chunked-prefill-equals-whole-prompt": _chunked_prefill,
     "speculative-greedy-equals-block-1": _speculative_equals_block_1,
     "adapter-block-1-equals-parent": lambda lane, d, t: _adapter_causal_rows(lane, d, t, speculative=False),
     "adapter-speculative-equals-parent": lambda lane, d, t: _adapter_causal_rows(lane, d, t, speculative=True),
@@ -323,13 +339,15 @@ def run_contracts(lane: Lane, device: str, dtype: torch.dtype, names=None) -> li
     """The exactness contracts of :data:`CONTRACTS` (all, or ``names``), both sides on ``(device, dtype)``."""
     checks = []
     for name in names or CONTRACTS:
-        check = Check(name, "contract", str(device), dtype_name(dtype), None, requirement(dtype))
+        exact = name in EXACT_IN_EVERY_DTYPE
+        check = Check(name, "contract", str(device), dtype_name(dtype), None,
+                      "equal tokens (exact in every dtype)" if exact else requirement(dtype))
         t0 = time.perf_counter()
         try:
             with strict_float32(dtype):
                 got, want, check.note = CONTRACTS[name](lane, device, dtype)
             _sync(device)
-            check.ok, check.agreement, check.first_difference = judge(dtype, got, want)
+            check.ok, check.agreement, check.first_difference = judge(dtype, got, want, exact)
         except Exception as exc:
             check.ok, check.note = False, f"{type(exc).__name__}: {exc}"[:500]
         check.seconds = round(time.perf_counter() - t0, 3)

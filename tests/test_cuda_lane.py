@@ -100,6 +100,12 @@ def test_judge_rules():
     assert ok and frac == 0.1 and first == [0, 1]
     assert cl.judge(torch.bfloat16, [[9] * 10], [[1] * 10])[0] is False
     assert cl.requirement(torch.float32) == "equal tokens"
+    assert cl.judge(torch.bfloat16, [[1, 2, 3]], [[1, 2, 4]], exact=True)[0] is False  # EXACT_IN_EVERY_DTYPE
+
+
+def test_the_exact_in_every_dtype_contract_holds_in_bf16_on_the_cpu(cpu_lane):
+    (check,) = cl.run_contracts(cpu_lane, "cpu", torch.bfloat16, sorted(cl.EXACT_IN_EVERY_DTYPE))
+    assert check.ok and check.agreement == 1.0 and "every dtype" in check.requirement, check.as_dict()
 
 
 # ------------------------------------------------------------------ the CPU pin (tests/conftest.py)
