@@ -265,7 +265,9 @@ def build_llada(spec: dict, device: str, dtype, seed: int = 0, head_scale: float
             model = LlamaForCausalLM(hf)
     finally:
         torch.set_default_dtype(before)
-    model = model.to(device=device, dtype=dtype).eval()
+    if {p.dtype for p in model.parameters()} != {dtype}:  # a transformers that ignores the default dtype
+        model = model.to(dtype)  # (this also rounds the float32 RoPE buffers; built as above they stay float32)
+    model.eval()
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
