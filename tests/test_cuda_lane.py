@@ -5,6 +5,7 @@ tests/conftest.py is checked here too."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_auto_resolves_to_the_cpu_in_tests_even_with_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     assert resolve_device("auto") == torch.device("cpu") and resolve_device(None) == torch.device("cpu")
     assert resolve_dtype("auto", resolve_device("auto")) == torch.float32
-    assert load_model.__defaults__[1] == "auto"  # load_model(path) goes through the pinned rule
+    assert inspect.signature(load_model).parameters["device"].default == "auto"  # load_model(path): pinned too
 
 
 def test_an_explicit_device_is_not_pinned(monkeypatch):
