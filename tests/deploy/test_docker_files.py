@@ -1,10 +1,14 @@
 """The deployment files check without Docker (docs/deploy.md): hadolint on both Dockerfiles, ``docker compose config
--q`` on every compose file, the files they mount exist, and the dashboard asks only for metrics the server exports
-(parsed from a live tiny server's /metrics)."""
+-q`` on every compose file, the files they mount exist, the dashboard asks only for metrics the server exports
+(parsed from a live tiny server's /metrics), and both images take torch from scripts/torch_build.py (the CPU wheel
+in docker/wheels/ cannot enter the CUDA image, whose runtime has a compiler for Triton)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -138,3 +142,71 @@ def test_the_image_copies_every_package_directory(dockerfile):
               if line.startswith("COPY ") and not line.startswith("COPY --from")}
     assert roots - allowed == set(), f".dockerignore leaves out {sorted(roots - allowed)}"
     assert roots - copies == set(), f"{dockerfile} does not COPY {sorted(roots - copies)}"
+
+
+def _stage(dockerfile: str, name: str) -> str:
+    """The text of one stage (``FROM ... AS name`` up to the next ``FROM``)."""
+    text = (DOCKER / dockerfile).read_text()
+    start = text.index(f" AS {name}\n")
+    end = text.find("\nFROM ", start)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _arg_default(dockerfile: str, name: str) -> str:
+    (value,) = [line.split("=", 1)[1] for line in (DOCKER / dockerfile).read_text().splitlines()
+                if line.startswith(f"ARG {name}=")]
+    return value
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_the_images_take_torch_from_the_rule_setup_sh_follows(dockerfile):
+    """No index of their own (the CUDA image once hard-coded cu128, which torch 2.13 no longer has): both run
+    scripts/torch_build.py (copied into the build stage and let through .dockerignore) via docker/install.sh;
+    the CUDA image passes the driver its hosts have, the CPU image none (the CPU build)."""
+    text = (DOCKER / dockerfile).read_text()
+    assert "download.pytorch.org" not in text and "cu128" not in text
+    assert _arg_default(dockerfile, "TORCH_INDEX_URL") == ""  # set only to pick another build yourself
+    assert "COPY scripts/torch_build.py /usr/local/bin/torch-build" in _stage(dockerfile, "build")
+    assert "scripts/torch_build.py" in {line.strip().lstrip("!") for line in
+                                        (ROOT / ".dockerignore").read_text().splitlines()}
+    deps = [line for line in _stage(dockerfile, "build").split("RUN ")[1:] if "--dependencies" in line]
+    assert len(deps) == 1 and ('NVIDIA_DRIVER="${NVIDIA_DRIVER}"' in deps[0]) == (dockerfile == "Dockerfile.cuda")
+    install = (DOCKER / "install.sh").read_text()
+    assert 'rule+=(--driver "$NVIDIA_DRIVER")' in install and "rule+=(--cpu)" in install
+
+
+def test_the_cuda_image_cannot_install_a_cpu_wheel_left_in_docker_wheels(tmp_path):
+    """CI leaves this machine's CPU wheel in docker/wheels/ (the build's /wheels, a find-links folder of every pip
+    call in install.sh): for the CUDA image's default driver the rule names the CUDA build exactly, and pip, asked
+    offline for that requirement over a folder holding only the +cpu wheel, finds nothing."""
+    driver = _arg_default("Dockerfile.cuda", "NVIDIA_DRIVER")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    info = "torch-2.13.0.dist-info"
+    with zipfile.ZipFile(wheels / "torch-2.13.0+cpu-py3-none-any.whl", "w") as z:
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "TORCH_INDEX_URL"))}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "torch_build.py"), "--driver", driver,
+                        "--find-links", str(wheels)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    requirement = r.stdout.split()[-1]
+    assert "cpu" not in requirement and "CUDA 13.0" in r.stderr, (requirement, r.stderr)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-deps",
+                          "--ignore-installed", "--find-links", str(wheels), requirement],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert pip.returncode != 0 and "+cpu" not in pip.stdout, pip.stdout + pip.stderr
+
+
+def test_the_cuda_runtime_can_compile_and_reach_the_gpu():
+    """`unmask serve --compile` on a GPU: Triton builds a C launcher per kernel at run time, so the runtime stage
+    has gcc and Python's headers; the base is plain Ubuntu (the wheels bring CUDA), so the image asks the NVIDIA
+    container toolkit for the GPUs and the driver's compute libraries itself."""
+    runtime = _stage("Dockerfile.cuda", "runtime")
+    assert "unmask-install --python-only --compiler" in runtime
+    install = (DOCKER / "install.sh").read_text()
+    assert 'pkgs+=(gcc libc6-dev python3-dev)' in install
+    assert "NVIDIA_VISIBLE_DEVICES=all" in runtime and "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in runtime
+    assert not _arg_default("Dockerfile.cuda", "BASE_IMAGE").startswith("nvidia/cuda")
