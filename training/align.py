@@ -108,7 +108,7 @@ class LiveTeacher:
 
     def __init__(self, path: str, device, layers: list[int], model=None):
         if model is None:
-            from .convert import load_parent
+            from .common import load_parent
 
             try:
                 model, _ = load_parent(path, device=device)

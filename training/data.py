@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .convert import eos_ids_of  # training's one EOS rule (re-exported here for the data loader's callers)
+from .common import eos_ids_of  # training's one EOS rule (named here too, for the data loader's callers)
 
 
 class DataError(ValueError):
