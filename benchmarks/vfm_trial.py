@@ -1,7 +1,7 @@
 """Issue 26's VFM trial, evaluated (docs/methods.md "VFM trial", docs/design.md#the-seeds-methods).
 
 One- and K-step decoding of held-out prompts with the default model (the a2d conversion of SmolLM2 + the shipped
-mask-row adapter) through :func:`unmask.training.vfm.decode` (an evaluation-only decoder: the answer's G
+mask-row adapter) through :func:`unmask.training.experimental.vfm.decode` (an evaluation-only decoder: the answer's G
 positions are one block, LLaDA's quota, greedy), in three noise modes of the trained VFM checkpoint:
 
 * ``none``: z = 0, the plain mask embeddings (the model without VFM noise),
@@ -45,7 +45,7 @@ def select_prompts(data_dir: Path, every: int, count: int) -> list[dict]:
 def load_vfm(conversion: str, adapter: str, vfm_ckpt: str):
     """The VFM module over the conversion + mask-row adapter, with the noise adapter of ``vfm_ckpt``."""
     from unmask.engine.adapter_files import read_adapter
-    from unmask.training import vfm
+    from unmask.training.experimental import vfm
     from unmask.training.mask_adapter import initialise_from
     from unmask.training.scopes import prepare_model
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from unmask.engine import LLM, SamplingParams
-    from unmask.training import vfm
+    from unmask.training.experimental import vfm
     from unmask.training.realmodel import ensure_default_converted
 
     conversion = a.conversion or str(ensure_default_converted())

@@ -1,5 +1,9 @@
 """unmask training: AR -> diffusion adaptation (A2D) whose outputs the engine serves (docs/design.md#training).
 
-Modules: ``convert`` (AR checkpoint or GGUF -> ``a2d`` checkpoint with a mask token), ``realmodel`` (the offline
-SmolLM2-135M GGUF and the default converted model), data, losses, trainer, distillation and export.
+Modules, lowest first (no import cycle, function-level imports included: pyproject.toml's ``acyclic_siblings``
+contract): ``common`` (errors, checkpoint discovery, the parent loader, the EOS rule, seeds), ``convert``, ``data``,
+``losses``, ``forwards``, ``scopes`` and ``mask_adapter``; the objectives (``objectives/``: ``diffusion``,
+``draft``, ``trajectory``) and the experiments (``experimental/``: ``vfm``, Repr-Align) named by ``registry``;
+``config`` (``TrainConfig``), ``schedule``, ``checkpoints``, ``metrics`` and ``trainer`` (the loop); then
+``distill``, ``export``, ``realmodel`` and ``recipes/``.
 """

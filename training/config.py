@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .common import TrainError
-from .losses import OBJECTIVES
-from .scopes import SCOPES
+from .schedule import SCHEDULES
+from .scopes import DEFAULT_LORA_TARGETS, SCOPES
 
-SCHEDULES = ("cosine", "linear", "constant", "cosine_time")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 
 @dataclass
@@ -80,7 +80,7 @@ class TrainConfig:
     #: --objective draft: block sizes its draft groups cycle through, one per step (None = --block-size only)
     draft_block_sizes: list[int] | None = None
     fsdp: bool = False
-    # Repr-Align (unmask.training.align, docs/design.md#the-seeds-methods); 0 = off
+    # Repr-Align (unmask.training.experimental.align, docs/design.md#the-seeds-methods); 0 = off
     align_weight: float = 0.0
     align_layers: str = "all"
     align_exp: float = 0.0
@@ -88,15 +88,15 @@ class TrainConfig:
     align_teacher: str | None = None
     align_anchors: str | None = None
     align_anchor_budget_mb: float = 2048.0
-    # pseudo-trajectory distillation (--objective trajectory, unmask.training.trajectory)
+    # pseudo-trajectory distillation (--objective trajectory, unmask.training.objectives.trajectory)
     trajectories: str | None = None
     trajectory_mode: str = "engine"
     trajectory_threshold: float = 0.9
     trajectory_steps: int = 8
     trajectory_model: str | None = None
     max_block_size: int | None = None
-    # the VFM trial (--objective vfm, unmask.training.vfm): answer positions, KL weight and its warm-up fraction,
-    # the adapter's width, the share of fully masked rows
+    # the VFM trial (--objective vfm, unmask.training.experimental.vfm): answer positions, KL weight and its warm-up
+    # fraction, the adapter's width, the share of fully masked rows
     vfm_gen_len: int = 32
     vfm_beta: float = 1e-3
     vfm_beta_warmup: float = 0.5
@@ -104,8 +104,9 @@ class TrainConfig:
     vfm_full: float = 0.5
 
     def validate(self) -> None:
-        """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``)."""
-        from .scopes import DEFAULT_LORA_TARGETS
+        """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``): the run's
+        own rules here, each objective's in its ``check`` (``unmask.training.registry``)."""
+        from .registry import OBJECTIVES, check_aux
 
         if self.lora_targets is None:
             from unmask.engine.mask_adapter import DEFAULT_TARGETS
@@ -113,11 +114,40 @@ class TrainConfig:
             self.lora_targets = list(DEFAULT_TARGETS if self.trainable == "mask_lora" else DEFAULT_LORA_TARGETS)
         self.lora_targets = list(self.lora_targets)
         if self.objective not in OBJECTIVES:
-            raise TrainError(f"--objective: {self.objective!r} is not one of {OBJECTIVES}")
-        if self.trainable not in SCOPES:
-            raise TrainError(f"--trainable: {self.trainable!r} is not one of {SCOPES}")
-        if self.lr_schedule not in SCHEDULES:
-            raise TrainError(f"--lr-schedule: {self.lr_schedule!r} is not one of {SCHEDULES}")
+            raise TrainError(f"--objective: {self.objective!r} is not one of {tuple(OBJECTIVES)}")
+        for name, allowed in (("trainable", SCOPES), ("lr_schedule", SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise TrainError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of {allowed}")
+        if self.mixed_precision not in PRECISIONS:
+            raise TrainError(f"--mixed-precision: {self.mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
+        self._check_ranges()
+        self._check_combinations()
+        objective = OBJECTIVES[self.objective]
+        if self.trainable == "mask_lora" and not objective.mask_lora:
+            names = [n for n, o in OBJECTIVES.items() if o.mask_lora]
+            raise TrainError(f"--trainable mask_lora: trains --objective {', '.join(names[:-1])} or {names[-1]}, "
+                             f"not {self.objective}")
+        objective.check(self)
+        check_aux(self, objective)
+        if self.init_adapter and self.trainable != "mask_lora":
+            raise TrainError("--init-adapter: only with --trainable mask_lora (it starts the mask-row adapter)")
+        if self.trainable == "mask_lora" and self.verifier:
+            raise TrainError("--verifier: --trainable mask_lora verifies with the parent itself (no --verifier)")
+        for name, other in OBJECTIVES.items():
+            for option in other.owns if other is not objective else ():
+                if getattr(self, option) not in (None, ""):
+                    raise TrainError(f"--{option.replace('_', '-')}: only used by --objective {name}")
+        if self.fsdp:
+            from .distributed import check_fsdp
+
+            try:
+                check_fsdp(self.trainable)
+            except ValueError as exc:
+                raise TrainError(str(exc)) from exc
+            if objective.fsdp_refusal:
+                raise TrainError(f"--fsdp: {objective.fsdp_refusal}")
+
+    def _check_ranges(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_t_points"):
             if getattr(self, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
@@ -140,89 +170,16 @@ class TrainConfig:
             raise TrainError(f"--certainty-temperature: must be > 0, got {self.certainty_temperature}")
         if not 0 < self.eps < 0.5:
             raise TrainError(f"eps: must be in (0, 0.5), got {self.eps}")
-        if not (math.isfinite(self.align_weight) and self.align_weight >= 0):
-            raise TrainError(f"--align-weight: must be a finite number >= 0, got {self.align_weight}")
-        if self.align_weight == 0 and (self.align_anchors or self.align_teacher or self.align_confidence):
-            raise TrainError("--align-anchors/--align-teacher/--align-confidence: need --align-weight W > 0")
-        if self.align_weight > 0 and self.objective == "draft":
-            raise TrainError("--align-weight: does not apply to --objective draft")
-        if self.objective == "trajectory":
-            if self.trajectory_mode not in ("engine", "entropy"):
-                raise TrainError(f"--trajectory-mode: {self.trajectory_mode!r} is not one of engine, entropy")
-            if not 0 <= self.trajectory_threshold <= 1:
-                raise TrainError(f"--trajectory-threshold: must be in [0, 1], got {self.trajectory_threshold}")
-            if self.trajectory_steps < 1:
-                raise TrainError(f"--trajectory-steps: must be >= 1, got {self.trajectory_steps}")
-            if self.max_block_size is not None and not (self.block_size or 1) <= self.max_block_size <= self.seq_len:
-                raise TrainError(f"--max-block-size: must be in --block-size..--seq-len ({self.block_size or 1}.."
-                                 f"{self.seq_len}), got {self.max_block_size}")
+        if not (math.isfinite(self.minutes_before) and self.minutes_before >= 0):
+            raise TrainError(f"minutes_before: must be finite and >= 0, got {self.minutes_before}")
+
+    def _check_combinations(self) -> None:
         if self.no_ce and self.teacher_kl <= 0:
             raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
         if self.lr_schedule == "cosine_time" and self.max_minutes <= 0:
             raise TrainError("--lr-schedule cosine_time: needs a time budget (--max-minutes > 0)")
-        if not (math.isfinite(self.minutes_before) and self.minutes_before >= 0):
-            raise TrainError(f"minutes_before: must be finite and >= 0, got {self.minutes_before}")
         if self.eval_every and not self.eval_data:
             raise TrainError("--eval-every: needs --eval-data FILE (held-out prompts)")
-        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
-            raise TrainError(f"--mixed-precision: {self.mixed_precision!r} is not one of auto, no, bf16, fp16")
-        if self.trainable == "mask_lora" and self.objective not in ("block", "draft", "vfm"):
-            raise TrainError(f"--trainable mask_lora: trains --objective block, draft or vfm, not {self.objective}")
-        if self.objective == "vfm":
-            self._validate_vfm()
-        if self.init_adapter and self.trainable != "mask_lora":
-            raise TrainError("--init-adapter: only with --trainable mask_lora (it starts the mask-row adapter)")
-        if self.trainable == "mask_lora" and self.verifier:
-            raise TrainError("--verifier: --trainable mask_lora verifies with the parent itself (no --verifier)")
-        if self.objective == "draft":
-            if not self.verifier and self.trainable != "mask_lora":
-                raise TrainError("--objective draft: needs --verifier DIR (the checkpoint whose causal path verifies "
-                                 "the drafts, e.g. the untrained conversion of the AR parent)")
-            if self.teacher_kl > 0 or self.complementary or self.certainty > 0:
-                raise TrainError("--objective draft: --teacher-kl, --complementary and --certainty do not apply")
-            if self.draft_groups < 1:
-                raise TrainError(f"--draft-groups: must be >= 1, got {self.draft_groups}")
-            if self.block_size is not None and self.block_size < 2:
-                raise TrainError(f"--block-size: the draft objective drafts groups of >= 2 masks and its checkpoints "
-                                 f"draft at --block-size by default, got {self.block_size}; give K >= 2, or leave it "
-                                 f"out with --draft-block-sizes (a block-1 checkpoint then drafts at the largest)")
-            if self.draft_block_sizes is not None and (not self.draft_block_sizes
-                                                       or any(not 2 <= int(b) <= self.seq_len
-                                                              for b in self.draft_block_sizes)):
-                raise TrainError(f"--draft-block-sizes: each must be in 2..--seq-len ({self.seq_len}; a group of one "
-                                 f"mask drafts nothing), got {self.draft_block_sizes}")
-            if self.gradient_checkpointing:
-                raise TrainError("--objective draft: --gradient-checkpointing is not supported (the checkpointed "
-                                 "layers drop the verifier's keys/values)")
-        elif self.verifier:
-            raise TrainError("--verifier: only used by --objective draft")
-        elif self.draft_block_sizes is not None:
-            raise TrainError("--draft-block-sizes: only used by --objective draft")
-        if self.fsdp:
-            from .distributed import check_fsdp
-
-            try:
-                check_fsdp(self.trainable, self.objective)
-            except ValueError as exc:
-                raise TrainError(str(exc)) from exc
-
-
-    def _validate_vfm(self) -> None:
-        if self.trainable != "mask_lora":
-            raise TrainError("--objective vfm: needs --trainable mask_lora (the parent and the mask-row adapter are "
-                             "frozen; only the noise adapter trains)")
-        if self.eval_every or self.teacher_kl > 0 or self.certainty > 0 or self.complementary or \
-                self.align_weight > 0 or self.fsdp:
-            raise TrainError("--objective vfm: --eval-every, --teacher-kl, --certainty, --complementary, "
-                             "--align-weight and --fsdp do not apply")
-        for name in ("vfm_gen_len", "vfm_width"):
-            if getattr(self, name) < 1:
-                raise TrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.vfm_beta) and self.vfm_beta >= 0):
-            raise TrainError(f"--vfm-beta: must be a finite number >= 0, got {self.vfm_beta}")
-        for name in ("vfm_beta_warmup", "vfm_full"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise TrainError(f"--{name.replace('_', '-')}: must be in [0, 1], got {getattr(self, name)}")
 
 
 def config_from_json(path: str | Path) -> TrainConfig:

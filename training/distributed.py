@@ -32,13 +32,12 @@ class FsdpError(ValueError):
     """``--fsdp`` with a setting it cannot run (the message names the option)."""
 
 
-def check_fsdp(trainable: str, objective: str) -> None:
-    """Raise :class:`FsdpError` naming the option when ``--fsdp`` cannot run with these settings."""
+def check_fsdp(trainable: str) -> None:
+    """Raise :class:`FsdpError` naming the option when ``--fsdp`` cannot shard this scope (an objective that cannot
+    run sharded says so itself: ``Objective.fsdp_refusal``)."""
     if trainable != "full":
         raise FsdpError(f"--fsdp: needs --trainable full (got {trainable!r}: the other scopes restrict rows of "
                         f"whole matrices with gradient hooks, which a shard does not hold)")
-    if objective == "draft":
-        raise FsdpError("--fsdp: the draft objective runs a second (verifier) model; not supported")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -57,7 +57,7 @@ from unmask.engine.config import DllmConfig
 
 from .data import Batch
 
-OBJECTIVES = ("mdlm", "block", "draft", "trajectory", "vfm")  # trajectory: training/trajectory.py; vfm: training/vfm.py
+NOISE_OBJECTIVES = ("mdlm", "block")  # the noise draw_noise draws (the objectives: unmask.training.registry)
 
 
 @dataclass
@@ -218,8 +218,8 @@ def draw_noise(batch: Batch, dllm: DllmConfig, objective: str, generator: torch.
     Raises:
         ValueError: unknown objective; ``block`` on a bidirectional checkpoint.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective: {objective!r} is not one of {OBJECTIVES}")
+    if objective not in NOISE_OBJECTIVES:
+        raise ValueError(f"objective: {objective!r} is not one of {NOISE_OBJECTIVES}")
     bs = block_size or dllm.block_size
     noise = Noise(copies=2 if complementary else 1)
     hi = 1.0 - eps if complementary else 1.0
@@ -364,6 +364,7 @@ class LossParts:
     n_correct: int
     certainty: float = 0.0
     align: float = 0.0
+    accepted: float | None = None  # draft: the mean accepted draft length
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -419,7 +420,7 @@ def certainty_term(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0, ce: bool = True,
                    teacher_logprobs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
                    teacher_present: torch.Tensor | None = None, certainty: float = 0.0,
-                   certainty_temperature: float = 0.5, confidence_weighted_ce: bool = False) -> LossParts:
+                   certainty_temperature: float = 0.5, ce_weight=None) -> LossParts:
     """The masked-diffusion loss from the gathered logits of the scored tokens.
 
     Args:
@@ -430,8 +431,9 @@ def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0
             :func:`kl_to_teacher`); teacher_present: ``[N]`` bool, False where no distribution is stored.
         certainty: weight C of the certainty-forcing term (0 = none); certainty_temperature: its ``T``
             (:func:`certainty_term`).
-        confidence_weighted_ce: each token's CE becomes ``exp(-CE).detach() * CE`` (Open-dLLM's path term,
-            ``unmask.training.align.confidence_weighted``); the reported ``ce`` stays the plain one.
+        ce_weight: a per-token CE transform (``[N] -> [N]``) in the loss, e.g. Open-dLLM's confidence-weighted path
+            term (``unmask.training.experimental.align.confidence_weighted``); the reported ``ce`` stays the plain
+            one.
 
     Returns:
         :class:`LossParts`; ``loss = [CE] + W * KL + C * H_correct`` with CE and KL each
@@ -453,10 +455,8 @@ def diffusion_loss(logits: torch.Tensor, layout: Layout, teacher_kl: float = 0.0
         ce_tok = F.cross_entropy(logits.float(), labels, reduction="none")
         ce_term = (ce_tok * w).sum() / layout.norm
         ce_val = float(ce_term.detach())
-        if confidence_weighted_ce:
-            from .align import confidence_weighted
-
-            ce_term = (confidence_weighted(ce_tok) * w).sum() / layout.norm
+        if ce_weight is not None:
+            ce_term = (ce_weight(ce_tok) * w).sum() / layout.norm
         if ce:
             total = total + ce_term
         if teacher_kl > 0:

@@ -25,6 +25,8 @@ import torch
 from unmask.engine.adapter_files import parent_hash, write_adapter
 from unmask.engine.mask_adapter import DEFAULT_TARGETS, MaskAdapter, extract, init_adapter, install
 
+from .forwards import context_cache, decoder_out, scored_logits
+
 SCOPE = "mask_lora"
 
 
@@ -117,18 +119,15 @@ class MaskBlockForward(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, src_row, src_col):
         tm = self._tm[0]
-        base = tm.base
         with tm.adapter_state.select(variant_rows_of_block_layout(position_ids)):
-            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                     use_cache=False)
-        hidden = out.last_hidden_state[src_row, src_col]
-        return base.get_output_embeddings()(hidden).float()
+            out = decoder_out(tm.base, input_ids, position_ids, attention_mask)
+        return scored_logits(tm.base, out, src_row, src_col)
 
 
 class MaskDraftForward(torch.nn.Module):
     """The ``draft`` module: the parent (adapter off) forwards the context causally without gradient, the draft
     rows (all mask rows) run with the adapter against its keys/values. Signature as
-    :class:`unmask.training.trainer.DraftForward`."""
+    :class:`unmask.training.forwards.DraftForward`."""
 
     def __init__(self, tm):
         super().__init__()
@@ -136,40 +135,11 @@ class MaskDraftForward(torch.nn.Module):
         self._tm = [tm]
 
     def forward(self, context_ids, context_mask, input_ids, position_ids, attention_mask, src_row, src_col):
-        from unmask.engine.kv_cache import BatchKV, LaneCache
-
-        from .trainer import _cache_kw
-
         tm = self._tm[0]
-        base = tm.base
-        B, L = context_ids.shape
-        dev = context_ids.device
-        ctx_pos = torch.arange(L, device=dev).expand(B, L)
-        with torch.no_grad():
-            ctx = BatchKV([LaneCache() for _ in range(B)], dev)
-            base.get_decoder()(input_ids=context_ids, position_ids=ctx_pos, attention_mask=context_mask,
-                               use_cache=False, **{_cache_kw(base): ctx})
-        layers = sorted(ctx.new_keys)
-        lanes = [LaneCache.committed([ctx.new_keys[i][b] for i in layers], [ctx.new_values[i][b] for i in layers],
-                                     ctx_pos[b], ctx_pos[b]) for b in range(B)]
+        cache = context_cache(tm.base, context_ids, context_mask)  # the parent, adapter off: the verifier
         with tm.adapter_state.select(torch.ones_like(input_ids, dtype=torch.bool)):
-            out = base.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                     use_cache=False, **{_cache_kw(base): BatchKV(lanes, dev)})
-        hidden = out.last_hidden_state[src_row, src_col]
-        return base.get_output_embeddings()(hidden).float()
-
-
-def forward_module(tm, objective: str) -> torch.nn.Module:
-    """The trainer's module for ``objective`` (``block`` or ``draft``).
-
-    Raises:
-        ValueError: another objective (``mdlm`` trains bidirectional models, which have no committed rows).
-    """
-    if objective == "draft":
-        return MaskDraftForward(tm)
-    if objective == "block":
-        return MaskBlockForward(tm)
-    raise ValueError(f"objective: --trainable mask_lora trains the block or draft objective, not {objective!r}")
+            out = decoder_out(tm.base, input_ids, position_ids, attention_mask, cache)
+        return scored_logits(tm.base, out, src_row, src_col)
 
 
 def save(path: Path, tm, block_size: int, objective: str, training_state: bytes | None = None,
@@ -177,7 +147,7 @@ def save(path: Path, tm, block_size: int, objective: str, training_state: bytes 
     """Write an adapter-only checkpoint into ``path`` (its ``dllm`` overrides: ``block_size`` and
     ``default_sampling.speculative`` true with temperature 0, so greedy requests get the parent's answers by
     default) plus ``training_state.pt`` when given and ``extra_files`` (name -> bytes, e.g. the VFM trial's noise
-    adapter, :func:`unmask.training.vfm.adapter_files`).
+    adapter, :func:`unmask.training.experimental.vfm.adapter_files`).
 
     Raises:
         ValueError: non-finite adapter tensors (names one).

@@ -1,4 +1,5 @@
-"""Repr-Align (training/align.py) and the anchor cache (training/anchors.py) on hand-computed cases and a tiny model."""
+"""Repr-Align (training/experimental/align.py) and the anchor cache (training/experimental/anchors.py) on
+hand-computed cases and a tiny model."""
 from __future__ import annotations
 
 import csv
@@ -10,9 +11,9 @@ import torch
 
 import tiny
 from unmask.engine.checkpoint import write_checkpoint
-from unmask.training.align import (AlignError, LiveTeacher, alignment_loss, confidence_weighted, layer_weights,
-                                   parse_layers)
-from unmask.training.anchors import AnchorCache, AnchorError
+from unmask.training.experimental.align import (AlignError, LiveTeacher, alignment_loss, confidence_weighted,
+                                                layer_weights, parse_layers)
+from unmask.training.experimental.anchors import AnchorCache, AnchorError
 from unmask.training.data import collate, load_dataset
 from unmask.training.trainer import TrainConfig, TrainError, train
 

@@ -126,21 +126,21 @@ def test_resume_is_exact(workdir, tmp_path, scope):
 def test_kill_between_checkpoint_and_latest_resumes(workdir, tmp_path, monkeypatch):
     """A kill after checkpoint-N is in place but before `latest` names it: resuming recomputes step N from the
     older `latest` and must replace the orphan checkpoint (it used to refuse to overwrite it, for ever)."""
-    import unmask.training.trainer as tr
+    import unmask.training.checkpoints as tr
 
     kw = dict(max_steps=4, save_every=2, batch_size=1)
-    real = tr._write_latest
+    real = tr.write_latest
 
     def killed(out, name):
         if name == "checkpoint-4":
             raise SystemExit("killed")
         real(out, name)
 
-    monkeypatch.setattr(tr, "_write_latest", killed)
+    monkeypatch.setattr(tr, "write_latest", killed)
     with pytest.raises(SystemExit):
         train(_cfg(workdir, tmp_path / "run", **kw))
     assert resolve_latest(tmp_path / "run").name == "checkpoint-2" and (tmp_path / "run" / "checkpoint-4").is_dir()
-    monkeypatch.setattr(tr, "_write_latest", real)
+    monkeypatch.setattr(tr, "write_latest", real)
     train(_cfg(workdir, tmp_path / "run", resume=True, **kw))
     assert resolve_latest(tmp_path / "run").name == "checkpoint-4"
     train(_cfg(workdir, tmp_path / "straight", **kw))
@@ -340,7 +340,7 @@ def test_cosine_time_schedule_follows_the_clock():
     minutes_before counts toward it); it needs a time budget."""
     import math
 
-    from unmask.training.trainer import BudgetClock, make_scheduler
+    from unmask.training.schedule import BudgetClock, make_scheduler
 
     class FakeClock(BudgetClock):
         f = 0.0
@@ -369,17 +369,17 @@ def test_cosine_time_schedule_follows_the_clock():
 
 
 def test_keep_last_prunes_old_checkpoints_but_never_latest(tmp_path):
-    from unmask.training.trainer import _write_latest, prune_checkpoints
+    from unmask.training.checkpoints import prune_checkpoints, write_latest
 
     for step in (2, 4, 10, 6):
         (tmp_path / f"checkpoint-{step}").mkdir()
     (tmp_path / "checkpoint-x").mkdir()            # not ours: untouched
-    _write_latest(tmp_path, "checkpoint-4")        # e.g. a resumed run whose latest is older
+    write_latest(tmp_path, "checkpoint-4")        # e.g. a resumed run whose latest is older
     gone = prune_checkpoints(tmp_path, 2)
     assert sorted(p.name for p in gone) == ["checkpoint-2"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
         "checkpoint-10", "checkpoint-4", "checkpoint-6", "checkpoint-x"]
-    _write_latest(tmp_path, "checkpoint-10")
+    write_latest(tmp_path, "checkpoint-10")
     prune_checkpoints(tmp_path, 1)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint-10", "checkpoint-x"]
     with pytest.raises(TrainError, match="--keep-last"):

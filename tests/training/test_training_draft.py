@@ -13,7 +13,8 @@ from unmask.engine.llm import LLM
 from unmask.engine.params import SamplingParams
 from unmask.training.data import collate, load_dataset
 from unmask.training.losses import accepted_draft_length, build_draft_layout
-from unmask.training.trainer import DraftForward, TrainConfig, TrainError, train
+from unmask.training.forwards import DraftForward
+from unmask.training.trainer import TrainConfig, TrainError, train
 
 DATA = [
     {"prompt": "What is two plus two?", "completion": "Two plus two is four."},
@@ -233,7 +234,8 @@ def test_resume_of_a_run_saved_before_the_draft_objective(workdir, tmp_path):
 def test_draft_block_sizes_cycle_one_per_step(workdir, tmp_path, monkeypatch):
     """--draft-block-sizes 2,3: step s drafts groups of sizes[s % 2] (a mixture trains block-2 diffusion and
     block-3 drafting into one drafter)."""
-    from unmask.training import losses, trainer as trainer_mod
+    from unmask.training import losses
+    from unmask.training.objectives import draft as draft_mod
 
     seen = []
     real = losses.build_draft_layout
@@ -242,7 +244,7 @@ def test_draft_block_sizes_cycle_one_per_step(workdir, tmp_path, monkeypatch):
         seen.append(block_size)
         return real(batch, dllm, block_size, generator, max_groups)
 
-    monkeypatch.setattr(trainer_mod, "build_draft_layout", spy)
+    monkeypatch.setattr(draft_mod, "build_draft_layout", spy)
     train(TrainConfig(model=str(workdir / "drafter"), data=str(workdir / "data.jsonl"), out=str(tmp_path / "o"),
                       objective="draft", verifier=str(workdir / "parent"), block_size=3, draft_block_sizes=[2, 3],
                       batch_size=2, max_steps=4, seq_len=64, lr=1e-3, progress=False))

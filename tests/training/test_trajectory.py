@@ -1,4 +1,4 @@
-"""Pseudo-trajectory distillation (training/trajectory.py): recording from the engine's step events, the JSONL file,
+"""Pseudo-trajectory distillation (training/objectives/trajectory.py): recording from the engine's step events, the JSONL file,
 and the training masks built from a trajectory."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import tiny
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.llm import LLM
 from unmask.engine.params import SamplingParams
-from unmask.training.anchors import ids_hash
+from unmask.training.common import ids_hash
 from unmask.training.data import collate, load_dataset
 from unmask.training.trainer import TrainConfig, resolve_latest, train
-from unmask.training.trajectory import (TrajectoryError, curriculum, ensure_trajectories, load_trajectories,
+from unmask.training.objectives.trajectory import (TrajectoryError, curriculum, ensure_trajectories, load_trajectories,
                                         mask_from_steps, record_example, trajectory_noise)
 
 DATA = [{"prompt": "What is two plus two?", "completion": "Two plus two is four."},
@@ -76,7 +76,7 @@ def test_trajectory_file_is_resumable_and_checks_its_settings(setup, tmp_path):
         calls.append(1)
         return orig(*a, **k)
 
-    import unmask.training.trajectory as tr
+    import unmask.training.objectives.trajectory as tr
     tr.record_example = counting
     try:
         both = ensure_trajectories(path, ds.examples, str(d / "src"), model=lm, threshold=0.5)

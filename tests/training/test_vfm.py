@@ -1,4 +1,4 @@
-"""The VFM trial (``--objective vfm``, unmask.training.vfm; docs/design.md#the-seeds-methods): the KL term on a
+"""The VFM trial (``--objective vfm``, unmask.training.experimental.vfm; docs/design.md#the-seeds-methods): the KL term on a
 hand-computed case, the beta schedule, z = 0 is exactly plain mask-embedding decoding, a few steps on a fixed batch
 lower the loss and change only the noise adapter, an interrupted run resumes to the uninterrupted run's adapter
 (the frozen mask-row adapter re-read from --init-adapter), and one-/K-step decoding gives the right shapes and
@@ -13,7 +13,7 @@ import torch
 
 import tiny
 from unmask.engine.checkpoint import write_checkpoint
-from unmask.training import vfm
+from unmask.training.experimental import vfm
 from unmask.training.scopes import prepare_model
 from unmask.training.trainer import TrainConfig, TrainError, train
 

@@ -1,5 +1,6 @@
 """Representation alignment to the AR parent (Open-dLLM's Repr-Align; docs/design.md#the-seeds-methods,
-docs/methods.md).
+docs/methods.md): an experiment that measured no gain, kept apart from the main loop (its hook-up to the diffusion
+objectives: ``unmask.training.experimental.repr_align``).
 
 ``unmask train --align-weight W --align-layers all|L1,L2,...`` adds to the masked-diffusion loss
 
@@ -10,8 +11,8 @@ row whose output predicts a masked token (``Layout.src_row/src_col``: with the l
 token at j) and the teacher's at the same place of the clean sequence run causally (position ``label_pos - 1``
 with the shift, else ``label_pos``), i.e. the state that predicts that token in the AR parent. The teacher is
 frozen and runs without gradients: live (:class:`LiveTeacher`, the default) or read from a precomputed anchor
-cache (``unmask.training.anchors``). Layer weights ``w_l`` are uniform or, with ``--align-exp G``, proportional to
-``exp(G * l / n_layers)`` (later layers weigh more; the seed fork's option), normalised to sum 1.
+cache (``unmask.training.experimental.anchors``). Layer weights ``w_l`` are uniform or, with ``--align-exp G``,
+proportional to ``exp(G * l / n_layers)`` (later layers weigh more; the seed fork's option), normalised to sum 1.
 
 ``--align-confidence``: the cross-entropy becomes Open-dLLM's confidence-weighted path term
 ``exp(-CE).detach() * CE`` per token (tokens the student already predicts well weigh more), see
@@ -26,8 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AlignError", "Aligner", "make_aligner", "parse_layers", "layer_weights", "alignment_loss",
-           "confidence_weighted", "LiveTeacher", "teacher_positions"]
+__all__ = ["AlignError", "parse_layers", "layer_weights", "alignment_loss", "confidence_weighted", "LiveTeacher",
+           "teacher_positions"]
 
 DEFAULT_ALIGN_WEIGHT = 10.0  # Open-dLLM's weight
 
@@ -108,7 +109,7 @@ class LiveTeacher:
 
     def __init__(self, path: str, device, layers: list[int], model=None):
         if model is None:
-            from .common import load_parent
+            from ..common import load_parent
 
             try:
                 model, _ = load_parent(path, device=device)
@@ -139,53 +140,3 @@ class LiveTeacher:
         rows = label_row.to(hs[0].device)
         cols = teacher_positions(label_pos, logit_shift).clamp_min(0).to(hs[0].device)
         return [h[rows, cols] for h in hs]
-
-
-class Aligner:
-    """What the trainer holds for Repr-Align: the layers, their weights and the teacher's states (live or cached).
-
-    Args:
-        layers: 1-based layers. weights: ``[len(layers)]`` (:func:`layer_weights`). source: a :class:`LiveTeacher`
-            or an ``unmask.training.anchors.AnchorCache`` (both have ``states(batch, label_row, label_pos, shift)``).
-    """
-
-    def __init__(self, layers: list[int], weights: torch.Tensor, source):
-        self.layers, self.weights, self.source = list(layers), weights, source
-
-    def loss(self, student_states: list[torch.Tensor], batch, layout, logit_shift: bool) -> torch.Tensor:
-        """:func:`alignment_loss` of the student's ``[N, H]`` states against the source's for ``layout``'s scored
-        tokens."""
-        teacher = self.source.states(batch, layout.label_row, layout.label_pos, logit_shift)
-        dev = student_states[0].device
-        return alignment_loss(student_states, [t.to(dev) for t in teacher], self.weights)
-
-
-def make_aligner(cfg, device, tm, data) -> Aligner:
-    """The :class:`Aligner` of a run (``TrainConfig``'s ``align_*`` fields): the teacher is ``--align-teacher``, else
-    ``--teacher``, else ``--model`` (an a2d conversion run causally is its AR parent). With ``--align-anchors DIR``
-    the states come from that cache, built first when DIR has none (``unmask.training.anchors``).
-
-    Raises:
-        AlignError: bad layers, an unloadable teacher, a teacher of another shape, an anchor-cache mismatch.
-    """
-    path = cfg.align_teacher or cfg.teacher or cfg.model
-    n_layers = int(tm.base.config.num_hidden_layers)
-    layers = parse_layers(cfg.align_layers, n_layers)
-    teacher = LiveTeacher(path, device, layers)
-    if (teacher.n_layers, teacher.model.config.hidden_size) != (n_layers, tm.base.config.hidden_size):
-        raise AlignError(f"--align-teacher {path}: {teacher.n_layers} layers x {teacher.model.config.hidden_size} "
-                         f"dims, the model has {n_layers} x {tm.base.config.hidden_size}")
-    source = teacher
-    if cfg.align_anchors:
-        from pathlib import Path
-
-        from .anchors import AnchorCache
-
-        shift = bool(tm.dllm.logit_shift)
-        budget = int(cfg.align_anchor_budget_mb * 1e6)
-        if not (Path(cfg.align_anchors) / "manifest.json").is_file():
-            AnchorCache.build(cfg.align_anchors, teacher, tm.tokenizer, data.examples, logit_shift=shift,
-                              budget_bytes=budget)
-        source = AnchorCache.open(cfg.align_anchors, teacher, tm.tokenizer, logit_shift=shift)
-        teacher.model = None  # opened and checked: the weights are not needed during training
-    return Aligner(layers, layer_weights(layers, n_layers, cfg.align_exp), source)

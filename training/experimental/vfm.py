@@ -1,5 +1,7 @@
 """The VFM trial (``unmask train --objective vfm``; docs/design.md#the-seeds-methods, issue 26): prompt-conditioned
-noise in place of the mask embeddings, for decoding a whole answer in one (or a few) forward(s).
+noise in place of the mask embeddings, for decoding a whole answer in one (or a few) forward(s). An experiment that
+measured no gain (docs/methods.md), kept apart from the main objectives: :class:`VfmObjective` is its whole
+hook-up to the trainer.
 
 Source: variational flow maps ("make some noise", arXiv:2603.07276), as the seed's fork (dLLM-castlehill,
 ``tasks/train_vfm*.py``) carries it to text: an adapter reads the prompt and outputs, for every generation
@@ -51,7 +53,9 @@ from torch import nn
 
 from unmask.engine.attention import build_attention_mask
 
-from .losses import LossParts
+from ..common import TrainError, seed_of
+from ..losses import LossParts
+from ..objectives.base import Objective
 
 #: initial log-variance of q (sigma = 0.05 token-embedding standard deviations): the start is the plain model
 LOGVAR_INIT = -6.0
@@ -422,3 +426,53 @@ def decode(module: VfmForward, prompts: list[list[int]], gen_len: int, steps: in
         out.append({"ids": ids, "nfe": nfe[b]})
     return out
 
+
+# ---------------------------------------------------------------------------------------------------- the objective
+class VfmObjective(Objective):
+    """``--objective vfm``: only the noise adapter trains; the parent and the mask-row adapter (``--init-adapter``)
+    are frozen, so a resumed run reads the latter again."""
+
+    name = "vfm"
+    mask_lora = True
+    frozen_init_adapter = True
+    KEYS = ["vfm_gen_len", "vfm_beta", "vfm_beta_warmup", "vfm_width", "vfm_full", "init_adapter"]
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.trainable != "mask_lora":
+            raise TrainError("--objective vfm: needs --trainable mask_lora (the parent and the mask-row adapter are "
+                             "frozen; only the noise adapter trains)")
+        if cfg.eval_every or cfg.teacher_kl > 0 or cfg.certainty > 0 or cfg.complementary or \
+                cfg.align_weight > 0 or cfg.fsdp:
+            raise TrainError("--objective vfm: --eval-every, --teacher-kl, --certainty, --complementary, "
+                             "--align-weight and --fsdp do not apply")
+        for name in ("vfm_gen_len", "vfm_width"):
+            if getattr(cfg, name) < 1:
+                raise TrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(cfg, name)}")
+        if not (math.isfinite(cfg.vfm_beta) and cfg.vfm_beta >= 0):
+            raise TrainError(f"--vfm-beta: must be a finite number >= 0, got {cfg.vfm_beta}")
+        for name in ("vfm_beta_warmup", "vfm_full"):
+            if not 0 <= getattr(cfg, name) <= 1:
+                raise TrainError(f"--{name.replace('_', '-')}: must be in [0, 1], got {getattr(cfg, name)}")
+
+    def resume_keys(self) -> list[str]:
+        return list(self.KEYS)
+
+    def attach(self, run) -> None:
+        attach(run.tm, self.cfg.vfm_gen_len, self.cfg.vfm_width, seed=seed_of(self.cfg.seed, 5))
+
+    def forward_module(self, run) -> nn.Module:
+        return VfmForward(run.tm)
+
+    def loss(self, run, module, batch, generator, fixed_t=None):
+        cfg, dllm = self.cfg, run.tm.dllm
+        rows = rows_from_batch(batch, cfg.vfm_gen_len, dllm.mask_token_id, dllm.eos_token_ids[0], run.pad_id,
+                               generator, cfg.vfm_full).to(run.acc.device)
+        with run.acc.autocast():
+            parts = vfm_loss(module, rows, generator, beta_at(run.progress(), cfg.vfm_beta, cfg.vfm_beta_warmup))
+        return parts, rows
+
+    def adapter_files(self, run) -> dict[str, bytes]:
+        """The noise adapter beside the (frozen) mask-row adapter."""
+        return adapter_files(run.tm.base.vfm_noise, {"step": run.step, "data": str(self.cfg.data),
+                                                     "init_adapter": self.cfg.init_adapter})

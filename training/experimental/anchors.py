@@ -16,9 +16,9 @@ never a silent miss or a silent recompute.
 Bounds: only answer positions are stored (prompt positions are never masked), only the chosen layers, in float16 by
 default, and the build refuses to start when its size estimate exceeds ``budget_bytes`` (SmolLM2-135M, 30 layers x
 576 dims x 2 bytes = 34.6 KB per answer token: 10,000 answer tokens = 346 MB for all layers). The trainer's default is
-the live teacher (``unmask.training.align.LiveTeacher``): on a CPU the 135M teacher's forward costs a fraction of the
-student's forward + backward, while the cache for every layer of a few thousand answers is gigabytes; the cache pays
-off with a layer subset or a teacher much larger than the student.
+the live teacher (``unmask.training.experimental.align.LiveTeacher``): on a CPU the 135M teacher's forward costs a
+fraction of the student's forward + backward, while the cache for every layer of a few thousand answers is
+gigabytes; the cache pays off with a layer subset or a teacher much larger than the student.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..common import ids_hash
 from .align import AlignError, LiveTeacher, teacher_positions
 
 __all__ = ["AnchorError", "AnchorCache", "tokenizer_fingerprint", "weights_fingerprint", "ids_hash",
@@ -40,12 +41,6 @@ SHARD_EXAMPLES = 256
 
 class AnchorError(AlignError):
     """The anchor cache does not match the run (names the differing part), lacks an example, or exceeds its budget."""
-
-
-def ids_hash(ids) -> str:
-    """sha256 (hex) of a token-id sequence (int64 little-endian bytes)."""
-    t = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.int64).cpu()
-    return hashlib.sha256(t.numpy().astype("<i8").tobytes()).hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

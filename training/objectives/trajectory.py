@@ -32,14 +32,16 @@ from pathlib import Path
 
 import torch
 
-from .anchors import ids_hash
-from .losses import Noise, NoisyBlock, answer_blocks
+from ..common import TrainError, ids_hash
+from ..losses import Noise, NoisyBlock, answer_blocks, draw_noise
+from .diffusion import Block
 
-__all__ = ["TrajectoryError", "record_example", "ensure_trajectories", "load_trajectories", "trajectory_noise",
-           "mask_from_steps", "curriculum", "default_path", "MODES"]
+__all__ = ["TrajectoryError", "Trajectory", "record_example", "ensure_trajectories", "load_trajectories",
+           "trajectory_noise", "mask_from_steps", "curriculum", "default_path", "MODES"]
 
 MODES = ("engine", "entropy")
 MAX_MASK_RATIO = 0.8  # d3LLM's curriculum end
+TRAJECTORY_CERTAINTY = 1.0  # our choice of the d3LLM entropy term's weight when --certainty is not set
 
 
 class TrajectoryError(ValueError):
@@ -224,3 +226,49 @@ def trajectory_noise(batch, dllm, trajectories: dict[str, dict], progress: float
             noise.blocks.append(NoisyBlock(b, a, e, s, 1.0, masked, 0))
             noise.blocks.append(NoisyBlock(b, a, e, s, 1.0, rest, 1))
     return noise, bs
+
+
+class Trajectory(Block):
+    """``trajectory``: the block objective with masks that follow the recorded reveal orders (the module docstring);
+    its held-out evaluation is the block ELBO, comparable across objectives."""
+
+    name = "trajectory"
+    mask_lora = False
+    fsdp_refusal = "not with --align-weight or --objective trajectory (untested together; docs/design.md#scale-out)"
+    trajectories: dict[str, dict] | None = None
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.trajectory_mode not in MODES:
+            raise TrainError(f"--trajectory-mode: {cfg.trajectory_mode!r} is not one of {', '.join(MODES)}")
+        if not 0 <= cfg.trajectory_threshold <= 1:
+            raise TrainError(f"--trajectory-threshold: must be in [0, 1], got {cfg.trajectory_threshold}")
+        if cfg.trajectory_steps < 1:
+            raise TrainError(f"--trajectory-steps: must be >= 1, got {cfg.trajectory_steps}")
+        if cfg.max_block_size is not None and not (cfg.block_size or 1) <= cfg.max_block_size <= cfg.seq_len:
+            raise TrainError(f"--max-block-size: must be in --block-size..--seq-len ({cfg.block_size or 1}.."
+                             f"{cfg.seq_len}), got {cfg.max_block_size}")
+
+    def prepare(self, run) -> None:
+        """The KL teacher where asked (:class:`~.diffusion.Mdlm`), then the trajectories: read, and recorded where
+        missing (:func:`ensure_trajectories`)."""
+        super().prepare(run)
+        cfg = self.cfg
+        try:
+            self.trajectories = ensure_trajectories(
+                cfg.trajectories or default_path(cfg.data), run.data.examples, cfg.trajectory_model or cfg.model,
+                cfg.trajectory_mode, cfg.trajectory_threshold, cfg.trajectory_steps, progress=cfg.progress,
+                block_size=run.block_size)
+        except TrajectoryError as exc:
+            raise TrainError(str(exc)) from exc
+
+    def noise(self, run, batch, generator, fixed_t):
+        if fixed_t is not None:  # held-out evaluation: the block ELBO
+            return draw_noise(batch, run.tm.dllm, "block", generator, run.block_size, self.cfg.eps,
+                              self.cfg.complementary, fixed_t=fixed_t), run.block_size
+        return trajectory_noise(batch, run.tm.dllm, self.trajectories, run.progress(), generator, run.block_size,
+                                self.cfg.max_block_size or 2 * run.block_size, self.cfg.eps)
+
+    def certainty(self) -> float:
+        """``--certainty``; the d3LLM entropy term defaults to 1.0 when it is not set (``TRAJECTORY_CERTAINTY``)."""
+        return self.cfg.certainty or TRAJECTORY_CERTAINTY
