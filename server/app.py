@@ -308,7 +308,7 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     render = Render(kind, response_id, int(arrival), state.model_name, state.token_text, logprobs=logprobs,
                     top_logprobs=top_logprobs, include_usage=body.include_usage, n=body.n,
                     tool_parser=parser_factory(state.tool_call_parser, body),
-                    echo=echo_texts(state.tokenizer, body, prompts))
+                    echo=echo_texts(state.tokenizer, body, prompts), stream_options=body.stream_options)
     run = Run(state, render, prompts, streams, body.n, arrival)
     if body.stream:
         shutdown = anyio.Event()

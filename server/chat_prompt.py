@@ -3,9 +3,15 @@
 The template is ``--chat-template`` when the server has one, else the tokenizer's (a dict of named templates picks
 ``tool_use`` for a request with tools when there is one, else ``default``). Tools are passed to transformers'
 ``apply_chat_template(tools=...)`` as OpenAI sends them (``{"type": "function", "function": {...}}``, the JSON-schema
-shape Hugging Face templates read). A template that never mentions ``tools`` cannot show them to the model: a
-request with tools (or with tool messages) is then a 400 naming the fix (``--chat-template chatml-tools``, the
-ChatML + Hermes template shipped in ``unmask/server/templates/``), never a silently tool-less prompt.
+shape Hugging Face templates read).
+
+A template that never mentions ``tools`` cannot show them to the model. Without ``--chat-template``, a model whose own
+template is ChatML (SmolLM2, the default model) renders a request that uses tools with the shipped ``chatml-tools``
+template instead (:func:`tools_fallback`): the system prompt its own template adds to a chat without one stays
+(``default_system``), and tool results are plain words (``tool_results_as_text``) so that a model never trained on
+tools answers in words; a request without tools keeps the model's own template, byte for byte. Any other template
+that renders no tools makes a request with tools (or tool messages) a 400 naming the fix (``--chat-template
+chatml-tools``), never a silently tool-less prompt.
 """
 from __future__ import annotations
 
@@ -25,6 +31,36 @@ def shipped_template(name: str) -> str | None:
     if file is None:
         return None
     return resources.files("unmask.server").joinpath("templates", file).read_text(encoding="utf-8")
+
+
+_SENTINEL = "\x00unmask-user\x00"
+_fallbacks: dict[str, tuple[str, dict] | None] = {}  # the model's template text -> its tools fallback
+
+
+def renders_tools(template: str) -> bool:
+    """Whether a chat template reads ``tools`` or tool calls at all."""
+    return "tools" in template or "tool_calls" in template
+
+
+def tools_fallback(tokenizer, own: str) -> tuple[str, dict] | None:
+    """The template and variables for a request with tools when the model's own template ``own`` renders none:
+    ``chatml-tools`` with the system prompt ``own`` adds to a chat without one and tool results as words, when
+    ``own`` is ChatML; else None (cached per template text)."""
+    if own not in _fallbacks:
+        fallback = None
+        if "<|im_start|>" in own:
+            variables: dict = {"tool_results_as_text": True}
+            try:
+                text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                                     add_generation_prompt=False, chat_template=own)
+            except Exception:  # a template that needs more than one user message: no default system prompt
+                text = ""
+            head = "<|im_start|>system\n"
+            if text.startswith(head) and "<|im_end|>" in text and text.index("<|im_end|>") < text.find(_SENTINEL):
+                variables["default_system"] = text[len(head):text.index("<|im_end|>")]
+            fallback = (shipped_template("chatml-tools"), variables)
+        _fallbacks[own] = fallback
+    return _fallbacks[own]
 
 
 def _template(tokenizer, override: str | None, with_tools: bool) -> str | None:
@@ -51,14 +87,17 @@ def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None =
     if not template:
         raise APIError(400, "messages: this model has no chat template; pass --chat-template or use completions",
                        param="messages", code="invalid_value")
-    if uses_tools and "tools" not in template and "tool_calls" not in template:
+    variables: dict = {}
+    if uses_tools and chat_template is None and not renders_tools(template):
+        template, variables = tools_fallback(tokenizer, template) or (template, {})
+    if uses_tools and not renders_tools(template):
         field = "tools" if tools else "messages"
         raise APIError(400, f"{field}: this model's chat template does not render tools or tool calls; serve it "
                             f"with --chat-template chatml-tools (ChatML + Hermes tool calls, shipped with unmask) or "
                             f"a template of your own", param=field, code="invalid_value")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=True, chat_template=template)
+                                             add_generation_prompt=True, chat_template=template, **variables)
     except ParamError:
         raise
     except RecursionError:  # a value the template serializes (tojson) nests deeper than its recursion allows

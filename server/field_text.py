@@ -1,18 +1,18 @@
 """Wording the request models publish and refuse with: the OpenAI fields this server does not implement (each a 400
 that says why) and the ``cache`` field's description (docs/design.md#decisions and #admission-and-limits)."""
 
-# OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored)
+# OpenAI request fields we do not implement -> why (a 400 names the field; never silently ignored; the whole policy:
+# docs/api-fields.md)
 UNSUPPORTED_FIELDS = {
     "functions": "the deprecated functions field is not supported: send tools",
     "function_call": "the deprecated function_call field is not supported: send tool_choice",
     "prompt_logprobs": "prompt_logprobs is not an OpenAI field, and prompt log-probabilities are not computed "
                        "(a diffusion model reveals only generated tokens)",
     "audio": "audio output is not supported by this server",
-    "prediction": "predicted outputs are not supported by this server",
     "web_search_options": "web search is not supported by this server",
     "reasoning_effort": "reasoning effort is not supported by this server",
-    "modalities": "only text output is supported by this server",
     "verbosity": "verbosity control is not supported by this server",
+    "moderation": "moderation is not run by this server",
 }
 
 # what each cache mode does on each attention type (docs/design.md#decisions "Cache"): prefix/dual on a causal model

@@ -1,13 +1,18 @@
 """Chat messages of ``POST /v1/chat/completions`` (docs/design.md#http-contract and #tools-and-the-responses-api), one
 model per role so that the schema states each role's required fields: ``system`` / ``developer`` / ``user``
 (``content``), ``assistant`` (``content`` and/or ``tool_calls``), ``tool`` (``content`` and ``tool_call_id``). Content
-is a string or a list of text parts; other part types (images, audio) are rejected.
+is a string or a list of text parts (an assistant's also refusal parts); other part types (images, audio) are rejected.
+
+An assistant message is accepted exactly as OpenAI returns it (the openai SDK's ``messages.append(message)`` and
+``message.model_dump()``): ``refusal`` (rendered as what the assistant said when it has no content), ``annotations``
+(url citations: metadata, not rendered), ``audio: null`` and ``function_call: null``; a non-null ``audio`` or
+``function_call`` is a 400 naming the field (docs/api-fields.md).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from unmask.engine.limits import MAX_MESSAGE_NAME_CHARS
@@ -21,7 +26,38 @@ class TextPart(Strict):
     text: Text
 
 
+class RefusalPart(Strict):
+    """A refusal part of an assistant message's content (``{"type": "refusal", "refusal": ...}``)."""
+
+    type: Literal["refusal"]
+    refusal: Text
+
+
 Content = Text | Annotated[list[TextPart], Field(min_length=1)]
+AssistantContent = Text | Annotated[list[TextPart | RefusalPart], Field(min_length=1)]
+
+
+class UrlCitation(Strict):
+    """OpenAI's ``url_citation`` of an annotation (character offsets into the content)."""
+
+    start_index: int
+    end_index: int
+    title: str
+    url: str
+
+
+class Annotation(Strict):
+    """An annotation of a returned assistant message (OpenAI's web-search citations); accepted, not rendered."""
+
+    type: Literal["url_citation"]
+    url_citation: UrlCitation
+
+
+def _null_only(value, why: str):
+    """A field accepted only as ``null`` (what the SDK's ``model_dump()`` sends); another value is a 400."""
+    if value is not None:
+        raise PydanticCustomError("unsupported_value", why)
+    return value
 
 
 class _Message(Strict):
@@ -33,7 +69,9 @@ class _Message(Strict):
     def text(self) -> str | None:
         """The content as one string (text parts joined without a separator)."""
         c = self.content
-        return c if c is None or isinstance(c, str) else "".join(p.text for p in c)
+        if c is None or isinstance(c, str):
+            return c
+        return "".join(p.text if p.type == "text" else p.refusal for p in c)
 
     def as_template_dict(self) -> dict:
         """The Hugging Face chat-template dict: ``{"role", "content"[, "name"][, "tool_calls"][, "tool_call_id"]}``
@@ -65,9 +103,28 @@ class AssistantTurn(_Message):
         {"properties": {"refusal": {"type": "string"}}, "required": ["refusal"]}]})
 
     role: Literal["assistant"]
-    content: Content | None = None
+    content: AssistantContent | None = None
     tool_calls: ToolCalls | None = None
-    refusal: str | None = None
+    refusal: Text | None = None
+    annotations: list[Annotation] | None = Field(None, description="accepted as returned; not rendered")
+    # only null (the SDK's model_dump()): the schema says so, the validators name the field and why
+    audio: None = Field(None, description="only null: no audio answers exist here")
+    function_call: None = Field(None, description="only null (deprecated): send tool_calls")
+
+    @field_validator("audio", mode="before")
+    @classmethod
+    def _no_audio(cls, v):
+        return _null_only(v, "must be null: this server has no audio answers to refer to")
+
+    @field_validator("function_call", mode="before")
+    @classmethod
+    def _no_function_call(cls, v):
+        return _null_only(v, "must be null: the deprecated function_call is not supported, send tool_calls")
+
+    def text(self) -> str | None:
+        """The content as one string; an assistant message with only a ``refusal`` said that refusal."""
+        text = super().text()
+        return self.refusal if text is None and self.refusal is not None else text
 
     @model_validator(mode="after")
     def _something(self):

@@ -7,8 +7,8 @@ exactly what is accepted: no type coercion (``"0.5"`` is not a number, ``1`` is 
 ranges (:data:`unmask.engine.limits.RANGES`, the one declaration the CLI and the Python API check too) and
 enums in the schema, unknown fields rejected (``additionalProperties: false``). Fields of the OpenAI API
 that this server does not implement (the deprecated ``functions``, audio, ...) are rejected with a 400 that names
-the field rather than ignored; ``metadata``, ``service_tier`` and ``store`` are accepted and have no effect
-(nothing is stored). Tools and ``response_format`` are :mod:`unmask.server.tool_protocol`
+the field rather than ignored; ``metadata``, ``service_tier``, ``store``, ``prediction``, ``prompt_cache_*`` are
+accepted and have no effect (nothing is stored). The whole field policy, field by field: docs/api-fields.md. Tools and ``response_format`` are :mod:`unmask.server.tool_protocol`
 (docs/design.md#tools-and-the-responses-api).
 
 ``logprobs``: a diffusion model reveals tokens in any order; the log-probability reported for a token is the one it
@@ -33,7 +33,7 @@ from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
 from .structured import (LOGIT_BIAS_KEY, MAX_LOGIT_BIAS, bad_bias_key, logit_bias_ids, response_format_constraint, tool_choice_constraint,
                          with_extras)
 from .field_text import CACHE_DESCRIPTION, UNSUPPORTED_FIELDS
-from .messages import ChatMessage
+from .messages import ChatMessage, TextPart
 from .tool_protocol import MAX_TOOLS, RequestBody, integral_fields, ResponseFormat, Strict, Text, Tool, ToolChoice, check_tool_messages
 
 TOP_K_OFF = -1             # vLLM's "off" (like 0): accepted on the wire, below the engine's range
@@ -110,10 +110,31 @@ class _Rules(RequestBody):
 
 class StreamOptions(_Strict):
     """``stream_options``: ``include_usage`` (OpenAI) adds a final chunk with ``choices: []`` and the usage;
-    ``include_denoising`` (ours) streams every denoising step (docs/design.md#decisions)."""
+    ``continuous_usage_stats`` (vLLM's; with ``include_usage``) puts the usage so far in every chunk;
+    ``include_obfuscation`` (OpenAI) adds random ``obfuscation`` padding to every chunk with choices;
+    ``include_denoising`` (ours) streams every denoising step (docs/design.md#decisions). docs/api-fields.md."""
 
     include_usage: bool = False
     include_denoising: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries the "
+                                                            "request's usage so far")
+    include_obfuscation: bool = Field(False, description="OpenAI's: true adds an `obfuscation` field of random "
+                                                         "padding to every chunk with choices; default off")
+
+
+class PredictionContent(_Strict):
+    """OpenAI's ``prediction`` (predicted outputs): accepted and unused; it changes only speed at OpenAI, never
+    the answer."""
+
+    type: Literal["content"]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class PromptCacheOptions(_Strict):
+    """OpenAI's ``prompt_cache_options``: accepted, no effect (the prefix cache needs no hints)."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
 
 
 class _Common(_Rules):
@@ -145,9 +166,16 @@ class _Common(_Rules):
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = Field(None, description="accepted, stored nowhere (OpenAI's "
                                                                                 "stored-completion tags)")
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = Field(
         None, description="accepted; one tier here (answered as default)")
     store: bool | None = Field(None, description="accepted; nothing is stored")
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = Field(
+        None, description="accepted, no effect: the prefix cache keeps what fits its budget")
+    prompt_cache_options: PromptCacheOptions | None = Field(None, description="accepted, no effect")
+    prediction: PredictionContent | None = Field(None, description="predicted outputs: accepted, unused (they "
+                                                                   "change only speed, never the answer)")
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = Field(
+        None, description='["text"] (the only output here); "audio" is a 400')
     # --- diffusion extras (docs/design.md#http-contract) ---
     steps: int | None = ranged("steps", None,
                                description="total denoising steps (LLaDA), split over the blocks; default max_tokens "
@@ -233,6 +261,14 @@ class _Common(_Rules):
                 data = {k: v for k, v in data.items() if k != name} if name in data else data
         return data
 
+    @field_validator("modalities", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list) and "audio" in v:
+            raise PydanticCustomError("unsupported_field", "{field}: {why}", {
+                "field": "modalities", "why": 'only text output is supported by this server (send ["text"])'})
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_keys(cls, v):
@@ -282,6 +318,15 @@ class _Common(_Rules):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``, which counts only with ``include_usage`` (as in vLLM)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    @property
+    def include_obfuscation(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_obfuscation)
 
     @property
     def include_denoising(self) -> bool:

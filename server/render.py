@@ -37,11 +37,14 @@ class Render:
             the text is split into content and tool calls (streamed as tool-call deltas), and a choice that called a
             tool and stopped finishes with ``tool_calls`` (docs/design.md#tools-and-the-responses-api).
         echo: completions ``echo``: the text of each prompt, prepended to its choices (``n`` choices a prompt).
+        stream_options: the request's (``continuous_usage_stats`` with ``include_usage``: :attr:`continuous_usage`;
+            ``include_obfuscation``: :attr:`obfuscate`; the stream adds both, :mod:`unmask.server.sse`).
     """
 
     def __init__(self, kind: str, response_id: str, created: int, model: str, token_text: Callable[[int], str],
                  logprobs: bool = False, top_logprobs: int = 0, include_usage: bool = False,
-                 tool_parser: Callable[[], ToolParser] | None = None, echo: list[str] | None = None, n: int = 1):
+                 tool_parser: Callable[[], ToolParser] | None = None, echo: list[str] | None = None, n: int = 1,
+                 stream_options=None):
         self.chat = kind == "chat"
         self.id = response_id
         self.created = created
@@ -50,6 +53,8 @@ class Render:
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and bool(getattr(stream_options, "continuous_usage_stats", False))
+        self.obfuscate = bool(getattr(stream_options, "include_obfuscation", False))
         self.tool_parser = tool_parser if self.chat else None
         self.echo = echo if not self.chat else None
         self.n = n

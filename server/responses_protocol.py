@@ -127,6 +127,8 @@ class TextOptions(Strict):
 
 class ResponsesStreamOptions(Strict):
     include_denoising: bool = False
+    include_obfuscation: bool = Field(False, description="OpenAI's: accepted, no effect on /v1/responses "
+                                                         "(events carry no padding)")
 
 
 INTEGER_FIELDS = frozenset({"max_output_tokens", "seed", "steps", "block_size", "top_k"})

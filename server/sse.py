@@ -11,7 +11,9 @@ Streaming rules:
 * with ``stream_options.include_denoising`` each denoising step of each choice that reveals a token is one extra
   chunk with empty delta/text and a top-level ``denoising`` object (docs/design.md#decisions);
 * with ``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk has ``choices: []`` and
-  the usage;
+  the usage; with ``continuous_usage_stats`` too (vLLM's), every chunk's ``usage`` is the request's usage so far;
+* with ``stream_options.include_obfuscation`` every chunk with choices has an ``obfuscation`` field of random
+  alphanumeric padding (OpenAI's side-channel mitigation: the padded content is a multiple of 32 characters);
 * ``data: [DONE]`` ends every stream, also after an error, which is sent as ``data: {"error": {...}}``.
 """
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
+import string
 import time
 
 from .accounting import failure_reason
@@ -30,6 +34,15 @@ log = logging.getLogger("unmask.server")
 
 # characters that Python's str.splitlines (and so httpx's iter_lines) takes as line breaks inside a data line
 _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+_PAD_ALPHABET = string.ascii_letters + string.digits
+
+
+def obfuscation(chunk: dict) -> str:
+    """Random alphanumeric padding (1 to 32 characters) taking the chunk's content length to a multiple of 32."""
+    chars = sum(len((c.get("delta") or {}).get("content") or c.get("text") or "") for c in chunk["choices"])
+    return "".join(secrets.choice(_PAD_ALPHABET) for _ in range(32 - chars % 32))
 
 
 def dumps(obj) -> str:
@@ -46,6 +59,14 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
     connection."""
     render = run.render
     sent = [""] * run.num_choices
+
+    def out(chunk: dict) -> str:
+        """A chunk as its data line, with the usage so far (``continuous_usage_stats``) and padding."""
+        if render.continuous_usage:
+            chunk["usage"] = run.usage().model_dump()
+        if render.obfuscate:
+            chunk["obfuscation"] = obfuscation(chunk)
+        return dumps(chunk)
     shutting_down = False
 
     async def on_shutdown():
@@ -57,17 +78,17 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
     watcher = asyncio.create_task(on_shutdown()) if shutdown_event is not None else None
     try:
         for chunk in render.start_chunks(run.num_choices):
-            yield dumps(chunk)
+            yield out(chunk)
         async for c, ev in run.events(timeout):
             if include_denoising and ev.revealed:
-                yield dumps(render.denoising_chunk(c, ev))
+                yield out(render.denoising_chunk(c, ev))
             if len(ev.text) > len(sent[c]):
                 if ev.text.startswith(sent[c]):
                     delta, sent[c] = ev.text[len(sent[c]):], ev.text
                     if run.first_content_time is None:
                         run.first_content_time = time.time()
                     for chunk in render.text_chunks(c, delta):
-                        yield dumps(chunk)
+                        yield out(chunk)
                 else:  # pragma: no cover - the engine guarantees a growing prefix
                     log.warning("%s: choice %d text is not an extension of what was streamed", run.id, c)
             if ev.finished:
@@ -76,7 +97,7 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
                         raise shutdown_error()
                     raise APIError(503, "the request was aborted by the server", code="aborted")
                 for chunk in render.finish_chunks(c, ev.output):
-                    yield dumps(chunk)
+                    yield out(chunk)
         if render.include_usage:
             yield dumps(render.usage_chunk(run.usage()))
         run.finish(200)

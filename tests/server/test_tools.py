@@ -382,8 +382,12 @@ def test_bad_tool_and_format_fields_are_400s_naming_the_field(client, kw, param)
 
 
 def test_a_template_without_tools_is_a_400_naming_the_fix():
-    engine = AsyncEngine(loaded(block_size=4))
-    with TestClient(build_app(engine, "m")) as c:  # the tiny tokenizer's own template renders no tools
+    """A template that renders no tools and is not ChatML (a ChatML one gets the chatml-tools fallback:
+    tests/server/test_field_policy.py)."""
+    model = loaded(block_size=4)
+    model.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    engine = AsyncEngine(model)
+    with TestClient(build_app(engine, "m")) as c:
         r = chat(c, tools=[WEATHER])
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         assert "--chat-template chatml-tools" in r.json()["error"]["message"]
