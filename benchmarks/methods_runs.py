@@ -86,18 +86,12 @@ def _prompt_key(row: dict, where: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
+    from unmask.training.jsonl import json_lines
+
     try:
-        with open(path, encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise RunsError(f"{path}:{i}: not JSON ({exc.msg})") from None
+        return [row for _, row in json_lines(path, RunsError)]
     except OSError as exc:
         raise RunsError(f"{path}: {exc.strerror or exc}") from None
-    return rows
 
 
 def split_data(data: Path, heldout: Path, work: Path) -> tuple[Path, Path, dict]:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import quality_metrics as qm
 
+from unmask.training.jsonl import json_lines  # standard library only
+
 
 def load_samples(path: Path) -> list[dict]:
     """The JSON lines of ``path``.
@@ -30,13 +32,7 @@ def load_samples(path: Path) -> list[dict]:
             ``n_tokens`` (message names ``file:line``).
     """
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
+    for n, row in json_lines(path):
         if not isinstance(row, dict) or not {"model", "setting", "subset", "id", "text", "n_tokens"} <= set(row):
             raise ValueError(f"{path}:{n}: not an eval_quality sample line")
         rows.append(row)

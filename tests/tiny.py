@@ -275,3 +275,16 @@ def snap_decoder_to_int4_grid(m):
             if type(mod) is torch.nn.Linear:
                 mod.weight.copy_(int4_grid(mod.weight))
     return m
+
+
+def training_dir(d, rows, name: str = "src", data: str = "data.jsonl", **loaded_kw):
+    """For a training test: a tiny model's checkpoint at ``d/name`` and ``rows`` as the JSONL file ``d/data``;
+    returns the model (:func:`loaded` with ``loaded_kw``)."""
+    import json
+
+    from unmask.engine.checkpoint import write_checkpoint
+
+    lm = loaded(**loaded_kw)
+    write_checkpoint(d / name, lm.model, lm.tokenizer, lm.dllm)
+    (d / data).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return lm

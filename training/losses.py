@@ -96,24 +96,18 @@ class Noise:
 
 
 @dataclass
-class ForwardRows:
-    """The fields every training forward has (:class:`Layout`, :class:`DraftLayout`): the rows forwarded and the
-    outputs scored.
+class Rows:
+    """The rows of one training forward.
 
     Attributes:
         input_ids, position_ids: ``[B, T]`` int64; attention_mask: ``[B, 1, T, K]`` bool (True = may attend).
         valid: ``[B, T]`` bool (False = padding).
-        src_row, src_col: ``[N]`` int64 output (row, column) whose logits predict each scored token.
-        labels: ``[N]`` int64 the clean token ids they predict.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
     valid: torch.Tensor
-    src_row: torch.Tensor
-    src_col: torch.Tensor
-    labels: torch.Tensor
 
     @property
     def n_tokens(self) -> int:
@@ -126,6 +120,21 @@ class ForwardRows:
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.to(device))
         return self
+
+
+@dataclass
+class ForwardRows(Rows):
+    """The fields every diffusion and draft forward has (:class:`Layout`, :class:`DraftLayout`): the rows forwarded
+    (:class:`Rows`) and the outputs scored.
+
+    Attributes:
+        src_row, src_col: ``[N]`` int64 output (row, column) whose logits predict each scored token.
+        labels: ``[N]`` int64 the clean token ids they predict.
+    """
+
+    src_row: torch.Tensor
+    src_col: torch.Tensor
+    labels: torch.Tensor
 
 
 @dataclass

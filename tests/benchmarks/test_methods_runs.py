@@ -23,12 +23,9 @@ DATA = [{"prompt": "What is two plus two?", "completion": "Two plus two is four.
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
     import tiny
-    from unmask.engine.checkpoint import write_checkpoint
 
     d = tmp_path_factory.mktemp("methods")
-    lm = tiny.loaded(block_size=1)
-    write_checkpoint(d / "src", lm.model, lm.tokenizer, lm.dllm)
-    (d / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DATA))
+    tiny.training_dir(d, DATA, data="all.jsonl", block_size=1)
     (d / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DATA[3:]))
     return d
 

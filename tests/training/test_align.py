@@ -3,14 +3,12 @@ hand-computed cases and a tiny model."""
 from __future__ import annotations
 
 import csv
-import json
 import math
 
 import pytest
 import torch
 
 import tiny
-from unmask.engine.checkpoint import write_checkpoint
 from unmask.training.experimental.align import (AlignError, LiveTeacher, alignment_loss, confidence_weighted,
                                                 layer_weights, parse_layers)
 from unmask.training.experimental.anchors import AnchorCache, AnchorError
@@ -56,11 +54,7 @@ def test_confidence_weighted_term_value_and_gradient():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("align")
-    lm = tiny.loaded()
-    write_checkpoint(d / "src", lm.model, lm.tokenizer, lm.dllm)
-    with open(d / "data.jsonl", "w") as fh:
-        for x in DATA:
-            fh.write(json.dumps(x) + "\n")
+    lm = tiny.training_dir(d, DATA)
     eos = set(lm.dllm.eos_token_ids)
     ds = load_dataset(str(d / "data.jsonl"), lm.tokenizer, 64, eos)
     return d, lm, ds

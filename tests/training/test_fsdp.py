@@ -4,7 +4,6 @@ full optimizer state re-sharded). Multi-process: system."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 import tiny
-from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.llm import LLM
 from unmask.engine.params import SamplingParams
 from unmask.training.trainer import TrainConfig, TrainError, resolve_latest, train
@@ -36,9 +34,7 @@ WEIGHT_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp")
-    lm = tiny.loaded(num_hidden_layers=2)
-    write_checkpoint(d / "src", lm.model, lm.tokenizer, lm.dllm)
-    (d / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in DATA))
+    tiny.training_dir(d, DATA, num_hidden_layers=2)
     return d
 
 

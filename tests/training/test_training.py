@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 import tiny
-from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.llm import LLM
 from unmask.engine.model import load_model
 from unmask.engine.params import SamplingParams
@@ -36,11 +35,7 @@ DATA = [
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
-    lm = tiny.loaded()
-    write_checkpoint(d / "src", lm.model, lm.tokenizer, lm.dllm)
-    with open(d / "data.jsonl", "w") as fh:
-        for x in DATA:
-            fh.write(json.dumps(x) + "\n")
+    tiny.training_dir(d, DATA)
     return d
 
 

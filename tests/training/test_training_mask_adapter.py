@@ -3,7 +3,6 @@ loss and change only the adapter's tensors and the mask embedding; the adapter r
 block layout only; the saved adapter-only checkpoint serves with the parent's greedy answers by default."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch
 import tiny
 from unmask.engine import LLM, SamplingParams
 from unmask.engine.adapter_files import read_adapter
-from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.model import load_model
 from unmask.training.mask_adapter import variant_rows_of_block_layout
 from unmask.training.trainer import TrainConfig, TrainError, train
@@ -20,12 +18,8 @@ from unmask.training.trainer import TrainConfig, TrainError, train
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mask_lora")
-    m = tiny.loaded(initializer_range=0.5)
-    write_checkpoint(tmp / "parent", m.model, m.tokenizer, m.dllm)
-    with open(tmp / "d.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"count {i}", "completion": " ".join(str(j) for j in range(i, i + 12))})
-                    + "\n")
+    rows = [{"prompt": f"count {i}", "completion": " ".join(str(j) for j in range(i, i + 12))} for i in range(16)]
+    tiny.training_dir(tmp, rows, name="parent", data="d.jsonl", initializer_range=0.5)
     return tmp
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import tiny
-from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.llm import LLM
 from unmask.engine.params import SamplingParams
 from unmask.training.common import ids_hash
@@ -25,11 +24,7 @@ DATA = [{"prompt": "What is two plus two?", "completion": "Two plus two is four.
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("traj")
-    lm = tiny.loaded()
-    write_checkpoint(d / "src", lm.model, lm.tokenizer, lm.dllm)
-    with open(d / "data.jsonl", "w") as fh:
-        for x in DATA:
-            fh.write(json.dumps(x) + "\n")
+    lm = tiny.training_dir(d, DATA)
     ds = load_dataset(str(d / "data.jsonl"), lm.tokenizer, 64, set(lm.dllm.eos_token_ids))
     return d, lm, ds
 

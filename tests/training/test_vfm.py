@@ -5,14 +5,12 @@ lower the loss and change only the noise adapter, an interrupted run resumes to 
 forward counts."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
 import tiny
-from unmask.engine.checkpoint import write_checkpoint
 from unmask.training.experimental import vfm
 from unmask.training.scopes import prepare_model
 from unmask.training.trainer import TrainConfig, TrainError, train
@@ -21,12 +19,8 @@ from unmask.training.trainer import TrainConfig, TrainError, train
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vfm")
-    m = tiny.loaded(initializer_range=0.5)
-    write_checkpoint(tmp / "parent", m.model, m.tokenizer, m.dllm)
-    with open(tmp / "d.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"count {i}", "completion": " ".join(str(j) for j in range(i, i + 6))})
-                    + "\n")
+    rows = [{"prompt": f"count {i}", "completion": " ".join(str(j) for j in range(i, i + 6))} for i in range(16)]
+    tiny.training_dir(tmp, rows, name="parent", data="d.jsonl", initializer_range=0.5)
     # a trained mask-row adapter to start from (as the trial starts from the shipped default)
     train(TrainConfig(model=str(tmp / "parent"), data=str(tmp / "d.jsonl"), out=str(tmp / "block"),
                       objective="block", trainable="mask_lora", lora_r=4, lora_alpha=8, max_steps=3, batch_size=4,

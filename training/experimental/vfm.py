@@ -54,7 +54,7 @@ from torch import nn
 from unmask.engine.attention import build_attention_mask
 
 from ..common import TrainError, seed_of
-from ..losses import LossParts
+from ..losses import LossParts, Rows
 from ..objectives.base import Objective
 
 #: initial log-variance of q (sigma = 0.05 token-embedding standard deviations): the start is the plain model
@@ -126,36 +126,20 @@ def embedding_scale(embed_weight: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------- rows
 @dataclass
-class VfmRows:
-    """One forward's rows.
+class VfmRows(Rows):
+    """One forward's rows: :class:`~unmask.training.losses.Rows` (``prompt | G positions``, right-padded) and where
+    the G generation positions are."""
 
-    Attributes:
-        input_ids, position_ids: ``[B, L]`` int64 (``prompt | G positions``, right-padded); attention_mask:
-            ``[B, 1, L, L]`` bool; valid: ``[B, L]`` bool. gen_start: ``[B]`` int64 prompt lengths.
-        masked: ``[B, G]`` bool, the generation positions holding noise (the rest hold their label).
-        labels: ``[B, G]`` int64. prompt_ids / prompt_valid: ``[B, P]`` the prompts alone (for pooling).
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    valid: torch.Tensor
-    gen_start: torch.Tensor
-    masked: torch.Tensor
-    labels: torch.Tensor
-    prompt_ids: torch.Tensor
-    prompt_valid: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.valid.sum())
+    gen_start: torch.Tensor  # [B] int64: the prompt lengths
+    masked: torch.Tensor  # [B, G] bool: the positions holding noise (the rest hold their label)
+    labels: torch.Tensor  # [B, G] int64
+    prompt_ids: torch.Tensor  # [B, P]: the prompts alone (for pooling)
+    prompt_valid: torch.Tensor  # [B, P] bool
 
     @property
     def norm(self) -> float:
+        """The masked positions (the CE's divisor)."""
         return float(self.masked.sum())
-
-    def to(self, device) -> "VfmRows":
-        return VfmRows(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
 def canvas(prompts: list[list[int]], gen: torch.Tensor, mask_id: int, pad_id: int) -> VfmRows:

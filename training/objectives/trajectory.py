@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..common import TrainError, ids_hash
+from ..jsonl import json_lines
 from ..losses import Noise, NoisyBlock, answer_blocks, draw_noise
 from .diffusion import Block
 
@@ -109,28 +110,20 @@ def load_trajectories(path: Path, header: dict | None = None) -> dict[str, dict]
     if not path.is_file():
         return {}
     out: dict[str, dict] = {}
-    with open(path) as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                if i > 1 and not line.endswith("\n"):
-                    break  # a line cut by a killed recording: re-recorded on resume
-                raise TrajectoryError(f"{path}:{i}: not JSON ({exc.msg})") from None
-            if i == 1:
-                if rec.get("trajectory") != 1:
-                    raise TrajectoryError(f"{path}:1: not a trajectory file header")
-                if header is not None and rec != header:
-                    diff = {k: (rec.get(k), v) for k, v in header.items() if rec.get(k) != v}
-                    raise TrajectoryError(f"{path}:1: recorded with other settings {diff} (file, this run); use "
-                                          "another --trajectories file or the same settings")
-                continue
-            try:
-                out[rec["ids"]] = {int(s): list(map(int, st)) for (s, _e), st in zip(rec["spans"], rec["steps"])}
-            except (KeyError, TypeError, ValueError):
-                raise TrajectoryError(f"{path}:{i}: needs `ids`, `spans` and `steps`") from None
+    # a line cut by a killed recording ends the file: re-recorded on resume
+    for i, rec in json_lines(path, TrajectoryError, cut_tail=True):
+        if i == 1:
+            if rec.get("trajectory") != 1:
+                raise TrajectoryError(f"{path}:1: not a trajectory file header")
+            if header is not None and rec != header:
+                diff = {k: (rec.get(k), v) for k, v in header.items() if rec.get(k) != v}
+                raise TrajectoryError(f"{path}:1: recorded with other settings {diff} (file, this run); use "
+                                      "another --trajectories file or the same settings")
+            continue
+        try:
+            out[rec["ids"]] = {int(s): list(map(int, st)) for (s, _e), st in zip(rec["spans"], rec["steps"])}
+        except (KeyError, TypeError, ValueError):
+            raise TrajectoryError(f"{path}:{i}: needs `ids`, `spans` and `steps`") from None
     return out
 
 

@@ -35,6 +35,8 @@ import random
 import zlib
 from pathlib import Path
 
+from ..jsonl import json_lines, write_jsonl
+
 SEED = 20261130
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO / "benchmarks" / "data"
@@ -258,22 +260,14 @@ def grid_subset(eval_items: list[dict], size: int = GRID_SIZE, checkable_share: 
     return ids
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for r in rows:
-            fh.write(json.dumps(r, ensure_ascii=False, sort_keys=False) + "\n")
-    tmp.replace(path)
-
-
 def write_all(out_dir: str | Path = DATA_DIR) -> dict[str, Path]:
     """Write the three files into ``out_dir`` (created if missing). Returns their paths by name."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, evals = build_train(), build_eval()
     ids = grid_subset(evals)
-    _write_jsonl(out / TRAIN_FILE, train)
-    _write_jsonl(out / EVAL_FILE, evals)
+    write_jsonl(out / TRAIN_FILE, train)
+    write_jsonl(out / EVAL_FILE, evals)
     grid = out / GRID_FILE
     grid.write_text(json.dumps({"ids": ids, "quick_ids": ids[:QUICK_SIZE]}, indent=1) + "\n", encoding="utf-8")
     return {"train": out / TRAIN_FILE, "eval": out / EVAL_FILE, "grid": grid}
@@ -287,22 +281,15 @@ def load_prompts(path: str | Path) -> list[dict]:
             and a string ``id``, or a duplicated id.
     """
     rows, seen = [], set()
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from exc
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise ValueError(f"{path}:{n}: expected an object with a non-empty string 'prompt'")
-            if not isinstance(row.get("id"), str):
-                raise ValueError(f"{path}:{n}: expected a string 'id'")
-            if row["id"] in seen:
-                raise ValueError(f"{path}:{n}: duplicated id {row['id']!r}")
-            seen.add(row["id"])
-            rows.append(row)
+    for n, row in json_lines(path):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ValueError(f"{path}:{n}: expected an object with a non-empty string 'prompt'")
+        if not isinstance(row.get("id"), str):
+            raise ValueError(f"{path}:{n}: expected a string 'id'")
+        if row["id"] in seen:
+            raise ValueError(f"{path}:{n}: duplicated id {row['id']!r}")
+        seen.add(row["id"])
+        rows.append(row)
     return rows
 
 
@@ -319,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_all(args.out)
     if args.extra_train:
         paths["train_extra"] = Path(args.out) / EXTRA_FILE
-        _write_jsonl(paths["train_extra"], build_train_extra(args.extra_train))
+        write_jsonl(paths["train_extra"], build_train_extra(args.extra_train))
     for name, p in paths.items():
         print(f"{name}: {p}")
     return 0
