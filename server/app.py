@@ -6,6 +6,7 @@ and embedders can build several in one process. Routes (docs/design.md#http-cont
 * ``GET /v1/models``, ``GET /v1/models/{id}`` (404 for an unknown id)
 * ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``)
 * ``GET /health`` (engine counters; 503 when the engine is down), ``GET /metrics`` (Prometheus text, no redirect)
+* ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's shapes: :mod:`.tokenize_api`)
 
 The server depends on the engine's public API only (``unmask.engine`` and ``unmask.engine.limits``; never on
 ``unmask.training``), and reads only the engine's outputs (step events, completion outputs, the request stream's
@@ -34,7 +35,7 @@ from . import responses as R
 from .accounting import finished_work
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
-from .guard import GuardMiddleware
+from .guard import GuardMiddleware, needs_key
 from .metrics import Metrics
 from .prompt_input import chat_ids, completion_ids, longest_token_chars
 from .render import Render, echo_texts
@@ -220,7 +221,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+            for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeChatRequest",
+                         "TokenizeCompletionRequest", "DetokenizeRequest"):
                 props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
                 if "model" in props:  # the schema names the one model this server has
                     props["model"]["enum"] = [model_name]
@@ -229,11 +231,11 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                 for prm in op.get("parameters", []):
                     if prm.get("name") == "model_id":
                         prm["schema"]["enum"] = [model_name]
-            if api_key is not None:  # the key is required on /v1/* only (docs/design.md#admission-and-limits)
+            if api_key is not None:  # every route but the guard's open ones (docs/design.md#admission-and-limits)
                 schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
                                                                                      "scheme": "bearer"}}
                 for path, ops in schema.get("paths", {}).items():
-                    for op in ops.values() if path.startswith("/v1/") else ():
+                    for op in ops.values() if needs_key(path) else ():
                         op["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
@@ -243,6 +245,10 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     from .responses_api import router as responses_router
 
     app.include_router(responses_router, responses=_ERRORS)
+    # POST /tokenize, POST /detokenize, GET /version (vLLM's shapes)
+    from .tokenize_api import router as tokenize_router
+
+    app.include_router(tokenize_router, responses=_ERRORS)
     mount_visualizer(app)
     return app
 

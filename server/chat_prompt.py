@@ -73,10 +73,11 @@ def _template(tokenizer, override: str | None, with_tools: bool) -> str | None:
 
 
 def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None = None,
-                    tools: list[dict] | None = None, mask_token_id: int | None = None) -> list[int]:
-    """Token ids of ``messages`` (template dicts) with the generation prompt; ``tools``: the request's tools (None:
-    none offered, or ``tool_choice: none``); the mask token's text in them is tokenized as plain text
-    (:func:`unmask.engine.text_ids.encode_text`).
+                    tools: list[dict] | None = None, mask_token_id: int | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` (template dicts) with the generation prompt (unless ``add_generation_prompt`` is
+    False: ``/tokenize``); ``tools``: the request's tools (None: none offered, or ``tool_choice: none``); the mask
+    token's text in them is tokenized as plain text (:func:`unmask.engine.text_ids.encode_text`).
 
     Raises:
         APIError: 400 naming ``messages`` (no template, or the template failed to render) or ``tools`` (the
@@ -97,7 +98,8 @@ def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None =
                             f"a template of your own", param=field, code="invalid_value")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=True, chat_template=template, **variables)
+                                             add_generation_prompt=add_generation_prompt, chat_template=template,
+                                             **variables)
     except ParamError:
         raise
     except RecursionError:  # a value the template serializes (tojson) nests deeper than its recursion allows

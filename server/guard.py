@@ -1,10 +1,14 @@
-"""Pure ASGI guards before routing (docs/design.md#http-contract and #admission-and-limits): the API key on ``/v1/*``
-(401), then, for a request some route takes with its method, the body size (413), the JSON content type (415) and UTF-8
-(400: no BOM, no UTF-16/32). ``HEAD`` is answered as the ``GET`` of the same path without its body.
+"""Pure ASGI guards before routing (docs/design.md#http-contract and #admission-and-limits): the API key (401) on every
+route but the open ones, then, for a request some route takes with its method, the body size (413), the JSON content
+type (415) and UTF-8 (400: no BOM, no UTF-16/32). ``HEAD`` is answered as the ``GET`` of the same path without its
+body.
 
-Routes open without the key: ``/health`` (probes), ``/metrics`` (Prometheus), ``/`` and ``/visualizer/*`` (the
-page; its own calls go to ``/v1``), ``/docs`` and ``/openapi.json``; everything under ``/v1/`` needs it. A method
-no route takes (``PUT /health``) goes on to the router's 405 with ``Allow`` before any body check.
+The routes open without the key are listed here and nowhere else (:data:`OPEN_ROUTES`, :data:`OPEN_PREFIXES`,
+:func:`needs_key`; the OpenAPI schema marks the others as needing it): ``/health`` (probes), ``/metrics``
+(Prometheus), ``/``, ``/favicon.ico`` and ``/visualizer/*`` (the page; its own calls go to ``/v1``), ``/docs``,
+``/redoc`` and ``/openapi.json``. Everything else needs it: ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/version``,
+and an unknown path (a 401 before the 404, so that the key guards which routes exist). A method no route takes
+(``PUT /health``) goes on to the router's 405 with ``Allow`` before any body check.
 """
 from __future__ import annotations
 
@@ -16,6 +20,18 @@ from starlette.routing import Match
 from .errors import APIError
 
 log = logging.getLogger("unmask.server")
+
+#: the paths open without the API key (the one list)
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/", "/favicon.ico", "/docs", "/docs/oauth2-redirect", "/redoc",
+                         "/openapi.json"})
+#: path prefixes open without the API key (the page's files)
+OPEN_PREFIXES = ("/visualizer/",)
+
+
+def needs_key(path: str) -> bool:
+    """Whether a request for ``path`` (the app's own path, without a root path) needs the API key when the server
+    has one: every path but :data:`OPEN_ROUTES` and those under :data:`OPEN_PREFIXES`."""
+    return path not in OPEN_ROUTES and not path.startswith(OPEN_PREFIXES)
 
 
 def not_utf8(head: bytes) -> APIError | None:
@@ -47,7 +63,7 @@ def _without_body(send):
 
 
 class GuardMiddleware:
-    """Pure ASGI checks before routing (so they never depend on body parsing): API key on ``/v1/*`` (401),
+    """Pure ASGI checks before routing (so they never depend on body parsing): API key (401, :func:`needs_key`),
     body size (413, Content-Length or counted bytes) and JSON content type on POST (415).
 
     The body is read here and replayed to the app; after it, ``receive`` passes through, so a route can still wait
@@ -71,9 +87,11 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         if scope.get("method") == "HEAD":  # HEAD on every GET route (RFC 9110 section 9.3.2): the GET, no body
             scope, send = {**scope, "method": "GET"}, _without_body(send)
-        path = scope.get("path", "")
+        path, root = scope.get("path", ""), scope.get("root_path", "").rstrip("/")
+        if root and path.startswith(root + "/"):
+            path = path[len(root):]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
+        if self.api_key is not None and needs_key(path) and scope.get("method") != "OPTIONS":
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):

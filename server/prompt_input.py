@@ -52,11 +52,13 @@ async def completion_ids(state, prompts: list[str | list[int]]) -> list[list[int
     return await anyio.to_thread.run_sync(lambda: [encode_prompt(state.tokenizer, p, mask_id) for p in prompts])
 
 
-async def chat_ids(state, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+async def chat_ids(state, messages: list[dict], tools: list[dict] | None = None,
+                   add_generation_prompt: bool = True) -> list[int]:
     """The rendered chat's token ids (template and tokenizer in a worker thread, through
     :func:`unmask.server.chat_prompt.render_chat_ids`). ``messages``: the template dicts of
-    ``ChatMessage.as_template_dict``; ``tools``: the request's tools for the template (None: none)."""
+    ``ChatMessage.as_template_dict``; ``tools``: the request's tools for the template (None: none);
+    ``add_generation_prompt``: False only for ``/tokenize``."""
     longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))  # named in the 400
     check_chars(state, f"messages.{longest}.content", sum(len(m["content"]) for m in messages))
     return await anyio.to_thread.run_sync(render_chat_ids, state.tokenizer, messages, state.chat_template, tools,
-                                          state.engine.dllm.mask_token_id)
+                                          state.engine.dllm.mask_token_id, add_generation_prompt)

@@ -162,7 +162,7 @@ def test_a_small_request_gets_its_first_token_while_a_large_one_holds_the_batch(
         assert large_done < 8, "the large request finished before the small one's first token"
 
 
-OPEN = ["/health", "/metrics", "/", "/docs", "/openapi.json", "/visualizer/app.js"]
+OPEN = ["/health", "/metrics", "/", "/docs", "/openapi.json", "/visualizer/app.js", "/favicon.ico"]
 
 
 def test_routes_open_without_the_key_and_v1_needs_it(server, http):
@@ -170,7 +170,8 @@ def test_routes_open_without_the_key_and_v1_needs_it(server, http):
         r = httpx.get(server["url"] + path, timeout=10)
         assert r.status_code == 200, (path, r.status_code)
     for method, path in [("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL}"), ("POST", C), ("POST", CH),
-                         ("GET", "/v1/nope")]:
+                         ("GET", "/v1/nope"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
+                         ("GET", "/nope")]:
         for headers in ({}, {"Authorization": f"Bearer {WRONG}"}, {"Authorization": KEY}):
             r = httpx.request(method, server["url"] + path, headers=headers, json={}, timeout=10)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, headers)
@@ -318,6 +319,7 @@ MODEL_DEPENDENT_400 = {
     "max_completion_tokens",
     "prompt",              # a token id outside the vocabulary; a prompt that fills the context
     "prompt.N",            # the same for one prompt of several (named by its index)
+    "tokens.N",            # /detokenize: a token id outside the vocabulary
     "messages",            # the chat template refuses the role order
     "stop_token_ids",      # an id outside the vocabulary, or one the model never samples (its mask token)
     "block_size",          # longer than max_tokens can use / than the context
@@ -413,8 +415,10 @@ def test_schemathesis_with_every_check_finds_nothing_undocumented(server):
 
 
 def test_the_schema_says_which_routes_need_the_key(http):
+    from unmask.server.guard import needs_key
+
     schema = http.get("/openapi.json").json()
     assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     for path, ops in schema["paths"].items():
         for method, op in ops.items():
-            assert ("security" in op) == path.startswith("/v1/"), (method, path)
+            assert ("security" in op) == needs_key(path), (method, path)
