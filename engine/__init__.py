@@ -17,7 +17,8 @@ __all__ = ["LLM", "Engine", "AsyncEngine", "RequestStream", "SamplingParams", "S
            "DllmConfig", "CheckpointError", "load_model", "RequestOutput", "CompletionOutput", "StepEvent",
            "Revealed", "QueueFull", "CacheFull", "EngineError", "EngineClosed", "encode_prompt", "chat_prompt_ids",
            "encode_text", "TokenTexts", "DecodingPlan", "Constraint", "CONSTRAINT_KINDS", "check_constraint",
-           "check_first_forward", "SelfCheckError"]
+           "check_first_forward", "SelfCheckError", "EngineConfig", "option", "options_of", "with_options",
+           "EngineDefaults"]
 
 _LAZY = {  # name -> module: importing the package must not import torch-heavy modules eagerly
     "LLM": "llm", "encode_prompt": "llm", "chat_prompt_ids": "llm",
@@ -27,6 +28,8 @@ _LAZY = {  # name -> module: importing the package must not import torch-heavy m
     "load_model": "model", "TokenTexts": "detokenize", "SpeculativeOptions": "params", "DecodingPlan": "plan",
     "check_constraint": "constraints", "encode_text": "text_ids",
     "check_first_forward": "self_check", "SelfCheckError": "self_check",
+    "EngineConfig": "options", "option": "options", "options_of": "options", "with_options": "options",
+    "EngineDefaults": "plan",
 }
 
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import AsyncIterator
 
 from .engine import Engine
-from .limits import DEFAULT_PREFILL_CHUNK
 from .model import LoadedModel
+from .options import EngineConfig
 from .outputs import CompletionOutput, StepEvent
 from .params import ParamError, SamplingParams
 from .request import Request
@@ -127,16 +127,16 @@ class AsyncEngine:
 
     Args:
         loaded_model: the :class:`LoadedModel` to serve.
-        max_batch_size: most sequences decoded together in one step.
-        max_queue: most sequences waiting for a batch slot (``n`` choices count ``n``); beyond it :class:`QueueFull`.
-        max_cached_tokens: KV budget in canvas tokens (see :class:`Scheduler`); a request that can never fit raises
-            :class:`ParamError` (HTTP 400; an unset ``max_tokens`` is lowered to fit first), one that fits the budget
-            but not what is left of it waits in the queue. ``None`` = unlimited.
-        default_drafts: ``auto`` | ``on`` | ``off``: whether requests that get speculative decoding only from the
-            checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
-        enable_prefix_caching: reuse committed KV across requests that share a prompt prefix
+        config: the engine options (:class:`~unmask.engine.options.EngineConfig`; the loading ones are unused here);
+            ``**options``: single fields of it, replacing ``config``'s (``max_batch_size=8``). ``max_queue``: most
+            sequences waiting for a batch slot (``n`` choices count ``n``); beyond it :class:`QueueFull`.
+            ``max_cached_tokens``: KV budget in canvas tokens (see :class:`Scheduler`); a request that can never fit
+            raises :class:`ParamError` (HTTP 400; an unset ``max_tokens`` is lowered to fit first), one that fits the
+            budget but not what is left of it waits in the queue; ``None`` = unlimited. ``default_drafts``,
+            ``block_size``, ``max_model_len``: the decoding plan's inputs (``unmask.engine.plan.engine_defaults``).
+            ``enable_prefix_caching``: reuse committed KV across requests that share a prompt prefix
             (docs/design.md#prefix-reuse; the store counts against ``max_cached_tokens`` and is evicted first).
-        prefill_chunk: row-equivalents per step before a sequence's first step (chunked prefill,
+            ``prefill_chunk``: row-equivalents per step before a sequence's first step (chunked prefill,
             docs/design.md#decoding).
 
     Counters (read from any thread; updated by the engine thread after every step):
@@ -153,23 +153,18 @@ class AsyncEngine:
         engine.shutdown()
     """
 
-    def __init__(self, loaded_model: LoadedModel, max_batch_size: int = 16, max_queue: int = 256,
-                 max_cached_tokens: int | None = None, default_drafts: str = "auto",
-                 enable_prefix_caching: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        if max_queue < 1:
-            raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
+    def __init__(self, loaded_model: LoadedModel, config: EngineConfig | None = None, **options):
+        self.engine = Engine(loaded_model, config, **options)
+        self.config = config = self.engine.config
         self.model = loaded_model
-        # read-only for the server: the tokenizer, the context length in tokens, the DllmConfig
+        # read-only for the server: the tokenizer, the context length in tokens (the engine's), the DllmConfig
         self.tokenizer, self.dllm = loaded_model.tokenizer, loaded_model.dllm
-        self.max_context = loaded_model.max_context
-        self.engine = Engine(loaded_model, max_batch_size=max_batch_size, max_queue=max_queue,
-                             max_cached_tokens=max_cached_tokens, default_drafts=default_drafts,
-                             enable_prefix_caching=enable_prefix_caching, prefill_chunk=prefill_chunk)
+        self.max_context = self.engine.max_context
         self.denoiser = self.engine.denoiser
         self.scheduler = self.engine.scheduler
-        self.max_batch_size = max_batch_size
-        self.max_queue = max_queue
-        self.max_cached_tokens = max_cached_tokens
+        self.max_batch_size = config.max_batch_size
+        self.max_queue = config.max_queue
+        self.max_cached_tokens = config.max_cached_tokens
         self._cond = threading.Condition()
         self._inbox: list[tuple[RequestStream, list[Request]]] = []  # guarded by _cond
         self._aborts: set[str] = set()  # guarded by _cond
@@ -183,6 +178,15 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="unmask-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def defaults(self):
+        """The engine's :class:`~unmask.engine.plan.EngineDefaults` (what a request that sets nothing gets)."""
+        return self.engine.defaults
+
+    def describe_defaults(self) -> str:
+        """What a request that sets nothing gets (the decoding plan's own line, :meth:`Engine.describe_defaults`)."""
+        return self.engine.describe_defaults()
 
     # ------------------------------------------------------------------ public API (event-loop side)
     @property

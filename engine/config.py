@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .limits import REMASKING_STRATEGIES
-from .params import MAX_SPECULATIVE_BLOCK
+from .limits import MAX_SPECULATIVE_BLOCK, REMASKING_STRATEGIES
 
 ATTENTION_MODES = ("bidirectional", "prefix_causal", "block_causal")
 FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar")
@@ -91,6 +90,20 @@ def check_int(where: str, name: str, value: Any, lo: int) -> None:
         raise CheckpointError(f"{where}.{name}: must be a {kind} integer, got {value!r}")
 
 
+class FrozenDict(dict):
+    """A ``dict`` that refuses changes (a frozen :class:`DllmConfig`'s ``default_sampling``); reads, equality, JSON
+    and copies behave as a plain dict's."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a loaded model's dllm.default_sampling is read-only: the decoding plan decides the "
+                        "defaults from it (unmask.engine.plan)")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = setdefault = clear = _refuse
+
+    def __reduce__(self):
+        return FrozenDict, (dict(self),)
+
+
 @dataclass
 class DllmConfig:
     """Diffusion settings of one checkpoint.
@@ -116,7 +129,7 @@ class DllmConfig:
             ``{"temperature": 0.0, "threshold": 0.7}``): what a request that leaves them unset gets (as vLLM
             applies a checkpoint's ``generation_config.json``); ``threshold`` applies only to requests that give
             neither ``steps`` nor ``threshold``; ``speculative`` (bool, prefix-causal models only) to requests that
-            do not set ``speculative`` and can be decoded self-speculatively (see ``SamplingParams.with_defaults``).
+            do not set ``speculative`` and can be decoded self-speculatively (see ``unmask.engine.plan.resolve_params``).
         suppress_token_ids: extra ids that are never generated (besides mask and pad).
         verifier: directory (relative to the checkpoint, or absolute) of a checkpoint with the same architecture
             and tokenizer whose weights run the causal rows of speculative requests (``unmask.engine.routed``):
@@ -140,6 +153,21 @@ class DllmConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"dllm.{name}: a loaded model's settings are frozen after load; the decoding plan decides every "
+                f"default from them and the engine's options (unmask.engine.plan.engine_defaults; "
+                f"docs/design.md#decoding); dataclasses.replace makes a changed copy")
+        super().__setattr__(name, value)
+
+    def freeze(self) -> "DllmConfig":
+        """Make this config read-only (``load_model`` freezes the loaded model's): assigning a field raises
+        ``dataclasses.FrozenInstanceError``, changing ``default_sampling`` a ``TypeError``. Returns self."""
+        object.__setattr__(self, "default_sampling", FrozenDict(self.default_sampling))
+        object.__setattr__(self, "_frozen", True)
+        return self
 
     def validate(self, where: str = "config.json:dllm") -> None:
         """Raise :class:`CheckpointError` naming the field when a value is out of range."""
@@ -201,8 +229,10 @@ class DllmConfig:
         return sorted(ids)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict for the ``dllm`` section of ``config.json``."""
-        return dataclasses.asdict(self)
+        """JSON-ready dict for the ``dllm`` section of ``config.json`` (plain dicts and lists)."""
+        out = dataclasses.asdict(self)
+        out["default_sampling"] = dict(out["default_sampling"])
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config.json:dllm") -> "DllmConfig":

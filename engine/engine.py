@@ -14,11 +14,12 @@ from dataclasses import replace
 
 from .denoiser import Denoiser
 from .layout import build_layout
-from .limits import DEFAULT_PREFILL_CHUNK, ParamError
+from .limits import ParamError
 from .model import LoadedModel
+from .options import EngineConfig, with_options
 from .outputs import StepEvent
 from .params import SamplingParams
-from .plan import DecodingPlan, drafts_by_default, resolve
+from .plan import DecodingPlan, EngineDefaults, engine_defaults, resolve
 from .prefix_cache import PrefixCache, model_fingerprint
 from .request import Request
 from .scheduler import Scheduler
@@ -27,29 +28,46 @@ from .sequence import Sequence
 from .speculative import SpeculativeSequence
 from .text_ids import suffix_ids
 
-__all__ = ["Engine", "make_requests", "plan_request"]
+__all__ = ["Engine", "make_requests", "plan_request", "model_defaults"]
 
 
-def plan_request(model: LoadedModel, params: SamplingParams, default_drafts: str = "auto") -> DecodingPlan:
-    """The one resolution of a request's plan: :func:`unmask.engine.plan.resolve` with the checkpoint's settings,
-    the engine's draft policy and the model's device type (so that a request's defaults follow the device it runs
-    on, docs/design.md#exactness-contracts-by-device-and-dtype). Raises ParamError as ``resolve``."""
-    return resolve(params, model.dllm, default_drafts, model.device.type)
+def model_defaults(model: LoadedModel, config: EngineConfig | None = None) -> EngineDefaults:
+    """The decoding plan's defaults of ``model`` under the engine options ``config`` (default: every option at its
+    default): :func:`unmask.engine.plan.engine_defaults` with the model's settings, context and device type.
+
+    Raises:
+        ValueError: an engine option the model does not allow (names it: ``block_size``, ``max_model_len``,
+            ``default_drafts``).
+    """
+    config = config or EngineConfig()
+    return engine_defaults(model.dllm, model.max_context, model.device.type, config.default_drafts,
+                           config.block_size, config.max_model_len)
+
+
+def plan_request(model: LoadedModel, params: SamplingParams, defaults: EngineDefaults | None = None
+                 ) -> DecodingPlan:
+    """The one resolution of a request's plan: :func:`unmask.engine.plan.resolve` with the engine's defaults
+    (:func:`model_defaults`: the checkpoint's settings, the engine options and the model's device type, so that a
+    request's defaults follow the device it runs on, docs/design.md#exactness-contracts-by-device-and-dtype).
+    Raises ParamError as ``resolve``."""
+    return resolve(params, model.dllm, defaults=defaults if defaults is not None else model_defaults(model))
 
 
 def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
-                  default_drafts: str = "auto") -> list[Request]:
+                  defaults: EngineDefaults | None = None, plan: DecodingPlan | None = None) -> list[Request]:
     """The choices of one request: ``n`` of them with seeds seed, seed+1, ... (docs/design.md#decisions), each
-    decoded by the strategy its resolved plan (``unmask.engine.plan.resolve``) names.
+    decoded by the strategy its resolved plan (``unmask.engine.plan.resolve``) names. ``defaults``: the engine's
+    (:func:`model_defaults`); ``plan``: already resolved by :func:`plan_request` (``params`` is then unused).
 
     Raises:
         ParamError: ``n`` is not a positive integer, or a parameter this model cannot honour (names the field).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ParamError("n", f"must be a positive integer, got {n!r}")
-    plan = plan_request(model, params, default_drafts)
+    defaults = defaults if defaults is not None else model_defaults(model)
+    plan = plan if plan is not None else plan_request(model, params, defaults)
     kind = SpeculativeSequence if plan.speculative else MultiBlockSequence if plan.multi_block else Sequence
-    return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, model.max_context,
+    return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, defaults.max_context,
                  model.device, vocab_size=model.vocab_size, index=i) for i in range(n)]
 
 
@@ -57,41 +75,50 @@ class Engine:
     """Continuous batching over one model.
 
     Args:
-        model: the loaded model.
-        max_batch_size: most choices decoded together in one step.
-        max_queue: most choices waiting for a batch slot (beyond it :meth:`add_request` raises ``QueueFull``).
-        max_cached_tokens: KV budget in canvas tokens (see :class:`Scheduler`); ``None`` = unlimited.
-        default_drafts: ``auto`` | ``on`` | ``off``: whether requests that get speculative decoding only from the
-            checkpoint's default draft (``unmask.engine.plan.drafts_by_default``; auto = not on a CPU).
-        compile: ``model.enable_compile()`` first. denoiser: share an existing denoiser (its forward counter).
-        enable_prefix_caching: keep the committed KV of finished and running requests and reuse it for requests
-            whose prompts start the same way (docs/design.md#prefix-reuse); never on bidirectional models.
+        model: the loaded model (its settings are read, never changed: the engine's own defaults are
+            :attr:`defaults`).
+        config: the engine options (:class:`~unmask.engine.options.EngineConfig`; its loading options are unused
+            here: the model is loaded). ``**options``: single fields of it (``max_batch_size=8``), replacing
+            ``config``'s: ``max_batch_size``, ``max_queue``, ``max_cached_tokens`` (KV budget in canvas tokens, see
+            :class:`Scheduler`; None = unlimited), ``default_drafts`` (``unmask.engine.plan.drafts_by_default``),
+            ``compile``, ``enable_prefix_caching`` (docs/design.md#prefix-reuse; never on bidirectional models),
+            ``prefill_chunk`` (chunked prefill, :class:`~unmask.engine.denoiser.Denoiser`; ignored with
+            ``denoiser``), ``block_size`` and ``max_model_len`` (the plan's inputs, :func:`model_defaults`).
+        denoiser: share an existing denoiser (its forward counter).
         prefix_cache: share an existing store (``LLM`` keeps one across its calls); implies reuse.
-        prefill_chunk: what a sequence's prompt rows forwarded per step before its first step may cost, in
-            row-equivalents (chunked prefill, :class:`~unmask.engine.denoiser.Denoiser`; 0 = the whole prompt at
-            once); ignored with ``denoiser``.
 
     Raises:
-        ValueError: ``default_drafts`` is not a policy; ``compile`` on packed weights; a ``prefix_cache`` built for
-            another model.
+        ValueError: an option out of range or one the model does not allow (names it); ``compile`` on packed
+            weights; a ``prefix_cache`` built for another model.
+        TypeError: an unknown option.
     """
 
-    def __init__(self, model: LoadedModel, max_batch_size: int = 16, max_queue: int = 1 << 30,
-                 max_cached_tokens: int | None = None, default_drafts: str = "auto", compile: bool = False,
-                 denoiser: Denoiser | None = None, enable_prefix_caching: bool = True,
-                 prefix_cache: PrefixCache | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        drafts_by_default(default_drafts, model.device.type)  # validates
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, denoiser: Denoiser | None = None,
+                 prefix_cache: PrefixCache | None = None, **options):
+        config = self.config = with_options(EngineConfig, config, options).validate()
         self.model = model
-        self.default_drafts = default_drafts
-        self.denoiser = denoiser or Denoiser(model, compile=compile, prefill_chunk=prefill_chunk)
-        if prefix_cache is None and enable_prefix_caching and model.dllm.attention != "bidirectional":
+        model_defaults(model, config)  # validates default_drafts, block_size, max_model_len against the model
+        self.default_drafts = config.default_drafts
+        self.denoiser = denoiser or Denoiser(model, compile=config.compile, prefill_chunk=config.prefill_chunk)
+        if prefix_cache is None and config.enable_prefix_caching and model.dllm.attention != "bidirectional":
             prefix_cache = PrefixCache(model)
         elif prefix_cache is not None and prefix_cache.fingerprint != model_fingerprint(model):
             raise ValueError("prefix_cache: the store was built for another model (checkpoint files, weight "
                              "format, dtype, device or adapter differ); its KV would be wrong here")
         self.prefix_cache = prefix_cache
-        self.scheduler = Scheduler(self.denoiser, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   max_cached_tokens=max_cached_tokens, prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(self.denoiser, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
+                                   max_cached_tokens=config.max_cached_tokens, prefix_cache=prefix_cache)
+
+    @property
+    def defaults(self) -> EngineDefaults:
+        """What a request that sets nothing gets here (:func:`model_defaults`: the model's settings and device type
+        under this engine's options; read-only)."""
+        return model_defaults(self.model, self.config)
+
+    @property
+    def max_context(self) -> int:
+        """The context in tokens: the model's, or the ``max_model_len`` option below it."""
+        return self.defaults.max_context
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
@@ -106,26 +133,38 @@ class Engine:
             ParamError: invalid or unsatisfiable parameters (names the field).
         """
         prompt_ids = list(prompt_ids)
+        defaults = self.defaults
+        plan = plan_request(self.model, params, defaults)  # once: max_tokens changes no other choice
         if fit_max_tokens:
-            m = self.scheduler.fit_max_tokens(len(prompt_ids), params.max_tokens, self._need(prompt_ids, params),
-                                              self.model.max_context)
-            params = replace(params, max_tokens=m, min_tokens=min(params.min_tokens, m))
-        return make_requests(self.model, prompt_ids, params, request_id, n, self.default_drafts)
+            m = self.scheduler.fit_max_tokens(len(prompt_ids), params.max_tokens,
+                                              self._need(prompt_ids, plan, defaults.max_context), defaults.max_context)
+            p = plan.params
+            plan = replace(plan, params=replace(p, max_tokens=m, min_tokens=min(p.min_tokens, m)))
+        return make_requests(self.model, prompt_ids, plan.params, request_id, n, defaults, plan)
 
-    def _need(self, prompt_ids: list[int], params: SamplingParams):
+    def _need(self, prompt_ids: list[int], plan: DecodingPlan, max_context: int):
         """``need(m)``: cached tokens a request with ``max_tokens = m`` reserves (canvas length x lanes, from the
         layout alone); raises ParamError (``max_tokens``/``prompt``) when its canvas exceeds the context."""
         model = self.model
-        plan = plan_request(model, replace(params, max_tokens=1, min_tokens=0), self.default_drafts)
-        n_suffix = len(suffix_ids(params, model.tokenizer, model.dllm.mask_token_id))
+        n_suffix = len(suffix_ids(plan.params, model.tokenizer, model.dllm.mask_token_id))
         absolute = model.dllm.block_alignment == "absolute"
 
         def need(m: int) -> int:
             lay = build_layout(len(prompt_ids), m, n_suffix, plan.block_size, plan.window_size, absolute,
-                               model.max_context)
+                               max_context)
             return lay.length * plan.lanes
 
         return need
+
+    def describe_defaults(self) -> str:
+        """The plan's one line of what a request that sets nothing gets here
+        (:meth:`~unmask.engine.plan.EngineDefaults.describe`, with what drafts and verifies on this model)."""
+        from pathlib import Path
+
+        d, m = self.model.dllm, self.model
+        verifier = (str(Path(m.path) / Path(d.verifier).expanduser()) if d.verifier
+                    else "the parent's causal path" if m.adapter else "the model's causal path")
+        return self.defaults.describe(verifier, "the mask-row adapter" if m.adapter else "the model's mask rows")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
                     fit_max_tokens: bool = False, group: str | None = None) -> list[Request]:

@@ -82,8 +82,32 @@ def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin.requires_grad_(False)
 
 
+def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight [out, in] float32, bias [out] float32 | None)`` of a linear layer, bitsandbytes layers
+    dequantized; ``None`` for a module that is not a linear layer this module knows."""
+    if type(module) is nn.Linear:
+        w = module.weight.detach()
+    else:
+        name = type(module).__name__
+        if name == "Linear4bit":
+            import bitsandbytes.functional as bnbf
+
+            w = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        elif name == "Linear8bitLt":
+            cb, scb = getattr(module.weight, "CB", None), getattr(module.weight, "SCB", None)
+            if cb is None or scb is None:  # after a forward bitsandbytes keeps them in the layer's state
+                cb, scb = module.weight.data, getattr(getattr(module, "state", None), "SCB", None)
+            if scb is None or cb.dtype != torch.int8:
+                raise ValueError(f"weights: cannot dequantize this {name} layer (no int8 weight with row scales)")
+            w = cb.float() * (scb.float()[:, None] / 127.0)
+        else:
+            return None
+    bias = module.bias.detach().float() if getattr(module, "bias", None) is not None else None
+    return w.float(), bias
+
+
 def _is_linear(module: nn.Module) -> bool:
-    """A linear layer whose dense weights :func:`unmask.engine.packed_weights.dense_weight` can read."""
+    """A linear layer whose dense weights :func:`dense_weight` can read."""
     return type(module) is nn.Linear or type(module).__name__ in ("Linear4bit", "Linear8bitLt")
 
 
@@ -104,8 +128,6 @@ def _fusable(modules: list[nn.Module]) -> bool:
 def _concat_linear(modules: list[nn.Module], make_linear) -> nn.Module:
     """``make_linear(weight, bias)`` of the concatenation of ``modules``' output features, in order (dense float32
     weights; nf4/int8 bitsandbytes layers dequantized; a missing bias is zeros when another has one)."""
-    from .packed_weights import dense_weight
-
     parts = [dense_weight(m) for m in modules]
     weight = torch.cat([w for w, _ in parts])
     bias = None

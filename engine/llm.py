@@ -7,9 +7,10 @@ from collections.abc import Iterator
 
 from .denoiser import Denoiser
 from .model import LoadedModel, load_model
-from .engine import Engine, make_requests
+from .engine import Engine, make_requests, model_defaults
+from .options import EngineConfig, with_options
 from .outputs import CompletionOutput, RequestOutput, StepEvent
-from .limits import DEFAULT_PREFILL_CHUNK, ParamError
+from .limits import ParamError
 from .params import SamplingParams
 from .prefix_cache import PrefixCache
 from .request import Request
@@ -44,10 +45,14 @@ def chat_prompt_ids(tokenizer, messages: list[dict], chat_template: str | None =
 
 
 def make_sequences(model: LoadedModel, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                   n: int = 1, choice_ids: bool = False, default_drafts: str = "auto") -> list[Request]:
+                   n: int = 1, choice_ids: bool = False, config: EngineConfig | None = None) -> list[Request]:
     """Compatibility alias of :func:`unmask.engine.engine.make_requests` (``choice_ids`` is ignored: every choice
-    carries ``request_id`` and its ``index``)."""
-    return make_requests(model, prompt_ids, params, request_id, n, default_drafts)
+    carries ``request_id`` and its ``index``) under the engine options ``config``."""
+    return make_requests(model, prompt_ids, params, request_id, n, model_defaults(model, config))
+
+
+#: the queue of ``LLM``'s own engines: unbounded, since ``generate_iter`` reads requests ahead by its own bound
+UNBOUNDED_QUEUE = 1 << 30
 
 
 class LLM:
@@ -55,17 +60,16 @@ class LLM:
 
     Args:
         model: checkpoint directory / hub id, or an already :class:`LoadedModel`.
-        family: force a family (default: detect). device/dtype: ``auto`` or explicit.
-        weights: ``auto`` | ``native`` | ``fp16``: how the linear layers run (:func:`load_model`; a path only).
-        max_batch_size: sequences decoded together.
-        compile: ``torch.compile`` the decoder forward (see :class:`~unmask.engine.denoiser.Denoiser`).
-        adapter, parent: a mask-row adapter directory over ``model``, or the parent of an adapter-only ``model``
-            (:func:`~unmask.engine.model.load_model`; docs/design.md#mask-row-adapter; a path only).
-        enable_prefix_caching: reuse the committed KV of earlier calls' prompts and answers for prompts that start
-            the same way (docs/design.md#prefix-reuse; default on; never on bidirectional models).
-        prefill_chunk: what a sequence's prompt rows forwarded per step before its first step may cost, in
-            row-equivalents (rows at the prompt's start; chunked prefill, docs/design.md#decoding; 0 = the whole
-            prompt at once).
+        config: the engine options (:class:`~unmask.engine.options.EngineConfig`: loading ones such as ``family``,
+            ``device``, ``dtype``, ``weights``, ``adapter``, ``parent`` for a path only; ``max_batch_size``,
+            ``compile``, ``default_drafts``, ``enable_prefix_caching`` (one prefix store across calls, so that a
+            chat's next turn reuses the last one's KV, docs/design.md#prefix-reuse), ``prefill_chunk``,
+            ``block_size``, ``max_model_len``, ...). ``**options``: single fields of it, replacing ``config``'s
+            (``LLM(dir, adapter=..., max_batch_size=8)``). Each call runs its own engine with an unbounded queue.
+
+    Raises:
+        ValueError: an option out of range or one the model does not allow (names it). TypeError: an unknown
+            option.
 
     Example::
 
@@ -74,27 +78,21 @@ class LLM:
         print(out[0].outputs[0].text)
     """
 
-    def __init__(self, model: str | LoadedModel, family: str | None = None, device: str = "auto",
-                 dtype: str = "auto", max_batch_size: int = 16, compile: bool = False, weights: str = "auto",
-                 default_drafts: str = "auto", enable_prefix_caching: bool = True,
-                 adapter: str | None = None, parent: str | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        if compile and weights == "auto":
-            weights = "native"  # torch.compile traces the weights as loaded, not fbgemm's packed kernels
-        self.model = (model if isinstance(model, LoadedModel)
-                      else load_model(model, family, device, dtype, weights=weights, adapter=adapter, parent=parent))
-        self.denoiser = Denoiser(self.model, compile=compile, prefill_chunk=prefill_chunk)
-        self.max_batch_size = max_batch_size
-        self.default_drafts = default_drafts
+    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, **options):
+        config = self.config = with_options(EngineConfig, config, options).validate()
+        self.model = model if isinstance(model, LoadedModel) else load_model(model, **config.load_options())
+        self.denoiser = Denoiser(self.model, compile=config.compile, prefill_chunk=config.prefill_chunk)
+        self.max_batch_size = config.max_batch_size
+        self.default_drafts = config.default_drafts
         # one store across calls, so that a chat's next turn reuses the last one's KV (docs/design.md#prefix-reuse)
-        self.prefix_cache = (PrefixCache(self.model) if enable_prefix_caching
+        self.prefix_cache = (PrefixCache(self.model) if config.enable_prefix_caching
                              and self.model.dllm.attention != "bidirectional" else None)
-        self._engine(1)  # validates default_drafts
+        self._engine(1)  # validates the plan's inputs against the model
 
     def _engine(self, max_batch_size: int) -> Engine:
         """A fresh engine loop over this model (one per call: calls never share a batch), sharing the denoiser."""
-        return Engine(self.model, max_batch_size=max_batch_size, default_drafts=self.default_drafts,
-                      denoiser=self.denoiser, enable_prefix_caching=False, prefix_cache=self.prefix_cache)
+        return Engine(self.model, self.config, denoiser=self.denoiser, prefix_cache=self.prefix_cache,
+                      max_batch_size=max_batch_size, max_queue=UNBOUNDED_QUEUE, enable_prefix_caching=False)
 
     @property
     def tokenizer(self):
@@ -113,7 +111,7 @@ class LLM:
     def make_sequences(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1
                        ) -> list[Request]:
         """The choices of one request, not queued (see :func:`unmask.engine.engine.make_requests`)."""
-        return make_requests(self.model, prompt_ids, params, request_id, n, self.default_drafts)
+        return make_requests(self.model, prompt_ids, params, request_id, n, model_defaults(self.model, self.config))
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None,

@@ -39,6 +39,7 @@ import warnings
 import torch
 from torch import nn
 
+from .fused_decoder import dense_weight  # the lower layer: packing uses fusing, never the reverse
 from .heap import return_freed_memory
 
 
@@ -83,30 +84,6 @@ def resolve_weight_format(fmt: str | None, device: torch.device, dtype: torch.dt
     if fmt == "fp16" and why:
         raise ValueError(f"weights: fp16 packing is a CPU format (fbgemm) and works {why}; use --weights native")
     return fmt
-
-
-def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(weight [out, in] float32, bias [out] float32 | None)`` of a linear layer, bitsandbytes layers
-    dequantized; ``None`` for a module that is not a linear layer this module knows."""
-    if type(module) is nn.Linear:
-        w = module.weight.detach()
-    else:
-        name = type(module).__name__
-        if name == "Linear4bit":
-            import bitsandbytes.functional as bnbf
-
-            w = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state)
-        elif name == "Linear8bitLt":
-            cb, scb = getattr(module.weight, "CB", None), getattr(module.weight, "SCB", None)
-            if cb is None or scb is None:  # after a forward bitsandbytes keeps them in the layer's state
-                cb, scb = module.weight.data, getattr(getattr(module, "state", None), "SCB", None)
-            if scb is None or cb.dtype != torch.int8:
-                raise ValueError(f"weights: cannot dequantize this {name} layer (no int8 weight with row scales)")
-            w = cb.float() * (scb.float()[:, None] / 127.0)
-        else:
-            return None
-    bias = module.bias.detach().float() if getattr(module, "bias", None) is not None else None
-    return w.float(), bias
 
 
 class PackedFp16Linear(nn.Module):

@@ -282,13 +282,6 @@ class SamplingParams:
                     raise ParamError("logit_bias", f"keys must be token ids (integers >= 0), got {tok!r}")
                 check("logit_bias", bias)
 
-    def with_defaults(self, default_sampling: dict | None = None, model_block_size: int | None = None
-                      ) -> "SamplingParams":
-        """Compatibility alias of :func:`unmask.engine.plan.resolve_params` (the one place of the defaults)."""
-        from .plan import resolve_params
-
-        return resolve_params(self, default_sampling, model_block_size)
-
     # ------------------------------------------------------------------ speculative options, flat (HTTP) names
     speculative_branches = _flat_option("branches")
     speculative_epsilon = _flat_option("epsilon")

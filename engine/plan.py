@@ -3,6 +3,11 @@
 Every default and every eligibility rule of a request lives here and nowhere else (docs/design.md#decoding
 and #decisions):
 
+* the engine's defaults (:func:`engine_defaults`, decided once per engine from the checkpoint's settings and the
+  engine options of :class:`~unmask.engine.options.EngineConfig`): the default block (``block_size``, else the
+  checkpoint's ``block_size`` and, for plain diffusion, its ``diffusion_block_size``), the context
+  (``max_model_len``, else the checkpoint's), the draft policy; the loaded model's settings are never changed
+  (they are frozen at load, ``DllmConfig.freeze``); :meth:`EngineDefaults.describe` is the start-up log's line;
 * request-level defaults (:func:`resolve_params`): ``temperature`` (the request's, else the checkpoint's
   ``dllm.default_sampling``, else 1.0; 0 for a speculative request), ``threshold`` (the checkpoint's only for a
   request that sets neither ``threshold`` nor ``steps`` and sends no ``remasking``, ``low_confidence`` or the
@@ -18,20 +23,95 @@ and #decisions):
 * what a speculative request may not set (:data:`NOT_SPECULATIVE_FIELDS`, :func:`check_speculative`): the fields
   self-speculative decoding has no use for (``steps``, ``threshold``, ``remasking``, ``sub_block_size``).
 
-Errors: :class:`~unmask.engine.limits.ParamError` naming the field (HTTP 400).
+Errors: :class:`~unmask.engine.limits.ParamError` naming the field (HTTP 400); ``ValueError`` naming the engine
+option (:func:`engine_defaults`).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .config import DllmConfig
 from .limits import MAX_SEED, MAX_SPECULATIVE_BLOCK, MIN_SAMPLING_TEMPERATURE, ParamError
+from .options import DRAFT_POLICIES
 from .params import SPECULATIVE_ONLY_FIELDS, SamplingParams
 
 DEFAULT_BRANCHES = 3         # fallback groups when the request does not say (block 4: every draft has one)
 DEFAULT_NO_REPEAT_NGRAM = 3  # loop guard of the relaxed rules when the request does not say
-DRAFT_POLICIES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """What a request that sets nothing gets on one engine: the checkpoint's settings x the engine's options,
+    decided once by :func:`engine_defaults` (read-only).
+
+    Attributes:
+        block_size: the default block, the draft block of speculative requests: the engine's ``block_size`` option,
+            else the checkpoint's ``dllm.block_size``.
+        diffusion_block_size: the default block of plain-diffusion requests: the checkpoint's
+            ``dllm.diffusion_block_size`` unless the engine's ``block_size`` option replaces both; None =
+            ``block_size``.
+        default_sampling: the checkpoint's request defaults (``dllm.default_sampling``).
+        default_drafts: the engine's draft policy. device_type: the model's (``cpu``, ``cuda``...).
+        drafts: whether checkpoint-default speculative requests draft (:func:`drafts_by_default`).
+        max_context: the context in tokens (the engine's ``max_model_len``, else the checkpoint's); None = unknown.
+    """
+
+    block_size: int
+    diffusion_block_size: int | None
+    default_sampling: Mapping[str, Any]
+    default_drafts: str
+    device_type: str
+    drafts: bool
+    max_context: int | None = None
+
+    @property
+    def plain_block_size(self) -> int:
+        """The default block of a plain-diffusion request."""
+        return self.diffusion_block_size or self.block_size
+
+    def describe(self, verifier: str = "the model's causal path", drafter: str = "the model's mask rows") -> str:
+        """One line of what a request that sets nothing gets (the start-up log's ``default decoding``);
+        ``verifier`` / ``drafter``: what runs the causal rows and the drafts of a speculative request."""
+        d = self.default_sampling
+        thr = d.get("threshold")
+        decoding = (f"threshold {thr:g} (confidence-threshold parallel decoding)" if thr is not None
+                    else "one token per step")
+        decoding += (f", block {self.plain_block_size} and remasking {d.get('remasking', 'low_confidence')} "
+                     f"unless sent")
+        if not d.get("speculative"):
+            return decoding
+        plain = (f"requests without steps/threshold: speculative decoding, drafts from {drafter} verified by "
+                 f"{verifier}" if self.drafts else
+                 f"requests without steps/threshold: {verifier}, one token per forward (no drafts: on a CPU "
+                 f"drafting costs more than it saves, and the answers are the same; --default-drafts on to draft)")
+        return f"{plain}; other requests: {decoding}"
+
+
+def engine_defaults(dllm: DllmConfig, max_context: int | None = None, device_type: str = "cpu",
+                    default_drafts: str = "auto", block_size: int | None = None,
+                    max_model_len: int | None = None) -> EngineDefaults:
+    """The :class:`EngineDefaults` of a model (its ``dllm``, context and device type) under the engine options
+    ``default_drafts``, ``block_size`` and ``max_model_len`` (:class:`~unmask.engine.options.EngineConfig`).
+
+    Raises:
+        ValueError: (names the option) ``default_drafts`` not a policy; ``block_size`` on a family that decodes
+            with its trained block size only; ``max_model_len`` above the model's context.
+    """
+    drafts = drafts_by_default(default_drafts, device_type)
+    if block_size is not None and dllm.fixed_block_size and block_size != dllm.block_size:
+        raise ValueError(f"block_size: this {dllm.family} model decodes with its trained block size "
+                         f"{dllm.block_size} only")
+    if max_model_len is not None:
+        if max_context is not None and max_model_len > max_context:
+            raise ValueError(f"max_model_len: {max_model_len} exceeds the model's context of {max_context} tokens")
+        max_context = max_model_len
+    return EngineDefaults(block_size=block_size or dllm.block_size,
+                          diffusion_block_size=None if block_size else dllm.diffusion_block_size,
+                          default_sampling=dllm.default_sampling, default_drafts=default_drafts,
+                          device_type=device_type, drafts=drafts, max_context=max_context)
 
 
 @dataclass(frozen=True)
@@ -49,6 +129,8 @@ class DecodingPlan:
         lanes: canvas variants forwarded per step (2 under CFG, else 1).
         branches / epsilon / ratio / no_repeat_ngram: speculative decoding's options, resolved (0/None otherwise).
         multi_block: multi-block decoding's fraction (``unmask.engine.multi_block``), ``None`` = off.
+        model_block_size: the engine's default block (:attr:`EngineDefaults.block_size`), the bound of a request's
+            own ``block_size`` (``unmask.engine.limits.check_block_use``).
     """
 
     params: SamplingParams
@@ -75,6 +157,7 @@ class DecodingPlan:
     remasking: str = "low_confidence"
     cfg_scale: float = 0.0
     multi_block: float | None = None
+    model_block_size: int = 1
 
     def for_choice(self, index: int) -> "DecodingPlan":
         """The plan of choice ``index`` of an ``n > 1`` request: seed ``(seed + index) mod 2**63``."""
@@ -184,14 +267,14 @@ def drafts_by_default(default_drafts: str, device_type: str) -> bool:
     Raises:
         ValueError: (names ``default_drafts``) not one of auto, on, off.
     """
-    if default_drafts not in DRAFT_POLICIES:
+    if default_drafts not in DRAFT_POLICIES:  # the one list: EngineConfig's choices
         raise ValueError(f"default_drafts: {default_drafts!r} is not one of auto, on, off")
     if default_drafts == "auto":
         return device_type != "cpu"
     return default_drafts == "on"
 
 
-def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
+def check_speculative(params: SamplingParams, dllm: DllmConfig, model_block_size: int | None = None) -> None:
     """Raise :class:`ParamError` when this (resolved) request cannot be decoded self-speculatively: it needs a
     ``prefix_causal`` model with the logit shift (the causal path is then an AR model), none of the fields it has no
     use for (:data:`NOT_SPECULATIVE_FIELDS`: ``steps``, ``threshold``, a ``remasking`` other than
@@ -199,7 +282,7 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
     default threshold, and one that gets speculative decoding only from the checkpoint's default sets none of
     them), no CFG and no penalties (they would make the verifier differ from ``block_size=1`` decoding), a draft
     block of at most :data:`MAX_SPECULATIVE_BLOCK`; the relaxed acceptance rules are greedy only, the loop guard
-    needs one."""
+    needs one. ``model_block_size``: the engine's default block (default: the checkpoint's)."""
     if dllm.attention != "prefix_causal" or not dllm.logit_shift:
         raise ParamError("speculative", f"needs a prefix_causal model with the logit shift; this {dllm.family} model "
                                         f"has attention {dllm.attention} and logit_shift={dllm.logit_shift}")
@@ -219,7 +302,7 @@ def check_speculative(params: SamplingParams, dllm: DllmConfig) -> None:
         raise ParamError("speculative", "cannot be combined with cfg_scale > 0")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
         raise ParamError("speculative", "cannot be combined with presence/frequency/repetition penalties")
-    block = params.block_size or dllm.block_size
+    block = params.block_size or model_block_size or dllm.block_size
     if block > MAX_SPECULATIVE_BLOCK:
         raise ParamError("block_size", f"self-speculative decoding drafts at most {MAX_SPECULATIVE_BLOCK} tokens per "
                                        f"step (a step forwards up to block_size^2 rows), got {block}")
@@ -255,30 +338,32 @@ def resolve_cache(mode: str, dllm: DllmConfig) -> str:
     return mode
 
 
-def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "auto", device_type: str = "cpu"
-            ) -> DecodingPlan:
+def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "auto", device_type: str = "cpu",
+            defaults: EngineDefaults | None = None) -> DecodingPlan:
     """The frozen plan of choice 0 of a request (:meth:`DecodingPlan.for_choice` gives the others).
 
     Args:
         params: the request's parameters (validated). dllm: the checkpoint's diffusion settings.
         default_drafts: the engine's draft policy (``auto`` | ``on`` | ``off``; see :func:`drafts_by_default`).
         device_type: the model's device type (``cpu``, ``cuda``...).
+        defaults: the engine's :class:`EngineDefaults` (:func:`engine_defaults`); replaces ``default_drafts`` and
+            ``device_type``. None = the checkpoint's, under those two.
 
     Raises:
         ParamError: a parameter this model cannot honour (names the field).
         ValueError: ``default_drafts`` is not a policy.
     """
-    p = resolve_params(params, dllm.default_sampling, dllm.block_size)
+    d = defaults if defaults is not None else engine_defaults(dllm, None, device_type, default_drafts)
+    p = resolve_params(params, d.default_sampling, d.block_size)
     if (p.speculative and params.speculative is None and params.block_size is None
-            and params.speculative_options is None
-            and not drafts_by_default(default_drafts, device_type)):
+            and params.speculative_options is None and not d.drafts):
         p = replace(p, block_size=1)
-    default_block = dllm.block_size  # plain diffusion may have its own (not a request's field: not its limits)
-    if not p.speculative and dllm.diffusion_block_size is not None:
-        default_block = dllm.diffusion_block_size
-    if dllm.fixed_block_size and p.block_size not in (None, dllm.block_size):
+    default_block = d.block_size  # plain diffusion may have its own (not a request's field: not its limits)
+    if not p.speculative and d.diffusion_block_size is not None:
+        default_block = d.diffusion_block_size
+    if dllm.fixed_block_size and p.block_size not in (None, d.block_size):
         raise ParamError("block_size", f"this {dllm.family} model decodes with its trained block size "
-                                       f"{dllm.block_size} only, got {p.block_size}")
+                                       f"{d.block_size} only, got {p.block_size}")
     causal = dllm.attention != "bidirectional"
     if p.suffix is not None and p.suffix != "" and p.suffix != [] and causal:
         raise ParamError("suffix", f"infilling needs a bidirectional model; this model's attention is "
@@ -298,13 +383,14 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
     common = dict(params=p, block_size=bs, window_size=min(p.sub_block_size or dllm.sub_block_size or bs, bs),
                   temperature=temperature, sampling=temperature >= MIN_SAMPLING_TEMPERATURE, seed=int(p.seed),
                   cache=resolve_cache(p.cache, dllm), lanes=2 if p.cfg_scale > 0 else 1, top_k=p.top_k,
-                  top_p=p.top_p, steps=p.steps, remasking=p.remasking, cfg_scale=p.cfg_scale)
+                  top_p=p.top_p, steps=p.steps, remasking=p.remasking, cfg_scale=p.cfg_scale,
+                  model_block_size=d.block_size)
     if p.multi_block is not None:
         check_multi_block(p, dllm, common["window_size"], bs)
     if not p.speculative:
         return DecodingPlan(speculative=False, draft_block=None, threshold=p.threshold, multi_block=p.multi_block,
                             **common)
-    check_speculative(p, dllm)
+    check_speculative(p, dllm, d.block_size)
     opts = p.speculative_options
     b = opts.branches if opts is not None else None
     if b is not None and b > bs - 1:  # a fallback group per draft position at most: refused, not clamped

@@ -105,6 +105,29 @@ def bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, tor
             torch.tensor([float(logit_bias[i]) for i in ids], dtype=torch.float32))
 
 
+def check_request_ids(prompt_ids: list[int], params, dllm: DllmConfig, vocab_size: int | None) -> None:
+    """Every token id a request carries (prompt, suffix ids, constraints, ``stop_token_ids``, ``logit_bias`` keys)
+    is below ``vocab_size`` (None = not checked), none is the mask token, and no option targets an id the model
+    never samples (it would be accepted and do nothing; docs/design.md#admission-and-limits).
+
+    Raises:
+        ParamError: naming the field (``prompt`` also when it is empty).
+    """
+    if not prompt_ids:
+        raise ParamError("prompt", "must contain at least one token")
+    if vocab_size is not None:
+        check_token_ids("prompt", prompt_ids, vocab_size)
+        check_no_mask("prompt", list(prompt_ids), dllm.mask_token_id)
+        check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+        check_token_ids("constraints", list(params.constraints.values()), vocab_size)
+        if isinstance(params.suffix, list):
+            check_token_ids("suffix", params.suffix, vocab_size)
+            check_no_mask("suffix", list(params.suffix), dllm.mask_token_id)
+        check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
+    check_sampleable("logit_bias", sorted(params.logit_bias or ()), dllm, "a bias on it has no effect", key=True)
+    check_sampleable("stop_token_ids", params.stop_token_ids, dllm, "it can never stop a choice")
+
+
 class Request:
     """State of one choice (the strategy-independent part; see the module docstring).
 
@@ -135,28 +158,14 @@ class Request:
             raise TypeError(f"plan: a resolved DecodingPlan (unmask.engine.engine.plan_request), got "
                             f"{type(plan).__name__}")
         params = plan.params
-        if not prompt_ids:
-            raise ParamError("prompt", "must contain at least one token")
-        if vocab_size is not None:
-            check_token_ids("prompt", prompt_ids, vocab_size)
-            check_no_mask("prompt", list(prompt_ids), dllm.mask_token_id)
-            check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
-            check_token_ids("constraints", list(params.constraints.values()), vocab_size)
-            if isinstance(params.suffix, list):
-                check_token_ids("suffix", params.suffix, vocab_size)
-                check_no_mask("suffix", list(params.suffix), dllm.mask_token_id)
-            check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
-        # ids the model never samples: options on them would be accepted and do nothing
-        # (docs/design.md#admission-and-limits)
-        check_sampleable("logit_bias", sorted(params.logit_bias or ()), dllm,
-                         "a bias on it has no effect", key=True)
-        check_sampleable("stop_token_ids", params.stop_token_ids, dllm, "it can never stop a choice")
+        check_request_ids(prompt_ids, params, dllm, vocab_size)
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
         # the unit of fair admission (docs/design.md#admission-and-limits): the client's whole request
         self.group = request_id
         self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
         self.prompt_ids = list(prompt_ids)
-        check_block_use(params.block_size, params.max_tokens, dllm.block_size)  # docs/design.md#admission-and-limits
+        # docs/design.md#admission-and-limits
+        check_block_use(params.block_size, params.max_tokens, plan.model_block_size)
         P = self.prompt_len = len(prompt_ids)
         mask_id = dllm.mask_token_id
         suffix = suffix_ids(params, tokenizer, mask_id)

@@ -37,8 +37,11 @@ from collections.abc import Callable, Iterable
 from .denoiser import Denoiser
 from .limits import ParamError
 from .outputs import StepEvent
+from .options import EngineConfig
 from .prefix_cache import PrefixCache
 from .request import Request
+
+_DEFAULTS = EngineConfig()  # the engine options' one set of defaults
 
 
 class QueueFull(RuntimeError):
@@ -62,8 +65,8 @@ class Scheduler:
         prefix_cache: the store of reusable prefixes (``None``: no reuse); bounded here by the free budget.
     """
 
-    def __init__(self, denoiser: Denoiser, max_batch_size: int = 16, max_queue: int = 1024,
-                 max_cached_tokens: int | None = None, prefix_cache: PrefixCache | None = None):
+    def __init__(self, denoiser: Denoiser, max_batch_size: int = _DEFAULTS.max_batch_size,
+                 max_queue: int = _DEFAULTS.max_queue, max_cached_tokens: int | None = None, prefix_cache: PrefixCache | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         self.denoiser = denoiser

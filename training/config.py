@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from unmask.engine.options import option
+
 from .common import TrainError
 from .schedule import SCHEDULES
 from .scopes import DEFAULT_LORA_TARGETS, SCOPES
@@ -19,9 +21,29 @@ from .scopes import DEFAULT_LORA_TARGETS, SCOPES
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 
+def objective_names() -> tuple[str, ...]:
+    """``--objective``'s choices: the registry's names (``unmask.training.registry.OBJECTIVES``)."""
+    from .registry import OBJECTIVES
+
+    return tuple(OBJECTIVES)
+
+
+def int_list(text: str) -> list[int]:
+    """``"2,4"`` -> ``[2, 4]`` (``--draft-block-sizes``).
+
+    Raises:
+        ValueError: an item is not an integer.
+    """
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers such as 2,4, got {text!r}") from None
+
+
 @dataclass
 class TrainConfig:
-    """Settings of one run (the ``unmask train`` options; see ``unmask train --help``).
+    """Settings of one run: the ``unmask train`` options, each declared once with its flag's metadata
+(``unmask.engine.options.option``; ``unmask options train`` lists them).
 
     Sizes are per process: ``batch_size`` examples per micro-batch, ``grad_accum`` micro-batches per optimizer
     step. ``seq_len`` in tokens. ``lr`` peak learning rate; ``warmup`` steps. ``max_minutes`` wall-clock budget
@@ -36,72 +58,118 @@ class TrainConfig:
     and schedule; ignored when resuming (the resumed state holds the adapter).
     """
 
-    model: str
-    data: str
-    out: str
-    objective: str = "block"
-    trainable: str = "full"
-    block_size: int | None = None
-    complementary: bool = False
-    batch_size: int = 8
-    grad_accum: int = 1
-    seq_len: int = 256
-    max_steps: int = 100
-    max_minutes: float = 0.0
-    eval_every: int = 0
-    eval_data: str | None = None
-    eval_t_points: int = 5
-    save_every: int = 0
-    keep_last: int = 0
-    seed: int = 0
-    resume: bool = False
-    lr: float = 5e-5
-    lr_schedule: str = "cosine"
-    warmup: int = 0
-    minutes_before: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = False
-    teacher: str | None = None
-    teacher_kl: float = 0.0
-    no_ce: bool = False
-    certainty: float = 0.0
-    certainty_temperature: float = 0.5
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: list[str] | None = None
-    init_adapter: str | None = None
-    eps: float = 1e-3
-    mixed_precision: str = "auto"
-    progress: bool = True
-    halt_after: int | None = None
-    verifier: str | None = None
-    draft_groups: int = 32
+    # each field's option() metadata is its `unmask train` flag (unmask.cli.flags); cli=False: the Python API's only
+    model: str = option(help="a2d checkpoint directory (`unmask convert` output)", required=True, env=False)
+    data: str = option(help="JSONL: `messages` chats or `prompt`/`completion` (distill-data)", required=True,
+                       env=False)
+    out: str = option(help="output directory (checkpoint-<step>/, latest, metrics.csv, loss.png)", required=True,
+                      env=False)
+    objective: str = option(
+        "block", "mdlm: one t per sequence (bidirectional); block: every block in one forward (default); draft: train "
+                 "the model as the drafter of verifier-routed speculative decoding (needs --verifier); trajectory: "
+                 "d3LLM's pseudo-trajectory distillation (masks follow recorded reveal orders); vfm: the VFM trial (a "
+                 "prompt-conditioned noise adapter for one-step decoding; --trainable mask_lora, an experiment: "
+                 "docs/methods.md)", choices=lambda: objective_names(), env=False)
+    trainable: str = option("full", "mask_lora: the mask-row adapter (LoRA only mask rows see; "
+                                    "--lora-r/--lora-alpha/--lora-targets)", choices=SCOPES, env=False)
+    block_size: int | None = option(
+        None, "training block size, 1..--seq-len (default: the checkpoint's; --objective draft: >= 2, the block its "
+              "checkpoints draft at, default the largest --draft-block-sizes on a block-1 checkpoint)", env=False)
+    complementary: bool = option(False, "also train the complementary mask of each block", action="store_true",
+                                 env=False)
+    batch_size: int = option(8, "examples per micro-batch per process", env=False)
+    grad_accum: int = option(1, env=False)
+    seq_len: int = option(256, "maximum tokens per example (longer ones truncated)", env=False)
+    max_steps: int = option(100, env=False)
+    max_minutes: float = option(0.0, "stop (and save) after this many minutes", env=False)
+    eval_every: int = option(0, env=False)
+    eval_data: str | None = option(None, "held-out JSONL for evaluation", env=False)
+    eval_t_points: int = option(5, "mask rates t of the evaluation loss", cli=False, env=False)
+    save_every: int = option(0, "checkpoint every N steps (always at the end)", env=False)
+    keep_last: int = option(0, "keep only the N newest checkpoints (0 = all; each holds the model and optimizer "
+                               "state)", env=False)
+    seed: int = option(0, env=False)
+    resume: bool = option(False, "continue from OUT/latest", action="store_true", env=False)
+    lr: float = option(5e-5, env=False)
+    lr_schedule: str = option(
+        "cosine", "cosine/linear decay over --max-steps, constant after warmup, or cosine_time: a cosine over the "
+                  "--max-minutes wall-clock budget", choices=SCHEDULES, env=False)
+    warmup: int = option(0, "warmup steps", env=False)
+    minutes_before: float = option(0.0, "budget minutes spent by earlier processes of the run", cli=False, env=False)
+    weight_decay: float = option(0.0, env=False)
+    max_grad_norm: float = option(1.0, "0 = no clipping", env=False)
+    gradient_checkpointing: bool = option(False, action="store_true", env=False)
+    teacher: str | None = option(None, "AR parent (HF dir or GGUF) for --teacher-kl, run in-process", env=False)
+    teacher_kl: float = option(0.0, "weight W of KL(parent || model) at masked tokens", env=False)
+    no_ce: bool = option(False, "KL term only (needs --teacher-kl)", action="store_true", env=False)
+    certainty: float = option(
+        0.0, "weight C of the certainty-forcing term (dParallel): entropy of correctly predicted masked tokens, so "
+             "confidence-threshold decoding reveals more tokens per step (0 = off)", env=False)
+    certainty_temperature: float = option(0.5, "softmax temperature of that entropy", env=False)
+    lora_r: int = option(16, env=False)
+    lora_alpha: float = option(32.0, env=False)
+    lora_targets: list[str] | None = option(
+        None, "comma-separated module names (default: q_proj,k_proj,v_proj,o_proj; mask_lora: every projection)",
+        parse=lambda text: [t.strip() for t in text.split(",") if t.strip()] if text else None, env=False)
+    init_adapter: str | None = option(
+        None, "--trainable mask_lora: start the mask-row adapter from this adapter checkpoint (same rank, alpha, "
+              "targets, parent); --objective vfm keeps it frozen", metavar="DIR", env=False)
+    eps: float = option(1e-3, "lower bound of the mask rate t", cli=False, env=False)
+    mixed_precision: str = option("auto", choices=PRECISIONS, env=False)
+    progress: bool = option(True, flag="--no-progress", action="store_false", env=False)
+    halt_after: int | None = option(None, "stop after that many steps without a final save (tests)", cli=False,
+                                    env=False)
+    verifier: str | None = option(
+        None, "--objective draft: the a2d checkpoint whose causal path verifies the drafts (the untrained conversion "
+              "of the AR parent); the saved checkpoints name it as their verifier", env=False)
+    draft_groups: int = option(32, "--objective draft: draft groups (of --block-size masks) per example per step",
+                               env=False)
     #: --objective draft: block sizes its draft groups cycle through, one per step (None = --block-size only)
-    draft_block_sizes: list[int] | None = None
-    fsdp: bool = False
+    draft_block_sizes: list[int] | None = option(
+        None, "--objective draft: block sizes the draft groups cycle through, one per step (e.g. 2,4: drafting at "
+              "block 4 and plain diffusion at block 2 from one adapter; each in 2..--seq-len; default --block-size). "
+              "Given alone on a block-1 checkpoint it implies --block-size: the saved checkpoints draft at the "
+              "largest of them by default", metavar="K,K,...", parse=lambda text: int_list(text), env=False)
+    fsdp: bool = option(
+        False, "shard weights, gradients and optimizer state across the processes of a torchrun / accelerate launch "
+               "job (FSDP2; --trainable full; docs/scale.md)", action="store_true", env=False)
     # Repr-Align (unmask.training.experimental.align, docs/design.md#the-seeds-methods); 0 = off
-    align_weight: float = 0.0
-    align_layers: str = "all"
-    align_exp: float = 0.0
-    align_confidence: bool = False
-    align_teacher: str | None = None
-    align_anchors: str | None = None
-    align_anchor_budget_mb: float = 2048.0
+    align_weight: float = option(
+        0.0, "Repr-Align (Open-dLLM): + W * (1 - cos(student, AR teacher hidden states)) at masked tokens; 0 = off; "
+             "Open-dLLM uses 10", metavar="W", env=False)
+    align_layers: str = option("all", "all | comma-separated 1-based decoder layers", env=False)
+    align_exp: float = option(0.0, "layer weights proportional to exp(G * layer / n_layers) (0 = uniform)",
+                              metavar="G", env=False)
+    align_confidence: bool = option(False, "confidence-weighted CE per token: exp(-CE).detach() * CE (Open-dLLM's "
+                                           "path term)", action="store_true", env=False)
+    align_teacher: str | None = option(None, "the frozen AR teacher (default: --teacher, else --model run causally)",
+                                       env=False)
+    align_anchors: str | None = option(
+        None, "read the teacher's states from this anchor cache (built there first when absent) instead of running "
+              "the teacher live (the default)", metavar="DIR", env=False)
+    align_anchor_budget_mb: float = option(2048.0, "refuse to build an anchor cache larger than this", env=False)
     # pseudo-trajectory distillation (--objective trajectory, unmask.training.objectives.trajectory)
-    trajectories: str | None = None
-    trajectory_mode: str = "engine"
-    trajectory_threshold: float = 0.9
-    trajectory_steps: int = 8
-    trajectory_model: str | None = None
-    max_block_size: int | None = None
+    trajectories: str | None = option(
+        None, "--objective trajectory: the trajectory file (default DATA.trajectory.jsonl; recorded there first "
+              "where missing, resumable)", metavar="JSONL", env=False)
+    trajectory_mode: str = option(
+        "engine", "engine: the model's own threshold decoding (default); entropy: ground truth revealed "
+                  "lowest-entropy-first in --trajectory-steps steps", choices=("engine", "entropy"), env=False)
+    trajectory_threshold: float = option(0.9, "engine mode's threshold", env=False)
+    trajectory_steps: int = option(8, "entropy mode's steps per answer", env=False)
+    trajectory_model: str | None = option(None, "the recording model (default --model)", env=False)
+    max_block_size: int | None = option(
+        None, "--objective trajectory: the training block size doubles up to this (default 2x; at most --seq-len)",
+        env=False)
     # the VFM trial (--objective vfm, unmask.training.experimental.vfm): answer positions, KL weight and its warm-up
     # fraction, the adapter's width, the share of fully masked rows
-    vfm_gen_len: int = 32
-    vfm_beta: float = 1e-3
-    vfm_beta_warmup: float = 0.5
-    vfm_width: int = 256
-    vfm_full: float = 0.5
+    vfm_gen_len: int = option(32, "--objective vfm: answer positions G", env=False)
+    vfm_beta: float = option(1e-3, "--objective vfm: final KL weight beta", env=False)
+    vfm_beta_warmup: float = option(0.5, "--objective vfm: beta rises linearly from 0 over this fraction of the run",
+                                    env=False)
+    vfm_width: int = option(256, "--objective vfm: the noise adapter's inner width", env=False)
+    vfm_full: float = option(0.5, "--objective vfm: share of rows with every answer position masked (the one-step "
+                                  "case)", env=False)
 
     def validate(self) -> None:
         """Raise :class:`TrainError` naming the option for an invalid value (and fill ``lora_targets``): the run's

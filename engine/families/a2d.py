@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import CheckpointError, DllmConfig, warn_removed_fields
-from ..model import LoadedModel
+from ..loaded import LoadedModel
 from . import FamilyAdapter
 from .common import from_pretrained, load_tokenizer, max_context_of
 
@@ -52,7 +52,7 @@ def _attach_verifier(loaded: LoadedModel, path: Path) -> None:
     """
     from transformers import AutoModelForCausalLM
 
-    from ..model import read_config
+    from ..loaded import read_config
 
     dllm, tokenizer, device, dtype = loaded.dllm, loaded.tokenizer, loaded.device, loaded.dtype
     where = f"{path / 'config.json'}:dllm.verifier"

@@ -387,7 +387,7 @@ def build_foreign_model(path: Path, config: dict, device: torch.device, dtype: t
     import transformers
 
     from ..config import DllmConfig
-    from ..model import LoadedModel
+    from ..loaded import LoadedModel
 
     cls = getattr(transformers, arch)
     tokenizer = load_tokenizer_without_remote_code(path, tokenizer_fallbacks)

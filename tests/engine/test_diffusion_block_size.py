@@ -78,20 +78,37 @@ def test_an_adapter_sets_it_and_decoding_uses_it(tmp_path):
 
 
 def test_serves_block_size_option_is_every_requests_default():
-    from unmask.cli.main import UsageError
-    from unmask.cli.serve import set_default_block
+    """The engine option block_size (``serve --block-size``) is an input to the plan: it replaces both defaults for
+    every request that sends none; the checkpoint's settings stay as they are."""
+    from unmask.engine.plan import engine_defaults
 
     d = _dllm(diffusion_block_size=2)
-    set_default_block(d, None, "--block-size")
+    assert engine_defaults(d).plain_block_size == 2 and engine_defaults(d).block_size == 4
+    eight = engine_defaults(d, block_size=8, default_drafts="on")
+    assert (eight.block_size, eight.diffusion_block_size) == (8, None)
     assert (d.block_size, d.diffusion_block_size) == (4, 2)
-    set_default_block(d, 8, "--block-size")
-    assert (d.block_size, d.diffusion_block_size) == (8, None)
-    plan = resolve(SamplingParams.from_flat(max_tokens=16, steps=8), d, default_drafts="on")
-    assert plan.block_size == 8
+    for fields in ({"steps": 8}, {}):  # plain diffusion and the speculative default
+        plan = resolve(SamplingParams.from_flat(max_tokens=16, **fields), d, defaults=eight)
+        assert plan.block_size == 8 and plan.model_block_size == 8, fields
     fixed = DllmConfig(family="sdar", mask_token_id=3, attention="block_causal", block_size=4, logit_shift=False,
                        eos_token_ids=[0], fixed_block_size=True)
-    with pytest.raises(UsageError, match=r"^\$UNMASK_BLOCK_SIZE: this sdar model decodes with its trained block"):
-        set_default_block(fixed, 8, "$UNMASK_BLOCK_SIZE")
+    with pytest.raises(ValueError, match=r"^block_size: this sdar model decodes with its trained block"):
+        engine_defaults(fixed, block_size=8)
+    assert engine_defaults(fixed, block_size=4).block_size == 4
+
+
+def test_serve_names_the_option_of_a_block_size_the_model_refuses(monkeypatch, capsys, tmp_path):
+    """An engine option the model does not allow is one line naming the flag, or the variable it came from."""
+    from unmask.cli.main import main
+
+    m = tiny.loaded(fixed_block_size=True)
+    write_checkpoint(tmp_path / "fixed", m.model, m.tokenizer, m.dllm)
+    monkeypatch.setenv("UNMASK_BLOCK_SIZE", "8")
+    assert main(["serve", str(tmp_path / "fixed"), "--port", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "$UNMASK_BLOCK_SIZE: this a2d model decodes with its trained block size 4 only" in err, err
+    assert main(["serve", str(tmp_path / "fixed"), "--port", "0", "--device", "cpu", "--block-size", "2"]) == 2
+    assert "--block-size: this a2d model decodes" in capsys.readouterr().err
 
 
 def test_a_checkpoint_default_longer_than_a_requests_limit_is_still_served():

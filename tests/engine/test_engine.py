@@ -10,6 +10,7 @@ import torch
 
 from tiny import loaded
 from unmask.engine import LLM, ParamError, SamplingParams
+from unmask.engine.plan import resolve_params
 from unmask.engine.sampler import filter_top_k_top_p, reveal_count, sample_candidates
 from unmask.engine.layout import split_steps
 from unmask.engine.sequence import Sequence
@@ -248,7 +249,7 @@ def test_never_mask_token_and_length_never_past_max_tokens(llms):
 def test_forbidden_ids_never_sampled_even_when_favoured():
     logits = torch.zeros(3, 10)
     logits[:, 7] = 50.0  # the mask id dominates
-    sp = SamplingParams(temperature=1.0, seed=0).with_defaults()
+    sp = resolve_params(SamplingParams(temperature=1.0, seed=0))
     c = sample_candidates(logits, sp, torch.Generator().manual_seed(0), forbidden_ids=torch.tensor([7]))
     assert 7 not in c.tokens.tolist()
 
@@ -576,10 +577,10 @@ def test_checkpoint_default_threshold_applies_only_without_steps_or_threshold():
     quota = run(steps=12)  # asking for steps means quota decoding: one token per step here
     assert quota.nfe == 12
     assert run(remasking="random").nfe == 12  # another remasking order: quota decoding as well
-    assert SamplingParams(steps=3).with_defaults({"threshold": 0.5}).threshold is None
-    assert SamplingParams(remasking="margin").with_defaults({"threshold": 0.5}).threshold is None
-    assert SamplingParams().with_defaults({"threshold": 0.5}).threshold == 0.5
-    assert SamplingParams(threshold=0.9).with_defaults({"threshold": 0.5}).threshold == 0.9
+    assert resolve_params(SamplingParams(steps=3), {"threshold": 0.5}).threshold is None
+    assert resolve_params(SamplingParams(remasking="margin"), {"threshold": 0.5}).threshold is None
+    assert resolve_params(SamplingParams(), {"threshold": 0.5}).threshold == 0.5
+    assert resolve_params(SamplingParams(threshold=0.9), {"threshold": 0.5}).threshold == 0.9
     base = dict(family="a2d", mask_token_id=1, attention="prefix_causal", block_size=4, logit_shift=True,
                 eos_token_ids=[0])
     for bad, field in (({"threshold": 1.5}, "threshold"), ({"threshold": "0.5"}, "threshold"),

@@ -7,6 +7,7 @@ import torch
 
 from tiny import loaded
 from unmask.engine import LLM, ParamError, SamplingParams
+from unmask.engine.plan import resolve_params
 from unmask.engine.scheduler import Scheduler
 from unmask.engine.speculative import SpeculativeSequence
 
@@ -337,10 +338,12 @@ def test_abort_frees_the_cache(llm):
 
 
 def test_temperature_resolves_to_the_checkpoints_else_greedy_and_default_threshold_ignored(llm):
-    sp = SamplingParams.from_flat(max_tokens=4, speculative=True).with_defaults({"temperature": 0.7, "threshold": 0.5})
+    sp = resolve_params(SamplingParams.from_flat(max_tokens=4, speculative=True),
+                        {"temperature": 0.7, "threshold": 0.5})
     assert sp.temperature == 0.7 and sp.threshold is None
-    assert SamplingParams.from_flat(max_tokens=4, speculative=True).with_defaults({"threshold": 0.5}).temperature == 0.0
-    assert SamplingParams.from_flat(max_tokens=4).with_defaults({}).temperature == 1.0  # OpenAI's default otherwise
+    assert resolve_params(SamplingParams.from_flat(max_tokens=4, speculative=True),
+                          {"threshold": 0.5}).temperature == 0.0
+    assert resolve_params(SamplingParams.from_flat(max_tokens=4), {}).temperature == 1.0  # OpenAI's default otherwise
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
@@ -677,15 +680,15 @@ def test_speculative_only_fields_explain_why_the_request_is_not_speculative():
     for name, value in (("speculative_ratio", 0.1), ("speculative_epsilon", 0.1), ("speculative_branches", 1),
                         ("speculative_no_repeat_ngram", 3)):
         with pytest.raises(ParamError) as err:
-            SamplingParams.from_flat(**{name: value}).with_defaults({}, 4)
+            resolve_params(SamplingParams.from_flat(**{name: value}), {}, 4)
         assert err.value.field == name and "set speculative=true" in str(err.value)
         for other, named in (({"steps": 8}, "steps"), ({"cfg_scale": 1.5}, "cfg_scale"),
                              ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"block_size": 64}, "block_size"),
                              ({"steps": 8, "remasking": "random"}, "steps and remasking")):
             with pytest.raises(ParamError) as err:
-                SamplingParams.from_flat(**{name: value}, **other).with_defaults({"speculative": True}, 4)
+                resolve_params(SamplingParams.from_flat(**{name: value}, **other), {"speculative": True}, 4)
             msg = str(err.value)
             assert err.value.field == name and "keeps the ordinary decoding" in msg, other
             assert f"drop {name}, or drop {named}" in msg, msg  # the request's own conflicting fields, no others
             assert ("cfg_scale" in msg) == ("cfg_scale" in other), msg
-        assert SamplingParams.from_flat(**{name: value}).with_defaults({"speculative": True}, 4).speculative is True
+        assert resolve_params(SamplingParams.from_flat(**{name: value}), {"speculative": True}, 4).speculative is True

@@ -8,6 +8,7 @@ import torch
 
 from tiny import loaded
 from unmask.engine import LLM, SamplingParams
+from unmask.engine.plan import resolve_params
 from unmask.engine.detokenize import decode, stream_safe
 from unmask.engine.kv_cache import BatchKV, LaneCache
 from unmask.engine.sampler import log_normalizer, sample_candidates
@@ -40,7 +41,7 @@ def test_log_normalizer_matches_float64_log_softmax():
 def test_candidates_equal_float64_softmax_reference(remasking, temperature):
     """Tokens identical, probabilities/margins within 1e-7 of LLaDA's float64 softmax."""
     logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(1)) * 4
-    sp = SamplingParams(temperature=temperature, remasking=remasking, seed=0).with_defaults()
+    sp = resolve_params(SamplingParams(temperature=temperature, remasking=remasking, seed=0))
     c = sample_candidates(logits.clone(), sp, torch.Generator().manual_seed(5))
     p = torch.softmax(logits.double(), dim=-1)
     ref_prob = p.gather(-1, c.tokens[:, None])[:, 0]

@@ -94,18 +94,20 @@ def defaults_model():
     return m
 
 
-def serve_app(model, *, block_size=None, max_model_len=None, default_max_tokens=256, default_drafts="auto",
-              cache="auto"):
-    """The app ``unmask serve`` builds for ``model`` with these options (the rest at their defaults)."""
-    from unmask.cli.serve import set_default_block
+def serve_app(model, **options):
+    """The app ``unmask serve`` builds for ``model`` with these options (``--block-size 3`` is ``block_size=3``;
+    the rest at their defaults): the engine's options to the ``AsyncEngine``, the server's to ``build_app``."""
+    import dataclasses
+
+    from unmask.engine import EngineConfig
     from unmask.engine.async_engine import AsyncEngine
     from unmask.server.app import build_app
+    from unmask.server.config import ServerConfig
 
-    if max_model_len is not None:
-        model.max_context = max_model_len
-    set_default_block(model.dllm, block_size, "--block-size")
-    engine = AsyncEngine(model, default_drafts=default_drafts, max_batch_size=16, max_queue=256)
-    return build_app(engine, "m", default_max_tokens=default_max_tokens, default_cache=cache)
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine = AsyncEngine(model, EngineConfig(**{k: v for k, v in options.items() if k in engine_fields}))
+    server = ServerConfig(**{k: v for k, v in options.items() if k not in engine_fields})
+    return build_app(engine, "m", default_max_tokens=server.default_max_tokens, default_cache=server.cache)
 
 
 SERVINGS = {

@@ -1,0 +1,181 @@
+"""Configuration objects: each option once, as a dataclass field whose metadata the command line is generated from
+(docs/design.md#layout-and-layers, "Options").
+
+:func:`option` declares a field with its help, flag, choices and environment variable (:class:`Option`);
+:class:`EngineConfig` holds the engine's options (loading, batching, queue, KV budget, prefix reuse, chunked prefill,
+the draft policy, the default block and context). ``unmask.server.config.ServerConfig`` and
+``unmask.training.config.TrainConfig`` use the same :func:`option`; ``unmask.cli.flags`` turns the fields into
+``argparse`` options and ``UNMASK_*`` variables, ``unmask options`` lists them. Errors: ``ValueError`` whose message
+starts with the field's name (``max_queue: must be >= 1, got 0``), which the command line renames to the flag or
+variable the value came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .limits import DEFAULT_PREFILL_CHUNK
+
+__all__ = ["Option", "option", "options_of", "EngineConfig", "with_options", "check_at_least"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one config field appears on the command line.
+
+    Attributes:
+        help: the ``--help`` text. flag: ``--name`` (default: the field's name, ``_`` as ``-``); a positional's
+            name (``model``) when ``positional``. choices: allowed values (also checked in the environment).
+        env: whether ``UNMASK_<NAME>`` sets it (serve's options; not train's). metavar: argparse's.
+        cli: False for a field of the Python API only (no flag; e.g. ``compile``).
+        action: an argparse action name (``store_true``, ``store_false``, ``negatable`` = ``--x / --no-x``);
+            None = a typed value. nargs: argparse's (``*`` for a list). required: the flag must be given.
+        parse: converts the flag's text (default: the field's type, int / float / str).
+    """
+
+    help: str
+    flag: str | None = None
+    choices: tuple | None = None
+    env: bool = True
+    metavar: str | None = None
+    cli: bool = True
+    action: str | None = None
+    nargs: str | None = None
+    required: bool = False
+    positional: bool = False
+    parse: Callable[[str], Any] | None = None
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+           **kw) -> Any:
+    """A dataclass field with :class:`Option` metadata (``kw``: its attributes); ``factory`` for a mutable
+    default. No default (and no factory): a required field."""
+    meta = {"option": Option(help=help, **kw)}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def options_of(cls) -> list[tuple[dataclasses.Field, Option]]:
+    """``(field, Option)`` of every field of dataclass ``cls`` that declares one, in field order."""
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def with_options(cls, config, options: dict):
+    """``config`` (an instance of ``cls``, or None = its defaults) with ``options`` (field -> value) replaced: how
+    ``LLM(dir, max_batch_size=8)`` and ``build_app(engine, name, api_key=...)`` keep their keyword spellings.
+
+    Raises:
+        TypeError: an option that is not a field of ``cls`` (names it), or ``config`` of another type.
+    """
+    if config is None:
+        config = cls()
+    if not isinstance(config, cls):
+        raise TypeError(f"config: expected a {cls.__name__}, got {type(config).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(f"unexpected option(s) {', '.join(unknown)} (not fields of {cls.__name__})")
+    return dataclasses.replace(config, **options) if options else config
+
+
+def check_at_least(config, names: tuple[str, ...], lo: int) -> None:
+    """Raise ``ValueError("<name>: must be >= lo, got v")`` for the first of ``names`` whose value (None passes)
+    is below ``lo``."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < lo:
+            raise ValueError(f"{name}: must be >= {lo}, got {value}")
+
+
+WEIGHTS = ("auto", "native", "fp16", "int8", "int4")
+DRAFT_POLICIES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options: what ``LLM``, ``Engine``, ``AsyncEngine`` and ``unmask serve`` take (defaults here and
+    nowhere else). Loading options apply where a path is loaded (``LLM``, serve); ``block_size``, ``max_model_len``
+    and ``default_drafts`` are inputs to the decoding plan (``unmask.engine.plan.engine_defaults``).
+
+    Raises (:meth:`validate`):
+        ValueError: a value out of range, naming the field.
+    """
+
+    model: str | None = option(None, "checkpoint directory or hub id (default: the A2D SmolLM2 default model)",
+                               positional=True)
+    max_batch_size: int = option(16, "sequences decoded together in one step")
+    max_queue: int = option(256, "waiting sequences before 429")
+    max_model_len: int | None = option(None, "lower the context length (tokens)")
+    max_cached_tokens: int | None = option(
+        None, "KV budget in canvas tokens over the running batch (default: unlimited); requests wait for room, one "
+              "that alone exceeds it is a 400")
+    device: str = option("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = option("auto", "auto | float32 | bfloat16 | float16")
+    default_drafts: str = option(
+        "auto", "whether requests that get speculative decoding from the checkpoint's default draft: auto = not on "
+                "a CPU (a speculative step costs ~2x a 1-token step there; the answers are the same either way), on, "
+                "off", choices=DRAFT_POLICIES)
+    weights: str = option(
+        "auto", "how the linear layers run: auto = fbgemm-packed fp16 on a CPU (1.6-2.6x faster decoding than "
+                "float32/nf4 there), int4 for weights on a 4-bit grid (a Q4 GGUF's, the default model's), as loaded "
+                "elsewhere; native = as loaded; fp16 = packed (CPU only); int8 / int4 = weight-only low-bit CPU "
+                "kernels (docs/scale.md)", choices=WEIGHTS)
+    family: str | None = option(None, "force the model family (default: detect)")
+    device_map: str | None = option(
+        None, "split the layers between a device, CPU memory and disk (accelerate): auto | balanced | sequential "
+              "(inferred under --max-memory), or a JSON object / JSON file of module -> cpu|disk|cuda:N "
+              "(docs/scale.md); the weights then run natively")
+    max_memory: str | None = option(
+        None, "with --device-map auto|balanced|sequential: memory per device, e.g. 'cpu=2GiB,0=20GiB'")
+    offload_folder: str | None = option(
+        None, "with --device-map: where disk-offloaded weights go (default: a temporary directory)")
+    parent: str | None = option(
+        None, "the parent checkpoint of an adapter-only MODEL (default: the adapter's own parent.name; the parent's "
+              "content hash is checked, docs/design.md#mask-row-adapter)", metavar="DIR")
+    adapter: str | None = option(
+        None, "a mask-row adapter directory to put on MODEL (default: the default model's conversion); its parent "
+              "hash must match, else the server does not start (docs/design.md#mask-row-adapter)", metavar="DIR")
+    block_size: int | None = option(
+        None, "default block size for requests that send none, speculative or plain diffusion (default: the "
+              "checkpoint's block_size, and its diffusion_block_size for plain diffusion)")
+    enable_prefix_caching: bool = option(
+        True, "keep the committed KV of recent prompts and answers (least recently used evicted first, within "
+              "--max-cached-tokens, else 4096 tokens) and reuse it for requests whose prompts start the same way, "
+              "e.g. the next turn of a chat; exact on prefix-/block-causal models, never used on bidirectional ones "
+              "(default on; docs/design.md#prefix-reuse)", action="negatable")
+    prefill_chunk: int = option(
+        DEFAULT_PREFILL_CHUNK,
+        "chunked prefill: a long prompt is forwarded in chunks of this many row-equivalents per step before its "
+        "first denoising step, so that other requests keep decoding meanwhile; a row at position p counts 1 + p/P0 "
+        "(P0 from the model's size, 3072 for SmolLM2-135M), so this is rows at the prompt's start and fewer further "
+        f"on, where each row attends to more keys; 0 = the whole prompt in one step (default {DEFAULT_PREFILL_CHUNK}; "
+        "docs/design.md#decoding)", metavar="ROWS")
+    threads: int | None = option(
+        None, "torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving one to the "
+              "HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
+    compile: bool = option(False, "torch.compile the decoder forward (unmask.engine.denoiser.Denoiser)", cli=False)
+
+    def validate(self) -> "EngineConfig":
+        """Check every range that needs no model; returns self.
+
+        Raises:
+            ValueError: naming the field (``max_queue: must be >= 1, got 0``).
+        """
+        check_at_least(self, ("max_batch_size", "max_queue", "max_model_len", "max_cached_tokens", "block_size",
+                              "threads"), 1)
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk: must be >= 0 (0 = off), got {self.prefill_chunk}")
+        for name, allowed in (("default_drafts", DRAFT_POLICIES), ("weights", WEIGHTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        return self
+
+    def load_options(self) -> dict:
+        """The keywords of :func:`unmask.engine.model.load_model` (``weights`` stays ``native`` under ``compile``:
+        torch.compile traces the weights as loaded, not fbgemm's packed kernels)."""
+        weights = "native" if self.compile and self.weights == "auto" else self.weights
+        return dict(family=self.family, device=self.device, dtype=self.dtype, weights=weights,
+                    device_map=self.device_map, max_memory=self.max_memory, offload_folder=self.offload_folder,
+                    adapter=self.adapter, parent=self.parent)
