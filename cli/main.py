@@ -1,6 +1,6 @@
 """``unmask`` command line: one sub-command per module in this package (``generate``, ``convert``, ``serve``,
-``train``, ``export``, ``distill-data``, ``eval``, ``recipe``). Heavy imports happen inside each command, so
-``unmask --help`` is instant. Bad values exit with status 2 and a one-line reason; so does a removed command
+``train``, ``export``, ``distill-data``, ``eval``, ``recipe``, ``chat``, ``options``). Heavy imports happen inside
+each command, so ``unmask --help`` is instant. Bad values exit with status 2 and a one-line reason; so does a removed command
 (:data:`REMOVED`)."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ COMMANDS = {
     "eval": "evaluate",
     "recipe": "recipe",
     "chat": "chat",
+    "options": "options",
 }
 
 # removed sub-command -> why and what to use instead (exit status 2 with this line, not argparse's "invalid choice")
