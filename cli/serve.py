@@ -417,11 +417,7 @@ def run(args: argparse.Namespace) -> int:
     name = server_config.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
     from unmask.server.app import build_app
 
-    c = server_config  # build_app's keywords (the config object itself once server/app.py takes it everywhere)
-    app = build_app(engine, name, api_key=c.api_key, default_max_tokens=c.default_max_tokens,
-                    request_timeout=c.request_timeout, chat_template=c.chat_template, cors_origins=c.cors_origins,
-                    default_cache=c.cache, max_seqs_per_request=c.max_seqs_per_request,
-                    tool_call_parser=c.tool_call_parser)
+    app = build_app(engine, name, server_config)
     log_start(loaded, engine, name, what, server_config)
     return serve(app, engine, server_config)
 

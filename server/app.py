@@ -27,12 +27,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
-from unmask.engine import AsyncEngine, TokenTexts
-from unmask.engine.limits import CACHE_MODES, DEFAULT_MAX_SEQS_PER_REQUEST, prompt_chars_limit
+from unmask.engine import AsyncEngine, TokenTexts, with_options
+from unmask.engine.limits import DEFAULT_MAX_SEQS_PER_REQUEST, prompt_chars_limit
 
 from . import protocol as P
 from . import responses as R
 from .accounting import finished_work
+from .config import ServerConfig
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
 from .guard import GuardMiddleware, needs_key
@@ -42,32 +43,49 @@ from .render import Render, echo_texts
 from .request_id import RequestIdMiddleware
 from .run import Run
 from .sse import sse_events
-from .tool_parsers import get_parser, parser_factory
+from .tool_parsers import parser_factory
 from .visualizer import mount_visualizer
 
 log = logging.getLogger("unmask.server")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 SHUTDOWN_GRACE_SECONDS = 3.0  # open streams get an error event + [DONE] before the connection closes
 _ERRORS = {code: {"model": R.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
 
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, the served name and the server's limits."""
+    """What the routes share: the engine, the served name and the server's options (``config``; its limits also
+    as attributes)."""
 
     engine: AsyncEngine
     model_name: str
     metrics: Metrics
-    default_max_tokens: int = 256
-    request_timeout: float | None = None
-    chat_template: str | None = None
-    default_cache: str = "auto"
+    config: ServerConfig = field(default_factory=ServerConfig)
+    #: ``config.max_seqs_per_request``, lowered to the engine's queue
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     #: the option that set ``max_seqs_per_request``: ``--max-queue`` where the queue is the smaller bound
     max_seqs_option: str = "--max-seqs-per-request"
-    tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def default_max_tokens(self) -> int:
+        return self.config.default_max_tokens
+
+    @property
+    def request_timeout(self) -> float | None:
+        return self.config.request_timeout
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.config.chat_template
+
+    @property
+    def default_cache(self) -> str:
+        return self.config.cache
+
+    @property
+    def tool_call_parser(self) -> str:
+        return self.config.tool_call_parser
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.tokenizer
@@ -103,51 +121,38 @@ class ServerState:
             loop.call_soon_threadsafe(event.set)
 
 
-def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
-              request_timeout: float | None = None, chat_template: str | None = None,
-              cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              default_cache: str = "auto", shutdown_engine: bool = True,
-              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
-              tool_call_parser: str = "hermes") -> FastAPI:
+#: build_app's keyword spellings that name a ServerConfig field otherwise
+ALIASES = {"default_cache": "cache"}
+
+
+def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None = None, *,
+              shutdown_engine: bool = True, **options) -> FastAPI:
     """Create the OpenAI-compatible app.
 
     Args:
         engine: the running engine (its model's tokenizer, vocabulary and context are used for validation).
         model_name: the id clients send as ``model`` and that ``/v1/models`` lists.
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (else 401).
-        default_max_tokens: ``max_tokens`` when the client sends none (lowered to the remaining context).
-        request_timeout: seconds after which a request is aborted (503 / a stream error event); None = no limit.
-        chat_template: a Jinja chat template that overrides the tokenizer's.
-        cors_origins: origins allowed by CORS (``["*"]`` for any); None/empty = no CORS headers.
-        max_body_bytes: largest accepted request body (413 beyond).
-        default_cache: KV-cache policy for requests that send no ``cache`` (``auto`` | ``none`` | ``prefix`` |
-            ``dual``).
+        config: the server's options (:class:`~unmask.server.config.ServerConfig`: ``api_key`` (``/v1/*`` then
+            requires ``Authorization: Bearer <api_key>``, else 401), ``default_max_tokens`` (lowered to the remaining
+            context), ``request_timeout`` (503 / a stream error event after it), ``chat_template`` (a Jinja
+            template overriding the tokenizer's), ``cors_origins``, ``max_body_bytes`` (413 beyond), ``cache`` (the
+            KV-cache policy of requests that send none), ``max_seqs_per_request`` (400 naming ``n`` beyond; lowered
+            to the engine's queue, docs/design.md#admission-and-limits), ``tool_call_parser``). ``**options``:
+            single fields of it, replacing ``config``'s (``default_cache`` is ``cache``).
         shutdown_engine: stop the engine thread when the app's lifespan ends.
-        max_seqs_per_request: most sequences (prompts x ``n``) one request may queue (400 naming ``n`` beyond);
-            lowered to the engine's queue (docs/design.md#admission-and-limits).
-        tool_call_parser: how chat answers with tools are parsed into tool calls (``--tool-call-parser``;
-            :data:`unmask.server.tool_parsers.PARSERS`).
 
     Raises:
-        ValueError: ``default_max_tokens`` < 1, ``request_timeout`` <= 0, ``max_seqs_per_request`` < 1 or an
-            unknown ``tool_call_parser``.
+        ValueError: an option out of range or an unknown ``tool_call_parser`` (names it). TypeError: an unknown
+            option.
     """
-    if max_seqs_per_request < 1:
-        raise ValueError(f"max_seqs_per_request: must be >= 1, got {max_seqs_per_request}")
-    get_parser(tool_call_parser)
-    if default_max_tokens < 1:
-        raise ValueError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
-    if request_timeout is not None and request_timeout <= 0:
-        raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout}")
-    if default_cache not in CACHE_MODES:
-        raise ValueError(f"default_cache: must be one of {list(CACHE_MODES)}, got {default_cache!r}")
+    options = {ALIASES.get(k, k): v for k, v in options.items()}
+    config = with_options(ServerConfig, config, options).validate()
+    api_key, per_request = config.api_key, config.max_seqs_per_request
     metrics = Metrics(model_name, engine)
-    state = ServerState(engine=engine, model_name=model_name, metrics=metrics, default_max_tokens=default_max_tokens,
-                        request_timeout=request_timeout, chat_template=chat_template, default_cache=default_cache,
-                        max_seqs_per_request=min(max_seqs_per_request, engine.max_queue),
-                        max_seqs_option=("--max-seqs-per-request" if max_seqs_per_request <= engine.max_queue
-                                         else "--max-queue"),
-                        tool_call_parser=tool_call_parser)
+    state = ServerState(engine=engine, model_name=model_name, metrics=metrics, config=config,
+                        max_seqs_per_request=min(per_request, engine.max_queue),
+                        max_seqs_option=("--max-seqs-per-request" if per_request <= engine.max_queue
+                                         else "--max-queue"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -161,12 +166,12 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                               "body; streamed responses are server-sent events ending with `data: [DONE]`.")
     app.state.unmask = state
     install_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, router=app.router)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=config.max_body_bytes, router=app.router)
     app.add_middleware(RequestIdMiddleware)  # outside the guards: their refusals carry the id too
-    if cors_origins:  # outermost: preflights are answered and error responses carry the CORS headers too
+    if config.cors_origins:  # outermost: preflights are answered and error responses carry the CORS headers too
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
 
     def model_card() -> R.ModelCard:

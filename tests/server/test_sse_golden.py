@@ -106,8 +106,7 @@ def serve_app(model, **options):
 
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     engine = AsyncEngine(model, EngineConfig(**{k: v for k, v in options.items() if k in engine_fields}))
-    server = ServerConfig(**{k: v for k, v in options.items() if k not in engine_fields})
-    return build_app(engine, "m", default_max_tokens=server.default_max_tokens, default_cache=server.cache)
+    return build_app(engine, "m", ServerConfig(**{k: v for k, v in options.items() if k not in engine_fields}))
 
 
 SERVINGS = {
