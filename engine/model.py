@@ -1,4 +1,6 @@
-"""A loaded diffusion model: the transformers module, its tokenizer and its :class:`DllmConfig`.
+"""Loading a diffusion model: :func:`load_model` returns a :class:`~unmask.engine.loaded.LoadedModel` (the
+transformers module, its tokenizer and its :class:`DllmConfig`, frozen after load: the decoding plan decides every
+default from it), and the device and dtype rules.
 
 ``load_model`` detects the family (``config.json`` ``dllm.family``; foreign checkpoints by ``architectures`` /
 ``model_type``; ``family=`` overrides) and hands over to the family adapter in ``unmask.engine.families``.
