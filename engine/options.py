@@ -26,7 +26,8 @@ class Option:
 
     Attributes:
         help: the ``--help`` text. flag: ``--name`` (default: the field's name, ``_`` as ``-``); a positional's
-            name (``model``) when ``positional``. choices: allowed values (also checked in the environment).
+            name (``model``) when ``positional``. choices: allowed values (also checked in the environment), or a
+            callable returning them when the parser is built (a registry's names).
         env: whether ``UNMASK_<NAME>`` sets it (serve's options; not train's). metavar: argparse's.
         cli: False for a field of the Python API only (no flag; e.g. ``compile``).
         action: an argparse action name (``store_true``, ``store_false``, ``negatable`` = ``--x / --no-x``);
@@ -36,7 +37,7 @@ class Option:
 
     help: str
     flag: str | None = None
-    choices: tuple | None = None
+    choices: tuple | Callable[[], tuple] | None = None
     env: bool = True
     metavar: str | None = None
     cli: bool = True
@@ -96,8 +97,10 @@ DRAFT_POLICIES = ("auto", "on", "off")
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's options: what ``LLM``, ``Engine``, ``AsyncEngine`` and ``unmask serve`` take (defaults here and
-    nowhere else). Loading options apply where a path is loaded (``LLM``, serve); ``block_size``, ``max_model_len``
-    and ``default_drafts`` are inputs to the decoding plan (``unmask.engine.plan.engine_defaults``).
+    nowhere else). ``model`` is what ``unmask serve`` loads (``LLM`` and the engines are handed the model itself);
+    the loading options apply where a path is loaded (``LLM``, serve); ``block_size``, ``max_model_len`` and
+    ``default_drafts`` are inputs to the decoding plan (``unmask.engine.plan.engine_defaults``); ``threads`` is set
+    by ``unmask serve`` (``torch.set_num_threads``).
 
     Raises (:meth:`validate`):
         ValueError: a value out of range, naming the field.
