@@ -45,6 +45,45 @@ def save_figure(fig, path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def two_panels(figsize: tuple[float, float]):
+    """``(fig, axes)``: two side-by-side panels on matplotlib's Agg backend (the quality and methods plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, 2, figsize=figsize)
+
+
+def write_panels(fig, axes, path: Path, xlabel: str, title: str, legend_fontsize: int = 8, dpi: int = 110) -> None:
+    """Finish :func:`two_panels`' figure (the x label and a grid on each panel, the legend on the first, a title)
+    and write it to ``path`` atomically (a temporary file renamed); closes the figure."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=legend_fontsize)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def script_error(script: str, exc: Exception) -> int:
+    """``script: error: <exc>`` on stderr; the exit status 2 of a refused run."""
+    print(f"{script}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def run_script(main) -> None:
+    """Run a script's ``main()`` as the program (no tokenizer threads) and exit with its status."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())
+
+
 def report(name: str, data: dict, markdown: str, plot=None) -> int:
     """Print the Markdown table, write the result files (:func:`write_results`) and return exit status 0."""
     print(markdown)
@@ -85,6 +124,16 @@ def add_weights_argument(ap) -> None:
     """``--weights auto|native|fp16`` (how the engine's linear layers run; see ``unmask.engine.packed_weights``)."""
     ap.add_argument("--weights", default="auto", choices=["auto", "native", "fp16", "int8", "int4"],
                     help="engine linear layers: auto = fbgemm-packed fp16 on a CPU, as loaded elsewhere")
+
+
+def parse_args(ap, argv=None, threads: int = 1):
+    """Add ``--threads`` (default ``threads``, :func:`set_threads`) and ``--weights`` to ``ap``, parse ``argv`` and
+    apply the thread count; returns the parsed arguments."""
+    ap.add_argument("--threads", type=int, default=threads)
+    add_weights_argument(ap)
+    args = ap.parse_args(argv)
+    set_threads(args.threads)
+    return args
 
 
 def environment(threads: int, device: str = "cpu") -> dict:
@@ -179,6 +228,17 @@ def start_server(serve_args: list[str], threads: int, log_path: str | os.PathLik
             proc.kill()
             raise RuntimeError(f"unmask serve {' '.join(serve_args)} did not come up (see {log_path})")
         time.sleep(1)
+
+
+def stop_server(proc, timeout: float = 30) -> None:
+    """Stop a server :func:`start_server` started: SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def median(xs: list[float]) -> float:

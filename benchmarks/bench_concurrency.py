@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import time
 
 import numpy as np
@@ -102,11 +101,7 @@ def main(argv=None) -> int:
             results.append(res)
             print(c, {k: v for k, v in res.items() if k != "requests"}, flush=True)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        bc.stop_server(server)
     one = results[0]["aggregate_tokens_per_s"] if levels[0] == 1 else None
     for r in results:
         r["vs_one_stream"] = r["aggregate_tokens_per_s"] / one if one else None

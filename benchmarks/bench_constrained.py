@@ -128,11 +128,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a servable checkpoint (default: the converted SmolLM2 A2D)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skeleton-seeds", type=int, default=20)
-    bc.add_weights_argument(ap)
-    args = ap.parse_args(argv)
-    bc.set_threads(args.threads)
+    args = bc.parse_args(ap, argv, threads=1)
 
     model = bc.real_model(args.model, block_size=1, weights=args.weights)
     llm = LLM(model, default_drafts="on")

@@ -58,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    bc.add_weights_argument(ap)
-    args = ap.parse_args(argv)
-    bc.set_threads(args.threads)
+    args = bc.parse_args(ap, argv, threads=2)
     from unmask.engine import LLM, SamplingParams
 
     llm = LLM(bc.real_model(args.model, weights=args.weights), max_batch_size=args.batch)
@@ -85,15 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     ratio = summary["planned"]["tokens_per_s"] / summary["padded"]["tokens_per_s"]
     rows = [[m, s["tokens"], s["forwards"], s["seconds"], s["tokens_per_s"],
              f"{s['tokens_per_s'] / summary['padded']['tokens_per_s']:.2f}x"] for m, s in summary.items()]
+    data = {"settings": vars(args), "environment": env, "summary": summary, "ratio_planned_vs_padded": ratio,
+            "same_tokens": same,
+            "runs": {m: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for m, rs in runs.items()}}
     md = (f"Continuous batching, {args.prompts} chat prompts through one scheduler of {args.batch} slots, block "
           f"{args.block_size}, greedy, <= {args.max_tokens} tokens, {args.repeats} repeats alternated (median). "
           f"planned = the step's sequences split into the forwards minimising padded rows (the engine's default); "
           f"padded = one forward per step, every row padded to the longest chunk. Same tokens in both modes: "
           f"{same}.\n\n"
           + bc.markdown_table(["mode", "tokens", "forwards", "seconds", "tokens/s", "vs padded"], rows))
-    data = {"settings": vars(args), "environment": env, "summary": summary, "ratio_planned_vs_padded": ratio,
-            "same_tokens": same,
-            "runs": {m: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for m, rs in runs.items()}}
     print(md)
     bc.write_results(bc.result_name("bench_continuous"), data, md)
     return 0 if same else 1

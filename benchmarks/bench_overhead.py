@@ -96,12 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default="auto")
     ap.add_argument("--compile", action="store_true", help="torch.compile the engine's forward")
-    bc.add_weights_argument(ap)
-    args = ap.parse_args(argv)
-    bc.set_threads(args.threads)
+    args = bc.parse_args(ap, argv, threads=1)
     from unmask.engine import LLM, SamplingParams
 
     lm = bc.real_model(args.model, args.block_size,

@@ -88,10 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=64, help="most tokens of each assistant turn")
     ap.add_argument("--check-tokens", type=int, default=8, help="turn-5 tokens generated (and compared)")
     ap.add_argument("--block-size", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    bc.add_weights_argument(ap)
-    args = ap.parse_args(argv)
-    bc.set_threads(args.threads)
+    args = bc.parse_args(ap, argv, threads=1)
     from unmask.engine import SamplingParams
     from unmask.engine.engine import Engine
 

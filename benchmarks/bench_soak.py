@@ -39,7 +39,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, free_port, markdown_table, proc_status_kib, save_figure, write_results  # noqa: E402
+from bench_common import (environment, free_port, markdown_table, proc_status_kib, save_figure, stop_server,  # noqa: E402
+                          write_results)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -248,11 +249,7 @@ async def soak(args) -> dict:
                             "health": (await client.get("/health", timeout=30)).status_code,
                             "requests": sum(sum(c.values()) for c in stats["outcomes"].values())})
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     return summarize(args, samples, stats, proc.returncode, tmp)
 
 

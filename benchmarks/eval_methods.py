@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
 import eval_quality as ev  # noqa: E402
 import methods_runs as mr  # noqa: E402
 import quality_metrics as qm  # noqa: E402
@@ -357,14 +358,9 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: Path) -> None:
     """PNG: answer accuracy (left) and token F1 (right) against TPF, one line per model over its settings sorted by
     TPF with its 95% band; the base's reference interval as a grey band; the parent as a star."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = result["runs"]
     base, refset = result["meta"]["base"], result["meta"]["reference"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, axes = bc.two_panels((12, 4.6))
     for ax, key, label in ((axes[0], "answer_acc", "answer accuracy (152 checkable prompts)"),
                            (axes[1], "token_f1", "token F1 vs parent")):
         ref = [r for r in runs if r["model"] == base and r["setting"] == refset]
@@ -379,16 +375,9 @@ def plot(result: dict, path: Path) -> None:
                 continue
             line, = ax.plot(xs, [p[1] for p in pts], marker="o", ms=3, label=model)
             ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], color=line.get_color(), alpha=0.12)
-        ax.set_xlabel("TPF (generated tokens per forward)")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle("Quality against parallelism, 95% bootstrap bands")
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    bc.write_panels(fig, axes, path, "TPF (generated tokens per forward)",
+                    "Quality against parallelism, 95% bootstrap bands", legend_fontsize=7)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -425,11 +414,9 @@ def main(argv: list[str] | None = None, log=print) -> int:
             torch.set_num_threads(a.threads)
         MethodsEval(a, log).run()
     except ev.EvalError as exc:
-        print(f"eval_methods: error: {exc}", file=sys.stderr)
-        return 2
+        return bc.script_error("eval_methods", exc)
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())
+    bc.run_script(main)

@@ -627,12 +627,7 @@ def markdown_table(result: dict) -> str:
 def plot_quality_vs_tpf(runs: list[dict], path: Path) -> None:
     """PNG: token F1 vs parent (left) and extracted-answer accuracy (right) against TPF, one line per model over its
     grid settings (grid subset only); the parent is a star at TPF 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = bc.two_panels((11, 4.2))
     grid = [r for r in runs if r["subset"] == "grid"]
     models = list(dict.fromkeys(r["model"] for r in grid))
     for ax, key, label in ((axes[0], "token_f1_vs_parent", "token F1 vs parent"),
@@ -649,16 +644,8 @@ def plot_quality_vs_tpf(runs: list[dict], path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
             for x, y, s in pts:
                 ax.annotate(s, (x, y), fontsize=6, alpha=0.7, xytext=(2, 2), textcoords="offset points")
-        ax.set_xlabel("TPF (generated tokens per forward)")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("Quality against parallelism (grid subset)")
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    bc.write_panels(fig, axes, path, "TPF (generated tokens per forward)", "Quality against parallelism (grid subset)")
 
 
 #: default models whose directory is made when first evaluated: the conversion, the shipped adapter's copy
@@ -765,11 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_eval(a)
     except EvalError as exc:
-        print(f"eval_quality: error: {exc}", file=sys.stderr)
-        return 2
+        return bc.script_error("eval_quality", exc)
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())
+    bc.run_script(main)

@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
 from eval_quality import _f  # noqa: E402  (one number formatter for every results table)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -388,27 +389,14 @@ def markdown(result: dict) -> str:
 
 def plot(per: dict, path: Path) -> None:
     """PNG: held-out ELBO (left) and masked-token accuracy (right) against training minutes, one line per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = bc.two_panels((11, 4.2))
     for ax, key, label in ((axes[0], "eval_loss", "held-out block ELBO (lower is better)"),
                            (axes[1], "eval_acc", "held-out masked-token accuracy")):
         for arm, r in per.items():
             pts = [(p["train_min"], p[key]) for p in r["curve"] if p.get(key) is not None]
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=arm)
-        ax.set_xlabel("training minutes")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("Fixed-budget arms: held-out quality against training minutes")
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    bc.write_panels(fig, axes, path, "training minutes", "Fixed-budget arms: held-out quality against training minutes")
 
 
 def parse_arms(text: str) -> list[str]:
@@ -480,11 +468,9 @@ def main(argv: list[str] | None = None, log=print) -> int:
             summarise(a, arms, split, Path(a.results).expanduser())
         log(f"wrote {Path(a.results) / 'runs.json'}, .md, .png")
     except (RunsError, TrainError) as exc:
-        print(f"methods_runs: error: {exc}", file=sys.stderr)
-        return 2
+        return bc.script_error("methods_runs", exc)
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())
+    bc.run_script(main)

@@ -29,36 +29,44 @@ def test_normalize_answer(text, expected):
     assert qm.normalize_answer(text) == expected
 
 
-def test_exact_match_and_contains():
-    assert qm.exact_match("180.", "180")
-    assert qm.exact_match("Twelve", "12")
-    assert qm.exact_match("The Pacific", "Pacific")
-    assert not qm.exact_match("The answer is 180.", "180")
-    assert not qm.exact_match("18", "180")
-    assert qm.contains_answer("The answer is 180.", "180")
-    assert qm.contains_answer("The capital of Norway is Oslo.", "Oslo")
-    assert not qm.contains_answer("150 seconds", "15")
-    assert qm.contains_answer("It is carbon dioxide.", "carbon dioxide")
-    assert not qm.contains_answer("anything", "")
+# (matcher, output text, reference answer, match?)
+MATCHES = [
+    ("exact_match", "180.", "180", True),
+    ("exact_match", "Twelve", "12", True),
+    ("exact_match", "The Pacific", "Pacific", True),
+    ("exact_match", "The answer is 180.", "180", False),
+    ("exact_match", "18", "180", False),
+    ("contains_answer", "The answer is 180.", "180", True),
+    ("contains_answer", "The capital of Norway is Oslo.", "Oslo", True),
+    ("contains_answer", "150 seconds", "15", False),
+    ("contains_answer", "It is carbon dioxide.", "carbon dioxide", True),
+    ("contains_answer", "anything", "", False),
+    ("answer_match", "3 minutes is 3 * 60 = 180 seconds.", "180", True),
+    ("answer_match", "The answer is 60.", "55", False),
+    ("answer_match", "10 centimeters is approximately 10.00000000000001 millimeters.", "100", False),
+    ("answer_match", "180 or maybe 18", "180", False),  # the last number counts
+    ("answer_match", "Twelve.", "12", True),
+    ("answer_match", "The scarf is a shade of gray.", "gray", True),
+    ("answer_match", "It is grey.", "gray", False),
+    ("answer_match", "no number here", "7", False),
+    ("answer_match", "The sum is 47. That one was easy.", "47", True),
+    ("answer_match", "A dog has four legs.", "4", True),
+    ("answer_match", "I'm not sure.", "m", False),
+    ("answer_match", "It\u2019s k.", "s", False),
+]
+
+
+@pytest.mark.parametrize("matcher, text, answer, want", MATCHES)
+def test_answer_matchers(matcher, text, answer, want):
+    """exact_match (the whole answer after normalisation), contains_answer, answer_match (the final number, or the
+    answer word; "one" the pronoun after the result is not the last number; number words count without digits;
+    apostrophes join a word instead of leaving one-letter words that match one-letter answers)."""
+    assert bool(getattr(qm, matcher)(text, answer)) is want
+
+
+def test_normalize_answer_refuses_none_and_joins_apostrophes():
     with pytest.raises(TypeError):
         qm.normalize_answer(None)
-
-
-def test_answer_match_extracts_the_final_number():
-    assert qm.answer_match("3 minutes is 3 * 60 = 180 seconds.", "180")
-    assert not qm.answer_match("The answer is 60.", "55")
-    assert not qm.answer_match("10 centimeters is approximately 10.00000000000001 millimeters.", "100")
-    assert not qm.answer_match("180 or maybe 18", "180")          # the last number counts
-    assert qm.answer_match("Twelve.", "12")
-    assert qm.answer_match("The scarf is a shade of gray.", "gray")
-    assert not qm.answer_match("It is grey.", "gray")
-    assert not qm.answer_match("no number here", "7")
-    # "one" the pronoun after the result is not the last number; number words still count without digits
-    assert qm.answer_match("The sum is 47. That one was easy.", "47")
-    assert qm.answer_match("A dog has four legs.", "4")
-    # apostrophes join a word instead of leaving one-letter words that match one-letter answers
-    assert not qm.answer_match("I'm not sure.", "m")
-    assert not qm.answer_match("It\u2019s k.", "s")
     assert qm.normalize_answer("It's Bob's") == "its bobs"
 
 
@@ -130,6 +138,21 @@ def test_continuation_nll_matches_manual_sum():
 
 
 # ------------------------------------------------------------------------------ the harness, end to end (tiny)
+def _parent_and_conversion(tmp_path):
+    """A tiny random AR parent saved at ``tmp_path/parent`` and its conversion at block 1: ``(parent, conv)``."""
+    from tiny import make_llama, make_tokenizer
+
+    from unmask.training.convert import convert_checkpoint
+
+    tok = make_tokenizer(320)
+    parent_dir = tmp_path / "parent"
+    make_llama(len(tok), seed=1).save_pretrained(str(parent_dir))
+    tok.save_pretrained(str(parent_dir))
+    conv = convert_checkpoint(parent_dir, tmp_path / "conv", attention="prefix_causal", block_size=1,
+                              logit_shift=True)
+    return parent_dir, conv
+
+
 def _tiny_eval_data(root: Path) -> Path:
     import json
 
@@ -153,17 +176,9 @@ def test_harness_end_to_end_on_tiny_models(tmp_path):
     import argparse
     import json
 
-    from tiny import make_llama, make_tokenizer
-
     import eval_quality as ev
-    from unmask.training.convert import convert_checkpoint
 
-    tok = make_tokenizer(320)
-    parent_dir = tmp_path / "parent"
-    make_llama(len(tok), seed=1).save_pretrained(str(parent_dir))
-    tok.save_pretrained(str(parent_dir))
-    conv = convert_checkpoint(parent_dir, tmp_path / "conv", attention="prefix_causal", block_size=1,
-                              logit_shift=True)
+    parent_dir, conv = _parent_and_conversion(tmp_path)
     data = _tiny_eval_data(tmp_path)
     p = ev.add_arguments(argparse.ArgumentParser())
     a = p.parse_args(["--parent", str(parent_dir), "--no-defaults", "--model", f"conv={conv}", "--out",
@@ -285,19 +300,13 @@ def test_harness_takes_an_adapter_directory(tmp_path):
     checkpoint (it was refused as 'not a diffusion checkpoint directory'); its block 1 is the parent's answers."""
     import argparse
 
-    from tiny import make_llama, make_tokenizer, random_adapter_weights
+    from tiny import random_adapter_weights
 
     import eval_quality as ev
     from unmask.engine.adapter_files import parent_hash, write_adapter
     from unmask.engine.model import load_model
-    from unmask.training.convert import convert_checkpoint
 
-    tok = make_tokenizer(320)
-    parent_dir = tmp_path / "parent"
-    make_llama(len(tok), seed=1).save_pretrained(str(parent_dir))
-    tok.save_pretrained(str(parent_dir))
-    conv = convert_checkpoint(parent_dir, tmp_path / "conv", attention="prefix_causal", block_size=1,
-                              logit_shift=True)
+    parent_dir, conv = _parent_and_conversion(tmp_path)
     write_adapter(tmp_path / "adapter", random_adapter_weights(load_model(conv, weights="native")),
                   {"sha256": parent_hash(conv), "name": str(conv)})
     p = ev.add_arguments(argparse.ArgumentParser())
