@@ -291,6 +291,15 @@ class AsyncEngine:
         return {"running": self.num_running, "waiting": self.num_waiting, "batched_forwards": self.nfe,
                 "steps": self.steps, "prefix_cache": self.engine.prefix_cache_stats()}
 
+    def kv_usage(self) -> dict:
+        """KV-cache use, read from any thread (the server's gauges, docs/design.md#deployment-and-metrics):
+        ``reserved`` (cached tokens the running and paused sequences reserve), ``prefix`` (tokens the prefix store
+        holds) and ``capacity`` (the KV budget ``max_cached_tokens``; without one the most the running batch can
+        reserve, ``max_batch_size`` x the context)."""
+        reserved, prefix = self.scheduler.kv_usage()
+        capacity = self.max_cached_tokens or self.max_batch_size * self.max_context
+        return {"reserved": reserved, "prefix": prefix, "capacity": capacity}
+
     prefix_cache_queries = property(lambda self: self.engine.prefix_cache_stats()["queries"],
                                     doc="Prompt tokens looked up in the prefix cache so far (0 without one).")
     prefix_cache_hits = property(lambda self: self.engine.prefix_cache_stats()["hits"],

@@ -166,6 +166,14 @@ class Scheduler:
         """Canvas tokens reserved by running and paused sequences: canvas length x lanes (2 under CFG), summed."""
         return sum(self.need(s) for s in self.running) + sum(self.need(s) for s in self.paused)
 
+    def kv_usage(self) -> tuple[int, int]:
+        """``(reserved, prefix)`` cached tokens: what the running and paused sequences reserve (canvas length x lanes)
+        and what the prefix store holds. Safe to read from another thread (the metrics' scrape): the batch is
+        copied first (a copy of a list or set is one step under the GIL)."""
+        running, paused = list(self.running), list(self.paused)
+        reserved = sum(self.need(s) for s in running) + sum(self.need(s) for s in paused)
+        return reserved, self.prefix_cache.tokens if self.prefix_cache is not None else 0
+
     def abort(self, request_id: str) -> list[StepEvent]:
         """Cancel every sequence of ``request_id`` (waiting or running); returns their final events."""
         events = []

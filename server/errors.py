@@ -235,7 +235,16 @@ def _rejected(request: Request, err: APIError) -> JSONResponse:
     """The error response, with the request's one log line (requests that reach the engine log in
     ``run.Run.finish`` instead)."""
     log.info("%s %s status=%d code=%s param=%s", request.method, request.url.path, err.status, err.code, err.param)
+    count_refusal(request.scope, err)
     return err.response()
+
+
+def count_refusal(scope, err: APIError) -> None:
+    """Count a 4xx answer in the app's ``request_refused_total`` (the app: ``scope["app"]``, which Starlette sets
+    before any middleware runs)."""
+    state = getattr(getattr(scope.get("app"), "state", None), "unmask", None)
+    if state is not None:
+        state.metrics.record_refusal(err.status, err.code)
 
 
 def install_handlers(app) -> None:

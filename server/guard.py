@@ -17,7 +17,7 @@ import logging
 
 from starlette.routing import Match
 
-from .errors import APIError
+from .errors import APIError, count_refusal
 
 log = logging.getLogger("unmask.server")
 
@@ -147,6 +147,7 @@ class GuardMiddleware:
     @staticmethod
     async def _reject(scope, err: APIError, receive, send) -> None:
         log.info("%s %s status=%d code=%s", scope.get("method"), scope.get("path"), err.status, err.code)
+        count_refusal(scope, err)
         await err.response()(scope, receive, send)
 
     @staticmethod

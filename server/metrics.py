@@ -25,10 +25,18 @@ What moves when (values move exactly with the requests served):
   ``cache_full``; the work it got before it ended stays counted (the revealed prefix an aborted request keeps, its
   forwards, steps and drafts, and the prompts that ran at least one forward), so
   ``rate(generation_tokens_total)`` is the work done, cancelled streams included; 4xx validation errors count
-  nothing;
+  nothing there (they are ``request_refused_total``);
 * ``num_requests_running`` / ``num_requests_waiting`` read the engine's counters at scrape time, and so do the
   counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (vLLM's names: prompt tokens looked up in
-  / loaded from the prefix cache, docs/design.md#prefix-reuse; hit rate = hits / queries).
+  / loaded from the prefix cache, docs/design.md#prefix-reuse; hit rate = hits / queries);
+* ``kv_cache_usage_perc`` (vLLM's name): at scrape time, the cached tokens the running and paused sequences reserve
+  / the scheduler's KV budget (``--max-cached-tokens``; without one the most the batch can reserve, max batch size
+  x the context), at most 1; ``prefix_cache_usage_perc``: the prefix store's tokens / the same budget;
+* every 4xx answer with an error body (the guard's 401/413/415/400s, validation 400s, 404, 405, 429):
+  ``request_refused_total{status, reason}`` += 1, ``reason`` the error's ``code``;
+* a streamed choice's content chunk after its first: one ``inter_token_latency_seconds{tokens_per_chunk}``
+  observation, the seconds since its previous content chunk, labelled by the tokens this one carries (1, 2, 3-4,
+  5-8, 9-16, 17+; a diffusion step may reveal several).
 
 Tokens/s for a dashboard: ``rate(unmask:generation_tokens_total[1m])``.
 """
@@ -42,6 +50,25 @@ from .accounting import Work
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TPF_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 512)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+#: the ``tokens_per_chunk`` label of the inter-token latency: tokens a content chunk carries, in these ranges
+TOKENS_PER_CHUNK = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"), (None, "17+"))
+#: refusals exported from the start (0): the common (status, reason) pairs; others appear when they happen
+COMMON_REFUSALS = (("400", "invalid_value"), ("400", "unknown_field"), ("400", "unsupported_field"),
+                   ("400", "invalid_json"), ("401", "invalid_api_key"), ("404", "model_not_found"),
+                   ("404", "not_found"), ("413", "request_too_large"), ("415", "unsupported_media_type"),
+                   ("429", "queue_full"))
+
+
+def tokens_label(tokens: int) -> str:
+    """The ``tokens_per_chunk`` label of a chunk that carries ``tokens`` tokens (at least 1)."""
+    return next(label for top, label in TOKENS_PER_CHUNK if top is None or max(1, tokens) <= top)
+
+
+def _share(part: str, engine) -> float:
+    """``engine.kv_usage()[part]`` / its capacity, at most 1 (0 without an engine that reports it)."""
+    usage = engine.kv_usage() if hasattr(engine, "kv_usage") else None
+    return min(1.0, usage[part] / usage["capacity"]) if usage and usage["capacity"] else 0.0
 
 
 class PrefixCacheCounters:
@@ -111,6 +138,7 @@ class Metrics:
             self.running.labels(model_name).set_function(lambda: engine.num_running)
             self.waiting.labels(model_name).set_function(lambda: engine.num_waiting)
             r.register(PrefixCacheCounters(model_name, engine))
+        self._serving_metrics(engine)
         for metric in (self.prompt_tokens, self.generation_tokens, self.nfe, self.denoising_steps, self.ttft,
                        self.e2e, self.queue_time, self.tpf, self.steps_per_block, self.drafts, self.accepted):
             metric.labels(model_name)  # exported from the start (0), not only after the first request
@@ -125,6 +153,36 @@ class Metrics:
         self._steps = self.denoising_steps.labels(model_name)
         self._drafts = self.drafts.labels(model_name)
         self._accepted = self.accepted.labels(model_name)
+
+    def _serving_metrics(self, engine) -> None:
+        """The KV-cache usage gauges, 4xx refusals by reason and the inter-token latency of streams."""
+        r, L, m = self.registry, ["model_name"], self.model_name
+        self.kv_usage = Gauge("unmask:kv_cache_usage_perc", "Fraction of the scheduler's KV budget reserved by the "
+                              "running and paused sequences (--max-cached-tokens; without one, max batch size x "
+                              "context), as vLLM's kv_cache_usage_perc; 1 = full.", L, registry=r)
+        self.prefix_usage = Gauge("unmask:prefix_cache_usage_perc", "Fraction of the same KV budget held by the "
+                                  "prefix store (reusable prompt prefixes, evicted first).", L, registry=r)
+        self.kv_usage.labels(m).set_function(lambda: _share("reserved", engine))
+        self.prefix_usage.labels(m).set_function(lambda: _share("prefix", engine))
+        self.refused = Counter("unmask:request_refused", "Requests answered with a 4xx error body, by status and "
+                               "reason (the error's code: invalid_value, unknown_field, invalid_api_key, queue_full, "
+                               "...).", L + ["status", "reason"], registry=r)
+        for status, reason in COMMON_REFUSALS:
+            self.refused.labels(m, status, reason)
+        self.itl = Histogram("unmask:inter_token_latency_seconds", "Seconds between two content chunks of one "
+                             "streamed choice, by the tokens the later chunk carries.", L + ["tokens_per_chunk"],
+                             buckets=ITL_BUCKETS, registry=r)
+        for _, label in TOKENS_PER_CHUNK:
+            self.itl.labels(m, label)
+
+    def record_refusal(self, status: int, code: str | None) -> None:
+        """Count one 4xx answer (``code``: the error body's, e.g. ``invalid_value``); other statuses count nothing."""
+        if 400 <= status < 500:
+            self.refused.labels(self.model_name, str(status), code or "none").inc()
+
+    def observe_itl(self, seconds: float, tokens: int) -> None:
+        """One inter-token latency: ``seconds`` since the choice's previous content chunk, ``tokens`` in this one."""
+        self.itl.labels(self.model_name, tokens_label(tokens)).observe(max(0.0, seconds))
 
     def count_work(self, prompt_tokens: int, work) -> None:
         """Add work done since the last count: ``prompt_tokens`` newly processed prompt tokens and ``work`` (a

@@ -42,6 +42,7 @@ class Run:
         self.work = [Work()] * self.num_choices
         self.outputs: list[CompletionOutput | None] = [None] * self.num_choices
         self.first_content_time: float | None = None
+        self._last_content: dict[int, tuple[float, int]] = {}  # choice -> (time, tokens) of its last content chunk
         self.done = False
         self.tally = Tally(state.metrics.count_work, [len(p) for p in prompt_ids], n)
 
@@ -59,6 +60,17 @@ class Run:
             if ev.output is not None:
                 self.outputs[c] = ev.output
             yield c, ev
+
+    def content_sent(self, c: int, num_tokens: int) -> None:
+        """Choice ``c`` streamed new content with ``num_tokens`` tokens in its revealed prefix: the request's first
+        content time, and one inter-token latency since the choice's previous content (the tokens revealed since)."""
+        now = time.time()
+        if self.first_content_time is None:
+            self.first_content_time = now
+        prev = self._last_content.get(c)
+        if prev is not None:
+            self.state.metrics.observe_itl(now - prev[0], num_tokens - prev[1])
+        self._last_content[c] = (now, num_tokens)
 
     def abort(self) -> None:
         """Cancel every unfinished engine request of this run (idempotent)."""

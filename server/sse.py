@@ -23,7 +23,6 @@ import json
 import logging
 import secrets
 import string
-import time
 
 from .accounting import failure_reason
 from .errors import APIError, from_exception, shutdown_error
@@ -67,6 +66,7 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
         if render.obfuscate:
             chunk["obfuscation"] = obfuscation(chunk)
         return dumps(chunk)
+
     shutting_down = False
 
     async def on_shutdown():
@@ -85,8 +85,7 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
             if len(ev.text) > len(sent[c]):
                 if ev.text.startswith(sent[c]):
                     delta, sent[c] = ev.text[len(sent[c]):], ev.text
-                    if run.first_content_time is None:
-                        run.first_content_time = time.time()
+                    run.content_sent(c, ev.num_tokens)
                     for chunk in render.text_chunks(c, delta):
                         yield out(chunk)
                 else:  # pragma: no cover - the engine guarantees a growing prefix

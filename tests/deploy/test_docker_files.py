@@ -122,7 +122,9 @@ def test_the_dashboard_has_the_panels_docs_deploy_lists():
                    "unmask:steps_per_block_bucket", "unmask:nfe_total", "unmask:time_to_first_token_seconds_bucket",
                    "unmask:e2e_request_latency_seconds_bucket", "unmask:num_requests_running",
                    "unmask:num_requests_waiting", "unmask:request_success_total", "unmask:request_failure_total",
-                   "unmask:spec_decode_num_accepted_tokens_total"):
+                   "unmask:spec_decode_num_accepted_tokens_total", "unmask:kv_cache_usage_perc",
+                   "unmask:prefix_cache_usage_perc", "unmask:inter_token_latency_seconds_bucket",
+                   "unmask:request_refused_total"):
         assert needle in text, needle
     for q in ("0.5", "0.95", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(unmask:e2e_request_latency_seconds_bucket" in text
