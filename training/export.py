@@ -115,77 +115,14 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         ExportError: bad arguments/source, a quantized source, or a reload whose logits differ from the
             exporter's by more than 1e-4.
     """
-    from unmask.engine.config import CheckpointError, DllmConfig, warn_removed_fields
     from unmask.engine.families.common import load_tokenizer
-    from unmask.engine.model import read_config, resolve_dtype
 
-    if quantization not in QUANTIZATIONS:
-        raise ExportError(f"--quantization: {quantization!r} is not one of {QUANTIZATIONS}")
     if verifier_quantization is None:
         verifier_quantization = "none"
-    if verifier_quantization not in QUANTIZATIONS:
-        raise ExportError(f"--verifier-quantization: {verifier_quantization!r} is not one of {QUANTIZATIONS}")
-    from unmask.engine.model import resolve_device
-
-    try:
-        dev = resolve_device(device)
-    except ValueError as exc:
-        raise ExportError(f"--{exc}") from exc
-    if quantization != "none" and dev.type not in ("cpu", "cuda"):
-        raise ExportError(f"--device: bitsandbytes quantization runs on cpu or cuda, got {device}")
-    try:
-        dt = resolve_dtype(dtype, dev)
-    except ValueError as exc:
-        raise ExportError(f"--dtype: {exc}") from exc
-    srcp = Path(src)
-    if not ((srcp / "latest").is_file() or (srcp / "config.json").is_file()):
-        raise ExportError(f"{srcp}: neither a checkpoint directory (config.json) nor a training output (latest)")
-    try:
-        srcp, _ = resolve_source(srcp)  # a training OUT -> its latest checkpoint
-    except ConversionError as exc:
-        raise ExportError(str(exc)) from exc
-    cfg = read_config(srcp)
-    if isinstance(cfg.get("quantization_config"), dict):
-        raise ExportError(f"{srcp}: is already quantized; export from the full-precision checkpoint")
-    if not isinstance(cfg.get("dllm"), dict):
-        raise ExportError(f"{srcp / 'config.json'}: no `dllm` section (not an a2d checkpoint)")
-    outp = Path(out)
-    if outp.exists() and not outp.is_dir():
-        raise ExportError(f"{outp}: is a file, not a directory")
-    if outp.exists() and any(outp.iterdir()) and not overwrite:
-        raise ExportError(f"{outp}: exists and is not empty; choose a new directory")
-    dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")
-    warn_removed_fields(cfg["dllm"], f"{srcp / 'config.json'}:dllm")  # not exported (an old checkpoint's draft head)
-    if clear_default_threshold:
-        if default_threshold is not None:
-            raise ExportError("--no-default-threshold: cannot be combined with --default-threshold")
-        dllm.default_sampling = {k: v for k, v in dllm.default_sampling.items() if k != "threshold"}
-    if default_threshold is not None:
-        if isinstance(default_threshold, bool) or not (isinstance(default_threshold, (int, float))
-                                                       and 0 <= default_threshold <= 1):
-            raise ExportError(f"--default-threshold: must be a number in [0, 1], got {default_threshold!r}")
-        dllm.default_sampling = {**dllm.default_sampling, "threshold": float(default_threshold)}
-    if default_speculative is not None:
-        dllm.default_sampling = {**dllm.default_sampling, "speculative": bool(default_speculative)}
-        try:
-            dllm.validate(where="--default-speculative")
-        except CheckpointError as exc:
-            raise ExportError(str(exc)) from None
-    vsrc = None
-    if dllm.verifier and keep_verifier:
-        vsrc = Path(dllm.verifier).expanduser()
-        vsrc = vsrc if vsrc.is_absolute() else srcp / vsrc
-        try:
-            vcfg = read_config(vsrc)
-            vdllm = DllmConfig.from_dict(vcfg.get("dllm"), where=f"{vsrc / 'config.json'}:dllm")
-        except CheckpointError as exc:
-            raise ExportError(f"{srcp / 'config.json'}:dllm.verifier: {exc}") from exc
-        if isinstance(vcfg.get("quantization_config"), dict):
-            raise ExportError(f"{srcp / 'config.json'}:dllm.verifier: {vsrc} is quantized; export from a "
-                              "full-precision verifier")
-        dllm.verifier = VERIFIER_DIR
-    elif dllm.verifier:
-        dllm.verifier = None
+    dev, dt = _device_and_dtype(quantization, verifier_quantization, device, dtype)
+    srcp, cfg, outp = _source_and_out(src, out, overwrite)
+    dllm = _exported_dllm(srcp, cfg, default_threshold, default_speculative, clear_default_threshold)
+    vsrc, vdllm = _verifier(srcp, dllm, keep_verifier)
     tok = load_tokenizer(srcp)
     model = load_quantized_fresh(srcp, quantization, dev, dt)
     # written and checked under a staging name; `out` only ever holds a verified export
@@ -199,20 +136,15 @@ def export(src: str | os.PathLike, out: str | os.PathLike, quantization: str = "
         mark_temporary(staging)
         from unmask.engine.adapter_files import record_export
 
-        record_export(staging, srcp, quantization)  # the source's hash: its adapters apply here (design.md s. 21)
+        # the source's hash: its adapters apply here (docs/design.md#mask-row-adapter)
+        record_export(staging, srcp, quantization)
         if vsrc is not None:
             vmodel = load_quantized_fresh(vsrc, verifier_quantization, dev, dt)
             write_quantized(staging / VERIFIER_DIR, vmodel, load_tokenizer(vsrc), vdllm)
             if verify:
-                vdiff = verify_export(vmodel, staging / VERIFIER_DIR, dev, dt, tok)
-                if vdiff > 1e-4:
-                    raise ExportError(f"{outp / VERIFIER_DIR}: reloaded logits differ from the exporter's by "
-                                      f"{vdiff:.3g} (> 1e-4); nothing was written")
+                _check_reload(vmodel, staging / VERIFIER_DIR, outp / VERIFIER_DIR, dev, dt, tok)
         if verify:
-            diff = verify_export(model, staging, dev, dt, tok)
-            if diff > 1e-4:
-                raise ExportError(f"{outp}: reloaded logits differ from the exporter's by {diff:.3g} (> 1e-4); "
-                                  "nothing was written")
+            diff = _check_reload(model, staging, outp, dev, dt, tok)
         publish_directory(staging, outp)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -244,3 +176,105 @@ def verify_export(model, out: Path, device: torch.device, dtype: torch.dtype, to
     theirs = lm.model(input_ids=ids.to(lm.device)).logits.float().cpu()
     del lm
     return float((mine - theirs).abs().max())
+
+
+def _device_and_dtype(quantization: str, verifier_quantization: str, device: str, dtype: str):
+    """The export's device and dtype, with the quantization names checked (:func:`export`'s arguments)."""
+    from unmask.engine.model import resolve_device, resolve_dtype
+
+    if quantization not in QUANTIZATIONS:
+        raise ExportError(f"--quantization: {quantization!r} is not one of {QUANTIZATIONS}")
+    if verifier_quantization not in QUANTIZATIONS:
+        raise ExportError(f"--verifier-quantization: {verifier_quantization!r} is not one of {QUANTIZATIONS}")
+    try:
+        dev = resolve_device(device)
+    except ValueError as exc:
+        raise ExportError(f"--{exc}") from exc
+    if quantization != "none" and dev.type not in ("cpu", "cuda"):
+        raise ExportError(f"--device: bitsandbytes quantization runs on cpu or cuda, got {device}")
+    try:
+        return dev, resolve_dtype(dtype, dev)
+    except ValueError as exc:
+        raise ExportError(f"--dtype: {exc}") from exc
+
+
+def _source_and_out(src, out, overwrite: bool) -> tuple[Path, dict, Path]:
+    """``(source checkpoint, its config.json, out)``: a training OUT is its latest checkpoint; the source must be
+    a full-precision a2d checkpoint and ``out`` new or empty (or ``overwrite``)."""
+    from unmask.engine.model import read_config
+
+    srcp = Path(src)
+    if not ((srcp / "latest").is_file() or (srcp / "config.json").is_file()):
+        raise ExportError(f"{srcp}: neither a checkpoint directory (config.json) nor a training output (latest)")
+    try:
+        srcp, _ = resolve_source(srcp)  # a training OUT -> its latest checkpoint
+    except ConversionError as exc:
+        raise ExportError(str(exc)) from exc
+    cfg = read_config(srcp)
+    if isinstance(cfg.get("quantization_config"), dict):
+        raise ExportError(f"{srcp}: is already quantized; export from the full-precision checkpoint")
+    if not isinstance(cfg.get("dllm"), dict):
+        raise ExportError(f"{srcp / 'config.json'}: no `dllm` section (not an a2d checkpoint)")
+    outp = Path(out)
+    if outp.exists() and not outp.is_dir():
+        raise ExportError(f"{outp}: is a file, not a directory")
+    if outp.exists() and any(outp.iterdir()) and not overwrite:
+        raise ExportError(f"{outp}: exists and is not empty; choose a new directory")
+    return srcp, cfg, outp
+
+
+def _exported_dllm(srcp: Path, cfg: dict, default_threshold, default_speculative, clear_default_threshold: bool):
+    """The source's ``dllm`` section with the export's default-sampling changes (:func:`export`'s arguments)."""
+    from unmask.engine.config import CheckpointError, DllmConfig, warn_removed_fields
+
+    dllm = DllmConfig.from_dict(cfg["dllm"], where=f"{srcp / 'config.json'}:dllm")
+    warn_removed_fields(cfg["dllm"], f"{srcp / 'config.json'}:dllm")  # not exported (an old checkpoint's draft head)
+    if clear_default_threshold:
+        if default_threshold is not None:
+            raise ExportError("--no-default-threshold: cannot be combined with --default-threshold")
+        dllm.default_sampling = {k: v for k, v in dllm.default_sampling.items() if k != "threshold"}
+    if default_threshold is not None:
+        if isinstance(default_threshold, bool) or not (isinstance(default_threshold, (int, float))
+                                                       and 0 <= default_threshold <= 1):
+            raise ExportError(f"--default-threshold: must be a number in [0, 1], got {default_threshold!r}")
+        dllm.default_sampling = {**dllm.default_sampling, "threshold": float(default_threshold)}
+    if default_speculative is not None:
+        dllm.default_sampling = {**dllm.default_sampling, "speculative": bool(default_speculative)}
+        try:
+            dllm.validate(where="--default-speculative")
+        except CheckpointError as exc:
+            raise ExportError(str(exc)) from None
+    return dllm
+
+
+def _verifier(srcp: Path, dllm, keep_verifier: bool):
+    """``(verifier source, its dllm)`` to export beside the model (``dllm.verifier`` then names ``VERIFIER_DIR``),
+    or ``(None, None)`` (a dropped verifier is no longer named)."""
+    from unmask.engine.config import CheckpointError, DllmConfig
+    from unmask.engine.model import read_config
+
+    if not (dllm.verifier and keep_verifier):
+        if dllm.verifier:
+            dllm.verifier = None
+        return None, None
+    vsrc = Path(dllm.verifier).expanduser()
+    vsrc = vsrc if vsrc.is_absolute() else srcp / vsrc
+    try:
+        vcfg = read_config(vsrc)
+        vdllm = DllmConfig.from_dict(vcfg.get("dllm"), where=f"{vsrc / 'config.json'}:dllm")
+    except CheckpointError as exc:
+        raise ExportError(f"{srcp / 'config.json'}:dllm.verifier: {exc}") from exc
+    if isinstance(vcfg.get("quantization_config"), dict):
+        raise ExportError(f"{srcp / 'config.json'}:dllm.verifier: {vsrc} is quantized; export from a "
+                          "full-precision verifier")
+    dllm.verifier = VERIFIER_DIR
+    return vsrc, vdllm
+
+
+def _check_reload(model, written: Path, named: Path, dev, dt, tok) -> float:
+    """:func:`verify_export` of ``written``; above 1e-4 an :class:`ExportError` naming ``named``."""
+    diff = verify_export(model, written, dev, dt, tok)
+    if diff > 1e-4:
+        raise ExportError(f"{named}: reloaded logits differ from the exporter's by {diff:.3g} (> 1e-4); nothing was "
+                          "written")
+    return diff

@@ -265,6 +265,89 @@ def draw_noise(batch: Batch, dllm: DllmConfig, objective: str, generator: torch.
 
 
 # ---------------------------------------------------------------------------------------------- layout
+class _Canvas:
+    """What :func:`build_layout` collects: each row's pieces (ids, positions, groups, group starts, committed) and
+    the scored outputs (row, column, label, label position, ``1/t``), then the padded tensors."""
+
+    def __init__(self):
+        self.rows: list[list[tuple]] = []
+        self.scored: list[tuple[int, int, int, int, float]] = []
+        self.offsets: list[tuple[int, int, int, int]] = []
+
+    def piece(self, ids, pos, grp, start, committed) -> None:
+        self.rows[-1].append((ids, pos, grp, start, committed))
+
+    def score(self, b: int, src: int, label: int, pos: int, t: float) -> None:
+        if src >= 0:  # (with the logit shift, position 0 has no output before it)
+            self.scored.append((b, src, label, pos, 1.0 / t))
+
+    def layout(self, dllm: DllmConfig, norm: float) -> Layout:
+        cat = [[torch.cat([p[i] for p in row]) for i in range(5)] for row in self.rows]
+        B, T = len(cat), max(int(r[0].numel()) for r in cat)
+        pad = dllm.pad_token_id if dllm.pad_token_id is not None else dllm.eos_token_ids[0]
+        input_ids = torch.full((B, T), pad, dtype=torch.long)
+        position_ids = torch.zeros(B, T, dtype=torch.long)
+        grp = torch.full((B, T), -2, dtype=torch.long)
+        start = torch.zeros(B, T, dtype=torch.long)
+        com = torch.zeros(B, T, dtype=torch.bool)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        for b, (r_ids, r_pos, r_grp, r_start, r_com) in enumerate(cat):
+            n = int(r_ids.numel())
+            input_ids[b, :n], position_ids[b, :n] = r_ids, r_pos
+            grp[b, :n], start[b, :n], com[b, :n] = r_grp, r_start, r_com
+            valid[b, :n] = True
+        mask = build_attention_mask(position_ids, grp, start, valid, position_ids, grp, com, valid)
+        cols = list(zip(*self.scored)) or [[]] * 5
+        src_row, src_col, labels, lab_pos, inv_t = (list(c) for c in cols)
+
+        def t64(x):
+            return torch.tensor(x, dtype=torch.long)
+
+        return Layout(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, valid=valid,
+                      src_row=t64(src_row), src_col=t64(src_col), labels=t64(labels), label_row=t64(src_row),
+                      label_pos=t64(lab_pos), inv_t=torch.tensor(inv_t, dtype=torch.float32), norm=norm,
+                      block_offsets=self.offsets)
+
+
+def _bidirectional_row(canvas: _Canvas, b: int, ids: torch.Tensor, noise: Noise, mask_id: int, shift: bool) -> None:
+    """One row of the single-copy ``mdlm`` layout of a bidirectional checkpoint (one group, nothing committed)."""
+    n = int(ids.numel())
+    noisy = ids.clone()
+    masked = noise.rows_masked[b]
+    if masked:
+        noisy[masked] = mask_id
+    canvas.piece(noisy, torch.arange(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                 torch.zeros(n, dtype=torch.bool))
+    for p in masked:
+        canvas.score(b, p - 1 if shift else p, int(ids[p]), p, noise.rows_t[b])
+
+
+def _block_row(canvas: _Canvas, b: int, ids: torch.Tensor, blocks: list[NoisyBlock], grp: torch.Tensor,
+               start: torch.Tensor, mask_id: int, shift: bool, skip_unmasked: bool) -> None:
+    """One row of the block layout: the clean copy (``grp``/``start``: its groups), then each noisy block copy."""
+    n = int(ids.numel())
+    canvas.piece(ids, torch.arange(n), grp, start, torch.ones(n, dtype=torch.bool))
+    off, gid = n, 3 * n + 3
+    for blk in blocks:
+        if skip_unmasked and not blk.masked:
+            continue
+        a, e = blk.start, blk.end
+        noisy = ids[a:e].clone()
+        if blk.masked:
+            noisy[torch.tensor(blk.masked) - a] = mask_id
+        canvas.piece(noisy, torch.arange(a, e), torch.full((e - a,), gid, dtype=torch.long),
+                     torch.full((e - a,), a, dtype=torch.long), torch.zeros(e - a, dtype=torch.bool))
+        canvas.offsets.append((b, a, e, off))
+        for p in blk.masked:
+            if shift:
+                src = (a - 1) if p == a else off + (p - 1 - a)
+            else:
+                src = off + (p - a)
+            canvas.score(b, src, int(ids[p]), p, blk.t)
+        off += e - a
+        gid += 1
+
+
 def build_layout(batch: Batch, dllm: DllmConfig, noise: Noise, block_size: int | None = None,
                  skip_unmasked: bool = True) -> Layout:
     """Inputs, the shared-builder attention mask and the scoring indices for ``noise`` on ``batch``.
@@ -275,90 +358,20 @@ def build_layout(batch: Batch, dllm: DllmConfig, noise: Noise, block_size: int |
     only committed clean tokens), so the loss is unchanged while about ``1/(block_size+1)`` of the blocks (those
     drawn with no mask under ``t ~ U(eps, 1)``) cost nothing.
     """
-    mask_id = dllm.mask_token_id
-    B, L = batch.input_ids.shape
     bs = block_size or dllm.block_size
     shift = bool(dllm.logit_shift)
-    rows_ids, rows_pos, rows_grp, rows_start, rows_com = [], [], [], [], []
-    src_row, src_col, labels, lab_row, lab_pos, inv_t = [], [], [], [], [], []
-    offsets = []
-    n_answer = int(batch.answer.sum())
-    for b in range(B):
+    canvas = _Canvas()
+    for b in range(batch.input_ids.shape[0]):
         n = int(batch.valid[b].sum())
         ids = batch.input_ids[b, :n]
+        canvas.rows.append([])
         if dllm.attention == "bidirectional":
-            noisy = ids.clone()
-            masked = noise.rows_masked[b]
-            if masked:
-                noisy[masked] = mask_id
-            rows_ids.append(noisy)
-            rows_pos.append(torch.arange(n))
-            rows_grp.append(torch.zeros(n, dtype=torch.long))
-            rows_start.append(torch.zeros(n, dtype=torch.long))
-            rows_com.append(torch.zeros(n, dtype=torch.bool))
-            for p in masked:
-                src = p - 1 if shift else p
-                if src < 0:
-                    continue
-                src_row.append(b), src_col.append(src), labels.append(int(ids[p])), lab_row.append(b)
-                lab_pos.append(p), inv_t.append(1.0 / noise.rows_t[b])
-            continue
-        grp, start = clean_groups(n, batch.spans[b], dllm, bs)
-        parts_ids, parts_pos, parts_grp, parts_start, parts_com = [ids], [torch.arange(n)], [grp], [start], \
-            [torch.ones(n, dtype=torch.bool)]
-        off = n
-        gid = 3 * n + 3
-        for blk in (x for x in noise.blocks if x.row == b):
-            if skip_unmasked and not blk.masked:
-                continue
-            a, e = blk.start, blk.end
-            noisy = ids[a:e].clone()
-            if blk.masked:
-                noisy[torch.tensor(blk.masked) - a] = mask_id
-            parts_ids.append(noisy)
-            parts_pos.append(torch.arange(a, e))
-            parts_grp.append(torch.full((e - a,), gid, dtype=torch.long))
-            parts_start.append(torch.full((e - a,), a, dtype=torch.long))
-            parts_com.append(torch.zeros(e - a, dtype=torch.bool))
-            offsets.append((b, a, e, off))
-            for p in blk.masked:
-                if shift:
-                    src = (a - 1) if p == a else off + (p - 1 - a)
-                else:
-                    src = off + (p - a)
-                if src < 0:
-                    continue
-                src_row.append(b), src_col.append(src), labels.append(int(ids[p])), lab_row.append(b)
-                lab_pos.append(p), inv_t.append(1.0 / blk.t)
-            off += e - a
-            gid += 1
-        rows_ids.append(torch.cat(parts_ids))
-        rows_pos.append(torch.cat(parts_pos))
-        rows_grp.append(torch.cat(parts_grp))
-        rows_start.append(torch.cat(parts_start))
-        rows_com.append(torch.cat(parts_com))
-    T = max(int(x.numel()) for x in rows_ids)
-    pad = dllm.pad_token_id if dllm.pad_token_id is not None else dllm.eos_token_ids[0]
-    input_ids = torch.full((B, T), pad, dtype=torch.long)
-    position_ids = torch.zeros(B, T, dtype=torch.long)
-    grp = torch.full((B, T), -2, dtype=torch.long)
-    start = torch.zeros(B, T, dtype=torch.long)
-    com = torch.zeros(B, T, dtype=torch.bool)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    for b in range(B):
-        n = int(rows_ids[b].numel())
-        input_ids[b, :n], position_ids[b, :n] = rows_ids[b], rows_pos[b]
-        grp[b, :n], start[b, :n], com[b, :n] = rows_grp[b], rows_start[b], rows_com[b]
-        valid[b, :n] = True
-    mask = build_attention_mask(position_ids, grp, start, valid, position_ids, grp, com, valid)
-
-    def t64(x):
-        return torch.tensor(x, dtype=torch.long)
-
-    return Layout(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, valid=valid,
-                  src_row=t64(src_row), src_col=t64(src_col), labels=t64(labels), label_row=t64(lab_row),
-                  label_pos=t64(lab_pos), inv_t=torch.tensor(inv_t, dtype=torch.float32),
-                  norm=float(max(n_answer, 1) * noise.copies), block_offsets=offsets)
+            _bidirectional_row(canvas, b, ids, noise, dllm.mask_token_id, shift)
+        else:
+            grp, start = clean_groups(n, batch.spans[b], dllm, bs)
+            _block_row(canvas, b, ids, [x for x in noise.blocks if x.row == b], grp, start, dllm.mask_token_id,
+                       shift, skip_unmasked)
+    return canvas.layout(dllm, float(max(int(batch.answer.sum()), 1) * noise.copies))
 
 
 # ---------------------------------------------------------------------------------------------- losses
