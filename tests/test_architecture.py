@@ -2,7 +2,8 @@
 contracts of pyproject.toml (`lint-imports`): the engine imports neither the server, training nor the CLI; the server
 imports neither training nor the CLI and only the engine's public API (``unmask.engine`` and
 ``unmask.engine.limits``); training imports neither the server nor the CLI; nothing imports the CLI; no import
-cycle inside training, function-level imports included. (The size of functions: tests/test_function_checks.py.)
+cycle inside training, function-level imports included, and training's module layers. (The size of functions:
+tests/test_function_checks.py.)
 """
 from __future__ import annotations
 
