@@ -216,6 +216,7 @@ class TrainConfig:
                 raise TrainError(f"--fsdp: {objective.fsdp_refusal}")
 
     def _check_ranges(self) -> None:
+        """Each number within its range."""
         for name in ("batch_size", "grad_accum", "max_steps", "eval_t_points"):
             if getattr(self, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
@@ -242,6 +243,7 @@ class TrainConfig:
             raise TrainError(f"minutes_before: must be finite and >= 0, got {self.minutes_before}")
 
     def _check_combinations(self) -> None:
+        """Options that need another one."""
         if self.no_ce and self.teacher_kl <= 0:
             raise TrainError("--no-ce: needs --teacher-kl W > 0 (otherwise there is no loss)")
         if self.lr_schedule == "cosine_time" and self.max_minutes <= 0:
