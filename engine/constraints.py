@@ -326,8 +326,7 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator:
     if not kept:  # pragma: no cover - row 0 is always kept
         empty = torch.empty(0)
         return Candidates(empty.long(), empty.double(), empty.double(), empty.float())
-    return Candidates(*(torch.cat([getattr(c, f) for c in kept]) for f in ("tokens", "probability", "score",
-                                                                            "logprob")))
+    return Candidates.cat(kept)
 
 
 def mask_verifier_rows(logits: torch.Tensor, grammar: GrammarState, drafts: list[int]) -> None:

@@ -63,3 +63,7 @@ class TokenTexts:
 
     def __call__(self, token_id: int) -> str:
         return self._text(int(token_id))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` as the output's text is decoded (:func:`decode`: special tokens skipped)."""
+        return decode(self._tokenizer, ids)

@@ -35,7 +35,8 @@ MAX_STOP_TOKEN_IDS = 64    # stop_token_ids per request
 MAX_TOKEN_ID = 2**31 - 1   # a token id fits int32 (the vocabulary check is the engine's)
 MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
 MAX_MESSAGE_NAME_CHARS = 256
-MAX_LOGPROBS = 1           # alternatives per token: only the revealed token is recorded
+MAX_TOP_LOGPROBS = 20      # alternatives recorded per token (OpenAI's chat maximum, top_logprobs)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs: OpenAI's maximum (vLLM allows 20; OpenAI's limit is kept)
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
 #: row-equivalents per chunk of a long prompt's prefill, rows at the prompt's start (docs/design.md#decoding,
 #: "Chunked prefill"; engine/prefill_cost.py; measured in benchmarks/results/bench_long_prefill.md): small enough
@@ -97,6 +98,7 @@ RANGES: dict[str, Range] = {
     "speculative_ratio": Range(0, 1, lo_open=True),
     "speculative_no_repeat_ngram": Range(0, MAX_NO_REPEAT_NGRAM, integer=True),
     "logit_bias": Range(-100, 100),  # OpenAI's: each bias value
+    "top_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
     # fraction of a block decoded before the next joins (docs/design.md#the-seeds-methods)
     "multi_block": Range(0, 1, lo_open=True),
 }

@@ -30,7 +30,7 @@ import math
 import torch
 
 from .attention import canvas_groups
-from .outputs import Revealed, StepEvent
+from .outputs import StepEvent
 from .request import LaneInput
 from .sampler import Candidates, reveal_count, select_reveals
 from .sequence import Sequence
@@ -121,7 +121,7 @@ class MultiBlockSequence(Sequence):
             rows = ((masked >= lo) & (masked < hi)).nonzero(as_tuple=True)[0]
             if rows.numel() == 0:
                 continue
-            sub = Candidates(cands.tokens[rows], cands.probability[rows], cands.score[rows], cands.logprob[rows])
+            sub = cands.take(rows)
             steps_left = max(1, self.window_steps[b] - self.block_steps[b])
             quota = None if self.threshold is not None else reveal_count(int(rows.numel()), steps_left)
             chosen_all.append(rows[select_reveals(sub, quota, self.threshold).to(rows.device)])
@@ -131,10 +131,7 @@ class MultiBlockSequence(Sequence):
         tokens = cands.tokens[chosen]
         self.canvas[positions] = tokens.to(self.canvas.device)
         rel = (positions - self.prompt_len).cpu()
-        self.logprobs[rel] = cands.logprob[chosen].cpu()
-        revealed = [Revealed(int(p), int(t), float(c), float(lp)) for p, t, c, lp in
-                    zip(rel.tolist(), tokens.tolist(), cands.probability[chosen].tolist(),
-                        cands.logprob[chosen].tolist()) if p < self.max_tokens]
+        revealed = self.record_reveals(rel, tokens, cands.take(chosen))
         block, step = self.block_idx, self.step
         self.step += 1
         self._advance()

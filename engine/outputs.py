@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Revealed:
     """A token revealed in one step. ``position`` counts from the first generated position; ``confidence`` is the
-    candidate's probability (float), ``logprob`` its natural log-probability."""
+    candidate's probability (float), ``logprob`` its natural log-probability (the value ``CompletionOutput.logprobs``
+    records); ``top``: with ``SamplingParams.top_logprobs``, the most likely ``(token id, logprob)`` at that position
+    and step, most likely first (else empty)."""
 
     position: int
     token_id: int
     confidence: float
     logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class CompletionOutput:
         token_ids: generated ids up to and including the first EOS (docs/design.md#decisions counting).
         finish_reason: ``stop`` | ``length`` | ``abort``.
         logprobs: per returned token, its log-probability at the step it was revealed (natural log), or None.
+        top_logprobs: with ``SamplingParams.top_logprobs``, per returned token its most likely ``(token id,
+            logprob)`` alternatives at that step, most likely first; else None.
         steps: denoising steps. nfe: model forwards (CFG counts two per step).
         ended_by_eos: the last of ``token_ids`` is an EOS/stop id (counted in usage, not rendered).
         steps_per_block: denoising steps of each finished block, in order.
@@ -61,6 +66,7 @@ class CompletionOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     cached_tokens: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def tokens_per_forward(self) -> float:

@@ -163,6 +163,9 @@ class SamplingParams:
             model's vocabulary when the request is built. ``None`` = none.
         cache: ``auto`` | ``none`` | ``prefix`` | ``dual`` (KV-cache policy; see ``unmask.engine.kv_cache``).
         logprobs: record the log-probability each token had at the step it was revealed.
+        top_logprobs: with ``logprobs``, also record this many most likely tokens (0 to 20) at that position and
+            step, under the same distribution (the step's final logits at temperature 1, after penalties and
+            top-k/top-p; tokens those filters removed are left out, so a list may be shorter).
         speculative: self-speculative decoding (``unmask.engine.speculative``): mask-block drafts verified by the
             model's causal path; greedy: the output is token for token the model's ``block_size=1`` greedy decoding;
             temperature > 0: speculative sampling, every token distributed as ``block_size=1`` sampling from the
@@ -207,6 +210,7 @@ class SamplingParams:
     constraints: dict[int, int] = field(default_factory=dict)
     cache: str = "auto"
     logprobs: bool = False
+    top_logprobs: int = 0
     speculative: bool | None = None
     speculative_options: SpeculativeOptions | None = None
     constraint: Constraint | None = None
@@ -240,6 +244,9 @@ class SamplingParams:
         check("repetition_penalty", self.repetition_penalty)
         check("min_tokens", self.min_tokens)
         check("multi_block", self.multi_block)
+        check("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "requires logprobs")
         if self.remasking is not None and self.remasking not in REMASKING_STRATEGIES:
             raise ParamError("remasking", f"must be one of {list(REMASKING_STRATEGIES)}, got {self.remasking!r}")
         if self.cache not in CACHE_MODES:

@@ -184,6 +184,9 @@ class Request:
             canvas[P + int(pos)] = int(tok)
         self.canvas = canvas.to(self.device)
         self.logprobs = torch.zeros(self.gen_len, dtype=torch.float32)
+        k = params.top_logprobs if params.logprobs else 0  # the alternatives recorded per position (-1: none)
+        self.top_ids = torch.full((self.gen_len, k), -1, dtype=torch.long) if k else None
+        self.top_lps = torch.full((self.gen_len, k), float("-inf"), dtype=torch.float32) if k else None
         self.threshold = plan.threshold
         self.cache_mode = plan.cache
         L = lay.length
@@ -368,6 +371,26 @@ class Request:
         return len(self.output_ids) if self.finished else len(self.stopper.prefix)
 
     # ------------------------------------------------------------------ outputs
+    def record_reveals(self, rel: torch.Tensor, tokens: torch.Tensor, cands) -> list[Revealed]:
+        """Record the log-probabilities (and alternatives) of tokens revealed at generated positions ``rel``
+        (``[k]``, CPU) from their :class:`~unmask.engine.sampler.Candidates` ``cands``; returns their
+        :class:`Revealed` (positions past ``max_tokens``, decoded only to fill a block, left out)."""
+        self.logprobs[rel] = cands.logprob.cpu()
+        if self.top_ids is not None and cands.top_ids is not None:
+            self.top_ids[rel] = cands.top_ids.cpu()
+            self.top_lps[rel] = cands.top_logprobs.cpu()
+        tops = cands.top(list(range(int(rel.numel()))))
+        return [Revealed(int(p), int(t), float(c), float(lp), top) for p, t, c, lp, top in
+                zip(rel.tolist(), tokens.tolist(), cands.probability.tolist(), cands.logprob.tolist(), tops)
+                if p < self.max_tokens]
+
+    def _top_logprobs(self, n: int) -> list[list[tuple[int, float]]] | None:
+        """The recorded alternatives of the first ``n`` positions (None unless asked for)."""
+        if self.top_ids is None:
+            return None
+        return [[(i, lp) for i, lp in zip(ids, lps) if i >= 0 and lp > float("-inf")]
+                for ids, lps in zip(self.top_ids[:n].tolist(), self.top_lps[:n].tolist())]
+
     def event(self, block: int, step: int, revealed: list[Revealed]) -> StepEvent:
         """The :class:`StepEvent` of the state now (``output`` set once finished)."""
         return StepEvent(request_id=self.request_id, index=self.index, block=block, step=step, nfe=self.nfe,
@@ -386,7 +409,7 @@ class Request:
             steps_per_block=list(self.blocks_done_steps), drafts_proposed=self.proposed_drafts,
             drafts_accepted=self.accepted_drafts, speculative=self.plan.speculative,
             draft_block=self.plan.draft_block, first_token_time=self.first_token_time, finish_time=self.finish_time,
-            cached_tokens=self.cached_tokens)
+            cached_tokens=self.cached_tokens, top_logprobs=self._top_logprobs(len(ids)))
 
     def final_event(self) -> StepEvent:
         """The last event of a choice that finished without a further step."""

@@ -70,12 +70,36 @@ class Candidates:
             temperature 1 (the quantity compared with the threshold, docs/design.md#decisions).
         score: ``[N]`` float64 ordering score of the remasking strategy (higher = revealed first).
         logprob: ``[N]`` float32 log-probability of the candidate (reported as ``logprobs``).
+        top_ids / top_logprobs: ``[N, k]`` int64 / float32, the k most likely tokens of each row and their
+            log-probabilities under the same distribution (``SamplingParams.top_logprobs`` = k), or None.
     """
 
     tokens: torch.Tensor
     probability: torch.Tensor
     score: torch.Tensor
     logprob: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def take(self, rows: torch.Tensor) -> "Candidates":
+        """The candidates of ``rows`` (an index or mask tensor)."""
+        top = (None, None) if self.top_ids is None else (self.top_ids[rows], self.top_logprobs[rows])
+        return Candidates(self.tokens[rows], self.probability[rows], self.score[rows], self.logprob[rows], *top)
+
+    @staticmethod
+    def cat(parts: list["Candidates"]) -> "Candidates":
+        """The rows of ``parts`` one after another (their ``top_*`` all given or all None)."""
+        fields = ["tokens", "probability", "score", "logprob"] + (["top_ids", "top_logprobs"]
+                                                                  if parts[0].top_ids is not None else [])
+        return Candidates(*(torch.cat([getattr(c, f) for c in parts]) for f in fields))
+
+    def top(self, rows: list[int]) -> list[tuple[tuple[int, float], ...]]:
+        """Per row of ``rows`` its alternatives as ``((token id, logprob), ...)`` without the ones the filters
+        removed (-inf) or padding (id -1); empty tuples without ``top_ids``."""
+        if self.top_ids is None:
+            return [()] * len(rows)
+        ids, lps = self.top_ids[rows].tolist(), self.top_logprobs[rows].tolist()
+        return [tuple((i, lp) for i, lp in zip(ri, rl) if i >= 0 and lp > float("-inf")) for ri, rl in zip(ids, lps)]
 
 
 def classifier_free_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -210,7 +234,29 @@ def score_candidates(logits: torch.Tensor, tokens: torch.Tensor, params: Samplin
         score = -torch.arange(tokens.shape[0], dtype=torch.float64, device=tokens.device)
     else:  # pragma: no cover - validated in SamplingParams
         raise ValueError(f"remasking: unknown strategy {strategy!r}")
-    return Candidates(tokens=tokens, probability=probability, score=score, logprob=cand_logp.float())
+    top_ids = top_lp = None
+    if params.top_logprobs:  # the k most likely tokens under the same distribution
+        values, top_ids = torch.topk(logits, min(params.top_logprobs, logits.shape[-1]), dim=-1)
+        top_lp = (values.to(torch.float64) - lse[:, None]).float()
+    return Candidates(tokens=tokens, probability=probability, score=score, logprob=cand_logp.float(),
+                      top_ids=top_ids, top_logprobs=top_lp)
+
+
+def forced_candidates(tokens: list[int], like: Candidates) -> Candidates:
+    """Tokens a grammar forces (probability 1, log-probability 0; the only alternative is the token itself), on
+    ``like``'s devices and dtypes, with ``top_*`` when ``like`` has them."""
+    def t(value, have):
+        return torch.tensor(value, dtype=have.dtype, device=have.device)
+
+    n = len(tokens)
+    top = (None, None)
+    if like.top_ids is not None:
+        k = like.top_ids.shape[-1]
+        ids = [[tok] + [-1] * (k - 1) for tok in tokens]
+        top = (t(ids, like.top_ids).reshape(n, k), t([[0.0] + [float("-inf")] * (k - 1)] * n,
+                                                     like.top_logprobs).reshape(n, k))
+    return Candidates(t(tokens, like.tokens), t([1.0] * n, like.probability), t([1.0] * n, like.score),
+                      t([0.0] * n, like.logprob), *top)
 
 
 def log_normalizer(logits: torch.Tensor) -> torch.Tensor:

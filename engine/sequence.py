@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from .attention import canvas_groups
-from .outputs import Revealed, StepEvent
+from .outputs import StepEvent
 from .request import LaneInput, Request
-from .sampler import (Candidates, classifier_free_guidance, prepare_logits, reveal_count, sample_candidates,
-                      select_reveals)
+from .sampler import (Candidates, classifier_free_guidance, forced_candidates, prepare_logits, reveal_count,
+                      sample_candidates, select_reveals)
 
 __all__ = ["Sequence"]
 
@@ -122,10 +122,7 @@ class Sequence(Request):
         nxt = int(masked[k - 1]) + 1  # every position after the chain is masked (the revealed region is a prefix)
         forced = forced_run(self.grammar, self.prompt_len + self.gen_len - nxt)
         if forced:  # forced tokens past the chain (and past the window) are final at once: probability 1
-            cands = Candidates(*(torch.cat([have, torch.tensor(value, dtype=have.dtype, device=have.device)])
-                                 for have, value in ((cands.tokens, forced), (cands.probability, [1.0] * len(forced)),
-                                                     (cands.score, [1.0] * len(forced)),
-                                                     (cands.logprob, [0.0] * len(forced)))))
+            cands = Candidates.cat([cands, forced_candidates(forced, cands)])
         positions = torch.cat([masked[:k], torch.arange(nxt, nxt + len(forced), device=masked.device)])
         return self.apply(cands, positions, chosen=torch.arange(k + len(forced)))
 
@@ -157,11 +154,8 @@ class Sequence(Request):
         tokens = cands.tokens[chosen]
         self.canvas[positions] = tokens.to(self.canvas.device)
         rel = (positions - self.prompt_len).cpu()
-        self.logprobs[rel] = cands.logprob[chosen].cpu()
         # positions past max_tokens (the rounding up to whole blocks) are decoded but never shown
-        revealed = [Revealed(int(p), int(t), float(c), float(lp)) for p, t, c, lp in
-                    zip(rel.tolist(), tokens.tolist(), cands.probability[chosen].tolist(),
-                        cands.logprob[chosen].tolist()) if p < self.max_tokens]
+        revealed = self.record_reveals(rel, tokens, cands.take(chosen))
         block = self.block_idx
         step = self.step
         self.step += 1

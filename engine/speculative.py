@@ -45,9 +45,10 @@ import torch
 
 from .constraints import forced_run, grammar_drafts, mask_verifier_rows
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
-from .outputs import Revealed, StepEvent
+from .outputs import StepEvent
 from .request import LaneInput, Request
-from .sampler import add_bias, filter_top_k_top_p, forbid, log_normalizer, sample_from_probs
+from .sampler import (Candidates, add_bias, filter_top_k_top_p, forbid, forced_candidates, log_normalizer,
+                      sample_from_probs)
 
 __all__ = ["SpeculativeSequence", "speculative_accept", "MAX_DRAFT_BLOCK"]
 
@@ -214,6 +215,21 @@ class SpeculativeSequence(Request):
         """The causal (committed-context) rows run the model's row variant (a checkpoint's verifier)."""
         return inp.committed
 
+    def _candidates(self, logits: torch.Tensor, rows: list[int], tokens: list[int], logp: torch.Tensor,
+                    lse: torch.Tensor) -> Candidates:
+        """The revealed tokens of a step as :class:`Candidates` (CPU): probability ``exp(logp)`` (``logp``:
+        float64), their log-probabilities and, with ``top_logprobs``, the alternatives of each verifier row."""
+        top = (None, None)
+        if self.top_ids is not None:
+            k = self.top_ids.shape[-1]
+            if rows:
+                values, ids = torch.topk(logits[rows], min(k, logits.shape[-1]), dim=-1)
+                top = (ids.cpu(), (values.to(torch.float64) - lse[:, None]).float().cpu())
+            else:
+                top = (torch.empty(0, k, dtype=torch.long), torch.empty(0, k, dtype=torch.float32))
+        tok = torch.tensor(tokens, dtype=torch.long)
+        return Candidates(tok, logp.exp(), logp.exp(), logp.float(), *top)
+
     def consume(self, logits: list[torch.Tensor], forbidden_ids: torch.Tensor
                 ) -> tuple[StepEvent, list[torch.Tensor | None]]:
         """:meth:`verify` the one lane's rows; its commit is the verified causal tokens."""
@@ -266,6 +282,7 @@ class SpeculativeSequence(Request):
         lse = log_normalizer(logits[rows]) if rows else torch.empty(0, dtype=torch.float64)
         tok_t = torch.tensor(new_tokens, dtype=torch.long)
         logp = (logits[rows, tok_t.to(logits.device)].to(torch.float64) - lse).cpu() if rows else lse
+        cands = self._candidates(logits, rows, new_tokens, logp, lse)
 
         self.proposed_drafts += len(drafts)
         self.accepted_drafts += accepted
@@ -278,6 +295,8 @@ class SpeculativeSequence(Request):
             new_tokens += forced
             tok_t = torch.tensor(new_tokens, dtype=torch.long)
             logp = torch.cat([logp, torch.zeros(len(forced), dtype=logp.dtype)])
+            if forced:  # final at once: probability 1
+                cands = Candidates.cat([cands, forced_candidates(forced, cands)])
             self.drafts, self.draft_probs = grammar_drafts(logits, key_rows[len(forced):], self.grammar,
                                                            self.generator, self.temperature if self.sampling else None)
         elif self.sampling:
@@ -290,12 +309,10 @@ class SpeculativeSequence(Request):
         positions = torch.arange(f, f + len(new_tokens))
         if new_tokens:
             self.canvas[positions.to(self.canvas.device)] = tok_t.to(self.canvas.device)
-            self.logprobs[positions - self.prompt_len] = logp.float()
+        revealed = self.record_reveals(positions - self.prompt_len, tok_t, cands) if new_tokens else []
         self.final_len = f + len(new_tokens)
         commit = (torch.arange(0, f + accepted - lo, dtype=torch.long) if self.cache_mode != "none"
                   else torch.empty(0, dtype=torch.long))
-        revealed = [Revealed(int(p) - self.prompt_len, t, float(lp.exp()), float(lp))
-                    for p, t, lp in zip(positions.tolist(), new_tokens, logp)]
         step = self.step
         block = self.block_idx = (f - self.prompt_len) // self.draft_block  # the block of the first revealed token
         self.step += 1

@@ -13,8 +13,8 @@ accepted and have no effect (nothing is stored). The whole field policy, field b
 
 ``logprobs``: a diffusion model reveals tokens in any order; the log-probability reported for a token is the one it
 had (under the final logits of that step, after penalties and top-k/top-p, at temperature 1) at the step it was
-revealed. Only that token is recorded, so ``top_logprobs``/``logprobs`` may ask for at most 1 alternative (the
-token itself).
+revealed, and its alternatives are the most likely tokens of that position under the same distribution: chat's
+``top_logprobs`` up to 20 and completions' ``logprobs`` up to 5, OpenAI's limits (vLLM allows 20 for both).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from unmask.engine import SamplingParams
-from unmask.engine.limits import (CACHE_MODES, MAX_LOGPROBS, MAX_MESSAGES,
+from unmask.engine.limits import (CACHE_MODES, MAX_COMPLETION_LOGPROBS, MAX_MESSAGES, MAX_TOP_LOGPROBS,
                                   MAX_NAME_CHARS, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
                                   MAX_TOKEN_ID, RANGES, REMASKING_STRATEGIES)
 
@@ -308,12 +308,17 @@ class _Common(_Rules):
             suffix=getattr(self, "suffix", None), speculative=self.speculative,
             speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon,
             speculative_ratio=self.speculative_ratio,
-            speculative_no_repeat_ngram=self.speculative_no_repeat_ngram, multi_block=self.multi_block)
+            speculative_no_repeat_ngram=self.speculative_no_repeat_ngram, multi_block=self.multi_block,
+            top_logprobs=self.alternatives() if logprobs else 0)
         return with_extras(params, self.constraint(), logit_bias_ids(self.logit_bias))
 
     def constraint(self):
         """The engine ``Constraint`` this request asks for (chat: ``response_format`` / ``tool_choice``)."""
         return None
+
+    def alternatives(self) -> int:
+        """Alternatives to record per token (chat: ``top_logprobs``; completions: ``logprobs``)."""
+        return 0
 
     @property
     def include_usage(self) -> bool:
@@ -345,8 +350,9 @@ class CompletionRequest(_Common):
     prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of those")
     suffix: Text | None = Field(None, description="text after the generated region (infilling; bidirectional "
                                                  "models only)")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probability of each token at the "
-                                 "step it was revealed (only the revealed token is recorded, so at most 1)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description="log-probability of each token at the step it was revealed, and this "
+                                             "many most likely alternatives there (at most 5, OpenAI's limit)")
     best_of: int | None = ranged("n", None, description="only best_of == n is supported")
     echo: bool = Field(False, description="prepend the prompt's text to each choice's text (streamed: its first "
                                           "chunk); not with logprobs (prompt log-probabilities are not computed)")
@@ -358,6 +364,9 @@ class CompletionRequest(_Common):
                 "field": "echo", "why": "cannot be combined with logprobs: prompt log-probabilities are not "
                                         "computed (a diffusion model reveals only generated tokens)"})
         return self
+
+    def alternatives(self) -> int:
+        return self.logprobs or 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (one entry per prompt)."""
@@ -384,8 +393,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = ranged("max_tokens", None,
                                                description="same as max_tokens (takes precedence)")
     logprobs: bool = Field(False, description="log-probability of each token at the step it was revealed")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                     description="only the revealed token is recorded (<= 1)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="the most likely alternatives of each token at the step that "
+                                                 "revealed it (at most 20, OpenAI's limit)")
     response_format: ResponseFormat | None = Field(
         None, description="text | json_object | json_schema: JSON output by constrained decoding")
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
@@ -420,6 +430,9 @@ class ChatCompletionRequest(_Common):
             raise bad("response_format", "cannot be combined with tool_choice required or a named function")
         check_tool_messages(self.messages)
         return self
+
+    def alternatives(self) -> int:
+        return self.top_logprobs or 0
 
     @property
     def tools_active(self) -> bool:

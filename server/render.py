@@ -9,20 +9,32 @@ texts of the tokenizer).
 Logprobs: an EOS that ended a choice (``ended_by_eos`` with ``finish_reason`` ``stop``; with ``ignore_eos`` an EOS
 id is an ordinary token) is counted in usage but never rendered, so it has no logprob entry; JSON has no -inf, so a
 log-probability below -9999.0 is sent as -9999.0 (vLLM's "impossible"; the engine only reveals finite ones).
+Alternatives: chat ``top_logprobs`` lists the k most likely tokens at the step that revealed the token (k up to 20,
+OpenAI's chat maximum); completions ``top_logprobs`` maps the k most likely (k = ``logprobs``, up to 5, OpenAI's
+maximum) and the sampled token itself, as OpenAI's. Streamed, each chunk carries the logprobs of the tokens whose
+text it first shows (:mod:`unmask.server.stream_logprobs`); the rest (text a stop string cut) goes with the choice's
+last chunk, so the chunks' logprobs joined equal the non-streamed ones.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from unmask.engine import CompletionOutput, StepEvent
+from unmask.engine import CompletionOutput, Revealed, StepEvent
 
 from .responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                         ChatLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, Delta,
                         Denoising, FunctionCallOut, FunctionDelta, RevealedToken, TokenLogprob, ToolCallDelta,
                         ToolCallOut, TopLogprob, Usage, UsageChunk)
+from .stream_logprobs import TokenCursor
 from .tool_parsers import ParsedCall, Piece, ToolParser, parse
 
 LOGPROB_FLOOR = -9999.0
+
+Entry = tuple[int, float, tuple]  # a rendered token: id, log-probability, its ((id, logprob), ...) alternatives
+
+
+def _floor(lp: float) -> float:
+    return lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 class Render:
@@ -31,7 +43,8 @@ class Render:
     Args:
         kind: ``chat`` | ``completion``. response_id: ``chatcmpl-...`` / ``cmpl-...``. created: unix seconds.
         model: the served model name. token_text: token id -> its text (``TokenTexts``).
-        logprobs: whether logprobs were asked for. top_logprobs: chat: list the one alternative (the token itself).
+        logprobs: whether logprobs were asked for. top_logprobs: alternatives listed per token (chat's
+            ``top_logprobs``, completions' ``logprobs``).
         include_usage: stream chunks carry ``"usage": null`` (and a last usage chunk follows).
         tool_parser: chat with tools: makes a fresh :class:`~unmask.server.tool_parsers.ToolParser` per choice;
             the text is split into content and tool calls (streamed as tool-call deltas), and a choice that called a
@@ -60,36 +73,88 @@ class Render:
         self.n = n
         self._parsers: dict[int, ToolParser] = {}
         self._calls: dict[int, int] = {}
+        # streamed logprobs per choice: which tokens the text carries, those not sent yet, entries and characters sent
+        self._cursors: dict[int, TokenCursor] = {}
+        self._pending: dict[int, list[Revealed]] = {}
+        self._sent: dict[int, int] = {}
+        self._offset: dict[int, int] = {}
 
     # ------------------------------------------------------------------ logprobs
-    def _token_entries(self, out: CompletionOutput) -> list[tuple[str, float]]:
+    def _entries(self, out: CompletionOutput) -> list[Entry]:
+        """The rendered tokens of a choice with their log-probabilities and alternatives (EOS that ended it left
+        out)."""
         ids, lps = list(out.token_ids), list(out.logprobs or [])[: len(out.token_ids)]
+        tops = list(out.top_logprobs or [])[: len(ids)] or [()] * len(ids)
         if ids and out.ended_by_eos and out.finish_reason == "stop":  # EOS: counted, never rendered
-            ids, lps = ids[:-1], lps[:-1]
-        return [(self.token_text(t), lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR) for t, lp in zip(ids, lps)]
+            ids, lps, tops = ids[:-1], lps[:-1], tops[:-1]
+        return list(zip(ids, lps, tops))
+
+    def _render_logprobs(self, entries: list[Entry], offset: int = 0):
+        """``entries`` as the kind's logprobs object (completions: ``text_offset`` from ``offset``)."""
+        if self.chat:
+            content = []
+            for t, lp, top in entries:
+                tok = self.token_text(t)
+                top_list = [self._top(a, alp) for a, alp in list(top)[: self.top_logprobs]]
+                content.append(TokenLogprob(token=tok, logprob=_floor(lp), bytes=_bytes(tok), top_logprobs=top_list))
+            return ChatLogprobs(content=content, refusal=None)
+        tokens, offsets, tops = [], [], []
+        for t, lp, top in entries:
+            tok = self.token_text(t)
+            tokens.append(tok)
+            offsets.append(offset)
+            offset += len(tok)
+            alts = {self.token_text(a): _floor(alp) for a, alp in list(top)[: self.top_logprobs]}
+            alts.setdefault(tok, _floor(lp))  # the sampled token is always listed (OpenAI's)
+            tops.append(alts)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[_floor(lp) for _, lp, _ in entries],
+                                  top_logprobs=tops, text_offset=offsets)
+
+    def _top(self, token_id: int, lp: float) -> TopLogprob:
+        tok = self.token_text(token_id)
+        return TopLogprob(token=tok, logprob=_floor(lp), bytes=_bytes(tok))
 
     def completion_logprobs(self, out: CompletionOutput) -> CompletionLogprobs | None:
         """Legacy-completions ``logprobs`` of one choice, or None when off."""
-        if not self.logprobs:
-            return None
-        entries = self._token_entries(out)
-        offsets, pos = [], 0
-        for tok, _ in entries:
-            offsets.append(pos)
-            pos += len(tok)
-        return CompletionLogprobs(tokens=[t for t, _ in entries], token_logprobs=[lp for _, lp in entries],
-                                  top_logprobs=[{t: lp} for t, lp in entries], text_offset=offsets)
+        return self._render_logprobs(self._entries(out)) if self.logprobs else None
 
     def chat_logprobs(self, out: CompletionOutput) -> ChatLogprobs | None:
         """Chat ``logprobs`` of one choice (``bytes`` None for a token with U+FFFD), or None when off."""
+        return self._render_logprobs(self._entries(out)) if self.logprobs else None
+
+    # ------------------------------------------------------------------ streamed logprobs
+    def observe(self, index: int, ev: StepEvent) -> None:
+        """Every event of choice ``index``, in order (its revealed tokens, for streamed logprobs)."""
+        if self.logprobs:
+            if index not in self._cursors:
+                decode = getattr(self.token_text, "decode", None) or (lambda ids: "".join(map(self.token_text, ids)))
+                self._cursors[index] = TokenCursor(decode)
+            self._cursors[index].add(ev.revealed)
+
+    def _carry(self, index: int, chars: int, chunks: list[dict]) -> list[dict]:
+        """Streamed ``chars`` more characters of choice ``index`` in ``chunks``: the first carries the logprobs of the
+        tokens that text completes (with any still waiting for a chunk)."""
+        if not self.logprobs or index not in self._cursors:
+            return chunks
+        self._pending.setdefault(index, []).extend(self._cursors[index].advance(chars))
+        if chunks and self._pending[index]:
+            entries = [(r.token_id, r.logprob, r.top) for r in self._pending.pop(index)]
+            self._attach(index, chunks[0], entries)
+        return chunks
+
+    def _attach(self, index: int, chunk: dict, entries: list[Entry]) -> None:
+        rendered = self._render_logprobs(entries, self._offset.get(index, 0))
+        if not self.chat:
+            self._offset[index] = self._offset.get(index, 0) + sum(len(t) for t in rendered.tokens)
+        self._sent[index] = self._sent.get(index, 0) + len(entries)
+        chunk["choices"][0]["logprobs"] = rendered.model_dump()
+
+    def _rest(self, index: int, out: CompletionOutput):
+        """The logprobs of choice ``index`` not streamed yet (its last chunk's), or None (off, or none left)."""
         if not self.logprobs:
             return None
-        content = []
-        for tok, lp in self._token_entries(out):
-            b = None if "\ufffd" in tok else list(tok.encode("utf-8"))
-            top = [TopLogprob(token=tok, logprob=lp, bytes=b)] if self.top_logprobs else []
-            content.append(TokenLogprob(token=tok, logprob=lp, bytes=b, top_logprobs=top))
-        return ChatLogprobs(content=content, refusal=None)
+        rest = self._entries(out)[self._sent.get(index, 0):]
+        return self._render_logprobs(rest, self._offset.get(index, 0)) if rest else None
 
     # ------------------------------------------------------------------ the non-streamed body
     def body(self, outputs: list[CompletionOutput], usage: Usage) -> dict:
@@ -154,10 +219,11 @@ class Render:
 
     def text_chunks(self, index: int, text: str) -> list[dict]:
         """The chunks of a new piece of one choice's text: one content delta, or with tools what the choice's
-        parser makes final (content deltas, tool-call deltas)."""
+        parser makes final (content deltas, tool-call deltas); the first carries the logprobs of the tokens the
+        text completes."""
         if self.tool_parser is None:
-            return [self.text_chunk(index, text)]
-        return self._pieces(index, self._parser(index).feed(text))
+            return self._carry(index, len(text), [self.text_chunk(index, text)])
+        return self._carry(index, len(text), self._pieces(index, self._parser(index).feed(text)))
 
     def _parser(self, index: int) -> ToolParser:
         if index not in self._parsers:
@@ -193,11 +259,12 @@ class Render:
                                                                parser.ended))]
 
     def finish_chunk(self, index: int, out: CompletionOutput, finish_reason: str | None = None) -> dict:
-        """The last chunk of one choice: its ``finish_reason`` (default the output's) and logprobs, no new text."""
+        """The last chunk of one choice: its ``finish_reason`` (default the output's) and the logprobs not streamed
+        yet (None when every token's went with its text), no new text."""
         if self.chat:
-            return self._chunk(ChatChunkChoice(index=index, delta=Delta(), logprobs=self.chat_logprobs(out),
+            return self._chunk(ChatChunkChoice(index=index, delta=Delta(), logprobs=self._rest(index, out),
                                                finish_reason=finish_reason or out.finish_reason))
-        return self._chunk(CompletionChoice(index=index, text="", logprobs=self.completion_logprobs(out),
+        return self._chunk(CompletionChoice(index=index, text="", logprobs=self._rest(index, out),
                                             finish_reason=out.finish_reason))
 
     def denoising_chunk(self, index: int, ev: StepEvent) -> dict:
@@ -216,6 +283,11 @@ class Render:
         return UsageChunk(id=self.id, object="chat.completion.chunk" if self.chat else "text_completion",
                           created=self.created, model=self.model, choices=[], usage=usage).model_dump(
                               exclude_unset=True)
+
+
+def _bytes(token: str) -> list[int] | None:
+    """A token's UTF-8 bytes, None when its text holds U+FFFD (a piece of a character: its bytes are unknown)."""
+    return None if "\ufffd" in token else list(token.encode("utf-8"))
 
 
 def _finish(reason: str | None, called: bool, ended: bool = False) -> str | None:

@@ -80,6 +80,7 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
         for chunk in render.start_chunks(run.num_choices):
             yield out(chunk)
         async for c, ev in run.events(timeout):
+            render.observe(c, ev)
             if include_denoising and ev.revealed:
                 yield out(render.denoising_chunk(c, ev))
             if len(ev.text) > len(sent[c]):

@@ -68,7 +68,7 @@ BOUNDED = [  # (extra fields, the field the 400 must name)
     ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 6}, "logprobs"),
     ({"prompt": ["x"] * 33}, "prompt"),
     ({"prompt": [5] * 600}, "prompt"),                         # token ids past the context, before the engine
     ({"prompt": "word " * 200_000}, "prompt"),                 # 1 MB: refused before it is tokenized
@@ -86,7 +86,7 @@ def test_every_size_knob_is_bounded_with_a_fast_400_naming_the_field(client, ext
 
 
 def test_chat_sizes_are_bounded_too(client):
-    r = client.post(CH, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5,
+    r = client.post(CH, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21,
                               "logprobs": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     huge = [{"role": "user", "content": "hi"}, {"role": "user", "content": "word " * 200_000}]

@@ -399,7 +399,7 @@ BAD = [
      "stream_options"),
     ("min_tokens above max_tokens", "POST", C, {"json": _c(min_tokens=9)}, 400, "min_tokens"),
     ("suffix on a causal model", "POST", C, {"json": _c(suffix="end")}, 400, "suffix"),
-    ("top_logprobs too many", "POST", CH, {"json": _ch(logprobs=True, top_logprobs=5)}, 400, "top_logprobs"),
+    ("top_logprobs too many", "POST", CH, {"json": _ch(logprobs=True, top_logprobs=21)}, 400, "top_logprobs"),
     ("best_of unlike n", "POST", C, {"json": _c(best_of=3)}, 400, "best_of"),
     ("oversized body", "POST", C, {"json": _c(prompt="x" * (5 * 1024 * 1024))}, 413, None),
     # token ids beyond the vocabulary in any field; integers too large for a float

@@ -1,7 +1,7 @@
 """Golden SSE bytes: seeded streamed requests against a tiny random model served in-process by the real app
 (``build_app`` over an ``AsyncEngine``, Starlette's TestClient), compared byte for byte with
 ``tests/server/golden/sse/<case>.txt`` (issue 39: recorded before the configuration and plan refactor, identical
-after it).
+after it; issue 40 recorded the two logprobs cases again: each content chunk now carries its tokens' logprobs).
 
 Normalized, because they legitimately vary between runs: the response ``id`` (``chatcmpl-``/``cmpl-`` + random
 hex -> ``<id>``) and ``created`` (unix seconds -> 0). Nothing else: the stream carries no timing fields (usage
