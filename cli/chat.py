@@ -7,14 +7,22 @@ import os
 from unmask.engine.limits import REMASKING_STRATEGIES
 
 
+def default_base_url(environ) -> str:
+    """``$UNMASK_BASE_URL``, else the local server on ``$UNMASK_PORT`` (the port ``unmask serve`` reads; 8000)."""
+    if environ.get("UNMASK_BASE_URL"):
+        return environ["UNMASK_BASE_URL"]
+    return f"http://127.0.0.1:{environ.get('UNMASK_PORT') or 8000}/v1"
+
+
 def register(sub, name):
     """Add the ``unmask chat`` sub-parser (named ``name``); returns it."""
     p = sub.add_parser(name, help="chat with a server in the terminal, watching every denoising step",
                        description="Multi-turn chat over the OpenAI API with the canvas redrawn as it is denoised "
                                    "(plain streamed text when stdout is not a terminal). Ctrl-C stops an answer, "
                                    "Ctrl-D or /quit leaves, /help lists the slash commands.")
-    p.add_argument("--base-url", default=os.environ.get("UNMASK_BASE_URL", "http://127.0.0.1:8000/v1"),
-                   help="the server's /v1 URL (default $UNMASK_BASE_URL, else http://127.0.0.1:8000/v1)")
+    p.add_argument("--base-url", default=default_base_url(os.environ),
+                   help="the server's /v1 URL (default $UNMASK_BASE_URL, else http://127.0.0.1:$UNMASK_PORT/v1, the "
+                        "port unmask serve reads, 8000 when unset)")
     p.add_argument("--api-key", default=None,
                    help="API key (default $UNMASK_API_KEY, else $OPENAI_API_KEY, else none)")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")

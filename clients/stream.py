@@ -279,5 +279,6 @@ class Canvas:
 
     def status(self) -> str:
         tpf = self.revealed / self.nfe if self.nfe else 0.0
-        return (f"step {self.step + 1}  block {self.block}  NFE {self.nfe}  TPF {tpf:.2f}  "
+        # step and block both counted from 1 (the engine's are 0-based)
+        return (f"step {self.step + 1}  block {self.block + 1}  NFE {self.nfe}  TPF {tpf:.2f}  "
                 f"{self.revealed / self.seconds:.1f} tok/s  {self.revealed}/{len(self.cells)} revealed")

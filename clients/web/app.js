@@ -24,7 +24,10 @@ async function loadModels() {
   let resp;
   try { resp = await fetch("v1/models", { headers: headers() }); }
   catch (e) { showError("cannot reach the server: " + e); return; }
-  if (resp.status === 401) { showError("this server needs an API key: enter it above"); $("apikey").focus(); return; }
+  if (resp.status === 401) {   // the key field shows only on a server that needs one
+    $("keybox").hidden = false; showError("this server needs an API key: enter it above"); $("apikey").focus(); return;
+  }
+  if (resp.ok && !key()) $("keybox").hidden = true;
   if (!resp.ok) { showError("GET v1/models: " + resp.status + " " + await errorText(resp)); return; }
   const body = await resp.json();
   const sel = $("model"); sel.innerHTML = "";
@@ -108,11 +111,11 @@ function draw(f) {
       s.className = "tok" + (cur ? " cur" : "") + (fresh.has(p) ? " fresh" : "");
       s.textContent = t.replace(/\n/g, "↵") || "∅";
       s.style.color = PALETTE[(f.stepOf[p] || 0) % PALETTE.length];
-      s.title = "position " + p + ", revealed at step " + f.stepOf[p] + " (block " + f.blockOf[p] + ")";
+      s.title = "position " + p + ", revealed at step " + (f.stepOf[p] + 1) + " (block " + (f.blockOf[p] + 1) + ")";
     }
     s.dataset.pos = p; root.appendChild(s);
   });
-  $("c-step").textContent = "step " + (f.step + 1) + " · block " + f.block;
+  $("c-step").textContent = "step " + (f.step + 1) + " · block " + (f.block + 1);   // both counted from 1
   $("c-nfe").textContent = "NFE " + f.nfe;
   $("c-tpf").textContent = "TPF " + (f.nfe ? (f.revealed / f.nfe).toFixed(2) : "–");
   $("c-tps").textContent = f.tps.toFixed(1) + " tok/s";
@@ -159,7 +162,7 @@ async function send(question) {
   $("send").disabled = true; $("stop").disabled = false;
   $("slider").disabled = true; $("c-usage").textContent = "";
   const c = newCanvas(opts.block_size || null);
-  let text = "", ok = false;
+  let text = "", ok = false, stopped = false;
   try {
     let resp = await post(body);
     if (resp.status === 400) {
@@ -190,12 +193,12 @@ async function send(question) {
     }
     ok = true;
   } catch (e) {
-    if (e.name === "AbortError") { showError("stopped"); } else { showError(String(e.message || e)); }
+    if (e.name === "AbortError") { stopped = true; showError("stopped"); } else { showError(String(e.message || e)); }
   } finally {
     state.controller = null; $("send").disabled = false; $("stop").disabled = true;
   }
   if (ok) { state.messages.push({ role: "assistant", content: text }); out.textContent = text || "(empty)"; }
-  else { state.messages.pop(); out.textContent = text + " (stopped)"; }
+  else { state.messages.pop(); out.textContent = text + (stopped ? " (stopped)" : " (failed: see the error)"); }
   if (state.frames.length) {
     const last = state.frames[state.frames.length - 1]; last.fresh = [];
     if (ok) dropUnrevealedTail(last);   // after an early EOS nothing will fill the rest of the canvas
@@ -213,7 +216,20 @@ $("prompt").addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("ask").requestSubmit(); }
 });
 $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
-$("clear").addEventListener("click", () => { state.messages = []; $("history").innerHTML = ""; });
+function clearView() {
+  state.frames = []; $("canvas").innerHTML = ""; $("c-usage").textContent = ""; showError("");
+  $("c-step").textContent = "step –"; $("c-nfe").textContent = "NFE –"; $("c-tpf").textContent = "TPF –";
+  $("c-tps").textContent = "– tok/s";
+  const s = $("slider"); s.max = "0"; s.value = "0"; s.disabled = true; $("slider-label").textContent = "no answer yet";
+}
+$("clear").addEventListener("click", () => {
+  if (state.controller) state.controller.abort();
+  state.messages = []; $("history").innerHTML = ""; clearView();
+});
 $("slider").addEventListener("input", (ev) => showFrame(parseInt(ev.target.value, 10)));
 $("apikey").addEventListener("change", loadModels);
+for (const [i, colour] of PALETTE.entries()) {   // the legend shows the colours the canvas uses
+  const sw = document.createElement("span"); sw.style.background = colour; sw.title = "step " + (i + 1);
+  $("swatches").appendChild(sw);
+}
 loadModels();

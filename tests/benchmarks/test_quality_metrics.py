@@ -214,7 +214,12 @@ def test_harness_end_to_end_on_tiny_models(tmp_path):
     assert sorted((r["model"], r["subset"]) for r in result["runs"]) == [
         ("conv", "grid"), ("other", "full"), ("other", "grid"), ("parent", "full"), ("parent", "grid")]
     with pytest.raises(ev.EvalError, match="--full-models"):
-        ev.run_eval(p.parse_args(base + ["--full-models", "nope"]), log=logs.append)
+        ev.run_eval(p.parse_args(base + ["--full-models", "nope", "--overwrite"]), log=logs.append)
+    # progress as it runs; a folder holding results is not written over unless asked
+    assert logs[0] == f"[eval] writing to {tmp_path / 'res'}" and "[conv] grid b4-s6: decoding 3 prompts, then " \
+        "timing 1 at batch 1" in logs
+    with pytest.raises(ev.EvalError, match="--out .*eval_quality.json.*--overwrite"):
+        ev.run_eval(p.parse_args(base), log=logs.append)
 
 
 def test_setting_and_spec_parsing():

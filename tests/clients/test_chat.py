@@ -32,6 +32,15 @@ def test_canvas_and_render():
     text = render_canvas(c).plain
     assert text == "ab│·d", text
     assert "NFE 4" in c.status() and "TPF 0.75" in c.status()
+    assert c.status().startswith("step 3  block 2  "), c.status()  # both counted from 1 (step 2 of block 1, 0-based)
+
+
+def test_the_default_base_url_follows_unmask_port():
+    from unmask.cli.chat import default_base_url
+
+    assert default_base_url({}) == "http://127.0.0.1:8000/v1"
+    assert default_base_url({"UNMASK_PORT": "9123"}) == "http://127.0.0.1:9123/v1"
+    assert default_base_url({"UNMASK_PORT": "9123", "UNMASK_BASE_URL": "http://h:1/v1"}) == "http://h:1/v1"
 
 
 def test_api_key_sources():

@@ -103,6 +103,8 @@ def test_browser_end_to_end(server, tmp_path):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(server["url"] + "/")
             _wait(lambda: "API key" in page.inner_text("#error"), 20, "the API-key error")
+            assert page.is_visible("#keybox")  # shown because this server needs a key
+            assert "left_to_right" in page.inner_text("#remasking")
             page.fill("#apikey", server["key"])
             page.dispatch_event("#apikey", "change")
             page.wait_for_selector("#model option", state="attached", timeout=20000)
@@ -140,6 +142,32 @@ def test_browser_end_to_end(server, tmp_path):
             assert page.inner_text("#error") == "" or not page.is_visible("#error"), page.inner_text("#error")
             assert page.locator("#canvas .mask").count() == 0, page.inner_html("#canvas")
             assert 0 < page.locator("#canvas .tok").count() < 40
+            # the legend's swatches are the canvas's colours: a token's colour is the swatch of its step
+            swatches = page.eval_on_selector_all("#swatches span",
+                                                 "s => s.map(e => getComputedStyle(e).backgroundColor)")
+            assert len(swatches) == 12 and len(set(swatches)) == 12
+            for tok in page.query_selector_all("#canvas .tok")[:5]:
+                step = int(tok.get_attribute("title").split("revealed at step ")[1].split(" ")[0])
+                assert tok.evaluate("e => getComputedStyle(e).color") == swatches[(step - 1) % 12]
+            assert page.inner_text("#c-step").startswith("step ") and "block 1" in page.inner_text("#c-step")
+            # a refused request is a failure, not "(stopped)"
+            page.fill("#extra", '{"top_k": "many"}')
+            page.fill("#prompt", "Refused.")
+            page.click("#send")
+            page.wait_for_selector("body[data-done='3']", timeout=60000)
+            last = page.locator("#history .assistant").last.inner_text()
+            assert "(failed" in last and "(stopped)" not in last and "top_k" in page.inner_text("#error"), last
+            # New chat clears the conversation and the old canvas
+            page.click("#clear")
+            assert page.locator("#history .msg").count() == 0 and page.locator("#canvas span").count() == 0
+            assert page.is_disabled("#slider") and page.inner_text("#slider-label") == "no answer yet"
+            # a server without a key: the field stays hidden
+            page.route("**/v1/models", lambda route: route.fulfill(
+                status=200, content_type="application/json",
+                body='{"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0}]}'))
+            page.reload()
+            page.wait_for_selector("#model option", state="attached", timeout=20000)
+            assert not page.is_visible("#keybox")
             assert not errors, errors
         finally:
             ctx.close()
