@@ -13,8 +13,9 @@ check except
 
 and one error of the remaining checks is ignored: ``finish_reason: expected 'stop', got 'length'`` (a random model
 does not choose to end its answer; that needs a sensible model). On the real default model (slow): everything but
-image input passes (``--chat-template chatml-tools``, SmolLM2's own template renders no tools; ``--tool-call-parser
-hermes`` given on the command line, so its tool-calling check is the flag's test in the default run).
+image input passes out of the box (no ``--chat-template``: SmolLM2's own template renders no tools, so requests with
+tools get the chatml-tools fallback with SmolLM2's system prompt; ``--tool-call-parser hermes`` given on the command
+line, so its tool-calling check is the flag's test in the default run).
 """
 from __future__ import annotations
 
@@ -96,9 +97,10 @@ def test_llm_comply_on_the_real_model(tmp_path):
         pytest.skip(f"default model unavailable: {exc}")
     from serving import start_serve
 
+    # out of the box: SmolLM2's own template for requests without tools, the chatml-tools fallback (its default
+    # system prompt kept) for those with tools
     proc, base, log_path = start_serve(tmp_path, "--served-model-name", "smollm2", "--api-key", KEY,
-                                       "--chat-template", "chatml-tools", "--default-max-tokens", "128",
-                                       "--tool-call-parser", "hermes", timeout=600)
+                                       "--default-max-tokens", "128", "--tool-call-parser", "hermes", timeout=600)
     try:
         checks = TINY_CHECKS + ["chat-tool-calling"]
         got = _statuses(run_comply(base, "smollm2", checks, [], timeout=300))
