@@ -1,4 +1,5 @@
-"""Unit tests of benchmarks/quality_metrics.py (pure functions + parent NLL on a tiny Llama)."""
+"""Unit tests of the quality measures (unmask.cli.evaluation.metrics; benchmarks/quality_metrics.py is its alias):
+pure functions + parent NLL on a tiny Llama."""
 from __future__ import annotations
 
 import json
