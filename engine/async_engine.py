@@ -16,6 +16,7 @@ Threading model:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -168,6 +169,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[RequestStream, list[Request]]] = []  # guarded by _cond
         self._aborts: set[str] = set()  # guarded by _cond
+        self._jobs: list[tuple] = []  # (function, concurrent Future) run by the engine thread; guarded by _cond
         self._queued_seqs = 0  # sequences in _inbox + scheduler.waiting; guarded by _cond
         self._requests: dict[str, RequestStream] = {}  # guarded by _cond (written by both sides)
         self._owner: dict[str, RequestStream] = {}  # request id -> its stream; engine thread only
@@ -268,6 +270,25 @@ class AsyncEngine:
             self._cond.notify()
         return streams
 
+    async def score(self, prompt_ids: list[int], top_k: int = 0, samples: int | None = None, seed: int = 0):
+        """The log-probabilities of ``prompt_ids`` (:meth:`Engine.score`), computed by the engine thread between
+        two steps (it owns the model); checked first, at the call.
+
+        Raises:
+            ParamError: the checkpoint cannot score prompts, the prompt is empty or too long, ``samples`` out of range.
+            EngineClosed: the engine is shut down or its thread died.
+        """
+        from .scoring import check_scoring
+
+        check_scoring(self.model, prompt_ids, samples)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if not self.alive:
+                raise EngineClosed("the engine is not running" + (f" ({self.error})" if self.error else ""))
+            self._jobs.append((lambda: self.engine.score(prompt_ids, top_k, samples, seed), fut))
+            self._cond.notify()
+        return await asyncio.wrap_future(fut)
+
     def abort(self, request_id: str) -> None:
         """Cancel a request (waiting or running). Safe to call from any thread, twice, or after it finished.
         The engine thread drops it before its next step and frees its batch slot and KV cache; the stream then
@@ -311,12 +332,15 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._inbox or self._aborts or engine.has_unfinished()):
+                    while not (self._stopping or self._inbox or self._aborts or self._jobs
+                               or engine.has_unfinished()):
                         self._cond.wait()
                     if self._stopping:
                         break
                     new, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, set()
+                    jobs, self._jobs = self._jobs, []
+                _run_jobs(jobs)
                 for stream, seqs in new:
                     self._owner[stream.request_id] = stream
                     engine.enqueue(seqs)  # admission was checked at submit
@@ -403,7 +427,11 @@ class AsyncEngine:
             streams = list(self._requests.values())
             self._requests.clear()
             self._inbox.clear()
+            jobs, self._jobs = self._jobs, []
             self._stopping = True
+        for _, fut in jobs:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(closed)
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             seq.release()
         self.scheduler.running.clear()
@@ -413,3 +441,14 @@ class AsyncEngine:
         for stream in streams:
             stream._put(closed)
         self.num_running = self.num_waiting = 0
+
+
+def _run_jobs(jobs: list[tuple]) -> None:
+    """Run the engine thread's jobs (:meth:`AsyncEngine.score`), each result or error into its future."""
+    for fn, fut in jobs:
+        if not fut.set_running_or_notify_cancel():
+            continue
+        try:
+            fut.set_result(fn())
+        except Exception as exc:  # the caller sees it (a ParamError is a 400)
+            fut.set_exception(exc)

@@ -195,6 +195,13 @@ class Engine:
         """Cancel every choice of ``request_id`` (waiting or running); returns their final events."""
         return self.scheduler.abort(request_id)
 
+    def score(self, prompt_ids: list[int], top_k: int = 0, samples: int | None = None, seed: int = 0):
+        """The log-probabilities of ``prompt_ids`` (:func:`unmask.engine.scoring.score_prompt`: exact on a causal
+        path, a Monte-Carlo estimate on a bidirectional model) as a :class:`~unmask.engine.scoring.PromptScores`."""
+        from .scoring import score_prompt
+
+        return score_prompt(self.model, prompt_ids, top_k, samples, seed)
+
     def has_unfinished(self) -> bool:
         """True while any choice is waiting or running."""
         return self.scheduler.has_work()
