@@ -9,12 +9,22 @@ The routes open without the key are listed here and nowhere else (:data:`OPEN_RO
 ``/redoc`` and ``/openapi.json``. Everything else needs it: ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/version``,
 and an unknown path (a 401 before the 404, so that the key guards which routes exist). A method no route takes
 (``PUT /health``) goes on to the router's 405 with ``Allow`` before any body check.
+
+The key is decided on what the application routes to, not on the request's spelling (issue 41): :func:`needs_key`
+is applied to the very path the router matches (Starlette's ``get_route_path``: the ASGI path without the
+``root_path``, so ``--root-path`` in any spelling, doubled slashes, percent-encoding and dot segments are seen as the
+router sees them), and only the exact open paths are open; a path no route takes needs the key. ``X-Forwarded-Prefix`` is
+never read (the prefix comes from ``--root-path`` only). ``OPTIONS`` (CORS preflights; the CORS middleware, when
+configured, answers real ones before this guard) is answered here with an empty 204 naming the route's methods and
+never reaches a handler; on a path no route takes it needs the key like any method.
 """
 from __future__ import annotations
 
 import hmac
 import logging
 
+from starlette._utils import get_route_path
+from starlette.responses import Response
 from starlette.routing import Match
 
 from .errors import APIError, count_refusal
@@ -29,9 +39,13 @@ OPEN_PREFIXES = ("/visualizer/",)
 
 
 def needs_key(path: str) -> bool:
-    """Whether a request for ``path`` (the app's own path, without a root path) needs the API key when the server
-    has one: every path but :data:`OPEN_ROUTES` and those under :data:`OPEN_PREFIXES`."""
-    return path not in OPEN_ROUTES and not path.startswith(OPEN_PREFIXES)
+    """Whether a request for ``path`` (the path the router routes on: without the root path, as Starlette's
+    ``get_route_path`` gives it) needs the API key when the server has one: every path but :data:`OPEN_ROUTES` and
+    one segment under :data:`OPEN_PREFIXES` (``/visualizer/app.js``, not ``/visualizer/../v1/models``)."""
+    if path in OPEN_ROUTES:
+        return False
+    return not any(path.startswith(p) and "/" not in path[len(p):] and path[len(p):] not in ("", ".", "..")
+                   for p in OPEN_PREFIXES)
 
 
 def not_utf8(head: bytes) -> APIError | None:
@@ -82,22 +96,31 @@ class GuardMiddleware:
             return True
         return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
 
+    def _allowed(self, scope) -> list[str]:
+        """The methods some route takes at this request's path (empty when no route takes it): ``OPTIONS``'
+        ``Allow``, asked of the router itself (an included router's routes too)."""
+        routes = self.router.routes if self.router is not None else ()
+        return [m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+                if any(r.matches({**scope, "method": "GET" if m == "HEAD" else m})[0] == Match.FULL
+                       for r in routes)]
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if scope.get("method") == "HEAD":  # HEAD on every GET route (RFC 9110 section 9.3.2): the GET, no body
             scope, send = {**scope, "method": "GET"}, _without_body(send)
-        path, root = scope.get("path", ""), scope.get("root_path", "").rstrip("/")
-        if root and path.startswith(root + "/"):
-            path = path[len(root):]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and needs_key(path) and scope.get("method") != "OPTIONS":
+        allowed = self._allowed(scope) if scope.get("method") == "OPTIONS" else []
+        if self.api_key is not None and not allowed and needs_key(get_route_path(scope)):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await self._reject(scope, err, receive, send)
+        if allowed:  # OPTIONS on a routed path: answered here, never by a handler
+            return await Response(status_code=204, headers={"Allow": ", ".join(["OPTIONS", *allowed])})(
+                scope, receive, send)
         if scope.get("method") not in ("POST", "PUT", "PATCH") or not self._routed(scope):
             return await self.app(scope, receive, send)
         length = headers.get("content-length")
