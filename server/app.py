@@ -30,6 +30,7 @@ from sse_starlette.sse import EventSourceResponse
 from unmask.engine import AsyncEngine, TokenTexts, with_options
 from unmask.engine.limits import DEFAULT_MAX_SEQS_PER_REQUEST, prompt_chars_limit
 
+from . import prompt_scores
 from . import protocol as P
 from . import responses as R
 from .accounting import finished_work
@@ -280,6 +281,15 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     engine = state.engine
     explicit = getattr(body, "max_completion_tokens", None) or body.max_tokens
     max_tokens = explicit if explicit is not None else state.default_max_tokens
+    response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
+    try:  # the prompts' log-probabilities (echo + logprobs, prompt_logprobs), before any generation
+        scores = await prompt_scores.score_all(engine, body, prompts)
+    except Exception as exc:
+        raise from_exception(exc) from exc
+    if scores is not None and max_tokens == 0:  # lm-eval's log-likelihood requests: the prompt alone
+        return JSONResponse(prompt_scores.prompt_only_body(
+            response_id, int(arrival), state.model_name, body, prompts, echo_texts(state.tokenizer, body, prompts),
+            scores, body.n, state.token_text))
     # ParamError -> 400; off the event loop: an enforced tool_choice checks every tool's schema (seconds for large
     # ones), docs/design.md#admission-and-limits
     params = await anyio.to_thread.run_sync(lambda: body.sampling_params(max_tokens, logprobs, state.default_cache))
@@ -287,7 +297,6 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
         raise APIError(400, f"n: {len(prompts)} prompt(s) x n={body.n} choices exceed the server's limit of "
                             f"{state.max_seqs_per_request} sequences per request ({state.max_seqs_option})",
                        param="n", code="invalid_value")
-    response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
     streams = []
     loop = asyncio.get_running_loop()
 
@@ -329,4 +338,6 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     result = await collect(run, request, state.request_timeout, state.shutdown_event())
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
+    if scores is not None:
+        result = prompt_scores.add_to_body(result, kind, body, scores, body.n, state.token_text)
     return JSONResponse(result)

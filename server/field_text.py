@@ -6,8 +6,6 @@ that says why) and the ``cache`` field's description (docs/design.md#decisions a
 UNSUPPORTED_FIELDS = {
     "functions": "the deprecated functions field is not supported: send tools",
     "function_call": "the deprecated function_call field is not supported: send tool_choice",
-    "prompt_logprobs": "prompt_logprobs is not an OpenAI field, and prompt log-probabilities are not computed "
-                       "(a diffusion model reveals only generated tokens)",
     "audio": "audio output is not supported by this server",
     "web_search_options": "web search is not supported by this server",
     "reasoning_effort": "reasoning effort is not supported by this server",

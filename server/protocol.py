@@ -52,6 +52,9 @@ TokenId = Annotated[int, Field(ge=RANGES["stop_token_ids"].lo, le=MAX_TOKEN_ID)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+MAX_MC_SAMPLES = 1024  # prompt_logprobs_samples' bound (the engine's scoring.MAX_MC_SAMPLES, which checks it again)
+
+
 def ranged(name: str, default: Any, *, lo: float | None = None, **kw) -> Any:
     """A ``Field`` whose bounds are ``RANGES[name]`` (``lo`` overrides the lower bound)."""
     r = RANGES[name]
@@ -80,7 +83,6 @@ _SCHEMA_RULES: dict[str, list[dict]] = {
                            _is("speculative_ratio", {"type": "number"})]}},
         STREAM_OPTIONS_RULE,
     ],
-    "CompletionRequest": [{"not": {"allOf": [_is("echo", {"const": True}), _is("logprobs", {"type": "integer"})]}}],
     "ChatCompletionRequest": [
         # top_logprobs >= 1 needs logprobs: true
         {"if": _is("top_logprobs", {"type": "integer", "minimum": 1}), "then": _is("logprobs", {"const": True})},
@@ -151,6 +153,12 @@ class _Common(_Rules):
     seed: int | None = ranged("seed", None)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "vLLM's: the log-probability of each prompt token and this many likeliest alternatives (not streamed); "
+        "exact on a model with a causal path, else a Monte-Carlo estimate (docs/api-fields.md)"))
+    prompt_logprobs_samples: int | None = Field(None, ge=1, le=MAX_MC_SAMPLES, description=(
+        "ours: Monte-Carlo draws of a bidirectional model's prompt log-probabilities (default 64; seeded by seed, "
+        "default 0); no effect on a causal path"))
     user: str | None = Field(None, max_length=MAX_NAME_CHARS,
                              description="accepted, recorded nowhere (OpenAI end-user id)")
     safety_identifier: str | None = Field(None, max_length=MAX_NAME_CHARS, description="accepted like user; no effect")
@@ -355,14 +363,23 @@ class CompletionRequest(_Common):
                                              "many most likely alternatives there (at most 5, OpenAI's limit)")
     best_of: int | None = ranged("n", None, description="only best_of == n is supported")
     echo: bool = Field(False, description="prepend the prompt's text to each choice's text (streamed: its first "
-                                          "chunk); not with logprobs (prompt log-probabilities are not computed)")
+                                          "chunk); with logprobs also the prompt's log-probabilities (not streamed; "
+                                          "exact on a causal path, else a Monte-Carlo estimate: docs/api-fields.md)")
+    max_tokens: int | None = ranged("max_tokens", None, lo=0, description=(
+        "most tokens to generate; default: the server's --default-max-tokens, lowered to the remaining context; 0 "
+        "only scores the prompt (with echo and logprobs, or prompt_logprobs)"))
 
     @model_validator(mode="after")
-    def _echo(self):
-        if self.echo and self.logprobs is not None:
+    def _scoring(self):
+        scores = self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+        if self.max_tokens == 0 and not scores:
             raise PydanticCustomError("invalid_field", "{field}: {why}", {
-                "field": "echo", "why": "cannot be combined with logprobs: prompt log-probabilities are not "
-                                        "computed (a diffusion model reveals only generated tokens)"})
+                "field": "max_tokens", "why": "0 only scores the prompt: send echo with logprobs, or "
+                                              "prompt_logprobs (else at least 1)"})
+        if scores and self.stream:
+            field = "prompt_logprobs" if self.prompt_logprobs is not None else "echo"
+            raise PydanticCustomError("invalid_field", "{field}: {why}", {
+                "field": field, "why": "prompt log-probabilities are not streamed: send stream false"})
         return self
 
     def alternatives(self) -> int:
@@ -410,6 +427,9 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("invalid_field", "{field}: {why}",
                                       {"field": "top_logprobs", "why": "requires logprobs to be true"})
+        if self.prompt_logprobs is not None and self.stream:
+            raise PydanticCustomError("invalid_field", "{field}: {why}", {
+                "field": "prompt_logprobs", "why": "prompt log-probabilities are not streamed: send stream false"})
         return self
 
     @model_validator(mode="after")

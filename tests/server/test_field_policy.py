@@ -104,12 +104,13 @@ ACCEPT = {
     "prompt": "Hi", "suffix": None, "echo": True, "best_of": 2,
     # vLLM
     "top_k": 5, "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True, "stop_token_ids": [65],
+    "prompt_logprobs": 1,
 }
 REFUSE = {
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f"}], "function_call": "auto",
     "reasoning_effort": "low", "verbosity": "low", "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"},
     "modalities": ["text", "audio"], "tools": [{"type": "custom", "custom": {"name": "c"}}],
-    "prompt_logprobs": 1, "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
+    "prompt_logprobs": 21, "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 5, "allowed_token_ids": [1], "bad_words": ["x"], "add_generation_prompt": False,
     "continue_final_message": True, "add_special_tokens": True, "chat_template": "x", "chat_template_kwargs": {},

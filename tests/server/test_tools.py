@@ -371,7 +371,7 @@ def test_history_with_tool_calls_and_results_renders(client):
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_tool_and_format_fields_are_400s_naming_the_field(client, kw, param):
@@ -460,7 +460,10 @@ def test_echo_prepends_the_prompt_plain_and_streamed(client):
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x[6:] != "[DONE]"]
     assert chunks[0]["choices"][0]["text"] == "One two" and "".join(c["choices"][0]["text"] for c in chunks) == text
-    r = client.post("/v1/completions", json={**body, "logprobs": 1})
+    r = client.post("/v1/completions", json={**body, "logprobs": 1})  # the prompt's tokens first, then the choice's
+    lp = r.json()["choices"][0]["logprobs"]
+    assert r.status_code == 200 and lp["token_logprobs"][0] is None and "".join(lp["tokens"]).startswith("One two")
+    r = client.post("/v1/completions", json={**body, "logprobs": 1, "stream": True})  # not streamed
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
