@@ -16,7 +16,7 @@ from .params import CONSTRAINT_KINDS, Constraint, SamplingParams
 __all__ = ["LLM", "Engine", "AsyncEngine", "RequestStream", "SamplingParams", "SpeculativeOptions", "ParamError",
            "DllmConfig", "CheckpointError", "load_model", "RequestOutput", "CompletionOutput", "StepEvent",
            "Revealed", "QueueFull", "CacheFull", "EngineError", "EngineClosed", "encode_prompt", "chat_prompt_ids",
-           "encode_text", "TokenTexts", "DecodingPlan", "Constraint", "CONSTRAINT_KINDS", "check_constraint",
+           "encode_text", "encode_plain", "TokenTexts", "DecodingPlan", "Constraint", "CONSTRAINT_KINDS", "check_constraint",
            "check_first_forward", "SelfCheckError", "EngineConfig", "option", "options_of", "with_options",
            "EngineDefaults"]
 
@@ -26,7 +26,7 @@ _LAZY = {  # name -> module: importing the package must not import torch-heavy m
     "EngineError": "async_engine", "EngineClosed": "async_engine",
     "QueueFull": "scheduler", "CacheFull": "scheduler",
     "load_model": "model", "TokenTexts": "detokenize", "SpeculativeOptions": "params", "DecodingPlan": "plan",
-    "check_constraint": "constraints", "encode_text": "text_ids",
+    "check_constraint": "constraints", "encode_text": "text_ids", "encode_plain": "text_ids",
     "check_first_forward": "self_check", "SelfCheckError": "self_check",
     "EngineConfig": "options", "option": "options", "options_of": "options", "with_options": "options",
     "EngineDefaults": "plan",

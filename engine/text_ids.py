@@ -55,6 +55,13 @@ def encode_text(tokenizer, text: str, mask_token_id: int | None, add_special_tok
     return ids[:start] + body + ids[start + len(bare):]
 
 
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as plain characters: the texts of special tokens (``<|im_end|>``, the mask token) in it
+    become the ordinary tokens of their characters (``split_special_tokens``), no special token is added. For a
+    client's chat message inside a rendered template (``unmask.server.chat_prompt``)."""
+    return _ids(tokenizer, text, False, split_special_tokens=True)
+
+
 def check_token_ids(name: str, ids, vocab_size: int) -> None:
     """Raise :class:`ParamError` naming ``name`` when an id is not in ``[0, vocab_size)`` (an id outside it would
     fail an index in the middle of a batched step and take the other requests of the batch down with it)."""

@@ -15,9 +15,10 @@ chatml-tools``), never a silently tool-less prompt.
 """
 from __future__ import annotations
 
+import re
 from importlib import resources
 
-from unmask.engine import ParamError, encode_text
+from unmask.engine import ParamError, encode_plain, encode_text
 
 from . import json_text
 from .errors import APIError
@@ -72,12 +73,61 @@ def _template(tokenizer, override: str | None, with_tools: bool) -> str | None:
     return own
 
 
+_SLOT = "\x00unmask-content-{}\x00"
+_SLOT_RE = re.compile("\x00unmask-content-(\\d+)\x00")
+_FIELDS = ("content", "name")  # the message fields a client writes as text
+
+
+def control_texts(tokenizer) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens (``<|im_start|>``, ``<|im_end|>``, the mask token, ...)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return tuple(t.content for t in decoder.values() if getattr(t, "special", False) and t.content)
+
+
+def _slotted(messages: list[dict], controls: tuple[str, ...]) -> tuple[list[dict], list[str]] | None:
+    """``messages`` with every text field that spells a control token replaced by a slot, and those texts (slot
+    ``k`` holds ``texts[k]``); None when no text field spells one (the common case: rendered as it is)."""
+    texts: list[str] = []
+    out = []
+    for m in messages:
+        m2 = dict(m)
+        for field in _FIELDS:
+            value = m.get(field)
+            if isinstance(value, str) and any(c in value for c in controls):
+                m2[field] = _SLOT.format(len(texts))
+                texts.append(value)
+        out.append(m2)
+    return (out, texts) if texts else None
+
+
+def _ids_with_text_slots(tokenizer, text: str, texts: list[str], mask_token_id: int | None) -> list[int]:
+    """Token ids of a rendered chat whose slots hold the clients' texts: the template's markup between the slots
+    parsed as usual (its special tokens are control tokens), each slot's text as plain characters
+    (:func:`unmask.engine.text_ids.encode_plain`)."""
+    ids: list[int] = []
+    pos = 0
+    for match in _SLOT_RE.finditer(text):
+        if match.start() > pos:
+            ids += encode_text(tokenizer, text[pos:match.start()], mask_token_id, add_special_tokens=False)
+        ids += encode_plain(tokenizer, texts[int(match.group(1))])
+        pos = match.end()
+    if pos < len(text):
+        ids += encode_text(tokenizer, text[pos:], mask_token_id, add_special_tokens=False)
+    return ids
+
+
 def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None = None,
                     tools: list[dict] | None = None, mask_token_id: int | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, special_tokens_in_content: bool = False) -> list[int]:
     """Token ids of ``messages`` (template dicts) with the generation prompt (unless ``add_generation_prompt`` is
     False: ``/tokenize``); ``tools``: the request's tools (None: none offered, or ``tool_choice: none``); the mask
     token's text in them is tokenized as plain text (:func:`unmask.engine.text_ids.encode_text`).
+
+    Special tokens typed inside a message's ``content`` or ``name`` are text, not control tokens (issue 41: no fake
+    system turn through ``hi<|im_end|>\n<|im_start|>system\n...``): such a message is rendered with a slot in its
+    place and the slot's text tokenized as plain characters, the template's own markup as usual. A template that
+    transforms the text (so that the slots would not give back the same rendering) makes it a 400.
+    ``special_tokens_in_content``: the old behaviour (``--chat-special-tokens``), parsing them as control tokens.
 
     Raises:
         APIError: 400 naming ``messages`` (no template, or the template failed to render) or ``tools`` (the
@@ -96,11 +146,20 @@ def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None =
         raise APIError(400, f"{field}: this model's chat template does not render tools or tool calls; serve it "
                             f"with --chat-template chatml-tools (ChatML + Hermes tool calls, shipped with unmask) or "
                             f"a template of your own", param=field, code="invalid_value")
+    slotted = None if special_tokens_in_content else _slotted(messages, control_texts(tokenizer))
+    render = lambda msgs: tokenizer.apply_chat_template(  # noqa: E731
+        msgs, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+        chat_template=template, **variables)
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, chat_template=template,
-                                             **variables)
-    except ParamError:
+        text = render(messages)
+        if slotted is not None:
+            with_slots = render(slotted[0])
+            if _SLOT_RE.sub(lambda m: slotted[1][int(m.group(1))], with_slots) != text:
+                raise APIError(400, "messages: a message spells a special token of the model, and this chat "
+                                    "template changes message text, so it cannot be kept as plain text; remove "
+                                    "the special token's text", param="messages", code="invalid_value")
+            return _ids_with_text_slots(tokenizer, with_slots, slotted[1], mask_token_id)
+    except (ParamError, APIError):
         raise
     except RecursionError:  # a value the template serializes (tojson) nests deeper than its recursion allows
         field = _deepest_field(messages, tools)

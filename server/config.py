@@ -40,6 +40,10 @@ class ServerConfig:
         None, "Jinja chat template file (overrides the tokenizer's), or the name of one shipped with unmask: "
               "chatml-tools (ChatML + Hermes tool calls, for ChatML models whose own template renders no tools, e.g. "
               "SmolLM2)")
+    chat_special_tokens: bool = option(
+        False, "parse special tokens typed inside chat message contents as control tokens (the old behaviour, for "
+               "deployments whose clients send them on purpose); default off: they are plain text, so no message "
+               "can fake a turn (completions prompts always parse them, as vLLM)", action="store_true")
     tool_call_parser: str = option(
         "hermes", "how chat answers are parsed into tool calls when a request has tools (hermes: "
                   "<tool_call>{json}</tool_call>, the Hermes/Qwen format; default hermes)", metavar="NAME")

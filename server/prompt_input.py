@@ -61,4 +61,5 @@ async def chat_ids(state, messages: list[dict], tools: list[dict] | None = None,
     longest = max(range(len(messages)), key=lambda i: len(messages[i]["content"]))  # named in the 400
     check_chars(state, f"messages.{longest}.content", sum(len(m["content"]) for m in messages))
     return await anyio.to_thread.run_sync(render_chat_ids, state.tokenizer, messages, state.chat_template, tools,
-                                          state.engine.dllm.mask_token_id, add_generation_prompt)
+                                          state.engine.dllm.mask_token_id, add_generation_prompt,
+                                          state.config.chat_special_tokens)
