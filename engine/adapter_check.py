@@ -13,16 +13,18 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_check import FLOAT_DTYPES, count_nonfinite, safetensors_header
+from .checkpoint_check import FLOAT_DTYPES, check_magnitude, count_nonfinite, safetensors_header
 from .config import CheckpointError
+from .limits import ADAPTER_VERSIONS, MAX_ADAPTER_RANK, MAX_ADAPTER_SCALE, MAX_WEIGHT_MAGNITUDE
 
-#: the largest ``alpha / rank`` accepted: the scale is applied in float32
-MAX_SCALE = float(torch.finfo(torch.float32).max)
+#: the largest ``alpha / rank`` accepted (:data:`unmask.engine.limits.MAX_ADAPTER_SCALE`)
+MAX_SCALE = MAX_ADAPTER_SCALE
 
 
 def check_adapter_config(cfg_file: Path, cfg: dict, fmt: str, known_targets: tuple[str, ...]) -> None:
-    """``mask_adapter.json``: ``format`` is ``fmt``; ``rank`` an integer >= 1; ``alpha`` a finite number > 0 with
-    ``alpha / rank`` finite in float32; ``targets`` a non-empty list of distinct names among ``known_targets``;
+    """``mask_adapter.json``: ``format`` is ``fmt`` and ``version`` one of
+    :data:`~unmask.engine.limits.ADAPTER_VERSIONS` (absent: 1); ``rank`` an integer in 1..MAX_ADAPTER_RANK;
+    ``alpha`` a finite number > 0 with ``alpha / rank`` <= :data:`~unmask.engine.limits.MAX_ADAPTER_SCALE`; ``targets`` a non-empty list of distinct names among ``known_targets``;
     ``mask_token_id`` an integer >= 0; ``parent`` an object whose ``sha256`` is a ``sha256:<hex>`` string.
 
     Raises:
@@ -31,15 +33,20 @@ def check_adapter_config(cfg_file: Path, cfg: dict, fmt: str, known_targets: tup
     if cfg.get("format") != fmt:
         raise CheckpointError(f"{cfg_file}: not a mask-adapter config (format must be {fmt!r})")
 
+    version = cfg.get("version", 1)
+    if version not in ADAPTER_VERSIONS or isinstance(version, bool):
+        raise CheckpointError(f"{cfg_file}: field 'version': {version!r} is not a mask-adapter format version this "
+                              f"server reads ({', '.join(map(str, ADAPTER_VERSIONS))}): written by a newer unmask?")
+
     def bad(key: str, want: str):
         return CheckpointError(f"{cfg_file}: field {key!r}: must be {want}, got {cfg.get(key, '(missing)')!r}")
 
     rank, alpha = cfg.get("rank"), cfg.get("alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise bad("rank", "an integer >= 1")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_ADAPTER_RANK:
+        raise bad("rank", f"an integer in 1..{MAX_ADAPTER_RANK}")
     if (not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0
             or alpha / rank > MAX_SCALE):
-        raise bad("alpha", f"a finite number > 0 with alpha / rank <= {MAX_SCALE:.3g} (float32)")
+        raise bad("alpha", f"a finite number > 0 with alpha / rank <= {MAX_SCALE:g} (LoRA scales are 0.5-16)")
     targets = cfg.get("targets")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise bad("targets", f"a non-empty list of names among {list(known_targets)}")
@@ -118,8 +125,9 @@ def check_adapter_tensors(wfile: Path, rank: int, targets, projections=None, hid
                                   f"({', '.join(sorted(FLOAT_DTYPES))})")
 
 
-def check_adapter_values(wfile: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Every tensor of the adapter is finite.
+def check_adapter_values(wfile: Path, tensors: dict[str, torch.Tensor], max_magnitude: float | None = None) -> None:
+    """Every tensor of the adapter is finite and no value's magnitude exceeds ``max_magnitude`` (default
+    :data:`~unmask.engine.limits.MAX_WEIGHT_MAGNITUDE`; 0 = no bound).
 
     Raises:
         CheckpointError: naming ``wfile``, the first tensor holding NaN/inf and how many.
@@ -130,3 +138,4 @@ def check_adapter_values(wfile: Path, tensors: dict[str, torch.Tensor]) -> None:
             raise CheckpointError(f"{wfile}: tensor {name} holds {bad} non-finite value(s) (NaN/inf) of "
                                   f"{tensors[name].numel()}: the adapter is corrupt (a diverged training run or a "
                                   f"damaged file)")
+        check_magnitude(tensors[name], name, wfile, MAX_WEIGHT_MAGNITUDE if max_magnitude is None else max_magnitude)

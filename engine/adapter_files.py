@@ -141,12 +141,13 @@ def write_adapter(out: str | os.PathLike, weights: AdapterWeights, parent: dict,
 
 
 def read_adapter(path: str | os.PathLike, projections: dict[tuple[int, str], tuple[int, int]] | None = None,
-                 hidden: int | None = None) -> tuple[AdapterWeights, dict]:
+                 hidden: int | None = None, max_magnitude: float | None = None) -> tuple[AdapterWeights, dict]:
     """``(weights, config dict)`` of the adapter in ``path``, checked (:mod:`unmask.engine.adapter_check`): the
     config's fields, then the weights' header (exactly the tensors of every layer and target, shapes, float
     dtypes), then their values (finite). ``projections`` (``{(layer, target): (out, in)}``,
     :func:`unmask.engine.mask_adapter.projection_shapes`) and ``hidden`` (the embedding width) are the model's
-    the adapter goes on; None checks the adapter's own consistency only.
+    the adapter goes on; None checks the adapter's own consistency only. ``max_magnitude``: the largest weight
+    accepted (default :data:`unmask.engine.limits.MAX_WEIGHT_MAGNITUDE`; 0 = no bound).
 
     Raises:
         CheckpointError: (one line) a missing/invalid file, field or tensor, naming the file and field or tensor.
@@ -171,7 +172,7 @@ def read_adapter(path: str | os.PathLike, projections: dict[tuple[int, str], tup
         tensors = load_file(str(wfile))
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointError(f"{wfile}: unreadable ({exc})") from exc
-    check_adapter_values(wfile, tensors)
+    check_adapter_values(wfile, tensors, max_magnitude)
     w = AdapterWeights(rank=cfg["rank"], alpha=float(cfg["alpha"]), targets=tuple(cfg["targets"]),
                        mask_token_id=cfg["mask_token_id"])
     w.stored_dtype = "float16" if any(t.dtype == torch.float16 for t in tensors.values()) else "float32"
@@ -276,7 +277,8 @@ def parent_relation(parent_dir: str | os.PathLike, want: str, adapter_cfg: Path)
                           f"adapter was trained on another parent")
 
 
-def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -> None:
+def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True,
+                  max_magnitude: float | None = None) -> None:
     """Read the adapter in ``adapter_dir`` (None: nothing), check the parent (:func:`parent_relation`: its content
     hash, or a recorded quantized export of that parent), apply its ``dllm`` overrides and attach it
     (:func:`unmask.engine.mask_adapter.attach_mask_adapter`) over whatever ``loaded``'s linear layers are (native,
@@ -298,7 +300,11 @@ def apply_adapter(loaded, adapter_dir: Path | None, check_parent: bool = True) -
     except (AttributeError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{adapter_dir}: mask adapter: {type(loaded.model).__name__} has no Llama-style "
                               f"decoder layers to adapt ({type(exc).__name__}: {exc})") from exc
-    weights, cfg = read_adapter(adapter_dir, shapes, hidden)
+    weights, cfg = read_adapter(adapter_dir, shapes, hidden, max_magnitude)
+    from .checkpoint_check import check_mask_distinct
+
+    check_mask_distinct(weights.mask_token_id, loaded.dllm, getattr(loaded.tokenizer, "bos_token_id", None),
+                        f"{adapter_dir / ADAPTER_CONFIG}: field 'mask_token_id'")
     want = cfg["parent"].get("sha256")
     relation = parent_relation(loaded.path, want, adapter_dir / ADAPTER_CONFIG) if check_parent else {}
     overrides = cfg.get("dllm") or {}

@@ -32,6 +32,7 @@ import torch
 
 from .checkpoint import WRITER_MARKER
 from .config import CheckpointError, DllmConfig, read_json_file
+from .limits import MAX_WEIGHT_MAGNITUDE
 from .template_check import check_chat_template
 
 FINITE_CHUNK = 1 << 24  # elements per torch.isfinite call: a 16 MiB bool temporary at most
@@ -53,7 +54,8 @@ def one_line(message: str) -> str:
     return " ".join(str(message).split())
 
 
-def load_checked(adapter, path: Path, config: dict, device: torch.device, dtype: torch.dtype):
+def load_checked(adapter, path: Path, config: dict, device: torch.device, dtype: torch.dtype,
+                 max_magnitude: float = MAX_WEIGHT_MAGNITUDE):
     """``adapter.load(path, config, device, dtype)`` between :func:`check_files` and :func:`check_loaded`.
 
     Raises:
@@ -67,7 +69,7 @@ def load_checked(adapter, path: Path, config: dict, device: torch.device, dtype:
         raise CheckpointError(one_line(str(exc))) from exc
     except Exception as exc:  # a library's error (huggingface_hub's StrictDataclass errors, SafetensorError, ...)
         raise CheckpointError(one_line(f"{path}: cannot load ({type(exc).__name__}: {exc})")) from exc
-    check_loaded(loaded, path)
+    check_loaded(loaded, path, max_magnitude)
     return loaded
 
 
@@ -307,9 +309,10 @@ def _few(names: list[str], k: int = 4) -> str:
 
 # ------------------------------------------------------------------------------------------------- after loading
 
-def check_loaded(loaded, path: Path) -> None:
-    """Token ids inside the vocabulary, block size inside the context, a chat template that compiles and renders
-    (:mod:`.template_check`), finite weights (module docstring, step 3).
+def check_loaded(loaded, path: Path, max_magnitude: float = MAX_WEIGHT_MAGNITUDE) -> None:
+    """Token ids inside the vocabulary, the mask token none of EOS/pad/BOS, block size inside the context, a chat
+    template that compiles and renders (:mod:`.template_check`), finite weights no larger than ``max_magnitude``
+    (module docstring, step 3).
 
     Raises:
         CheckpointError: naming ``config.json`` and the field, or the weight file and the tensor.
@@ -326,9 +329,25 @@ def check_loaded(loaded, path: Path) -> None:
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
             raise CheckpointError(f"{where}.{name}: {tid!r} is not a token id of this model (the LM head has "
                                   f"{vocab} rows: 0..{vocab - 1})")
+    check_mask_distinct(dllm.mask_token_id, dllm, getattr(loaded.tokenizer, "bos_token_id", None),
+                        f"{where}.mask_token_id")
     check_block_sizes(dllm, loaded.max_context, where)
     check_chat_template(loaded.tokenizer, path)
-    check_finite(loaded.model, path)
+    check_finite(loaded.model, path, max_magnitude)
+
+
+def check_mask_distinct(mask: int, dllm: DllmConfig, bos: int | None, where: str) -> None:
+    """The mask token ``mask`` is not one of ``dllm``'s EOS ids, its pad id or the BOS id: a masked position
+    would read as the end (or the padding, or a new document), and decoding would stop or emit nothing.
+
+    Raises:
+        CheckpointError: ``where`` (the file and field) and the id it collides with.
+    """
+    for name, ids in (("eos_token_ids", dllm.eos_token_ids), ("pad_token_id", [dllm.pad_token_id]),
+                      ("the tokenizer's bos_token_id", [bos])):
+        if mask in ids:
+            raise CheckpointError(f"{where}: {mask} is also {name}: the mask token must be a token "
+                                  "of its own (distinct from EOS, pad and BOS)")
 
 
 def check_block_sizes(dllm: DllmConfig, max_context: int, where: str) -> None:
@@ -339,8 +358,10 @@ def check_block_sizes(dllm: DllmConfig, max_context: int, where: str) -> None:
 
 
 @torch.no_grad()
-def check_finite(model: torch.nn.Module, path: Path) -> None:
-    """Every floating-point parameter and buffer of ``model`` is finite (no NaN, no inf).
+def check_finite(model: torch.nn.Module, path: Path, max_magnitude: float = MAX_WEIGHT_MAGNITUDE) -> None:
+    """Every floating-point parameter and buffer of ``model`` is finite (no NaN, no inf), and every parameter's
+    magnitude is at most ``max_magnitude`` (:data:`unmask.engine.limits.MAX_WEIGHT_MAGNITUDE`; 0 = no bound;
+    buffers such as attention-mask fill values are exempt).
 
     Cost: one read of the weights (a sum per chunk of :data:`FINITE_CHUNK` elements; 0.1 s for SmolLM2-135M's
     float32 weights on one core); the elementwise ``torch.isfinite`` (at most :data:`FINITE_CHUNK` bools extra) runs
@@ -359,6 +380,25 @@ def check_finite(model: torch.nn.Module, path: Path) -> None:
             raise CheckpointError(f"{_weight_file(path)}: tensor {name} holds {bad} non-finite value(s) "
                                   f"(NaN/inf) of {tensor.numel()}: the weights are corrupt (a diverged "
                                   "training run or a damaged file)")
+    for name, tensor in model.named_parameters():  # each shared tensor once
+        check_magnitude(tensor, name, _weight_file(path), max_magnitude)
+
+
+@torch.no_grad()
+def check_magnitude(tensor: torch.Tensor, name: str, file: Path, max_magnitude: float = MAX_WEIGHT_MAGNITUDE) -> None:
+    """:class:`CheckpointError` naming ``file`` and ``name`` when a finite floating-point ``tensor`` holds a value
+    of magnitude above ``max_magnitude`` (no trained model has one: a scaled or overwritten file); 0 = no bound.
+    One min/max pass per chunk of :data:`FINITE_CHUNK` elements, no copy."""
+    if not max_magnitude or not tensor.is_floating_point() or tensor.device.type == "meta" or not tensor.numel():
+        return
+    largest = 0.0
+    for c in tensor.detach().reshape(-1).split(FINITE_CHUNK):
+        lo, hi = torch.aminmax(c)
+        largest = max(largest, abs(float(lo)), abs(float(hi)))
+    if largest > max_magnitude:
+        raise CheckpointError(f"{file}: tensor {name} holds a value of magnitude {largest:.3g}, above "
+                              f"{max_magnitude:g} (no trained model's weights are that large: a corrupt or scaled "
+                              "file; --max-weight-magnitude raises the bound, 0 removes it)")
 
 
 @torch.no_grad()

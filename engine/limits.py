@@ -37,6 +37,14 @@ MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_TOP_LOGPROBS = 20      # alternatives recorded per token (OpenAI's chat maximum, top_logprobs)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs: OpenAI's maximum (vLLM allows 20; OpenAI's limit is kept)
+# Checkpoint sanity (docs/design.md#checks-at-load): no trained model's weight reaches this magnitude (SmolLM2-135M's
+# largest is 9.3, its adapter's 0.62; large models' outliers stay in the hundreds); a weight past it is refused at
+# load unless --max-weight-magnitude raises it (0 = no bound). Adapter scales alpha / rank past MAX_ADAPTER_SCALE or
+# ranks past MAX_ADAPTER_RANK are refused too (LoRA practice: scale 0.5-16, rank 4-256).
+MAX_WEIGHT_MAGNITUDE = 1e3
+MAX_ADAPTER_SCALE = 1024.0
+MAX_ADAPTER_RANK = 4096
+ADAPTER_VERSIONS = (1,)    # mask_adapter.json format versions this server reads
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
 #: row-equivalents per chunk of a long prompt's prefill, rows at the prompt's start (docs/design.md#decoding,
 #: "Chunked prefill"; engine/prefill_cost.py; measured in benchmarks/results/bench_long_prefill.md): small enough

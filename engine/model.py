@@ -161,7 +161,8 @@ def resolve_model_path(name_or_path: str) -> Path:
 def load_model(name_or_path: str | os.PathLike, family: str | None = None, device: str = "auto",
                dtype: str = "auto", weights: str = "auto", device_map: str | dict | None = None,
                max_memory: str | dict | None = None, offload_folder: str | None = None,
-               adapter: str | os.PathLike | None = None, parent: str | os.PathLike | None = None) -> LoadedModel:
+               adapter: str | os.PathLike | None = None, parent: str | os.PathLike | None = None,
+               max_weight_magnitude: float | None = None) -> LoadedModel:
     """Load any supported dLLM checkpoint.
 
     Args:
@@ -177,6 +178,8 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         adapter: a mask-row adapter directory to put on the checkpoint (docs/design.md#mask-row-adapter); a
             self-contained or adapter-only ``name_or_path`` needs none. parent: an adapter-only checkpoint's parent
             directory (default: the adapter's ``parent.name`` hint).
+        max_weight_magnitude: the largest weight magnitude accepted in the checkpoint and the adapter (default
+            :data:`unmask.engine.limits.MAX_WEIGHT_MAGNITUDE`; 0 = no bound; docs/design.md#checks-at-load).
 
 
     Raises:
@@ -213,13 +216,16 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     # with a device map the weights stay on the CPU until accelerate dispatches them: a model larger than the
     # device must never be moved there whole (docs/design.md#scale-out)
     load_device = torch.device("cpu") if device_map is not None else dev
-    loaded = load_checked(get_family(name), path, config, load_device, dt)
+    from .limits import MAX_WEIGHT_MAGNITUDE
+
+    bound = MAX_WEIGHT_MAGNITUDE if max_weight_magnitude is None else max_weight_magnitude
+    loaded = load_checked(get_family(name), path, config, load_device, dt, max_magnitude=bound)
     if device_map is not None:
         from .placement import place_model
 
         place_model(loaded, device_map, max_memory, offload_folder, device=dev)
     pack_model(loaded, "auto" if (weights or "auto") == "auto" else fmt)  # auto's int4 case reads the weights
-    apply_adapter(loaded, adapter_dir)  # the mask-row adapter (docs/design.md#mask-row-adapter), after packing
+    apply_adapter(loaded, adapter_dir, max_magnitude=bound)  # the mask-row adapter (docs/design.md#mask-row-adapter), after packing
     return_freed_memory()  # the adapter's float32 read copies
     loaded.dllm.freeze()  # the plan decides the defaults from these settings; nothing changes them (#decoding)
     return loaded

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .limits import DEFAULT_PREFILL_CHUNK
+from .limits import DEFAULT_PREFILL_CHUNK, MAX_WEIGHT_MAGNITUDE
 
 __all__ = ["Option", "option", "options_of", "EngineConfig", "with_options", "check_at_least"]
 
@@ -158,6 +158,10 @@ class EngineConfig:
     threads: int | None = option(
         None, "torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving one to the "
               "HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
+    max_weight_magnitude: float = option(
+        MAX_WEIGHT_MAGNITUDE, "refuse a checkpoint or adapter holding a weight of larger magnitude (no trained "
+        "model has one; SmolLM2-135M's largest is 9.3); 0 = no bound (docs/design.md#checks-at-load)",
+        metavar="X")
     compile: bool = option(False, "torch.compile the decoder forward (unmask.engine.denoiser.Denoiser)", cli=False)
 
     def validate(self) -> "EngineConfig":
@@ -168,6 +172,8 @@ class EngineConfig:
         """
         check_at_least(self, ("max_batch_size", "max_queue", "max_model_len", "max_cached_tokens", "block_size",
                               "threads"), 1)
+        if self.max_weight_magnitude < 0:
+            raise ValueError(f"max_weight_magnitude: must be >= 0 (0 = no bound), got {self.max_weight_magnitude}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk: must be >= 0 (0 = off), got {self.prefill_chunk}")
         for name, allowed in (("default_drafts", DRAFT_POLICIES), ("weights", WEIGHTS)):
@@ -181,4 +187,4 @@ class EngineConfig:
         weights = "native" if self.compile and self.weights == "auto" else self.weights
         return dict(family=self.family, device=self.device, dtype=self.dtype, weights=weights,
                     device_map=self.device_map, max_memory=self.max_memory, offload_folder=self.offload_folder,
-                    adapter=self.adapter, parent=self.parent)
+                    adapter=self.adapter, parent=self.parent, max_weight_magnitude=self.max_weight_magnitude)

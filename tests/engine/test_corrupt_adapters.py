@@ -23,6 +23,7 @@ from unmask.engine.config import CheckpointError
 from unmask.engine.model import load_model
 
 A0, B0 = "layers.0.q_proj.lora_A", "layers.0.q_proj.lora_B"
+EOS = 2  # tiny's <|im_end|> (one of its eos_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +98,19 @@ VARIANTS = {
                            WEIGHTS_FILE + r"tensor mask_embedding holds \d+ non-finite"),
     "alpha_NaN": (_raw_cfg(b'"alpha": 8.0', b'"alpha": NaN'), CONFIG_FILE + r"field 'alpha': must be a finite"),
     "alpha_Infinity": (_raw_cfg(b'"alpha": 8.0', b'"alpha": Infinity'), CONFIG_FILE + r"field 'alpha'"),
-    "alpha_1e308": (_cfg(lambda c: c.update(alpha=1e308)), CONFIG_FILE + r"field 'alpha'.*float32"),
+    "alpha_1e308": (_cfg(lambda c: c.update(alpha=1e308)), CONFIG_FILE + r"field 'alpha'.*alpha / rank <= 1024"),
     "alpha_negative": (_cfg(lambda c: c.update(alpha=-8)), CONFIG_FILE + r"field 'alpha'"),
-    "rank_0": (_cfg(lambda c: c.update(rank=0)), CONFIG_FILE + r"field 'rank': must be an integer >= 1"),
+    "rank_0": (_cfg(lambda c: c.update(rank=0)), CONFIG_FILE + r"field 'rank': must be an integer in 1\.\.4096"),
     "rank_other": (_cfg(lambda c: c.update(rank=8)), WEIGHTS_FILE + r"tensor layers.0.\w+.lora_A has shape \[4, \d+\], expected \[8"),
+    # served silently before (issue 41): no trained adapter looks like these
+    "alpha_1e30": (_cfg(lambda c: c.update(alpha=1e30)), CONFIG_FILE + r"field 'alpha'.*alpha / rank <= 1024"),
+    "alpha_scale_2048": (_cfg(lambda c: c.update(alpha=c["rank"] * 2048.0)), CONFIG_FILE + r"field 'alpha'"),
+    "rank_huge": (_cfg(lambda c: c.update(rank=100000)), CONFIG_FILE + r"field 'rank'"),
+    "version_99": (_cfg(lambda c: c.update(version=99)), CONFIG_FILE + r"field 'version': 99 is not a mask-adapter"),
+    "version_string": (_cfg(lambda c: c.update(version="1")), CONFIG_FILE + r"field 'version': '1'"),
+    "weights_1e4": (_set(A0, lambda v: v.clone().fill_(1e4)), WEIGHTS_FILE + rf"tensor {A0} holds a value of magnitude 1e\+04"),
+    "weights_1e38": (_set(B0, lambda v: v.clone().fill_(-1e38)), WEIGHTS_FILE + rf"tensor {B0} holds a value of magnitude 1e\+38"),
+    "mask_is_eos": (_cfg(lambda c: c.update(mask_token_id=EOS)), CONFIG_FILE + r"field 'mask_token_id': \d+ is also eos_token_ids"),
     # accepted silently before
     "mask_embedding_1": (_set("mask_embedding", lambda v: v[:1].clone()),
                          WEIGHTS_FILE + r"tensor mask_embedding has shape \[1\]"),

@@ -213,16 +213,53 @@ def test_non_finite_weights(good, tmp_path, name, value):
     refused(d, f"{d / WEIGHTS}: tensor {name} holds 1 non-finite")
 
 
+@pytest.mark.parametrize("field,value,other", [
+    ("mask_token_id", 0, "eos_token_ids"), ("mask_token_id", 2, "eos_token_ids"), ("pad_token_id", 320, "pad_token_id"),
+])
+def test_mask_token_shared_with_eos_or_pad(good, tmp_path, field, value, other):
+    """A mask id equal to an EOS/pad id loads but decodes nothing (issue 41): refused, naming the field."""
+    d = variant(good, tmp_path)
+    edit_config(d, lambda c: c["dllm"].update({field: value}))
+    refused(d, "config.json:dllm.mask_token_id: ", f"is also {other}")
+
+
+def test_mask_token_shared_with_bos(good, tmp_path):
+    from transformers import AutoTokenizer
+
+    d = variant(good, tmp_path)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["bos_token"] = "<|im_start|>"
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    bos = AutoTokenizer.from_pretrained(str(d)).bos_token_id
+    edit_config(d, lambda c: c["dllm"].update(mask_token_id=bos))
+    refused(d, "config.json:dllm.mask_token_id: ", "bos_token_id")
+
+
+@pytest.mark.parametrize("name,value", [
+    ("model.layers.0.mlp.down_proj.weight", 1e4), ("model.embed_tokens.weight", -3e38), ("model.norm.weight", 2e3),
+])
+def test_weights_of_impossible_magnitude(good, tmp_path, name, value):
+    """Finite weights no trained model has (1e4-1e38 in issue 41's files) are refused; the option lifts the bound."""
+    d = variant(good, tmp_path)
+
+    def scale(state):
+        state[name].view(-1)[-1] = value
+    edit_weights(d, scale)
+    refused(d, f"{d / WEIGHTS}: tensor {name} holds a value of magnitude", "above 1000")
+    load_model(d, device="cpu", weights="native", max_weight_magnitude=0)
+    load_model(d, device="cpu", weights="native", max_weight_magnitude=1e39)
+
+
 def test_finite_check_exact_when_the_fast_sum_overflows(tmp_path):
     """Huge finite weights overflow the fast path's sum; the elementwise check then finds nothing."""
     layer = torch.nn.Linear(1000, 1000)
     with torch.no_grad():
         layer.weight.fill_(3e38)
-    check_finite(layer, tmp_path)
+    check_finite(layer, tmp_path, max_magnitude=0)  # the magnitude bound off: finite is all that is checked
     with torch.no_grad():
         layer.weight[7, 7] = float("nan")
     with pytest.raises(CheckpointError, match="weight holds 1 non-finite"):
-        check_finite(layer, tmp_path)
+        check_finite(layer, tmp_path, max_magnitude=0)
 
 
 @pytest.mark.parametrize("writer", ["dead", "alive", "unreadable"])

@@ -64,9 +64,9 @@ def test_a_device_map_is_decided_before_any_weight_moves_to_the_device(checkpoin
     seen = {}
     real_load, real_place = checkpoint_check.load_checked, placement.place_model
 
-    def load_spy(family, path, config, device, dtype):
+    def load_spy(family, path, config, device, dtype, **kw):
         seen["load"] = torch.device(device)
-        return real_load(family, path, config, device, dtype)
+        return real_load(family, path, config, device, dtype, **kw)
 
     def place_spy(loaded, device_map, max_memory=None, offload_folder=None, device=None):
         seen["place"] = (devices_of(loaded.model), device)
