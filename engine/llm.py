@@ -113,6 +113,13 @@ class LLM:
         """The choices of one request, not queued (see :func:`unmask.engine.engine.make_requests`)."""
         return make_requests(self.model, prompt_ids, params, request_id, n, model_defaults(self.model, self.config))
 
+    def score(self, prompt: str | list[int], top_k: int = 0, samples: int | None = None, seed: int = 0):
+        """The log-probabilities of a prompt's tokens (:func:`unmask.engine.scoring.score_prompt`: exact on a causal
+        path, a Monte-Carlo estimate from ``samples`` draws seeded by ``seed`` on a bidirectional model)."""
+        from .scoring import score_prompt
+
+        return score_prompt(self.model, self.encode(prompt), top_k, samples, seed)
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None,
                  n: int = 1) -> list[RequestOutput]:

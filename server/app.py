@@ -37,6 +37,7 @@ from .accounting import finished_work
 from .config import ServerConfig
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
+from .body_limits import STRUCTURE_LIMITS, BodyLimitsMiddleware
 from .guard import GuardMiddleware, needs_key
 from .metrics import Metrics
 from .prompt_input import chat_ids, completion_ids, longest_token_chars
@@ -167,6 +168,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
                               "body; streamed responses are server-sent events ending with `data: [DONE]`.")
     app.state.unmask = state
     install_handlers(app)
+    app.add_middleware(BodyLimitsMiddleware)  # inside the guard: structure bounds off the event loop
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=config.max_body_bytes, router=app.router)
     app.add_middleware(RequestIdMiddleware)  # outside the guards: their refusals carry the id too
     if config.cors_origins:  # outermost: preflights are answered and error responses carry the CORS headers too
@@ -243,6 +245,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
                 for path, ops in schema.get("paths", {}).items():
                     for op in ops.values() if needs_key(path) else ():
                         op["security"] = [{"bearer": []}]
+            schema["info"]["x-limits"] = dict(STRUCTURE_LIMITS)  # server/body_limits.py's bounds, 400 beyond
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -24,7 +24,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from unmask.engine import SamplingParams
-from unmask.engine.limits import (CACHE_MODES, MAX_COMPLETION_LOGPROBS, MAX_MESSAGES, MAX_TOP_LOGPROBS,
+from unmask.engine.limits import (CACHE_MODES, MAX_CONTENT_PARTS, MAX_COMPLETION_LOGPROBS, MAX_MESSAGES, MAX_TOP_LOGPROBS,
                                   MAX_NAME_CHARS, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
                                   MAX_TOKEN_ID, RANGES, REMASKING_STRATEGIES)
 
@@ -129,7 +129,7 @@ class PredictionContent(_Strict):
     the answer."""
 
     type: Literal["content"]
-    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
 
 
 class PromptCacheOptions(_Strict):

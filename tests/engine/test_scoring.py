@@ -89,3 +89,12 @@ def test_async_engine_scores_on_its_thread():
             asyncio.run(eng.score(PROMPT, samples=0))
     finally:
         eng.shutdown()
+
+
+def test_llm_scores_a_string():
+    from unmask.engine import LLM
+
+    m = loaded()
+    llm = LLM(m)
+    s = llm.score("hello world", top_k=1)
+    assert s.token_ids == llm.encode("hello world") and s.logprobs == score_prompt(m, s.token_ids, 1).logprobs
