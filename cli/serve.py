@@ -65,6 +65,49 @@ def read_api_key(path: str, option: str = "--api-key-file") -> str:
     return key
 
 
+MAX_KEYS_FILE_BYTES = 1 << 20  # tens of thousands of keys
+
+
+def read_api_keys(path: str, option: str = "--api-keys-file") -> dict[str, str]:
+    """The tenants' keys in ``path``: one per line, ``KEY`` or ``KEY TENANT`` (a line without a name is tenant
+    ``line-N``); blank lines and lines starting with ``#`` skipped, a UTF-8 BOM and surrounding whitespace stripped.
+    Returns ``{key: tenant}``; several keys may name one tenant (key rotation).
+
+    Raises:
+        UsageError: (names ``option``, the file and the line, never a key) unreadable, not a regular file, larger
+            than :data:`MAX_KEYS_FILE_BYTES`, not UTF-8, no key, a line of more than two words, a key listed twice.
+    """
+    import stat
+
+    from unmask.cli.main import UsageError
+
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UsageError(f"{option}: {path} is not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_KEYS_FILE_BYTES + 1)
+        text = raw.decode("utf-8-sig")
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{option}: {path} is not UTF-8 text") from None
+    if len(raw) > MAX_KEYS_FILE_BYTES:
+        raise UsageError(f"{option}: {path} is larger than {MAX_KEYS_FILE_BYTES} bytes")
+    keys: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) > 2:
+            raise UsageError(f"{option}: {path} line {n}: expected KEY or KEY TENANT, got {len(words)} words")
+        if words[0] in keys:
+            raise UsageError(f"{option}: {path} line {n}: this key is listed twice")
+        keys[words[0]] = words[1] if len(words) == 2 else f"line-{n}"
+    if not keys:
+        raise UsageError(f"{option}: {path} holds no key")
+    return keys
+
+
 def _weights_kind(loaded) -> str:
     """``nf4`` / ``int8`` (bitsandbytes, with the compute dtype) or the plain dtype of the loaded weights, and how
     the linear layers run when they were repacked (``-> fp16 packed (fbgemm)``)."""
@@ -402,7 +445,10 @@ def run(args: argparse.Namespace) -> int:
     chat_template = read_chat_template(server_config.chat_template, option_name(args, "chat_template"))
     api_key = (read_api_key(server_config.api_key_file, option_name(args, "api_key_file"))
                if server_config.api_key_file else server_config.api_key)
-    server_config = dataclasses.replace(server_config, chat_template=chat_template, api_key=api_key)
+    api_keys = (read_api_keys(server_config.api_keys_file, option_name(args, "api_keys_file"))
+                if server_config.api_keys_file else None)
+    server_config = dataclasses.replace(server_config, chat_template=chat_template, api_key=api_key,
+                                        api_keys=api_keys)
 
     from unmask.server.request_id import LOG_FORMAT, install_log_filter
 
@@ -429,7 +475,7 @@ def log_start(loaded, engine, name: str, what: str, config: ServerConfig) -> Non
 
     d, defaults = loaded.dllm, engine.defaults
     log.info("serving %s as %r on http://%s:%d%s", what, name, config.host, config.port,
-             " (API key required on /v1)" if config.api_key else "")
+             " (API key required on /v1)" if config.api_key or config.api_keys else "")
     log.info("model: family=%s attention=%s block_size=%d logit_shift=%s context=%d device=%s weights=%s threads=%d",
              d.family, d.attention, defaults.block_size, d.logit_shift, defaults.max_context, loaded.device,
              _weights_kind(loaded), torch.get_num_threads())

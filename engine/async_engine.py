@@ -203,7 +203,7 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, n: int = 1,
                fit_max_tokens: bool = False, loop: asyncio.AbstractEventLoop | None = None,
-               group: str | None = None) -> RequestStream:
+               group: str | None = None, cache_salt: str | None = None) -> RequestStream:
         """Queue one request (``n`` choices with seeds seed, seed+1, ...) and return its event stream.
 
         Must be called from a running event loop (the stream's events are delivered to it), or from a worker
@@ -214,6 +214,8 @@ class AsyncEngine:
             params: sampling parameters (``temperature``/``seed`` ``None`` = checkpoint default / random).
             request_id: unique id (default: generated). n: number of choices. group: the unit of fair admission
             (default ``request_id``; the server passes one id for every prompt of a completions request).
+            cache_salt: the prefix cache's salt: stored KV is shared only among requests with the same salt (the
+                server's tenant and the request's ``cache_salt``; docs/design.md#prefix-reuse). None: unsalted.
             fit_max_tokens: ``params.max_tokens`` is a default rather than the client's value: lower it until the
                 canvas fits the model's context (docs/design.md#decisions: "lowered to the remaining context when
                 unset") and the KV budget.
@@ -226,11 +228,11 @@ class AsyncEngine:
             EngineClosed: the engine is shut down or its thread died.
         """
         return self.submit_many([prompt_ids], params, [request_id or f"req-{next(_auto_ids)}"], n=n,
-                                fit_max_tokens=fit_max_tokens, loop=loop, group=group)[0]
+                                fit_max_tokens=fit_max_tokens, loop=loop, group=group, cache_salt=cache_salt)[0]
 
     def submit_many(self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str], n: int = 1,
                     fit_max_tokens: bool = False, loop: asyncio.AbstractEventLoop | None = None,
-                    group: str | None = None) -> list[RequestStream]:
+                    group: str | None = None, cache_salt: str | None = None) -> list[RequestStream]:
         """Queue several prompts (one engine request each, ``request_ids[i]`` for ``prompts[i]``) atomically: all
         of them are admitted or none is (docs/design.md#admission-and-limits, "Atomic admission"). The arguments and
         errors are :meth:`submit`'s (a prompt's own error names ``prompt.i`` when there are several); ``group`` defaults
@@ -254,6 +256,7 @@ class AsyncEngine:
             # the unit of fair admission: the client's whole request (docs/design.md#admission-and-limits)
             for s in seqs:
                 s.group = group
+                s.cache_salt = cache_salt
             self.scheduler.check_fits(seqs)
             built.append((rid, seqs))
         streams = [RequestStream(self, rid, seqs, loop) for rid, seqs in built]

@@ -144,6 +144,8 @@ class PrefixCache:
         variant = rv is not None and getattr(rv, "rows", None) != "uncommitted" and seq.committed_rows_variant
         grouping = f"{d.block_alignment}/{d.block_size}" if d.attention == "block_causal" else "causal"
         desc = f"{self.fingerprint}|{d.attention}|{grouping}|variant={variant}|C={self.chunk_tokens_held}"
+        if seq.cache_salt is not None:  # a tenant's (and cache_salt's) own chains: never matched by another salt
+            desc += "|salt=" + hashlib.sha256(seq.cache_salt.encode("utf-8", "surrogatepass")).hexdigest()
         return hashlib.sha256(desc.encode()).digest()
 
     @staticmethod

@@ -150,6 +150,9 @@ class Request:
     #: whether the strategy runs its committed (causal) rows on the model's row variant (a verifier): their KV
     #: then differs from a plain request's, so the prefix cache keys them apart (docs/design.md#prefix-reuse)
     committed_rows_variant = False
+    #: the prefix cache's salt (docs/design.md#prefix-reuse): requests share stored KV only with requests of the
+    #: same salt (the server's tenant plus the request's ``cache_salt``); None: the unsalted store
+    cache_salt: str | None = None
 
     def __init__(self, request_id: str, prompt_ids: list[int], plan: DecodingPlan,
                  dllm: DllmConfig, tokenizer, max_context: int, device: torch.device | str = "cpu",

@@ -38,7 +38,7 @@ from .config import ServerConfig
 from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
 from .body_limits import STRUCTURE_LIMITS, BodyLimitsMiddleware
-from .guard import GuardMiddleware, needs_key
+from .guard import GuardMiddleware, cache_salt, needs_key
 from .metrics import Metrics
 from .prompt_input import chat_ids, completion_ids, longest_token_chars
 from .render import Render, echo_texts
@@ -169,7 +169,8 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     app.state.unmask = state
     install_handlers(app)
     app.add_middleware(BodyLimitsMiddleware)  # inside the guard: structure bounds off the event loop
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=config.max_body_bytes, router=app.router)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=config.max_body_bytes, router=app.router,
+                       api_keys=config.api_keys)
     app.add_middleware(RequestIdMiddleware)  # outside the guards: their refusals carry the id too
     if config.cors_origins:  # outermost: preflights are answered and error responses carry the CORS headers too
         from fastapi.middleware.cors import CORSMiddleware
@@ -239,7 +240,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
                 for prm in op.get("parameters", []):
                     if prm.get("name") == "model_id":
                         prm["schema"]["enum"] = [model_name]
-            if api_key is not None:  # every route but the guard's open ones (docs/design.md#admission-and-limits)
+            if api_key is not None or config.api_keys:  # every route but the guard's open ones (docs/design.md#admission-and-limits)
                 schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
                                                                                      "scheme": "bearer"}}
                 for path, ops in schema.get("paths", {}).items():
@@ -306,7 +307,8 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     def submit_all() -> None:  # building the requests checks every prompt id: off the event loop
         # one atomic admission for every prompt (docs/design.md#admission-and-limits): all of them queue or none does
         streams.extend(engine.submit_many(prompts, params, [f"{response_id}-{p}" for p in range(len(prompts))],
-                                          n=body.n, fit_max_tokens=explicit is None, loop=loop, group=response_id))
+                                          n=body.n, fit_max_tokens=explicit is None, loop=loop, group=response_id,
+                                          cache_salt=cache_salt(request.scope, body.cache_salt)))
 
     try:
         await anyio.to_thread.run_sync(submit_all)

@@ -30,6 +30,12 @@ class ServerConfig:
     api_key_file: str | None = option(
         None, "read the API key from this file (surrounding whitespace and the newline stripped), so that it shows "
               "neither in `ps` nor in the environment; overrides --api-key", metavar="PATH")
+    api_keys_file: str | None = option(
+        None, "a file of API keys, one per line: KEY, or KEY TENANT (blank lines and # comments skipped); each "
+              "key is a tenant (several keys may name one), whose prefix-cache entries no other tenant can hit "
+              "(docs/design.md#admission-and-limits); --api-key or --api-key-file is one more (unnamed) tenant",
+        metavar="PATH")
+    api_keys: dict | None = option(None, "API key -> tenant name (what --api-keys-file gives)", cli=False)
     max_seqs_per_request: int = option(
         DEFAULT_MAX_SEQS_PER_REQUEST, "most sequences (prompts x n) one request may queue, at most --max-queue "
                                       f"(default {DEFAULT_MAX_SEQS_PER_REQUEST}); beyond it a 400 naming n")

@@ -38,6 +38,20 @@ OPEN_ROUTES = frozenset({"/health", "/metrics", "/", "/favicon.ico", "/docs", "/
 OPEN_PREFIXES = ("/visualizer/",)
 
 
+#: the ASGI scope key the guard sets to the caller's tenant (the name of its key; None: the unnamed tenant)
+TENANT = "unmask.tenant"
+
+
+def cache_salt(scope, salt: str | None) -> str | None:
+    """The prefix cache's salt of a request (``unmask.engine.AsyncEngine.submit``'s ``cache_salt``): its tenant
+    and its own ``cache_salt`` field, joined unambiguously (no salt a client sends can spell another tenant's);
+    None when neither is set (one tenant, no salt: the unsalted store)."""
+    import json
+
+    tenant = scope.get(TENANT)
+    return None if tenant is None and salt is None else json.dumps([tenant, salt])
+
+
 def needs_key(path: str) -> bool:
     """Whether a request for ``path`` (the path the router routes on: without the root path, as Starlette's
     ``get_route_path`` gives it) needs the API key when the server has one: every path but :data:`OPEN_ROUTES` and
@@ -83,9 +97,10 @@ class GuardMiddleware:
     The body is read here and replayed to the app; after it, ``receive`` passes through, so a route can still wait
     for ``http.disconnect``."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, router=None):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, router=None, api_keys: dict | None = None):
         self.app = app
-        self.api_key = api_key
+        # every accepted key -> its tenant (None: the --api-key one, the unnamed tenant)
+        self.keys = {**({api_key: None} if api_key is not None else {}), **(api_keys or {})}
         self.max_body_bytes = max_body_bytes
         self.router = router  # the app's router: a request no route takes with its method goes on to the 404/405
 
@@ -95,6 +110,15 @@ class GuardMiddleware:
         if self.router is None:
             return True
         return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
+
+    def _tenant(self, token: str) -> str | None | bool:
+        """The tenant of ``token`` (None: the unnamed one), or False for no key; every key is compared (in constant
+        time each), so the time taken says nothing of which key came close."""
+        found: str | None | bool = False
+        for key, tenant in self.keys.items():
+            if hmac.compare_digest(token.encode("utf-8", "surrogatepass"), key.encode()):
+                found = tenant
+        return found
 
     def _allowed(self, scope) -> list[str]:
         """The methods some route takes at this request's path (empty when no route takes it): ``OPTIONS``'
@@ -111,13 +135,15 @@ class GuardMiddleware:
             scope, send = {**scope, "method": "GET"}, _without_body(send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         allowed = self._allowed(scope) if scope.get("method") == "OPTIONS" else []
-        if self.api_key is not None and not allowed and needs_key(get_route_path(scope)):
+        if self.keys and not allowed and needs_key(get_route_path(scope)):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            found = self._tenant(token.strip()) if scheme.lower() == "bearer" else False
+            if found is False:
                 err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await self._reject(scope, err, receive, send)
+            scope[TENANT] = found
         if allowed:  # OPTIONS on a routed path: answered here, never by a handler
             return await Response(status_code=204, headers={"Allow": ", ".join(["OPTIONS", *allowed])})(
                 scope, receive, send)

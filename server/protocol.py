@@ -164,6 +164,9 @@ class _Common(_Rules):
     safety_identifier: str | None = Field(None, max_length=MAX_NAME_CHARS, description="accepted like user; no effect")
     prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS,
                                          description="accepted; the KV cache is per request")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, description=(
+        "vLLM's: the prefix cache shares stored KV only among requests of the same tenant (API key) with the same "
+        "salt; without one, among the tenant's requests without one"))
     presence_penalty: float = ranged("presence_penalty", 0.0)
     frequency_penalty: float = ranged("frequency_penalty", 0.0)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(

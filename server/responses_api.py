@@ -32,6 +32,7 @@ from .accounting import failure_reason
 from .prompt_input import chat_ids
 from .disconnect import collect
 from .errors import APIError, from_exception, validation_error
+from .guard import cache_salt
 from .render import Render
 from .responses_protocol import ResponsesRequest
 from .run import Run
@@ -260,7 +261,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         loop = asyncio.get_running_loop()
         stream = await anyio.to_thread.run_sync(lambda: state.engine.submit(  # sampling_params: schema checks
             ids, chat.sampling_params(explicit or state.default_max_tokens, False, state.default_cache), rid, n=1,
-            fit_max_tokens=explicit is None, loop=loop))
+            fit_max_tokens=explicit is None, loop=loop, cache_salt=cache_salt(request.scope, None)))
     except Exception as exc:
         raise _renamed(from_exception(exc), body) from exc
     render = Render("chat", rid, int(arrival), state.model_name, state.token_text,
