@@ -37,6 +37,15 @@ MAX_NAME_CHARS = 512       # model, user, safety_identifier, prompt_cache_key
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_TOP_LOGPROBS = 20      # alternatives recorded per token (OpenAI's chat maximum, top_logprobs)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs: OpenAI's maximum (vLLM allows 20; OpenAI's limit is kept)
+# Structure bounds (docs/design.md#admission-and-limits): counts that make a small body expensive to validate, checked
+# on the raw JSON off the event loop before any model parses it (server/body_limits.py) and published in the OpenAPI
+# schema (info.x-limits; maxItems where a field has one). 150,000 content parts in 4 MB stalled /health 1-1.4 s.
+MAX_CONTENT_PARTS = 256    # content parts per message (chat messages, responses input items)
+MAX_SCHEMA_NODES = 4096    # JSON values in all of a request's schemas (tool parameters, response_format/text.format)
+MAX_JSON_DEPTH = 64        # nesting of the request body
+MAX_JSON_ITEMS = MAX_POSITIONS  # entries of any one array or object of the body (a token-id prompt at most)
+MAX_TOOLS = 128            # OpenAI's limit on tools per request
+
 # Checkpoint sanity (docs/design.md#checks-at-load): no trained model's weight reaches this magnitude (SmolLM2-135M's
 # largest is 9.3, its adapter's 0.62; large models' outliers stay in the hundreds); a weight past it is refused at
 # load unless --max-weight-magnitude raises it (0 = no bound). Adapter scales alpha / rank past MAX_ADAPTER_SCALE or

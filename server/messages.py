@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from unmask.engine.limits import MAX_MESSAGE_NAME_CHARS
+from unmask.engine.limits import MAX_CONTENT_PARTS, MAX_MESSAGE_NAME_CHARS
 
 from .tool_protocol import Strict, Text, ToolCalls
 
@@ -33,8 +33,8 @@ class RefusalPart(Strict):
     refusal: Text
 
 
-Content = Text | Annotated[list[TextPart], Field(min_length=1)]
-AssistantContent = Text | Annotated[list[TextPart | RefusalPart], Field(min_length=1)]
+Content = Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
+AssistantContent = Text | Annotated[list[TextPart | RefusalPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
 
 
 class UrlCitation(Strict):

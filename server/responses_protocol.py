@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
+from unmask.engine.limits import MAX_CONTENT_PARTS
+
 from .field_text import CACHE_DESCRIPTION
 from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
 from .tool_protocol import (FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema,
@@ -44,7 +46,7 @@ class MessageItem(Strict):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | Annotated[list[InputText], Field(min_length=1)]
+    content: str | Annotated[list[InputText], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
     id: str | None = None
     status: str | None = None
 

@@ -20,9 +20,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from unmask.engine.limits import MAX_TOOLS  # noqa: F401  (re-exported: the protocol modules' import)
+
 from . import json_text
 
-MAX_TOOLS = 128                # OpenAI's limit on tools per request
 MAX_TOOL_CALLS = 128           # tool calls in one assistant message
 MAX_SCHEMA_CHARS = 64 * 1024   # a tool's parameters / a response_format schema, as JSON text
 MAX_DESCRIPTION_CHARS = 8192
