@@ -490,7 +490,7 @@ def serve(app, engine, config: ServerConfig) -> int:
     from unmask.server.wire import protocol_class
 
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                        http=protocol_class(),  # the parser's 400s as JSON errors too
+                        http=protocol_class(config.read_timeout),  # JSON 400s; slow clients dropped
                         timeout_graceful_shutdown=10, lifespan="on", root_path=config.root_path.rstrip("/"))
     state = app.state.unmask
 

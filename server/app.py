@@ -25,7 +25,6 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from sse_starlette.sse import EventSourceResponse
 
 from unmask.engine import AsyncEngine, TokenTexts, with_options
 from unmask.engine.limits import DEFAULT_MAX_SEQS_PER_REQUEST, prompt_chars_limit
@@ -39,6 +38,7 @@ from .disconnect import collect
 from .errors import APIError, from_exception, install_handlers
 from .body_limits import STRUCTURE_LIMITS, BodyLimitsMiddleware
 from .guard import GuardMiddleware, cache_salt, needs_key
+from .send_buffer import bounded, stream_response
 from .metrics import Metrics
 from .prompt_input import chat_ids, completion_ids, longest_token_chars
 from .render import Render, echo_texts
@@ -337,8 +337,10 @@ async def _serve(state: ServerState, kind: str, body, prompts: list[list[int]], 
     run = Run(state, render, prompts, streams, body.n, arrival)
     if body.stream:
         shutdown = anyio.Event()
-        return EventSourceResponse(sse_events(run, body.include_denoising, state.request_timeout, shutdown),
+        events = sse_events(run, body.include_denoising, state.request_timeout, shutdown)
+        return stream_response(bounded(events, state.config.stream_buffer_bytes, run.abort, run.id),
                                    ping=15, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                   send_timeout=state.config.read_timeout,  # a client that stopped reading
                                    shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
     result = await collect(run, request, state.request_timeout, state.shutdown_event())
     if result is None:  # the client is gone; nobody reads this

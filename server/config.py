@@ -62,6 +62,12 @@ class ServerConfig:
         "", "the path prefix the server is reached under behind a reverse proxy that strips it (ASGI root_path, as "
             "uvicorn's --root-path), e.g. /unmask; the page at / uses it")
     log_level: str = option("info", "", choices=LOG_LEVELS)
+    read_timeout: float = option(
+        30.0, "seconds a client may take to send a request's head and body, and to accept one streamed chunk "
+              "(slower: the connection is closed; uvicorn has no such limit); default 30")
+    stream_buffer_bytes: int = option(
+        8 * 1024 * 1024, "most bytes of one stream's events produced and not yet sent; past it (a client that "
+                         "does not read) the request is aborted, freeing its batch slot (default 8 MiB)")
     max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, "largest accepted request body (413 beyond)", cli=False)
 
     def validate(self) -> "ServerConfig":
@@ -72,9 +78,11 @@ class ServerConfig:
         """
         from .tool_parsers import get_parser
 
-        for name in ("max_seqs_per_request", "default_max_tokens", "max_body_bytes"):
+        for name in ("max_seqs_per_request", "default_max_tokens", "max_body_bytes", "stream_buffer_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.read_timeout > 0:  # NaN too
+            raise ValueError(f"read_timeout: must be > 0 seconds, got {self.read_timeout}")
         if self.request_timeout is not None and not self.request_timeout > 0:  # NaN too
             raise ValueError(f"request_timeout: must be > 0 seconds, got {self.request_timeout}")
         if not 0 <= self.port <= 65535:

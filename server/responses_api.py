@@ -24,7 +24,6 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
-from sse_starlette.sse import EventSourceResponse
 
 from . import protocol as P
 from .sse import dumps
@@ -33,6 +32,8 @@ from .prompt_input import chat_ids
 from .disconnect import collect
 from .errors import APIError, from_exception, validation_error
 from .guard import cache_salt
+from .send_buffer import bounded, stream_response
+from .sse import until_shutdown
 from .render import Render
 from .responses_protocol import ResponsesRequest
 from .run import Run
@@ -200,8 +201,10 @@ class EventWriter:
                 self.event("response.failed", response=r)]
 
 
-async def _stream(run: Run, writer: EventWriter, include_denoising: bool, timeout: float | None):
-    """The SSE events (``event:`` the type, ``data:`` the JSON) of a streamed response."""
+async def _stream(run: Run, writer: EventWriter, include_denoising: bool, timeout: float | None,
+                  shutdown_event=None):
+    """The SSE events (``event:`` the type, ``data:`` the JSON) of a streamed response; at shutdown
+    (``shutdown_event``) an ``error`` (``server_shutdown``) and ``response.failed`` at once."""
     render, sent = run.render, ""
 
     def sse(events):
@@ -211,7 +214,7 @@ async def _stream(run: Run, writer: EventWriter, include_denoising: bool, timeou
     try:
         for e in sse(writer.start()):
             yield e
-        async for _, ev in run.events(timeout):
+        async for _, ev in until_shutdown(run.events(timeout), shutdown_event):
             chunks = [render.denoising_chunk(0, ev)] if include_denoising and ev.revealed else []
             if len(ev.text) > len(sent) and ev.text.startswith(sent):
                 chunks += render.text_chunks(0, ev.text[len(sent):])
@@ -269,10 +272,13 @@ async def create_response(body: ResponsesRequest, request: Request):
     run = Run(state, render, [ids], [stream], 1, arrival)
     if body.stream:
         writer = EventWriter(rid, int(arrival), body)
-        return EventSourceResponse(_stream(run, writer, chat.include_denoising, state.request_timeout),
+        shutdown = anyio.Event()
+        events = _stream(run, writer, chat.include_denoising, state.request_timeout, shutdown)
+        return stream_response(bounded(events, state.config.stream_buffer_bytes, run.abort, rid),
                                    ping=15, sep="\n", headers={"Cache-Control": "no-cache",
                                                                "X-Accel-Buffering": "no"},
-                                   shutdown_event=anyio.Event(), shutdown_grace_period=3.0)
+                                   send_timeout=state.config.read_timeout,
+                                   shutdown_event=shutdown, shutdown_grace_period=3.0)
     result = await collect(run, request, state.request_timeout, state.shutdown_event())
     if result is None:
         return Response(status_code=499)

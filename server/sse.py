@@ -50,6 +50,31 @@ def dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
 
 
+async def until_shutdown(events, shutdown_event):
+    """The items of ``events`` until ``shutdown_event`` is set: then :func:`shutdown_error` at once, from the event
+    loop, without waiting for the engine's next event (a step of a heavy request may outlast the grace period)."""
+    if shutdown_event is None:
+        async for item in events:
+            yield item
+        return
+    it = events.__aiter__()
+    stop = asyncio.ensure_future(shutdown_event.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                raise shutdown_error()
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
+
+
 async def sse_events(run: Run, include_denoising: bool, timeout: float | None, shutdown_event=None):
     """The SSE ``data:`` payloads of a streamed request (strings; sse-starlette frames them).
 
@@ -79,7 +104,7 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
     try:
         for chunk in render.start_chunks(run.num_choices):
             yield out(chunk)
-        async for c, ev in run.events(timeout):
+        async for c, ev in until_shutdown(run.events(timeout), shutdown_event):
             render.observe(c, ev)
             if include_denoising and ev.revealed:
                 yield out(render.denoising_chunk(c, ev))

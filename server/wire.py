@@ -19,6 +19,7 @@ MESSAGE = ("invalid HTTP request: the request line or a header could not be pars
 
 HEAD_TOO_LARGE = ("request header fields too large: the request line and headers exceed the server's limit of "
                   "{limit} bytes (an X-Request-Id is kept up to 128 characters)")
+READ_TIMEOUT = "request timeout: the request's head and body did not arrive within {seconds:g} s"
 DRAIN_BYTES = 1 << 20   # after a refusal, unread request bytes dropped before the connection closes
 DRAIN_SECONDS = 2.0     # ... or this long after the answer
 
@@ -46,7 +47,6 @@ def _h11_class():
         ``X-Request-Id``, breaker)."""
 
         _draining = 0
-
         def data_received(self, data: bytes) -> None:
             if self._draining:
                 self._draining += len(data)
@@ -86,7 +86,61 @@ def _h11_class():
     return JsonErrorH11Protocol
 
 
-def protocol_class():
+def _timed_class(base, read_timeout: float):
+    """``base`` (a uvicorn h11 protocol) with a read timeout: a client that has not sent a request's head and body
+    within ``read_timeout`` seconds of starting it gets a 408 (no request started yet) or a closed connection."""
+    import h11
+
+    class ReadTimeoutH11Protocol(base):
+        _read_timer = None
+        _armed_for = None  # the cycle (None: none yet) that was current when the timer started
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            """Start the read timeout of the request the client is starting to send (issue 41: a client that sends
+            half a head, or a body slower than this, held its connection and buffers without limit)."""
+            if self._read_timer is None:
+                self._armed_for = self.cycle
+                self._read_timer = self.loop.call_later(read_timeout, self._read_timed_out)
+
+        def _disarm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_timed_out(self) -> None:
+            self._read_timer = None
+            started = self.cycle is not None and self.cycle is not self._armed_for
+            if not started and self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and not self._draining:
+                body = error_body(READ_TIMEOUT.format(seconds=read_timeout), "request_timeout")
+                head = b"".join(k + b": " + v + b"\r\n" for k, v in _headers(body))
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\n" + head + b"\r\n" + body)
+            self.transport.close()  # a request whose body was late: the app sees the disconnect
+
+        def _reading_done(self) -> None:
+            c = self.cycle
+            if c is not None and c is not self._armed_for and not c.more_body:
+                self._disarm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # a new request starts (or the first one)
+                self._arm()
+            super().data_received(data)
+            self._reading_done()
+
+    return ReadTimeoutH11Protocol
+
+
+def protocol_class(read_timeout: float | None = None):
     """uvicorn's h11 protocol with the JSON 400 (h11 always, also where httptools is installed: one parser, the
-    one the tests exercise)."""
-    return _h11_class()
+    one the tests exercise); ``read_timeout``: seconds a client may take to send a request's head and body (then a
+    408 when no request has started, else the connection closes; None: no limit)."""
+    base = _h11_class()
+    return base if read_timeout is None else _timed_class(base, read_timeout)
