@@ -107,7 +107,9 @@ class Engine:
                              "format, dtype, device or adapter differ); its KV would be wrong here")
         self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(self.denoiser, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
-                                   max_cached_tokens=config.max_cached_tokens, prefix_cache=prefix_cache)
+                                   max_cached_tokens=config.max_cached_tokens, prefix_cache=prefix_cache,
+                                   max_step_rows=config.max_step_rows)
+        self.scheduler.kv_bytes_per_token, self.scheduler.logit_row_bytes = memory_sizes(model)
 
     @property
     def defaults(self) -> EngineDefaults:
@@ -216,3 +218,17 @@ class Engine:
     def num_unfinished(self) -> int:
         """Choices waiting or running."""
         return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+
+def memory_sizes(model: LoadedModel) -> tuple[int | None, int | None]:
+    """``(bytes per cached token, bytes per float32 logits row)`` of ``model`` for the scheduler's memory estimate
+    (docs/design.md#admission-and-limits); None where the config does not say (the check is then skipped)."""
+    cfg = getattr(model.model, "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "d_model", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if not (layers and kv_heads and head_dim):
+        return None, None
+    return 2 * layers * kv_heads * head_dim * 4, 4 * model.vocab_size  # float32 at most: an upper bound

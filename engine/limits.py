@@ -54,6 +54,7 @@ MAX_WEIGHT_MAGNITUDE = 1e3
 MAX_ADAPTER_SCALE = 1024.0
 MAX_ADAPTER_RANK = 4096
 ADAPTER_VERSIONS = (1,)    # mask_adapter.json format versions this server reads
+DEFAULT_MAX_STEP_ROWS = 128  # rows one request may put into a step (block x n x lanes; --max-step-rows): ~0.3 s on 2 cores for SmolLM2-135M
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
 #: row-equivalents per chunk of a long prompt's prefill, rows at the prompt's start (docs/design.md#decoding,
 #: "Chunked prefill"; engine/prefill_cost.py; measured in benchmarks/results/bench_long_prefill.md): small enough

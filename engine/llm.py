@@ -92,7 +92,8 @@ class LLM:
     def _engine(self, max_batch_size: int) -> Engine:
         """A fresh engine loop over this model (one per call: calls never share a batch), sharing the denoiser."""
         return Engine(self.model, self.config, denoiser=self.denoiser, prefix_cache=self.prefix_cache,
-                      max_batch_size=max_batch_size, max_queue=UNBOUNDED_QUEUE, enable_prefix_caching=False)
+                      max_batch_size=max_batch_size, max_queue=UNBOUNDED_QUEUE, enable_prefix_caching=False,
+                      max_step_rows=None)  # one caller's offline batch: no other client to be fair to
 
     @property
     def tokenizer(self):

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .limits import DEFAULT_PREFILL_CHUNK, MAX_WEIGHT_MAGNITUDE
+from .limits import DEFAULT_MAX_STEP_ROWS, DEFAULT_PREFILL_CHUNK, MAX_WEIGHT_MAGNITUDE
 
 __all__ = ["Option", "option", "options_of", "EngineConfig", "with_options", "check_at_least"]
 
@@ -158,6 +158,11 @@ class EngineConfig:
     threads: int | None = option(
         None, "torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving one to the "
               "HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
+    max_step_rows: int | None = option(
+        DEFAULT_MAX_STEP_ROWS, "rows one request may put into a step: block_size x n x lanes (2 under cfg_scale); a "
+        "request beyond it is a 400 naming block_size, and a step forwards at most this many rows beside the oldest "
+        "waiting sequence, so a light request never waits behind more than one heavy step (default 128: ~0.3 s a "
+        "step for the default model on 2 cores; docs/design.md#admission-and-limits)", metavar="ROWS")
     max_weight_magnitude: float = option(
         MAX_WEIGHT_MAGNITUDE, "refuse a checkpoint or adapter holding a weight of larger magnitude (no trained "
         "model has one; SmolLM2-135M's largest is 9.3); 0 = no bound (docs/design.md#checks-at-load)",
@@ -171,7 +176,7 @@ class EngineConfig:
             ValueError: naming the field (``max_queue: must be >= 1, got 0``).
         """
         check_at_least(self, ("max_batch_size", "max_queue", "max_model_len", "max_cached_tokens", "block_size",
-                              "threads"), 1)
+                              "threads", "max_step_rows"), 1)
         if self.max_weight_magnitude < 0:
             raise ValueError(f"max_weight_magnitude: must be >= 0 (0 = no bound), got {self.max_weight_magnitude}")
         if self.prefill_chunk < 0:

@@ -66,7 +66,8 @@ class Scheduler:
     """
 
     def __init__(self, denoiser: Denoiser, max_batch_size: int = _DEFAULTS.max_batch_size,
-                 max_queue: int = _DEFAULTS.max_queue, max_cached_tokens: int | None = None, prefix_cache: PrefixCache | None = None):
+                 max_queue: int = _DEFAULTS.max_queue, max_cached_tokens: int | None = None, prefix_cache: PrefixCache | None = None,
+                 max_step_rows: int | None = _DEFAULTS.max_step_rows):
         if max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         self.denoiser = denoiser
@@ -78,15 +79,68 @@ class Scheduler:
         self.paused: set[Request] = set()  # waiting sequences that already ran (they keep their KV cache)
         self.preemptions = 0  # sequences paused for a starved request so far
         self.prefix_cache = prefix_cache
+        self.max_step_rows = max_step_rows  # None: no bound (docs/design.md#admission-and-limits, cost)
+        # bytes per cached token (K and V of every layer) and per logits row: the memory estimate; None = unchecked
+        self.kv_bytes_per_token: int | None = None
+        self.logit_row_bytes: int | None = None
+        self._last_step: dict[Request, int] = {}  # the step each running sequence last ran in
+        self._steps = 0
 
     @staticmethod
     def need(seq: Request) -> int:
         """Cached tokens a choice reserves: canvas length x lanes (2 under CFG)."""
         return seq.length * len(seq.lanes)
 
+    @staticmethod
+    def step_rows(seq: Request) -> int:
+        """Rows ``seq`` forwards in a denoising step: its block x lanes (2 under CFG) x the draft groups of a
+        self-speculative step (``speculative_branches`` + 1). A block attends to itself, so they go together."""
+        groups = 1 + (getattr(seq.params, "speculative_branches", 0) or 0) if seq.plan.speculative else 1
+        return seq.block_size * len(seq.lanes) * groups
+
+    def check_rows(self, reqs: list[Request]) -> None:
+        """Raise :class:`ParamError` (``block_size``) when one request's choices would put more rows into a step
+        than ``max_step_rows`` (``--max-step-rows``)."""
+        if self.max_step_rows is None or not reqs:
+            return
+        rows = sum(self.step_rows(s) for s in reqs)
+        if rows > self.max_step_rows:
+            seq = reqs[0]
+            raise ParamError("block_size", f"block_size {seq.block_size} x n {len(reqs)} x {len(seq.lanes)} lane(s)"
+                                           f"{' (cfg_scale)' if len(seq.lanes) == 2 else ''} puts {rows} rows into "
+                                           f"every step; the server's limit is {self.max_step_rows} rows per request "
+                                           f"(--max-step-rows): lower block_size or n")
+
+    def estimate_bytes(self, reqs: list[Request]) -> tuple[int, int]:
+        """``(KV bytes, logits bytes)`` the request's choices hold at most: each choice's reserved cache
+        (:meth:`need` tokens) and three float32 ``[rows, vocab]`` buffers per step (logits, probabilities, a
+        sort); (0, 0) when the model's sizes are unknown."""
+        if not self.kv_bytes_per_token or not self.logit_row_bytes:
+            return 0, 0
+        return (sum(self.need(s) for s in reqs) * self.kv_bytes_per_token,
+                3 * sum(self.step_rows(s) for s in reqs) * self.logit_row_bytes)
+
+    def check_memory(self, reqs: list[Request]) -> None:
+        """Raise :class:`ParamError` (``max_tokens``) when the estimate (:meth:`estimate_bytes`) exceeds the
+        memory the machine has available now: the request could only fail or swap midway."""
+        kv, logits = self.estimate_bytes(reqs)
+        if not kv + logits:
+            return
+        import psutil
+
+        free = psutil.virtual_memory().available
+        if kv + logits > free:
+            raise ParamError("max_tokens", f"this request needs ~{(kv + logits) >> 20} MiB (KV cache {kv >> 20} MiB "
+                                           f"for {sum(self.need(s) for s in reqs)} tokens, logits {logits >> 20} "
+                                           f"MiB) and the server has {free >> 20} MiB available: lower max_tokens, "
+                                           "n or block_size")
+
     def check_fits(self, reqs: list[Request]) -> None:
         """Raise :class:`ParamError` (``max_tokens``) when the request alone exceeds the KV budget: retrying could
-        never help, so it is a client error, not :class:`CacheFull`."""
+        never help, so it is a client error, not :class:`CacheFull`; (``block_size``) beyond the rows per step
+        (:meth:`check_rows`)."""
+        self.check_rows(reqs)
+        self.check_memory(reqs)
         budget = self.max_cached_tokens
         if budget is None or not reqs or self.need(reqs[0]) <= budget:
             return
@@ -183,6 +237,7 @@ class Scheduler:
             events.append(seq.abort())
         for seq in [s for s in self.running if s.request_id == request_id]:
             self.running.remove(seq)
+            self._last_step.pop(seq, None)
             events.append(seq.abort())
         return events
 
@@ -247,12 +302,31 @@ class Scheduler:
             self.preemptions += 1
             self._join(starved)
 
+    def _within_rows(self, active: list[Request]) -> list[Request]:
+        """The sequences of this step: all of ``active`` when their rows fit ``max_step_rows`` (the usual case,
+        the batch unchanged); else the longest-waiting first (the step each last ran in), as many as fit, at least
+        one. A light request therefore never waits behind more than one heavy step, and a sequence left out runs
+        in the next (its tokens do not depend on when it steps)."""
+        self._steps += 1
+        if self.max_step_rows is not None and sum(self.step_rows(s) for s in active) > self.max_step_rows:
+            order = sorted(active, key=lambda s: self._last_step.get(s, -1))  # stable: queue order among ties
+            chosen, rows = [], 0
+            for seq in order:
+                r = self.step_rows(seq)
+                if not chosen or rows + r <= self.max_step_rows:
+                    chosen.append(seq)
+                    rows += r
+            active = [s for s in active if s in chosen]
+        for seq in active:
+            self._last_step[seq] = self._steps
+        return active
+
     def step(self) -> list[StepEvent]:
         """Admit waiting sequences, run one step for the batch, drop finished ones. Returns the step's events."""
         self._admit()
         self._bound_prefix_cache()
         done_before = [s.final_event() for s in self.running if s.finished]  # e.g. nothing left to decode
-        active = [s for s in self.running if not s.finished]
+        active = self._within_rows([s for s in self.running if not s.finished])
         if self.prefix_cache is not None:  # a sequence whose prefill waited may find what another stored meanwhile
             for seq in active:
                 if not seq.nfe:
@@ -265,4 +339,5 @@ class Scheduler:
         for seq in [s for s in self.running if s.finished]:
             seq.release()
             self.running.remove(seq)
+            self._last_step.pop(seq, None)
         return events
