@@ -55,6 +55,7 @@ def test_monte_carlo_mean_over_seeds_within_its_stderr_of_many_samples():
     stderr_of_mean = math.sqrt(sum(r.stderr ** 2 for r in runs)) / len(runs)
     many = score_prompt(m, PROMPT, samples=1024, seed=1000)
     assert abs(mean - many.total) <= 2 * math.hypot(stderr_of_mean, many.stderr), (mean, many.total, stderr_of_mean)
+    assert all(abs(mean - many.total) <= r.stderr for r in runs)  # within each run's reported standard error
     # each run's own stderr covers the many-sample estimate within 3 standard errors
     assert all(abs(r.total - many.total) <= 3 * math.hypot(r.stderr, many.stderr) for r in runs)
     print(f"MC: mean of 8 x 32 = {mean:.3f} +- {stderr_of_mean:.3f}; 1024 samples = {many.total:.3f} "
