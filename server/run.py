@@ -87,18 +87,19 @@ class Run:
                 self.outputs[c] = outs[i]
         return self.outputs[c]
 
-    def _work(self) -> list[Work]:
-        return [Work.of_output(o) if (o := self._output(c)) is not None else self.work[c]
-                for c in range(self.num_choices)]
+    def _work(self, seen_only: bool = False) -> list[Work]:
+        outs = self.outputs if seen_only else [self._output(c) for c in range(self.num_choices)]
+        return [Work.of_output(o) if o is not None else self.work[c] for c, o in enumerate(outs)]
 
-    def usage(self) -> Usage:
+    def usage(self, seen_only: bool = False) -> Usage:
         """OpenAI usage (+ ``nfe``, ``denoising_steps``); an unfinished (failed) choice counts its work so far.
         A prompt's cached tokens are the most any of its choices loaded (choices joining together share nothing,
-        docs/design.md#prefix-reuse)."""
-        outs = [self._output(c) for c in range(self.num_choices)]
+        docs/design.md#prefix-reuse). ``seen_only``: only what the events consumed so far say (a streamed chunk's
+        usage so far), not what the engine has produced since."""
+        outs = list(self.outputs) if seen_only else [self._output(c) for c in range(self.num_choices)]
         cached = sum(max((o.cached_tokens for o in outs[p * self.n:(p + 1) * self.n] if o is not None), default=0)
                      for p in range(len(self.prompt_ids)))
-        return usage(sum(len(p) for p in self.prompt_ids), self._work(), cached)
+        return usage(sum(len(p) for p in self.prompt_ids), self._work(seen_only), cached)
 
     def body(self) -> dict:
         """The non-streamed response (every choice finished)."""

@@ -86,8 +86,8 @@ async def sse_events(run: Run, include_denoising: bool, timeout: float | None, s
 
     def out(chunk: dict) -> str:
         """A chunk as its data line, with the usage so far (``continuous_usage_stats``) and padding."""
-        if render.continuous_usage:
-            chunk["usage"] = run.usage().model_dump()
+        if render.continuous_usage:  # what this stream has shown so far, not what the engine made since
+            chunk["usage"] = run.usage(seen_only=True).model_dump()
         if render.obfuscate:
             chunk["obfuscation"] = obfuscation(chunk)
         return dumps(chunk)
