@@ -139,7 +139,9 @@ class ToolMessage(_Message):
 
     role: Literal["tool"]
     content: Content
-    tool_call_id: str = Field(min_length=1, max_length=256)
+    tool_call_id: str = Field(min_length=1, max_length=256, description="the id of a tool call of an earlier "
+                                                                        "assistant message (else a 400 naming "
+                                                                        "messages.N.tool_call_id)")
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

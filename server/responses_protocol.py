@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from unmask.engine.limits import MAX_CONTENT_PARTS
@@ -32,6 +32,13 @@ from .tool_protocol import (FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, Req
                             integral_fields)
 
 MAX_ITEMS = 1024
+
+
+def _only_false(value: Any) -> Any:
+    """``background`` is ``false`` or null as the schema says: pydantic's literal check takes ``0`` for ``False``."""
+    if value is not None and value is not False:
+        raise PydanticCustomError("literal_error", "Input should be False (background responses are not supported)")
+    return value
 
 
 class InputText(Strict):
@@ -65,7 +72,8 @@ class FunctionCallItem(Strict):
 
 class FunctionCallOutputItem(Strict):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
+    call_id: str = Field(min_length=1, max_length=256, description="the call_id of a function_call item earlier in "
+                                                                   "input (else a 400 naming input.N.call_id)")
     output: str
     id: str | None = None
     status: str | None = None
@@ -166,7 +174,7 @@ class ResponsesRequest(RequestBody):
     reasoning: None = None
     previous_response_id: None = Field(None, description="not supported: nothing is stored (send the history "
                                                          "as input items)")
-    background: Literal[False] | None = None
+    background: Annotated[Literal[False] | None, BeforeValidator(_only_false)] = None  # 0 is not false
     prompt_cache_key: str | None = Field(None, max_length=512)
     safety_identifier: str | None = Field(None, max_length=512)
     # --- ours ---
