@@ -55,6 +55,8 @@ KINDS = {
     "bad_json": (1, "abusive"), "wrong_content_type": (1, "abusive"), "huge_field": (1, "abusive"),
     "over_limit": (2, "abusive"), "prompt_over_context": (1, "abusive"), "unknown_route": (1, "abusive"),
     "bad_responses": (1, "abusive"),
+    # issue 41: bodies slow to validate (server/body_limits.py) and requests past --max-step-rows
+    "too_complex": (1, "abusive"), "over_step_rows": (1, "abusive"),
 }
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                            "maximum": 99}},
@@ -194,6 +196,16 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) 
                           {"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
                           {"previous_response_id": "resp_1"}, {"tool_choice": "sometimes"}, {"input": 3}])
         r = await client.post("/v1/responses", json={"model": MODEL, "input": words, **bad})
+    elif kind == "too_complex":
+        parts = [{"type": "text", "text": "a"}] * 50_000
+        body = rng.choice([{**chat, "messages": [{"role": "user", "content": parts}]},
+                           {**chat, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(5000)]},
+                           {**chat, "metadata": {"k": json.loads("[" * 100 + "]" * 100)}}])
+        r = await client.post("/v1/chat/completions", content=json.dumps(body).encode(),
+                              headers={"Content-Type": "application/json"})
+    elif kind == "over_step_rows":
+        r = await client.post("/v1/chat/completions", json={**chat, "block_size": 256, "max_tokens": 256,
+                                                            "n": rng.choice([1, 2])})
     else:  # unknown_route
         r = await client.request(rng.choice(["GET", "POST"]), rng.choice(["/v1/nothing", "/v2/chat", "/v1/models/x"]))
     return str(r.status_code), 400 <= r.status_code < 500
