@@ -1,0 +1,111 @@
+"""Cost-based fairness on the default model with default options (issue 41; docs/design.md#admission-and-limits).
+
+Starts ``unmask serve`` (the default model, 2 threads unless --threads), then for each of the largest admissible
+requests (block_size x n x lanes = --max-step-rows: block 128; block 32 x n 4; block 64 under cfg_scale) streams it
+and, once it is decoding, times a 4-token request's first token; records the server's RSS growth over the heavy
+request, and the latency of the 400 for a request past the limit. Writes benchmarks/results/bench_fairness.json.
+
+    .venv/bin/python benchmarks/bench_fairness.py [--threads 2] [--port 8765]
+
+Targets: first token < 1.5 s, RSS growth < 500 MB, the 400 < 100 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+OUT = Path(__file__).parent / "results" / "bench_fairness.json"
+LIMIT = 128  # EngineConfig.max_step_rows' default
+HEAVY = {"block 128 x n 1": dict(block_size=128, n=1), "block 32 x n 4": dict(block_size=32, n=4),
+         "block 64 x cfg": dict(block_size=64, n=1, cfg_scale=1.5)}
+
+
+def _chat(base: str, body: dict, first: list, done: threading.Event | None = None, span: list | None = None) -> None:
+    t0 = time.perf_counter()
+    with httpx.Client(timeout=600) as c, c.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and not first:
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if (choices[0].get("delta") or {}).get("content"):  # the first token's text, not the role chunk
+                    first.append(time.perf_counter() - t0)
+            if line == "data: [DONE]":
+                break
+    if span is not None:
+        span.extend([t0, time.perf_counter()])
+    if done is not None:
+        done.set()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8765)
+    args = ap.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "unmask.cli.main", "serve", "--port", str(args.port),
+                             "--threads", str(args.threads)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        msg = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+        light = dict(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, stream=True)
+        warm: list = []
+        _chat(base, light, warm)
+        rss = psutil.Process(proc.pid)
+        rows = {}
+        for name, kw in HEAVY.items():
+            before, peak, done = rss.memory_info().rss, [0], threading.Event()
+            heavy = dict(model=model, messages=msg, max_tokens=384, stream=True, ignore_eos=True, **kw)
+            heavy_first, span, light_span = [], [], []
+            t = threading.Thread(target=_chat, args=(base, heavy, heavy_first, done, span))
+            t.start()
+            while not heavy_first:  # the heavy request is decoding
+                time.sleep(0.05)
+            time.sleep(0.5)
+            first: list = []
+            _chat(base, light, first, span=light_span)
+            while not done.wait(0.2):
+                peak[0] = max(peak[0], rss.memory_info().rss)
+            t.join()
+            rows[name] = {"first_token_s": round(first[0], 3) if first else None,
+                          "light_inside_heavy": span[0] < light_span[0] and light_span[1] < span[1],
+                          "heavy_seconds": round(span[1] - span[0], 1),
+                          "rss_growth_mb": round((max(peak[0], rss.memory_info().rss) - before) / 2**20, 1)}
+            print(name, rows[name], flush=True)
+        over = dict(model=model, messages=msg, max_tokens=256, block_size=2 * LIMIT)
+        t0 = time.perf_counter()
+        r = httpx.post(base + "/v1/chat/completions", json=over, timeout=60)
+        refusal = {"status": r.status_code, "seconds": round(time.perf_counter() - t0, 4),
+                   "param": r.json()["error"].get("param"), "message": r.json()["error"]["message"]}
+        print("over the limit", refusal, flush=True)
+        result = {"model": model, "threads": args.threads, "max_step_rows": LIMIT, "cpu_count": os.cpu_count(),
+                  "heavy": rows, "over_limit": refusal,
+                  "pass": all(v["first_token_s"] is not None and v["first_token_s"] < 1.5 and v["rss_growth_mb"] < 500
+                              and v["light_inside_heavy"]
+                              for v in rows.values()) and r.status_code == 400 and refusal["seconds"] < 0.1}
+        OUT.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
