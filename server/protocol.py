@@ -45,7 +45,8 @@ CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
 # the integer fields (and lists of ids) of the request models: 7.0 is the integer 7 there, as in the schema
 _INTEGER_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of", "seed", "steps", "block_size",
                              "sub_block_size", "top_k", "min_tokens", "speculative_branches",
-                             "speculative_no_repeat_ngram", "top_logprobs", "stop_token_ids"})
+                             "speculative_no_repeat_ngram", "top_logprobs", "stop_token_ids", "prompt_logprobs",
+                             "prompt_logprobs_samples"})
 
 
 TokenId = Annotated[int, Field(ge=RANGES["stop_token_ids"].lo, le=MAX_TOKEN_ID)]
@@ -86,6 +87,8 @@ _SCHEMA_RULES: dict[str, list[dict]] = {
     "ChatCompletionRequest": [
         # top_logprobs >= 1 needs logprobs: true
         {"if": _is("top_logprobs", {"type": "integer", "minimum": 1}), "then": _is("logprobs", {"const": True})},
+        # prompt log-probabilities are not streamed
+        {"if": _is("prompt_logprobs", {"type": "integer"}), "then": {"not": _is("stream", {"const": True})}},
     ],
 }
 
