@@ -26,6 +26,7 @@ import torch
 
 from .limits import ParamError
 from .loaded import LoadedModel
+from .text_ids import check_token_ids
 
 DEFAULT_MC_SAMPLES = 64  # LLaDA's evaluation uses 128; 64 keeps a request's cost near one generation step per draw
 MAX_MC_SAMPLES = 1024
@@ -84,6 +85,7 @@ def check_scoring(model: LoadedModel, prompt_ids: list[int], samples: int | None
                                      f"{d.logit_shift})")
     if not prompt_ids:
         raise ParamError("prompt", "is empty")
+    check_token_ids("prompt", prompt_ids, model.vocab_size)  # an id past the vocabulary fails an index, a 500
     if len(prompt_ids) > model.max_context:
         raise ParamError("prompt", f"{len(prompt_ids)} tokens exceed the model's context of {model.max_context}")
     if samples is not None and not 1 <= samples <= MAX_MC_SAMPLES:

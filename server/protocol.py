@@ -90,6 +90,16 @@ _SCHEMA_RULES: dict[str, list[dict]] = {
         # prompt log-probabilities are not streamed
         {"if": _is("prompt_logprobs", {"type": "integer"}), "then": {"not": _is("stream", {"const": True})}},
     ],
+    "CompletionRequest": [
+        # prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not streamed
+        {"if": _is("prompt_logprobs", {"type": "integer"}), "then": {"not": _is("stream", {"const": True})}},
+        {"if": {"allOf": [_is("echo", {"const": True}), _is("logprobs", {"type": "integer"})]},
+         "then": {"not": _is("stream", {"const": True})}},
+        # max_tokens 0 only scores the prompt
+        {"if": _is("max_tokens", {"const": 0}),
+         "then": {"anyOf": [_is("prompt_logprobs", {"type": "integer"}),
+                            {"allOf": [_is("echo", {"const": True}), _is("logprobs", {"type": "integer"})]}]}},
+    ],
 }
 
 

@@ -42,8 +42,8 @@ class CompletionLogprobs(BaseModel):
     lengths)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]  # echo + prompt scoring: the prompt's first token is null
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 

@@ -99,3 +99,14 @@ def test_llm_scores_a_string():
     llm = LLM(m)
     s = llm.score("hello world", top_k=1)
     assert s.token_ids == llm.encode("hello world") and s.logprobs == score_prompt(m, s.token_ids, 1).logprobs
+
+
+@pytest.mark.parametrize("attention", ["prefix_causal", "bidirectional"])
+def test_ids_outside_the_vocabulary_are_a_param_error_naming_the_prompt(attention):
+    """Was a 500 over HTTP (schemathesis: ``echo`` + ``logprobs`` with ``prompt: [1024]`` on a 321-token model):
+    the id failed an embedding index inside the forward."""
+    m = loaded(attention=attention, logit_shift=attention != "bidirectional")
+    for bad in ([5, m.vocab_size], [-1, 5], [5, True]):
+        with pytest.raises(ParamError, match="prompt") as err:
+            score_prompt(m, bad)
+        assert err.value.field == "prompt"
