@@ -70,7 +70,8 @@ MAX_KEYS_FILE_BYTES = 1 << 20  # tens of thousands of keys
 
 def read_api_keys(path: str, option: str = "--api-keys-file") -> dict[str, str]:
     """The tenants' keys in ``path``: one per line, ``KEY`` or ``KEY TENANT`` (a line without a name is tenant
-    ``line-N``); blank lines and lines starting with ``#`` skipped, a UTF-8 BOM and surrounding whitespace stripped.
+    ``line N``, which no named tenant can be); blank lines and lines starting with ``#`` skipped, a UTF-8 BOM and
+    surrounding whitespace stripped.
     Returns ``{key: tenant}``; several keys may name one tenant (key rotation).
 
     Raises:
@@ -102,7 +103,8 @@ def read_api_keys(path: str, option: str = "--api-keys-file") -> dict[str, str]:
             raise UsageError(f"{option}: {path} line {n}: expected KEY or KEY TENANT, got {len(words)} words")
         if words[0] in keys:
             raise UsageError(f"{option}: {path} line {n}: this key is listed twice")
-        keys[words[0]] = words[1] if len(words) == 2 else f"line-{n}"
+        # an unnamed key's tenant holds a space, which no named tenant (one word) can: no two lines can collide
+        keys[words[0]] = words[1] if len(words) == 2 else f"line {n}"
     if not keys:
         raise UsageError(f"{option}: {path} holds no key")
     return keys
@@ -445,6 +447,11 @@ def run(args: argparse.Namespace) -> int:
     chat_template = read_chat_template(server_config.chat_template, option_name(args, "chat_template"))
     api_key = (read_api_key(server_config.api_key_file, option_name(args, "api_key_file"))
                if server_config.api_key_file else server_config.api_key)
+    if api_key is not None and not api_key.strip():  # `--api-key=` / UNMASK_API_KEY= would accept a bare "Bearer"
+        from unmask.cli.main import UsageError
+
+        raise UsageError(f"{option_name(args, 'api_key')}: is empty; give a key, or leave the option out to serve "
+                         f"without one")
     api_keys = (read_api_keys(server_config.api_keys_file, option_name(args, "api_keys_file"))
                 if server_config.api_keys_file else None)
     server_config = dataclasses.replace(server_config, chat_template=chat_template, api_key=api_key,

@@ -81,10 +81,33 @@ def test_the_key_file(tmp_path):
 
     path = tmp_path / "keys"
     path.write_bytes(b"\xef\xbb\xbf# tenants\nk1 alice\n\n  k2   bob  \nk3\nk4 alice\n")
-    assert read_api_keys(str(path)) == {"k1": "alice", "k2": "bob", "k3": "line-5", "k4": "alice"}
+    assert read_api_keys(str(path)) == {"k1": "alice", "k2": "bob", "k3": "line 5", "k4": "alice"}
     for content, problem in (("k1 a b\n", "line 1: expected KEY or KEY TENANT"), ("k1\nk1 x\n", "line 2: this key"),
                              ("# none\n\n", "holds no key")):
         path.write_text(content)
         with pytest.raises(UsageError) as e:
             read_api_keys(str(path))
         assert problem in str(e.value) and "k1" not in str(e.value).replace(str(path), ""), str(e.value)
+
+
+def test_an_unnamed_key_cannot_share_a_named_tenant(tmp_path):
+    """Break-it: ``AAA line-2`` then an unnamed ``BBB`` on line 2 were one tenant (one prefix cache)."""
+    from unmask.cli.serve import read_api_keys
+
+    path = tmp_path / "keys"
+    for named in ("line-2", "line2", "line_2"):
+        path.write_text(f"AAA {named}\nBBB\n")
+        keys = read_api_keys(str(path))
+        assert keys["AAA"] != keys["BBB"], keys
+
+
+def test_an_empty_api_key_is_refused_at_start(tmp_path):
+    """Break-it: ``--api-key=`` (or an empty ``UNMASK_API_KEY``) started a server that took a bare ``Bearer``."""
+    import subprocess
+    import sys
+
+    for args, env in (([f"--api-key="], {}), ([], {"UNMASK_API_KEY": " "})):
+        proc = subprocess.run([sys.executable, "-m", "unmask.cli.main", "serve", str(tmp_path / "none"), *args],
+                              capture_output=True, text=True, timeout=120,
+                              env={**__import__("os").environ, **env})
+        assert proc.returncode == 2 and "is empty" in proc.stderr, (proc.returncode, proc.stderr[-400:])
