@@ -107,10 +107,11 @@ class Sequence(Request):
         return self.apply(cands, masked), [inp.commit for inp in self._inputs]
 
     def apply_constrained(self, logits: torch.Tensor, masked: torch.Tensor, args: dict) -> StepEvent:
-        """One constrained step: :func:`~unmask.engine.constraints.sample_chain` over the window's masked
+        """One constrained step: :func:`~unmask.engine.grammar_sampling.sample_chain` over the window's masked
         positions (``[N]``, ascending; every generated position before the first is revealed), revealing the kept
         leading run."""
-        from .constraints import forced_run, sample_chain
+        from .constraints import forced_run
+        from .grammar_sampling import sample_chain
 
         if int(masked[0]) - self.prompt_len != self.grammar.consumed:  # pragma: no cover - an invariant
             raise RuntimeError(f"{self.request_id}: constrained reveals left a gap before position {int(masked[0])}")

@@ -43,7 +43,8 @@ import math
 
 import torch
 
-from .constraints import forced_run, grammar_drafts, mask_verifier_rows
+from .constraints import forced_run
+from .grammar_sampling import grammar_drafts, mask_verifier_rows
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
 from .outputs import StepEvent
 from .request import LaneInput, Request
