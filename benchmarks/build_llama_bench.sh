@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-bench` (the reference for benchmarks/bench_default.py and bench_ar.py).
+# Build llama.cpp's `llama-bench` (the reference for benchmarks/bench_default.py and bench_ar.py), or another of its
+# tools: TARGET=llama-diffusion-cli (the reference for benchmarks/bench_gguf_vs_llama.py).
 #
 # PyPI has no llama-bench binary, so this builds it from the llama.cpp sources vendored in the llama-cpp-python
 # sdist (vendor/llama.cpp). Idempotent: when the binary exists it only prints its path.
 #
 # Usage: benchmarks/build_llama_bench.sh [CACHE_DIR]      (default: ~/.cache/unmask/llama.cpp)
 # Env:   JOBS (default 1: the build is slow but does not starve a training run), NICE (default 19),
-#        LLAMA_CPP_PYTHON_VERSION (pin the sdist, e.g. 0.3.16; default: the newest), PYTHON (default: python3).
+#        LLAMA_CPP_PYTHON_VERSION (pin the sdist, e.g. 0.3.16; default: the newest), PYTHON (default: python3),
+#        TARGET (the cmake target and binary name; default llama-bench).
 # Prints the binary's path as the last line of stdout. Needs a C/C++ compiler; cmake comes from PyPI if missing.
 set -euo pipefail
 
@@ -14,7 +16,8 @@ CACHE_DIR="${1:-${HOME}/.cache/unmask/llama.cpp}"
 JOBS="${JOBS:-1}"
 NICE="${NICE:-19}"
 PYTHON="${PYTHON:-python3}"
-BIN="${CACHE_DIR}/bin/llama-bench"
+TARGET="${TARGET:-llama-bench}"
+BIN="${CACHE_DIR}/bin/${TARGET}"
 
 if [[ -x "${BIN}" ]]; then
     echo "${BIN}"
@@ -50,15 +53,15 @@ if [[ -z "${CMAKE}" ]]; then
     export PYTHONPATH="${CACHE_DIR}/cmake${PYTHONPATH:+:${PYTHONPATH}}"
 fi
 
-# 4. configure + build only the llama-bench target
+# 4. configure + build only the ${TARGET} target
 build="${CACHE_DIR}/build"
 nice -n "${NICE}" "${CMAKE}" -S "${src}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >&2
-nice -n "${NICE}" "${CMAKE}" --build "${build}" --target llama-bench -j "${JOBS}" >&2
+nice -n "${NICE}" "${CMAKE}" --build "${build}" --target "${TARGET}" -j "${JOBS}" >&2
 
-found="$(find "${build}" -type f -name llama-bench -perm -u+x | head -n1)"
+found="$(find "${build}" -type f -name "${TARGET}" -perm -u+x | head -n1)"
 if [[ -z "${found}" ]]; then
-    echo "error: the build finished but no llama-bench binary is under ${build}" >&2
+    echo "error: the build finished but no ${TARGET} binary is under ${build}" >&2
     exit 1
 fi
 cp "${found}" "${BIN}.tmp" && mv "${BIN}.tmp" "${BIN}"
