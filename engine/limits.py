@@ -82,6 +82,9 @@ class ParamError(ValueError):
         self.field = field_name
         self.reason = message
 
+    def __reduce__(self):  # pickled with its two arguments: it crosses processes (Ray Serve replicas)
+        return type(self), (self.field, self.reason)
+
 
 @dataclass(frozen=True)
 class Range:

@@ -39,9 +39,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-__all__ = ["PrefixCache", "model_fingerprint", "CHUNK_TOKENS", "DEFAULT_PREFIX_CACHE_TOKENS"]
+__all__ = ["PrefixCache", "model_fingerprint", "route_keys", "CHUNK_TOKENS", "DEFAULT_PREFIX_CACHE_TOKENS"]
 
 #: chunk size in tokens: the matching granularity (vLLM's default block size is 16 too)
 CHUNK_TOKENS = 16
@@ -49,6 +50,31 @@ CHUNK_TOKENS = 16
 #: float32 KV are 189 MB (30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46 KB a token)
 DEFAULT_PREFIX_CACHE_TOKENS = 4096
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".gguf", ".pt")
+
+
+def _chain_key(parent: bytes, ids_int64: bytes) -> bytes:
+    """The key of one chunk: ``sha256(parent key, the chunk's token ids as little-endian int64)``."""
+    return hashlib.sha256(parent + ids_int64).digest()
+
+
+def _salt_part(salt: str) -> str:
+    """The salt's part of a root key (the tenant's and the request's ``cache_salt``)."""
+    return "|salt=" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def route_keys(token_ids, salt: str | None = None, chunk_tokens: int = CHUNK_TOKENS) -> list[str]:
+    """The chain of keys of the complete ``chunk_tokens``-token chunks of ``token_ids`` (16 hex digits each), rooted
+    in ``salt`` alone: what a router across replicas of one model matches prompts on (docs/design.md#scale-out).
+    The chain rule and the salt are :class:`PrefixCache`'s, the root is not (every replica serves the same model, so
+    the fingerprint adds nothing): two prompts share key ``i`` exactly when they share chunks ``0..i`` and the salt,
+    i.e. when a replica that served one can load those chunks for the other."""
+    root = hashlib.sha256(("route" + (_salt_part(salt) if salt is not None else "")).encode()).digest()
+    ids = np.asarray(list(token_ids), dtype="<i8")
+    keys, parent = [], root
+    for i in range(len(ids) // chunk_tokens):
+        parent = _chain_key(parent, ids[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes())
+        keys.append(parent.hex()[:16])
+    return keys
 
 
 def model_fingerprint(model) -> str:
@@ -145,12 +171,12 @@ class PrefixCache:
         grouping = f"{d.block_alignment}/{d.block_size}" if d.attention == "block_causal" else "causal"
         desc = f"{self.fingerprint}|{d.attention}|{grouping}|variant={variant}|C={self.chunk_tokens_held}"
         if seq.cache_salt is not None:  # a tenant's (and cache_salt's) own chains: never matched by another salt
-            desc += "|salt=" + hashlib.sha256(seq.cache_salt.encode("utf-8", "surrogatepass")).hexdigest()
+            desc += _salt_part(seq.cache_salt)
         return hashlib.sha256(desc.encode()).digest()
 
     @staticmethod
     def _child(parent: bytes, tokens: torch.Tensor) -> bytes:
-        return hashlib.sha256(parent + tokens.to("cpu", torch.int64).numpy().tobytes()).digest()
+        return _chain_key(parent, tokens.to("cpu", torch.int64).numpy().tobytes())
 
     def _storable(self, seq) -> int:
         """Committed positions of ``seq``'s cond lane whose KV a later request would compute the same way."""

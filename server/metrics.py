@@ -88,6 +88,28 @@ class PrefixCacheCounters:
             yield family
 
 
+def engine_metrics(registry: CollectorRegistry, model_name: str, engine) -> None:
+    """Register the metrics read from ``engine`` at scrape time in ``registry``: ``num_requests_running`` /
+    ``num_requests_waiting`` (its ``num_running`` / ``num_waiting``), the prefix-cache counters, and the KV-cache
+    usage gauges (its ``kv_usage()``; 0 without one). The gauges a cluster scheduler reads per model server (llm-d:
+    queued requests, KV-cache usage; docs/design.md#deployment-and-metrics) are here, so an engine replica without
+    the HTTP app (Ray Serve, docs/design.md#scale-out) exports them the same way."""
+    L = ["model_name"]
+    running = Gauge("unmask:num_requests_running", "Requests with a sequence in the running batch.", L,
+                    registry=registry)
+    waiting = Gauge("unmask:num_requests_waiting", "Requests waiting for a batch slot.", L, registry=registry)
+    running.labels(model_name).set_function(lambda: engine.num_running)
+    waiting.labels(model_name).set_function(lambda: engine.num_waiting)
+    registry.register(PrefixCacheCounters(model_name, engine))
+    kv_usage = Gauge("unmask:kv_cache_usage_perc", "Fraction of the scheduler's KV budget reserved by the running "
+                     "and paused sequences (--max-cached-tokens; without one, max batch size x context), as vLLM's "
+                     "kv_cache_usage_perc; 1 = full.", L, registry=registry)
+    prefix_usage = Gauge("unmask:prefix_cache_usage_perc", "Fraction of the same KV budget held by the prefix store "
+                         "(reusable prompt prefixes, evicted first).", L, registry=registry)
+    kv_usage.labels(model_name).set_function(lambda: _share("reserved", engine))
+    prefix_usage.labels(model_name).set_function(lambda: _share("prefix", engine))
+
+
 class Metrics:
     """The app's metrics.
 
@@ -131,14 +153,9 @@ class Metrics:
         self.accepted = Counter("unmask:spec_decode_num_accepted_tokens",
                                 "Draft tokens accepted by self-speculative decoding (acceptance rate = "
                                 "accepted / draft).", L, registry=r)
-        self.running = Gauge("unmask:num_requests_running", "Requests with a sequence in the running batch.", L,
-                             registry=r)
-        self.waiting = Gauge("unmask:num_requests_waiting", "Requests waiting for a batch slot.", L, registry=r)
         if engine is not None:
-            self.running.labels(model_name).set_function(lambda: engine.num_running)
-            self.waiting.labels(model_name).set_function(lambda: engine.num_waiting)
-            r.register(PrefixCacheCounters(model_name, engine))
-        self._serving_metrics(engine)
+            engine_metrics(r, model_name, engine)
+        self._serving_metrics()
         for metric in (self.prompt_tokens, self.generation_tokens, self.nfe, self.denoising_steps, self.ttft,
                        self.e2e, self.queue_time, self.tpf, self.steps_per_block, self.drafts, self.accepted):
             metric.labels(model_name)  # exported from the start (0), not only after the first request
@@ -154,16 +171,9 @@ class Metrics:
         self._drafts = self.drafts.labels(model_name)
         self._accepted = self.accepted.labels(model_name)
 
-    def _serving_metrics(self, engine) -> None:
-        """The KV-cache usage gauges, 4xx refusals by reason and the inter-token latency of streams."""
+    def _serving_metrics(self) -> None:
+        """4xx refusals by reason and the inter-token latency of streams."""
         r, L, m = self.registry, ["model_name"], self.model_name
-        self.kv_usage = Gauge("unmask:kv_cache_usage_perc", "Fraction of the scheduler's KV budget reserved by the "
-                              "running and paused sequences (--max-cached-tokens; without one, max batch size x "
-                              "context), as vLLM's kv_cache_usage_perc; 1 = full.", L, registry=r)
-        self.prefix_usage = Gauge("unmask:prefix_cache_usage_perc", "Fraction of the same KV budget held by the "
-                                  "prefix store (reusable prompt prefixes, evicted first).", L, registry=r)
-        self.kv_usage.labels(m).set_function(lambda: _share("reserved", engine))
-        self.prefix_usage.labels(m).set_function(lambda: _share("prefix", engine))
         self.refused = Counter("unmask:request_refused", "Requests answered with a 4xx error body, by status and "
                                "reason (the error's code: invalid_value, unknown_field, invalid_api_key, queue_full, "
                                "...).", L + ["status", "reason"], registry=r)

@@ -1,0 +1,103 @@
+"""Which replica a request goes to: the one most likely to hold its prompt's prefix, within a load bound
+(docs/design.md#scale-out). No Ray here: :mod:`unmask.server.ray_router` calls it from Ray Serve's router.
+
+A prompt is named by its chain of chunk keys (``unmask.engine.route_keys``: the prefix cache's 16-token chunks and
+salt), so key ``i`` is shared by two prompts exactly when a replica that ran one can load chunks ``0..i`` for the
+other. The table remembers which keys were sent to which replica (the last ``max_keys`` per replica, least
+recently sent forgotten first: a replica's prefix store is bounded too) and nothing else; it is what this router
+sent, not what the replicas hold (a replica may have evicted a chunk, or died: :meth:`forget`).
+
+The rule (:meth:`PrefixAffinity.choose`):
+
+1. the replicas whose load is at most the least loaded one's + ``imbalance`` are eligible (load: requests in
+   flight to the replica, as the caller counts them);
+2. among them the one holding the longest run of the prompt's leading keys wins;
+3. ties (and prompts nobody holds) go to the least loaded, then to the replica holding the fewest keys (new
+   conversations spread over the replicas), then by name.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+__all__ = ["PrefixAffinity", "DEFAULT_IMBALANCE", "DEFAULT_MAX_KEYS"]
+
+#: requests in flight by which an eligible replica may exceed the least loaded one
+DEFAULT_IMBALANCE = 4
+#: keys remembered per replica: 65,536 chunks of 16 tokens = 1M tokens, above a CPU replica's prefix store
+DEFAULT_MAX_KEYS = 65536
+
+
+class PrefixAffinity:
+    """The routing table and rule (not thread-safe: one router's event loop calls it).
+
+    Args:
+        imbalance: most requests in flight an eligible replica may have beyond the least loaded (>= 0).
+        max_keys: keys remembered per replica (>= 1).
+
+    Raises:
+        ValueError: ``imbalance`` < 0 or ``max_keys`` < 1 (names the argument).
+    """
+
+    def __init__(self, imbalance: int = DEFAULT_IMBALANCE, max_keys: int = DEFAULT_MAX_KEYS):
+        if imbalance < 0:
+            raise ValueError(f"imbalance: must be >= 0, got {imbalance}")
+        if max_keys < 1:
+            raise ValueError(f"max_keys: must be >= 1, got {max_keys}")
+        self.imbalance, self.max_keys = int(imbalance), int(max_keys)
+        self._holders: dict[str, set] = {}  # key -> replicas it was sent to
+        self._held: dict[Hashable, collections.OrderedDict] = {}  # replica -> its keys, least recently sent first
+
+    def held(self, replica: Hashable) -> int:
+        """Keys remembered for ``replica``."""
+        return len(self._held.get(replica, ()))
+
+    def match(self, keys: Sequence[str], replicas: Iterable[Hashable]) -> dict:
+        """``replica -> number of leading keys of `keys` it holds`` for each of ``replicas``."""
+        depth = {r: 0 for r in replicas}
+        alive = set(depth)
+        for k in keys:
+            alive &= self._holders.get(k, set())
+            if not alive:
+                break
+            for r in alive:
+                depth[r] += 1
+        return depth
+
+    def choose(self, keys: Sequence[str], load: Mapping[Hashable, int]) -> Hashable:
+        """The replica for a prompt with chain ``keys`` among ``load``'s replicas (``replica -> requests in
+        flight``; the module docstring has the rule).
+
+        Raises:
+            ValueError: no replica given.
+        """
+        if not load:
+            raise ValueError("load: no replica to choose from")
+        floor = min(load.values())
+        eligible = [r for r, n in load.items() if n <= floor + self.imbalance]
+        depth = self.match(keys, eligible)
+        return min(eligible, key=lambda r: (-depth[r], load[r], self.held(r), str(r)))
+
+    def record(self, keys: Sequence[str], replica: Hashable) -> None:
+        """Remember that ``keys`` were sent to ``replica`` (most recent), forgetting its least recently sent keys
+        beyond ``max_keys``."""
+        held = self._held.setdefault(replica, collections.OrderedDict())
+        for k in keys:
+            held[k] = None
+            held.move_to_end(k)
+            self._holders.setdefault(k, set()).add(replica)
+        while len(held) > self.max_keys:
+            old, _ = held.popitem(last=False)
+            self._drop(old, replica)
+
+    def forget(self, replica: Hashable) -> None:
+        """Drop every key of ``replica`` (it died or left)."""
+        for k in self._held.pop(replica, {}):
+            self._drop(k, replica)
+
+    def _drop(self, key: str, replica: Hashable) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[key]

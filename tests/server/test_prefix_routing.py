@@ -1,0 +1,77 @@
+"""The prefix-aware router's choice without Ray (docs/design.md#scale-out): the chunk keys a prompt is routed by,
+and :class:`PrefixAffinity`'s rule (longest held prefix within the load bound, new prompts spread). The Ray cluster
+itself: tests/e2e/test_ray_serve.py (system)."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from unmask.engine import ParamError, route_keys
+from unmask.engine.prefix_cache import CHUNK_TOKENS
+from unmask.server.prefix_routing import PrefixAffinity
+from unmask.server.ray_config import RayServeConfig
+
+
+def test_route_keys_follow_the_prefix_caches_chunks_and_salt():
+    a = list(range(100))
+    b = a[:40] + [999] * 60  # shares chunks 0 and 1 (tokens 0..31), differs inside chunk 2
+    ka, kb = route_keys(a), route_keys(b)
+    assert len(ka) == 100 // CHUNK_TOKENS and len(kb) == len(ka)
+    assert ka[:2] == kb[:2] and all(x != y for x, y in zip(ka[2:], kb[2:]))  # a chain: once apart, always apart
+    assert route_keys(a[:15]) == []  # no complete chunk
+    assert route_keys(a, "alice") != ka and route_keys(a, "alice")[0] != route_keys(a, "bob")[0]
+    assert route_keys(a, "alice") == route_keys(list(a), "alice")  # deterministic across calls (and processes)
+
+
+def test_longest_held_prefix_wins_within_the_load_bound():
+    t = PrefixAffinity(imbalance=2)
+    chat = route_keys(list(range(64)))  # 4 chunks
+    t.record(chat[:2], "r1")  # turn 1 went to r1
+    t.record(route_keys([7] * 64), "r2")
+    assert t.match(chat, ["r1", "r2"]) == {"r1": 2, "r2": 0}
+    assert t.choose(chat, {"r1": 2, "r2": 0}) == "r1"  # 2 more in flight: within the bound
+    assert t.choose(chat, {"r1": 3, "r2": 0}) == "r2"  # beyond it: the load decides
+
+
+def test_unknown_prompts_spread_and_ties_go_to_the_least_loaded():
+    t = PrefixAffinity(imbalance=4)
+    placed = []
+    for i in range(8):
+        keys = route_keys([100 + i] * 32)
+        r = t.choose(keys, {"r1": 0, "r2": 0})
+        t.record(keys, r)
+        placed.append(r)
+    assert placed.count("r1") == placed.count("r2") == 4  # the replica holding fewer keys takes the next new chat
+    assert t.choose(route_keys([5] * 32), {"r1": 1, "r2": 0}) == "r2"
+
+
+def test_forgotten_replicas_and_the_key_bound():
+    t = PrefixAffinity(max_keys=3)
+    keys = route_keys(list(range(80)))  # 5 chunks
+    t.record(keys, "r1")
+    assert t.held("r1") == 3 and t.match(keys, ["r1"]) == {"r1": 0}  # the oldest (leading) keys were dropped
+    t.record(keys[:2], "r1")
+    assert t.match(keys, ["r1"]) == {"r1": 2}
+    t.forget("r1")
+    assert t.held("r1") == 0 and t.match(keys, ["r1"]) == {"r1": 0}
+    with pytest.raises(ValueError, match="load"):
+        t.choose(keys, {})
+    with pytest.raises(ValueError, match="imbalance"):
+        PrefixAffinity(imbalance=-1)
+
+
+def test_param_error_crosses_processes():
+    err = pickle.loads(pickle.dumps(ParamError("max_tokens", "too long")))
+    assert isinstance(err, ParamError) and (err.field, err.reason, str(err)) == (
+        "max_tokens", "too long", "max_tokens: too long")
+
+
+def test_ray_config_names_the_bad_field():
+    RayServeConfig(ray_min_replicas=1, ray_max_replicas=3).validate()
+    for kw, field in (({"ray_min_replicas": 0}, "ray_min_replicas"),
+                      ({"ray_min_replicas": 2, "ray_max_replicas": 1}, "ray_max_replicas"),
+                      ({"ray_upscale_delay": -1.0}, "ray_upscale_delay"), ({"ray_router": "x"}, "ray_router"),
+                      ({"ray_imbalance": -1}, "ray_imbalance")):
+        with pytest.raises(ValueError, match=field):
+            RayServeConfig(**kw).validate()
