@@ -97,6 +97,8 @@ class Range:
     lo_open: bool = False
 
 
+MAX_POST_STEPS = 256  # editing steps after a block's last mask (LLaDA2Pipeline's max_post_steps, default 16)
+
 RANGES: dict[str, Range] = {
     "max_tokens": Range(1, MAX_POSITIONS, integer=True),
     "n": Range(1, MAX_N, integer=True),
@@ -122,6 +124,9 @@ RANGES: dict[str, Range] = {
     "top_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
     # fraction of a block decoded before the next joins (docs/design.md#the-seeds-methods)
     "multi_block": Range(0, 1, lo_open=True),
+    # block refinement's token editing (LLaDA2.1; docs/design.md#decoding): 0 = off, as diffusers' pipeline
+    "editing_threshold": Range(0, 1),
+    "max_post_steps": Range(0, MAX_POST_STEPS, integer=True),
 }
 
 

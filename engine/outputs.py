@@ -90,6 +90,9 @@ class StepEvent:
         drafts_proposed / drafts_accepted: speculative counters so far (0 for plain decoding).
         finished: True on the choice's last event; then ``finish_reason`` is ``stop`` | ``length`` | ``abort``
             and ``output`` is the choice's :class:`CompletionOutput` (partial for an abort).
+        final: where the revisable canvas's provisional region starts (docs/design.md#http-contract, "Revisable
+            canvases"): ``canvas`` positions ``>= final`` may still change in a later step (token editing,
+            ``unmask.engine.refinement``); ``None``: every revealed position is final (the usual rule).
     """
 
     request_id: str
@@ -106,6 +109,7 @@ class StepEvent:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     output: CompletionOutput | None = None
+    final: int | None = None
 
 
 @dataclass

@@ -182,6 +182,12 @@ class SamplingParams:
             block joins the active ones once the last active block has revealed this fraction of its positions,
             in (0, 1]; 1.0 = single-block decoding exactly; ``None`` = off. ``prefix_causal`` / ``block_causal``
             models, whole-block windows, not speculative.
+        editing_threshold: token editing (LLaDA2.1, ``unmask.engine.refinement``): in a block-refinement family
+            (``llada2``), a generated position of the active block that holds a token takes the model's candidate
+            when that differs and its confidence is above this, in (0, 1]; ``None`` or 0 = off. Tokens of the
+            active block are then provisional until the block ends.
+        max_post_steps: with ``editing_threshold``, the most editing steps after a block's last mask beyond the
+            first (``LLaDA2Pipeline``'s ``max_post_steps``); ``None`` = 16.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -216,6 +222,8 @@ class SamplingParams:
     constraint: Constraint | None = None
     logit_bias: dict[int, float] | None = None
     multi_block: float | None = None
+    editing_threshold: float | None = None
+    max_post_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -244,6 +252,10 @@ class SamplingParams:
         check("repetition_penalty", self.repetition_penalty)
         check("min_tokens", self.min_tokens)
         check("multi_block", self.multi_block)
+        check("editing_threshold", self.editing_threshold)
+        check("max_post_steps", self.max_post_steps)
+        if self.max_post_steps is not None and not self.editing_threshold:
+            raise ParamError("max_post_steps", "applies with token editing only: set editing_threshold > 0")
         check("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "requires logprobs")

@@ -131,6 +131,9 @@ class DecodingPlan:
         multi_block: multi-block decoding's fraction (``unmask.engine.multi_block``), ``None`` = off.
         model_block_size: the engine's default block (:attr:`EngineDefaults.block_size`), the bound of a request's
             own ``block_size`` (``unmask.engine.limits.check_block_use``).
+        refinement: decoded by block refinement (``unmask.engine.refinement``: the families of
+            :data:`REFINEMENT_FAMILIES`). editing_threshold: its token editing (``None`` = off);
+            max_post_steps: editing steps after a block's last mask beyond the first.
     """
 
     params: SamplingParams
@@ -158,6 +161,9 @@ class DecodingPlan:
     cfg_scale: float = 0.0
     multi_block: float | None = None
     model_block_size: int = 1
+    refinement: bool = False
+    editing_threshold: float | None = None
+    max_post_steps: int = 0
 
     def for_choice(self, index: int) -> "DecodingPlan":
         """The plan of choice ``index`` of an ``n > 1`` request: seed ``(seed + index) mod 2**63``."""
@@ -326,6 +332,44 @@ def check_multi_block(params: SamplingParams, dllm: DllmConfig, window_size: int
                                         "(docs/design.md#constrained-decoding)")
 
 
+#: families decoded by block refinement (LLaDA2.x: ``unmask.engine.refinement``), the rule their reference
+#: pipeline (diffusers' LLaDA2Pipeline) applies
+REFINEMENT_FAMILIES = ("llada2",)
+DEFAULT_POST_STEPS = 16  # LLaDA2Pipeline(max_post_steps=16)
+
+
+def check_refinement(params: SamplingParams, dllm: DllmConfig, window_size: int, block_size: int) -> bool:
+    """Whether this (resolved) request is decoded by block refinement, and whether it may be: the families of
+    :data:`REFINEMENT_FAMILIES` always are (their rule commits by confidence, whole blocks at a time, in order),
+    and token editing (``editing_threshold``) exists only there.
+
+    Raises:
+        ParamError: ``editing_threshold`` on another family; on a refinement family ``multi_block``,
+            ``sub_block_size`` below the block, a ``remasking`` other than ``low_confidence`` or a grammar
+            constraint (names the field).
+    """
+    if dllm.family not in REFINEMENT_FAMILIES:
+        if params.editing_threshold:
+            raise ParamError("editing_threshold", f"token editing is LLaDA2.1's block refinement "
+                                                  f"(families {', '.join(REFINEMENT_FAMILIES)}); this model is "
+                                                  f"{dllm.family}")
+        return False
+    why = "block refinement commits whole blocks in order by confidence (docs/design.md#decoding)"
+    if params.speculative:
+        raise ParamError("speculative", f"self-speculative decoding needs a prefix_causal model; {dllm.family} "
+                                        f"is decoded by block refinement")
+    if params.multi_block is not None:
+        raise ParamError("multi_block", f"not with {dllm.family}: {why}")
+    if window_size < block_size:
+        raise ParamError("sub_block_size", f"not with {dllm.family}: {why}")
+    if params.remasking not in (None, "low_confidence"):
+        raise ParamError("remasking", f"{dllm.family} commits by confidence (low_confidence) only: {why}")
+    if params.constraint is not None:
+        raise ParamError(params.constraint.field, f"grammar constraints reveal one left-to-right prefix; not with "
+                                                  f"{dllm.family}: {why}")
+    return True
+
+
 def resolve_cache(mode: str, dllm: DllmConfig) -> str:
     """The cache mode a request runs: ``auto`` = ``exact`` on a causal model (its committed KV never changes),
     ``none`` on a bidirectional one; ``prefix``/``dual`` on a causal model = ``exact`` (already a prefix cache);
@@ -385,6 +429,11 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
                   cache=resolve_cache(p.cache, dllm), lanes=2 if p.cfg_scale > 0 else 1, top_k=p.top_k,
                   top_p=p.top_p, steps=p.steps, remasking=p.remasking, cfg_scale=p.cfg_scale,
                   model_block_size=d.block_size)
+    if check_refinement(p, dllm, common["window_size"], bs):
+        return DecodingPlan(speculative=False, draft_block=None, threshold=p.threshold, refinement=True,
+                            editing_threshold=p.editing_threshold or None,
+                            max_post_steps=DEFAULT_POST_STEPS if p.max_post_steps is None else p.max_post_steps,
+                            **common)
     if p.multi_block is not None:
         check_multi_block(p, dllm, common["window_size"], bs)
     if not p.speculative:

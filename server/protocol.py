@@ -226,6 +226,15 @@ class _Common(_Rules):
                                        description="multi-block decoding: the next block joins once the last "
                                                    "active one has revealed this fraction, in (0, 1]; 1 = single-"
                                                    "block decoding; absent = off (docs/design.md#the-seeds-methods)")
+    editing_threshold: float | None = ranged("editing_threshold", None,
+                                             description="token editing (LLaDA2.1, llada2 models): a token of the "
+                                                         "active block is replaced by the model's candidate when "
+                                                         "that differs with confidence above this; 0 or absent = "
+                                                         "off; the block's tokens stay provisional until it ends "
+                                                         "(docs/design.md#decoding)")
+    max_post_steps: int | None = ranged("max_post_steps", None,
+                                        description="with editing_threshold: editing steps after a block's last "
+                                                    "mask beyond the first; absent = 16")
     top_k: int = ranged("top_k", 0, lo=TOP_K_OFF, description="0 or -1 = off")
     repetition_penalty: float = ranged("repetition_penalty", 1.0, description="vLLM's repetition penalty; 1 = off")
     min_tokens: int = ranged("min_tokens", 0, description="EOS/stop tokens forbidden before this many tokens")
@@ -333,6 +342,7 @@ class _Common(_Rules):
             speculative_branches=self.speculative_branches, speculative_epsilon=self.speculative_epsilon,
             speculative_ratio=self.speculative_ratio,
             speculative_no_repeat_ngram=self.speculative_no_repeat_ngram, multi_block=self.multi_block,
+            editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps,
             top_logprobs=self.alternatives() if logprobs else 0)
         return with_extras(params, self.constraint(), logit_bias_ids(self.logit_bias))
 

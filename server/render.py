@@ -273,7 +273,8 @@ class Render:
         denoising = Denoising(index=index, block=ev.block, step=ev.step, nfe=ev.nfe,
                               revealed=[RevealedToken(position=r.position, token_id=r.token_id, text=texts(r.token_id),
                                                       confidence=r.confidence) for r in ev.revealed],
-                              canvas=[None if t is None else texts(t) for t in ev.canvas])
+                              canvas=[None if t is None else texts(t) for t in ev.canvas],
+                              **({"final": ev.final} if ev.final is not None else {}))
         choice = (ChatChunkChoice(index=index, delta=Delta(), finish_reason=None) if self.chat
                   else CompletionChoice(index=index, text="", finish_reason=None))
         return self._chunk(choice, denoising)

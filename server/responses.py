@@ -237,6 +237,9 @@ class Denoising(BaseModel):
     nfe: int
     revealed: list[RevealedToken]
     canvas: list[str | None]
+    # revisable canvases (token editing): canvas positions >= final may still change in a later step; absent:
+    # every shown token is final (docs/design.md#http-contract)
+    final: int | None = None
 
 
 class _Chunk(_Envelope):
