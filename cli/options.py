@@ -12,8 +12,9 @@ def config_classes(command: str) -> tuple:
     if command == "serve":
         from unmask.engine.options import EngineConfig
         from unmask.server.config import ServerConfig
+        from unmask.server.ray_config import RayServeConfig
 
-        return (EngineConfig, ServerConfig)
+        return (EngineConfig, ServerConfig, RayServeConfig)
     from unmask.training.config import TrainConfig
 
     return (TrainConfig,)

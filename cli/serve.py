@@ -24,6 +24,7 @@ from unmask.cli.flags import (_FALSE, _TRUE, ENV_PREFIX, OTHER_VARIABLES, EnvVal
 from unmask.engine.checkpoint import unique_suffix
 from unmask.engine.options import EngineConfig
 from unmask.server.config import ServerConfig
+from unmask.server.ray_config import RayServeConfig
 
 log = logging.getLogger("unmask.server")
 
@@ -147,7 +148,7 @@ def register(sub, name):
                               "is UNMASK_MODEL; a list is comma-separated; a switch takes 1/0, true/false). The "
                               "command line wins over the environment; an error about a value names the "
                               "variable it came from. `unmask options serve` lists them all.")
-    add_options(p, EngineConfig, ServerConfig, environ=os.environ)
+    add_options(p, EngineConfig, ServerConfig, RayServeConfig, environ=os.environ)
     p.set_defaults(unknown_env=unknown_env(p, os.environ))
     return p
 
@@ -155,7 +156,8 @@ def register(sub, name):
 # serve options that load_model reads under the same name; its errors start "<name>: " (the Python API's words)
 LOAD_OPTIONS = ("device", "dtype", "weights", "device_map", "max_memory", "offload_folder", "family")
 #: every serve option a config or load error may start with (the fields of both configs)
-OPTION_FIELDS = frozenset(f.name for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls))
+OPTION_FIELDS = frozenset(f.name for cls in (EngineConfig, ServerConfig, RayServeConfig)
+                          for f in dataclasses.fields(cls))
 
 
 def name_load_option(args: argparse.Namespace, message: str) -> str:
@@ -393,6 +395,19 @@ def read_chat_template(value: str | None, option: str) -> str | None:
                          f"chatml-tools)") from exc
 
 
+def resolve_model(config: EngineConfig) -> tuple[EngineConfig, str, str | None]:
+    """``(config, checkpoint path, what is served in words or None)``: MODEL, or the default model (converted
+    once), whose untrained conversion's block 1 becomes ``block_size`` unless one is given."""
+    model_path, what = config.model, None
+    if model_path is None:
+        model_path, default_block, what = default_model(shipped_adapter=config.adapter is None)
+        if config.adapter is not None:
+            default_block, what = None, f"the mask-row adapter {config.adapter} over {model_path}"
+        if config.block_size is None and default_block is not None:
+            config = dataclasses.replace(config, block_size=default_block)
+    return config, model_path, what
+
+
 def start_engine(args: argparse.Namespace, config: EngineConfig):
     """Load the model (MODEL, or the default one), set the threads, check the first forward and start the engine:
     ``(loaded model, AsyncEngine, the checkpoint path, what is served in words)``. The untrained default's block 1 is the engine's ``block_size``
@@ -409,13 +424,7 @@ def start_engine(args: argparse.Namespace, config: EngineConfig):
     from unmask.engine import AsyncEngine, CheckpointError, SelfCheckError, check_first_forward, load_model
     from unmask.engine.engine import model_defaults
 
-    model_path, what = config.model, None
-    if model_path is None:
-        model_path, default_block, what = default_model(shipped_adapter=config.adapter is None)
-        if config.adapter is not None:
-            default_block, what = None, f"the mask-row adapter {config.adapter} over {model_path}"
-        if config.block_size is None and default_block is not None:
-            config = dataclasses.replace(config, block_size=default_block)
+    config, model_path, what = resolve_model(config)
     try:
         loaded = load_model(model_path, **config.load_options())
         torch.set_num_threads(server_threads(config.threads, loaded.device.type, torch.get_num_threads(),
@@ -466,6 +475,10 @@ def run(args: argparse.Namespace) -> int:
     for var, close in getattr(args, "unknown_env", []):
         log.warning("$%s is not an unmask serve option: ignored%s", var, f" (did you mean ${close}?)" if close else "")
 
+    if getattr(args, "ray", False):  # engine replicas on a Ray cluster (docs/scale.md)
+        from unmask.cli.serve_ray import run_ray
+
+        return run_ray(args, engine_config, server_config)
     loaded, engine, model_path, what = start_engine(args, engine_config)
     name = server_config.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
     from unmask.server.app import build_app

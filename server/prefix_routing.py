@@ -12,8 +12,8 @@ The rule (:meth:`PrefixAffinity.choose`):
 1. the replicas whose load is at most the least loaded one's + ``imbalance`` are eligible (load: requests in
    flight to the replica, as the caller counts them);
 2. among them the one holding the longest run of the prompt's leading keys wins;
-3. ties (and prompts nobody holds) go to the least loaded, then to the replica holding the fewest keys (new
-   conversations spread over the replicas), then by name.
+3. ties (and prompts nobody holds) go to the least loaded, then to the one chosen least recently (new
+   conversations and short prompts take the replicas in turn).
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ class PrefixAffinity:
         self.imbalance, self.max_keys = int(imbalance), int(max_keys)
         self._holders: dict[str, set] = {}  # key -> replicas it was sent to
         self._held: dict[Hashable, collections.OrderedDict] = {}  # replica -> its keys, least recently sent first
+        self._chosen: dict[Hashable, int] = {}  # replica -> the turn it was last chosen at
+        self._turn = 0
 
     def held(self, replica: Hashable) -> int:
         """Keys remembered for ``replica``."""
@@ -76,11 +78,13 @@ class PrefixAffinity:
         floor = min(load.values())
         eligible = [r for r, n in load.items() if n <= floor + self.imbalance]
         depth = self.match(keys, eligible)
-        return min(eligible, key=lambda r: (-depth[r], load[r], self.held(r), str(r)))
+        return min(eligible, key=lambda r: (-depth[r], load[r], self._chosen.get(r, -1), str(r)))
 
     def record(self, keys: Sequence[str], replica: Hashable) -> None:
-        """Remember that ``keys`` were sent to ``replica`` (most recent), forgetting its least recently sent keys
-        beyond ``max_keys``."""
+        """Remember that ``keys`` were sent to ``replica`` (most recent) and that it was chosen now, forgetting its
+        least recently sent keys beyond ``max_keys``."""
+        self._turn += 1
+        self._chosen[replica] = self._turn
         held = self._held.setdefault(replica, collections.OrderedDict())
         for k in keys:
             held[k] = None
@@ -92,6 +96,7 @@ class PrefixAffinity:
 
     def forget(self, replica: Hashable) -> None:
         """Drop every key of ``replica`` (it died or left)."""
+        self._chosen.pop(replica, None)
         for k in self._held.pop(replica, {}):
             self._drop(k, replica)
 

@@ -50,7 +50,7 @@ def test_the_table_is_the_parser(command):
 
 def test_serve_options_come_from_the_engine_and_server_configs():
     fields = {field.split(".")[0] for _, _, _, field in table("serve")}
-    assert fields == {"EngineConfig", "ServerConfig"}
+    assert fields == {"EngineConfig", "ServerConfig", "RayServeConfig"}
     assert {field.split(".")[0] for _, _, _, field in table("train")} == {"TrainConfig"}
 
 
