@@ -89,23 +89,50 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
 
 
-def on_int4_grid(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ``[out, in]`` lies exactly (float32) on the grid :func:`quantize_int4` builds: every group of
-    :data:`INT4_GROUP` input features is ``min + scale * q`` with ``q`` in 0..15 and both ends used. True for the
-    dequantized linear layers of a Q4_1 (and Q4_K) GGUF, whose blocks of 32 are ``d * q + m`` (llama.cpp's
-    ``quantize_row_q4_1``: ``m`` = the block's minimum, ``d`` = (max - min) / 15), so int4 packs them losslessly up
-    to the bfloat16 rounding of each group's scale and zero (relative 2^-9); False for float weights and for other
-    grids (Q8_0, Q6_K). Reads the layer once; allocates a few layer-sized temporaries.
+def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q, scales_and_zeros)`` as :func:`quantize_int4` returns them when every group of :data:`INT4_GROUP` input
+    features of ``weight`` ``[out, in]`` lies exactly (float32) on a uniform grid of at most 16 levels, ``lo + step *
+    j`` with ``j`` in 0..15; None otherwise (and for shapes the kernel does not take). So int4 holds such weights
+    losslessly up to the bfloat16 rounding of each group's scale and zero (relative 2^-9).
+
+    The 4-bit blocks of GGUF files are such grids (llama.cpp ``ggml-quants.c``): Q4_1 ``d * q + m`` (both ends used:
+    the min/max grid of :func:`quantize_int4`), Q4_0 ``d * (q - 8)`` and Q4_K's sub-blocks of 32 ``d * sc * q - dmin
+    * m``, whose used levels need not span 0..15. A block using levels ``qmin..qmax`` lies on the grid of ``(max -
+    min) / n`` for every multiple ``n`` of ``qmax - qmin``, and every span 1..15 has a multiple in 8..15: those eight
+    grids are tried, each group keeping the first that fits. Float weights and Q8_0 / Q6_K blocks fit none.
+    Reads the layer once per grid tried; allocates a few layer-sized temporaries.
     """
     if not int4_supported_shape(weight):
-        return False
+        return None
     w = weight.detach().float()
-    q, sz = quantize_int4(w)
     n, k = w.shape
-    scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [out, groups, 1]
-    deq = (q.reshape(n, k // INT4_GROUP, INT4_GROUP).float() - 8.0) * scale + zero
-    # float32 rounding of (q - 8) * scale + zero only: far below a step of the grid (scale)
-    return bool(((deq - w.reshape(deq.shape)).abs() <= scale * 2.0 ** -12).all())
+    groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    step = torch.zeros_like(lo)
+    open_ = torch.ones_like(lo, dtype=torch.bool)
+    for levels in range(15, 7, -1):
+        idx = open_.nonzero(as_tuple=True)
+        if not idx[0].numel():
+            break
+        g, base = groups[idx], lo[idx]
+        size = ((hi[idx] - base) / levels).clamp(min=1e-6)
+        j = torch.round((g - base[:, None]) / size[:, None])
+        fits = ((base[:, None] + j * size[:, None] - g).abs() <= size[:, None] * 2.0 ** -12).all(dim=-1)
+        step[idx[0][fits], idx[1][fits]] = size[fits]
+        open_[idx[0][fits], idx[1][fits]] = False
+        if levels == 15 and not fits[: k // INT4_GROUP].any():
+            return None  # float weights: the first row fits nowhere, no use trying seven more grids
+    if open_.any():
+        return None
+    q = torch.round((groups - lo[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, torch.stack([step, lo + step * 8.0], dim=-1).transpose(0, 1).contiguous()
+
+
+def on_int4_grid(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``[out, in]`` lies exactly on a 4-bit grid per group (:func:`int4_grid`): True for the
+    dequantized linear layers of a Q4_0, Q4_1 or Q4_K GGUF, False for float weights and for finer grids (Q8_0, Q6_K).
+    """
+    return int4_grid(weight) is not None
 
 
 def int4_supported_shape(weight: torch.Tensor) -> bool:
@@ -118,11 +145,13 @@ class LowbitLinear(nn.Module):
     """``x @ weight.T + bias`` with int8 or int4 weights (see the module doc). Inference only.
 
     Args:
-        weight: ``[out, in]`` float32. bias: ``[out]`` float32 or None. bits: 8 or 4.
+        weight: ``[out, in]`` float32. bias: ``[out]`` float32 or None. bits: 8 or 4. grid: int4's ``(q,
+            scales_and_zeros)`` when the weights lie on a known 4-bit grid (:func:`int4_grid`), else min/max per group.
     Input ``[..., in]`` float32 -> output ``[..., out]`` float32.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int,
+                 grid: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"weights: bits must be 4 or 8, got {bits}")
@@ -134,7 +163,7 @@ class LowbitLinear(nn.Module):
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scales.to(torch.bfloat16))
         else:
-            q, sz = quantize_int4(weight)
+            q, sz = quantize_int4(weight) if grid is None else grid
             self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             self.register_buffer("scales", sz.to(torch.bfloat16))
 
@@ -183,6 +212,7 @@ def grid_int4_linear(otherwise):
     bias)`` (fp16 packing) for the rest, so no layer loses more than the bfloat16 rounding of the int4 scales or
     fp16's rounding. The built module records which (``.bits`` 4, or no ``bits`` for ``otherwise``)."""
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        return LowbitLinear(weight, bias, 4) if on_int4_grid(weight) else otherwise(weight, bias)
+        grid = int4_grid(weight)
+        return LowbitLinear(weight, bias, 4, grid=grid) if grid is not None else otherwise(weight, bias)
 
     return make

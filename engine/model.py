@@ -166,7 +166,8 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     """Load any supported dLLM checkpoint.
 
     Args:
-        name_or_path: a checkpoint directory, or a hub id where a network (or the local hub cache) exists.
+        name_or_path: a checkpoint directory, a LLaDA or Dream GGUF file, or a hub id where a network (or the
+            local hub cache) exists.
         family: force a family (``a2d``, ``llada``, ``dream``, ``fast_dllm_v2``, ``sdar``); default: detect.
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``. dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
         weights: how the linear layers run (:mod:`unmask.engine.packed_weights`): ``auto`` (fbgemm-packed fp16 on
@@ -195,9 +196,12 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
 
     from .adapter_files import apply_adapter, resolve_adapter
 
+    from .gguf_file import is_gguf_file
+
     path, adapter_dir = resolve_adapter(resolve_model_path(str(name_or_path)), adapter, parent)
-    config = read_config(path)
-    name = family or detect_family(config, path)
+    gguf = is_gguf_file(path)  # a LLaDA / Dream GGUF (docs/design.md#model-families, "GGUF files")
+    config = {} if gguf else read_config(path)
+    name = family if gguf else family or detect_family(config, path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     from .heap import return_freed_memory
@@ -219,7 +223,12 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
     from .limits import MAX_WEIGHT_MAGNITUDE
 
     bound = MAX_WEIGHT_MAGNITUDE if max_weight_magnitude is None else max_weight_magnitude
-    loaded = load_checked(get_family(name), path, config, load_device, dt, max_magnitude=bound)
+    if gguf:
+        from .families.gguf_diffusion import load_gguf
+
+        loaded = load_gguf(path, name, load_device, dt, max_magnitude=bound)
+    else:
+        loaded = load_checked(get_family(name), path, config, load_device, dt, max_magnitude=bound)
     if device_map is not None:
         from .placement import place_model
 

@@ -333,10 +333,15 @@ def resolve_pad_token_id(config: dict, tokenizer, eos_ids: list[int], vocab_rows
     return eos_ids[0]
 
 
-def unused_rows(tokenizer, vocab_rows: int) -> list[int]:
-    """Embedding rows past the tokenizer (padding rows of a vocabulary rounded up): never generated."""
+def unused_rows(tokenizer, vocab_rows: int, path: Path | None = None) -> list[int]:
+    """Embedding rows never generated: those past the tokenizer (padding rows of a vocabulary rounded up) and the
+    ``suppress_tokens`` of ``path``'s ``generation_config.json`` (transformers' key; a converted GGUF's ``[PADi]``
+    entries, docs/design.md#model-families) inside the rows."""
     n = len(tokenizer)
-    return list(range(n, vocab_rows)) if n < vocab_rows else []
+    rows = set(range(n, vocab_rows)) if n < vocab_rows else set()
+    gen = (read_json_file(Path(path) / "generation_config.json") if path is not None else None) or {}
+    rows |= {t for t in _ids(gen.get("suppress_tokens")) if 0 <= t < vocab_rows}
+    return sorted(rows)
 
 
 def default_temperature(path: Path, family_default: float) -> float:
@@ -376,9 +381,10 @@ def build_foreign_model(path: Path, config: dict, device: torch.device, dtype: t
                         default_mask: int, end_tokens: tuple[str, ...], default_eos: list[int], attention: str,
                         block_size: int, logit_shift: bool, block_alignment: str = "generation",
                         fixed_block_size: bool = False, sub_block_size: int | None = None,
-                        family_temperature: float = 0.0, tokenizer_fallbacks: tuple[str, ...] = ()):
+                        family_temperature: float = 0.0, tokenizer_fallbacks: tuple[str, ...] = (),
+                        tokenizer=None):
     """Shared tail of the foreign family adapters: load ``state_dict`` (already in ``arch``'s key names) onto the
-    transformers class ``arch`` built from ``hf_config``, load the tokenizer, resolve mask/EOS/pad ids and return
+    transformers class ``arch`` built from ``hf_config``, load the tokenizer (unless given), resolve mask/EOS/pad ids and return
     a :class:`~unmask.engine.model.LoadedModel` with the family's :class:`DllmConfig`.
 
     Raises:
@@ -390,7 +396,8 @@ def build_foreign_model(path: Path, config: dict, device: torch.device, dtype: t
     from ..loaded import LoadedModel
 
     cls = getattr(transformers, arch)
-    tokenizer = load_tokenizer_without_remote_code(path, tokenizer_fallbacks)
+    if tokenizer is None:
+        tokenizer = load_tokenizer_without_remote_code(path, tokenizer_fallbacks)
     vocab_rows = int(hf_config.vocab_size)
     mask_id = resolve_mask_token_id(path, config, tokenizer, mask_tokens, default_mask, vocab_rows)
     eos = resolve_eos_token_ids(path, config, tokenizer, end_tokens, default_eos, vocab_rows)
@@ -400,7 +407,7 @@ def build_foreign_model(path: Path, config: dict, device: torch.device, dtype: t
                       logit_shift=logit_shift, eos_token_ids=eos, pad_token_id=pad, block_alignment=block_alignment,
                       fixed_block_size=fixed_block_size, sub_block_size=sub_block_size,
                       default_sampling={"temperature": default_temperature(path, family_temperature)},
-                      suppress_token_ids=unused_rows(tokenizer, vocab_rows))
+                      suppress_token_ids=unused_rows(tokenizer, vocab_rows, path))
     model = load_mapped_model(cls, hf_config, state_dict, path, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
                        max_context=max_context_of(config))

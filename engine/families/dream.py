@@ -37,8 +37,9 @@ def detect(config: dict) -> bool:
     return ARCHITECTURE in archs or str(config.get("model_type", "")).lower() == "dream"
 
 
-def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):
-    """Load a Dream checkpoint directory as a ``Qwen2ForCausalLM`` with the ``dream`` decoding settings.
+def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype, state_dict=None, tokenizer=None):
+    """Load a Dream checkpoint directory as a ``Qwen2ForCausalLM`` with the ``dream`` decoding settings;
+    ``state_dict`` and ``tokenizer`` given in memory replace the directory's (a GGUF file's, :mod:`.gguf_diffusion`).
 
     Raises:
         CheckpointError: weights that do not match Qwen2, missing tokenizer or ids.
@@ -49,10 +50,10 @@ def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):
     hf_config = qwen_style_config(Qwen2Config, config)
     return build_foreign_model(
         path, config, device, dtype, family="dream", arch="Qwen2ForCausalLM", hf_config=hf_config,
-        state_dict=read_state_dict(path), mask_tokens=MASK_TOKENS, default_mask=DEFAULT_MASK_ID,
+        state_dict=read_state_dict(path) if state_dict is None else state_dict, mask_tokens=MASK_TOKENS, default_mask=DEFAULT_MASK_ID,
         end_tokens=END_TOKENS, default_eos=DEFAULT_EOS_IDS, attention="bidirectional",
         block_size=DEFAULT_BLOCK_SIZE, logit_shift=True, family_temperature=0.0,
-        tokenizer_fallbacks=("Qwen2Tokenizer", "Qwen2TokenizerFast"),
+        tokenizer_fallbacks=("Qwen2Tokenizer", "Qwen2TokenizerFast"), tokenizer=tokenizer,
     )
 
 

@@ -173,20 +173,22 @@ def remap_state_dict(state: dict[str, torch.Tensor], path: Path | str = "") -> d
     return out
 
 
-def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):
-    """Load a LLaDA checkpoint directory as a ``LlamaForCausalLM`` with the ``llada`` decoding settings.
+def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype, state_dict=None, tokenizer=None):
+    """Load a LLaDA checkpoint directory as a ``LlamaForCausalLM`` with the ``llada`` decoding settings;
+    ``state_dict`` (LLaDA's names) and ``tokenizer`` given in memory replace the directory's (a GGUF file's,
+    :mod:`.gguf_diffusion`).
 
     Raises:
         CheckpointError: unsupported config option, weights that do not match, missing tokenizer or ids.
     """
     path = Path(path)
     hf_config = llama_config_from_llada(config, path)
-    state = remap_state_dict(read_state_dict(path), path)
+    state = remap_state_dict(read_state_dict(path) if state_dict is None else state_dict, path)
     return build_foreign_model(
         path, config, device, dtype, family="llada", arch="LlamaForCausalLM", hf_config=hf_config,
         state_dict=state, mask_tokens=MASK_TOKENS, default_mask=DEFAULT_MASK_ID, end_tokens=END_TOKENS,
         default_eos=DEFAULT_EOS_IDS, attention="bidirectional", block_size=DEFAULT_BLOCK_SIZE, logit_shift=False,
-        family_temperature=0.0,
+        family_temperature=0.0, tokenizer=tokenizer,
     )
 
 
