@@ -122,3 +122,35 @@ def pipeline_tokens(loaded, prompt: list[int], gen_length: int, block_size: int,
                output_type="seq")
     seq = out.sequences[0].tolist()
     return seq[: seq.index(eos) + 1] if eos in seq else seq
+
+
+def checkpoint_dir(loaded, out, shards: int = 1):
+    """Write ``loaded`` (a :func:`loaded_llada2`) as LLaDA2 publishes a checkpoint: ``config.json`` with its keys,
+    safetensors in its tensor names (``shards`` files + ``model.safetensors.index.json`` when > 1), the
+    tokenizer. Returns the directory."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from unmask.engine.families.llada2 import checkpoint_state
+
+    out = Path(out)
+    out.mkdir(parents=True)
+    cfg = llada2_config_dict(len(loaded.tokenizer), loaded.dllm.mask_token_id, loaded.dllm.eos_token_ids[0],
+                             block_length=loaded.dllm.block_size)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = checkpoint_state(loaded.model)
+    names = sorted(state)
+    if shards == 1:
+        save_file(state, str(out / "model.safetensors"))
+    else:
+        weight_map = {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: state[n] for n in names[i::shards]}
+            save_file(part, str(out / file))
+            weight_map.update({n: file for n in part})
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded.tokenizer.save_pretrained(str(out))
+    return out
