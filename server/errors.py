@@ -231,6 +231,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}", param=param, code="invalid_value")
 
 
+def routed_path(scope) -> str:
+    """The path the router looked for, as the server received it: uvicorn puts ``--root-path`` in front of the path
+    it received (so ``root_path + path``, Starlette's ``request.url``, names the prefix twice for a request that
+    already carries it: ``no route /unmask/unmask/v1/x``), and the router strips it once."""
+    root, path = (scope.get("root_path") or "").rstrip("/"), scope.get("path") or "/"
+    return (path[len(root):] or "/") if root and (path == root or path.startswith(root + "/")) else path
+
+
 def _rejected(request: Request, err: APIError) -> JSONResponse:
     """The error response, with the request's one log line (requests that reach the engine log in
     ``run.Run.finish`` instead)."""
@@ -267,8 +275,9 @@ def install_handlers(app) -> None:
         if exc.status_code == 400 and exc.detail == _BODY_PARSE_DETAIL:
             return _rejected(request, APIError(400, f"invalid JSON body: {_body_parse_why(exc.__cause__)}",
                                                code="invalid_json"))
-        msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
-                                                          f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        path = routed_path(request.scope)
+        msg = {404: f"no route {path}", 405: f"method {request.method} not allowed on {path}"}.get(
+            exc.status_code, str(exc.detail))
         return _rejected(request, APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code), headers=getattr(exc, "headers", None)))
 

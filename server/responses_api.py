@@ -49,8 +49,8 @@ def _renamed(err: APIError, body: ResponsesRequest) -> APIError:
         err.param = new
         if err.message.startswith(f"{old}:"):
             err.message = f"{new}:{err.message[len(old) + 1:]}"
-        if new == "max_output_tokens":
-            err.message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", err.message)
+    # a Responses request has no max_tokens: every mention is of its max_output_tokens (e.g. block_size's bound)
+    err.message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", err.message)
     return err
 
 

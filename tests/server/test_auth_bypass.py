@@ -93,3 +93,11 @@ def test_every_route_is_guarded_or_listed_open(port):
         assert status in (200, 400), (path, status, payload[:300])  # reached the handler (400: a field it refuses)
     for path in ("/health", "/metrics", "/", "/openapi.json"):
         assert raw(port, "GET", path)[0] == 200, path
+
+
+def test_a_404_names_the_path_once(port):
+    """An unknown route's 404 names the path the client sent, the root path once (it was doubled:
+    ``no route /unmask/unmask/v1/nope``)."""
+    status, payload = raw(port, "GET", "/unmask/v1/nope", {"Authorization": f"Bearer {KEY}"})
+    assert status == 404, payload
+    assert b"no route /unmask/v1/nope" in payload and b"/unmask/unmask" not in payload

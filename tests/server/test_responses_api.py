@@ -277,3 +277,13 @@ def test_integral_numbers_are_integers_as_in_the_schema(client):
     for value in (2.5, "2", True):
         raw = client._client.post("/v1/responses", json={**body, "top_k": value}, headers={"Authorization": "Bearer k"})
         assert raw.status_code == 400 and raw.json()["error"]["param"] == "top_k", (value, raw.text)
+
+
+def test_a_block_size_error_names_max_output_tokens(client):
+    """The block-size bound depends on the generation length: a Responses request has no ``max_tokens``, so the
+    message names ``max_output_tokens`` (it named ``max_tokens``)."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="m", input="hi", max_output_tokens=2, extra_body={"block_size": 64})
+    err = exc.value.body
+    assert err["param"] == "block_size" and "max_output_tokens 2" in err["message"]
+    assert "max_tokens" not in err["message"].replace("max_output_tokens", "")
