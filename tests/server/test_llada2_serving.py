@@ -1,0 +1,93 @@
+"""LLaDA2.x through the server (docs/design.md#http-contract, "Revisable canvases"): a streamed token-editing
+request whose denoising chunks show tokens changing while its content deltas only ever append final text, equal to
+the non-streamed answer; the held-out OpenAI checks (llm-comply, system) on a tiny LLaDA2 checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from llada2_tiny import checkpoint_dir, loaded_llada2
+from unmask.engine.async_engine import AsyncEngine
+from unmask.server.app import build_app
+
+CH = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "Diffusion language models"}], "max_tokens": 24,
+        "temperature": 0, "threshold": 0.7, "editing_threshold": 0.5, "block_size": 8}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(build_app(AsyncEngine(loaded_llada2(seed=1)), "m")) as c:
+        yield c
+
+
+def _stream(client, body: dict) -> list[dict]:
+    out = []
+    with client.stream("POST", CH, json={**body, "stream": True, "stream_options": {"include_denoising": True}}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def test_a_streamed_editing_request_revises_its_canvas_but_never_its_content(client):
+    plain = client.post(CH, json=BODY)
+    assert plain.status_code == 200, plain.text
+    chunks = _stream(client, BODY)
+    canvases = [c["denoising"] for c in chunks if c.get("denoising")]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                      if c.get("choices") and not c.get("denoising"))
+    assert content == plain.json()["choices"][0]["message"]["content"]
+    # tokens change in place: a position shown with one token shows another later (token editing happened)
+    changed = [i for a, b in zip(canvases, canvases[1:]) for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"]))
+               if x is not None and y is not None and x != y]
+    assert changed, "no edit seen: the check would be vacuous"
+    # every edit is in the provisional region the previous chunk announced
+    for a, b in zip(canvases, canvases[1:]):
+        for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"])):
+            if x is not None and x != y:
+                assert a.get("final") is not None and i >= a["final"], (i, a.get("final"))
+    # content was sent while later blocks were still being edited, and none of it was ever wrong: what a client
+    # received before an edit is a prefix of the final answer (deltas only append final text)
+    sent, prefixes, edits_after_content, last = "", [], 0, None
+    for c in chunks:
+        d = c.get("denoising")
+        if d is not None:
+            if last is not None and sent:
+                edits_after_content += sum(x is not None and y is not None and x != y
+                                           for x, y in zip(last["canvas"], d["canvas"]))
+            last = d
+        elif c.get("choices") and c["choices"][0]["delta"].get("content"):
+            sent += c["choices"][0]["delta"]["content"]
+            prefixes.append(sent)
+    assert edits_after_content > 0
+    assert all(content.startswith(p) for p in prefixes)
+
+
+def test_editing_on_another_family_is_a_400_naming_the_field():
+    from tiny import loaded
+
+    with TestClient(build_app(AsyncEngine(loaded(attention="block_causal")), "m")) as c:
+        r = c.post(CH, json={**BODY, "block_size": 4})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "editing_threshold"
+
+
+@pytest.mark.system
+def test_llm_comply_on_a_tiny_llada2(tmp_path):
+    from serving import start_serve, stop_server
+    from test_comply import KEY, NEEDS_A_SENSIBLE_MODEL, TINY_CHECKS, _statuses, run_comply
+
+    path = checkpoint_dir(loaded_llada2(seed=1), tmp_path / "llada2")
+    proc, base, log = start_serve(tmp_path, str(path), "--served-model-name", "tiny", "--api-key", KEY,
+                                  "--default-max-tokens", "32")
+    try:
+        got = _statuses(run_comply(base, "tiny", TINY_CHECKS, NEEDS_A_SENSIBLE_MODEL, timeout=60))
+    finally:
+        stop_server(proc)
+    assert got.pop("chat-reasoning-summary")[0] == "skipped"
+    failed = {k: v for k, v in got.items() if v[0] != "passed"}
+    assert not failed, (failed, log.read_text()[-2000:])
