@@ -1,0 +1,164 @@
+"""The frozen reference loop of issue 42: a plain PyTorch batch decoder the Fast-dLLM way, against which the
+engine's speed is measured (``benchmarks/bench_vs_reference.py``). FROZEN: never changed to make the engine look
+better; a change that makes it slower is not allowed, one that makes it faster is welcome.
+
+What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Python):
+
+* **Weights and forward.** The same :class:`unmask.engine.model.LoadedModel` the engine serves (its transformers
+  module as loaded by ``load_model``; the benchmarks use ``weights="native"`` float32 on the CPU): one
+  ``LoadedModel.hidden_states(input_ids [B, T], position_ids [B, T], mask [B, 1, T, T] bool)`` per step over every
+  unfinished lane, no KV cache (cache policy ``none``), then ``LoadedModel.logits`` on the active block's ``block_size``
+  output rows of each lane only (``[B * block_size, H] -> [B * block_size, V]`` float32; through the logit shift,
+  rows ``a - 1 ... e - 2``, when the family has one).
+* **Forwarded rows and mask.** ``prefix_causal`` (A2D): rows ``[0, T)`` with ``T`` the largest block end ``e`` over the
+  unfinished lanes; a lane with active block ``[a, e)`` lets row ``q < e`` see key ``k`` iff ``k <= q`` or
+  (``q >= a`` and ``k < e``): committed tokens strictly causal, the active block bidirectional over everything before
+  its end (the rule of ``engine/attention.py`` for ``prefix_causal``, written out); a row ``q >= e`` sees itself only
+  (its output is never read). ``bidirectional`` (LLaDA): the whole canvas ``[0, L)`` with an all-True mask.
+  Position ids are canvas positions ``0 .. T - 1``.
+* **Layout.** Prompts of one length ``P`` (Fast-dLLM's ``generate`` takes a ``[B, P]`` tensor); canvas
+  ``prompt | ceil(max_tokens / block_size) * block_size masks`` (generation-aligned blocks, no suffix); blocks left
+  to right, each lane at its own block.
+* **Candidates.** The never-generated ids (``dllm.never_generate_ids``: mask, pad) get ``-inf``; greedy candidate
+  ``x0 = argmax`` over the vocabulary; confidence ``p(x0) = exp(max - lse)``, ``lse = log(sum_v exp(l_v - max)) +
+  max`` in float64 (the exponentials in float32, their sum and log in float64; Fast-dLLM takes a float64 softmax,
+  float32 gives ties); LLaDA's ``low_confidence`` remasking; positions already revealed get confidence ``-inf``.
+* **Reveal rule.** Quota: ``k = ceil(m / r)`` of the most confident masked positions of the lane's block (``m`` masks
+  left in it, ``r`` its steps left, ``k = m`` at the last step), the block's steps being ``steps`` split over the
+  blocks as LLaDA does (as even as possible, remainder to the earliest blocks, at least one each) or ``block_size``
+  per block when ``steps`` is None. Threshold (Fast-dLLM, arXiv:2505.22618): every masked position with
+  ``p(x0) >= threshold`` plus the most confident one. A lane moves to its next block when its block has no mask left;
+  a lane with every block full leaves the batch.
+* **Host syncs.** One per step: the lanes' block indices read to the host (which lanes are unfinished, how many rows
+  to forward).
+
+Greedy only (temperature 0), no EOS stop (every lane decodes ``max_tokens`` tokens: the engine side runs with
+``ignore_eos``), no CFG, no sub-blocks. Fast-dLLM's prefix cache is not implemented (so the engine is compared with
+``cache="none"`` only).
+
+    tokens = reference_generate(model, prompts, ReferenceConfig(max_tokens=32, block_size=8, steps=16))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ATTENTIONS = ("prefix_causal", "bidirectional")
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    """Settings of :func:`reference_generate`: ``max_tokens`` per lane, ``block_size``, total ``steps`` (None = one
+    per position) and ``threshold`` (None = quota decoding)."""
+
+    max_tokens: int
+    block_size: int
+    steps: int | None = None
+    threshold: float | None = None
+
+
+def block_steps(steps: int | None, num_blocks: int, block_size: int) -> list[int]:
+    """Steps of each block: ``steps`` split as evenly as possible, the remainder to the earliest blocks, at least one
+    per block (LLaDA); ``block_size`` each when ``steps`` is None."""
+    if steps is None:
+        return [block_size] * num_blocks
+    total = max(steps, num_blocks)
+    base, rem = divmod(total, num_blocks)
+    return [base + (1 if i < rem else 0) for i in range(num_blocks)]
+
+
+def _attention_mask(a: torch.Tensor, e: torch.Tensor, T: int, attention: str) -> torch.Tensor:
+    """``[B, 1, T, T]`` bool (True = may attend) for lanes whose active blocks are ``[a, e)`` (``[B]`` int64)."""
+    B = a.shape[0]
+    if attention == "bidirectional":
+        return torch.ones(B, 1, T, T, dtype=torch.bool, device=a.device)
+    q = torch.arange(T, device=a.device)[None, :, None]
+    k = torch.arange(T, device=a.device)[None, None, :]
+    a_, e_ = a[:, None, None], e[:, None, None]
+    allowed = torch.where(q < e_, (k <= q) | ((q >= a_) & (k < e_)), k == q)
+    return allowed[:, None]
+
+
+def _reveal(conf: torch.Tensor, masked: torch.Tensor, steps_left: torch.Tensor, threshold: float | None
+            ) -> torch.Tensor:
+    """``[B, W]`` bool: the window positions revealed this step (``conf``: ``[B, W]`` float64, ``-inf`` where not
+    masked; ``masked``: ``[B, W]`` bool; ``steps_left``: ``[B]`` int64)."""
+    if threshold is not None:
+        chosen = masked & (conf >= threshold)
+        best = conf.argmax(dim=1, keepdim=True)
+        return chosen.scatter(1, best, True) & masked
+    m = masked.sum(dim=1)
+    quota = torch.where(steps_left <= 1, m, torch.div(m + steps_left - 1, steps_left.clamp_min(1),
+                                                      rounding_mode="floor"))
+    order = conf.argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(conf.shape[1], device=conf.device)
+                                            .expand_as(order).contiguous())
+    return masked & (rank < quota[:, None])
+
+
+@torch.no_grad()
+def reference_generate(model, prompts: torch.Tensor, cfg: ReferenceConfig) -> torch.Tensor:
+    """Decode ``prompts`` (``[B, P]`` int64, one prompt length) with ``model`` (a ``LoadedModel``) by the rule of the
+    module docstring. Returns ``[B, max_tokens]`` int64 generated tokens (on the model's device).
+
+    Raises:
+        ValueError: an attention mode or block alignment it does not implement, or a canvas past the context.
+    """
+    dllm = model.dllm
+    if dllm.attention not in ATTENTIONS:
+        raise ValueError(f"attention: the reference implements {ATTENTIONS}, not {dllm.attention!r}")
+    if dllm.block_alignment != "generation":
+        raise ValueError(f"block_alignment: the reference aligns blocks to the generation, not "
+                         f"{dllm.block_alignment!r}")
+    dev = model.device
+    prompts = prompts.to(dev)
+    B, P = prompts.shape
+    bs = cfg.block_size
+    num_blocks = -(-cfg.max_tokens // bs)
+    L = P + num_blocks * bs
+    if L > model.max_context:
+        raise ValueError(f"max_tokens: canvas of {L} positions exceeds the model's context of {model.max_context}")
+    mask_id = dllm.mask_token_id
+    shift = 1 if dllm.logit_shift else 0
+    canvas = torch.full((B, L), mask_id, dtype=torch.long, device=dev)
+    canvas[:, :P] = prompts
+    budget = torch.tensor(block_steps(cfg.steps, num_blocks, bs), dtype=torch.long, device=dev)
+    block = torch.zeros(B, dtype=torch.long, device=dev)
+    step_in_block = torch.zeros(B, dtype=torch.long, device=dev)
+    forbidden = torch.tensor(dllm.never_generate_ids, dtype=torch.long, device=dev)
+    offs = torch.arange(bs, device=dev)
+    positions = torch.arange(L, device=dev)
+    while True:
+        blocks_now = block.tolist()  # the step's one host sync
+        live_list = [i for i, b in enumerate(blocks_now) if b < num_blocks]
+        if not live_list:
+            break
+        T = L if dllm.attention == "bidirectional" else P + (max(blocks_now[i] for i in live_list) + 1) * bs
+        live = torch.tensor(live_list, dtype=torch.long, device=dev)
+        blk = block[live]
+        a = P + blk * bs
+        x = canvas[live]
+        n = x.shape[0]
+        hidden = model.hidden_states(x[:, :T], positions[:T].expand(n, T), _attention_mask(a, a + bs, T,
+                                                                                           dllm.attention))
+        H = hidden.shape[-1]
+        rows = (a - shift)[:, None] + offs
+        h = hidden.gather(1, rows[..., None].expand(n, bs, H))
+        logits = model.logits(h.reshape(n * bs, H)).view(n, bs, -1)
+        logits[..., forbidden] = float("-inf")
+        top, x0 = logits.max(dim=-1)
+        win_pos = a[:, None] + offs
+        win = x.gather(1, win_pos)
+        masked = win == mask_id
+        # log p(x0) = max - logsumexp: the exponentials in float32, their sum and the log in float64
+        lse = torch.exp(logits - top[..., None]).sum(dim=-1, dtype=torch.float64).log() + top.double()
+        conf = torch.where(masked, torch.exp(top.double() - lse),
+                           torch.full(top.shape, float("-inf"), dtype=torch.float64, device=dev))
+        steps_left = budget[blk] - step_in_block[live]
+        chosen = _reveal(conf, masked, steps_left, cfg.threshold)
+        canvas[live] = x.scatter(1, win_pos, torch.where(chosen, x0, win))
+        filled = (masked & ~chosen).sum(dim=1) == 0
+        block[live] = blk + filled.long()
+        step_in_block[live] = torch.where(filled, torch.zeros_like(blk), step_in_block[live] + 1)
+    return canvas[:, P:P + cfg.max_tokens]
