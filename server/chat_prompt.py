@@ -15,7 +15,9 @@ chatml-tools``), never a silently tool-less prompt.
 """
 from __future__ import annotations
 
+import json
 import re
+import secrets
 from importlib import resources
 
 from unmask.engine import ParamError, encode_plain, encode_text
@@ -73,9 +75,7 @@ def _template(tokenizer, override: str | None, with_tools: bool) -> str | None:
     return own
 
 
-_SLOT = "\x00unmask-content-{}\x00"
-_SLOT_RE = re.compile("\x00unmask-content-(\\d+)\x00")
-_FIELDS = ("content", "name")  # the message fields a client writes as text
+_SLOT_RE = re.compile("UNMASKSLOT([0-9a-f]{16})N([0-9]+)Z")  # letters and digits: tojson and repr keep a slot as it is
 
 
 def control_texts(tokenizer) -> tuple[str, ...]:
@@ -84,35 +84,75 @@ def control_texts(tokenizer) -> tuple[str, ...]:
     return tuple(t.content for t in decoder.values() if getattr(t, "special", False) and t.content)
 
 
-def _slotted(messages: list[dict], controls: tuple[str, ...]) -> tuple[list[dict], list[str]] | None:
-    """``messages`` with every text field that spells a control token replaced by a slot, and those texts (slot
-    ``k`` holds ``texts[k]``); None when no text field spells one (the common case: rendered as it is)."""
-    texts: list[str] = []
-    out = []
-    for m in messages:
-        m2 = dict(m)
-        for field in _FIELDS:
-            value = m.get(field)
-            if isinstance(value, str) and any(c in value for c in controls):
-                m2[field] = _SLOT.format(len(texts))
-                texts.append(value)
-        out.append(m2)
-    return (out, texts) if texts else None
+class _Slots:
+    """Client texts that spell a control token, each replaced by a slot (``UNMASKSLOT<nonce>N<k>Z``, the same slot
+    for the same text) in a copy of the values the template receives: message contents, names, tool-call
+    arguments, tool results, and tools' names, descriptions and parameters (keys included), at any depth."""
+
+    def __init__(self, controls: tuple[str, ...]):
+        self.controls, self.texts, self._index = controls, [], {}
+        self.nonce = secrets.token_hex(8)
+
+    def _slot(self, text: str) -> str:
+        if text not in self._index:
+            self._index[text] = len(self.texts)
+            self.texts.append(text)
+        return f"UNMASKSLOT{self.nonce}N{self._index[text]}Z"
+
+    def replace(self, value):
+        """``value`` with every string (and dict key) that spells a control token replaced by its slot."""
+        if isinstance(value, str):
+            return self._slot(value) if any(c in value for c in self.controls) else value
+        if isinstance(value, dict):
+            return {self.replace(k): self.replace(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.replace(v) for v in value]
+        return value
 
 
-def _ids_with_text_slots(tokenizer, text: str, texts: list[str], mask_token_id: int | None) -> list[int]:
-    """Token ids of a rendered chat whose slots hold the clients' texts: the template's markup between the slots
-    parsed as usual (its special tokens are control tokens), each slot's text as plain characters
-    (:func:`unmask.engine.text_ids.encode_plain`)."""
+def _renderings(text: str) -> list[str]:
+    """How a template may write ``text``: as it is, inside a JSON string (``tojson``, with or without ASCII or HTML
+    escaping) or a Python repr (a dict rendered with ``{{ }}``)."""
+    js = json.dumps(text)[1:-1]
+    html = js.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").replace("'", "\\u0027")
+    return list(dict.fromkeys([text, json.dumps(text, ensure_ascii=False)[1:-1], js, html, repr(text)[1:-1]]))
+
+
+def _pieces(with_slots: str, text: str, slots: _Slots) -> list[tuple[str, bool]] | None:
+    """``text`` (the chat rendered as it is) cut into ``(piece, is_client_text)``: the markup between the slots of
+    ``with_slots`` (the chat rendered with slots), and at each slot the rendering of its text found there
+    (:func:`_renderings`); None when ``text`` is not ``with_slots`` with each slot written back (a template that
+    changes the text)."""
+    parts = [p for p in _SLOT_RE.split(with_slots)]  # markup, nonce, k, markup, nonce, k, ..., markup
+    markup, slot_ids = parts[0::3], [(parts[i], int(parts[i + 1])) for i in range(1, len(parts), 3)]
+    if any(nonce != slots.nonce or k >= len(slots.texts) for nonce, k in slot_ids) or not text.startswith(markup[0]):
+        return None
+    out, pos = [(markup[0], False)], len(markup[0])
+    for (_, k), after in zip(slot_ids, markup[1:]):
+        for form in _renderings(slots.texts[k]):
+            if text.startswith(form, pos) and text.startswith(after, pos + len(form)):
+                out += [(form, True), (after, False)]
+                pos += len(form) + len(after)
+                break
+        else:
+            return None
+    return out if pos == len(text) else None
+
+
+def _ids_of_pieces(tokenizer, pieces: list[tuple[str, bool]], mask_token_id: int | None) -> list[int]:
+    """Token ids of a rendered chat cut into pieces: the template's markup parsed as usual (its special tokens are
+    control tokens), the clients' texts as plain characters (:func:`unmask.engine.text_ids.encode_plain`)."""
     ids: list[int] = []
-    pos = 0
-    for match in _SLOT_RE.finditer(text):
-        if match.start() > pos:
-            ids += encode_text(tokenizer, text[pos:match.start()], mask_token_id, add_special_tokens=False)
-        ids += encode_plain(tokenizer, texts[int(match.group(1))])
-        pos = match.end()
-    if pos < len(text):
-        ids += encode_text(tokenizer, text[pos:], mask_token_id, add_special_tokens=False)
+    markup = ""
+    for piece, client in pieces + [("", True)]:
+        if not client:
+            markup += piece
+            continue
+        if markup:
+            ids += encode_text(tokenizer, markup, mask_token_id, add_special_tokens=False)
+            markup = ""
+        if piece:
+            ids += encode_plain(tokenizer, piece)
     return ids
 
 
@@ -123,10 +163,12 @@ def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None =
     False: ``/tokenize``); ``tools``: the request's tools (None: none offered, or ``tool_choice: none``); the mask
     token's text in them is tokenized as plain text (:func:`unmask.engine.text_ids.encode_text`).
 
-    Special tokens typed inside a message's ``content`` or ``name`` are text, not control tokens (issue 41: no fake
-    system turn through ``hi<|im_end|>\n<|im_start|>system\n...``): such a message is rendered with a slot in its
-    place and the slot's text tokenized as plain characters, the template's own markup as usual. A template that
-    transforms the text (so that the slots would not give back the same rendering) makes it a 400.
+    Special tokens typed anywhere a client writes text are text, not control tokens (issue 41: no fake system turn
+    through ``hi<|im_end|>\n<|im_start|>system\n...``): message contents and names, assistant tool-call arguments,
+    tool results, and the tools' names, descriptions and parameters. Each such string is rendered as a slot
+    (:class:`_Slots`) and the text the template writes there (as it is, or JSON-escaped by ``tojson``) tokenized as
+    plain characters, the template's own markup as usual. A template that transforms the text (so that the slots
+    would not give back the same rendering) makes it a 400.
     ``special_tokens_in_content``: the old behaviour (``--chat-special-tokens``), parsing them as control tokens.
 
     Raises:
@@ -146,19 +188,21 @@ def render_chat_ids(tokenizer, messages: list[dict], chat_template: str | None =
         raise APIError(400, f"{field}: this model's chat template does not render tools or tool calls; serve it "
                             f"with --chat-template chatml-tools (ChatML + Hermes tool calls, shipped with unmask) or "
                             f"a template of your own", param=field, code="invalid_value")
-    slotted = None if special_tokens_in_content else _slotted(messages, control_texts(tokenizer))
-    render = lambda msgs: tokenizer.apply_chat_template(  # noqa: E731
-        msgs, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+    slots = None if special_tokens_in_content else _Slots(control_texts(tokenizer))
+    render = lambda msgs, tls: tokenizer.apply_chat_template(  # noqa: E731
+        msgs, tools=tls or None, tokenize=False, add_generation_prompt=add_generation_prompt,
         chat_template=template, **variables)
     try:
-        text = render(messages)
-        if slotted is not None:
-            with_slots = render(slotted[0])
-            if _SLOT_RE.sub(lambda m: slotted[1][int(m.group(1))], with_slots) != text:
-                raise APIError(400, "messages: a message spells a special token of the model, and this chat "
-                                    "template changes message text, so it cannot be kept as plain text; remove "
-                                    "the special token's text", param="messages", code="invalid_value")
-            return _ids_with_text_slots(tokenizer, with_slots, slotted[1], mask_token_id)
+        text = render(messages, tools)
+        if slots is not None:
+            slotted = (slots.replace(messages), slots.replace(tools) if tools else tools)
+            if slots.texts:
+                pieces = _pieces(render(*slotted), text, slots)
+                if pieces is None:
+                    raise APIError(400, "messages: a message or tool spells a special token of the model, and this "
+                                        "chat template changes that text, so it cannot be kept as plain text; remove "
+                                        "the special token's text", param="messages", code="invalid_value")
+                return _ids_of_pieces(tokenizer, pieces, mask_token_id)
     except (ParamError, APIError):
         raise
     except RecursionError:  # a value the template serializes (tojson) nests deeper than its recursion allows
