@@ -1,6 +1,7 @@
 """The engine against the frozen vectorized reference loop (``benchmarks/reference_loop.py``; issue 42): tokens/s of
 ``unmask.engine.LLM.generate`` and of ``reference_generate`` on the same loaded model (``weights="native"``
-float32), the same prompts (one prompt length, token ids) and settings, cache policy ``none`` on both, greedy, no EOS
+float32), the same prompts (one prompt length, token ids) and settings, the same cache policy on both (``none``;
+and Fast-dLLM's ``prefix`` cache on the bidirectional model), greedy, no EOS
 stop (``ignore_eos``: every lane decodes ``max_tokens``), at batch 1, 8 and 32.
 
 Models: tiny prefix-causal A2D and bidirectional (LLaDA-style) checkpoints (``tests/tiny.py``, written to disk and
@@ -18,6 +19,7 @@ Writes ``benchmarks/results/bench_vs_reference.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -35,19 +37,22 @@ from reference_loop import ReferenceConfig, reference_generate  # noqa: E402
 
 @dataclass(frozen=True)
 class Setting:
-    """One model's decoding settings: prompt length, tokens, block, and the modes as ``(name, steps, threshold)``."""
+    """One model's decoding settings: prompt length, tokens, block, the modes as ``(name, steps, threshold)`` and
+    the cache policies (each run on both sides)."""
 
     prompt_len: int
     max_tokens: int
     block_size: int
     modes: tuple[tuple[str, int | None, float | None], ...]
+    caches: tuple[str, ...] = ("none",)
 
 
 TINY = Setting(16, 32, 8, (("quota", 16, None), ("threshold", None, 0.5)))
 # tests/tiny.py's Llama (hidden 64, 2 layers, vocabulary 321) at initializer range 0.2: at 0.5 (tests/decoding_paths.py)
 # its logits saturate and confidences tie exactly at 1.0 in float64, where the two sides' top-k may break ties apart
-TINY_MODELS = {"tiny-causal": dict(attention="prefix_causal"),
-               "tiny-bidirectional": dict(attention="bidirectional", logit_shift=False)}
+# (the prefix cache: the reference implements Fast-dLLM's for bidirectional models)
+TINY_MODELS = {"tiny-causal": (dict(attention="prefix_causal"), ("none",)),
+               "tiny-bidirectional": (dict(attention="bidirectional", logit_shift=False), ("none", "prefix"))}
 SMOLLM2 = Setting(16, 16, 8, (("quota", 8, None), ("threshold", None, 0.9)))
 
 
@@ -80,9 +85,11 @@ def load(name: str, tmp: Path):
         import tiny
         from unmask.engine.checkpoint import write_checkpoint
 
-        t = tiny.loaded(block_size=TINY.block_size, initializer_range=0.2, **TINY_MODELS[name])
+        kw, caches = TINY_MODELS[name]
+        t = tiny.loaded(block_size=TINY.block_size, initializer_range=0.2, **kw)
         path = write_checkpoint(tmp, t.model, t.tokenizer, t.dllm)
-        return load_model(path, device="cpu", dtype="float32", weights="native"), TINY, tiny_prompts
+        setting = Setting(TINY.prompt_len, TINY.max_tokens, TINY.block_size, TINY.modes, caches)
+        return load_model(path, device="cpu", dtype="float32", weights="native"), setting, tiny_prompts
     if name == "smollm2":
         from unmask.training.realmodel import ensure_default_converted
 
@@ -96,7 +103,7 @@ def measure(llm, model, prompts: torch.Tensor, cfg: ReferenceConfig, repeats: in
     from unmask.engine import SamplingParams
 
     params = SamplingParams.from_flat(temperature=0, speculative=False, block_size=cfg.block_size, steps=cfg.steps,
-                                      threshold=cfg.threshold, cache="none", ignore_eos=True,
+                                      threshold=cfg.threshold, cache=cfg.cache, ignore_eos=True,
                                       max_tokens=cfg.max_tokens)
     ids = prompts.tolist()
     outs = llm.generate(ids, params)
@@ -125,15 +132,15 @@ def plot(rows: list[dict]):
     def draw(path):
         import matplotlib.pyplot as plt
 
-        groups = sorted({(r["model"], r["mode"]) for r in rows})
+        groups = sorted({(r["model"], r["mode"], r["cache"]) for r in rows})
         fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.2), squeeze=False)
-        for ax, (model, mode) in zip(axes[0], groups):
-            sel = [r for r in rows if r["model"] == model and r["mode"] == mode]
+        for ax, (model, mode, cache) in zip(axes[0], groups):
+            sel = [r for r in rows if (r["model"], r["mode"], r["cache"]) == (model, mode, cache)]
             x = range(len(sel))
             ax.bar([i - 0.2 for i in x], [r["engine_tok_s"] for r in sel], 0.4, label="engine")
             ax.bar([i + 0.2 for i in x], [r["reference_tok_s"] for r in sel], 0.4, label="reference")
             ax.set_xticks(list(x), [f"B={r['batch']}\n{r['ratio']:.2f}x" for r in sel])
-            ax.set_title(f"{model} {mode}", fontsize=9)
+            ax.set_title(f"{model}\n{mode}, cache {cache}", fontsize=8)
             ax.set_ylabel("tokens/s")
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
@@ -164,29 +171,29 @@ def main(argv=None) -> int:
             model, setting, make_prompts = load(name, Path(tmp) / name)
             llm = LLM(model, max_batch_size=max(args.batch))
             repeats = args.real_repeats if name == "smollm2" else args.repeats
-            for mode, steps, threshold in setting.modes:
-                cfg = ReferenceConfig(setting.max_tokens, setting.block_size, steps, threshold)
+            for (mode, steps, threshold), cache in itertools.product(setting.modes, setting.caches):
+                cfg = ReferenceConfig(setting.max_tokens, setting.block_size, steps, threshold, cache)
                 for b in args.batch:
-                    label = f"{name} {mode} batch {b}"
+                    label = f"{name} {mode} cache {cache} batch {b}"
                     r = measure(llm, model, make_prompts(model, b, setting.prompt_len), cfg, repeats, label)
-                    r.update(model=name, mode=mode, batch=b, prompt_len=setting.prompt_len,
+                    r.update(model=name, mode=mode, cache=cache, batch=b, prompt_len=setting.prompt_len,
                              max_tokens=setting.max_tokens, block_size=setting.block_size, steps=steps,
                              threshold=threshold, repeats=repeats)
                     rows.append(r)
-                    print(f"{label:40s} engine {r['engine_tok_s']:8.1f} tok/s  reference "
+                    print(f"{label:48s} engine {r['engine_tok_s']:8.1f} tok/s  reference "
                           f"{r['reference_tok_s']:8.1f} tok/s  ratio {r['ratio']:.2f}", flush=True)
-    header = ["model", "mode", "batch", "P / max_tokens / block / steps / threshold", "engine tok/s",
+    header = ["model", "mode", "cache", "batch", "P / max_tokens / block / steps / threshold", "engine tok/s",
               "reference tok/s", "engine / reference", "engine NFE (all lanes)", "same tokens"]
-    table = [[r["model"], r["mode"], r["batch"], f"{r['prompt_len']} / {r['max_tokens']} / {r['block_size']} / "
+    table = [[r["model"], r["mode"], r["cache"], r["batch"], f"{r['prompt_len']} / {r['max_tokens']} / {r['block_size']} / "
               f"{r['steps']} / {r['threshold']}", r["engine_tok_s"], r["reference_tok_s"], r["ratio"],
               r["engine_nfe"], "yes"] for r in rows]
-    md = ("Engine (`LLM.generate`, cache none) vs the frozen reference loop (`benchmarks/reference_loop.py`), same "
-          "model (native float32), prompts and tokens (checked), greedy, ignore_eos; medians of the timed runs "
+    md = ("Engine (`LLM.generate`) vs the frozen reference loop (`benchmarks/reference_loop.py`), same "
+          "model (native float32), prompts, cache policy and tokens (checked), greedy, ignore_eos; medians of the timed runs "
           "(tiny: {} per side, SmolLM2: {}).\n\n".format(args.repeats, args.real_repeats)
           + bc.markdown_table(header, table))
     md += f"\nEngine measured: {args.engine_label or env['engine']['path']}.\n"
     data = {"settings": {"models": args.models, "batch": args.batch, "repeats": args.repeats,
-                         "real_repeats": args.real_repeats, "cache": "none", "weights": "native float32"},
+                         "real_repeats": args.real_repeats, "weights": "native float32"},
             "environment": env, "rows": rows}
     return bc.report("bench_vs_reference", data, md, plot(rows))
 

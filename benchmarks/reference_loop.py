@@ -7,7 +7,7 @@ What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Pytho
 * **Weights and forward.** The same :class:`unmask.engine.model.LoadedModel` the engine serves (its transformers
   module as loaded by ``load_model``; the benchmarks use ``weights="native"`` float32 on the CPU): one
   ``LoadedModel.hidden_states(input_ids [B, T], position_ids [B, T], mask [B, 1, T, T] bool)`` per step over every
-  unfinished lane, no KV cache (cache policy ``none``), then ``LoadedModel.logits`` on the active block's ``block_size``
+  unfinished lane, no KV cache (cache policy ``none``; the prefix cache below is the other policy), then ``LoadedModel.logits`` on the active block's ``block_size``
   output rows of each lane only (``[B * block_size, H] -> [B * block_size, V]`` float32; through the logit shift,
   rows ``a - 1 ... e - 2``, when the family has one).
 * **Forwarded rows and mask.** ``prefix_causal`` (A2D): rows ``[0, T)`` with ``T`` the largest block end ``e`` over the
@@ -32,9 +32,17 @@ What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Pytho
 * **Host syncs.** One per step: the lanes' block indices read to the host (which lanes are unfinished, how many rows
   to forward).
 
+* **Prefix cache** (``cache="prefix"``, bidirectional models without the logit shift; Fast-dLLM v1's
+  ``generate_with_prefix_cache``): the batch goes block by block together; a block's first step forwards the whole
+  canvas ``[B, L]`` (all-True mask) into a transformers ``DynamicCache``, which is cut back to the prefix ``[0, a)``;
+  the block's later steps forward rows ``[a, L)`` (mask ``[B, 1, L - a, L]`` all True) over the cached prefix, the
+  cache cut back to ``a`` after each. A lane whose block is full waits (forwarded, nothing revealed: its tokens are
+  those of decoding alone) until every lane's is; one host sync per step (whether any mask is left in the block).
+
 Greedy only (temperature 0), no EOS stop (every lane decodes ``max_tokens`` tokens: the engine side runs with
-``ignore_eos``), no CFG, no sub-blocks. Fast-dLLM's prefix cache is not implemented (so the engine is compared with
-``cache="none"`` only).
+``ignore_eos``), no CFG, no sub-blocks. Checked token for token against the engine (before issue 42) on tiny
+prefix-causal and bidirectional models, batch 1/8/32, quota and threshold, both caches (``bench_vs_reference.py``
+asserts it on every run).
 
     tokens = reference_generate(model, prompts, ReferenceConfig(max_tokens=32, block_size=8, steps=16))
 """
@@ -45,17 +53,19 @@ from dataclasses import dataclass
 import torch
 
 ATTENTIONS = ("prefix_causal", "bidirectional")
+CACHES = ("none", "prefix")
 
 
 @dataclass(frozen=True)
 class ReferenceConfig:
     """Settings of :func:`reference_generate`: ``max_tokens`` per lane, ``block_size``, total ``steps`` (None = one
-    per position) and ``threshold`` (None = quota decoding)."""
+    per position), ``threshold`` (None = quota decoding) and ``cache`` (``none`` | ``prefix``)."""
 
     max_tokens: int
     block_size: int
     steps: int | None = None
     threshold: float | None = None
+    cache: str = "none"
 
 
 def block_steps(steps: int | None, num_blocks: int, block_size: int) -> list[int]:
@@ -97,13 +107,31 @@ def _reveal(conf: torch.Tensor, masked: torch.Tensor, steps_left: torch.Tensor, 
     return masked & (rank < quota[:, None])
 
 
+def _decide(model, h: torch.Tensor, win: torch.Tensor, steps_left: torch.Tensor, forbidden: torch.Tensor,
+            threshold: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's candidates and reveals for ``n`` lanes: ``h`` ``[n, W, H]`` hidden states of the window's output
+    rows, ``win`` ``[n, W]`` the window's tokens, ``steps_left`` ``[n]``. Returns the window's new tokens ``[n, W]``
+    and the masks left in it ``[n]``."""
+    n, W, H = h.shape
+    logits = model.logits(h.reshape(n * W, H)).view(n, W, -1)
+    logits[..., forbidden] = float("-inf")
+    top, x0 = logits.max(dim=-1)
+    masked = win == model.dllm.mask_token_id
+    # log p(x0) = max - logsumexp: the exponentials in float32, their sum and the log in float64
+    lse = torch.exp(logits - top[..., None]).sum(dim=-1, dtype=torch.float64).log() + top.double()
+    conf = torch.where(masked, torch.exp(top.double() - lse),
+                       torch.full(top.shape, float("-inf"), dtype=torch.float64, device=h.device))
+    chosen = _reveal(conf, masked, steps_left, threshold)
+    return torch.where(chosen, x0, win), (masked & ~chosen).sum(dim=1)
+
+
 @torch.no_grad()
 def reference_generate(model, prompts: torch.Tensor, cfg: ReferenceConfig) -> torch.Tensor:
     """Decode ``prompts`` (``[B, P]`` int64, one prompt length) with ``model`` (a ``LoadedModel``) by the rule of the
     module docstring. Returns ``[B, max_tokens]`` int64 generated tokens (on the model's device).
 
     Raises:
-        ValueError: an attention mode or block alignment it does not implement, or a canvas past the context.
+        ValueError: an attention mode, block alignment or cache it does not implement, or a canvas past the context.
     """
     dllm = model.dllm
     if dllm.attention not in ATTENTIONS:
@@ -111,22 +139,36 @@ def reference_generate(model, prompts: torch.Tensor, cfg: ReferenceConfig) -> to
     if dllm.block_alignment != "generation":
         raise ValueError(f"block_alignment: the reference aligns blocks to the generation, not "
                          f"{dllm.block_alignment!r}")
+    if cfg.cache not in CACHES:
+        raise ValueError(f"cache: the reference implements {CACHES}, not {cfg.cache!r}")
+    if cfg.cache == "prefix" and (dllm.attention != "bidirectional" or dllm.logit_shift):
+        raise ValueError("cache: the reference's prefix cache is for bidirectional models without the logit shift")
     dev = model.device
     prompts = prompts.to(dev)
     B, P = prompts.shape
-    bs = cfg.block_size
-    num_blocks = -(-cfg.max_tokens // bs)
-    L = P + num_blocks * bs
+    num_blocks = -(-cfg.max_tokens // cfg.block_size)
+    L = P + num_blocks * cfg.block_size
     if L > model.max_context:
         raise ValueError(f"max_tokens: canvas of {L} positions exceeds the model's context of {model.max_context}")
-    mask_id = dllm.mask_token_id
-    shift = 1 if dllm.logit_shift else 0
-    canvas = torch.full((B, L), mask_id, dtype=torch.long, device=dev)
+    canvas = torch.full((B, L), dllm.mask_token_id, dtype=torch.long, device=dev)
     canvas[:, :P] = prompts
-    budget = torch.tensor(block_steps(cfg.steps, num_blocks, bs), dtype=torch.long, device=dev)
+    budget = torch.tensor(block_steps(cfg.steps, num_blocks, cfg.block_size), dtype=torch.long, device=dev)
+    forbidden = torch.tensor(dllm.never_generate_ids, dtype=torch.long, device=dev)
+    decode = _decode_prefix_cache if cfg.cache == "prefix" else _decode_no_cache
+    decode(model, canvas, P, num_blocks, budget, forbidden, cfg)
+    return canvas[:, P:P + cfg.max_tokens]
+
+
+def _decode_no_cache(model, canvas: torch.Tensor, P: int, num_blocks: int, budget: torch.Tensor,
+                     forbidden: torch.Tensor, cfg: ReferenceConfig) -> None:
+    """Cache ``none``: every lane at its own block, the unfinished lanes forwarded each step (``canvas`` ``[B, L]``
+    filled in place)."""
+    dllm, dev = model.dllm, canvas.device
+    B, L = canvas.shape
+    bs = cfg.block_size
+    shift = 1 if dllm.logit_shift else 0
     block = torch.zeros(B, dtype=torch.long, device=dev)
     step_in_block = torch.zeros(B, dtype=torch.long, device=dev)
-    forbidden = torch.tensor(dllm.never_generate_ids, dtype=torch.long, device=dev)
     offs = torch.arange(bs, device=dev)
     positions = torch.arange(L, device=dev)
     while True:
@@ -142,23 +184,46 @@ def reference_generate(model, prompts: torch.Tensor, cfg: ReferenceConfig) -> to
         n = x.shape[0]
         hidden = model.hidden_states(x[:, :T], positions[:T].expand(n, T), _attention_mask(a, a + bs, T,
                                                                                            dllm.attention))
-        H = hidden.shape[-1]
         rows = (a - shift)[:, None] + offs
-        h = hidden.gather(1, rows[..., None].expand(n, bs, H))
-        logits = model.logits(h.reshape(n * bs, H)).view(n, bs, -1)
-        logits[..., forbidden] = float("-inf")
-        top, x0 = logits.max(dim=-1)
+        h = hidden.gather(1, rows[..., None].expand(n, bs, hidden.shape[-1]))
         win_pos = a[:, None] + offs
-        win = x.gather(1, win_pos)
-        masked = win == mask_id
-        # log p(x0) = max - logsumexp: the exponentials in float32, their sum and the log in float64
-        lse = torch.exp(logits - top[..., None]).sum(dim=-1, dtype=torch.float64).log() + top.double()
-        conf = torch.where(masked, torch.exp(top.double() - lse),
-                           torch.full(top.shape, float("-inf"), dtype=torch.float64, device=dev))
-        steps_left = budget[blk] - step_in_block[live]
-        chosen = _reveal(conf, masked, steps_left, cfg.threshold)
-        canvas[live] = x.scatter(1, win_pos, torch.where(chosen, x0, win))
-        filled = (masked & ~chosen).sum(dim=1) == 0
+        new_win, left = _decide(model, h, x.gather(1, win_pos), budget[blk] - step_in_block[live], forbidden,
+                                cfg.threshold)
+        canvas[live] = x.scatter(1, win_pos, new_win)
+        filled = left == 0
         block[live] = blk + filled.long()
         step_in_block[live] = torch.where(filled, torch.zeros_like(blk), step_in_block[live] + 1)
-    return canvas[:, P:P + cfg.max_tokens]
+
+
+def _decode_prefix_cache(model, canvas: torch.Tensor, P: int, num_blocks: int, budget: torch.Tensor,
+                         forbidden: torch.Tensor, cfg: ReferenceConfig) -> None:
+    """Fast-dLLM's prefix cache (bidirectional models): the batch goes block by block together; a block's first step
+    forwards the whole canvas into a transformers ``DynamicCache`` cut back to the prefix ``[0, a)``, its later steps
+    forward ``[a, L)`` over the cached prefix (the cache cut back to ``a`` after each). A lane whose block is full
+    waits (forwarded, nothing revealed) until every lane's is."""
+    from transformers import DynamicCache
+
+    dev = canvas.device
+    B, L = canvas.shape
+    bs = cfg.block_size
+    mask_id = model.dllm.mask_token_id
+    positions = torch.arange(L, device=dev)
+    for blk in range(num_blocks):
+        a, e = P + blk * bs, P + (blk + 1) * bs
+        step_in_block = torch.zeros(B, dtype=torch.long, device=dev)
+        cache = None
+        while bool((canvas[:, a:e] == mask_id).any()):  # the step's one host sync
+            if cache is None:  # refresh
+                cache = DynamicCache(config=model.model.config)
+                hidden = model.hidden_states(canvas, positions.expand(B, L),
+                                             torch.ones(B, 1, L, L, dtype=torch.bool, device=dev), cache=cache)
+                h = hidden[:, a:e]
+            else:
+                hidden = model.hidden_states(canvas[:, a:], positions[a:].expand(B, L - a),
+                                             torch.ones(B, 1, L - a, L, dtype=torch.bool, device=dev), cache=cache)
+                h = hidden[:, :bs]
+            cache.crop(a - cache.get_seq_length())  # back to the prefix (a negative count of tokens to drop)
+            win = canvas[:, a:e]
+            new_win, _ = _decide(model, h, win, budget[blk] - step_in_block, forbidden, cfg.threshold)
+            step_in_block += (win == mask_id).any(dim=1).long()
+            canvas[:, a:e] = new_win

@@ -1,0 +1,145 @@
+"""Host syncs and aten ops outside the model forward per BATCH step (issue 42), counted on a CPU under fake CUDA.
+
+For plain (quota), threshold, multi-block, CFG and speculative decoding (``tests/decoding_paths.py``'s paths and
+tiny checkpoints), batches of 1, 8 and 32 requests decode ``--max-tokens`` tokens each in one ``LLM.generate`` call
+(``max_batch_size`` = the batch, so every request runs in the same steps). :class:`sync_counter.SyncCounter`
+(``tests/sync_counter.py``) counts what would block the host on a GPU, by kind, and the aten ops dispatched outside
+``LoadedModel.hidden_states`` / ``LoadedModel.logits`` (the forward); a batch step is one ``Denoiser.step`` call.
+
+Figures per row: ``syncs / step`` = every sync of the ``generate`` call (request setup and output included) / batch
+steps; ``in-step syncs`` = the median over steps of the syncs inside ``Denoiser.step``; ``ops outside / step`` = aten
+ops outside the forward during the call / batch steps, and its growth from batch 1 to the largest batch (issue 42's
+target: <= 1.2x). Counts, not times: the same on any machine for the same code.
+
+    .venv/bin/python benchmarks/bench_step_syncs.py [--paths quota,threshold] [--batch 1 8 32]
+
+Writes ``benchmarks/results/bench_step_syncs.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+import decoding_paths as dp  # noqa: E402
+from device_tags import fake_cuda  # noqa: E402
+from sync_counter import SyncCounter  # noqa: E402
+
+# the paths of issue 42's table (tests/decoding_paths.py names)
+PATHS = {"plain": "quota", "threshold": "threshold", "multi-block": "multi-block", "cfg": "cfg",
+         "speculative": "speculative-greedy"}
+
+
+class _Patches:
+    """monkeypatch's ``setattr`` for a script: undone by :meth:`close`."""
+
+    def __init__(self):
+        self.undo = []
+
+    def setattr(self, obj, name, value):
+        self.undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def close(self):
+        for obj, name, value in reversed(self.undo):
+            setattr(obj, name, value)
+
+
+def count(checkpoint: Path, path: dp.DecodingPath, batch: int, max_tokens: int) -> dict:
+    """One ``generate`` of ``batch`` requests on ``path`` under fake CUDA: syncs and ops per batch step."""
+    from unmask.engine import LLM, SamplingParams
+    from unmask.engine.denoiser import Denoiser
+    from unmask.engine.model import LoadedModel, load_model
+
+    patches = _Patches()
+    try:
+        with fake_cuda(patches):
+            llm = LLM(load_model(checkpoint, device="cuda", dtype="float32"), max_batch_size=max(16, batch))
+            params = SamplingParams.from_flat(**dict(path.params, max_tokens=max_tokens, ignore_eos=True))
+            prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(batch)]
+            llm.generate(prompts[:1], params)  # warm-up: first-call work (tokenizer caches, lazy imports)
+            with SyncCounter("cuda") as c, c.forward_methods(LoadedModel, ("hidden_states", "logits")), \
+                    c.step_method(Denoiser, "step"):
+                outs = llm.generate(prompts, params)
+    finally:
+        patches.close()
+    steps = len(c.steps)
+    in_step = [sum(s["syncs"].values()) for s in c.steps]
+    by_kind = Counter()
+    for s in c.steps:
+        by_kind.update(s["syncs"])
+    return {"path": path.name, "batch": batch, "batch_steps": steps,
+            "request_steps": sum(o.outputs[0].nfe for o in outs), "syncs": dict(c.syncs), "total_syncs": c.total,
+            "syncs_per_step": round(c.total / max(steps, 1), 2),
+            "in_step_syncs_median": statistics.median(in_step) if in_step else 0,
+            "in_step_syncs_max": max(in_step, default=0), "in_step_by_kind": dict(by_kind),
+            "ops_outside": c.ops_outside, "ops_inside": c.ops_inside,
+            "ops_outside_per_step": round(c.ops_outside / max(steps, 1), 1),
+            "in_step_ops_outside_median": statistics.median(s["ops_outside"] for s in c.steps) if steps else 0}
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = ["# Host syncs and ops outside the forward per batch step (fake CUDA on a CPU; counts, not times)", "",
+             f"`{command}`", "",
+             "| path | batch | batch steps | syncs / step | in-step syncs (median, max) | ops outside fwd / step | "
+             "growth vs batch 1 | syncs by kind (whole call) |", "|---|---|---|---|---|---|---|---|"]
+    base = {r["path"]: r["ops_outside_per_step"] for r in rows if r["batch"] == min(x["batch"] for x in rows)}
+    for r in rows:
+        growth = r["ops_outside_per_step"] / base[r["path"]] if base.get(r["path"]) else float("nan")
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["syncs"].items()))
+        lines.append(f"| {r['path']} | {r['batch']} | {r['batch_steps']} | {r['syncs_per_step']} | "
+                     f"{r['in_step_syncs_median']}, {r['in_step_syncs_max']} | {r['ops_outside_per_step']} | "
+                     f"{growth:.2f}x | {kinds} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {list(PATHS)}")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--engine-label", default=None, help="what engine is measured (recorded)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_step_syncs"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    by_name = {p.name: p for p in dp.PATHS}
+    names = args.paths.split(",")
+    unknown = [n for n in names if n not in PATHS]
+    if unknown:
+        ap.error(f"--paths: unknown {unknown}; choose from {list(PATHS)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = dp.write_checkpoints(Path(tmp))
+        for name in names:
+            path = by_name[PATHS[name]]
+            for b in args.batch:
+                row = count(dirs[path.checkpoint], path, b, args.max_tokens)
+                row["path"] = name
+                rows.append(row)
+                print(f"{name:12s} batch {b:2d}: {row['syncs_per_step']:7.2f} syncs/step, "
+                      f"{row['ops_outside_per_step']:8.1f} ops outside/step ({row['batch_steps']} steps) "
+                      f"{row['syncs']}", flush=True)
+    import unmask.engine
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = ".venv/bin/python benchmarks/bench_step_syncs.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {"command": command, "torch": torch.__version__, "engine": args.engine_label or
+            str(Path(unmask.engine.__file__).parent), "max_tokens": args.max_tokens,
+            "model": "tests/decoding_paths.py tiny checkpoints"}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows, command) + f"\nEngine measured: {meta['engine']}.\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
