@@ -179,5 +179,8 @@ def build_application(engine_factory, model_name: str, server_config, config: Ra
                                                                request_router_kwargs=kwargs)
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(
         engine_factory, model_name, config.ray_metrics_port)
-    return serve.deployment(Ingress, name="Ingress").options(ray_actor_options={"num_cpus": 0}).bind(
-        engine, model_name, server_config)
+    # the ingress takes every request the replicas could (Ray's default of 5 would keep the queue in the proxy,
+    # where the autoscaler never sees it)
+    ingress = {"ray_actor_options": {"num_cpus": 0},
+               "max_ongoing_requests": options["max_ongoing_requests"] * config.max_replicas}
+    return serve.deployment(Ingress, name="Ingress").options(**ingress).bind(engine, model_name, server_config)

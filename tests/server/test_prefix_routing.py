@@ -4,6 +4,8 @@ itself: tests/e2e/test_ray_serve.py (system)."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +82,11 @@ def test_ray_config_names_the_bad_field():
                       ({"ray_imbalance": -1}, "ray_imbalance")):
         with pytest.raises(ValueError, match=field):
             RayServeConfig(**kw).validate()
+
+
+def test_plain_serve_does_not_import_ray():
+    """The embedded default stays Ray-free: serve's parser (the --ray flags included) and the app import no Ray."""
+    code = ("import sys; from unmask.cli.main import build_parser; import unmask.server.app; "
+            "build_parser().parse_args(['serve', '--ray-min-replicas', '2']); print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
