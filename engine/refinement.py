@@ -32,7 +32,8 @@ from .attention import canvas_groups
 from .outputs import StepEvent
 from .request import LaneInput
 from .reveals import to_host
-from .sampler import classifier_free_guidance, filter_top_k_top_p, prepare_groups, sample_groups
+from .sampler import (classifier_free_guidance, draw_groups, filter_groups, filter_top_k_top_p, prepare_groups,
+                      score_groups)
 from .sequence import Sequence
 
 __all__ = ["RefinementSequence", "commit_schedule"]
@@ -106,8 +107,9 @@ class RefinementSequence(Sequence):
             cond = classifier_free_guidance(cond, logits[1], self.params.cfg_scale)
         positions = self._block_positions()
         group = self.row_group(positions, 0)
-        prepared = prepare_groups(cond.clone(), [group], forbidden_ids)
-        cands = sample_groups(cond, [group], forbidden_ids)
+        prepared = prepare_groups(cond, [group], forbidden_ids)  # steps 3-6 of sample_groups, the prepared
+        filtered = filter_groups(prepared.clone() if self.plan.sampling else prepared, [group])  # logits kept
+        cands = score_groups(filtered, draw_groups(filtered, [group]), [group])
         confidence = self._confidence(prepared, cands.tokens)
         current = self.canvas[positions]
         masked = current == self.dllm.mask_token_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tiny import family_tokenizer
+from tiny import family_tokenizer
 
 MASK = "<|mask|>"
 
@@ -106,22 +106,29 @@ class PipelineModel(torch.nn.Module):
         return out
 
 
-def pipeline_tokens(loaded, prompt: list[int], gen_length: int, block_size: int, steps: int, threshold: float,
-                    editing_threshold: float | None, max_post_steps: int = 16) -> list[int]:
-    """diffusers' LLaDA2Pipeline + BlockRefinementScheduler at batch 1, greedy: the generated ids up to and
-    including the first EOS (the pipeline's own trim of its output)."""
+def run_pipeline(loaded, prompts: list[list[int]], gen_length: int, block_size: int, steps: int, threshold: float,
+                 editing_threshold: float | None, max_post_steps: int = 16) -> list[list[int]]:
+    """diffusers' LLaDA2Pipeline + BlockRefinementScheduler, greedy, on ``prompts`` (equal lengths) as one batch:
+    per prompt the generated ids up to and including the first EOS (the pipeline's own trim of its output)."""
     from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
 
     pipe = LLaDA2Pipeline(model=PipelineModel(loaded, block_size), scheduler=BlockRefinementScheduler(),
                           tokenizer=None)
     pipe.set_progress_bar_config(disable=True)
     eos = loaded.dllm.eos_token_ids[0]
-    out = pipe(input_ids=torch.tensor([prompt]), gen_length=gen_length, block_length=block_size,
+    out = pipe(input_ids=torch.tensor(prompts), gen_length=gen_length, block_length=block_size,
                num_inference_steps=steps, temperature=0.0, threshold=threshold, editing_threshold=editing_threshold,
                max_post_steps=max_post_steps, eos_token_id=eos, mask_token_id=loaded.dllm.mask_token_id,
                output_type="seq")
-    seq = out.sequences[0].tolist()
-    return seq[: seq.index(eos) + 1] if eos in seq else seq
+    seqs = out.sequences.tolist()
+    return [seq[: seq.index(eos) + 1] if eos in seq else seq for seq in seqs]
+
+
+def pipeline_tokens(loaded, prompt: list[int], gen_length: int, block_size: int, steps: int, threshold: float,
+                    editing_threshold: float | None, max_post_steps: int = 16) -> list[int]:
+    """:func:`run_pipeline` at batch 1."""
+    return run_pipeline(loaded, [prompt], gen_length, block_size, steps, threshold, editing_threshold,
+                        max_post_steps)[0]
 
 
 def checkpoint_dir(loaded, out, shards: int = 1):
