@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = ".venv/bin/python benchmarks/bench_step_syncs.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = shlex.join([".venv/bin/python", "benchmarks/bench_step_syncs.py",
+                          *(argv if argv is not None else sys.argv[1:])])
     meta = {"command": command, "torch": torch.__version__, "engine": args.engine_label or
             str(Path(unmask.engine.__file__).parent), "max_tokens": args.max_tokens,
             "model": "tests/decoding_paths.py tiny checkpoints"}
