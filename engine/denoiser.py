@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 
 from .attention import build_attention_mask
-from .kv_cache import BatchKV
+from .batch_step import consume_batch
+from .kv_cache import BatchKV, CarryPool
 from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from .model import LoadedModel
 from .outputs import StepEvent
 from .prefill_cost import PrefillBudget, attention_crossover_keys
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
+from .sequence import Sequence
 
 
 class Denoiser:
@@ -48,6 +50,7 @@ class Denoiser:
         self.device = model.device
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
         self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
+        self.carry = CarryPool()  # every lane's carried logits, on the device
         self.compiled = bool(compile)
         if compile:
             model.enable_compile()
@@ -113,66 +116,57 @@ class Denoiser:
     def _step_group(self, seqs: list[DecodingStrategy], inputs: list[list[LaneInput]], prefilling: list[bool]
                     ) -> list[StepEvent | None]:
         """One forward for ``seqs`` whose lane inputs (``inputs[i]`` for ``seqs[i]``) were already taken; a
-        ``prefilling`` sequence's rows are a prompt chunk: committed as they are, no event (``None``), no NFE."""
+        ``prefilling`` sequence's rows are a prompt chunk: committed as they are, no event (``None``), no NFE.
+        Unconstrained plain and multi-block sequences reveal in one batched pass (``unmask.engine.batch_step``:
+        one device-to-host copy for all of them); the others (speculative, constrained) through their own
+        ``consume``."""
         rows = [(seq, lane_index(inp, li), inp) for seq, lane_ins in zip(seqs, inputs)
                 for li, inp in enumerate(lane_ins)]
-        logits_by_row, kv = self._forward(rows)
-        events = []
-        r = 0
-        for seq, lane_ins, prefill in zip(seqs, inputs, prefilling):
-            n_lanes = len(lane_ins)
+        logits, spans, kv = self._forward(rows)
+        first_row, r = [], 0
+        for lane_ins in inputs:
+            first_row.append(r)
+            r += len(lane_ins)
+        events: list[StepEvent | None] = [None] * len(seqs)
+        commits: list[list[torch.Tensor | None]] = [[inp.commit for inp in lane_ins] for lane_ins in inputs]
+        batched = []
+        for i, (seq, lane_ins, prefill) in enumerate(zip(seqs, inputs, prefilling)):
             if prefill:
-                event, commits = None, [inp.commit for inp in lane_ins]
-            else:
-                seq.nfe += n_lanes
-                event, commits = seq.consume(logits_by_row[r: r + n_lanes], self.forbidden)
-            for li, (inp, commit) in enumerate(zip(lane_ins, commits)):
+                continue
+            seq.nfe += len(lane_ins)
+            if batchable(seq):
+                batched.append(i)
+                continue
+            lane_logits = [logits[spans[first_row[i] + li][0]: spans[first_row[i] + li][1]]
+                           for li in range(len(lane_ins))]
+            events[i], commits[i] = seq.consume(lane_logits, self.forbidden)
+        if batched:
+            for i, event in zip(batched, consume_batch([seqs[i] for i in batched],
+                                                       [[spans[first_row[i] + li] for li in range(len(inputs[i]))]
+                                                        for i in batched], logits, self.forbidden)):
+                events[i] = event
+        for i, (seq, lane_ins) in enumerate(zip(seqs, inputs)):
+            for li, (inp, commit) in enumerate(zip(lane_ins, commits[i])):
                 if commit is not None and commit.numel():
-                    commit = commit.to(self.device)
-                    kv.commit(r + li, commit, seq.lanes[lane_index(inp, li)].cache, inp.chunk[commit],
+                    kv.commit(first_row[i] + li, commit, seq.lanes[lane_index(inp, li)].cache, inp.chunk[commit],
                               inp.grp[commit])
-            events.append(event)
-            r += n_lanes
         return events
 
     def _forward(self, rows: list[tuple[DecodingStrategy, int, LaneInput]]
-                 ) -> tuple[list[torch.Tensor], BatchKV]:
-        """Batched forward; returns the ``[N_r, V]`` logits per row (needed outputs) and the forward's
-        :class:`BatchKV` (for the commits)."""
+                 ) -> tuple[torch.Tensor, list[tuple[int, int]], BatchKV]:
+        """Batched forward. Returns the needed rows' logits of every batch row, one after another (``[N, V]``, a
+        tensor of its own: the sampler may edit it in place), each batch row's span ``(start, end)`` in it, and
+        the forward's :class:`BatchKV` (for the commits). The inputs are assembled on the host (the requests'
+        state is host state) and copied to the device in one tensor; the carried logits are read and written
+        through the :class:`~unmask.engine.kv_cache.CarryPool` in one indexed op each."""
         dev = self.device
-        B = len(rows)
-        Q = max(int(inp.chunk.numel()) for _, _, inp in rows)
-        input_ids = torch.zeros(B, Q, dtype=torch.long, device=dev)
-        pos = torch.zeros(B, Q, dtype=torch.long, device=dev)
-        grp = torch.full((B, Q), -2, dtype=torch.long, device=dev)
-        start = torch.zeros(B, Q, dtype=torch.long, device=dev)
-        committed = torch.zeros(B, Q, dtype=torch.bool, device=dev)
-        valid = torch.zeros(B, Q, dtype=torch.bool, device=dev)
-        # committed prompt rows: a row-invariant decoder computes them in prompt tiles (engine/row_attention.py)
-        prompt = torch.zeros(B, Q, dtype=torch.bool, device=dev) if self.model.tiles_prompt_rows else None
-        # rows that run the model's row variant (today: a verifier for the causal rows of speculative requests)
-        variant = torch.zeros(B, Q, dtype=torch.bool, device=dev) if self.model.has_row_variant else None
-        # a mask-row adapter (engine/mask_adapter.py) runs on every non-committed row, whatever the strategy
-        uncommitted = getattr(self.model.row_variant, "rows", None) == "uncommitted"
         lanes = []
-        for b, (seq, li, inp) in enumerate(rows):
-            n = int(inp.chunk.numel())
-            input_ids[b, :n] = inp.tokens
-            pos[b, :n] = inp.chunk
-            grp[b, :n] = inp.grp
-            start[b, :n] = inp.start
-            committed[b, :n] = inp.committed
-            valid[b, :n] = True
-            if prompt is not None and (inp.replace_cache or seq.lanes[li].cache.length < seq.prompt_len):
-                prompt[b, :n] = inp.committed & (inp.chunk < seq.prompt_len)  # (a decoding step has none)
-            if variant is not None:
-                rows_variant = ~inp.committed if uncommitted else seq.variant_rows(inp)
-                if rows_variant is not None:
-                    variant[b, :n] = rows_variant
+        for seq, li, inp in rows:
             lane_cache = seq.lanes[li].cache
             if inp.replace_cache:
                 lane_cache.reset()  # refilled by this forward: keep the buffers
             lanes.append(lane_cache)
+        input_ids, pos, grp, start, committed, valid, prompt, variant = self._inputs_on_device(rows)
         kv = BatchKV(lanes, dev)
         c_pos, c_grp, c_valid = kv.key_meta()
         mask = build_attention_mask(
@@ -180,47 +174,94 @@ class Denoiser:
             k_pos=torch.cat([c_pos, pos], 1), k_grp=torch.cat([c_grp, grp], 1),
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
-        extra = {"prompt_rows": prompt} if prompt is not None and bool(prompt.any()) else {}  # decoding: no tiles
+        extra = {"prompt_rows": prompt} if prompt is not None else {}
         hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant, **extra)
         self.forwards += 1
+        return (*self._gather_logits(rows, hidden, variant), kv)
 
-        # gather the needed outputs (and carries) in one LM-head call
-        # (the carry - the last committed token's output - is often also a needed row: at block 1 it is the only
-        # one; it is then read from that row instead of going through the LM head twice)
-        gather_rows, gather_cols, spans = [], [], []
-        for b, (seq, li, inp) in enumerate(rows):
-            idx = inp.needed[inp.needed >= 0].tolist()
-            carry_at, extra = -1, []
-            if inp.carry_index >= 0:
-                if inp.carry_index in idx:
-                    carry_at = idx.index(inp.carry_index)
-                else:
-                    extra = [inp.carry_index]
-            spans.append((len(gather_cols), len(idx), len(extra), carry_at))
-            gather_cols.extend(idx + extra)
-            gather_rows.extend([b] * (len(idx) + len(extra)))
-        g_rows = torch.tensor(gather_rows, dtype=torch.long, device=dev)
-        g_cols = torch.tensor(gather_cols, dtype=torch.long, device=dev)
-        logits = self.model.logits(hidden[g_rows, g_cols],
-                                   variant_rows=variant[g_rows, g_cols] if variant is not None else None)
-
-        out = []
-        for b, (seq, li, inp) in enumerate(rows):
-            off, n_needed, n_extra, carry_at = spans[b]
-            lane_cache = seq.lanes[li].cache
-            got = logits[off: off + n_needed]
-            if bool((inp.needed < 0).any()):
-                row_logits = torch.empty(inp.needed.numel(), got.shape[-1], dtype=got.dtype, device=dev)
-                row_logits[inp.needed >= 0] = got
-                row_logits[inp.needed < 0] = lane_cache.carry_logits
+    def _inputs_on_device(self, rows: list[tuple[DecodingStrategy, int, LaneInput]]) -> tuple:
+        """The forward's ``[B, Q]`` inputs (ids, positions, groups, group starts, committed, valid, prompt rows or
+        None, variant rows or None), right-padded, built on the host and copied to the device in one tensor."""
+        pad = torch.nn.utils.rnn.pad_sequence
+        # committed prompt rows: a row-invariant decoder computes them in prompt tiles (engine/row_attention.py)
+        tiles = self.model.tiles_prompt_rows
+        # a mask-row adapter (engine/mask_adapter.py) runs on every non-committed row, whatever the strategy
+        uncommitted = getattr(self.model.row_variant, "rows", None) == "uncommitted"
+        prompts, variants = [], []
+        for seq, li, inp in rows:
+            none = torch.zeros(inp.chunk.numel(), dtype=torch.bool)
+            if tiles and (inp.replace_cache or seq.lanes[li].cache.length < seq.prompt_len):
+                prompts.append(inp.committed & (inp.chunk < seq.prompt_len))  # (a decoding step has none)
             else:
-                row_logits = got
-            out.append(row_logits)
-            if n_extra or carry_at >= 0:  # a copy: the sampler edits a step's rows in place (forbidden ids,
-                # logit_bias), and a carry read again at a later step must be the model's output, not an edited row
-                lane_cache.carry_logits = logits[off + (n_needed if n_extra else carry_at)].clone()
+                prompts.append(none)
+            v = None
+            if self.model.has_row_variant:
+                v = ~inp.committed if uncommitted else seq.variant_rows(inp)
+            variants.append(none if v is None else v.cpu())
+        longs = [pad([inp.tokens for _, _, inp in rows], batch_first=True),
+                 pad([inp.chunk for _, _, inp in rows], batch_first=True),
+                 pad([inp.grp for _, _, inp in rows], batch_first=True, padding_value=-2),
+                 pad([inp.start for _, _, inp in rows], batch_first=True)]
+        flags = pad([torch.stack([inp.committed, torch.ones_like(inp.committed), p, v]) .T
+                     for (_, _, inp), p, v in zip(rows, prompts, variants)], batch_first=True)  # [B, Q, 4]
+        host = torch.cat([torch.stack(longs), flags.permute(2, 0, 1).long()])  # [8, B, Q]
+        on = host.to(self.device)
+        any_prompt = bool(flags[..., 2].any())  # host values: no device read
+        return (on[0], on[1], on[2], on[3], on[4].bool(), on[5].bool(), on[6].bool() if any_prompt else None,
+                on[7].bool() if self.model.has_row_variant else None)
+
+    def _gather_logits(self, rows: list[tuple[DecodingStrategy, int, LaneInput]], hidden: torch.Tensor,
+                       variant: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The needed outputs of every row through one LM-head call, the carries (the last committed token's
+        output, whose position is not forwarded again) read from and written to the pool; returns the logits of
+        the needed rows in row order and each row's span."""
+        dev = self.device
+        g_rows, g_cols, spans = [], [], []  # LM-head inputs
+        take, carry_dst, carry_src = [], [], []  # output row <- LM-head row; output row <- pool slot
+        new_slots, new_src = [], []  # pool slot <- LM-head row (this step's carries)
+        n_out = 0
+        for b, (seq, li, inp) in enumerate(rows):
+            needed = inp.needed.tolist()  # host
+            lane_cache = seq.lanes[li].cache
+            start_out = n_out
+            carry_head = -1  # the LM-head row of the carry when it is also a needed row (block 1: the only one)
+            for j in needed:
+                if j >= 0:
+                    if j == inp.carry_index:
+                        carry_head = len(g_cols)
+                    take.append((n_out, len(g_cols)))
+                    g_rows.append(b)
+                    g_cols.append(j)
+                else:
+                    carry_dst.append(n_out)
+                    carry_src.append(lane_cache.carry_slot)
+                n_out += 1
+            spans.append((start_out, n_out))
+            if inp.carry_index >= 0:
+                new_slots.append(self.carry.slot(lane_cache))
+                if carry_head < 0:
+                    carry_head = len(g_cols)
+                    g_rows.append(b)
+                    g_cols.append(inp.carry_index)
+                new_src.append(carry_head)
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
-        return out, kv
+        idx = torch.tensor([g_rows, g_cols], dtype=torch.long).to(dev)
+        head = self.model.logits(hidden[idx[0], idx[1]],
+                                 variant_rows=variant[idx[0], idx[1]] if variant is not None else None)
+        plan = torch.tensor([[o for o, _ in take], [h for _, h in take]], dtype=torch.long).reshape(2, -1).to(dev)
+        out = head.new_empty(n_out, head.shape[-1])
+        out[plan[0]] = head[plan[1]]
+        if carry_dst:  # read before this step's carries overwrite the slots
+            out[torch.tensor(carry_dst).to(dev)] = self.carry.rows[torch.tensor(carry_src).to(dev)]
+        if new_slots:
+            self.carry.write(new_slots, head[torch.tensor(new_src).to(dev)])
+        return out, spans
+
+
+def batchable(seq: DecodingStrategy) -> bool:
+    """Whether ``seq`` reveals through the batched pass (``unmask.engine.batch_step``): a plain or multi-block
+    sequence (its strategy keeps :class:`~unmask.engine.sequence.Sequence`'s ``consume``) without a grammar."""
+    return getattr(type(seq), "consume", None) is Sequence.consume and getattr(seq, "grammar", None) is None
 
 
 def lane_index(inp: LaneInput, position: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .constraints import GrammarState
+from .noise import Draws
 
 __all__ = ["mask_rows", "sample_chain", "mask_verifier_rows", "grammar_drafts"]
 
@@ -24,7 +25,7 @@ def mask_rows(logits: torch.Tensor, allowed: torch.Tensor, fallback: torch.Tenso
     return out
 
 
-def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator: torch.Generator,
+def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, draws: Draws,
                  quota: int | None, threshold: float | None):
     """The constrained reveal rule of plain denoising (docs/design.md#constrained-decoding): candidates for the window's
     masked positions, left to right, each under the grammar's mask after the candidates before it.
@@ -42,6 +43,7 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator:
         logits: ``[N, V]`` float32 prepared logits (forbidden ids, logit_bias and penalties applied) of the N
             masked positions of the active window, in position order.
         grammar: the request's state (its pushed stack empty). params: the request's parameters.
+        draws: the step's counter-based draws, one row per masked position (``unmask.engine.noise``).
         quota / threshold: as :func:`~unmask.engine.sampler.select_reveals` (one of them is set).
 
     Returns:
@@ -58,8 +60,8 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, generator:
         if counted >= limit and not forced:
             break
         row = filter_top_k_top_p(mask_rows(logits[i], allowed)[None], params.top_k, params.top_p)
-        token = draw(row, params, generator)
-        cand = score_candidates(row, token, params, generator)
+        token = draw(row, params, draws.at([i]))
+        cand = score_candidates(row, token, params, draws.at([i]))
         if i > 0 and not forced and threshold is not None and float(cand.probability[0]) < threshold:
             break
         if not grammar.push(int(token[0])):  # pragma: no cover - the mask allowed it
@@ -89,25 +91,27 @@ def mask_verifier_rows(logits: torch.Tensor, grammar: GrammarState, drafts: list
     grammar.pop()
 
 
-def grammar_drafts(logits: torch.Tensor, rows: list[int], grammar: GrammarState, generator: torch.Generator,
+def grammar_drafts(logits: torch.Tensor, rows: list[int], grammar: GrammarState, draws: Draws,
                    temperature: float | None) -> tuple[list[int], torch.Tensor | None]:
     """The next drafts of a constrained speculative request from the mask rows ``rows`` of filtered ``[N, V]``
     ``logits``: each drawn under the grammar's mask after the final tokens and the drafts before it - the argmax
     when ``temperature`` is ``None`` (greedy), else a draw from the masked distribution ``q`` at that temperature
     (speculative sampling is exact for any ``q`` the drafts are really drawn from). Tokens the grammar forces are
-    drafted with certainty, and the masked verifier accepts them. The grammar is left as it was.
+    drafted with certainty, and the masked verifier accepts them. The grammar is left as it was. ``draws``: one
+    row per draft (keyed by the drafted positions).
 
     Returns:
         ``(drafts, q)``: ``q`` ``[D, V]`` float64 when sampling (``None`` when greedy or no draft).
     """
+    from .noise import DRAFT
     from .sampler import sample_from_probs
 
     drafts, qs = [], []
-    for r in rows:
+    for j, r in enumerate(rows):
         row = mask_rows(logits[r], grammar.allowed())
         if temperature is not None:
             q = torch.softmax(row.to(torch.float64) / temperature, dim=-1)
-            token = int(sample_from_probs(q[None], generator)[0])
+            token = int(sample_from_probs(q[None], draws.at([j]), DRAFT)[0])
             qs.append(q)
         else:
             token = int(torch.argmax(row))

@@ -17,6 +17,8 @@ Cache policies (``SamplingParams.cache``, docs/design.md#decoding and #decisions
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -37,8 +39,9 @@ class LaneCache:
     Attributes:
         keys, values: per layer ``[H_kv, n, D]`` views of the committed part (empty list before the first commit).
         pos, grp: ``[n]`` int64 position and attention group of each cached token.
-        carry_logits: ``[V]`` float32 output of the last committed token (the logit-shifted prediction for the
-            first position after it), kept because that token is not forwarded again.
+        carry_slot / carry_position: the row of the denoiser's :class:`CarryPool` holding the output of the last
+            committed token (the logit-shifted prediction for the first position after it, kept because that token
+            is not forwarded again) and that token's position (-1: none).
     """
 
     def __init__(self, capacity_hint: int = 0):
@@ -48,7 +51,7 @@ class LaneCache:
         self._n = 0
         self.pos: torch.Tensor | None = None
         self.grp: torch.Tensor | None = None
-        self.carry_logits: torch.Tensor | None = None
+        self.carry_slot = -1
         self.carry_position = -1
 
     @property
@@ -88,7 +91,7 @@ class LaneCache:
     def reset(self) -> None:
         """Forget the cached tokens but keep the buffers (a prefix/dual cache refresh refills them at once)."""
         self._n, self.pos, self.grp = 0, None, None
-        self.carry_logits, self.carry_position = None, -1
+        self.carry_position = -1
 
     @classmethod
     def committed(cls, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
@@ -138,6 +141,42 @@ class LaneCache:
         self.grp = grp.clone() if self.grp is None else torch.cat([self.grp, grp])
 
 
+class CarryPool:
+    """The carried logits of every lane on the model's device: one ``[capacity, V]`` tensor, a slot per lane
+    (:attr:`LaneCache.carry_slot`), so a step reads and writes every lane's carry with one indexed op each instead
+    of a tensor per lane. A slot is taken at a lane's first carry and freed when the lane is garbage-collected;
+    the tensor doubles when full."""
+
+    def __init__(self):
+        self.rows: torch.Tensor | None = None
+        self._free: list[int] = []
+        self._used = 0
+
+    def slot(self, lane: LaneCache) -> int:
+        """``lane``'s slot (taken now if it has none)."""
+        if lane.carry_slot < 0:
+            lane.carry_slot = self._free.pop() if self._free else self._take()
+            weakref.finalize(lane, self._free.append, lane.carry_slot)
+        return lane.carry_slot
+
+    def _take(self) -> int:
+        self._used += 1
+        return self._used - 1
+
+    def write(self, slots: list[int], values: torch.Tensor) -> None:
+        """Store ``[k, V]`` ``values`` in ``slots``."""
+        need = max(slots) + 1
+        if self.rows is None or self.rows.shape[0] < need or self.rows.shape[1] != values.shape[1] \
+                or self.rows.dtype != values.dtype or self.rows.device != values.device:
+            cap = max(need, 2 * (self.rows.shape[0] if self.rows is not None else 4))
+            grown = values.new_empty(cap, values.shape[1])
+            if self.rows is not None and self.rows.shape[1:] == values.shape[1:] and self.rows.dtype == values.dtype \
+                    and self.rows.device == values.device:
+                grown[: self.rows.shape[0]] = self.rows
+            self.rows = grown
+        self.rows[torch.tensor(slots, dtype=torch.long).to(values.device)] = values
+
+
 class BatchKV:
     """Duck-typed transformers ``Cache`` for one forward over several lanes.
 
@@ -165,18 +204,19 @@ class BatchKV:
         self.new_values: dict[int, torch.Tensor] = {}
 
     def key_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(pos, grp, valid)`` of the cached part, each ``[B, C]`` (C = longest lane cache)."""
+        """``(pos, grp, valid)`` of the cached part, each ``[B, C]`` (C = longest lane cache) on the keys' device,
+        assembled on the host (the lanes' metadata is host state) and copied once."""
         B, C = len(self.lanes), self.cached_len
-        pos = torch.zeros(B, C, dtype=torch.long, device=self.device)
-        grp = torch.full((B, C), -1, dtype=torch.long, device=self.device)
-        valid = torch.zeros(B, C, dtype=torch.bool, device=self.device)
+        meta = torch.zeros(3, B, C, dtype=torch.long)
+        meta[1].fill_(-1)
         for b, lane in enumerate(self.lanes):
             n = lane.length
             if n:
-                pos[b, :n] = lane.pos
-                grp[b, :n] = lane.grp
-                valid[b, :n] = True
-        return pos, grp, valid
+                meta[0, b, :n] = lane.pos
+                meta[1, b, :n] = lane.grp
+                meta[2, b, :n] = 1
+        meta = meta.to(self.device)
+        return meta[0], meta[1], meta[2].bool()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers hook: ``[B, H, Q, D]`` new keys/values -> ``[B, H, C + Q, D]`` keys/values to attend, lane

@@ -32,7 +32,8 @@ import torch
 from .attention import canvas_groups
 from .outputs import StepEvent
 from .request import LaneInput
-from .sampler import Candidates, reveal_count, select_reveals
+from .reveals import HostRows
+from .sampler import reveal_count
 from .sequence import Sequence
 
 __all__ = ["MultiBlockSequence"]
@@ -110,28 +111,31 @@ class MultiBlockSequence(Sequence):
         return inputs
 
     # ------------------------------------------------------------------ one step: reveals
-    def apply(self, cands: Candidates, masked: torch.Tensor) -> StepEvent:
-        """Reveal in every active block (its own quota or the threshold rule), then let the next block join and
-        the finished ones leave. ``cands`` are for ``masked`` (:meth:`masked_positions`)."""
+    def reveal_segments(self, masked: torch.Tensor) -> list[tuple[int, int, int | None, float | None]]:
+        """One segment per active block with masks (its rows of ``masked`` are contiguous: ascending
+        positions): its own quota from its own step budget, or the threshold rule."""
+        segments = []
+        for b in self.active_blocks():
+            lo, hi = self._block_gen[b]
+            r0, r1 = int(torch.searchsorted(masked, lo)), int(torch.searchsorted(masked, hi))
+            if r1 == r0:
+                continue
+            steps_left = max(1, self.window_steps[b] - self.block_steps[b])
+            quota = None if self.threshold is not None else reveal_count(r1 - r0, steps_left)
+            segments.append((r0, r1, quota, self.threshold))
+        return segments
+
+    def reveal(self, masked: torch.Tensor, rows: HostRows, segments: list | None = None) -> StepEvent:
+        """Reveal the chosen rows in every active block, then let the next block join and the finished ones
+        leave. ``rows`` are the step's candidates for ``masked`` (:meth:`masked_positions`)."""
         active = self.active_blocks()
         self.active_history.append(active)
-        chosen_all = []
         for b in active:
             lo, hi = self._block_gen[b]
-            rows = ((masked >= lo) & (masked < hi)).nonzero(as_tuple=True)[0]
-            if rows.numel() == 0:
-                continue
-            sub = cands.take(rows)
-            steps_left = max(1, self.window_steps[b] - self.block_steps[b])
-            quota = None if self.threshold is not None else reveal_count(int(rows.numel()), steps_left)
-            chosen_all.append(rows[select_reveals(sub, quota, self.threshold).to(rows.device)])
-            self.block_steps[b] += 1
-        chosen = torch.cat(chosen_all) if chosen_all else torch.empty(0, dtype=torch.long)
-        positions = masked[chosen]
-        tokens = cands.tokens[chosen]
-        self.canvas[positions] = tokens.to(self.canvas.device)
-        rel = (positions - self.prompt_len).cpu()
-        revealed = self.record_reveals(rel, tokens, cands.take(chosen))
+            if int(torch.searchsorted(masked, hi)) > int(torch.searchsorted(masked, lo)):
+                self.block_steps[b] += 1
+        picked = rows.picked(segments) if segments else [i for i, c in enumerate(rows.chosen) if c]
+        revealed = self.record(masked[picked].tolist(), rows.take(picked))
         block, step = self.block_idx, self.step
         self.step += 1
         self._advance()

@@ -222,7 +222,7 @@ class PrefixCache:
         kv = torch.cat([c.kv for c in found], dim=-2)  # [2, layers, H_kv, m, D]
         m = int(kv.shape[-2])
         lane.append(list(kv[0].unbind(0)), list(kv[1].unbind(0)),
-                    torch.arange(have * C, have * C + m, device=kv.device), torch.cat([c.grp for c in found]))
+                    torch.arange(have * C, have * C + m), torch.cat([c.grp for c in found]))  # host metadata
         seq.prefix_chain = seq.prefix_chain + chain
         seq.cached_tokens += m
         self.hits += m

@@ -1,9 +1,11 @@
 """One choice of a request in flight: its state, and the protocol its decoding strategy implements.
 
-State (:class:`Request`): the canvas (``[L]`` int64 on the model's device, layout in
-``unmask.engine.layout``), the per-position log-probabilities (``[G]`` float32, CPU), the lanes (``cond``, and
-``uncond`` under CFG, each with its KV cache), the request's own ``torch.Generator`` (CPU), the block/window/step
-counters, timing, and the finish state (``unmask.engine.stopping``). The engine thread alone writes it; other
+State (:class:`Request`), all on the host (docs/design.md#devices): the canvas (``[L]`` int64, CPU, layout in
+``unmask.engine.layout``; the forward's inputs are copied to the model's device by the denoiser), the
+per-position log-probabilities (``[G]`` float32), the lanes (``cond``, and ``uncond`` under CFG, each with its KV
+cache, whose keys and values live on the model's device), the seed of its counter-based draws
+(``unmask.engine.noise``), the block/window/step counters, timing, and the finish state
+(``unmask.engine.stopping``). The engine thread alone writes it; other
 threads read only :meth:`Request.num_output_tokens` and the output objects.
 
 Strategy protocol (:class:`DecodingStrategy`): the denoiser calls exactly these and never looks at the type:
@@ -35,9 +37,11 @@ from .config import DllmConfig
 from .kv_cache import LaneCache
 from .layout import build_layout
 from .limits import ParamError, check_block_use
+from .noise import Draws
 from .outputs import CompletionOutput, Revealed, StepEvent
 from .plan import DecodingPlan
 from .prefill_cost import PrefillBudget
+from .reveals import HostRows
 from .stopping import StopChecker
 from .text_ids import check_no_mask, check_sampleable, check_token_ids, suffix_ids
 
@@ -165,7 +169,9 @@ class Request:
         self.request_id, self.index, self.plan, self.params = request_id, index, plan, params
         # the unit of fair admission (docs/design.md#admission-and-limits): the client's whole request
         self.group = request_id
-        self.dllm, self.tokenizer, self.device = dllm, tokenizer, torch.device(device)
+        # the request's state is host state (CPU tensors); the model's device holds only its KV and logits
+        self.dllm, self.tokenizer = dllm, tokenizer
+        self.device, self.model_device = torch.device("cpu"), torch.device(device)
         self.prompt_ids = list(prompt_ids)
         # docs/design.md#admission-and-limits
         check_block_use(params.block_size, params.max_tokens, plan.model_block_size)
@@ -194,7 +200,6 @@ class Request:
         self.cache_mode = plan.cache
         L = lay.length
         self.lanes = [Lane("cond", LaneCache(L))] + ([Lane("uncond", LaneCache(L))] if plan.lanes == 2 else [])
-        self.generator = torch.Generator(device="cpu").manual_seed(plan.seed)
         eos = [] if params.ignore_eos else list(dllm.eos_token_ids)
         self.eos_ids = set(eos) | set(params.stop_token_ids)
         self.min_tokens_ids = torch.tensor(sorted(set(dllm.eos_token_ids) | set(params.stop_token_ids)),
@@ -374,18 +379,31 @@ class Request:
         return len(self.output_ids) if self.finished else len(self.stopper.prefix)
 
     # ------------------------------------------------------------------ outputs
-    def record_reveals(self, rel: torch.Tensor, tokens: torch.Tensor, cands) -> list[Revealed]:
-        """Record the log-probabilities (and alternatives) of tokens revealed at generated positions ``rel``
-        (``[k]``, CPU) from their :class:`~unmask.engine.sampler.Candidates` ``cands``; returns their
+    def draws(self, positions: list[int] | torch.Tensor) -> Draws:
+        """The counter-based draws of this step for rows predicting canvas ``positions`` (``unmask.engine.noise``:
+        a function of the choice's seed, :attr:`step` and the position, so alone = in any batch)."""
+        return Draws(self.plan.seed, self.step, positions)
+
+    def record(self, positions: list[int], rows: HostRows) -> list[Revealed]:
+        """Write the tokens of ``rows`` (:class:`~unmask.engine.reveals.HostRows`) revealed at canvas
+        ``positions`` into the canvas, record their log-probabilities (and alternatives), and return their
         :class:`Revealed` (positions past ``max_tokens``, decoded only to fill a block, left out)."""
-        self.logprobs[rel] = cands.logprob.cpu()
-        if self.top_ids is not None and cands.top_ids is not None:
-            self.top_ids[rel] = cands.top_ids.cpu()
-            self.top_lps[rel] = cands.top_logprobs.cpu()
-        tops = cands.top(list(range(int(rel.numel()))))
-        return [Revealed(int(p), int(t), float(c), float(lp), top) for p, t, c, lp, top in
-                zip(rel.tolist(), tokens.tolist(), cands.probability.tolist(), cands.logprob.tolist(), tops)
-                if p < self.max_tokens]
+        if not positions:
+            return []
+        rel = [p - self.prompt_len for p in positions]
+        self.canvas[torch.tensor(positions, dtype=torch.long)] = torch.tensor(rows.tokens, dtype=torch.long)
+        rel_t = torch.tensor(rel, dtype=torch.long)
+        self.logprobs[rel_t] = torch.tensor(rows.logprob, dtype=torch.float32)
+        k = self.params.top_logprobs
+        tops = [tuple(t[:k]) for t in rows.top] if rows.top is not None and k else [()] * len(rel)
+        if self.top_ids is not None:
+            kk = self.top_ids.shape[-1]
+            self.top_ids[rel_t] = torch.tensor([[i for i, _ in t[:kk]] + [-1] * (kk - len(t[:kk])) for t in tops],
+                                               dtype=torch.long).reshape(len(rel), kk)
+            self.top_lps[rel_t] = torch.tensor([[lp for _, lp in t[:kk]] + [float("-inf")] * (kk - len(t[:kk]))
+                                                for t in tops], dtype=torch.float32).reshape(len(rel), kk)
+        return [Revealed(p, t, c, lp, top) for p, t, c, lp, top in
+                zip(rel, rows.tokens, rows.probability, rows.logprob, tops) if p < self.max_tokens]
 
     def _top_logprobs(self, n: int) -> list[list[tuple[int, float]]] | None:
         """The recorded alternatives of the first ``n`` positions (None unless asked for)."""

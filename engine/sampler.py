@@ -1,10 +1,13 @@
-"""Logits -> candidate tokens and confidences for the masked positions of one request (docs/design.md#decoding).
+"""Logits -> candidate tokens and confidences for the masked positions of one step (docs/design.md#decoding).
 
-Everything here works on one request at a time (``[N, V]`` logits of its N masked positions in the active block),
-with the request's own ``torch.Generator``: a row's result never depends on the other rows of the batch. The one
-Gumbel-max draw (:func:`gumbel_argmax`: float64 uniforms drawn on the CPU, so a draw does not depend on the
-device) and the one forbidden-token mask (:func:`forbid`) of the engine live here; plain denoising and
-self-speculative decoding both use them.
+One call samples the rows of many requests at once (:func:`sample_groups`: each request's rows a
+:class:`RowGroup` with its own parameters), on the logits' device, with no host read: the per-row values
+(temperatures, filters, keys) travel host-to-device and the result stays on the device until the step's one
+summary copy (``unmask.engine.batch_step``). A row's result depends only on its own logits, its request's
+parameters and its keys, never on the other rows (batch invariance). Randomness is counter-based
+(``unmask.engine.noise``): a Gumbel draw is a function of (seed, step, position, column). The one Gumbel-max draw
+(:func:`gumbel_argmax`) and the one forbidden-token mask (:func:`forbid`) of the engine live here; plain denoising,
+self-speculative decoding and grammar sampling all use them.
 """
 from __future__ import annotations
 
@@ -13,24 +16,26 @@ from dataclasses import dataclass
 import torch
 
 from .limits import MIN_SAMPLING_TEMPERATURE
+from .noise import GUMBEL, REMASK, Draws, uniform
 from .params import SamplingParams
 
 NEG_INF = float("-inf")
 
 
-def gumbel_argmax(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``argmax(scores + g)`` per row of ``[N, V]`` float64 ``scores``, ``g`` standard Gumbel from ``generator``
-    (float64 uniforms drawn on the CPU, moved to ``scores``' device). With ``scores = l / T`` this equals LLaDA's
-    ``argmax(exp(l) / (-log u)^T)``; with ``scores = log p`` it samples from ``p``. Returns ``[N]`` int64."""
-    u = torch.rand(scores.shape, dtype=torch.float64, generator=generator, device="cpu").to(scores.device)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    return torch.argmax(scores + gumbel, dim=-1)
+def gumbel_argmax(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``argmax(scores + g)`` per row of ``[N, V]`` float64 ``scores``, ``g`` standard Gumbel from the
+    counter-based uniforms of the rows' ``[N]`` int64 ``keys`` (``unmask.engine.noise``), drawn on ``scores``'
+    device. With ``scores = l / T`` this equals LLaDA's ``argmax(exp(l) / (-log u)^T)``; with ``scores = log p`` it
+    samples from ``p``. Returns ``[N]`` int64."""
+    u = uniform(keys, scores.shape[-1], scores.device)
+    return torch.argmax(scores - torch.log(-torch.log(u)), dim=-1)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, draws: Draws, stream: int = GUMBEL) -> torch.Tensor:
     """One token per row of ``probs`` (``[N, V]`` float64, rows summing to 1; zero-probability tokens are never
-    drawn) by :func:`gumbel_argmax` over ``log p``. Returns ``[N]`` int64 on ``probs``' device."""
-    return gumbel_argmax(torch.log(probs), generator)
+    drawn) by :func:`gumbel_argmax` over ``log p`` with ``draws``' keys of ``stream``. Returns ``[N]`` int64 on
+    ``probs``' device."""
+    return gumbel_argmax(torch.log(probs), draws.keys(stream, probs.shape[0]))
 
 
 def forbid(logits: torch.Tensor, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
@@ -118,7 +123,7 @@ def apply_penalties(logits: torch.Tensor, context_ids: torch.Tensor, params: Sam
         return logits
     V = logits.shape[-1]
     ids = context_ids[(context_ids >= 0) & (context_ids < V)]
-    counts = torch.bincount(ids, minlength=V).to(logits.dtype)
+    counts = torch.bincount(ids, minlength=V).to(device=logits.device, dtype=logits.dtype)
     present = counts > 0
     if params.repetition_penalty != 1.0:
         rp = params.repetition_penalty
@@ -151,95 +156,219 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+@dataclass
+class RowGroup:
+    """One request's rows ``[lo, hi)`` in a :func:`sample_groups` call.
+
+    Attributes:
+        params: the request's parameters (``temperature`` resolved, not None).
+        draws: its step's counter-based draws, keyed by the positions the rows predict.
+        min_tokens_rows: ``[n]`` bool (host), rows where ``min_tokens_ids`` (EOS/stop ids under ``min_tokens``) are
+            forbidden too; ``None``: none.
+        min_tokens_ids: ``[E]`` int64 (host).
+        context_ids: ``[T]`` int64 prompt + revealed ids for the penalties (``None``: no penalty).
+        bias: ``logit_bias`` as ``([K] int64 ids, [K] float32 biases)`` (:func:`add_bias`), or ``None``.
+        left_to_right_base: the ``left_to_right`` score of the group's first row is ``-base`` (rows are the
+            masked positions in ascending order; a request's several windows continue the count).
+    """
+
+    lo: int
+    hi: int
+    params: SamplingParams
+    draws: Draws
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_ids: torch.Tensor | None = None
+    context_ids: torch.Tensor | None = None
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    left_to_right_base: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.hi - self.lo
+
+
 def sample_candidates(
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
+    draws: Draws,
     forbidden_ids: torch.Tensor | None = None,
     forbidden_rows: torch.Tensor | None = None,
     row_forbidden_ids: torch.Tensor | None = None,
     context_ids: torch.Tensor | None = None,
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Candidates:
-    """Choose a candidate token per masked position and score it.
+    """Choose a candidate token per masked position of one request and score it: :func:`sample_groups` with one
+    group (arguments as :class:`RowGroup`; ``forbidden_rows``/``row_forbidden_ids`` = its ``min_tokens_*``)."""
+    group = RowGroup(0, logits.shape[0], params, draws, forbidden_rows, row_forbidden_ids, context_ids, bias)
+    return sample_groups(logits, [group], forbidden_ids)
+
+
+def sample_groups(logits: torch.Tensor, groups: list[RowGroup], forbidden_ids: torch.Tensor | None = None
+                  ) -> Candidates:
+    """Candidates for the rows of many requests at once (docs/design.md#decoding, steps 3-6).
 
     Args:
-        logits: ``[N, V]`` logits (after logit shift and CFG) of the N masked positions of the active block.
-        params: the request's parameters (``temperature`` already resolved, not None).
-        generator: the request's generator; Gumbel noise is float64 uniform from it (LLaDA ``add_gumbel_noise``).
-        forbidden_ids: ``[F]`` ids that are never generated (mask, pad): logit -inf everywhere.
-        forbidden_rows: ``[N]`` bool, rows where ``row_forbidden_ids`` (EOS/stop ids under ``min_tokens``) are
-            also forbidden.
-        context_ids: ``[T]`` prompt + revealed ids for the penalties.
-        bias: ``logit_bias`` as ``(ids, biases)`` (:func:`add_bias`), added after the forbidden ids.
+        logits: ``[N, V]`` logits (after logit shift and CFG) of the masked positions of every group, edited in
+            place when float32.
+        groups: the requests' :class:`RowGroup` s, covering ``[0, N)`` in order.
+        forbidden_ids: ``[F]`` ids never generated (mask, pad): -inf in every row.
 
     Returns:
-        :class:`Candidates`. Candidate: temperature 0 -> argmax; else ``argmax(l / T + g)`` with g standard
-        Gumbel (equal to LLaDA's ``argmax(exp(l) / (-log u)^T)``). Scores by ``params.remasking``:
-        ``low_confidence`` = p(candidate); ``margin`` = p1 - p2 (Dream); ``entropy`` = -H(p) (Dream);
-        ``random`` = uniform from the generator (LLaDA); ``left_to_right`` = -(row index): the leftmost masked
-        position first (rows are the masked positions in ascending order), as semi-autoregressive decoding.
+        :class:`Candidates` of all N rows on the logits' device. Candidate: temperature 0 -> argmax; else
+        ``argmax(l / T + g)`` with g standard Gumbel (LLaDA's ``argmax(exp(l) / (-log u)^T)``). Scores by the
+        group's ``remasking``: ``low_confidence`` = p(candidate); ``margin`` = p1 - p2 (Dream); ``entropy`` = -H(p)
+        (Dream); ``random`` = a counter-based uniform; ``left_to_right`` = -(row index in the request). ``top_*``:
+        ``[N, k]`` with k the largest ``top_logprobs`` asked (-1 ids / -inf beyond a group's own k), or None.
     """
-    logits = prepare_logits(logits, params, forbidden_ids, forbidden_rows, row_forbidden_ids, context_ids, bias)
-    logits = filter_top_k_top_p(logits, params.top_k, params.top_p)
-    tokens = draw(logits, params, generator)
-    return score_candidates(logits, tokens, params, generator)
+    logits = prepare_groups(logits, groups, forbidden_ids)
+    logits = filter_groups(logits, groups)
+    tokens = draw_groups(logits, groups)
+    return score_groups(logits, tokens, groups)
+
+
+def _rows_of(groups: list[RowGroup], device) -> torch.Tensor:
+    """``[n]`` int64 on ``device``: the rows of ``groups``."""
+    return torch.cat([torch.arange(g.lo, g.hi, dtype=torch.long) for g in groups]).to(device)
+
+
+def _by(groups: list[RowGroup], key) -> dict:
+    """``groups`` split by ``key(group)`` (insertion order)."""
+    out: dict = {}
+    for g in groups:
+        out.setdefault(key(g), []).append(g)
+    return out
+
+
+def prepare_groups(logits: torch.Tensor, groups: list[RowGroup], forbidden_ids: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Step 3 of docs/design.md#decoding before the filters: ``[N, V]`` float32 logits with the forbidden ids at
+    -inf, each group's ``min_tokens`` rows, ``logit_bias`` and penalties applied (one indexed write each for the
+    whole batch; penalties per penalised group)."""
+    logits = forbid(logits.float(), forbidden_ids)
+    dev = logits.device
+    rows, cols = [], []
+    for g in groups:
+        if g.min_tokens_rows is not None and g.min_tokens_ids is not None and g.min_tokens_ids.numel():
+            r = g.min_tokens_rows.cpu().nonzero(as_tuple=True)[0] + g.lo
+            rows.append(r.repeat_interleave(g.min_tokens_ids.numel()))
+            cols.append(g.min_tokens_ids.cpu().repeat(r.numel()))
+    if rows:
+        logits.index_put_((torch.cat(rows).to(dev), torch.cat(cols).to(dev)), torch.tensor(NEG_INF, device=dev))
+    rows, cols, vals = [], [], []
+    for g in groups:
+        if g.bias is not None and g.n:
+            ids, values = g.bias
+            rows.append(torch.arange(g.lo, g.hi).repeat_interleave(ids.numel()))
+            cols.append(ids.cpu().repeat(g.n))
+            vals.append(values.cpu().repeat(g.n))
+    if rows:
+        logits.index_put_((torch.cat(rows).to(dev), torch.cat(cols).to(dev)),
+                          torch.cat(vals).to(device=dev, dtype=logits.dtype), accumulate=True)
+    for g in groups:
+        if g.context_ids is not None and g.n:
+            logits[g.lo:g.hi] = apply_penalties(logits[g.lo:g.hi], g.context_ids, g.params)
+    return logits
 
 
 def prepare_logits(logits: torch.Tensor, params: SamplingParams, forbidden_ids: torch.Tensor | None = None,
                    forbidden_rows: torch.Tensor | None = None, row_forbidden_ids: torch.Tensor | None = None,
                    context_ids: torch.Tensor | None = None,
                    bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Steps 3 of docs/design.md#decoding before the filters: a float32 copy of ``[N, V]`` ``logits`` with the
-    forbidden ids at -inf, ``logit_bias`` added and the penalties applied (arguments as
-    :func:`sample_candidates`)."""
-    logits = forbid(logits.float(), forbidden_ids, forbidden_rows, row_forbidden_ids)
-    logits = add_bias(logits, bias)
-    if context_ids is not None:
-        logits = apply_penalties(logits, context_ids, params)
+    """:func:`prepare_groups` for one request's ``[N, V]`` rows (arguments as :func:`sample_candidates`)."""
+    group = RowGroup(0, logits.shape[0], params, Draws(0, 0), forbidden_rows, row_forbidden_ids, context_ids, bias)
+    return prepare_groups(logits, [group], forbidden_ids)
+
+
+def filter_groups(logits: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
+    """Step 4: each group's top-k then top-p (:func:`filter_top_k_top_p`), one call per distinct setting."""
+    for (k, p), gs in _by(groups, lambda g: (g.params.top_k, g.params.top_p)).items():
+        if not ((k and k < logits.shape[-1]) or p < 1.0):
+            continue
+        if len(gs) == len(groups) and gs[0].lo == 0 and gs[-1].hi == logits.shape[0]:
+            logits = filter_top_k_top_p(logits, k, p)
+        else:
+            rows = _rows_of(gs, logits.device)
+            logits[rows] = filter_top_k_top_p(logits[rows], k, p)
     return logits
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """The candidate of each row of filtered ``[N, V]`` logits: argmax at temperature 0, else Gumbel-max
-    ``argmax(l / T + g)``. Returns ``[N]`` int64."""
-    temperature = float(params.temperature or 0.0)
-    if temperature < MIN_SAMPLING_TEMPERATURE:
-        # 0 = argmax; a positive temperature this small is argmax too (the noise cannot change the order), and
-        # l / T would overflow float64 to -inf for every token (then argmax picked index 0, a filtered token)
-        return torch.argmax(logits, dim=-1)
-    return gumbel_argmax(logits.to(torch.float64) / temperature, generator)
+def _temperature(params: SamplingParams) -> float:
+    """The sampling temperature, 0 for argmax (a positive temperature this small is argmax too: the noise cannot
+    change the order, and l / T would overflow float64 to -inf for every token)."""
+    t = float(params.temperature or 0.0)
+    return t if t >= MIN_SAMPLING_TEMPERATURE else 0.0
 
 
-def score_candidates(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                     generator: torch.Generator) -> Candidates:
-    """Probability, ordering score (``params.remasking``) and log-probability of ``tokens`` (``[N]``) under the
-    filtered ``[N, V]`` ``logits`` at temperature 1."""
+def draw_groups(logits: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
+    """Step 5: the candidate of each row of filtered ``[N, V]`` logits: argmax at temperature 0, else Gumbel-max
+    ``argmax(l / T + g)`` over the sampled groups' rows at once. Returns ``[N]`` int64."""
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [g for g in groups if _temperature(g.params) and g.n]
+    if not sampled:
+        return tokens
+    dev = logits.device
+    rows = _rows_of(sampled, dev)
+    temps = torch.cat([torch.full((g.n,), _temperature(g.params), dtype=torch.float64) for g in sampled]).to(dev)
+    keys = torch.cat([g.draws.keys(GUMBEL, g.n) for g in sampled])
+    tokens[rows] = gumbel_argmax(logits[rows].to(torch.float64) / temps[:, None], keys)
+    return tokens
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, draws: Draws) -> torch.Tensor:
+    """:func:`draw_groups` for one request's rows. Returns ``[N]`` int64."""
+    return draw_groups(logits, [RowGroup(0, logits.shape[0], params, draws)])
+
+
+def _strategy_scores(logits: torch.Tensor, lse: torch.Tensor, probability: torch.Tensor, strategy: str,
+                     gs: list[RowGroup], rows: torch.Tensor) -> torch.Tensor:
+    """``[n]`` float64 ordering scores of the ``rows`` (``[n]`` int64, on the logits' device) of the groups ``gs``,
+    which share the remasking ``strategy``: one computation for all of them."""
+    if strategy == "low_confidence":
+        return probability[rows]
+    if strategy == "margin":
+        top2 = (torch.topk(logits[rows], 2, dim=-1).values.to(torch.float64) - lse[rows, None]).exp()
+        return top2[:, 0] - top2[:, 1]
+    if strategy == "entropy":
+        log_probs = torch.log_softmax(logits[rows].to(torch.float64), dim=-1)
+        p = log_probs.exp()
+        return torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim=-1)
+    if strategy == "random":
+        keys = torch.cat([g.draws.keys(REMASK, g.n) for g in gs])
+        return uniform(keys, 1, logits.device)[:, 0]
+    if strategy == "left_to_right":  # with a threshold: the leftmost masked position plus every confident one
+        order = torch.cat([torch.arange(g.left_to_right_base, g.left_to_right_base + g.n) for g in gs])
+        return -order.to(device=logits.device, dtype=torch.float64)
+    raise ValueError(f"remasking: unknown strategy {strategy!r}")  # pragma: no cover - validated in SamplingParams
+
+
+def score_groups(logits: torch.Tensor, tokens: torch.Tensor, groups: list[RowGroup]) -> Candidates:
+    """Step 6: probability, ordering score and log-probability of ``tokens`` (``[N]``) under the filtered
+    ``[N, V]`` ``logits`` at temperature 1, and the ``top_logprobs`` alternatives."""
     lse = log_normalizer(logits)
     cand_logp = logits.gather(-1, tokens[:, None])[:, 0].to(torch.float64) - lse
     probability = cand_logp.exp()
-    strategy = params.remasking or "low_confidence"  # None: unresolved (plan.resolve_params), the default order
-    if strategy == "low_confidence":
+    by_strategy = _by(groups, lambda g: g.params.remasking or "low_confidence")  # None: unresolved, the default
+    if list(by_strategy) in ([], ["low_confidence"]):
         score = probability
-    elif strategy == "margin":
-        top2 = (torch.topk(logits, 2, dim=-1).values.to(torch.float64) - lse[:, None]).exp()
-        score = top2[:, 0] - top2[:, 1]
-    elif strategy == "entropy":
-        log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
-        p = log_probs.exp()
-        score = torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim=-1)
-    elif strategy == "random":
-        score = torch.rand(tokens.shape, dtype=torch.float64, generator=generator, device="cpu").to(tokens.device)
-    elif strategy == "left_to_right":  # with a threshold: the leftmost masked position plus every confident one
-        score = -torch.arange(tokens.shape[0], dtype=torch.float64, device=tokens.device)
-    else:  # pragma: no cover - validated in SamplingParams
-        raise ValueError(f"remasking: unknown strategy {strategy!r}")
+    else:
+        score = torch.empty_like(probability)
+        for strategy, gs in by_strategy.items():
+            rows = _rows_of(gs, logits.device)
+            score[rows] = _strategy_scores(logits, lse, probability, strategy, gs, rows)
     top_ids = top_lp = None
-    if params.top_logprobs:  # the k most likely tokens under the same distribution
-        values, top_ids = torch.topk(logits, min(params.top_logprobs, logits.shape[-1]), dim=-1)
+    k = max((g.params.top_logprobs for g in groups), default=0)
+    if k:  # the k most likely tokens under the same distribution
+        values, top_ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
         top_lp = (values.to(torch.float64) - lse[:, None]).float()
     return Candidates(tokens=tokens, probability=probability, score=score, logprob=cand_logp.float(),
                       top_ids=top_ids, top_logprobs=top_lp)
+
+
+def score_candidates(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams, draws: Draws,
+                     left_to_right_base: int = 0) -> Candidates:
+    """:func:`score_groups` for one request's rows."""
+    group = RowGroup(0, logits.shape[0], params, draws, left_to_right_base=left_to_right_base)
+    return score_groups(logits, tokens, [group])
 
 
 def forced_candidates(tokens: list[int], like: Candidates) -> Candidates:
@@ -300,3 +429,43 @@ def select_reveals(cands: Candidates, quota: int | None, threshold: float | None
         return chosen.nonzero(as_tuple=True)[0]
     k = max(1, min(int(quota or 1), n))
     return torch.topk(cands.score, k).indices
+
+
+def select_segments(cands: Candidates, segments: list[tuple[int, int, int | None, float | None]]) -> torch.Tensor:
+    """:func:`select_reveals` for many segments at once, on the candidates' device (no host read).
+
+    Args:
+        cands: candidates of N rows.
+        segments: ``(lo, hi, quota, threshold)`` per segment of rows ``[lo, hi)`` (a request's window or active
+            block), ``quota`` None under ``threshold`` and the other way round.
+
+    Returns:
+        ``[N]`` bool, the rows to reveal: per segment the ``quota`` highest scores, or every probability >=
+        ``threshold`` plus the highest score. Ties go to the lower row (a stable descending sort).
+    """
+    dev = cands.score.device
+    N = cands.score.shape[0]
+    S = len(segments)
+    W = max((hi - lo for lo, hi, _, _ in segments), default=0)
+    if not S or not W:
+        return torch.zeros(N, dtype=torch.bool, device=dev)
+    idx = torch.full((S, W), N, dtype=torch.long)  # N: a padding row (score -inf, never chosen)
+    quota = torch.zeros(S, 1, dtype=torch.long)
+    tau = torch.full((S, 1), 2.0, dtype=torch.float64)  # > any probability: no threshold
+    for s, (lo, hi, q, t) in enumerate(segments):
+        idx[s, : hi - lo] = torch.arange(lo, hi)
+        if t is not None:
+            tau[s, 0] = float(t)
+            quota[s, 0] = 1  # the best one always
+        else:
+            quota[s, 0] = max(1, min(int(q or 1), hi - lo)) if hi > lo else 0
+    idx, quota, tau = idx.to(dev), quota.to(dev), tau.to(dev)
+    pad = torch.full((1,), NEG_INF, dtype=torch.float64, device=dev)
+    score = torch.cat([cands.score.to(torch.float64), pad])[idx]
+    prob = torch.cat([cands.probability.to(torch.float64), pad])[idx]
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(W, device=dev).expand(S, W))
+    chosen = ((rank < quota) | (prob >= tau)) & (idx < N)
+    out = torch.zeros(N + 1, dtype=torch.bool, device=dev)
+    out[idx.flatten()] = chosen.flatten()
+    return out[:N]

@@ -13,8 +13,9 @@ import torch
 from .attention import canvas_groups
 from .outputs import StepEvent
 from .request import LaneInput, Request
-from .sampler import (Candidates, classifier_free_guidance, forced_candidates, prepare_logits, reveal_count,
-                      sample_candidates, select_reveals)
+from .reveals import HostRows, to_host
+from .sampler import (Candidates, RowGroup, classifier_free_guidance, forced_candidates, prepare_groups, reveal_count,
+                      sample_groups, select_segments)
 
 __all__ = ["Sequence"]
 
@@ -90,23 +91,30 @@ class Sequence(Request):
     def consume(self, logits: list[torch.Tensor], forbidden_ids: torch.Tensor
                 ) -> tuple[StepEvent, list[torch.Tensor | None]]:
         """CFG, sampling and reveals of one step (``logits[i]``: ``[N, V]`` of lane i's needed rows); every lane
-        commits what :meth:`lane_inputs` said."""
+        commits what :meth:`lane_inputs` said. The batched step (``unmask.engine.batch_step``) does the same for
+        many unconstrained sequences in one pass; this is the one-sequence path (grammar-constrained steps)."""
         cond = logits[0]
         if len(logits) == 2:
             cond = classifier_free_guidance(cond, logits[1], self.params.cfg_scale)
         masked = self.masked_positions()
-        p = self.params
-        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
-        args = dict(forbidden_ids=forbidden_ids, forbidden_rows=self.min_tokens_rows(masked),
-                    row_forbidden_ids=self.min_tokens_ids.to(cond.device),
-                    context_ids=self.context_ids() if penalised else None, bias=self.logit_bias)
+        group = self.row_group(masked, 0)
         # constrained: a left-to-right chain under the grammar (docs/design.md#constrained-decoding)
         if self.grammar is not None:
-            return self.apply_constrained(cond, masked, args), [inp.commit for inp in self._inputs]
-        cands = sample_candidates(cond, p, self.generator, **args)
+            return self.apply_constrained(cond, masked, group, forbidden_ids), [inp.commit for inp in self._inputs]
+        cands = sample_groups(cond, [group], forbidden_ids)
         return self.apply(cands, masked), [inp.commit for inp in self._inputs]
 
-    def apply_constrained(self, logits: torch.Tensor, masked: torch.Tensor, args: dict) -> StepEvent:
+    def row_group(self, masked: torch.Tensor, lo: int) -> RowGroup:
+        """This step's :class:`~unmask.engine.sampler.RowGroup` for rows ``[lo, lo + N)`` predicting the
+        ``[N]`` (host) ``masked`` positions: parameters, counter-based draws keyed by those positions,
+        ``min_tokens`` rows, penalties' context and ``logit_bias``."""
+        p = self.params
+        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
+        return RowGroup(lo, lo + int(masked.numel()), p, self.draws(masked), self.min_tokens_rows(masked),
+                        self.min_tokens_ids, self.context_ids() if penalised else None, self.logit_bias)
+
+    def apply_constrained(self, logits: torch.Tensor, masked: torch.Tensor, group: RowGroup,
+                          forbidden_ids: torch.Tensor) -> StepEvent:
         """One constrained step: :func:`~unmask.engine.grammar_sampling.sample_chain` over the window's masked
         positions (``[N]``, ascending; every generated position before the first is revealed), revealing the kept
         leading run."""
@@ -117,18 +125,19 @@ class Sequence(Request):
             raise RuntimeError(f"{self.request_id}: constrained reveals left a gap before position {int(masked[0])}")
         steps_left = self.window_steps[self.win_idx] - self.step_in_window
         quota = None if self.threshold is not None else reveal_count(int(masked.numel()), steps_left)
-        cands = sample_chain(prepare_logits(logits, self.params, **args), self.grammar, self.params,
-                             self.generator, quota, self.threshold)
+        cands = sample_chain(prepare_groups(logits, [group], forbidden_ids), self.grammar, self.params,
+                             group.draws, quota, self.threshold)
         k = int(cands.tokens.numel())
         nxt = int(masked[k - 1]) + 1  # every position after the chain is masked (the revealed region is a prefix)
         forced = forced_run(self.grammar, self.prompt_len + self.gen_len - nxt)
         if forced:  # forced tokens past the chain (and past the window) are final at once: probability 1
             cands = Candidates.cat([cands, forced_candidates(forced, cands)])
-        positions = torch.cat([masked[:k], torch.arange(nxt, nxt + len(forced), device=masked.device)])
-        return self.apply(cands, positions, chosen=torch.arange(k + len(forced)))
+        positions = torch.cat([masked[:k], torch.arange(nxt, nxt + len(forced))])
+        return self.reveal(positions, to_host(cands))
 
     def masked_positions(self) -> torch.Tensor:
-        """Canvas positions being predicted this step (the masked positions of the active window)."""
+        """Canvas positions being predicted this step (the masked positions of the active window; ``[N]`` int64,
+        host)."""
         return self._window_masked()
 
     def min_tokens_rows(self, masked: torch.Tensor) -> torch.Tensor | None:
@@ -137,26 +146,26 @@ class Sequence(Request):
             return None
         return (masked - self.prompt_len) < self.params.min_tokens
 
-    def apply(self, cands: Candidates, masked: torch.Tensor, chosen: torch.Tensor | None = None) -> StepEvent:
-        """Reveal the chosen candidates, advance the block/step counters, check EOS/stop/length.
+    def reveal_segments(self, masked: torch.Tensor) -> list[tuple[int, int, int | None, float | None]]:
+        """The reveal rule of this step over its ``[N]`` masked rows: ``(lo, hi, quota, threshold)`` per segment
+        (:func:`~unmask.engine.sampler.select_segments`): one, the window's quota or threshold."""
+        steps_left = self.window_steps[self.win_idx] - self.step_in_window
+        n = int(masked.numel())
+        quota = None if self.threshold is not None else reveal_count(n, steps_left)
+        return [(0, n, quota, self.threshold)]
 
-        Args:
-            cands: candidates for ``masked`` (``[N]`` canvas positions, the active block's masks).
-            chosen: ``[k]`` indices into them to reveal; ``None`` = the quota / threshold rule
-                (:func:`~unmask.engine.sampler.select_reveals`).
-        Returns:
-            the step's :class:`StepEvent`.
-        """
-        if chosen is None:
-            steps_left = self.window_steps[self.win_idx] - self.step_in_window
-            quota = None if self.threshold is not None else reveal_count(int(masked.numel()), steps_left)
-            chosen = select_reveals(cands, quota, self.threshold)
-        positions = masked[chosen]
-        tokens = cands.tokens[chosen]
-        self.canvas[positions] = tokens.to(self.canvas.device)
-        rel = (positions - self.prompt_len).cpu()
-        # positions past max_tokens (the rounding up to whole blocks) are decoded but never shown
-        revealed = self.record_reveals(rel, tokens, cands.take(chosen))
+    def apply(self, cands: Candidates, masked: torch.Tensor) -> StepEvent:
+        """Reveal by the quota / threshold rule (:meth:`reveal_segments`) among ``cands`` for ``masked``
+        (``[N]`` canvas positions, the active window's masks) and advance (:meth:`reveal`)."""
+        segments = self.reveal_segments(masked)
+        return self.reveal(masked, to_host(cands, select_segments(cands, segments)), segments)
+
+    def reveal(self, masked: torch.Tensor, rows: HostRows, segments: list | None = None) -> StepEvent:
+        """Write the chosen rows of ``rows`` (the step's candidates for ``masked``, on the host; in the order of
+        :meth:`~unmask.engine.reveals.HostRows.picked` for the step's ``segments``, ascending without), advance
+        the block/step counters, check EOS/stop/length; returns the step's :class:`StepEvent`."""
+        picked = rows.picked(segments) if segments else [i for i, c in enumerate(rows.chosen) if c]
+        revealed = self.record(masked[picked].tolist(), rows.take(picked))
         block = self.block_idx
         step = self.step
         self.step += 1
@@ -164,4 +173,3 @@ class Sequence(Request):
         self.step_in_window += 1
         self._skip_empty_blocks()
         return self.event(block, step, revealed)
-

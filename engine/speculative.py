@@ -46,8 +46,10 @@ import torch
 from .constraints import forced_run
 from .grammar_sampling import grammar_drafts, mask_verifier_rows
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
+from .noise import ACCEPT, DRAFT, RESIDUAL, Draws
 from .outputs import StepEvent
 from .request import LaneInput, Request
+from .reveals import to_host
 from .sampler import (Candidates, add_bias, filter_top_k_top_p, forbid, forced_candidates, log_normalizer,
                       sample_from_probs)
 
@@ -56,7 +58,7 @@ __all__ = ["SpeculativeSequence", "speculative_accept", "MAX_DRAFT_BLOCK"]
 MASK_GROUP_BASE = 1 << 40  # attention-group ids of mask groups: above every position (committed tokens use pos)
 
 
-def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], draws: Draws
                        ) -> tuple[int, int]:
     """Speculative sampling's verification of one request's drafts (Leviathan et al. 2023, Algorithm 1).
 
@@ -65,7 +67,8 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gene
             ``D`` for the position after the last draft.
         q: ``[D, V]`` float64 distributions the drafts were sampled from.
         drafts: the ``D`` draft token ids.
-        generator: the request's generator (``D`` uniforms, then one Gumbel-max draw over ``V``).
+        draws: the step's counter-based draws, row ``i`` for the position of ``p``'s row ``i`` (``D`` acceptance
+            uniforms, then one Gumbel-max draw over ``V``, each its own stream: ``unmask.engine.noise``).
 
     Returns:
         ``(accepted, token)``: the number of leading drafts accepted (draft ``i`` with probability
@@ -73,15 +76,15 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gene
         at the first rejection ``i`` (from ``p_i`` when that residual is empty, i.e. ``p_i == q_i``), from ``p_D``
         when every draft was accepted. The revealed tokens are then distributed as sampling from ``p`` alone.
     """
-    u = torch.rand(len(drafts), dtype=torch.float64, generator=generator, device="cpu")
+    u = draws.uniform(ACCEPT, len(drafts), 1, "cpu")[:, 0]
     for i, d in enumerate(drafts):
         if float(u[i]) * float(q[i, d]) < float(p[i, d]):  # u < p / q, without dividing by q
             continue
         residual = (p[i] - q[i]).clamp_min(0.0)
         total = float(residual.sum())
         dist = residual / total if total > 1e-12 else p[i]  # p == q up to rounding: nothing left but p
-        return i, int(sample_from_probs(dist[None], generator)[0])
-    return len(drafts), int(sample_from_probs(p[len(drafts)][None], generator)[0])
+        return i, int(sample_from_probs(dist[None], draws.at([i]), RESIDUAL)[0])
+    return len(drafts), int(sample_from_probs(p[len(drafts)][None], draws.at([len(drafts)]), RESIDUAL)[0])
 
 
 class SpeculativeSequence(Request):
@@ -265,7 +268,8 @@ class SpeculativeSequence(Request):
 
             q = self.draft_probs[: len(drafts)] if drafts else None
             p = probs(list(range(len(drafts) + 1)))
-            accepted, token = speculative_accept(p, q if q is not None else p[:0], drafts, self.generator)
+            accepted, token = speculative_accept(p, q if q is not None else p[:0], drafts,
+                                                 self.draws(range(f, f + len(drafts) + 1)))
         else:
             best = torch.argmax(logits, dim=-1).cpu()
             relaxed = self._relaxed_ok(logits[: len(drafts)], drafts)
@@ -294,23 +298,22 @@ class SpeculativeSequence(Request):
             self.grammar.consume(new_tokens)
             forced = forced_run(self.grammar, self.end - f - len(new_tokens))
             new_tokens += forced
-            tok_t = torch.tensor(new_tokens, dtype=torch.long)
             logp = torch.cat([logp, torch.zeros(len(forced), dtype=logp.dtype)])
             if forced:  # final at once: probability 1
                 cands = Candidates.cat([cands, forced_candidates(forced, cands)])
-            self.drafts, self.draft_probs = grammar_drafts(logits, key_rows[len(forced):], self.grammar,
-                                                           self.generator, self.temperature if self.sampling else None)
+            draft_rows = key_rows[len(forced):]
+            self.drafts, self.draft_probs = grammar_drafts(logits, draft_rows, self.grammar,
+                                                           self.draws([lay["pred_pos"][r] for r in draft_rows]),
+                                                           self.temperature if self.sampling else None)
         elif self.sampling:
             next_q = probs(key_rows) if key_rows else None
-            self.drafts = sample_from_probs(next_q, self.generator).tolist() if key_rows else []
+            self.drafts = (sample_from_probs(next_q, self.draws([lay["pred_pos"][r] for r in key_rows]), DRAFT).tolist()
+                           if key_rows else [])
             self.draft_probs = next_q
         else:
             self.drafts = [int(best[r]) for r in key_rows]
 
-        positions = torch.arange(f, f + len(new_tokens))
-        if new_tokens:
-            self.canvas[positions.to(self.canvas.device)] = tok_t.to(self.canvas.device)
-        revealed = self.record_reveals(positions - self.prompt_len, tok_t, cands) if new_tokens else []
+        revealed = self.record(list(range(f, f + len(new_tokens))), to_host(cands)) if new_tokens else []
         self.final_len = f + len(new_tokens)
         commit = (torch.arange(0, f + accepted - lo, dtype=torch.long) if self.cache_mode != "none"
                   else torch.empty(0, dtype=torch.long))

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from unmask.engine import SamplingParams
+from unmask.engine import denoiser
 from unmask.engine.engine import Engine
 from unmask.engine.sequence import Sequence
 from unmask.engine.speculative import SpeculativeSequence
@@ -31,22 +32,33 @@ def recording() -> Iterator[None]:
     """Inside: every request keeps ``steps`` = ``[(canvas before the step [L] int64, [lane logits [N, V]
     float32])]``, one entry per denoising step (prompt chunks have none)."""
     saved = {cls: cls.__dict__["consume"] for cls in (Sequence, SpeculativeSequence)}
+    batched = denoiser.consume_batch
+
+    def record(seq, logits):
+        seq.__dict__.setdefault("steps", []).append(
+            (seq.canvas.detach().cpu().clone(), [t.detach().float().cpu().clone() for t in logits]))
 
     def wrap(consume):
         def recorded(self, logits, forbidden_ids):
-            self.__dict__.setdefault("steps", []).append(
-                (self.canvas.detach().cpu().clone(), [t.detach().float().cpu().clone() for t in logits]))
+            record(self, logits)
             return consume(self, logits, forbidden_ids)
 
         return recorded
 
+    def recorded_batch(seqs, spans, logits, forbidden_ids):  # the batched pass (engine/batch_step.py)
+        for seq, lane_spans in zip(seqs, spans):
+            record(seq, [logits[a:b] for a, b in lane_spans])
+        return batched(seqs, spans, logits, forbidden_ids)
+
     for cls, consume in saved.items():
         cls.consume = wrap(consume)
+    denoiser.consume_batch = recorded_batch
     try:
         yield
     finally:
         for cls, consume in saved.items():
             cls.consume = consume
+        denoiser.consume_batch = batched
 
 
 def _block(model, size: int) -> int | None:

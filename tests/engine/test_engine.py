@@ -11,6 +11,7 @@ import torch
 from tiny import loaded
 from unmask.engine import LLM, ParamError, SamplingParams
 from unmask.engine.plan import resolve_params
+from unmask.engine.noise import Draws
 from unmask.engine.sampler import filter_top_k_top_p, reveal_count, sample_candidates
 from unmask.engine.layout import split_steps
 from unmask.engine.sequence import Sequence
@@ -250,7 +251,7 @@ def test_forbidden_ids_never_sampled_even_when_favoured():
     logits = torch.zeros(3, 10)
     logits[:, 7] = 50.0  # the mask id dominates
     sp = resolve_params(SamplingParams(temperature=1.0, seed=0))
-    c = sample_candidates(logits, sp, torch.Generator().manual_seed(0), forbidden_ids=torch.tensor([7]))
+    c = sample_candidates(logits, sp, Draws(0, 0), forbidden_ids=torch.tensor([7]))
     assert 7 not in c.tokens.tolist()
 
 

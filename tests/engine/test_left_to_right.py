@@ -8,12 +8,13 @@ import torch
 
 from tiny import loaded
 from unmask.engine import LLM, SamplingParams
+from unmask.engine.noise import Draws
 from unmask.engine.sampler import sample_candidates, select_reveals
 
 
 def _cands(probs):
     logits = torch.log(torch.tensor(probs, dtype=torch.float32))
-    return sample_candidates(logits, SamplingParams(temperature=0, remasking="left_to_right"), torch.Generator())
+    return sample_candidates(logits, SamplingParams(temperature=0, remasking="left_to_right"), Draws(0, 0))
 
 
 def test_quota_reveals_the_leftmost_positions():

@@ -8,6 +8,7 @@ import torch
 
 from tiny import loaded
 from unmask.engine import LLM, SamplingParams
+from unmask.engine.noise import DRAFT, Draws
 from unmask.engine.sampler import sample_from_probs
 from unmask.engine.speculative import speculative_accept
 
@@ -33,10 +34,9 @@ def test_accept_rule_reproduces_the_target_distribution(case):
     first = torch.zeros(V, dtype=torch.float64)
     second = torch.zeros(V, dtype=torch.float64)
     accepted0 = 0
-    run = torch.Generator().manual_seed(7 + case)
-    for _ in range(N):
-        drafts = sample_from_probs(q, run).tolist()
-        n, tok = speculative_accept(p, q, drafts, run)
+    for i in range(N):  # counter-based draws: a fresh step each time
+        drafts = sample_from_probs(q, Draws(7 + case, i), DRAFT).tolist()
+        n, tok = speculative_accept(p, q, drafts, Draws(7 + case, i))
         revealed = drafts[:n] + [tok]
         first[revealed[0]] += 1
         if n >= 1:
@@ -50,15 +50,14 @@ def test_accept_rule_reproduces_the_target_distribution(case):
 def test_equal_distributions_accept_every_draft():
     gen = torch.Generator().manual_seed(3)
     p = torch.stack([_random_dist(gen, 8) for _ in range(4)])
-    for _ in range(200):
-        drafts = sample_from_probs(p[:3], gen).tolist()
-        assert speculative_accept(p, p[:3], drafts, gen)[0] == 3
+    for i in range(200):
+        drafts = sample_from_probs(p[:3], Draws(3, i), DRAFT).tolist()
+        assert speculative_accept(p, p[:3], drafts, Draws(3, i))[0] == 3
 
 
 def test_sample_from_probs_never_draws_zero_probability_tokens():
-    gen = torch.Generator().manual_seed(0)
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    draws = torch.stack([sample_from_probs(probs, gen) for _ in range(300)])
+    draws = torch.stack([sample_from_probs(probs, Draws(0, i)) for i in range(300)])
     assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {0}
 
 

@@ -241,12 +241,13 @@ def test_tiny_positive_temperature_is_argmax_not_a_filtered_token(model):
 
     from unmask.engine.params import SamplingParams
     from unmask.engine.plan import resolve_params
+    from unmask.engine.noise import Draws
     from unmask.engine.sampler import sample_candidates
 
     logits = torch.tensor([[-3.0, -1.0, -2.0, -5.0, -0.5]])
     for t in (5e-324, 1e-300, 1e-120):
         c = sample_candidates(logits.clone(), resolve_params(SamplingParams(temperature=t, top_k=2, seed=0)),
-                              torch.Generator().manual_seed(0))
+                              Draws(0, 0))
         assert c.tokens.tolist() == [4] and math.isfinite(c.logprob.item()), t
     engine = AsyncEngine(model)
     with TestClient(build_app(engine, "m")) as client:

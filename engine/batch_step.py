@@ -1,0 +1,68 @@
+"""The batched reveal pass of one denoising step (docs/design.md#decoding, steps 2-7, for many sequences at once).
+
+Every unconstrained plain or multi-block sequence of a forward contributes its masked rows; CFG, the forbidden ids,
+``min_tokens``, ``logit_bias``, penalties, top-k/top-p, the draws (counter-based, ``unmask.engine.noise``), the
+scores and the reveal rule (quota or threshold per window or active block) run over all rows at once on the
+model's device (``unmask.engine.sampler.sample_groups``, ``select_segments``), and the step's outcome reaches the
+host in one copy (``unmask.engine.reveals.to_host``). Each sequence then applies its rows on the host
+(``Sequence.reveal``): the same reveals, in the same order, as its own ``consume`` gives (tested), so a batch's
+tokens are each sequence's alone (batch invariance, docs/design.md#exactness-contracts-by-device-and-dtype).
+"""
+from __future__ import annotations
+
+import torch
+
+from .outputs import StepEvent
+from .reveals import to_host
+from .sampler import sample_groups, select_segments
+
+__all__ = ["consume_batch"]
+
+
+def consume_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor
+                  ) -> list[StepEvent]:
+    """Reveal for ``seqs`` (``Sequence`` s without a grammar) from one forward's needed rows.
+
+    Args:
+        seqs: the sequences; ``spans[i]``: per lane of ``seqs[i]`` (cond, then uncond under CFG) its rows
+            ``(start, end)`` in ``logits``.
+        logits: ``[R, V]`` needed rows of the forward (edited in place).
+        forbidden_ids: ``[F]`` ids never generated, on the logits' device.
+
+    Returns:
+        each sequence's :class:`StepEvent`, in order.
+    """
+    dev = logits.device
+    cond_idx: list[int] = []
+    cfg_rows, cfg_uncond, cfg_scale = [], [], []
+    groups, segments, masks = [], [], []
+    n = 0
+    for seq, lane_spans in zip(seqs, spans):
+        masked = seq.masked_positions()
+        c0, c1 = lane_spans[0]
+        k = c1 - c0
+        cond_idx.extend(range(c0, c1))
+        if len(lane_spans) == 2:  # CFG (LLaDA): l = l_u + (1 + s)(l_c - l_u)
+            u0, _ = lane_spans[1]
+            cfg_rows.extend(range(n, n + k))
+            cfg_uncond.extend(range(u0, u0 + k))
+            cfg_scale.extend([1.0 + float(seq.params.cfg_scale)] * k)
+        groups.append(seq.row_group(masked, n))
+        own = seq.reveal_segments(masked)
+        segments.append(own)
+        masks.append(masked)
+        n += k
+    if cond_idx == list(range(cond_idx[0], cond_idx[0] + n)):
+        cond = logits[cond_idx[0]: cond_idx[0] + n]  # one run: a view
+    else:
+        cond = logits[torch.tensor(cond_idx, dtype=torch.long).to(dev)]
+    if cfg_rows:
+        rows = torch.tensor(cfg_rows, dtype=torch.long).to(dev)
+        uncond = logits[torch.tensor(cfg_uncond, dtype=torch.long).to(dev)]
+        scale = torch.tensor(cfg_scale, dtype=cond.dtype).to(dev)[:, None]
+        cond[rows] = uncond + scale * (cond[rows] - uncond)
+    cands = sample_groups(cond, groups, forbidden_ids)
+    flat = [(g.lo + lo, g.lo + hi, q, t) for g, own in zip(groups, segments) for lo, hi, q, t in own]
+    host = to_host(cands, select_segments(cands, flat))  # the step's one device-to-host copy
+    return [seq.reveal(masked, host.rows(g.lo, g.hi), own)
+            for seq, g, own, masked in zip(seqs, groups, segments, masks)]
