@@ -150,3 +150,19 @@ def test_config_keys_are_checked_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="topk_group"):
         llada2_config({**base, "topk_group": 5}, tmp_path)
     json.dumps(base)
+
+
+def test_a_sampled_request_is_the_same_alone_and_in_a_mixed_batch():
+    """Sampled draws are counter-based per (seed, step, position), so a sampled refinement request (with editing)
+    gets the same tokens alone and beside others; the pipeline draws with torch.multinomial over its batch, so
+    sampled runs are not compared with it."""
+    lm = loaded_llada2(seed=2)
+    llm = LLM(lm)
+    prompt = PROMPTS[1]
+    _, greedy = _params(prompt, 8, 4, 0.6, 0.4)
+    sampled = SamplingParams(**{**greedy.__dict__, "temperature": 0.9, "top_k": 50, "seed": 11})
+    alone = llm.generate([prompt], sampled)[0].outputs[0].token_ids
+    mates = [(PROMPTS[0], greedy), (prompt, sampled), (PROMPTS[2], SamplingParams(**{**sampled.__dict__, "seed": 3}))]
+    mixed = dict(llm.generate_iter(iter(mates)))
+    assert mixed[1].outputs[0].token_ids == alone
+    assert alone != llm.generate([prompt], greedy)[0].outputs[0].token_ids
