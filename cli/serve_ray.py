@@ -3,8 +3,8 @@ engine replicas spread over a Ray cluster's nodes, one ingress, Ray's HTTP proxy
 
 Every replica loads MODEL itself, on its node, through :func:`replica_engine` (the plain server's own loader,
 ``unmask.cli.serve.start_engine``): MODEL must be a path each node can read (or the default model, which each node
-prepares in its own ``$UNMASK_HOME``). Runs until SIGINT/SIGTERM, then deletes the application (a cluster it
-joined keeps running; a local one it started stops).
+prepares in its own ``$UNMASK_HOME``). Runs until SIGINT/SIGTERM, then deletes the application, and stops Ray Serve
+when no other application runs on the cluster (a cluster it joined keeps running; a local one it started stops).
 """
 from __future__ import annotations
 
@@ -70,10 +70,29 @@ def deploy(args: argparse.Namespace, engine_config, server_config, ray_config) -
     app = build_application(factory, name, server_config, ray_config, max_batch_size=engine_config.max_batch_size,
                             max_queue=engine_config.max_queue)
     serve.start(http_options={"host": server_config.host, "port": server_config.port})
+    check_proxy_address(server_config)
     serve.run(app, name=APP_NAME, route_prefix=server_config.root_path.rstrip("/") or "/")
     log.info("serving %s as %r on http://%s:%d through Ray Serve: %s", what or model_path, name, server_config.host,
              server_config.port, ray_summary(ray_config))
     return name
+
+
+def check_proxy_address(server_config) -> None:
+    """Ray Serve listens where ``--host``/``--port`` say: on a cluster whose Serve already runs, its proxies keep
+    their own address (Ray ignores a new one with a log line), and the server would answer elsewhere.
+
+    Raises:
+        UsageError: naming ``--port`` and the address Ray Serve uses.
+    """
+    from ray.serve.context import _get_global_client
+
+    from unmask.cli.main import UsageError
+
+    http = _get_global_client().http_config
+    if (http.host, http.port) != (server_config.host, server_config.port):
+        raise UsageError(f"--port: Ray Serve already runs on this cluster on {http.host}:{http.port}, not "
+                         f"{server_config.host}:{server_config.port}; serve there (--host {http.host} --port "
+                         f"{http.port}) or stop it first (serve shutdown)")
 
 
 def ray_summary(config) -> str:
@@ -97,6 +116,16 @@ def run_ray(args: argparse.Namespace, engine_config, server_config) -> int:
         deploy(args, engine_config, server_config, ray_config)
         stop.wait()
     finally:
-        serve.delete(APP_NAME)
+        stop_serving()
         ray.shutdown()
     return 0
+
+
+def stop_serving() -> None:
+    """Delete the application; with no other application left, stop Ray Serve too (its proxies would keep this
+    server's port on the cluster)."""
+    from ray import serve
+
+    serve.delete(APP_NAME)
+    if not serve.status().applications:
+        serve.shutdown()

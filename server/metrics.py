@@ -115,7 +115,9 @@ class Metrics:
 
     Args:
         model_name: value of the ``model_name`` label.
-        engine: object with ``num_running`` / ``num_waiting`` attributes (the gauges read them at scrape time).
+        engine: object with ``num_running`` / ``num_waiting`` attributes (the gauges read them at scrape time), or
+            one whose ``exports_engine_metrics`` is False (Ray Serve's ingress: every engine replica exports its own
+            gauges, :func:`engine_metrics`; the ingress's would count each request twice in a dashboard's sums).
     """
 
     def __init__(self, model_name: str, engine=None):
@@ -153,7 +155,7 @@ class Metrics:
         self.accepted = Counter("unmask:spec_decode_num_accepted_tokens",
                                 "Draft tokens accepted by self-speculative decoding (acceptance rate = "
                                 "accepted / draft).", L, registry=r)
-        if engine is not None:
+        if engine is not None and getattr(engine, "exports_engine_metrics", True):
             engine_metrics(r, model_name, engine)
         self._serving_metrics()
         for metric in (self.prompt_tokens, self.generation_tokens, self.nfe, self.denoising_steps, self.ttft,

@@ -127,9 +127,12 @@ class RemoteEngine:
         handle: the ``EngineReplica`` deployment's handle (``generate`` streaming, ``score``).
         info: what ``EngineReplica.info()`` returned: ``tokenizer``, ``dllm``, ``max_context``, ``max_queue``.
 
-    Counters: ``num_running`` / ``num_waiting``: this ingress's requests in flight whose first step has / has not
-    run. The KV gauges and prefix-cache counters belong to each replica's own ``/metrics``.
+    Counters (``/health``): ``num_running`` / ``num_waiting``: this ingress's requests in flight whose first step
+    has / has not run. The gauges read from an engine (queued and running requests, KV usage, prefix-cache
+    counters) are each replica's own ``/metrics``, not the ingress's (``exports_engine_metrics``).
     """
+
+    exports_engine_metrics = False
 
     def __init__(self, handle, info: dict):
         self.handle = handle

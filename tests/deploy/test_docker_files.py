@@ -124,7 +124,7 @@ def test_the_dashboard_has_the_panels_docs_deploy_lists():
                    "unmask:num_requests_waiting", "unmask:request_success_total", "unmask:request_failure_total",
                    "unmask:spec_decode_num_accepted_tokens_total", "unmask:kv_cache_usage_perc",
                    "unmask:prefix_cache_usage_perc", "unmask:inter_token_latency_seconds_bucket",
-                   "unmask:request_refused_total"):
+                   "unmask:request_refused_total", "unmask:prefix_cache_hits_total"):
         assert needle in text, needle
     for q in ("0.5", "0.95", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(unmask:e2e_request_latency_seconds_bucket" in text
