@@ -13,7 +13,7 @@ from unmask.engine import LLM, SamplingParams
 from unmask.engine.config import CheckpointError
 from unmask.engine.limits import ParamError
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42, 43, 44, 45], [100, 7, 99, 3, 2]]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42, 43, 44, 45, 46, 47], [100, 7, 99, 3, 2]]  # 8: aligned
 # (block size, steps per block, threshold, editing threshold); prompt + max_tokens end on a block boundary (the
 # pipeline hides the positions past gen_length from attention, the engine decodes whole blocks)
 CASES = [(8, 8, 0.7, None), (4, 2, 0.9, None), (8, 4, 0.5, None), (8, 8, 0.7, 0.5), (4, 4, 0.6, 0.3)]
