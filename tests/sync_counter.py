@@ -107,11 +107,10 @@ class _Functions(TorchFunctionMode):
             for a in args[1:]:
                 if isinstance(a, torch.Tensor):
                     target = a.device
-                elif isinstance(a, (str, torch.device)) and not isinstance(a, torch.dtype):
+                elif isinstance(a, (str, torch.device)):
                     target = a
-                elif isinstance(a, bool):  # to(device, dtype, non_blocking)
-                    if a and a is args[-1] and len(args) > 2:
-                        return False
+                elif a is True:  # to(device, dtype, non_blocking)
+                    return False
         else:
             return False
         if target is None or isinstance(target, int):

@@ -89,5 +89,6 @@ def test_host_to_device_builds_counted_under_inference_mode(monkeypatch):
             torch.tensor([1, 2], device="cuda")
             torch.ones(2).to("cuda")
             torch.ones(2).to("cuda", non_blocking=True)
+            torch.ones(2).to("cuda", torch.float32, True)  # non_blocking, positional
             torch.ones(2).to(torch.float64)
     assert dict(c.syncs) == {"host-to-device": 2}
