@@ -11,7 +11,11 @@ The rule (:meth:`PrefixAffinity.choose`):
 
 1. the replicas whose load is at most the least loaded one's + ``imbalance`` are eligible (load: requests in
    flight to the replica, as the caller counts them);
-2. among them the one holding the longest run of the prompt's leading keys wins;
+2. among them the highest score wins: the run of the prompt's leading keys the replica holds (chunks it need not
+   prefill) minus ``load_weight`` chunks per request in flight on it (llm-d's scheduler also weighs a prefix score
+   against a queue score). Without the load term a prefix every chat shares (a system prompt) would pull every
+   new chat to the replica that saw it first; with it, a chat's later turns (most of their prompt held) stay, and
+   new chats spread once the first replica is ``shared chunks / load_weight`` requests busier;
 3. ties (and prompts nobody holds) go to the least loaded, then to the one chosen least recently (new
    conversations and short prompts take the replicas in turn).
 """
@@ -20,10 +24,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-__all__ = ["PrefixAffinity", "DEFAULT_IMBALANCE", "DEFAULT_MAX_KEYS"]
+__all__ = ["PrefixAffinity", "DEFAULT_IMBALANCE", "DEFAULT_LOAD_WEIGHT", "DEFAULT_MAX_KEYS"]
 
 #: requests in flight by which an eligible replica may exceed the least loaded one
 DEFAULT_IMBALANCE = 4
+#: chunks of held prefix one request in flight is worth (a queued request waits for a whole request's steps;
+#: a held chunk saves 16 prompt rows of one forward)
+DEFAULT_LOAD_WEIGHT = 2.0
 #: keys remembered per replica: 65,536 chunks of 16 tokens = 1M tokens, above a CPU replica's prefix store
 DEFAULT_MAX_KEYS = 65536
 
@@ -33,18 +40,22 @@ class PrefixAffinity:
 
     Args:
         imbalance: most requests in flight an eligible replica may have beyond the least loaded (>= 0).
+        load_weight: chunks of held prefix one request in flight is worth (>= 0; 0: the longest match alone).
         max_keys: keys remembered per replica (>= 1).
 
     Raises:
-        ValueError: ``imbalance`` < 0 or ``max_keys`` < 1 (names the argument).
+        ValueError: ``imbalance`` or ``load_weight`` < 0, ``max_keys`` < 1 (names the argument).
     """
 
-    def __init__(self, imbalance: int = DEFAULT_IMBALANCE, max_keys: int = DEFAULT_MAX_KEYS):
+    def __init__(self, imbalance: int = DEFAULT_IMBALANCE, max_keys: int = DEFAULT_MAX_KEYS,
+                 load_weight: float = DEFAULT_LOAD_WEIGHT):
         if imbalance < 0:
             raise ValueError(f"imbalance: must be >= 0, got {imbalance}")
+        if not load_weight >= 0:  # NaN too
+            raise ValueError(f"load_weight: must be >= 0, got {load_weight}")
         if max_keys < 1:
             raise ValueError(f"max_keys: must be >= 1, got {max_keys}")
-        self.imbalance, self.max_keys = int(imbalance), int(max_keys)
+        self.imbalance, self.max_keys, self.load_weight = int(imbalance), int(max_keys), float(load_weight)
         self._holders: dict[str, set] = {}  # key -> replicas it was sent to
         self._held: dict[Hashable, collections.OrderedDict] = {}  # replica -> its keys, least recently sent first
         self._chosen: dict[Hashable, int] = {}  # replica -> the turn it was last chosen at
@@ -78,7 +89,8 @@ class PrefixAffinity:
         floor = min(load.values())
         eligible = [r for r, n in load.items() if n <= floor + self.imbalance]
         depth = self.match(keys, eligible)
-        return min(eligible, key=lambda r: (-depth[r], load[r], self._chosen.get(r, -1), str(r)))
+        w = self.load_weight
+        return min(eligible, key=lambda r: (w * load[r] - depth[r], load[r], self._chosen.get(r, -1), str(r)))
 
     def record(self, keys: Sequence[str], replica: Hashable) -> None:
         """Remember that ``keys`` were sent to ``replica`` (most recent) and that it was chosen now, forgetting its

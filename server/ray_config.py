@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from unmask.engine import option
 
-from .prefix_routing import DEFAULT_IMBALANCE
+from .prefix_routing import DEFAULT_IMBALANCE, DEFAULT_LOAD_WEIGHT
 
 __all__ = ["RayServeConfig", "RAY_ROUTERS"]
 
@@ -47,6 +47,11 @@ class RayServeConfig:
                                        "round_robin, power_of_two (Ray Serve's default)", choices=RAY_ROUTERS)
     ray_imbalance: int = option(DEFAULT_IMBALANCE, "requests in flight by which the prefix router's choice may "
                                                    f"exceed the least loaded replica (default {DEFAULT_IMBALANCE})")
+    ray_load_weight: float = option(DEFAULT_LOAD_WEIGHT, "chunks of held prompt prefix (16 tokens each) one request "
+                                                         "in flight is worth to the prefix router: it picks the "
+                                                         "replica with the most held chunks minus this per request "
+                                                         f"in flight (default {DEFAULT_LOAD_WEIGHT:g}; 0: longest "
+                                                         "match within --ray-imbalance)")
     ray_metrics_port: int = option(0, "port of each engine replica's own /metrics on its node (default 0: any "
                                       "free port; GET /replicas on the ingress lists them)")
 
@@ -71,6 +76,8 @@ class RayServeConfig:
         for name in ("ray_upscale_delay", "ray_downscale_delay", "ray_replica_cpus", "ray_replica_gpus"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.ray_load_weight >= 0:  # NaN too
+            raise ValueError(f"ray_load_weight: must be >= 0, got {self.ray_load_weight}")
         if self.ray_imbalance < 0:
             raise ValueError(f"ray_imbalance: must be >= 0, got {self.ray_imbalance}")
         if not 0 <= self.ray_metrics_port <= 65535:

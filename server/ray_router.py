@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from .prefix_routing import DEFAULT_IMBALANCE, DEFAULT_MAX_KEYS, PrefixAffinity
+from .prefix_routing import DEFAULT_IMBALANCE, DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_KEYS, PrefixAffinity
 
 __all__ = ["PrefixAwareRouter", "RoundRobinRouter"]
 
 
 class PrefixAwareRouter(RequestRouter):
-    """Ray Serve request router of the engine replicas (``request_router_kwargs``: ``imbalance``, ``max_keys``)."""
+    """Ray Serve request router of the engine replicas (``request_router_kwargs``: ``imbalance``, ``load_weight``,
+    ``max_keys``)."""
 
-    def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, max_keys: int = DEFAULT_MAX_KEYS, **_):
-        self.affinity = PrefixAffinity(imbalance, max_keys)
+    def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, load_weight: float = DEFAULT_LOAD_WEIGHT,
+                         max_keys: int = DEFAULT_MAX_KEYS, **_):
+        self.affinity = PrefixAffinity(imbalance, max_keys, load_weight)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[RunningReplica, int]:
         """Ongoing requests per replica: the cached queue length, else a probe's; a replica that does not answer

@@ -27,13 +27,24 @@ def test_route_keys_follow_the_prefix_caches_chunks_and_salt():
 
 
 def test_longest_held_prefix_wins_within_the_load_bound():
-    t = PrefixAffinity(imbalance=2)
+    t = PrefixAffinity(imbalance=2, load_weight=0)
     chat = route_keys(list(range(64)))  # 4 chunks
     t.record(chat[:2], "r1")  # turn 1 went to r1
     t.record(route_keys([7] * 64), "r2")
     assert t.match(chat, ["r1", "r2"]) == {"r1": 2, "r2": 0}
     assert t.choose(chat, {"r1": 2, "r2": 0}) == "r1"  # 2 more in flight: within the bound
     assert t.choose(chat, {"r1": 3, "r2": 0}) == "r2"  # beyond it: the load decides
+
+
+def test_held_chunks_are_weighed_against_requests_in_flight():
+    t = PrefixAffinity(imbalance=8, load_weight=2)
+    system = list(range(96))  # a 6-chunk system prompt every chat shares
+    t.record(route_keys(system + [500] * 16), "r1")  # the first chat went to r1
+    new_chat = route_keys(system + [600] * 16)
+    assert t.choose(new_chat, {"r1": 2, "r2": 0}) == "r1"  # 6 held chunks > 2 x 2 requests
+    assert t.choose(new_chat, {"r1": 3, "r2": 0}) == "r2"  # 6 = 2 x 3: a tie goes to the less loaded
+    turn2 = route_keys(system + [500] * 16 + [501] * 48)  # the first chat's next turn: 7 of its 10 chunks held
+    assert t.choose(turn2, {"r1": 3, "r2": 0}) == "r1" and t.choose(turn2, {"r1": 4, "r2": 0}) == "r2"
 
 
 def test_unknown_prompts_spread_and_ties_go_to_the_least_loaded():
@@ -66,6 +77,8 @@ def test_forgotten_replicas_and_the_key_bound():
         t.choose(keys, {})
     with pytest.raises(ValueError, match="imbalance"):
         PrefixAffinity(imbalance=-1)
+    with pytest.raises(ValueError, match="load_weight"):
+        PrefixAffinity(load_weight=float("nan"))
 
 
 def test_param_error_crosses_processes():
@@ -79,7 +92,7 @@ def test_ray_config_names_the_bad_field():
     for kw, field in (({"ray_min_replicas": 0}, "ray_min_replicas"),
                       ({"ray_min_replicas": 2, "ray_max_replicas": 1}, "ray_max_replicas"),
                       ({"ray_upscale_delay": -1.0}, "ray_upscale_delay"), ({"ray_router": "x"}, "ray_router"),
-                      ({"ray_imbalance": -1}, "ray_imbalance")):
+                      ({"ray_imbalance": -1}, "ray_imbalance"), ({"ray_load_weight": -1.0}, "ray_load_weight")):
         with pytest.raises(ValueError, match=field):
             RayServeConfig(**kw).validate()
 
