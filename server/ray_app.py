@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import ray
@@ -23,6 +22,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from .metrics import engine_metrics
 from .ray_config import RayServeConfig
 from .ray_router import PrefixAwareRouter, RoundRobinRouter
+from .remote_engine import replica_call
 
 __all__ = ["EngineReplica", "Ingress", "build_application"]
 
@@ -62,33 +62,11 @@ class EngineReplica:
 
     async def generate(self, prompts, params, request_ids, n=1, fit_max_tokens=False, group=None, cache_salt=None,
                        route_keys=None):  # noqa: ARG002 - route_keys: read by the router, not here
-        """``AsyncEngine.submit_many`` and its events, in :mod:`.remote_engine`'s wire protocol. A cancelled call
-        (the client went away, or aborted) aborts its engine requests."""
-        loop = asyncio.get_running_loop()
-        try:  # building the requests checks every prompt id: off the event loop, as the app does
-            streams = await asyncio.to_thread(lambda: self.engine.submit_many(
-                prompts, params, request_ids, n=n, fit_max_tokens=fit_max_tokens, loop=loop, group=group,
-                cache_salt=cache_salt))
-        except Exception as exc:  # ParamError, QueueFull, CacheFull, EngineClosed: the ingress raises it
-            yield ("refused", exc)
-            return
-        yield ("admitted", {"resolved": [s.resolved for s in streams], **self.where})
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(_pump(p, s, queue)) for p, s in enumerate(streams)]
-        try:
-            open_streams = len(streams)
-            while open_streams:
-                batch = [await queue.get()]
-                while not queue.empty():  # every event ready now in one message
-                    batch.append(queue.get_nowait())
-                open_streams -= sum(1 for _, item, _ in batch if item is None or isinstance(item, BaseException))
-                yield batch
-        finally:
-            for s in streams:
-                if not s.finished:
-                    s.abort()
-            for t in tasks:
-                t.cancel()
+        """``AsyncEngine.submit_many`` and its events in :mod:`.remote_engine`'s wire protocol
+        (:func:`~.remote_engine.replica_call`). A cancelled call aborts its engine requests."""
+        async for item in replica_call(self.engine, self.where, prompts, params, request_ids, n, fit_max_tokens,
+                                       group, cache_salt):
+            yield item
 
     async def score(self, prompt_ids, top_k=0, samples=None, seed=0, route_keys=None):  # noqa: ARG002
         """``AsyncEngine.score``: ``("ok", result)`` or ``("refused", the engine's exception)``."""
@@ -103,18 +81,6 @@ class EngineReplica:
             http.shutdown()
         if engine is not None:
             engine.shutdown()
-
-
-async def _pump(p: int, stream, queue: asyncio.Queue) -> None:
-    """Stream ``p``'s events into ``queue`` as ``(p, event, first step time)``; then ``(p, None, t)``, or
-    ``(p, exception, t)`` when it failed."""
-    try:
-        async for ev in stream:
-            queue.put_nowait((p, ev, stream.first_step_time))
-    except Exception as exc:
-        queue.put_nowait((p, exc, stream.first_step_time))
-        return
-    queue.put_nowait((p, None, stream.first_step_time))
 
 
 @serve.ingress()

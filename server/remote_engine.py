@@ -20,7 +20,7 @@ import time
 
 from unmask.engine import EngineClosed, EngineError, route_keys
 
-__all__ = ["RemoteEngine", "RemoteStream"]
+__all__ = ["RemoteEngine", "RemoteStream", "replica_call"]
 
 _END = object()
 
@@ -214,3 +214,48 @@ class RemoteEngine:
         if kind == "refused":
             raise payload
         return payload
+
+
+# ---------------------------------------------------------------------------------------------- the replica's end
+async def replica_call(engine, where: dict, prompts, params, request_ids, n=1, fit_max_tokens=False, group=None,
+                       cache_salt=None):
+    """The replica's end of one call: ``engine.submit_many`` (an :class:`~unmask.engine.AsyncEngine`) and its
+    events in the wire protocol above; ``where``: the replica's ``replica`` / ``node`` / ``metrics``. A cancelled
+    or closed generator aborts the engine requests not finished."""
+    loop = asyncio.get_running_loop()
+    try:  # building the requests checks every prompt id: off the event loop, as the app does
+        streams = await asyncio.to_thread(lambda: engine.submit_many(
+            prompts, params, request_ids, n=n, fit_max_tokens=fit_max_tokens, loop=loop, group=group,
+            cache_salt=cache_salt))
+    except Exception as exc:  # ParamError, QueueFull, CacheFull, EngineClosed: the ingress raises it
+        yield ("refused", exc)
+        return
+    yield ("admitted", {"resolved": [s.resolved for s in streams], **where})
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(p, s, queue)) for p, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            batch = [await queue.get()]
+            while not queue.empty():  # every event ready now in one message
+                batch.append(queue.get_nowait())
+            open_streams -= sum(1 for _, item, _ in batch if item is None or isinstance(item, BaseException))
+            yield batch
+    finally:
+        for s in streams:
+            if not s.finished:
+                s.abort()
+        for t in tasks:
+            t.cancel()
+
+
+async def _pump(p: int, stream, queue: asyncio.Queue) -> None:
+    """Stream ``p``'s events into ``queue`` as ``(p, event, first step time)``; then ``(p, None, t)``, or
+    ``(p, exception, t)`` when it failed."""
+    try:
+        async for ev in stream:
+            queue.put_nowait((p, ev, stream.first_step_time))
+    except Exception as exc:
+        queue.put_nowait((p, exc, stream.first_step_time))
+        return
+    queue.put_nowait((p, None, stream.first_step_time))
