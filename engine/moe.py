@@ -131,17 +131,18 @@ class GroupedExperts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
-        slots = x.new_zeros(N * k, x.shape[-1])
-        w = weights.reshape(-1).to(x.dtype)
+        sorted_rows = x.index_select(0, order // k)  # each pair's token, in expert order
+        out = torch.empty_like(sorted_rows)
         start = 0
         for e, count in enumerate(counts):
             if not count:
                 continue
-            pairs = order[start:start + count]
-            start += count
-            rows = x.index_select(0, pairs // k)
+            rows = sorted_rows[start:start + count]
             h = F.silu(rows @ self.gate_proj[e].t()) * (rows @ self.up_proj[e].t())
-            slots[pairs] = (h @ self.down_proj[e].t()) * w[pairs, None]
+            out[start:start + count] = h @ self.down_proj[e].t()
+            start += count
+        slots = torch.empty_like(out)
+        slots[order] = out * weights.reshape(-1).to(x.dtype)[order, None]
         return slots.view(N, k, -1).sum(dim=1)
 
 
