@@ -15,6 +15,7 @@ import torch
 from .outputs import StepEvent
 from .reveals import to_host
 from .sampler import sample_groups, select_segments
+from .transfer import to_device
 
 __all__ = ["consume_batch"]
 
@@ -52,14 +53,13 @@ def consume_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.
         segments.append(own)
         masks.append(masked)
         n += k
-    if cond_idx == list(range(cond_idx[0], cond_idx[0] + n)):
-        cond = logits[cond_idx[0]: cond_idx[0] + n]  # one run: a view
-    else:
-        cond = logits[torch.tensor(cond_idx, dtype=torch.long).to(dev)]
+    run = cond_idx == list(range(cond_idx[0], cond_idx[0] + n))
+    idx = to_device(torch.tensor(([] if run else cond_idx) + cfg_rows + cfg_uncond, dtype=torch.long), dev)
+    cond = logits[cond_idx[0]: cond_idx[0] + n] if run else logits[idx[:n]]  # one run: a view
     if cfg_rows:
-        rows = torch.tensor(cfg_rows, dtype=torch.long).to(dev)
-        uncond = logits[torch.tensor(cfg_uncond, dtype=torch.long).to(dev)]
-        scale = torch.tensor(cfg_scale, dtype=cond.dtype).to(dev)[:, None]
+        m = len(cfg_rows)
+        rows, uncond = idx[-2 * m: -m], logits[idx[-m:]]
+        scale = to_device(torch.tensor(cfg_scale, dtype=cond.dtype), dev)[:, None]
         cond[rows] = uncond + scale * (cond[rows] - uncond)
     cands = sample_groups(cond, groups, forbidden_ids)
     flat = [(g.lo + lo, g.lo + hi, q, t) for g, own in zip(groups, segments) for lo, hi, q, t in own]

@@ -23,6 +23,7 @@ from .prefill_cost import PrefillBudget, attention_crossover_keys
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
 from .sequence import Sequence
+from .transfer import to_device
 
 
 class Denoiser:
@@ -205,7 +206,7 @@ class Denoiser:
         flags = pad([torch.stack([inp.committed, torch.ones_like(inp.committed), p, v]) .T
                      for (_, _, inp), p, v in zip(rows, prompts, variants)], batch_first=True)  # [B, Q, 4]
         host = torch.cat([torch.stack(longs), flags.permute(2, 0, 1).long()])  # [8, B, Q]
-        on = host.to(self.device)
+        on = to_device(host, self.device)
         any_prompt = bool(flags[..., 2].any())  # host values: no device read
         return (on[0], on[1], on[2], on[3], on[4].bool(), on[5].bool(), on[6].bool() if any_prompt else None,
                 on[7].bool() if self.model.has_row_variant else None)
@@ -245,16 +246,17 @@ class Denoiser:
                     g_cols.append(inp.carry_index)
                 new_src.append(carry_head)
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
-        idx = torch.tensor([g_rows, g_cols], dtype=torch.long).to(dev)
+        idx = to_device(torch.tensor([g_rows, g_cols], dtype=torch.long), dev)
         head = self.model.logits(hidden[idx[0], idx[1]],
                                  variant_rows=variant[idx[0], idx[1]] if variant is not None else None)
-        plan = torch.tensor([[o for o, _ in take], [h for _, h in take]], dtype=torch.long).reshape(2, -1).to(dev)
+        plan = to_device(torch.tensor([[o for o, _ in take], [h for _, h in take]], dtype=torch.long).reshape(2, -1), dev)
         out = head.new_empty(n_out, head.shape[-1])
         out[plan[0]] = head[plan[1]]
         if carry_dst:  # read before this step's carries overwrite the slots
-            out[torch.tensor(carry_dst).to(dev)] = self.carry.rows[torch.tensor(carry_src).to(dev)]
+            at = to_device(torch.tensor([carry_dst, carry_src], dtype=torch.long), dev)
+            out[at[0]] = self.carry.rows[at[1]]
         if new_slots:
-            self.carry.write(new_slots, head[torch.tensor(new_src).to(dev)])
+            self.carry.write(new_slots, head[to_device(torch.tensor(new_src, dtype=torch.long), dev)])
         return out, spans
 
 

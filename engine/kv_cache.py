@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from .transfer import to_device
+
 
 class LaneCache:
     """Committed KV of one lane, in per-layer buffers that grow in place.
@@ -215,7 +217,7 @@ class BatchKV:
                 meta[0, b, :n] = lane.pos
                 meta[1, b, :n] = lane.grp
                 meta[2, b, :n] = 1
-        meta = meta.to(self.device)
+        meta = to_device(meta, self.device)
         return meta[0], meta[1], meta[2].bool()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .transfer import to_device
+
 __all__ = ["GUMBEL", "REMASK", "ACCEPT", "RESIDUAL", "DRAFT", "CHAIN", "Draws", "row_keys", "row_keys_of", "uniform"]
 
 _M32 = 0xFFFFFFFF
@@ -47,7 +49,7 @@ def row_keys(seed: int, step: int, stream: int, positions: Sequence[int] | torch
 def uniform(keys: torch.Tensor, width: int, device: torch.device | str) -> torch.Tensor:
     """``[N, width]`` float64 uniforms in (0, 1) on ``device``: column ``j`` of row ``i`` is a function of
     ``keys[i]`` and ``j`` only (keys from :func:`row_keys`, any device; moved to ``device``)."""
-    k = keys.to(device=device, dtype=torch.long)[:, None]
+    k = to_device(keys.to(torch.long), device)[:, None]
     cols = _hash32(torch.arange(width, dtype=torch.long, device=device))[None, :]
     h = _hash32((k + cols) & _M32)
     return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)

@@ -18,6 +18,7 @@ import torch
 from .limits import MIN_SAMPLING_TEMPERATURE
 from .noise import GUMBEL, REMASK, Draws, uniform
 from .params import SamplingParams
+from .transfer import to_device
 
 NEG_INF = float("-inf")
 
@@ -228,7 +229,7 @@ def sample_groups(logits: torch.Tensor, groups: list[RowGroup], forbidden_ids: t
 
 def _rows_of(groups: list[RowGroup], device) -> torch.Tensor:
     """``[n]`` int64 on ``device``: the rows of ``groups``."""
-    return torch.cat([torch.arange(g.lo, g.hi, dtype=torch.long) for g in groups]).to(device)
+    return to_device(torch.cat([torch.arange(g.lo, g.hi, dtype=torch.long) for g in groups]), device)
 
 
 def _by(groups: list[RowGroup], key) -> dict:
@@ -253,7 +254,8 @@ def prepare_groups(logits: torch.Tensor, groups: list[RowGroup], forbidden_ids: 
             rows.append(r.repeat_interleave(g.min_tokens_ids.numel()))
             cols.append(g.min_tokens_ids.cpu().repeat(r.numel()))
     if rows:
-        logits.index_put_((torch.cat(rows).to(dev), torch.cat(cols).to(dev)), torch.tensor(NEG_INF, device=dev))
+        at = to_device(torch.stack([torch.cat(rows), torch.cat(cols)]), dev)
+        logits.index_put_((at[0], at[1]), logits.new_full((), NEG_INF))
     rows, cols, vals = [], [], []
     for g in groups:
         if g.bias is not None and g.n:
@@ -262,8 +264,8 @@ def prepare_groups(logits: torch.Tensor, groups: list[RowGroup], forbidden_ids: 
             cols.append(ids.cpu().repeat(g.n))
             vals.append(values.cpu().repeat(g.n))
     if rows:
-        logits.index_put_((torch.cat(rows).to(dev), torch.cat(cols).to(dev)),
-                          torch.cat(vals).to(device=dev, dtype=logits.dtype), accumulate=True)
+        at = to_device(torch.stack([torch.cat(rows), torch.cat(cols)]), dev)
+        logits.index_put_((at[0], at[1]), to_device(torch.cat(vals), dev).to(logits.dtype), accumulate=True)
     for g in groups:
         if g.context_ids is not None and g.n:
             logits[g.lo:g.hi] = apply_penalties(logits[g.lo:g.hi], g.context_ids, g.params)
@@ -308,7 +310,7 @@ def draw_groups(logits: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
         return tokens
     dev = logits.device
     rows = _rows_of(sampled, dev)
-    temps = torch.cat([torch.full((g.n,), _temperature(g.params), dtype=torch.float64) for g in sampled]).to(dev)
+    temps = to_device(torch.cat([torch.full((g.n,), _temperature(g.params), dtype=torch.float64) for g in sampled]), dev)
     keys = torch.cat([g.draws.keys(GUMBEL, g.n) for g in sampled])
     tokens[rows] = gumbel_argmax(logits[rows].to(torch.float64) / temps[:, None], keys)
     return tokens
@@ -459,7 +461,8 @@ def select_segments(cands: Candidates, segments: list[tuple[int, int, int | None
             quota[s, 0] = 1  # the best one always
         else:
             quota[s, 0] = max(1, min(int(q or 1), hi - lo)) if hi > lo else 0
-    idx, quota, tau = idx.to(dev), quota.to(dev), tau.to(dev)
+    both = to_device(torch.cat([idx, quota], 1), dev)  # one copy for the indices and quotas
+    idx, quota, tau = both[:, :W], both[:, W:], to_device(tau, dev)
     pad = torch.full((1,), NEG_INF, dtype=torch.float64, device=dev)
     score = torch.cat([cands.score.to(torch.float64), pad])[idx]
     prob = torch.cat([cands.probability.to(torch.float64), pad])[idx]
