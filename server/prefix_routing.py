@@ -30,7 +30,7 @@ __all__ = ["PrefixAffinity", "DEFAULT_IMBALANCE", "DEFAULT_LOAD_WEIGHT", "DEFAUL
 DEFAULT_IMBALANCE = 4
 #: chunks of held prefix one request in flight is worth (a queued request waits for a whole request's steps;
 #: a held chunk saves 16 prompt rows of one forward)
-DEFAULT_LOAD_WEIGHT = 2.0
+DEFAULT_LOAD_WEIGHT = 4.0
 #: keys remembered per replica: 65,536 chunks of 16 tokens = 1M tokens, above a CPU replica's prefix store
 DEFAULT_MAX_KEYS = 65536
 
