@@ -45,6 +45,12 @@ MAX_SCHEMA_NODES = 4096    # JSON values in all of a request's schemas (tool par
 MAX_JSON_DEPTH = 64        # nesting of the request body
 MAX_JSON_ITEMS = MAX_POSITIONS  # entries of any one array or object of the body (a token-id prompt at most)
 MAX_TOOLS = 128            # OpenAI's limit on tools per request
+# Bounds on the whole body, counted on its bytes before it is parsed: json.loads of 900,000 one-element lists (3.6 MB)
+# held the GIL 6-14 s (the cyclic GC runs again and again while it builds them), freezing the event loop even from a
+# worker thread. Every container costs a parse, a GC and a validation: a chat of 1,024 messages with 8 content parts
+# each has ~10,000; a value is cheap: 32 token-id prompts of 8,192 tokens are 262,144.
+MAX_JSON_CONTAINERS = 2**14  # arrays and objects in the body
+MAX_JSON_VALUES = 2**18      # values in the body (numbers, strings, literals, arrays and objects; keys not counted)
 
 # Checkpoint sanity (docs/design.md#checks-at-load): no trained model's weight reaches this magnitude (SmolLM2-135M's
 # largest is 9.3, its adapter's 0.62; large models' outliers stay in the hundreds); a weight past it is refused at

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from serving import start_server, stop_server
-from unmask.engine.limits import MAX_CONTENT_PARTS, MAX_JSON_DEPTH, MAX_SCHEMA_NODES, MAX_TOOLS
+from unmask.engine.limits import (MAX_CONTENT_PARTS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_VALUES,
+                                  MAX_SCHEMA_NODES, MAX_TOOLS)
 from unmask.server.body_limits import STRUCTURE_LIMITS, structure_error
 
 CH = "/v1/chat/completions"
@@ -31,13 +32,17 @@ def _tools(n: int, props: int = 1) -> dict:
     return _chat(tools=[{"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(n)])
 
 
-ABUSIVE = {  # each under the 4 MB body limit
-    "content_parts": (_parts(120_000), "messages.0.content", MAX_CONTENT_PARTS),
-    "tools": (_tools(20_000), "tools", MAX_TOOLS),
-    "schema_nodes": (_tools(1, props=60_000), "tools", MAX_SCHEMA_NODES),
+ABUSIVE = {  # each under the 4 MB body limit; the named counts under the body's container bound
+    "content_parts": (_parts(10_000), "messages.0.content", MAX_CONTENT_PARTS),
+    "tools": (_tools(2_000), "tools", MAX_TOOLS),
+    "schema_nodes": (_tools(1, props=5_000), "tools", MAX_SCHEMA_NODES),
+    "content_parts_body": (_parts(120_000), "body", MAX_JSON_CONTAINERS),
     "nesting": (None, None, MAX_JSON_DEPTH),  # past Python's parser recursion: FastAPI's invalid_json, as fast  # the raw text: see _body
     "responses_parts": ({"model": "tiny", "input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "a"}] * 100_000}]}, "input.0.content", MAX_CONTENT_PARTS),
+        {"type": "input_text", "text": "a"}] * 10_000}]}, "input.0.content", MAX_CONTENT_PARTS),
+    # 3.6 MB: json.loads alone held the GIL 6-14 s (the cyclic GC over 900,000 new lists), from a worker thread too
+    "containers": ({"model": "tiny", "prompt": [[1]] * 900_000}, "body", MAX_JSON_CONTAINERS),
+    "values": ({"model": "tiny", "prompt": [7] * 1_000_000}, "body", MAX_JSON_VALUES),
 }
 
 
@@ -45,7 +50,7 @@ def _body(name: str) -> bytes:
     if name == "nesting":  # json.dumps would recurse; the raw text is what a client sends
         return (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": '
                 + b"[" * 200_000 + b"]" * 200_000 + b"}")
-    return json.dumps(ABUSIVE[name][0]).encode()
+    return json.dumps(ABUSIVE[name][0], separators=(",", ":")).encode()
 
 
 @pytest.mark.parametrize("name", sorted(n for n in ABUSIVE if ABUSIVE[n][1]))
@@ -60,6 +65,9 @@ def test_bodies_within_the_bounds_pass():
     assert structure_error(json.dumps(_tools(MAX_TOOLS)).encode()) is None
     assert structure_error(json.dumps(_chat(metadata=json.loads("[" * 40 + "]" * 40))).encode()) is None
     assert structure_error(b"not json") is None  # FastAPI's own 400
+    # 32 token-id prompts of 8,000 tokens; a string full of brackets and commas is one value
+    assert structure_error(json.dumps({"prompt": [[1] * 8000] * 32}).encode()) is None
+    assert structure_error(json.dumps(_chat(messages=[{"role": "user", "content": "[{,\\\"" * 200_000}])).encode()) is None
     deep = structure_error(json.dumps(_chat(metadata=json.loads("[" * 100 + "]" * 100))).encode())
     assert deep is not None and deep.param == "metadata.0.0.0" and "limit of 64" in deep.message
 
@@ -79,11 +87,15 @@ def test_health_answers_within_half_a_second_under_each_abusive_request(server):
             body, worst, done, answers = _body(name), [0.0], threading.Event(), []
 
             def abuse():
-                with httpx.Client(base_url=server, timeout=60) as a:
-                    r = a.post(CH if name != "responses_parts" else "/v1/responses", content=body,
-                               headers={"Content-Type": "application/json"})
-                answers.append(r)
-                done.set()
+                try:
+                    with httpx.Client(base_url=server, timeout=60) as a:
+                        path = {"responses_parts": "/v1/responses", "containers": "/v1/completions",
+                                "values": "/v1/completions"}.get(name, CH)
+                        answers.append(a.post(path, content=body, headers={"Content-Type": "application/json"}))
+                except httpx.HTTPError as exc:
+                    answers.append(exc)
+                finally:
+                    done.set()
 
             t = threading.Thread(target=abuse)
             t.start()
@@ -95,3 +107,6 @@ def test_health_answers_within_half_a_second_under_each_abusive_request(server):
             assert answers and answers[0].status_code == 400, (name, answers)
             assert answers[0].json()["error"]["param"] == ABUSIVE[name][1] or ABUSIVE[name][1] is None, answers[0].text
             assert worst[0] < 0.5, (name, worst[0])
+        # the server keeps serving: a well-formed request after all of them
+        r = c.post(CH, json=_chat())
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
