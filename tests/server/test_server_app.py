@@ -319,9 +319,12 @@ def test_error_messages_name_the_clients_field_and_the_real_reason(model):
         assert e["param"] == "max_completion_tokens" and e["message"].startswith("max_completion_tokens:")
         e = err("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi " * 600}]})
         assert e["param"] == "messages" and e["message"].startswith("messages:")
-        for raw, why in ((b'{"model": "m", "prompt": "\xff"}', "UTF-8"), (b"[" * 100000, "nested at most")):
+        for raw, why in ((b'{"model": "m", "prompt": "\xff"}', "UTF-8"), (b"[" * 10000, "nested at most")):
             e = err("/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert e["code"] == "invalid_json" and why in e["message"], e
+        # past the body's container bound: refused on its bytes, before the parse (server/body_limits.py)
+        e = err("/v1/completions", content=b"[" * 100000, headers={"content-type": "application/json"})
+        assert e["code"] == "request_too_complex" and e["param"] == "body" and "limit of 16384" in e["message"], e
         assert client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
