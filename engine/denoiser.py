@@ -101,12 +101,9 @@ class Denoiser:
         prefilling = [chunks[i] is not None for i in keep]
         inputs = [chunks[i] if chunks[i] is not None else seqs[i].lane_inputs() for i in keep]
         seqs = [seqs[i] for i in keep]
-        events: list[StepEvent | None] = [None] * len(seqs)
         widths = [max(int(inp.chunk.numel()) for inp in lane_ins) for lane_ins in inputs]
-        for group in plan_forwards(widths, [len(lane_ins) for lane_ins in inputs], self.forward_overhead_rows):
-            for i, event in zip(group, self._step_group([seqs[i] for i in group], [inputs[i] for i in group],
-                                                        [prefilling[i] for i in group])):
-                events[i] = event
+        groups = plan_forwards(widths, [len(lane_ins) for lane_ins in inputs], self.forward_overhead_rows)
+        events = self._step_groups(seqs, inputs, prefilling, groups)
         return [e for e in events if e is not None]
 
     #: fixed cost of one batched forward, in padded rows (weight streaming, per-layer launches): the
@@ -114,42 +111,42 @@ class Denoiser:
     #: ~30 ms and each further row ~4 ms (``benchmarks/bench_gemm_rows.py``): ~8 rows; GPUs are higher.
     forward_overhead_rows = 16
 
-    def _step_group(self, seqs: list[DecodingStrategy], inputs: list[list[LaneInput]], prefilling: list[bool]
-                    ) -> list[StepEvent | None]:
-        """One forward for ``seqs`` whose lane inputs (``inputs[i]`` for ``seqs[i]``) were already taken; a
-        ``prefilling`` sequence's rows are a prompt chunk: committed as they are, no event (``None``), no NFE.
-        Unconstrained plain and multi-block sequences reveal in one batched pass (``unmask.engine.batch_step``:
-        one device-to-host copy for all of them); the others (speculative, constrained) through their own
-        ``consume``."""
-        rows = [(seq, lane_index(inp, li), inp) for seq, lane_ins in zip(seqs, inputs)
-                for li, inp in enumerate(lane_ins)]
-        logits, spans, kv = self._forward(rows)
-        first_row, r = [], 0
-        for lane_ins in inputs:
-            first_row.append(r)
-            r += len(lane_ins)
+    def _step_groups(self, seqs: list[DecodingStrategy], inputs: list[list[LaneInput]], prefilling: list[bool],
+                     groups: list[list[int]]) -> list[StepEvent | None]:
+        """One forward per group of ``seqs`` (indices; ``inputs[i]``: the lane inputs ``seqs[i]`` took), then the
+        step's reveals: unconstrained plain and multi-block sequences of every forward in one batched pass
+        (``unmask.engine.batch_step``: one device-to-host copy for the whole step), the others (speculative,
+        constrained) through their own ``consume``; then every lane's commits. A ``prefilling`` sequence's rows are
+        a prompt chunk: committed as they are, no event (``None``), no NFE."""
         events: list[StepEvent | None] = [None] * len(seqs)
-        commits: list[list[torch.Tensor | None]] = [[inp.commit for inp in lane_ins] for lane_ins in inputs]
-        batched = []
-        for i, (seq, lane_ins, prefill) in enumerate(zip(seqs, inputs, prefilling)):
-            if prefill:
-                continue
-            seq.nfe += len(lane_ins)
-            if batchable(seq):
-                batched.append(i)
-                continue
-            lane_logits = [logits[spans[first_row[i] + li][0]: spans[first_row[i] + li][1]]
-                           for li in range(len(lane_ins))]
-            events[i], commits[i] = seq.consume(lane_logits, self.forbidden)
+        commits = [[inp.commit for inp in lane_ins] for lane_ins in inputs]
+        batched, batched_spans, pieces, kvs, offset = [], [], [], [], 0
+        for group in groups:
+            rows = [(seqs[i], lane_index(inp, li), inp) for i in group for li, inp in enumerate(inputs[i])]
+            logits, spans, kv = self._forward(rows)
+            r = 0
+            for i in group:
+                lane_spans, r = spans[r: r + len(inputs[i])], r + len(inputs[i])
+                kvs.append((i, kv, r - len(inputs[i])))
+                if prefilling[i]:
+                    continue
+                seqs[i].nfe += len(inputs[i])
+                if batchable(seqs[i]):
+                    batched.append(i)
+                    batched_spans.append([(a + offset, b + offset) for a, b in lane_spans])
+                else:
+                    events[i], commits[i] = seqs[i].consume([logits[a:b] for a, b in lane_spans], self.forbidden)
+            pieces.append(logits)
+            offset += int(logits.shape[0])
         if batched:
-            for i, event in zip(batched, consume_batch([seqs[i] for i in batched],
-                                                       [[spans[first_row[i] + li] for li in range(len(inputs[i]))]
-                                                        for i in batched], logits, self.forbidden)):
+            every = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            for i, event in zip(batched, consume_batch([seqs[i] for i in batched], batched_spans, every,
+                                                       self.forbidden)):
                 events[i] = event
-        for i, (seq, lane_ins) in enumerate(zip(seqs, inputs)):
-            for li, (inp, commit) in enumerate(zip(lane_ins, commits[i])):
+        for i, kv, first in kvs:
+            for li, (inp, commit) in enumerate(zip(inputs[i], commits[i])):
                 if commit is not None and commit.numel():
-                    kv.commit(first_row[i] + li, commit, seq.lanes[lane_index(inp, li)].cache, inp.chunk[commit],
+                    kv.commit(first + li, commit, seqs[i].lanes[lane_index(inp, li)].cache, inp.chunk[commit],
                               inp.grp[commit])
         return events
 

@@ -176,7 +176,7 @@ class CarryPool:
                     and self.rows.device == values.device:
                 grown[: self.rows.shape[0]] = self.rows
             self.rows = grown
-        self.rows[torch.tensor(slots, dtype=torch.long).to(values.device)] = values
+        self.rows[to_device(torch.tensor(slots, dtype=torch.long), values.device)] = values
 
 
 class BatchKV:

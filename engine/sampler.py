@@ -358,7 +358,7 @@ def score_groups(logits: torch.Tensor, tokens: torch.Tensor, groups: list[RowGro
             rows = _rows_of(gs, logits.device)
             score[rows] = _strategy_scores(logits, lse, probability, strategy, gs, rows)
     top_ids = top_lp = None
-    k = max((g.params.top_logprobs for g in groups), default=0)
+    k = max([g.params.top_logprobs for g in groups] + [0])
     if k:  # the k most likely tokens under the same distribution
         values, top_ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
         top_lp = (values.to(torch.float64) - lse[:, None]).float()
@@ -448,7 +448,7 @@ def select_segments(cands: Candidates, segments: list[tuple[int, int, int | None
     dev = cands.score.device
     N = cands.score.shape[0]
     S = len(segments)
-    W = max((hi - lo for lo, hi, _, _ in segments), default=0)
+    W = max([hi - lo for lo, hi, _, _ in segments] + [0])
     if not S or not W:
         return torch.zeros(N, dtype=torch.bool, device=dev)
     idx = torch.full((S, W), N, dtype=torch.long)  # N: a padding row (score -inf, never chosen)
