@@ -125,8 +125,10 @@ def write_diffusion_gguf(hf_dir: Path, out: Path, arch: str, qtype: str = "F16")
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     tok = PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
     state = read_hf_state(hf_dir)
+    if arch == "llada-moe":
+        state = merge_experts(state)
     llada = arch == "llada"
-    n_layers = cfg["n_layers"] if llada else cfg["num_hidden_layers"]
+    n_layers = cfg["n_layers"] if llada else cfg["num_hidden_layers"]  # Dream and LLaDA-MoE: Qwen's keys
     d = cfg["d_model"] if llada else cfg["hidden_size"]
     n_head = cfg["n_heads"] if llada else cfg["num_attention_heads"]
     n_kv = cfg["n_kv_heads"] if llada else cfg["num_key_value_heads"]
@@ -147,8 +149,16 @@ def write_diffusion_gguf(hf_dir: Path, out: Path, arch: str, qtype: str = "F16")
         w.add_vocab_size(vocab_size)
         w.add_rope_dimension_count(d // n_head)
         w.add_diffusion_shift_logits(False)
+    if arch == "llada-moe":  # LLaDAMoEModel.set_gguf_parameters and the base class's expert keys
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["expert_intermediate_size"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_diffusion_shift_logits(False)
     _write_vocab(w, tok, cfg, llada)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLADA if llada else gguf.MODEL_ARCH.DREAM, n_layers)
+    model_arch = {"llada": gguf.MODEL_ARCH.LLADA, "dream": gguf.MODEL_ARCH.DREAM, "llada-moe": gguf.MODEL_ARCH.LLADA_MOE}
+    name_map = gguf.get_tensor_name_map(model_arch[arch], n_layers)
     for name in sorted(state, key=_tensor_order):
         t = state[name].float()
         if llada and name.endswith("q_proj.weight"):
@@ -159,6 +169,9 @@ def write_diffusion_gguf(hf_dir: Path, out: Path, arch: str, qtype: str = "F16")
         assert new is not None, name
         if t.dim() == 1:
             w.add_tensor(new, t.numpy().astype(np.float32))
+        elif t.dim() == 3:  # merged experts: each [out, in] matrix in the requested type
+            parts = [_matrix(e, qtype) for e in t]
+            w.add_tensor(new, np.stack([p[0] for p in parts]), raw_dtype=parts[0][1])
         else:
             data, raw = _matrix(t, qtype)
             w.add_tensor(new, data, raw_dtype=raw)
@@ -167,6 +180,23 @@ def write_diffusion_gguf(hf_dir: Path, out: Path, arch: str, qtype: str = "F16")
     w.write_tensors_to_file()
     w.close()
     return Path(out)
+
+
+def merge_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mlp.experts.E.<proj>.weight`` stacked into ``mlp.experts.<proj>.weight`` ``[E, ...]``, as
+    ``LLaDAMoEModel.modify_tensors`` does before naming them."""
+    import re
+
+    out, groups = {}, {}
+    for name, t in state.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            groups.setdefault(f"{m.group(1)}.{m.group(3)}.weight", {})[int(m.group(2))] = t
+        else:
+            out[name] = t
+    for name, parts in groups.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
 
 
 def _tensor_order(name: str):

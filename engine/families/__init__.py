@@ -59,6 +59,6 @@ def detect_family(config: dict, path: Path | str = "") -> str:
     raise CheckpointError(
         f"{Path(path) / 'config.json'}: not a diffusion checkpoint unmask knows (architectures={arch}, "
         f"model_type={config.get('model_type')!r}). Expected a `dllm` section (an `unmask convert` output), or "
-        "LLaDA (LLaDAModelLM), Dream (DreamModel), Fast-dLLM v2 (Fast_dLLM_QwenForCausalLM) or SDAR "
-        "(SDARForCausalLM). Convert an autoregressive checkpoint first: `unmask convert SRC OUT`."
+        "LLaDA (LLaDAModelLM), LLaDA-MoE (LLaDAMoEModelLM), Dream (DreamModel), Fast-dLLM v2 "
+        "(Fast_dLLM_QwenForCausalLM) or SDAR (SDARForCausalLM). Convert an autoregressive checkpoint first: `unmask convert SRC OUT`."
     )

@@ -382,9 +382,10 @@ def build_foreign_model(path: Path, config: dict, device: torch.device, dtype: t
                         block_size: int, logit_shift: bool, block_alignment: str = "generation",
                         fixed_block_size: bool = False, sub_block_size: int | None = None,
                         family_temperature: float = 0.0, tokenizer_fallbacks: tuple[str, ...] = (),
-                        tokenizer=None):
+                        tokenizer=None, build=None):
     """Shared tail of the foreign family adapters: load ``state_dict`` (already in ``arch``'s key names) onto the
-    transformers class ``arch`` built from ``hf_config``, load the tokenizer (unless given), resolve mask/EOS/pad ids and return
+    transformers class ``arch`` built from ``hf_config`` (or by ``build(hf_config, state_dict, device, dtype)``, a
+    family whose modules transformers lacks), load the tokenizer (unless given), resolve mask/EOS/pad ids and return
     a :class:`~unmask.engine.model.LoadedModel` with the family's :class:`DllmConfig`.
 
     Raises:
@@ -408,6 +409,9 @@ def build_foreign_model(path: Path, config: dict, device: torch.device, dtype: t
                       fixed_block_size=fixed_block_size, sub_block_size=sub_block_size,
                       default_sampling={"temperature": default_temperature(path, family_temperature)},
                       suppress_token_ids=unused_rows(tokenizer, vocab_rows, path))
-    model = load_mapped_model(cls, hf_config, state_dict, path, device, dtype)
+    if build is None:
+        model = load_mapped_model(cls, hf_config, state_dict, path, device, dtype)
+    else:
+        model = build(hf_config, state_dict, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
                        max_context=max_context_of(config))

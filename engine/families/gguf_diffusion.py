@@ -21,6 +21,12 @@ GGUF (``blk.N.`` per layer)         LLaDA (``model.transformer.``)              
 ``output`` (absent: tied)           ``ff_out``                                   ``lm_head``
 =================================  ==========================================  ===================================
 
+LLaDA-MoE (``llada-moe``, :mod:`.llada_moe`) uses Dream's names plus ``blk.N.attn_q_norm|attn_k_norm`` ->
+``self_attn.q_norm|k_norm``, ``blk.N.ffn_gate_inp`` -> ``mlp.gate`` and the merged experts ``blk.N.ffn_gate_exps|
+ffn_up_exps|ffn_down_exps`` ``[E, ...]`` -> ``mlp.experts.E.gate_proj|up_proj|down_proj`` (split back per expert, as
+the converter stacked them); its metadata adds ``expert_count``, ``expert_used_count``,
+``expert_feed_forward_length`` and ``attention.key_length``.
+
 (*) LLaDA's converter permutes q and k rows for llama.cpp's interleaved ("normal") RoPE (``LLaDAModel.permute``,
 ``undo_permute = True``: per head, rows ``[2, half]`` become ``[half, 2]``); reading undoes it. Dream uses NeoX
 RoPE, as Qwen2 does: no permutation.
@@ -47,9 +53,9 @@ import torch
 from ..config import CheckpointError
 
 #: ``general.architecture`` -> unmask family, for the diffusion architectures of llama.cpp served here
-GGUF_FAMILIES = {"llada": "llada", "dream": "dream"}
+GGUF_FAMILIES = {"llada": "llada", "dream": "dream", "llada-moe": "llada_moe"}
 #: llama.cpp's diffusion architectures (``llama_model_is_diffusion``) that unmask does not serve
-UNSERVED_DIFFUSION = ("llada-moe", "rnd1")
+UNSERVED_DIFFUSION = ("rnd1",)
 DIFFUSION_ARCHS = (*GGUF_FAMILIES, *UNSERVED_DIFFUSION)
 
 _LLADA_TOP = {"token_embd.weight": "model.transformer.wte.weight",
@@ -65,6 +71,9 @@ _QWEN_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "at
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 #: ``tokenizer.ggml.token_type`` of the ``[PADi]`` entries the converter writes for ids the tokenizer lacks
 TOKEN_TYPE_UNUSED = 5
+_MOE_BLOCK = dict(_QWEN_BLOCK, attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm", ffn_gate_inp="mlp.gate")
+#: merged expert tensors ``[E, ...]`` (the converter stacks ``mlp.experts.E.*``), split back per expert
+_MOE_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
@@ -120,9 +129,12 @@ def read_diffusion_gguf(path: str | Path) -> GGUFCheckpoint:
         config = llada_config(gguf, arch)
         state = _read_tensors(gguf, _LLADA_TOP, "model.transformer.blocks.{}.", _LLADA_BLOCK)
         _unpermute_qk(state, config["n_heads"], config["n_kv_heads"])
-    else:
+    elif family == "dream":
         config = dream_config(gguf, arch)
         state = _read_tensors(gguf, _QWEN_TOP, "model.layers.{}.", _QWEN_BLOCK)
+    else:
+        config = llada_moe_config(gguf, arch)
+        state = _read_tensors(gguf, _QWEN_TOP, "model.layers.{}.", _MOE_BLOCK, _MOE_EXPERTS)
     _check_blocks(gguf, state, config, family)
     types: dict[str, int] = {}
     for name in gguf.tensor_names:
@@ -161,9 +173,10 @@ def _common_shape(gguf, arch: str) -> dict:
         raise CheckpointError(f"{gguf.path}: tensor token_embd.weight is missing")
     rows = gguf.tensor_shape("token_embd.weight")[0]
     rope_dim = gguf.get(f"{arch}.rope.dimension_count")
-    if rope_dim is not None and n_heads and int(rope_dim) != d // n_heads:
+    head = int(gguf.get(f"{arch}.attention.key_length") or d // max(n_heads, 1))
+    if rope_dim is not None and int(rope_dim) != head:
         raise CheckpointError(f"{gguf.path}: {arch}.rope.dimension_count {rope_dim} is not the head size "
-                              f"{d // n_heads} (partial RoPE is not supported)")
+                              f"{head} (partial RoPE is not supported)")
     scaling = gguf.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise CheckpointError(f"{gguf.path}: {arch}.rope.scaling.type {scaling!r} is not supported")
@@ -220,8 +233,26 @@ def dream_config(gguf, arch: str = "dream") -> dict:
     return cfg
 
 
-def _read_tensors(gguf, top: dict[str, str], block_prefix: str, block: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Every tensor of the file under its family name (``top`` for whole-model tensors, ``block`` per layer).
+def llada_moe_config(gguf, arch: str = "llada-moe") -> dict:
+    """LLaDA-MoE's ``config.json`` (inclusionAI/LLaDA-MoE-7B-A1B's keys, :mod:`.llada_moe`) from the GGUF metadata:
+    ``{arch}.expert_count``, ``expert_used_count``, ``expert_feed_forward_length`` (else ``feed_forward_length /
+    expert_used_count``, llama.cpp's fallback), ``attention.key_length`` (the head size)."""
+    cfg = dream_config(gguf, arch)
+    used = int(_require(gguf, f"{arch}.expert_used_count"))
+    width = gguf.get(f"{arch}.expert_feed_forward_length") or cfg["intermediate_size"] // used
+    cfg.update({"architectures": ["LLaDAMoEModelLM"], "model_type": "lladamoe", "num_experts_per_tok": used,
+                "num_experts": int(_require(gguf, f"{arch}.expert_count")), "expert_intermediate_size": int(width),
+                "head_dim": int(gguf.get(f"{arch}.attention.key_length") or cfg["hidden_size"] //
+                                cfg["num_attention_heads"]), "norm_topk_prob": False})
+    for key in ("use_sliding_window", "sliding_window"):
+        cfg.pop(key, None)
+    return cfg
+
+
+def _read_tensors(gguf, top: dict[str, str], block_prefix: str, block: dict[str, str],
+                  experts: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the file under its family name (``top`` for whole-model tensors, ``block`` per layer;
+    ``experts``: merged ``[E, ...]`` expert tensors split into ``mlp.experts.E.<name>.weight`` views).
 
     Raises:
         CheckpointError: a tensor the family does not have (names it and the file).
@@ -233,6 +264,9 @@ def _read_tensors(gguf, top: dict[str, str], block_prefix: str, block: dict[str,
             state[top[name]] = gguf.tensor(name)
         elif m and m.group(2) in block:
             state[block_prefix.format(m.group(1)) + f"{block[m.group(2)]}.{m.group(3)}"] = gguf.tensor(name)
+        elif m and experts and m.group(2) in experts:
+            for e, t in enumerate(gguf.tensor(name)):
+                state[block_prefix.format(m.group(1)) + f"mlp.experts.{e}.{experts[m.group(2)]}.weight"] = t
         else:
             unknown.append(name)
     if unknown:

@@ -1,4 +1,4 @@
-"""Diffusion GGUF files (issue 45, docs/design.md#model-families "GGUF files"): a tiny LLaDA and a tiny Dream, saved
+"""Diffusion GGUF files (issue 45, docs/design.md#model-families "GGUF files"): a tiny LLaDA, Dream and LLaDA-MoE, saved
 in their own Hugging Face layout, written as GGUF with llama.cpp's names (tests/gguf_files.py: the ``gguf`` package's
 writer and tensor-name map, the converter's metadata), decode token for token as the directory they came from; the
 quantized files as the directory of their dequantized weights, their 4-bit layers through int4; ``unmask convert
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_files import QTYPES, read_hf_state, write_diffusion_gguf
+from gguf_files import read_hf_state, write_diffusion_gguf
 from tiny import family_tokenizer, llada_config_dict, llama_to_llada_state_dict, make_llama, save_foreign_checkpoint
 
 V = 336  # embedding rows past the tokenizer's 322-323 tokens, as published vocabularies are rounded up
@@ -58,7 +58,50 @@ def _write_dream(out: Path):
     return tok
 
 
-WRITERS = {"llada": _write_llada, "dream": _write_dream}
+MOE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+       "num_experts": 4, "num_experts_per_tok": 2, "expert_intermediate_size": 32, "intermediate_size": 64}
+
+
+def _moe_state(seed: int) -> dict:
+    """Random LLaDA-MoE weights in its own layout (per-expert tensors), head scaled for a decisive argmax."""
+    g = torch.Generator().manual_seed(seed)
+    h, hd, E, inter = MOE["hidden_size"], MOE["head_dim"], MOE["num_experts"], MOE["expert_intermediate_size"]
+    q, kv = MOE["num_attention_heads"] * hd, MOE["num_key_value_heads"] * hd
+
+    def lin(o, i, scale=1.0):
+        return torch.randn(o, i, generator=g) * scale / i ** 0.5
+
+    sd = {"model.embed_tokens.weight": torch.randn(V, h, generator=g), "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+          "lm_head.weight": lin(V, h, 8.0)}
+    for i in range(MOE["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                   p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                   p + "self_attn.q_proj.weight": lin(q, h, 3.0), p + "self_attn.k_proj.weight": lin(kv, h, 3.0),
+                   p + "self_attn.v_proj.weight": lin(kv, h), p + "self_attn.o_proj.weight": lin(h, q),
+                   p + "self_attn.q_norm.weight": 1 + 0.2 * torch.randn(hd, generator=g),
+                   p + "self_attn.k_norm.weight": 1 + 0.2 * torch.randn(hd, generator=g),
+                   p + "mlp.gate.weight": lin(E, h, 4.0)})
+        for e in range(E):
+            sd.update({p + f"mlp.experts.{e}.gate_proj.weight": lin(inter, h), p + f"mlp.experts.{e}.up_proj.weight": lin(inter, h),
+                       p + f"mlp.experts.{e}.down_proj.weight": lin(h, inter)})
+    return _fp16(sd)
+
+
+def _write_llada_moe(out: Path):
+    tok = family_tokenizer(["<|role_end|>", "<|mask|>"])
+    cfg = {"architectures": ["LLaDAMoEModelLM"], "model_type": "lladamoe", "vocab_size": V, "rope_theta": 50000.0,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": False, "norm_topk_prob": False,
+           "eos_token_id": 0, "pad_token_id": 0, "mask_token_id": tok.convert_tokens_to_ids("<|mask|>"), **MOE}
+    save_foreign_checkpoint(out, _moe_state(23), cfg, tok,
+                            tokenizer_config_updates={"tokenizer_class": "PreTrainedTokenizerFast"})
+    return tok
+
+
+WRITERS = {"llada": _write_llada, "dream": _write_dream, "llada_moe": _write_llada_moe}
+ARCH = {"llada": "llada", "dream": "dream", "llada_moe": "llada-moe"}
+#: the files each family is tested in (LLaDA-MoE's tiny width is below Q4_K's rows of 256: it would be F16)
+QTYPES_OF = {"llada": ("F16", "Q8_0", "Q4_0", "Q4_K"), "dream": ("F16", "Q8_0", "Q4_K"), "llada_moe": ("F16", "Q8_0")}
 
 
 def _quantized_values(t: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -83,8 +126,8 @@ def files(tmp_path_factory):
         hf = root / family
         tok = write(hf)
         cfg = json.loads((hf / "config.json").read_text())
-        for qtype in QTYPES:
-            f = write_diffusion_gguf(hf, root / f"{family}-{qtype}.gguf", family, qtype)
+        for qtype in QTYPES_OF[family]:
+            f = write_diffusion_gguf(hf, root / f"{family}-{qtype}.gguf", ARCH[family], qtype)
             twin = hf
             if qtype != "F16":
                 twin = root / f"{family}-{qtype}-values"
@@ -122,13 +165,13 @@ def test_f16_gguf_decodes_as_its_directory(family, files):
     assert b.tokenizer.chat_template == a.tokenizer.chat_template
     ids = torch.tensor([pa + [a.dllm.mask_token_id] * 4])
     pos = torch.arange(ids.shape[1])[None]
-    la = a.logits(a.hidden_states(ids, pos, None))
-    lb = b.logits(b.hidden_states(ids, pos, None))
+    full = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool)
+    la = a.logits(a.hidden_states(ids, pos, full))
+    lb = b.logits(b.hidden_states(ids, pos, full))
     torch.testing.assert_close(lb, la, atol=1e-5, rtol=0)  # the same weights: LLaDA's q/k permutation undone
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
-@pytest.mark.parametrize("family", list(WRITERS))
+@pytest.mark.parametrize(("family", "qtype"), [(f, q) for f, qs in QTYPES_OF.items() for q in qs if q != "F16"])
 def test_quantized_gguf_decodes_as_its_values(family, qtype, files):
     """Q8_0 / Q4_0 / Q4_K: the file decodes as the directory of its own (dequantized) values, natively and with the
     default packing; the 4-bit files' linear layers run int4 (every layer on the grid), the Q8_0 file's fp16."""
@@ -136,11 +179,14 @@ def test_quantized_gguf_decodes_as_its_values(family, qtype, files):
     assert _generate(f)[2] == _generate(values)[2]
     lm, _, tokens = _generate(f, weights="auto")
     assert tokens == _generate(values, weights="auto")[2]
-    if qtype.startswith("Q4"):
+    from unmask.engine.gguf_file import GGUFFile
+
+    if GGUFFile(f).tensor_type("blk.0.attn_q.weight").startswith("Q4"):  # Q4_K needs rows of 256 (else F16)
         assert lm.weight_format == "int4"
-        assert lm.packed_layers.get("int4", 0) >= 2 * 4  # per layer: fused qkv, o, fused gate|up, down
+        per_layer = 2 if family == "llada_moe" else 4  # fused qkv, o (+ fused gate|up, down); experts stay native
+        assert lm.packed_layers.get("int4", 0) >= 2 * per_layer
     else:
-        assert lm.weight_format != "int4"
+        assert lm.weight_format != "int4" and qtype != "Q4_0"
 
 
 @pytest.mark.parametrize("family", list(WRITERS))
@@ -235,3 +281,36 @@ def test_missing_tensor_and_contradicting_metadata_are_named(files, tmp_path):
     assert "diffusion.shift_logits" in msg
     msg = _refusal(_metadata_variant(src, tmp_path / "causal.gguf", set_kv={"llada.attention.causal": True}))
     assert "llada.attention.causal" in msg
+
+
+def test_llada_moe_matches_transformers_qwen3_moe(files):
+    """The LLaDA-MoE architecture (llama.cpp's llada-moe graph: per-head q/k norms, NeoX RoPE, softmax top-k without
+    renormalising, SwiGLU experts) as unmask loads it gives the logits of transformers' own Qwen3MoeForCausalLM
+    holding the same weights (its router and experts, not engine/moe.py), bidirectionally."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from unmask.engine.model import load_model
+
+    f, hf = files["llada_moe", "F16"]
+    state = read_hf_state(hf)
+    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=50000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    ref = Qwen3MoeForCausalLM(cfg).eval()
+    sd = {k: v for k, v in state.items() if ".experts." not in k}
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts."
+        sd[p + "gate_up_proj"] = torch.stack([torch.cat([state[p + f"{e}.gate_proj.weight"],
+                                                         state[p + f"{e}.up_proj.weight"]]) for e in range(4)])
+        sd[p + "down_proj"] = torch.stack([state[p + f"{e}.down_proj.weight"] for e in range(4)])
+    ref.load_state_dict(sd, strict=True)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 300, 12, 64]])
+    full = torch.ones(1, 1, 8, 8, dtype=torch.bool)  # bidirectional
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=full).logits
+    for path in (hf, f):
+        lm = load_model(path, device="cpu", dtype="float32", weights="native")
+        got = lm.logits(lm.hidden_states(ids, torch.arange(8)[None], full))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
