@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gguf_files import read_hf_state, write_diffusion_gguf
-from tiny import family_tokenizer, llada_config_dict, llama_to_llada_state_dict, make_llama, save_foreign_checkpoint
+from tiny import family_tokenizer, llada_config_dict, llada_replica_state_dict, save_foreign_checkpoint
 
 V = 336  # embedding rows past the tokenizer's 322-323 tokens, as published vocabularies are rounded up
 D = 256  # wide enough for Q4_K's super-blocks of 256
@@ -26,11 +26,9 @@ def _fp16(state: dict) -> dict:
 
 def _write_llada(out: Path):
     tok = family_tokenizer(["<|eot_id|>", "<|mdm_mask|>"])
-    ref = make_llama(V, seed=21, hidden_size=D, intermediate_size=2 * D, num_attention_heads=8, num_key_value_heads=4,
-                     rope_theta=500000.0, rms_norm_eps=1e-5)
     cfg = llada_config_dict(V, eos_token_id=0, mask_token_id=tok.convert_tokens_to_ids("<|mdm_mask|>"), d_model=D,
                             n_heads=8, n_kv_heads=4, mlp_hidden_size=2 * D)
-    save_foreign_checkpoint(out, _fp16(llama_to_llada_state_dict(ref.state_dict())), cfg, tok,
+    save_foreign_checkpoint(out, _fp16(llada_replica_state_dict(cfg, seed=21)), cfg, tok,
                             tokenizer_config_updates={"tokenizer_class": "PreTrainedTokenizerFast"})
     return tok
 
