@@ -133,8 +133,12 @@ def plot(rows: list[dict]):
         import matplotlib.pyplot as plt
 
         groups = sorted({(r["model"], r["mode"], r["cache"]) for r in rows})
-        fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.2), squeeze=False)
-        for ax, (model, mode, cache) in zip(axes[0], groups):
+        cols = min(4, len(groups))
+        nrows = -(-len(groups) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 3.2 * nrows), squeeze=False)
+        for ax in axes.flat[len(groups):]:
+            ax.axis("off")
+        for ax, (model, mode, cache) in zip(axes.flat, groups):
             sel = [r for r in rows if (r["model"], r["mode"], r["cache"]) == (model, mode, cache)]
             x = range(len(sel))
             ax.bar([i - 0.2 for i in x], [r["engine_tok_s"] for r in sel], 0.4, label="engine")
