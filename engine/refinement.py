@@ -26,6 +26,9 @@ their KV is cached exactly as in plain block-causal decoding.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import torch
 
 from .attention import canvas_groups
@@ -56,9 +59,13 @@ class RefinementSequence(Sequence):
     """
 
     def __init__(self, *args, **kwargs):
-        self.editing = kwargs["plan"].editing_threshold if "plan" in kwargs else args[2].editing_threshold
         self.mask_steps = self.post_steps = self.edits = 0
         super().__init__(*args, **kwargs)
+
+    @property
+    def editing(self) -> float | None:
+        """The token-editing threshold, None when editing is off."""
+        return self.plan.editing_threshold
 
     # ------------------------------------------------------------------ the block's rows
     def _block_positions(self) -> torch.Tensor:
@@ -131,8 +138,7 @@ class RefinementSequence(Sequence):
             self.mask_steps += 1
         else:
             self.post_steps += 1
-        eos_at = self._eos_finish(tokens)
-        if eos_at is not None:
+        if self._eos_finish(tokens) is not None:
             self._finish_at_eos()
         elif not self._block_continues(had_masks, bool(edit.any())):
             self._end_block()
@@ -206,7 +212,6 @@ class RefinementSequence(Sequence):
         self._close_block_counters()
         self.win_idx += 1
         self.block_idx = self.windows[self.win_idx][0] if self.win_idx < len(self.windows) else len(self.blocks)
-        self._skip_empty_blocks()
         self._check_finished()
 
     def _skip_empty_blocks(self) -> None:
@@ -228,7 +233,7 @@ class RefinementSequence(Sequence):
         if done is not None:
             self._finish(*done)
         elif len(stopper.stream_text) > len(shown) and self.first_token_time is None:
-            self.first_token_time = __import__("time").time()
+            self.first_token_time = time.time()
 
     def event(self, block: int, step: int, revealed) -> StepEvent:
         """:meth:`Request.event` plus where the provisional region starts (``StepEvent.final``, generated
@@ -237,6 +242,4 @@ class RefinementSequence(Sequence):
         final = self.final_end - self.prompt_len
         if not self.editing or self.finished or final >= self.max_tokens:
             return ev
-        from dataclasses import replace
-
         return replace(ev, final=max(0, final))
