@@ -1,14 +1,15 @@
 """The frozen reference loop of issue 42: a plain PyTorch batch decoder the Fast-dLLM way, against which the
 engine's speed is measured (``benchmarks/bench_vs_reference.py``). FROZEN: never changed to make the engine look
-better; a change that makes it slower is not allowed, one that makes it faster is welcome.
+better; a change that makes it slower is not allowed, one that makes it faster is welcome. First committed in
+fb73c27 (cache none), the prefix cache added in 1338c97; its "before" figures: docs/results.md, issue 42.
 
 What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Python):
 
 * **Weights and forward.** The same :class:`unmask.engine.model.LoadedModel` the engine serves (its transformers
   module as loaded by ``load_model``; the benchmarks use ``weights="native"`` float32 on the CPU): one
   ``LoadedModel.hidden_states(input_ids [B, T], position_ids [B, T], mask [B, 1, T, T] bool)`` per step over every
-  unfinished lane, no KV cache (cache policy ``none``; the prefix cache below is the other policy), then ``LoadedModel.logits`` on the active block's ``block_size``
-  output rows of each lane only (``[B * block_size, H] -> [B * block_size, V]`` float32; through the logit shift,
+  unfinished lane, no KV cache (cache policy ``none``; the prefix cache below is the other policy), then
+  ``LoadedModel.logits`` on the active block's ``block_size`` output rows of each lane only (``[B * block_size, H] -> [B * block_size, V]`` float32; through the logit shift,
   rows ``a - 1 ... e - 2``, when the family has one).
 * **Forwarded rows and mask.** ``prefix_causal`` (A2D): rows ``[0, T)`` with ``T`` the largest block end ``e`` over the
   unfinished lanes; a lane with active block ``[a, e)`` lets row ``q < e`` see key ``k`` iff ``k <= q`` or
@@ -29,9 +30,8 @@ What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Pytho
   per block when ``steps`` is None. Threshold (Fast-dLLM, arXiv:2505.22618): every masked position with
   ``p(x0) >= threshold`` plus the most confident one. A lane moves to its next block when its block has no mask left;
   a lane with every block full leaves the batch.
-* **Host syncs.** One per step: the lanes' block indices read to the host (which lanes are unfinished, how many rows
-  to forward).
-
+* **Host syncs.** One read per step: the lanes' block indices to the host (which lanes are unfinished, how many rows
+  to forward), and the unfinished lanes' indices copied back (``torch.tensor(..., device=)``).
 * **Prefix cache** (``cache="prefix"``, bidirectional models without the logit shift; Fast-dLLM v1's
   ``generate_with_prefix_cache``): the batch goes block by block together; a block's first step forwards the whole
   canvas ``[B, L]`` (all-True mask) into a transformers ``DynamicCache``, which is cut back to the prefix ``[0, a)``;
