@@ -1,9 +1,11 @@
 """Cost-based fairness on the default model with default options (issue 41; docs/design.md#admission-and-limits).
 
 Starts ``unmask serve`` (the default model, 2 threads unless --threads), then for each of the largest admissible
-requests (block_size x n x lanes = --max-step-rows: block 128; block 32 x n 4; block 64 under cfg_scale) streams it
-and, once it is decoding, times a 4-token request's first token; records the server's RSS growth over the heavy
-request, and the latency of the 400 for a request past the limit. Writes benchmarks/results/bench_fairness.json.
+requests of each shape - a request costs every step its rows plus ``SEQUENCE_ROWS`` per sequence and lane
+(``unmask.engine.step_cost``), at most ``--max-step-rows``: one plain block, n 4, cfg_scale, a self-speculative draft
+block - streams it and, once it is decoding, times a 4-token request's first token; records the server's RSS growth
+over the heavy request, and the latency of the 400 for a request past the limit. Writes
+benchmarks/results/bench_fairness.json.
 
     .venv/bin/python benchmarks/bench_fairness.py [--threads 2] [--port 8765]
 
@@ -23,10 +25,19 @@ from pathlib import Path
 import httpx
 import psutil
 
+from unmask.engine.limits import DEFAULT_MAX_STEP_ROWS
+from unmask.engine.step_cost import SEQUENCE_ROWS
+
 OUT = Path(__file__).parent / "results" / "bench_fairness.json"
-LIMIT = 128  # EngineConfig.max_step_rows' default
-HEAVY = {"block 128 x n 1": dict(block_size=128, n=1), "block 32 x n 4": dict(block_size=32, n=4),
-         "block 64 x cfg": dict(block_size=64, n=1, cfg_scale=1.5)}
+LIMIT = DEFAULT_MAX_STEP_ROWS  # --max-step-rows' default, in row-equivalents
+S = SEQUENCE_ROWS
+SPEC = (LIMIT - S) // 5  # a draft block d costs d x (2 + 3 branches) rows + S
+HEAVY = {f"block {LIMIT - S} x n 1": dict(block_size=LIMIT - S, n=1, speculative=False),
+         f"block {(LIMIT - 4 * S) // 4} x n 4": dict(block_size=(LIMIT - 4 * S) // 4, n=4, speculative=False),
+         f"block {(LIMIT - 2 * S) // 2} x cfg": dict(block_size=(LIMIT - 2 * S) // 2, n=1, cfg_scale=1.5,
+                                                    speculative=False),
+         f"speculative draft block {SPEC} x n 1": dict(block_size=SPEC, n=1, speculative=True)}
+HEAVY_TOKENS = 128  # long enough to be decoding all through the light request
 
 
 def _chat(base: str, body: dict, first: list, done: threading.Event | None = None, span: list | None = None) -> None:
@@ -72,7 +83,7 @@ def main() -> None:
         rows = {}
         for name, kw in HEAVY.items():
             before, peak, done = rss.memory_info().rss, [0], threading.Event()
-            heavy = dict(model=model, messages=msg, max_tokens=384, stream=True, ignore_eos=True, **kw)
+            heavy = dict(model=model, messages=msg, max_tokens=HEAVY_TOKENS, stream=True, ignore_eos=True, **kw)
             heavy_first, span, light_span = [], [], []
             t = threading.Thread(target=_chat, args=(base, heavy, heavy_first, done, span))
             t.start()
@@ -89,13 +100,14 @@ def main() -> None:
                           "heavy_seconds": round(span[1] - span[0], 1),
                           "rss_growth_mb": round((max(peak[0], rss.memory_info().rss) - before) / 2**20, 1)}
             print(name, rows[name], flush=True)
-        over = dict(model=model, messages=msg, max_tokens=256, block_size=2 * LIMIT)
+        over = dict(model=model, messages=msg, max_tokens=512, block_size=2 * LIMIT)
         t0 = time.perf_counter()
         r = httpx.post(base + "/v1/chat/completions", json=over, timeout=60)
         refusal = {"status": r.status_code, "seconds": round(time.perf_counter() - t0, 4),
                    "param": r.json()["error"].get("param"), "message": r.json()["error"]["message"]}
         print("over the limit", refusal, flush=True)
-        result = {"model": model, "threads": args.threads, "max_step_rows": LIMIT, "cpu_count": os.cpu_count(),
+        result = {"model": model, "threads": args.threads, "max_step_rows": LIMIT, "sequence_rows": S, "cpu_count": os.cpu_count(),
+                  "loadavg": list(os.getloadavg()), "heavy_tokens": HEAVY_TOKENS,
                   "heavy": rows, "over_limit": refusal,
                   "pass": all(v["first_token_s"] is not None and v["first_token_s"] < 1.5 and v["rss_growth_mb"] < 500
                               and v["light_inside_heavy"]

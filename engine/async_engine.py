@@ -259,6 +259,7 @@ class AsyncEngine:
                 s.cache_salt = cache_salt
             self.scheduler.check_fits(seqs)
             built.append((rid, seqs))
+        self.scheduler.check_rows([s for _, seqs in built for s in seqs])  # the whole request's cost, every prompt
         streams = [RequestStream(self, rid, seqs, loop) for rid, seqs in built]
         with self._cond:  # one check against the capacity for the whole call, then register all of it
             for rid in request_ids:

@@ -159,14 +159,22 @@ class EngineConfig:
         None, "torch intra-op CPU threads (default on a CPU: one fewer than the cores torch sees, leaving one to the "
               "HTTP server, unless OMP_NUM_THREADS is set; 1 is often fastest on a busy CPU)")
     max_step_rows: int | None = option(
-        DEFAULT_MAX_STEP_ROWS, "rows one request may put into a step: block_size x n x lanes (2 under cfg_scale); a "
-        "request beyond it is a 400 naming block_size, and a step forwards at most this many rows beside the oldest "
-        "waiting sequence, so a light request never waits behind more than one heavy step (default 128: ~0.3 s a "
-        "step for the default model on 2 cores; docs/design.md#admission-and-limits)", metavar="ROWS")
+        DEFAULT_MAX_STEP_ROWS, "what one request may cost a step, in rows, over all its prompts and choices: "
+        "block_size x n x lanes (2 under cfg_scale; a self-speculative draft block x (2 + branches)); a request "
+        "beyond it is a 400 naming block_size, and a step costs at most this beside the oldest waiting sequence, so "
+        "a light request never waits behind more than one heavy step (default 128: ~0.3 s a step for the default "
+        "model on 2 cores; docs/design.md#admission-and-limits)", metavar="ROWS")
     max_weight_magnitude: float = option(
         MAX_WEIGHT_MAGNITUDE, "refuse a checkpoint or adapter holding a weight of larger magnitude (no trained "
         "model has one; SmolLM2-135M's largest is 9.3); 0 = no bound (docs/design.md#checks-at-load)",
         metavar="X")
+    tensor_parallel_size: int = option(
+        1, "shard attention heads and MLP columns/rows over this many processes (torch.distributed: gloo on CPU, "
+           "NCCL on CUDA, one GPU each), started by unmask serve itself; weights run natively (docs/scale.md)",
+        metavar="N")
+    tensor_parallel_timeout: float = option(
+        60.0, "seconds a tensor-parallel collective may wait for a rank: a rank that dies ends the server within "
+              "it, with an error naming the group (default 60)", metavar="S")
     compile: bool = option(False, "torch.compile the decoder forward (unmask.engine.denoiser.Denoiser)", cli=False)
 
     def validate(self) -> "EngineConfig":
@@ -176,7 +184,9 @@ class EngineConfig:
             ValueError: naming the field (``max_queue: must be >= 1, got 0``).
         """
         check_at_least(self, ("max_batch_size", "max_queue", "max_model_len", "max_cached_tokens", "block_size",
-                              "threads", "max_step_rows"), 1)
+                              "threads", "max_step_rows", "tensor_parallel_size"), 1)
+        if not self.tensor_parallel_timeout > 0:  # NaN too
+            raise ValueError(f"tensor_parallel_timeout: must be > 0 seconds, got {self.tensor_parallel_timeout}")
         if self.max_weight_magnitude < 0:
             raise ValueError(f"max_weight_magnitude: must be >= 0 (0 = no bound), got {self.max_weight_magnitude}")
         if self.prefill_chunk < 0:
@@ -188,8 +198,10 @@ class EngineConfig:
 
     def load_options(self) -> dict:
         """The keywords of :func:`unmask.engine.model.load_model` (``weights`` stays ``native`` under ``compile``:
-        torch.compile traces the weights as loaded, not fbgemm's packed kernels)."""
-        weights = "native" if self.compile and self.weights == "auto" else self.weights
+        torch.compile traces the weights as loaded, not fbgemm's packed kernels; and under tensor parallelism:
+        packed kernels are not sharded)."""
+        weights = ("native" if (self.compile or self.tensor_parallel_size > 1) and self.weights == "auto"
+                   else self.weights)
         return dict(family=self.family, device=self.device, dtype=self.dtype, weights=weights,
                     device_map=self.device_map, max_memory=self.max_memory, offload_folder=self.offload_folder,
                     adapter=self.adapter, parent=self.parent, max_weight_magnitude=self.max_weight_magnitude)

@@ -40,6 +40,7 @@ from .outputs import StepEvent
 from .options import EngineConfig
 from .prefix_cache import PrefixCache
 from .request import Request
+from .step_cost import SEQUENCE_ROWS, step_cost, step_rows
 
 _DEFAULTS = EngineConfig()  # the engine options' one set of defaults
 
@@ -79,7 +80,7 @@ class Scheduler:
         self.paused: set[Request] = set()  # waiting sequences that already ran (they keep their KV cache)
         self.preemptions = 0  # sequences paused for a starved request so far
         self.prefix_cache = prefix_cache
-        self.max_step_rows = max_step_rows  # None: no bound (docs/design.md#admission-and-limits, cost)
+        self.max_step_rows = max_step_rows  # row-equivalents; None: no bound (docs/design.md#admission-and-limits)
         # bytes per cached token (K and V of every layer) and per logits row: the memory estimate; None = unchecked
         self.kv_bytes_per_token: int | None = None
         self.logit_row_bytes: int | None = None
@@ -93,23 +94,29 @@ class Scheduler:
 
     @staticmethod
     def step_rows(seq: Request) -> int:
-        """Rows ``seq`` forwards in a denoising step: its block x lanes (2 under CFG) x the draft groups of a
-        self-speculative step (``speculative_branches`` + 1). A block attends to itself, so they go together."""
-        groups = 1 + (getattr(seq.params, "speculative_branches", 0) or 0) if seq.plan.speculative else 1
-        return seq.block_size * len(seq.lanes) * groups
+        """Rows ``seq`` forwards in a denoising step at most (``unmask.engine.step_cost.step_rows``: its block x
+        lanes; a self-speculative step's drafts, mask group and fallback groups). A block attends to itself, so
+        they go together."""
+        return step_rows(seq)
 
     def check_rows(self, reqs: list[Request]) -> None:
-        """Raise :class:`ParamError` (``block_size``) when one request's choices would put more rows into a step
-        than ``max_step_rows`` (``--max-step-rows``)."""
+        """Raise :class:`ParamError` (``block_size``) when one request's choices - every prompt's, ``reqs`` being
+        all of them - would cost a step more than ``max_step_rows`` (``--max-step-rows``) row-equivalents: their
+        rows plus the per-sequence term (``unmask.engine.step_cost``)."""
         if self.max_step_rows is None or not reqs:
             return
-        rows = sum(self.step_rows(s) for s in reqs)
-        if rows > self.max_step_rows:
-            seq = reqs[0]
-            raise ParamError("block_size", f"block_size {seq.block_size} x n {len(reqs)} x {len(seq.lanes)} lane(s)"
-                                           f"{' (cfg_scale)' if len(seq.lanes) == 2 else ''} puts {rows} rows into "
-                                           f"every step; the server's limit is {self.max_step_rows} rows per request "
-                                           f"(--max-step-rows): lower block_size or n")
+        cost = sum(step_cost(s) for s in reqs)
+        if cost > self.max_step_rows:
+            seq, rows = reqs[0], sum(step_rows(s) for s in reqs)
+            lanes = sum(len(s.lanes) for s in reqs)
+            shape = (f"draft block {seq.plan.draft_block} x {2 + seq.plan.branches} groups (self-speculative)"
+                     if seq.plan.speculative else f"block_size {seq.block_size}")
+            per_lane = f" + {lanes} x {SEQUENCE_ROWS} per sequence and lane" if SEQUENCE_ROWS else ""
+            raise ParamError("block_size", f"{shape} x {len(reqs)} sequence(s) x {len(seq.lanes)} lane(s)"
+                                           f"{' (cfg_scale)' if len(seq.lanes) == 2 else ''} costs every step {cost} "
+                                           f"row-equivalents ({rows} rows{per_lane}); the server's limit is "
+                                           f"{self.max_step_rows} per request (--max-step-rows): lower block_size "
+                                           f"or n")
 
     def estimate_bytes(self, reqs: list[Request]) -> tuple[int, int]:
         """``(KV bytes, logits bytes)`` the request's choices hold at most: each choice's reserved cache
@@ -118,7 +125,7 @@ class Scheduler:
         if not self.kv_bytes_per_token or not self.logit_row_bytes:
             return 0, 0
         return (sum(self.need(s) for s in reqs) * self.kv_bytes_per_token,
-                3 * sum(self.step_rows(s) for s in reqs) * self.logit_row_bytes)
+                3 * sum(step_rows(s) for s in reqs) * self.logit_row_bytes)
 
     def check_memory(self, reqs: list[Request]) -> None:
         """Raise :class:`ParamError` (``max_tokens``) when the estimate (:meth:`estimate_bytes`) exceeds the
@@ -303,19 +310,20 @@ class Scheduler:
             self._join(starved)
 
     def _within_rows(self, active: list[Request]) -> list[Request]:
-        """The sequences of this step: all of ``active`` when their rows fit ``max_step_rows`` (the usual case,
-        the batch unchanged); else the longest-waiting first (the step each last ran in), as many as fit, at least
-        one. A light request therefore never waits behind more than one heavy step, and a sequence left out runs
-        in the next (its tokens do not depend on when it steps)."""
+        """The sequences of this step: all of ``active`` when their cost (``unmask.engine.step_cost``: rows plus the
+        per-sequence term) fits ``max_step_rows`` (the usual case, the batch unchanged); else the longest-waiting
+        first (the step each last ran in), as many as fit, at least one. A light request therefore never waits
+        behind more than one heavy step, and a sequence left out runs in the next (its tokens do not depend on when
+        it steps)."""
         self._steps += 1
-        if self.max_step_rows is not None and sum(self.step_rows(s) for s in active) > self.max_step_rows:
+        if self.max_step_rows is not None and sum(step_cost(s) for s in active) > self.max_step_rows:
             order = sorted(active, key=lambda s: self._last_step.get(s, -1))  # stable: queue order among ties
-            chosen, rows = [], 0
+            chosen, cost = [], 0
             for seq in order:
-                r = self.step_rows(seq)
-                if not chosen or rows + r <= self.max_step_rows:
+                c = step_cost(seq)
+                if not chosen or cost + c <= self.max_step_rows:
                     chosen.append(seq)
-                    rows += r
+                    cost += c
             active = [s for s in active if s in chosen]
         for seq in active:
             self._last_step[seq] = self._steps

@@ -1,7 +1,9 @@
-"""Cost-based fairness (issue 41; engine/scheduler.py, docs/design.md#admission-and-limits): a request is weighed by
-the rows it puts into every step (block_size x n x lanes). One past ``max_step_rows`` is a 400 naming
-``block_size`` and the limit; admitted heavy requests share steps so that a light request never waits behind more
-than one heavy step; the tokens are those of the request alone."""
+"""Cost-based fairness (issue 41; engine/scheduler.py, engine/step_cost.py, docs/design.md#admission-and-limits): a
+request is weighed by what it costs every step, in row-equivalents: its rows (block_size x n x lanes; a
+self-speculative step's drafts, mask group and fallback groups) plus ``SEQUENCE_ROWS`` per sequence and lane, over
+all of its prompts. One past ``max_step_rows`` is a 400 naming ``block_size`` and the limit; admitted heavy requests
+share steps so that a light request never waits behind more than one heavy step; the tokens are those of the request
+alone."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ from tiny import loaded
 from unmask.engine import ParamError, SamplingParams
 from unmask.engine.engine import Engine
 from unmask.engine.options import EngineConfig
+from unmask.engine.step_cost import SEQUENCE_ROWS, step_rows
 
 
 @pytest.fixture(scope="module")
@@ -17,12 +20,13 @@ def model():
     return loaded(attention="block_causal")
 
 
-def _engine(model, rows: int | None = 32) -> Engine:
-    return Engine(model, EngineConfig(max_step_rows=rows, max_batch_size=8, enable_prefix_caching=False))
-
-
 HEAVY = dict(max_tokens=32, block_size=16, sub_block_size=16, temperature=0.0, ignore_eos=True)
 LIGHT = dict(max_tokens=4, block_size=4, temperature=0.0, ignore_eos=True)
+LIMIT = 2 * (16 + SEQUENCE_ROWS)  # HEAVY with n 2: at the limit
+
+
+def _engine(model, rows: int | None = LIMIT) -> Engine:
+    return Engine(model, EngineConfig(max_step_rows=rows, max_batch_size=8, enable_prefix_caching=False))
 
 
 @pytest.mark.parametrize("kw,n", [(dict(HEAVY, block_size=32, sub_block_size=32), 2), (HEAVY, 3),
@@ -31,8 +35,45 @@ def test_a_request_past_the_rows_limit_is_refused_naming_block_size_and_the_limi
     eng = _engine(model)
     with pytest.raises(ParamError) as err:
         eng.add_request([5, 6, 7], SamplingParams.from_flat(**kw), "big", n=n)
-    assert err.value.field == "block_size" and "limit is 32 rows" in str(err.value), err.value
-    eng.add_request([5, 6, 7], SamplingParams.from_flat(**HEAVY), "ok", n=2)  # 16 x 2 = 32: at the limit
+    assert err.value.field == "block_size" and f"limit is {LIMIT} per request" in str(err.value), err.value
+    eng.add_request([5, 6, 7], SamplingParams.from_flat(**HEAVY), "ok", n=2)  # 2 x (16 + SEQUENCE_ROWS): the limit
+
+
+def test_the_cost_counts_every_prompt_of_a_request():
+    """Two prompts of n 2 each cost twice one prompt's: refused, though each prompt alone is at the limit (the
+    check counted per prompt)."""
+    import asyncio
+
+    from unmask.engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine(loaded(attention="block_causal"), EngineConfig(max_step_rows=LIMIT, enable_prefix_caching=False))
+    loop = asyncio.new_event_loop()
+    try:
+        params = SamplingParams.from_flat(**HEAVY)
+        with pytest.raises(ParamError) as err:
+            eng.submit_many([[5, 6, 7], [8, 9]], params, ["a-0", "a-1"], n=2, loop=loop, group="a")
+        assert err.value.field == "block_size" and f"costs every step {2 * LIMIT} " in str(err.value), err.value
+        assert eng.num_waiting == 0  # nothing of it queued
+        eng.submit_many([[5, 6, 7]], params, ["b-0"], n=2, loop=loop, group="b")  # one prompt: at the limit
+    finally:
+        eng.shutdown()
+        loop.close()
+
+
+def test_a_speculative_step_is_counted_by_the_rows_it_forwards():
+    """A self-speculative step forwards the final token, the drafts, mask group A and a fallback group per branch:
+    ``step_rows`` bounds them and is reached (it counted the draft block alone: 8 rows instead of 40)."""
+    model = loaded(attention="prefix_causal", block_size=8)
+    eng = Engine(model, EngineConfig(max_step_rows=None, enable_prefix_caching=False))
+    (seq,) = eng.add_request([5, 6, 7, 8], SamplingParams.from_flat(max_tokens=64, block_size=8, speculative=True,
+                                                                    temperature=0.0, ignore_eos=True), "s")
+    bound, most = step_rows(seq), 0
+    assert bound == 8 * (2 + 3)  # the default 3 branches
+    while not seq.finished:
+        if seq.nfe:  # decoding steps (the first forwards the prompt: chunked prefill's budget)
+            most = max(most, sum(int(inp.chunk.numel()) for inp in seq.lane_inputs()))
+        eng.step()
+    assert bound - 8 <= most <= bound, (most, bound)
 
 
 def _run(eng: Engine) -> dict[str, list[int]]:
