@@ -200,8 +200,11 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) 
         parts = [{"type": "text", "text": "a"}] * 50_000
         body = rng.choice([{**chat, "messages": [{"role": "user", "content": parts}]},
                            {**chat, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(5000)]},
-                           {**chat, "metadata": {"k": json.loads("[" * 100 + "]" * 100)}}])
-        r = await client.post("/v1/chat/completions", content=json.dumps(body).encode(),
+                           {**chat, "metadata": {"k": json.loads("[" * 100 + "]" * 100)}},
+                           # 3.6 MB of 900,000 one-element lists: past the body's container bound before any parse
+                           {"model": MODEL, "prompt": [[1]] * 900_000}])
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        r = await client.post(path, content=json.dumps(body, separators=(",", ":")).encode(),
                               headers={"Content-Type": "application/json"})
     elif kind == "over_step_rows":
         r = await client.post("/v1/chat/completions", json={**chat, "block_size": 256, "max_tokens": 256,
