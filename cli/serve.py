@@ -408,20 +408,22 @@ def resolve_model(config: EngineConfig) -> tuple[EngineConfig, str, str | None]:
     return config, model_path, what
 
 
-def start_engine(args: argparse.Namespace, config: EngineConfig):
-    """Load the model (MODEL, or the default one), set the threads, check the first forward and start the engine:
-    ``(loaded model, AsyncEngine, the checkpoint path, what is served in words)``. The untrained default's block 1 is the engine's ``block_size``
-    unless one is given; the loaded model's settings are never changed (the plan decides the defaults,
-    docs/design.md#decoding).
+def load_checked(args: argparse.Namespace, config: EngineConfig):
+    """Load the model (MODEL, or the default one), set the threads, shard it under ``--tensor-parallel-size``
+    (every rank calls this in the same order: the first forward's collectives pair up) and check the first
+    forward: ``(loaded model, config, the checkpoint path, what is served in words)``. The untrained default's block
+    1 is the engine's ``block_size`` unless one is given; the loaded model's settings are never changed (the plan
+    decides the defaults, docs/design.md#decoding).
 
     Raises:
         UsageError: unloadable model, an engine option the model does not allow (``--max-model-len``,
-            ``--block-size``), a first forward that fails on the device.
+            ``--block-size``, a ``--tensor-parallel-size`` its heads do not divide), a first forward that fails on
+            the device.
     """
     import torch
 
     from unmask.cli.main import UsageError
-    from unmask.engine import AsyncEngine, CheckpointError, SelfCheckError, check_first_forward, load_model
+    from unmask.engine import CheckpointError, SelfCheckError, check_first_forward, load_model
     from unmask.engine.engine import model_defaults
 
     config, model_path, what = resolve_model(config)
@@ -430,6 +432,10 @@ def start_engine(args: argparse.Namespace, config: EngineConfig):
         torch.set_num_threads(server_threads(config.threads, loaded.device.type, torch.get_num_threads(),
                                              os.environ))
         model_defaults(loaded, config)  # the plan's inputs, checked before the first forward
+        if config.tensor_parallel_size > 1:
+            from unmask.engine.tensor_parallel import shard_model
+
+            shard_model(loaded, config.tensor_parallel_size)
     except (CheckpointError, ValueError) as exc:
         raise UsageError(name_load_option(args, str(exc))) from exc
     try:  # a model that cannot run on its device fails here, not in every request (docs/design.md#devices)
@@ -437,7 +443,22 @@ def start_engine(args: argparse.Namespace, config: EngineConfig):
     except SelfCheckError as exc:
         raise UsageError(f"{exc} (see {option_name(args, 'device')}, {option_name(args, 'dtype')}, "
                          f"{option_name(args, 'weights')})") from exc
-    return loaded, AsyncEngine(loaded, config), model_path, what or model_path
+    return loaded, config, model_path, what or model_path
+
+
+def start_engine(args: argparse.Namespace, config: EngineConfig):
+    """:func:`load_checked`, then the engine: ``(loaded model, AsyncEngine, the checkpoint path, what is served in
+    words)``; under ``--tensor-parallel-size`` rank 0's engine publishes its calls to the other ranks
+    (``unmask.engine.tensor_parallel``)."""
+    from unmask.engine import AsyncEngine
+
+    loaded, config, model_path, what = load_checked(args, config)
+    engine = AsyncEngine(loaded, config)
+    if config.tensor_parallel_size > 1:
+        from unmask.engine.tensor_parallel import publish_calls
+
+        publish_calls(engine.engine)
+    return loaded, engine, model_path, what
 
 
 def run(args: argparse.Namespace) -> int:
@@ -479,13 +500,25 @@ def run(args: argparse.Namespace) -> int:
         from unmask.cli.serve_ray import run_ray
 
         return run_ray(args, engine_config, server_config)
-    loaded, engine, model_path, what = start_engine(args, engine_config)
-    name = server_config.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
-    from unmask.server.app import build_app
+    group = None
+    if engine_config.tensor_parallel_size > 1:  # the other ranks first: loading pairs up the first forward's collectives
+        from unmask.cli.serve_tp import start_group
 
-    app = build_app(engine, name, server_config)
-    log_start(loaded, engine, name, what, server_config)
-    return serve(app, engine, server_config)
+        group, engine_config = start_group(args, engine_config)
+    try:
+        loaded, engine, model_path, what = start_engine(args, engine_config)
+        if group is not None:
+            group.watch(engine)
+        name = server_config.served_model_name or Path(str(model_path).rstrip("/")).name or str(model_path)
+        from unmask.server.app import build_app
+
+        app = build_app(engine, name, server_config)
+        log_start(loaded, engine, name, what, server_config)
+        status = serve(app, engine, server_config)
+    finally:
+        if group is not None:
+            group.stop()
+    return group.status(status) if group is not None else status
 
 
 def log_start(loaded, engine, name: str, what: str, config: ServerConfig) -> None:
@@ -500,6 +533,11 @@ def log_start(loaded, engine, name: str, what: str, config: ServerConfig) -> Non
              d.family, d.attention, defaults.block_size, d.logit_shift, defaults.max_context, loaded.device,
              _weights_kind(loaded), torch.get_num_threads())
     log.info("default decoding: %s", engine.describe_defaults())
+    if engine.config.tensor_parallel_size > 1:
+        log.info("tensor parallel: %d ranks (%s), each with 1/%d of the attention heads, MLP width and KV heads; "
+                 "collective timeout %g s", engine.config.tensor_parallel_size,
+                 "gloo" if loaded.device.type == "cpu" else "nccl", engine.config.tensor_parallel_size,
+                 engine.config.tensor_parallel_timeout)
 
 
 def serve(app, engine, config: ServerConfig) -> int:

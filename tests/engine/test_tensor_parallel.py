@@ -1,0 +1,139 @@
+"""Tensor parallelism = a single process (system; docs/design.md#scale-out, ``unmask.engine.tensor_parallel``).
+
+``unmask serve --tensor-parallel-size 2`` (2 processes, gloo on the CPU, native weights) against the plain
+``unmask serve --weights native`` of the same checkpoint, for a tiny a2d, LLaDA and Dream model: greedy answers to
+concurrent requests (continuous batching), a prompt long enough for several prefill chunks, and a second chat turn
+that loads the first's KV from the prefix cache are the same text; the shards hold half the KV heads each (the
+prefix cache's usage gauge says the same as the single process's). Killing rank 1 mid-stream ends the stream with an
+error event and ``[DONE]`` and the server exits 1 within the collective timeout, naming the group.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving import start_serve, stop_server
+
+pytestmark = pytest.mark.system
+
+TIMEOUT_S = 10
+PROMPTS = ["The quick brown fox", "One two three four five six seven", "What is the capital of France?",
+           "Diffusion language models unmask tokens " * 12]  # the last: several prefill chunks of 64 rows
+
+
+def _families():
+    spec = importlib.util.spec_from_file_location("unmask_test_families", Path(__file__).parent / "test_families.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(family: str, out: Path) -> str:
+    if family == "a2d":
+        from tiny import loaded
+        from unmask.engine.checkpoint import write_checkpoint
+
+        m = loaded(block_size=4)
+        write_checkpoint(str(out), m.model, m.tokenizer, m.dllm)
+    else:
+        getattr(_families(), f"_write_{family}")(out)
+    return str(out)
+
+
+def _answers(base: str, model: str) -> dict:
+    def one(prompt):
+        r = httpx.post(base + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
+                                                       "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # all at once: one batch, sequences joining and leaving
+        texts = list(pool.map(one, PROMPTS))
+    chat = [{"role": "user", "content": "Tell me about " + "the lazy dog " * 6}]
+    first = httpx.post(base + "/v1/chat/completions", json={"model": model, "messages": chat, "max_tokens": 8,
+                                                            "temperature": 0}, timeout=120).json()
+    chat += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And then?"}]
+    second = httpx.post(base + "/v1/chat/completions", json={"model": model, "messages": chat, "max_tokens": 8,
+                                                             "temperature": 0}, timeout=120).json()
+    return {"completions": texts, "turns": [first["choices"][0]["message"]["content"],
+                                            second["choices"][0]["message"]["content"]],
+            "cached": second["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+@pytest.mark.parametrize("family", ["a2d", "llada", "dream"])
+def test_two_ranks_answer_as_one_process(tmp_path, family):
+    ckpt = _write(family, tmp_path / family)
+    model = Path(ckpt).name
+    common = [ckpt, "--weights", "native", "--threads", "1", "--max-batch-size", "4", "--prefill-chunk", "64"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "tp").mkdir()
+    plain, base, _ = start_serve(tmp_path / "one", *common)
+    try:
+        want = _answers(base, model)
+    finally:
+        stop_server(plain)
+    tp, base, log = start_serve(tmp_path / "tp", *common, "--tensor-parallel-size", "2",
+                                "--tensor-parallel-timeout", str(TIMEOUT_S))
+    try:
+        got = _answers(base, model)
+    finally:
+        stop_server(tp)
+    assert got == want, log.read_text()[-2000:]
+    assert tp.returncode == 0, log.read_text()[-2000:]
+    assert "tensor parallel: 2 ranks (gloo)" in log.read_text()
+    if family == "a2d":  # prefix-causal: the second turn loaded the first's KV (on both ranks, each its shard)
+        assert got["cached"] >= 16
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_a_killed_rank_ends_the_server_within_the_timeout(tmp_path):
+    ckpt = _write("a2d", tmp_path / "a2d")
+    proc, base, log = start_serve(tmp_path, ckpt, "--weights", "native", "--threads", "1", "--tensor-parallel-size",
+                                  "2", "--tensor-parallel-timeout", str(TIMEOUT_S))
+    try:
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream():
+            body = {"model": "a2d", "prompt": "Count", "max_tokens": 400, "temperature": 0, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        followers = [p for p in _children(proc.pid) if "serve_tp" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(followers) == 1, followers
+        subprocess.run(["kill", "-9", str(followers[0])], check=True)
+        killed = time.time()
+        t.join(60)
+        assert lines[-1] == "[DONE]" and "error" in json.loads(lines[-2]), lines[-3:]
+        proc.wait(timeout=TIMEOUT_S + 30)
+        assert time.time() - killed < TIMEOUT_S + 30
+        assert proc.returncode == 1
+        text = log.read_text()
+        assert "tensor parallel group failed" in text, text[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-m", "system"]))
