@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
+import os
+import signal
 import sys
 import threading
 import time
@@ -95,9 +96,18 @@ def test_two_ranks_answer_as_one_process(tmp_path, family):
         assert got["cached"] >= 16
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+def _followers(pid: int) -> list[int]:
+    """The processes ``pid`` started as tensor-parallel ranks (read from /proc: no procps needed)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"unmask.cli.serve_tp" in cmd:
+            out.append(int(stat.parent.name))
+    return out
 
 
 def test_a_killed_rank_ends_the_server_within_the_timeout(tmp_path):
@@ -119,9 +129,9 @@ def test_a_killed_rank_ends_the_server_within_the_timeout(tmp_path):
         t = threading.Thread(target=stream)
         t.start()
         assert started.wait(60)
-        followers = [p for p in _children(proc.pid) if "serve_tp" in Path(f"/proc/{p}/cmdline").read_text()]
+        followers = _followers(proc.pid)
         assert len(followers) == 1, followers
-        subprocess.run(["kill", "-9", str(followers[0])], check=True)
+        os.kill(followers[0], signal.SIGKILL)
         killed = time.time()
         t.join(60)
         assert lines[-1] == "[DONE]" and "error" in json.loads(lines[-2]), lines[-3:]
