@@ -34,9 +34,10 @@ def ray_options(args: argparse.Namespace, engine_config):
     a CUDA ``--device`` unless set).
 
     Raises:
-        UsageError: a value out of range (names the flag or its variable); Ray not installed.
+        UsageError: a value out of range (names the flag or its variable); ``--tensor-parallel-size`` above 1; Ray
+            not installed.
     """
-    from unmask.cli.flags import config_from_args, name_option
+    from unmask.cli.flags import config_from_args, name_option, option_name
     from unmask.cli.main import UsageError
     from unmask.server.ray_config import RayServeConfig
 
@@ -44,6 +45,9 @@ def ray_options(args: argparse.Namespace, engine_config):
         config = config_from_args(RayServeConfig, args).validate()
     except ValueError as exc:
         raise UsageError(name_option(args, str(exc), {f.name for f in dataclasses.fields(RayServeConfig)})) from None
+    if engine_config.tensor_parallel_size > 1:  # each replica would need its own group of processes: not built
+        raise UsageError(f"{option_name(args, 'tensor_parallel_size')}: not with --ray yet (a replica is one "
+                         "process); serve a tensor-parallel model without --ray")
     if str(engine_config.device).startswith("cuda") and config.ray_replica_gpus == 0:
         config = dataclasses.replace(config, ray_replica_gpus=1.0)
     try:
