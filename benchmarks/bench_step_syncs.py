@@ -9,7 +9,9 @@ tiny checkpoints), batches of 1, 8 and 32 requests decode ``--max-tokens`` token
 Figures per row: ``syncs / step`` = every sync of the ``generate`` call (request setup and output included) / batch
 steps; ``in-step syncs`` = the median over steps of the syncs inside ``Denoiser.step``; ``ops outside / step`` = aten
 ops outside the forward during the call / batch steps, and its growth from batch 1 to the largest batch (issue 42's
-target: <= 1.2x). Counts, not times: the same on any machine for the same code.
+target: <= 1.2x). The ``reference`` row is the frozen vectorized loop (``benchmarks/reference_loop.py``) on the
+plain path's settings (a step = one forward): what a step without per-lane Python costs. Counts, not times: the
+same on any machine for the same code.
 
     .venv/bin/python benchmarks/bench_step_syncs.py [--paths quota,threshold] [--batch 1 8 32]
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
@@ -37,7 +40,8 @@ from sync_counter import SyncCounter  # noqa: E402
 
 # the paths of issue 42's table (tests/decoding_paths.py names)
 PATHS = {"plain": "quota", "threshold": "threshold", "multi-block": "multi-block", "cfg": "cfg",
-         "speculative": "speculative-greedy"}
+         "speculative": "speculative-greedy", "reference": None}
+REFERENCE = "reference"  # benchmarks/reference_loop.py on the plain path's settings: what a vectorized step costs
 
 
 class _Patches:
@@ -73,19 +77,45 @@ def count(checkpoint: Path, path: dp.DecodingPath, batch: int, max_tokens: int) 
                 outs = llm.generate(prompts, params)
     finally:
         patches.close()
+    return _summary(c, batch, sum(o.outputs[0].nfe for o in outs), in_step=True)
+
+
+def count_reference(checkpoint: Path, batch: int, max_tokens: int) -> dict:
+    """The frozen reference loop (``benchmarks/reference_loop.py``, cache none, quota at block 4, one token per step:
+    the ``plain`` path's settings) on ``batch`` copies of one prompt under fake CUDA; a step is one forward."""
+    from reference_loop import ReferenceConfig, reference_generate
+    from unmask.engine.model import LoadedModel, load_model
+
+    patches = _Patches()
+    try:
+        with fake_cuda(patches):
+            model = load_model(checkpoint, device="cuda", dtype="float32")
+            ids = model.tokenizer.encode(dp.PROMPTS[0], add_special_tokens=False)
+            prompts = torch.tensor([ids] * batch, dtype=torch.long)
+            cfg = ReferenceConfig(max_tokens=max_tokens, block_size=4)
+            with SyncCounter("cuda") as c, c.forward_methods(LoadedModel, ("hidden_states", "logits")):
+                with c.step_method(LoadedModel, "hidden_states"):  # one record per forward (a step)
+                    reference_generate(model, prompts, cfg)
+    finally:
+        patches.close()
+    return _summary(c, batch, batch * len(c.steps), in_step=False)
+
+
+def _summary(c: SyncCounter, batch: int, request_steps: int, in_step: bool) -> dict:
     steps = len(c.steps)
-    in_step = [sum(s["syncs"].values()) for s in c.steps]
+    per_step = [sum(s["syncs"].values()) for s in c.steps]
     by_kind = Counter()
     for s in c.steps:
         by_kind.update(s["syncs"])
-    return {"path": path.name, "batch": batch, "batch_steps": steps,
-            "request_steps": sum(o.outputs[0].nfe for o in outs), "syncs": dict(c.syncs), "total_syncs": c.total,
-            "syncs_per_step": round(c.total / max(steps, 1), 2),
-            "in_step_syncs_median": statistics.median(in_step) if in_step else 0,
-            "in_step_syncs_max": max(in_step, default=0), "in_step_by_kind": dict(by_kind),
+    return {"batch": batch, "batch_steps": steps, "request_steps": request_steps, "syncs": dict(c.syncs),
+            "total_syncs": c.total, "syncs_per_step": round(c.total / max(steps, 1), 2),
+            "in_step_syncs_median": statistics.median(per_step) if in_step and steps else None,
+            "in_step_syncs_max": max(per_step, default=0) if in_step else None,
+            "in_step_by_kind": dict(by_kind) if in_step else None,
             "ops_outside": c.ops_outside, "ops_inside": c.ops_inside,
             "ops_outside_per_step": round(c.ops_outside / max(steps, 1), 1),
-            "in_step_ops_outside_median": statistics.median(s["ops_outside"] for s in c.steps) if steps else 0}
+            "in_step_ops_outside_median": (statistics.median(s["ops_outside"] for s in c.steps)
+                                           if in_step and steps else None)}
 
 
 def markdown(rows: list[dict], command: str) -> str:
@@ -97,9 +127,10 @@ def markdown(rows: list[dict], command: str) -> str:
     for r in rows:
         growth = r["ops_outside_per_step"] / base[r["path"]] if base.get(r["path"]) else float("nan")
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["syncs"].items()))
-        lines.append(f"| {r['path']} | {r['batch']} | {r['batch_steps']} | {r['syncs_per_step']} | "
-                     f"{r['in_step_syncs_median']}, {r['in_step_syncs_max']} | {r['ops_outside_per_step']} | "
-                     f"{growth:.2f}x | {kinds} |")
+        in_step = ("-" if r["in_step_syncs_median"] is None
+                   else f"{r['in_step_syncs_median']}, {r['in_step_syncs_max']}")
+        lines.append(f"| {r['path']} | {r['batch']} | {r['batch_steps']} | {r['syncs_per_step']} | {in_step} | "
+                     f"{r['ops_outside_per_step']} | {growth:.2f}x | {kinds} |")
     return "\n".join(lines) + "\n"
 
 
@@ -121,9 +152,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = dp.write_checkpoints(Path(tmp))
         for name in names:
-            path = by_name[PATHS[name]]
+            path = by_name[PATHS[name]] if name != REFERENCE else None
             for b in args.batch:
-                row = count(dirs[path.checkpoint], path, b, args.max_tokens)
+                row = (count_reference(dirs["causal"], b, args.max_tokens) if path is None
+                       else count(dirs[path.checkpoint], path, b, args.max_tokens))
                 row["path"] = name
                 rows.append(row)
                 print(f"{name:12s} batch {b:2d}: {row['syncs_per_step']:7.2f} syncs/step, "
