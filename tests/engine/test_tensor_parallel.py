@@ -3,9 +3,9 @@
 ``unmask serve --tensor-parallel-size 2`` (2 processes, gloo on the CPU, native weights) against the plain
 ``unmask serve --weights native`` of the same checkpoint, for a tiny a2d, LLaDA and Dream model: greedy answers to
 concurrent requests (continuous batching), a prompt long enough for several prefill chunks, and a second chat turn
-that loads the first's KV from the prefix cache are the same text; the shards hold half the KV heads each (the
-prefix cache's usage gauge says the same as the single process's). Killing rank 1 mid-stream ends the stream with an
-error event and ``[DONE]`` and the server exits 1 within the collective timeout, naming the group.
+that loads the first's KV from the prefix cache (a2d: 16+ cached tokens) are the same text. Killing rank 1
+mid-stream ends the stream with an error event and ``[DONE]`` and the server exits 1 within the collective
+timeout, naming the group; killing rank 0 makes rank 1 exit.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -145,5 +144,17 @@ def test_a_killed_rank_ends_the_server_within_the_timeout(tmp_path):
             proc.kill()
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-m", "system"]))
+
+def test_the_other_ranks_exit_when_rank_0_dies(tmp_path):
+    ckpt = _write("a2d", tmp_path / "a2d")
+    proc, _, log = start_serve(tmp_path, ckpt, "--weights", "native", "--threads", "1", "--tensor-parallel-size", "2",
+                               "--tensor-parallel-timeout", str(TIMEOUT_S))
+    followers = _followers(proc.pid)
+    assert len(followers) == 1, followers
+    os.kill(proc.pid, signal.SIGKILL)  # no goodbye on the channel: the follower sees it close
+    proc.wait(10)
+    end = time.time() + TIMEOUT_S + 30
+    while Path(f"/proc/{followers[0]}").exists() and Path(f"/proc/{followers[0]}/stat").read_text().split()[2] != "Z":
+        assert time.time() < end, log.read_text()[-2000:]
+        time.sleep(0.2)
+    assert "tensor parallel rank 1 stops" in log.read_text()
