@@ -8,7 +8,8 @@
 # Usage: benchmarks/build_llama_bench.sh [CACHE_DIR]      (default: ~/.cache/unmask/llama.cpp)
 # Env:   JOBS (default 1: the build is slow but does not starve a training run), NICE (default 19),
 #        LLAMA_CPP_PYTHON_VERSION (pin the sdist, e.g. 0.3.16; default: the newest), PYTHON (default: python3),
-#        TARGET (the cmake target and binary name; default llama-bench).
+#        TARGET (the cmake target and binary name; default llama-bench), SOURCES_ONLY=1 (fetch and unpack the sdist,
+#        print the llama.cpp source directory, build nothing: what tests/engine/test_gguf_llama_converter.py needs).
 # Prints the binary's path as the last line of stdout. Needs a C/C++ compiler; cmake comes from PyPI if missing.
 set -euo pipefail
 
@@ -19,7 +20,7 @@ PYTHON="${PYTHON:-python3}"
 TARGET="${TARGET:-llama-bench}"
 BIN="${CACHE_DIR}/bin/${TARGET}"
 
-if [[ -x "${BIN}" ]]; then
+if [[ "${SOURCES_ONLY:-0}" != 1 && -x "${BIN}" ]]; then
     echo "${BIN}"
     exit 0
 fi
@@ -43,6 +44,11 @@ src="${top}/vendor/llama.cpp"
 if [[ ! -f "${src}/CMakeLists.txt" ]]; then
     echo "error: ${src}/CMakeLists.txt missing: the sdist ${sdist} has no vendored llama.cpp" >&2
     exit 1
+fi
+
+if [[ "${SOURCES_ONLY:-0}" == 1 ]]; then
+    echo "${src}"
+    exit 0
 fi
 
 # 3. cmake (from PyPI when the system has none)
