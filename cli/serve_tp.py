@@ -85,6 +85,12 @@ def start_group(args: argparse.Namespace, config):
     from unmask.engine.tensor_parallel import init_group, rank_device
 
     world, port = config.tensor_parallel_size, _free_port()
+    if rank_device(config.device, 0) != "cpu":
+        import torch
+
+        if torch.cuda.device_count() < world:  # one GPU per rank
+            raise UsageError(f"--tensor-parallel-size: {world} ranks need {world} GPUs, this machine has "
+                             f"{torch.cuda.device_count()}")
     kept = argparse.Namespace(**{k: v for k, v in vars(args).items() if k in OPTION_FIELDS or k == "env_origins"})
     fd, path = tempfile.mkstemp(prefix="unmask-tp-", suffix=".pickle")
     with os.fdopen(fd, "wb") as f:
