@@ -4,7 +4,8 @@ For plain (quota), threshold, multi-block, CFG and speculative decoding (``tests
 tiny checkpoints), batches of 1, 8 and 32 requests decode ``--max-tokens`` tokens each in one ``LLM.generate`` call
 (``max_batch_size`` = the batch, so every request runs in the same steps). :class:`sync_counter.SyncCounter`
 (``tests/sync_counter.py``) counts what would block the host on a GPU, by kind, and the aten ops dispatched outside
-``LoadedModel.hidden_states`` / ``LoadedModel.logits`` (the forward); a batch step is one ``Denoiser.step`` call.
+``LoadedModel.hidden_states`` / ``LoadedModel.logits`` (the forward); a batch step is one call of ``--step-hook``
+(``Denoiser.step``; name the new one if a rewrite moves it).
 
 Figures per row: ``syncs / step`` = every sync of the ``generate`` call (request setup and output included) / batch
 steps; ``in-step syncs`` = the median over steps of the syncs inside ``Denoiser.step``; ``ops outside / step`` = aten
@@ -20,6 +21,7 @@ Writes ``benchmarks/results/bench_step_syncs.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import statistics
@@ -41,6 +43,7 @@ from sync_counter import SyncCounter  # noqa: E402
 # the paths of issue 42's table (tests/decoding_paths.py names)
 PATHS = {"plain": "quota", "threshold": "threshold", "multi-block": "multi-block", "cfg": "cfg",
          "speculative": "speculative-greedy", "reference": None}
+STEP_HOOK = "unmask.engine.denoiser:Denoiser.step"  # one batch step of the engine
 REFERENCE = "reference"  # benchmarks/reference_loop.py on the plain path's settings: what a vectorized step costs
 
 
@@ -59,11 +62,24 @@ class _Patches:
             setattr(obj, name, value)
 
 
-def count(checkpoint: Path, path: dp.DecodingPath, batch: int, max_tokens: int) -> dict:
-    """One ``generate`` of ``batch`` requests on ``path`` under fake CUDA: syncs and ops per batch step."""
+def hook(spec: str) -> tuple[type, str]:
+    """``module:Class.method`` -> ``(Class, "method")`` (the method the counter wraps)."""
+    module, _, qual = spec.partition(":")
+    cls_name, _, method = qual.rpartition(".")
+    cls = getattr(importlib.import_module(module), cls_name)
+    if method not in cls.__dict__:
+        raise SystemExit(f"bench_step_syncs: error: {spec}: {cls_name} defines no {method!r}")
+    return cls, method
+
+
+def count(checkpoint: Path, path: dp.DecodingPath, batch: int, max_tokens: int,
+          step_hook: str = STEP_HOOK) -> dict:
+    """One ``generate`` of ``batch`` requests on ``path`` under fake CUDA: syncs and ops per batch step (a call of
+    ``step_hook``)."""
     from unmask.engine import LLM, SamplingParams
-    from unmask.engine.denoiser import Denoiser
     from unmask.engine.model import LoadedModel, load_model
+
+    step_cls, step_name = hook(step_hook)
 
     patches = _Patches()
     try:
@@ -73,7 +89,7 @@ def count(checkpoint: Path, path: dp.DecodingPath, batch: int, max_tokens: int) 
             prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(batch)]
             llm.generate(prompts[:1], params)  # warm-up: first-call work (tokenizer caches, lazy imports)
             with SyncCounter("cuda") as c, c.forward_methods(LoadedModel, ("hidden_states", "logits")), \
-                    c.step_method(Denoiser, "step"):
+                    c.step_method(step_cls, step_name):
                 outs = llm.generate(prompts, params)
     finally:
         patches.close()
@@ -140,6 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--engine-label", default=None, help="what engine is measured (recorded)")
+    ap.add_argument("--step-hook", default=STEP_HOOK, help="module:Class.method called once per batch step")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_step_syncs"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -155,7 +172,7 @@ def main(argv=None) -> int:
             path = by_name[PATHS[name]] if name != REFERENCE else None
             for b in args.batch:
                 row = (count_reference(dirs["causal"], b, args.max_tokens) if path is None
-                       else count(dirs[path.checkpoint], path, b, args.max_tokens))
+                       else count(dirs[path.checkpoint], path, b, args.max_tokens, args.step_hook))
                 row["path"] = name
                 rows.append(row)
                 print(f"{name:12s} batch {b:2d}: {row['syncs_per_step']:7.2f} syncs/step, "
@@ -169,7 +186,7 @@ def main(argv=None) -> int:
                           *(argv if argv is not None else sys.argv[1:])])
     meta = {"command": command, "torch": torch.__version__, "engine": args.engine_label or
             str(Path(unmask.engine.__file__).parent), "max_tokens": args.max_tokens,
-            "model": "tests/decoding_paths.py tiny checkpoints"}
+            "model": "tests/decoding_paths.py tiny checkpoints", "step_hook": args.step_hook}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(rows, command) + f"\nEngine measured: {meta['engine']}.\n")
     return 0
