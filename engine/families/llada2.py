@@ -101,7 +101,8 @@ def _file_of(path: Path, name: str) -> Path:
 
 def model_state(state: dict[str, torch.Tensor], cfg, path: Path | str = "") -> dict[str, torch.Tensor]:
     """The checkpoint's tensors in :class:`Llada2ForDiffusion`'s names (experts stacked per layer), with the
-    expert count and the router's shape checked against ``cfg``.
+    expert count and the router's shape checked against ``cfg``. The per-expert tensors are taken out of ``state``
+    as they are stacked (peak memory: the checkpoint plus one layer's projection).
 
     Raises:
         CheckpointError: one line naming the tensor and its file: an expert index past ``num_experts``, a missing
@@ -110,23 +111,26 @@ def model_state(state: dict[str, torch.Tensor], cfg, path: Path | str = "") -> d
     path = Path(path)
     E, H = cfg.num_experts, cfg.hidden_size
     out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, tensor in state.items():
+    experts: dict[tuple[int, str], list[int]] = {}
+    for name in list(state):
         m = _EXPERT.fullmatch(name)
         if m is None:
-            out[name] = tensor
+            out[name] = state[name]
             continue
         layer, e, proj = int(m.group(1)), int(m.group(2)), m.group(3)
         if e >= E:
             raise CheckpointError(f"{_file_of(path, name)}: tensor {name}: expert {e} but config.json says "
                                   f"num_experts {E}")
-        experts.setdefault((layer, proj), {})[e] = tensor
+        experts.setdefault((layer, proj), []).append(e)
     for (layer, proj), found in sorted(experts.items()):
         if len(found) != E:
             missing = min(set(range(E)) - set(found))
             raise CheckpointError(f"{path}: tensor model.layers.{layer}.mlp.experts.{missing}.{proj}.weight is "
                                   f"missing: config.json says num_experts {E}, the checkpoint has {len(found)}")
-        out[f"model.layers.{layer}.mlp.experts.{proj}"] = torch.stack([found[e] for e in range(E)])
+        # one projection of one layer at a time, its per-expert tensors freed as they are stacked: the peak is the
+        # checkpoint plus one layer's projection, not two copies of every expert
+        names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(E)]
+        out[f"model.layers.{layer}.mlp.experts.{proj}"] = torch.stack([state.pop(n) for n in names])
     for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
         name = f"model.layers.{layer}.mlp.gate.weight"
         router = out.get(name)
