@@ -138,10 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default="f16,q8_0")
-    ap.add_argument("--steps", default="128,32")
+    ap.add_argument("--steps", default="32,128")
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
-    from unmask.engine import LLM
+    from unmask.engine import LLM, SamplingParams
     from unmask.engine.model import load_model
 
     work = Path(args.work)
@@ -150,17 +150,17 @@ def main(argv=None) -> int:
     env = bc.environment(args.threads)
     binary = Path(args.llama_diffusion_cli)
     rows, results = [], {}
-    engines = {}
     for fmt in args.formats.split(","):
         gguf = convert(hf, fmt, work / f"llada-0.5b-{fmt}.gguf")
         lm = load_model(gguf, device="cpu", dtype="float32", weights="auto")
         ids = unmask_prompt(lm)
         if len(ids) != PROMPT_TOKENS:
             raise SystemExit(f"the prompt is {len(ids)} tokens, the block arithmetic needs {PROMPT_TOKENS}")
-        engines[fmt] = (gguf, lm, LLM(lm), ids)
-        run_unmask(engines[fmt][2], ids, 32, "dual")  # warm-up
-    for steps in (int(s) for s in args.steps.split(",")):
-        for fmt, (gguf, lm, llm, ids) in engines.items():
+        llm = LLM(lm)
+        for cache in ("none", "dual"):  # warm-up: one block of 4 steps
+            llm.generate([ids], SamplingParams(max_tokens=BLOCK, block_size=BLOCK, steps=4, temperature=0.0,
+                                               ignore_eos=True, cache=cache))
+        for steps in (int(s) for s in args.steps.split(",")):
             runs = {"llama.cpp": [], "none": [], "dual": []}
             for _ in range(args.repeats):
                 runs["llama.cpp"].append(run_llama(binary, gguf, steps, args.threads))
@@ -181,6 +181,7 @@ def main(argv=None) -> int:
                              "pass" if s >= TARGETS[c] else "MISS"])
             print(json.dumps({key: results[key]["median_seconds"]}), flush=True)
             write(args, env, rows, results)
+        del llm, lm
     return 0
 
 
