@@ -1,7 +1,8 @@
 """The frozen reference loop of issue 42: a plain PyTorch batch decoder the Fast-dLLM way, against which the
 engine's speed is measured (``benchmarks/bench_vs_reference.py``). FROZEN: never changed to make the engine look
 better; a change that makes it slower is not allowed, one that makes it faster is welcome. First committed in
-fb73c27 (cache none), the prefix cache added in 1338c97; its "before" figures: docs/results.md, issue 42.
+fb73c27 (cache none), the prefix cache added in 1338c97, the LM head on the masked rows only (was: the whole
+block) since the commit after c0caa5a; its "before" figures: docs/results.md, issue 42.
 
 What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Python):
 
@@ -9,8 +10,9 @@ What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Pytho
   module as loaded by ``load_model``; the benchmarks use ``weights="native"`` float32 on the CPU): one
   ``LoadedModel.hidden_states(input_ids [B, T], position_ids [B, T], mask [B, 1, T, T] bool)`` per step over every
   unfinished lane, no KV cache (cache policy ``none``; the prefix cache below is the other policy), then
-  ``LoadedModel.logits`` on the active block's ``block_size`` output rows of each lane only (``[B * block_size, H] -> [B * block_size, V]`` float32; through the logit shift,
-  rows ``a - 1 ... e - 2``, when the family has one).
+  ``LoadedModel.logits`` on the rows that predict the active blocks' masked positions (``[B * M, H] -> [B * M,
+  V]`` float32, ``M`` the most masks left in a lane's block; a lane with fewer pads with revealed positions, whose
+  confidence is ``-inf``; through the logit shift, the row before each position, when the family has one).
 * **Forwarded rows and mask.** ``prefix_causal`` (A2D): rows ``[0, T)`` with ``T`` the largest block end ``e`` over the
   unfinished lanes; a lane with active block ``[a, e)`` lets row ``q < e`` see key ``k`` iff ``k <= q`` or
   (``q >= a`` and ``k < e``): committed tokens strictly causal, the active block bidirectional over everything before
@@ -30,14 +32,15 @@ What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Pytho
   per block when ``steps`` is None. Threshold (Fast-dLLM, arXiv:2505.22618): every masked position with
   ``p(x0) >= threshold`` plus the most confident one. A lane moves to its next block when its block has no mask left;
   a lane with every block full leaves the batch.
-* **Host syncs.** One read per step: the lanes' block indices to the host (which lanes are unfinished, how many rows
-  to forward), and the unfinished lanes' indices copied back (``torch.tensor(..., device=)``).
+* **Host syncs.** One read per step: the lanes' block indices and masks left to the host (which lanes are
+  unfinished, how many rows to forward, ``M``), and the unfinished lanes' indices copied back
+  (``torch.tensor(..., device=)``).
 * **Prefix cache** (``cache="prefix"``, bidirectional models without the logit shift; Fast-dLLM v1's
   ``generate_with_prefix_cache``): the batch goes block by block together; a block's first step forwards the whole
   canvas ``[B, L]`` (all-True mask) into a transformers ``DynamicCache``, which is cut back to the prefix ``[0, a)``;
   the block's later steps forward rows ``[a, L)`` (mask ``[B, 1, L - a, L]`` all True) over the cached prefix, the
   cache cut back to ``a`` after each. A lane whose block is full waits (forwarded, nothing revealed: its tokens are
-  those of decoding alone) until every lane's is; one host sync per step (whether any mask is left in the block).
+  those of decoding alone) until every lane's is; one host sync per step (the most masks left in a lane's block).
 
 Greedy only (temperature 0), no EOS stop (every lane decodes ``max_tokens`` tokens: the engine side runs with
 ``ignore_eos``), no CFG, no sub-blocks. Checked token for token against the engine (before issue 42) on tiny
@@ -159,6 +162,12 @@ def reference_generate(model, prompts: torch.Tensor, cfg: ReferenceConfig) -> to
     return canvas[:, P:P + cfg.max_tokens]
 
 
+def _masked_first(win: torch.Tensor, mask_id: int, width: int) -> torch.Tensor:
+    """``[n, width]`` indices into the window ``win`` (``[n, W]``): its masked positions first, in ascending order,
+    then the others (``width`` >= every lane's mask count: the rows whose logits the step needs)."""
+    return (win != mask_id).to(torch.int8).argsort(dim=1, stable=True)[:, :width]
+
+
 def _decode_no_cache(model, canvas: torch.Tensor, P: int, num_blocks: int, budget: torch.Tensor,
                      forbidden: torch.Tensor, cfg: ReferenceConfig) -> None:
     """Cache ``none``: every lane at its own block, the unfinished lanes forwarded each step (``canvas`` ``[B, L]``
@@ -172,11 +181,15 @@ def _decode_no_cache(model, canvas: torch.Tensor, P: int, num_blocks: int, budge
     offs = torch.arange(bs, device=dev)
     positions = torch.arange(L, device=dev)
     while True:
-        blocks_now = block.tolist()  # the step's one host sync
+        # the step's one host sync: each lane's block and masks left in it
+        start = P + block.clamp(max=num_blocks - 1) * bs
+        masks_left = (canvas.gather(1, start[:, None] + offs) == dllm.mask_token_id).sum(dim=1)
+        blocks_now, masks_now = torch.stack([block, masks_left]).tolist()
         live_list = [i for i, b in enumerate(blocks_now) if b < num_blocks]
         if not live_list:
             break
         T = L if dllm.attention == "bidirectional" else P + (max(blocks_now[i] for i in live_list) + 1) * bs
+        width = max(masks_now[i] for i in live_list)
         live = torch.tensor(live_list, dtype=torch.long, device=dev)
         blk = block[live]
         a = P + blk * bs
@@ -184,12 +197,12 @@ def _decode_no_cache(model, canvas: torch.Tensor, P: int, num_blocks: int, budge
         n = x.shape[0]
         hidden = model.hidden_states(x[:, :T], positions[:T].expand(n, T), _attention_mask(a, a + bs, T,
                                                                                            dllm.attention))
-        rows = (a - shift)[:, None] + offs
-        h = hidden.gather(1, rows[..., None].expand(n, bs, hidden.shape[-1]))
         win_pos = a[:, None] + offs
-        new_win, left = _decide(model, h, x.gather(1, win_pos), budget[blk] - step_in_block[live], forbidden,
+        sel_pos = win_pos.gather(1, _masked_first(x.gather(1, win_pos), dllm.mask_token_id, width))
+        h = hidden.gather(1, (sel_pos - shift)[..., None].expand(n, width, hidden.shape[-1]))
+        new_sel, left = _decide(model, h, x.gather(1, sel_pos), budget[blk] - step_in_block[live], forbidden,
                                 cfg.threshold)
-        canvas[live] = x.scatter(1, win_pos, new_win)
+        canvas[live] = x.scatter(1, sel_pos, new_sel)
         filled = left == 0
         block[live] = blk + filled.long()
         step_in_block[live] = torch.where(filled, torch.zeros_like(blk), step_in_block[live] + 1)
@@ -212,18 +225,25 @@ def _decode_prefix_cache(model, canvas: torch.Tensor, P: int, num_blocks: int, b
         a, e = P + blk * bs, P + (blk + 1) * bs
         step_in_block = torch.zeros(B, dtype=torch.long, device=dev)
         cache = None
-        while bool((canvas[:, a:e] == mask_id).any()):  # the step's one host sync
+        while True:
+            masks_left = (canvas[:, a:e] == mask_id).sum(dim=1)
+            width = int(masks_left.max())  # the step's one host sync
+            if width == 0:
+                break
             if cache is None:  # refresh
                 cache = DynamicCache(config=model.model.config)
                 hidden = model.hidden_states(canvas, positions.expand(B, L),
                                              torch.ones(B, 1, L, L, dtype=torch.bool, device=dev), cache=cache)
-                h = hidden[:, a:e]
+                offset = a
             else:
                 hidden = model.hidden_states(canvas[:, a:], positions[a:].expand(B, L - a),
                                              torch.ones(B, 1, L - a, L, dtype=torch.bool, device=dev), cache=cache)
-                h = hidden[:, :bs]
+                offset = 0
             cache.crop(a - cache.get_seq_length())  # back to the prefix (a negative count of tokens to drop)
             win = canvas[:, a:e]
-            new_win, _ = _decide(model, h, win, budget[blk] - step_in_block, forbidden, cfg.threshold)
-            step_in_block += (win == mask_id).any(dim=1).long()
-            canvas[:, a:e] = new_win
+            sel = _masked_first(win, mask_id, width)
+            h = hidden.gather(1, (sel + offset)[..., None].expand(B, width, hidden.shape[-1]))
+            new_sel, _ = _decide(model, h, win.gather(1, sel), budget[blk] - step_in_block, forbidden,
+                                 cfg.threshold)
+            step_in_block += (masks_left > 0).long()
+            canvas[:, a:e] = win.scatter(1, sel, new_sel)
