@@ -2,7 +2,7 @@
 engine's speed is measured (``benchmarks/bench_vs_reference.py``). FROZEN: never changed to make the engine look
 better; a change that makes it slower is not allowed, one that makes it faster is welcome. First committed in
 fb73c27 (cache none), the prefix cache added in 1338c97, the LM head on the masked rows only (was: the whole
-block) since the commit after c0caa5a; its "before" figures: docs/results.md, issue 42.
+block) since 83b3ddf; its "before" figures: docs/results.md, issue 42.
 
 What it is (everything vectorized over the batch ``[B, ...]``; no per-lane Python):
 
