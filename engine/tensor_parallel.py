@@ -112,7 +112,6 @@ def shard_model(loaded, world: int) -> None:
     plan = {name: styles[style]() for name, style in _PLAN.items()}
     for layer in loaded.model.base_model.layers:
         parallelize_module(layer, mesh, plan)
-    loaded.tensor_parallel_size = world
 
 
 # ---------------------------------------------------------------------------------------------- stepping together
