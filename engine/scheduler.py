@@ -311,19 +311,28 @@ class Scheduler:
 
     def _within_rows(self, active: list[Request]) -> list[Request]:
         """The sequences of this step: all of ``active`` when their cost (``unmask.engine.step_cost``: rows plus the
-        per-sequence term) fits ``max_step_rows`` (the usual case, the batch unchanged); else the longest-waiting
-        first (the step each last ran in), as many as fit, at least one. A light request therefore never waits
-        behind more than one heavy step, and a sequence left out runs in the next (its tokens do not depend on when
-        it steps)."""
+        per-sequence term) fits ``max_step_rows`` (the usual case, the batch unchanged); else whole requests
+        (``group``), the longest-waiting first (the step its longest-waiting sequence last ran in), as many as fit,
+        at least one sequence. A light request therefore never waits behind more than one heavy step and never
+        shares its step with part of a heavy one (a light request's step beside three of four heavy sequences cost
+        almost a heavy step); a sequence left out runs in the next (its tokens do not depend on when it steps)."""
         self._steps += 1
         if self.max_step_rows is not None and sum(step_cost(s) for s in active) > self.max_step_rows:
-            order = sorted(active, key=lambda s: self._last_step.get(s, -1))  # stable: queue order among ties
+            groups: dict = {}
+            for seq in active:  # queue order within a group and among ties
+                groups.setdefault(seq.group, []).append(seq)
+            order = sorted(groups.values(), key=lambda g: min(self._last_step.get(s, -1) for s in g))
             chosen, cost = [], 0
-            for seq in order:
-                c = step_cost(seq)
-                if not chosen or cost + c <= self.max_step_rows:
-                    chosen.append(seq)
+            for group in order:
+                c = sum(step_cost(s) for s in group)
+                if cost + c <= self.max_step_rows:
+                    chosen += group
                     cost += c
+            if not chosen:  # one request past the limit (a limit lowered since it was admitted): part of it
+                for seq in sorted(order[0], key=lambda s: self._last_step.get(s, -1)):
+                    if not chosen or cost + step_cost(seq) <= self.max_step_rows:
+                        chosen.append(seq)
+                        cost += step_cost(seq)
             active = [s for s in active if s in chosen]
         for seq in active:
             self._last_step[seq] = self._steps

@@ -103,6 +103,9 @@ def test_a_light_request_waits_behind_at_most_one_heavy_step_and_its_tokens_do_n
         steps = seen["heavy", i]
         assert all(b - a <= 2 for a, b in zip(steps, steps[1:])), (i, steps)
     assert len(seen["heavy"]) > len(set(seen["heavy"])) or max(seen["heavy"]) > len(seen["heavy", 0])
+    # whole requests share steps: the light request's steps carry no part of the heavy one (light + heavy exceed
+    # the limit), so they cost what the light request costs (one of the heavy choices beside it before)
+    assert not set(light) & (set(seen["heavy", 0]) | set(seen["heavy", 1])), (light, seen["heavy", 0])
     alone = _engine(model, rows=None)
     alone.add_request([5, 6, 7], SamplingParams.from_flat(**HEAVY), "heavy", n=2)
     alone.add_request([8, 9], SamplingParams.from_flat(**LIGHT), "light")
