@@ -17,7 +17,8 @@ Per decoder layer (pre-norm, RMSNorm computed in float32):
 
 Then ``model.norm`` and ``lm_head`` (tied to ``model.word_embeddings`` when ``tie_word_embeddings``). The attention
 is whatever mask the caller passes: the engine's block-causal masks (``unmask.engine.attention``), so the model is
-LLaDA2's block diffusion; the cache is the engine's duck-typed ``BatchKV`` (``update(k, v, layer)``).
+LLaDA2's block diffusion; the cache is the engine's duck-typed ``BatchKV`` (``update(k, v, layer)``; in its lane
+mode, set by ``load_model``, each lane attends over its own cached keys through ``unmask.engine.lane_attention``).
 
 Shapes: ``input_ids``/``position_ids`` ``[B, Q]`` int64, mask ``[B, 1, Q, C + Q]`` bool (True = may attend),
 hidden ``[B, Q, H]``.
@@ -141,11 +142,15 @@ class Llada2Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        causal = False
+            if getattr(cache, "lane_mode", False):  # each lane's own cached keys (engine/lane_attention.py)
+                from .lane_attention import lane_attention
+
+                out, _ = lane_attention(self, q, k, v, mask, scaling=1.0 / math.sqrt(D))
+                return self.dense(out.reshape(B, Q, Hq * D))
         if mask is None:  # transformers' meaning of no mask: causal (over the cached keys too)
             C = k.shape[2] - Q
             mask = torch.ones(Q, C + Q, dtype=torch.bool, device=x.device).tril(C)[None, None]
-        out = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask, is_causal=causal,
+        out = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask,
                                              scale=1.0 / math.sqrt(D), enable_gqa=Hq != Hkv)
         return self.dense(out.transpose(1, 2).reshape(B, Q, Hq * D))
 

@@ -117,17 +117,18 @@ class RefinementSequence(Sequence):
         prepared = prepare_groups(cond, [group], forbidden_ids)  # steps 3-6 of sample_groups, the prepared
         filtered = filter_groups(prepared.clone() if self.plan.sampling else prepared, [group])  # logits kept
         cands = score_groups(filtered, draw_groups(filtered, [group]), [group])
-        confidence = self._confidence(prepared, cands.tokens)
+        # the rule runs on the host, beside the canvas: the candidates and confidences in one copy
+        host = torch.stack([cands.tokens.double(), self._confidence(prepared, cands.tokens).double()]).cpu()
+        candidates, confidence = host[0].long(), host[1].float()  # float32 compares as the scheduler does
         current = self.canvas[positions]
         masked = current == self.dllm.mask_token_id
         had_masks = bool(masked.any())
         commit = self._commits(masked, confidence) if had_masks else torch.zeros_like(masked)
         edit = torch.zeros_like(masked)
         if self.editing:
-            edit = ~masked & (cands.tokens.to(current.device) != current) & (confidence.to(current.device)
-                                                                               > self.editing)
+            edit = ~masked & (candidates != current) & (confidence > self.editing)
         rows = (commit | edit).nonzero(as_tuple=True)[0]
-        tokens = cands.tokens[rows.to(cands.tokens.device)]
+        tokens = candidates[rows]
         self.edits += int(edit.sum())
         revealed = self.record(positions[rows].tolist(), to_host(cands.take(rows.to(cands.tokens.device))))
         block, step = self.block_idx, self.step
@@ -150,8 +151,7 @@ class RefinementSequence(Sequence):
         """``[n]`` bool: the masks committed this step (module docstring's commit rule)."""
         schedule = commit_schedule(self.block_size, self._steps_per_block())
         quota = schedule[min(self.mask_steps, len(schedule) - 1)]
-        conf = torch.where(masked, confidence.to(masked.device), torch.full_like(confidence, float("-inf"),
-                                                                                device=masked.device))
+        conf = confidence.masked_fill(~masked, float("-inf"))
         high = conf > (self.threshold if self.threshold is not None else float("inf"))
         if int(high.sum()) >= quota:
             return high
