@@ -166,6 +166,10 @@ class Denoiser:
             lanes.append(lane_cache)
         input_ids, pos, grp, start, committed, valid, prompt, variant = self._inputs_on_device(rows)
         kv = BatchKV(lanes, dev)
+        if self.model.lane_attention:  # each lane's keys read from its own buffer (engine/lane_attention.py)
+            kv.lane_mode = True
+            kv.rows = [int(inp.chunk.numel()) for _, _, inp in rows]
+            kv.sees_all = [sees_every_key(inp, lane) for (_, _, inp), lane in zip(rows, lanes)]
         c_pos, c_grp, c_valid = kv.key_meta()
         mask = build_attention_mask(
             q_pos=pos, q_grp=grp, q_start=start, q_valid=valid,
@@ -255,6 +259,18 @@ class Denoiser:
         if new_slots:
             self.carry.write(new_slots, head[to_device(torch.tensor(new_src, dtype=torch.long), dev)])
         return out, spans
+
+
+def sees_every_key(inp: LaneInput, lane) -> bool:
+    """Whether every chunk row of ``inp`` may attend to every cached key of ``lane`` and every chunk key (the
+    attention rule of ``unmask.engine.attention`` on host metadata): the rows form one group, and each cached key is
+    in that group or committed before the group starts. Then the lane's attention needs no mask."""
+    grp = inp.grp
+    if grp.numel() == 0 or not bool((grp == grp[0]).all()):
+        return False
+    if lane.length == 0:
+        return True
+    return bool(((lane.grp == grp[0]) | (lane.pos < inp.start[0])).all())
 
 
 def batchable(seq: DecodingStrategy) -> bool:

@@ -204,6 +204,14 @@ class BatchKV:
         self._shared = {id(lane) for lane in lanes if id(lane) in seen or seen.add(id(lane))}  # in two rows
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
+        # lane mode (engine/lane_attention.py): update() returns the new keys only and the attention reads each
+        # lane's keys from its buffer; rows[b] = batch row b's real chunk rows, sees_all[b] = every one of them sees
+        # every key of its lane (no mask needed)
+        self.lane_mode = False
+        self.rows: list[int] = []
+        self.sees_all: list[bool] = []
+        self._written: dict[int, set[int]] = {}  # layer -> rows whose chunk went into their lane's scratch tail
+        self._masks: dict[int, torch.Tensor] = {}
 
     def key_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pos, grp, valid)`` of the cached part, each ``[B, C]`` (C = longest lane cache) on the keys' device,
@@ -230,6 +238,10 @@ class BatchKV:
         """
         self.new_keys[layer_idx] = key_states
         self.new_values[layer_idx] = value_states
+        if self.lane_mode:  # each lane's chunk after its cached keys, in its own buffer where it fits
+            self._written[layer_idx] = {b for b, lane in enumerate(self.lanes)
+                                        if lane.length and self._to_scratch(b, key_states, value_states, layer_idx)}
+            return key_states, value_states
         if self.cached_len == 0:
             return key_states, value_states
         B, H, Q, D = key_states.shape
@@ -275,6 +287,31 @@ class BatchKV:
                 kb, vb = torch.cat([lk[None], kb], 2), torch.cat([lv[None], vb], 2)
             out.append((kb, vb))
         return out
+
+    def lane_keys(self, b: int, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Lane mode: batch row ``b``'s keys and values ``[H, n_b + rows[b], D]`` (its ``n_b`` cached keys, then its
+        chunk rows) and ``n_b``: a view of the lane's buffer when the chunk was written into its scratch tail, else
+        one copy of that lane's cache and chunk (no room, autograd, a lane shared by two rows)."""
+        lane, q = self.lanes[b], self.rows[b]
+        n = lane.length
+        if b in self._written.get(layer_idx, ()):
+            k, v = lane.key_value(layer_idx, extra=q)
+            return k, v, n
+        kb, vb = key_states[b, :, :q], value_states[b, :, :q]
+        if n:
+            lk, lv = lane.key_value(layer_idx)
+            kb, vb = torch.cat([lk, kb], 1), torch.cat([lv, vb], 1)
+        return kb, vb, n
+
+    def lane_mask(self, b: int, mask: torch.Tensor, n: int, q: int, C: int) -> torch.Tensor:
+        """Lane mode: ``[1, 1, q, n + q]`` bool, batch row ``b``'s slice of the forward's ``[B, 1, Q, C + Q]`` mask
+        (its ``n`` cached keys and ``q`` chunk keys; built once per forward)."""
+        got = self._masks.get(b)
+        if got is None:
+            rows = mask[b:b + 1, :, :q]
+            got = self._masks[b] = torch.cat([rows[..., :n], rows[..., C:C + q]], -1)
+        return got
 
     def _to_scratch(self, b: int, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> bool:
         """Write batch row ``b``'s chunk ``[H, Q, D]`` after its lane's cached keys if the buffer has room, no

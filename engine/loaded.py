@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
+from .lane_attention import lanes
 from .config import CheckpointError, DllmConfig, read_json_file
 
 __all__ = ["LoadedModel", "RowVariant", "read_config"]
@@ -53,7 +54,8 @@ class LoadedModel:
 
     Attributes:
         model: a transformers causal-LM module (``.base_model`` -> decoder stack, output embeddings -> LM head),
-            loaded with ``attn_implementation="sdpa"`` so that boolean 4-D masks take effect.
+            loaded with ``attn_implementation="sdpa"`` so that boolean 4-D masks take effect (``load_model`` then
+            switches it to :mod:`unmask.engine.lane_attention`'s SDPA per lane, the same masks).
         tokenizer: its tokenizer (chat template included when the checkpoint has one).
         dllm: the diffusion settings.
         path: where it was loaded from.
@@ -71,6 +73,8 @@ class LoadedModel:
             transformers forward.
         adapter: what :mod:`unmask.engine.adapter_files` attached (path, rank, alpha, targets, parameters, parent
             hash) when a mask-row adapter is the row variant, else None.
+        lane_attention: the transformers forward attends over each lane's own cached keys
+            (:mod:`unmask.engine.lane_attention`; set by ``load_model``), so the engine's caches run in lane mode.
     """
 
     model: Any
@@ -85,6 +89,7 @@ class LoadedModel:
     packed_layers: dict = field(default_factory=dict)
     decoder_forward: Callable[..., torch.Tensor] | None = None
     adapter: dict | None = None
+    lane_attention: bool = False
 
     def __post_init__(self) -> None:
         self.model.eval()
@@ -194,7 +199,8 @@ class LoadedModel:
         Raises:
             RuntimeError: ``variant_rows``' shape is not ``[B, Q]`` (a routed module names both shapes).
         """
-        with self._select(variant_rows, drafter_rows):
+        with self._select(variant_rows, drafter_rows), (lanes(cache) if getattr(cache, "lane_mode", False)
+                                                         else contextlib.nullcontext()):
             if self.decoder_forward is not None:
                 if prompt_rows is not None and self.tiles_prompt_rows:
                     return self.decoder_forward(input_ids, position_ids, attention_mask, cache,

@@ -171,3 +171,33 @@ def test_the_post_forward_step_traces_without_graph_breaks():
     want = step(logits.clone())
     got = torch.compile(step, fullgraph=True, backend="eager")(logits.clone())
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_a_batched_step_attends_to_views_of_each_lanes_cache_not_copies(checkpoints, monkeypatch):
+    """Lane attention (engine/lane_attention.py): in a batch of decoding lanes each lane's keys are a view of its
+    own cache buffer (its new rows written after the cached ones), never a padded copy of every lane's cache; the
+    tokens equal the padded-copy attention's (transformers' SDPA over one [B, H, C + Q, D] tensor)."""
+    from unmask.engine.kv_cache import BatchKV
+    from unmask.engine.model import load_model
+
+    path = next(p for p in dp.PATHS if p.name == "quota")
+    model = load_model(checkpoints[path.checkpoint], weights="native")
+    assert model.lane_attention
+    seen = {"views": 0, "copies": 0}
+    lane_keys = BatchKV.lane_keys
+
+    def spy(self, b, layer, key, value):
+        k, v, n = lane_keys(self, b, layer, key, value)
+        if n:  # a lane with cached keys: a view of its buffer, or a copy
+            seen["views" if k.untyped_storage().data_ptr() == self.lanes[b]._k[layer].untyped_storage().data_ptr()
+                 else "copies"] += 1
+        return k, v, n
+
+    monkeypatch.setattr(BatchKV, "lane_keys", spy)
+    lanes = dp.run_path(LLM(model, max_batch_size=8), path)
+    assert seen["views"] > 0 and seen["copies"] == 0, seen
+    monkeypatch.undo()
+    padded = load_model(checkpoints[path.checkpoint], weights="native")
+    padded.model.set_attn_implementation("sdpa")
+    padded.lane_attention = False
+    assert dp.run_path(LLM(padded, max_batch_size=8), path) == lanes

@@ -174,7 +174,8 @@ def test_family_detected_and_settings_from_checkpoint(family, replicas, loaded_m
     assert lm.vocab_size == V and lm.max_context == 512
     assert type(lm.model).__name__ == {"llada": "LlamaForCausalLM", "sdar": "Qwen3ForCausalLM"}.get(
         family, "Qwen2ForCausalLM")
-    assert lm.model.config._attn_implementation == "sdpa"
+    # SDPA with the engine's boolean masks, per lane over each lane's own keys (engine/lane_attention.py)
+    assert lm.model.config._attn_implementation == "unmask_lanes" and lm.lane_attention
 
 
 @pytest.mark.parametrize("family", list(WRITERS))
