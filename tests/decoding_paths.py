@@ -65,13 +65,16 @@ PATHS = (
     DecodingPath("adapter-plain", "adapter", dict(GREEDY, block_size=4)),
     DecodingPath("adapter-block-1", "adapter", dict(temperature=0, block_size=1)),
     DecodingPath("adapter-constrained", "adapter", dict(GREEDY, block_size=2), constrained=True),
+    DecodingPath("llada2-refinement", "llada2", dict(GREEDY, threshold=0.6)),
+    DecodingPath("llada2-editing", "llada2", dict(SAMPLED, threshold=0.6, editing_threshold=0.4)),
 )
 
 
 def write_checkpoints(out: Path) -> dict[str, Path]:
     """The tiny checkpoints the paths name, written under ``out``: ``causal`` (prefix-causal A2D), ``bidirectional``
-    (LLaDA-style), ``block_causal`` (SDAR-style, fixed block 4) and ``adapter`` (an adapter-only directory on the
-    causal parent, greedy speculative by default). Returns ``{name: directory}``."""
+    (LLaDA-style), ``block_causal`` (SDAR-style, fixed block 4), ``adapter`` (an adapter-only directory on the
+    causal parent, greedy speculative by default) and ``llada2`` (LLaDA2's MoE layout, block 8). Returns
+    ``{name: directory}``."""
     from unmask.engine.adapter_files import parent_hash, write_adapter
     from unmask.engine.checkpoint import write_checkpoint
 
@@ -86,6 +89,9 @@ def write_checkpoints(out: Path) -> dict[str, Path]:
     write_adapter(out / "adapter", w, {"sha256": parent_hash(dirs["causal"]), "name": str(dirs["causal"])},
                   dllm={"block_size": 4, "default_sampling": {"speculative": True, "temperature": 0.0}})
     dirs["adapter"] = out / "adapter"
+    from llada2_tiny import checkpoint_dir, loaded_llada2
+
+    dirs["llada2"] = checkpoint_dir(loaded_llada2(seed=0), out / "llada2")  # MoE block refinement (LLaDA2.x)
     return dirs
 
 

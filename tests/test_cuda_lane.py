@@ -14,7 +14,7 @@ import cuda_lane as cl
 import decoding_paths as dp
 import serving
 
-CHECKPOINTS = ("causal", "bidirectional", "block_causal", "adapter")
+CHECKPOINTS = ("causal", "bidirectional", "block_causal", "adapter", "llada2")
 CASES = ([("forward", name) for name in CHECKPOINTS] + [("path", p.name) for p in dp.PATHS]
          + [("contract", name) for name in cl.CONTRACTS])
 PATHS = {p.name: p for p in dp.PATHS}
