@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny-causal,tiny-bidirectional,smollm2")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per side (tiny models)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed runs per side (tiny models: short runs, bursty load)")
     ap.add_argument("--real-repeats", type=int, default=3, help="timed runs per side (SmolLM2)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--engine-label", default=None,
