@@ -12,10 +12,12 @@ The rule (:meth:`PrefixAffinity.choose`):
 1. the replicas whose load is at most the least loaded one's + ``imbalance`` are eligible (load: requests in
    flight to the replica, as the caller counts them);
 2. among them the highest score wins: the run of the prompt's leading keys the replica holds (chunks it need not
-   prefill) minus ``load_weight`` chunks per request in flight on it (llm-d's scheduler also weighs a prefix score
-   against a queue score). Without the load term a prefix every chat shares (a system prompt) would pull every
-   new chat to the replica that saw it first; with it, a chat's later turns (most of their prompt held) stay, and
-   new chats spread once the first replica is ``shared chunks / load_weight`` requests busier;
+   prefill) minus ``load_weight`` chunks per request the new one would wait behind there, i.e. beyond the
+   replica's ``slots`` (its batch: requests in a batch with room run at once; llm-d's scheduler likewise weighs a
+   prefix score against the queue, ``num_requests_waiting``). Without the load term a prefix every chat shares (a
+   system prompt) would pull every new chat to the replica that saw it first; with it, new chats fill one
+   replica's batch and then go where they need not wait, while a chat's later turns (most of their prompt held)
+   stay unless staying means waiting behind ``held chunks / load_weight`` requests;
 3. ties (and prompts nobody holds) go to the least loaded, then to the one chosen least recently (new
    conversations and short prompts take the replicas in turn).
 """
@@ -28,9 +30,9 @@ __all__ = ["PrefixAffinity", "DEFAULT_IMBALANCE", "DEFAULT_LOAD_WEIGHT", "DEFAUL
 
 #: requests in flight by which an eligible replica may exceed the least loaded one
 DEFAULT_IMBALANCE = 4
-#: chunks of held prefix one request in flight is worth (a queued request waits for a whole request's steps;
-#: a held chunk saves 16 prompt rows of one forward)
-DEFAULT_LOAD_WEIGHT = 4.0
+#: chunks of held prefix one request waited behind is worth (it waits for a whole request's steps; a held chunk
+#: saves 16 prompt rows of one forward); chosen by benchmarks/bench_ray_routing.py (docs/design.md#scale-out)
+DEFAULT_LOAD_WEIGHT = 8.0
 #: keys remembered per replica: 65,536 chunks of 16 tokens = 1M tokens, above a CPU replica's prefix store
 DEFAULT_MAX_KEYS = 65536
 
@@ -40,17 +42,22 @@ class PrefixAffinity:
 
     Args:
         imbalance: most requests in flight an eligible replica may have beyond the least loaded (>= 0).
-        load_weight: chunks of held prefix one request in flight is worth (>= 0; 0: the longest match alone).
+        load_weight: chunks of held prefix one request waited behind is worth (>= 0; 0: the longest match alone).
+        slots: requests a replica runs at once (its batch; >= 0): a new request waits behind those in flight
+            beyond them (0: behind every request in flight).
         max_keys: keys remembered per replica (>= 1).
 
     Raises:
-        ValueError: ``imbalance`` or ``load_weight`` < 0, ``max_keys`` < 1 (names the argument).
+        ValueError: ``imbalance``, ``load_weight`` or ``slots`` < 0, ``max_keys`` < 1 (names the argument).
     """
 
     def __init__(self, imbalance: int = DEFAULT_IMBALANCE, max_keys: int = DEFAULT_MAX_KEYS,
-                 load_weight: float = DEFAULT_LOAD_WEIGHT):
+                 load_weight: float = DEFAULT_LOAD_WEIGHT, slots: int = 0):
         if imbalance < 0:
             raise ValueError(f"imbalance: must be >= 0, got {imbalance}")
+        if slots < 0:
+            raise ValueError(f"slots: must be >= 0, got {slots}")
+        self.slots = int(slots)
         if not load_weight >= 0:  # NaN too
             raise ValueError(f"load_weight: must be >= 0, got {load_weight}")
         if max_keys < 1:
@@ -90,7 +97,12 @@ class PrefixAffinity:
         eligible = [r for r, n in load.items() if n <= floor + self.imbalance]
         depth = self.match(keys, eligible)
         w = self.load_weight
-        return min(eligible, key=lambda r: (w * load[r] - depth[r], load[r], self._chosen.get(r, -1), str(r)))
+        return min(eligible, key=lambda r: (w * self.waits(load[r]) - depth[r], load[r], self._chosen.get(r, -1),
+                                            str(r)))
+
+    def waits(self, in_flight: int) -> int:
+        """Requests a new one would wait behind on a replica with ``in_flight`` requests (beyond ``slots``)."""
+        return max(0, in_flight + 1 - self.slots) if self.slots else in_flight
 
     def record(self, keys: Sequence[str], replica: Hashable) -> None:
         """Remember that ``keys`` were sent to ``replica`` (most recent) and that it was chosen now, forgetting its

@@ -140,8 +140,8 @@ def build_application(engine_factory, model_name: str, server_config, config: Ra
         options["num_replicas"] = config.ray_min_replicas
     router = {"prefix": PrefixAwareRouter, "round_robin": RoundRobinRouter}.get(config.ray_router)
     if router is not None:
-        kwargs = ({"imbalance": config.ray_imbalance, "load_weight": config.ray_load_weight}
-                  if router is PrefixAwareRouter else {})
+        kwargs = ({"imbalance": config.ray_imbalance, "load_weight": config.ray_load_weight,
+                   "slots": max_batch_size} if router is PrefixAwareRouter else {})
         options["request_router_config"] = RequestRouterConfig(request_router_class=router,
                                                                request_router_kwargs=kwargs)
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(

@@ -47,11 +47,11 @@ class RayServeConfig:
                                        "round_robin, power_of_two (Ray Serve's default)", choices=RAY_ROUTERS)
     ray_imbalance: int = option(DEFAULT_IMBALANCE, "requests in flight by which the prefix router's choice may "
                                                    f"exceed the least loaded replica (default {DEFAULT_IMBALANCE})")
-    ray_load_weight: float = option(DEFAULT_LOAD_WEIGHT, "chunks of held prompt prefix (16 tokens each) one request "
-                                                         "in flight is worth to the prefix router: it picks the "
-                                                         "replica with the most held chunks minus this per request "
-                                                         f"in flight (default {DEFAULT_LOAD_WEIGHT:g}; 0: longest "
-                                                         "match within --ray-imbalance)")
+    ray_load_weight: float = option(
+        DEFAULT_LOAD_WEIGHT, "chunks of held prompt prefix (16 tokens each) that waiting behind one request is "
+                             "worth to the prefix router: it picks the replica with the most held chunks minus this "
+                             "per request the new one would wait behind (beyond --max-batch-size in flight) "
+                             f"(default {DEFAULT_LOAD_WEIGHT:g}; 0: longest match within --ray-imbalance)")
     ray_metrics_port: int = option(0, "port of each engine replica's own /metrics on its node (default 0: any "
                                       "free port; GET /replicas on the ingress lists them)")
 

@@ -18,11 +18,11 @@ __all__ = ["PrefixAwareRouter", "RoundRobinRouter"]
 
 class PrefixAwareRouter(RequestRouter):
     """Ray Serve request router of the engine replicas (``request_router_kwargs``: ``imbalance``, ``load_weight``,
-    ``max_keys``)."""
+    ``slots`` (the engine's batch size), ``max_keys``)."""
 
     def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, load_weight: float = DEFAULT_LOAD_WEIGHT,
-                         max_keys: int = DEFAULT_MAX_KEYS, **_):
-        self.affinity = PrefixAffinity(imbalance, max_keys, load_weight)
+                         slots: int = 0, max_keys: int = DEFAULT_MAX_KEYS, **_):
+        self.affinity = PrefixAffinity(imbalance, max_keys, load_weight, slots)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[RunningReplica, int]:
         """Ongoing requests per replica: the cached queue length, else a probe's; a replica that does not answer

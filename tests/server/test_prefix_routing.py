@@ -47,6 +47,22 @@ def test_held_chunks_are_weighed_against_requests_in_flight():
     assert t.choose(turn2, {"r1": 3, "r2": 0}) == "r1" and t.choose(turn2, {"r1": 4, "r2": 0}) == "r2"
 
 
+def test_with_batch_slots_only_waiting_counts():
+    t = PrefixAffinity(imbalance=8, load_weight=8, slots=4)
+    system = list(range(96))  # 6 shared chunks
+    t.record(route_keys(system + [500] * 16), "r1")
+    new_chat = route_keys(system + [600] * 16)
+    assert t.waits(3) == 0 and t.waits(4) == 1 and t.waits(6) == 3
+    assert t.choose(new_chat, {"r1": 3, "r2": 0}) == "r1"  # r1's batch has room: its held system prompt wins
+    assert t.choose(new_chat, {"r1": 4, "r2": 0}) == "r2"  # r1 would make it wait (8 > 6 chunks): r2
+    turn = route_keys(system + [500] * 16 + [501] * 160)  # a long chat: 16 of its chunks held on r1
+    t.record(turn[:16], "r1")
+    assert t.choose(turn, {"r1": 4, "r2": 0}) == "r1"  # waiting behind 1 (8 chunks) beats prefilling 16
+    assert t.choose(turn, {"r1": 5, "r2": 0}) == "r2"  # behind 2 (16 chunks): a tie goes to the less loaded
+    with pytest.raises(ValueError, match="slots"):
+        PrefixAffinity(slots=-1)
+
+
 def test_unknown_prompts_spread_and_ties_go_to_the_least_loaded():
     t = PrefixAffinity(imbalance=4)
     placed = []
