@@ -60,5 +60,6 @@ def detect_family(config: dict, path: Path | str = "") -> str:
         f"{Path(path) / 'config.json'}: not a diffusion checkpoint unmask knows (architectures={arch}, "
         f"model_type={config.get('model_type')!r}). Expected a `dllm` section (an `unmask convert` output), or "
         "LLaDA (LLaDAModelLM), LLaDA-MoE (LLaDAMoEModelLM), Dream (DreamModel), Fast-dLLM v2 "
-        "(Fast_dLLM_QwenForCausalLM) or SDAR (SDARForCausalLM). Convert an autoregressive checkpoint first: `unmask convert SRC OUT`."
+        "(Fast_dLLM_QwenForCausalLM), SDAR (SDARForCausalLM) or LLaDA2.x (LLaDA2MoeModelLM). Convert an "
+        "autoregressive checkpoint first: `unmask convert SRC OUT`."
     )
