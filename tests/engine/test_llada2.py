@@ -171,22 +171,3 @@ def test_a_sampled_request_is_the_same_alone_and_in_a_mixed_batch():
     assert mixed[1].outputs[0].token_ids == alone
     assert alone != llm.generate([prompt], greedy)[0].outputs[0].token_ids
 
-
-def test_refinement_runs_on_one_device_and_gives_the_cpu_tokens(tmp_path, monkeypatch):
-    """Fake CUDA (``tests/device_tags.py``: CUDA's mixed-device rule on CPU storage): the llada2 model, its MoE layers
-    and block refinement with editing keep every tensor on the model's device and give the CPU run's tokens."""
-    from device_tags import devices_of, fake_cuda
-    from unmask.engine.model import load_model
-
-    path = checkpoint_dir(loaded_llada2(seed=1), tmp_path / "ckpt")
-    prompt = PROMPTS[0]
-    _, params = _params(prompt, 8, 4, 0.6, 0.4)
-    sampled = SamplingParams(**{**params.__dict__, "temperature": 0.8, "top_p": 0.9, "seed": 5})
-    cpu = LLM(load_model(str(path), device="cpu", dtype="float32", weights="native"))
-    want = [cpu.generate([prompt], p)[0].outputs[0].token_ids for p in (params, sampled)]
-    with fake_cuda(monkeypatch):
-        model = load_model(str(path), device="cuda", dtype="float32")
-        assert model.device.type == "cuda" and devices_of(model.model) == {"cuda:0"}
-        llm = LLM(model)
-        got = [llm.generate([prompt], p)[0].outputs[0].token_ids for p in (params, sampled)]
-    assert got == want
