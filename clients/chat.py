@@ -98,7 +98,8 @@ def parse_value(text: str):
 
 def render_canvas(canvas: Canvas, width_hint: int | None = None) -> Text:
     """The canvas as rich ``Text``: masks as ``·``, tokens coloured by their reveal step, the current block
-    underlined, ``│`` before each block after the first."""
+    underlined, provisional tokens (revisable canvases: they may still change) italic and dim, ``│`` before each
+    block after the first."""
     out = Text()
     span = canvas.block_span()
     bounds = canvas.boundaries()
@@ -118,6 +119,8 @@ def render_canvas(canvas: Canvas, width_hint: int | None = None) -> Text:
             style = PALETTE[(canvas.step_of[p] or 0) % len(PALETTE)]
             if current:
                 style += " underline"
+            if canvas.provisional(p):
+                style += " italic dim"
             if p in canvas.last_revealed:
                 style += " bold reverse"
             out.append(shown, style=style)

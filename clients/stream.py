@@ -204,6 +204,8 @@ class Canvas:
 
     ``cells[p]``: text at position ``p`` or None (masked); ``step_of[p]`` / ``block_of[p]``: the step / block that
     revealed it. ``block_size``: the request's, else inferred from completed blocks (None while unknown).
+    ``final``: the last chunk's ``final`` (revisable canvases: positions from there on may still change), None when
+    every shown token is final.
     """
 
     block_size: int | None = None
@@ -216,6 +218,11 @@ class Canvas:
     revealed: int = 0
     started: float = field(default_factory=time.monotonic)
     last_revealed: list = field(default_factory=list)
+    final: int | None = None
+
+    def provisional(self, p: int) -> bool:
+        """Whether the token shown at ``p`` may still change (docs/design.md#http-contract, "Revisable canvases")."""
+        return self.final is not None and p >= self.final and self.cells[p] is not None
 
     def update(self, d: dict) -> None:
         canvas = d.get("canvas") or []
@@ -228,6 +235,8 @@ class Canvas:
         self.step = int(d.get("step", self.step + 1))
         self.block = int(d.get("block", self.block))
         self.nfe = int(d.get("nfe", self.nfe))
+        final = d.get("final")
+        self.final = int(final) if isinstance(final, int) and not isinstance(final, bool) else None
         self.last_revealed = []
         for r in d.get("revealed") or []:
             p = r["position"]

@@ -59,6 +59,7 @@ function update(c, d) {
   const n = (d.canvas || []).length;
   while (c.cells.length < n) { c.cells.push(null); c.stepOf.push(null); c.blockOf.push(null); }
   c.step = d.step; c.block = d.block; c.nfe = d.nfe; c.fresh = [];
+  c.final = Number.isInteger(d.final) ? d.final : null;   // revisable canvases: positions >= final may change
   for (const r of d.revealed || []) { c.fresh.push(r.position); }
   d.canvas.forEach((t, p) => {
     c.cells[p] = t;
@@ -80,7 +81,7 @@ function span(c) {
 function snapshot(c) {
   const secs = (performance.now() - c.t0) / 1000;
   return { cells: c.cells.slice(), stepOf: c.stepOf.slice(), blockOf: c.blockOf.slice(), fresh: c.fresh.slice(),
-           step: c.step, block: c.block, nfe: c.nfe, revealed: c.revealed, span: span(c),
+           step: c.step, block: c.block, nfe: c.nfe, revealed: c.revealed, span: span(c), final: c.final ?? null,
            tps: secs > 0 ? c.revealed / secs : 0 };
 }
 
@@ -108,7 +109,8 @@ function draw(f) {
     const cur = f.span && p >= f.span[0] && p < f.span[1];
     if (t === null) { s.className = "mask" + (cur ? " cur" : ""); }
     else {
-      s.className = "tok" + (cur ? " cur" : "") + (fresh.has(p) ? " fresh" : "");
+      const prov = f.final !== null && f.final !== undefined && p >= f.final;   // may still change
+      s.className = "tok" + (cur ? " cur" : "") + (fresh.has(p) ? " fresh" : "") + (prov ? " prov" : "");
       s.textContent = t.replace(/\n/g, "↵") || "∅";
       s.style.color = PALETTE[(f.stepOf[p] || 0) % PALETTE.length];
       s.title = "position " + p + ", revealed at step " + (f.stepOf[p] + 1) + " (block " + (f.blockOf[p] + 1) + ")";

@@ -35,6 +35,25 @@ def test_canvas_and_render():
     assert c.status().startswith("step 3  block 2  "), c.status()  # both counted from 1 (step 2 of block 1, 0-based)
 
 
+def test_a_revisable_canvas_shows_edits_and_marks_provisional_tokens():
+    """Token editing: a chunk's ``final`` says where the provisional region starts; the canvas takes each chunk's
+    tokens as the truth (an edited position shows its new token) and the terminal view shows provisional tokens
+    apart (italic)."""
+    c = Canvas(block_size=2)
+    c.update({"step": 0, "block": 0, "nfe": 1, "revealed": [{"position": 0}], "canvas": ["a", None, None, None],
+              "final": 0})
+    c.update({"step": 1, "block": 0, "nfe": 2, "revealed": [{"position": 0}, {"position": 1}],
+              "canvas": ["x", "b", None, None], "final": 0})
+    assert c.cells[:2] == ["x", "b"] and c.provisional(0) and c.provisional(1) and not c.provisional(2)
+    styles = [span.style for span in render_canvas(c).spans]
+    assert all("italic" in str(s) for s in styles[:2]), styles
+    c.update({"step": 2, "block": 1, "nfe": 3, "revealed": [{"position": 2}], "canvas": ["x", "b", "c", None],
+              "final": 2})
+    assert not c.provisional(0) and c.provisional(2)
+    c.update({"step": 3, "block": 1, "nfe": 4, "revealed": [{"position": 3}], "canvas": ["x", "b", "c", "d"]})
+    assert c.final is None and not any(c.provisional(p) for p in range(4))
+
+
 def test_the_default_base_url_follows_unmask_port():
     from unmask.cli.chat import default_base_url
 
