@@ -34,9 +34,12 @@ class TokenCursor:
         self.shown = 0            # characters streamed
 
     def add(self, revealed: list[Revealed]) -> None:
-        """The tokens one step revealed."""
+        """The tokens one step revealed (or, on a revisable canvas, edited: the new token replaces the old, also in
+        the prefix; only positions the text has not carried yet are ever edited, docs/design.md#http-contract)."""
         for r in revealed:
             self.revealed[r.position] = r
+            if r.position < len(self.ids):
+                self.ids[r.position] = r.token_id
         while len(self.ids) in self.revealed:
             self.ids.append(self.revealed[len(self.ids)].token_id)
 

@@ -91,3 +91,28 @@ def test_llm_comply_on_a_tiny_llada2(tmp_path):
     assert got.pop("chat-reasoning-summary")[0] == "skipped"
     failed = {k: v for k, v in got.items() if v[0] != "passed"}
     assert not failed, (failed, log.read_text()[-2000:])
+
+
+def test_streamed_logprobs_of_an_editing_request_join_into_the_non_streamed_ones(client):
+    """Edited positions carry the logprobs of their last edit; the stream hands each out with the text that first
+    shows its token (only final text is shown), so the chunks' logprobs joined equal the non-streamed ones."""
+    body = {**BODY, "logprobs": True, "top_logprobs": 2}
+    plain = client.post(CH, json=body).json()["choices"][0]["logprobs"]["content"]
+    chunks = _stream(client, body)
+    streamed = [e for c in chunks if c.get("choices") and not c.get("denoising")
+                for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert [(e["token"], e["logprob"]) for e in streamed] == [(e["token"], e["logprob"]) for e in plain]
+
+
+def test_the_logprobs_cursor_follows_an_edit_of_a_revealed_token():
+    """A token edited after it was revealed (a revisable canvas) changes the prefix the cursor measures: the text
+    of the edited token decides when its logprobs go out (a stale prefix handed position 1's out with the old
+    token's one character)."""
+    from unmask.engine import Revealed
+    from unmask.server.stream_logprobs import TokenCursor
+
+    cursor = TokenCursor(lambda ids: "".join(str(i) for i in ids))
+    cursor.add([Revealed(0, 1, 0.9, -0.1), Revealed(1, 2, 0.9, -0.1)])
+    cursor.add([Revealed(1, 234, 0.8, -0.2)])  # edited: its text is "234"
+    assert [r.position for r in cursor.advance(2)] == [0]  # "12" of "1234": position 1 is not complete yet
+    assert [(r.position, r.token_id) for r in cursor.advance(2)] == [(1, 234)]
