@@ -237,7 +237,8 @@ def test_training_mask_and_logits_equal_engine(attention):
         masked = seq.masked_positions().tolist()
         assert masked == blk.masked
         with torch.no_grad():
-            (eng_logits,), _ = den._forward([(seq, 0, inp)])
+            logits, spans, _ = den._forward([(seq, 0, inp)])
+            eng_logits = logits[spans[0][0]:spans[0][1]]
         sel = [i for i, p in enumerate(lay.label_pos.tolist()) if p in masked and a <= p < e]
         assert len(sel) == len(masked)
         torch.testing.assert_close(train_logits[sel], eng_logits, atol=2e-5, rtol=1e-5)
