@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .step_cost import SEQUENCE_ROWS
+
 REMASKING_STRATEGIES = ("low_confidence", "margin", "entropy", "random", "left_to_right")
 CACHE_MODES = ("auto", "none", "prefix", "dual")
 MAX_SEED = 2**63 - 1
@@ -60,7 +62,9 @@ MAX_WEIGHT_MAGNITUDE = 1e3
 MAX_ADAPTER_SCALE = 1024.0
 MAX_ADAPTER_RANK = 4096
 ADAPTER_VERSIONS = (1,)    # mask_adapter.json format versions this server reads
-DEFAULT_MAX_STEP_ROWS = 128  # rows one request may put into a step (block x n x lanes; --max-step-rows): ~0.3 s on 2 cores for SmolLM2-135M
+# what one request may cost a step (--max-step-rows, engine/step_cost.py): one block of 128 rows and its sequence's
+# term; ~0.3 s a step on 2 cores for SmolLM2-135M
+DEFAULT_MAX_STEP_ROWS = 128 + SEQUENCE_ROWS
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n of one request (--max-seqs-per-request), at most the queue
 #: row-equivalents per chunk of a long prompt's prefill, rows at the prompt's start (docs/design.md#decoding,
 #: "Chunked prefill"; engine/prefill_cost.py; measured in benchmarks/results/bench_long_prefill.md): small enough

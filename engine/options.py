@@ -162,8 +162,9 @@ class EngineConfig:
         DEFAULT_MAX_STEP_ROWS, "what one request may cost a step, in rows, over all its prompts and choices: "
         "block_size x n x lanes (2 under cfg_scale; a self-speculative draft block x (2 + branches)); a request "
         "beyond it is a 400 naming block_size, and a step costs at most this beside the oldest waiting sequence, so "
-        "a light request never waits behind more than one heavy step (default 128: ~0.3 s a step for the default "
-        "model on 2 cores; docs/design.md#admission-and-limits)", metavar="ROWS")
+        "a light request never waits behind more than one heavy step; each sequence and lane adds 2 rows, its "
+        "measured cost beyond its rows (default 130: one block of 128, ~0.3 s a step for the default model on 2 "
+        "cores; docs/design.md#admission-and-limits)", metavar="ROWS")
     max_weight_magnitude: float = option(
         MAX_WEIGHT_MAGNITUDE, "refuse a checkpoint or adapter holding a weight of larger magnitude (no trained "
         "model has one; SmolLM2-135M's largest is 9.3); 0 = no bound (docs/design.md#checks-at-load)",

@@ -10,19 +10,18 @@ A sequence's step cost is the rows it forwards plus a fixed term per lane for be
 * :data:`SEQUENCE_ROWS` per lane: what a lane costs beyond its rows (its own attention over its own cache, its KV
   gather and appends, its logits' sampling and its bookkeeping), measured on the default model:
   ``benchmarks/bench_step_cost.py`` times the same 64 rows in 1, 2, 4 and 8 sequences (and one sequence at 32 and 128
-  rows) and fits ``step = a + b x rows + c x sequences``; ``c / b`` is this term. On the 2-core CPU it is not above
-  zero (8 sequences of 8 rows step no slower than one of 64; ``benchmarks/results/bench_step_cost.json``), so it is
-  0 here: what made "four sequences of 32 rows cost ~3x one of 128" was the rows themselves, a self-speculative
-  sequence at draft block 32 forwarding up to 160 rows counted as 32. The term stays in the rule for hardware where
-  it is not 0 (a GPU's per-sequence launches).
+  rows) and fits ``step = a + b x rows + c x sequences``; ``c / b`` is this term: 21.6 ms against 12.1 ms a row on
+  the 2-core CPU (the least of 7 rounds; ``benchmarks/results/bench_step_cost.json``), so 2 rows. It is small: what
+  made "four sequences of 32 rows cost ~3x one of 128" was the rows themselves, a self-speculative sequence at draft
+  block 32 forwarding up to 160 rows counted as 32.
 
 The cost depends on the sequence alone (never on who else is in the batch), so a step's selection by cost keeps every
 sequence's tokens unchanged (batch invariance, docs/design.md#decisions).
 """
 from __future__ import annotations
 
-#: row-equivalents a lane costs beyond its rows: c / b of benchmarks/results/bench_step_cost.json (2 threads), <= 0
-SEQUENCE_ROWS = 0
+#: row-equivalents a lane costs beyond its rows: c / b of benchmarks/results/bench_step_cost.json (2 threads)
+SEQUENCE_ROWS = 2
 
 
 def step_rows(seq) -> int:
