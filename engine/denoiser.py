@@ -177,6 +177,8 @@ class Denoiser:
             k_committed=torch.cat([c_valid, committed], 1), k_valid=torch.cat([c_valid, valid], 1),
         )
         extra = {"prompt_rows": prompt} if prompt is not None else {}
+        if variant is not None:  # the variant rows' indices are taken on the host (no device read)
+            extra["variant_host"] = self._variant_host
         hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant, **extra)
         self.forwards += 1
         return (*self._gather_logits(rows, hidden, variant), kv)
@@ -207,6 +209,7 @@ class Denoiser:
         flags = pad([torch.stack([inp.committed, torch.ones_like(inp.committed), p, v]) .T
                      for (_, _, inp), p, v in zip(rows, prompts, variants)], batch_first=True)  # [B, Q, 4]
         host = torch.cat([torch.stack(longs), flags.permute(2, 0, 1).long()])  # [8, B, Q]
+        self._variant_host = flags[..., 3] if self.model.has_row_variant else None
         on = to_device(host, self.device)
         any_prompt = bool(flags[..., 2].any())  # host values: no device read
         return (on[0], on[1], on[2], on[3], on[4].bool(), on[5].bool(), on[6].bool() if any_prompt else None,
@@ -248,8 +251,9 @@ class Denoiser:
                 new_src.append(carry_head)
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
         idx = to_device(torch.tensor([g_rows, g_cols], dtype=torch.long), dev)
+        extra = {} if variant is None else {"variant_host": self._variant_host[g_rows, g_cols]}
         head = self.model.logits(hidden[idx[0], idx[1]],
-                                 variant_rows=variant[idx[0], idx[1]] if variant is not None else None)
+                                 variant_rows=variant[idx[0], idx[1]] if variant is not None else None, **extra)
         plan = to_device(torch.tensor([[o for o, _ in take], [h for _, h in take]], dtype=torch.long).reshape(2, -1), dev)
         out = head.new_empty(n_out, head.shape[-1])
         out[plan[0]] = head[plan[1]]

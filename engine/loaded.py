@@ -41,9 +41,10 @@ class RowVariant(Protocol):
       :func:`unmask.engine.adapter_files.apply_adapter`.
     """
 
-    def select(self, variant_rows: torch.Tensor) -> ContextManager[None]:
+    def select(self, variant_rows: torch.Tensor, host: torch.Tensor | None = None) -> ContextManager[None]:
         """Context in which the variant's modules run ``variant_rows`` (bool, the leading dimensions of every
-        variant module's input during the forward) with the variant's weights."""
+        variant module's input during the forward) with the variant's weights; ``host``: the same rows on the CPU
+        when the caller has them (row indices are then taken there, with no device read)."""
         ...
 
 
@@ -186,7 +187,8 @@ class LoadedModel:
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       cache=None, variant_rows: torch.Tensor | None = None, *,
                       drafter_rows: torch.Tensor | None = None,
-                      prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      prompt_rows: torch.Tensor | None = None, variant_host: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """Last hidden states ``[B, Q, H]`` (the model's dtype) for ``input_ids``/``position_ids`` ``[B, Q]`` int64
         and a boolean mask ``[B, 1, Q, C + Q]`` (True = may attend; C = cached keys in ``cache``, a
         :class:`~unmask.engine.kv_cache.BatchKV`; None = causal, as transformers).
@@ -199,7 +201,7 @@ class LoadedModel:
         Raises:
             RuntimeError: ``variant_rows``' shape is not ``[B, Q]`` (a routed module names both shapes).
         """
-        with self._select(variant_rows, drafter_rows), (lanes(cache) if getattr(cache, "lane_mode", False)
+        with self._select(variant_rows, drafter_rows, variant_host), (lanes(cache) if getattr(cache, "lane_mode", False)
                                                          else contextlib.nullcontext()):
             if self.decoder_forward is not None:
                 if prompt_rows is not None and self.tiles_prompt_rows:
@@ -219,17 +221,20 @@ class LoadedModel:
         return bool(getattr(fused, "row_invariant", False) and getattr(fused, "prompt_tiles", False))
 
     def logits(self, hidden: torch.Tensor, variant_rows: torch.Tensor | None = None, *,
-               drafter_rows: torch.Tensor | None = None) -> torch.Tensor:
+               drafter_rows: torch.Tensor | None = None, variant_host: torch.Tensor | None = None) -> torch.Tensor:
         """LM head on ``[N, H]`` hidden states -> ``[N, V]`` float32 logits (``variant_rows``: ``[N]`` bool, as in
         :meth:`hidden_states`)."""
-        with self._select(variant_rows, drafter_rows):
+        with self._select(variant_rows, drafter_rows, variant_host):
             return self._head(hidden).float()
 
-    def _select(self, variant_rows: torch.Tensor | None, drafter_rows: torch.Tensor | None):
+    def _select(self, variant_rows: torch.Tensor | None, drafter_rows: torch.Tensor | None,
+                variant_host: torch.Tensor | None = None):
         if drafter_rows is not None:
             variant_rows = ~drafter_rows
         if self.row_variant is None or variant_rows is None:
             return contextlib.nullcontext()
+        if variant_host is not None and "host" in inspect.signature(self.row_variant.select).parameters:
+            return self.row_variant.select(variant_rows, host=variant_host)  # (a variant may not take it)
         return self.row_variant.select(variant_rows)
 
 

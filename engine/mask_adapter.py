@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .transfer import to_device
+
 #: the linear layers a default adapter adapts (Llama names; every projection of attention and MLP)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: where each target lives in a decoder layer, and the fused projection it is part of after packing
@@ -55,11 +57,16 @@ class MaskAdapter:
         self.row_mask: torch.Tensor | None = None  # [N, 1] bool: the variant rows of a small forward, else None
 
     @contextlib.contextmanager
-    def select(self, variant_rows: torch.Tensor):
+    def select(self, variant_rows: torch.Tensor, host: torch.Tensor | None = None):
         """The :class:`~unmask.engine.model.RowVariant` seam: inside, the True rows of ``variant_rows`` (bool,
-        ``[B, Q]`` in the decoder) get the adapter's delta."""
+        ``[B, Q]`` in the decoder) get the adapter's delta (``host``: the same rows on the CPU: the indices are then
+        found there and copied, no device read)."""
         flat = variant_rows.reshape(-1)
-        self.index = flat.nonzero().flatten() if bool(flat.any()) else None
+        if host is not None:
+            found = host.reshape(-1).nonzero().flatten()
+            self.index = to_device(found, flat.device) if found.numel() else None
+        else:
+            self.index = flat.nonzero().flatten() if bool(flat.any()) else None
         self.shape = tuple(variant_rows.shape)
         self.row_mask = flat[:, None] if self.index is not None and flat.numel() <= DENSE_DELTA_ROWS else None
         try:

@@ -51,9 +51,9 @@ class RowRouter:
         self.verifier_index = (~flat).nonzero().flatten()
 
     @contextlib.contextmanager
-    def select(self, variant_rows: torch.Tensor):
+    def select(self, variant_rows: torch.Tensor, host: torch.Tensor | None = None):
         """The :class:`~unmask.engine.model.RowVariant` seam: inside, the ``variant_rows`` (bool) run the verifier's
-        weights and the other rows the drafter's (``drafter_rows = ~variant_rows``)."""
+        weights and the other rows the drafter's (``drafter_rows = ~variant_rows``; ``host`` is not used)."""
         self.drafter_rows = ~variant_rows
         try:
             yield

@@ -134,10 +134,11 @@ def checkpoints(tmp_path_factory):
     return dp.write_checkpoints(tmp_path_factory.mktemp("paths"))
 
 
-@pytest.mark.parametrize("name", ["quota", "threshold", "multi-block", "cfg"])
+@pytest.mark.parametrize("name", ["quota", "threshold", "multi-block", "cfg", "adapter-plain"])
 def test_a_batch_step_reads_the_host_at_most_once(name, checkpoints, monkeypatch):
-    """Under fake CUDA, a step of 8 plain / threshold / multi-block / CFG requests makes at most one host read (the
-    step's summary), no value read, no data-dependent shape, no boolean-mask index and no blocking copy."""
+    """Under fake CUDA, a step of 8 plain / threshold / multi-block / CFG / mask-row adapter requests makes at most
+    one host read (the step's summary), no value read, no data-dependent shape, no boolean-mask index and no blocking
+    copy (the adapter's rows are indexed from the host's flags)."""
     from unmask.engine.denoiser import Denoiser
     from unmask.engine.model import LoadedModel, load_model
 
