@@ -10,7 +10,8 @@ tiny checkpoints), batches of 1, 8 and 32 requests decode ``--max-tokens`` token
 Figures per row: ``syncs / step`` = every sync of the ``generate`` call (request setup and output included) / batch
 steps; ``in-step syncs`` = the median over steps of the syncs inside ``Denoiser.step``; ``ops outside / step`` = aten
 ops outside the forward during the call / batch steps, and its growth from batch 1 to the largest batch (issue 42's
-target: <= 1.2x). The ``reference`` row is the frozen vectorized loop (``benchmarks/reference_loop.py``) on the
+target: <= 1.2x); ``device ops`` = those ops that touch a device tensor (the kernel launches a GPU would see; the
+rest is host bookkeeping on CPU tensors). The ``reference`` row is the frozen vectorized loop (``benchmarks/reference_loop.py``) on the
 plain path's settings (a step = one forward): what a step without per-lane Python costs. Counts, not times: the
 same on any machine for the same code.
 
@@ -131,22 +132,29 @@ def _summary(c: SyncCounter, batch: int, request_steps: int, in_step: bool) -> d
             "ops_outside": c.ops_outside, "ops_inside": c.ops_inside,
             "ops_outside_per_step": round(c.ops_outside / max(steps, 1), 1),
             "in_step_ops_outside_median": (statistics.median(s["ops_outside"] for s in c.steps)
-                                           if in_step and steps else None)}
+                                           if in_step and steps else None),
+            "device_ops_outside": c.device_ops_outside,
+            "device_ops_outside_per_step": round(c.device_ops_outside / max(steps, 1), 1)}
 
 
 def markdown(rows: list[dict], command: str) -> str:
     lines = ["# Host syncs and ops outside the forward per batch step (fake CUDA on a CPU; counts, not times)", "",
              f"`{command}`", "",
              "| path | batch | batch steps | syncs / step | in-step syncs (median, max) | ops outside fwd / step | "
-             "growth vs batch 1 | syncs by kind (whole call) |", "|---|---|---|---|---|---|---|---|"]
-    base = {r["path"]: r["ops_outside_per_step"] for r in rows if r["batch"] == min(x["batch"] for x in rows)}
+             "growth vs batch 1 | device ops outside fwd / step (growth) | syncs by kind (whole call) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    first = min(x["batch"] for x in rows)
+    base = {r["path"]: r["ops_outside_per_step"] for r in rows if r["batch"] == first}
+    dev_base = {r["path"]: r["device_ops_outside_per_step"] for r in rows if r["batch"] == first}
     for r in rows:
         growth = r["ops_outside_per_step"] / base[r["path"]] if base.get(r["path"]) else float("nan")
+        dev = r["device_ops_outside_per_step"]
+        dev_growth = dev / dev_base[r["path"]] if dev_base.get(r["path"]) else float("nan")
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["syncs"].items()))
         in_step = ("-" if r["in_step_syncs_median"] is None
                    else f"{r['in_step_syncs_median']}, {r['in_step_syncs_max']}")
         lines.append(f"| {r['path']} | {r['batch']} | {r['batch_steps']} | {r['syncs_per_step']} | {in_step} | "
-                     f"{r['ops_outside_per_step']} | {growth:.2f}x | {kinds} |")
+                     f"{r['ops_outside_per_step']} | {growth:.2f}x | {dev} ({dev_growth:.2f}x) | {kinds} |")
     return "\n".join(lines) + "\n"
 
 

@@ -139,7 +139,10 @@ class _Dispatch(TorchDispatchMode):
             kind = self._kind(func, args, kwargs)
             if kind is not None:
                 c.count(kind)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not c.in_forward and any(c.on_device(t) for t in _tensors((args, kwargs, out))):
+            c.device_ops_outside += 1  # a kernel launch a GPU would see
+        return out
 
     def _kind(self, func, args, kwargs) -> str | None:
         c = self.counter
@@ -186,6 +189,7 @@ class SyncCounter:
         self.device_type = device_type
         self.syncs: Counter[str] = Counter()
         self.ops_outside = 0
+        self.device_ops_outside = 0  # ops outside the forward on a device tensor (in or out): kernel launches
         self.ops_inside = 0
         self.steps: list[dict] = []
         self.quiet = 0
@@ -209,7 +213,7 @@ class SyncCounter:
 
     def reset(self) -> None:
         self.syncs.clear()
-        self.ops_outside = self.ops_inside = 0
+        self.ops_outside = self.ops_inside = self.device_ops_outside = 0
         self.steps.clear()
 
     def __enter__(self) -> "SyncCounter":
@@ -247,14 +251,14 @@ class SyncCounter:
     def _step_wrapper(self, method):
         @functools.wraps(method)
         def wrapper(*args, **kwargs):
-            syncs, ops = Counter(self.syncs), self.ops_outside
+            syncs, ops, dev_ops = Counter(self.syncs), self.ops_outside, self.device_ops_outside
             try:
                 return method(*args, **kwargs)
             finally:
                 delta = Counter(self.syncs)
                 delta.subtract(syncs)
                 self.steps.append({"syncs": {k: v for k, v in delta.items() if v}, "ops_outside":
-                                   self.ops_outside - ops})
+                                   self.ops_outside - ops, "device_ops_outside": self.device_ops_outside - dev_ops})
         return wrapper
 
 
