@@ -48,9 +48,10 @@ def test_an_explicit_adapter_over_a_wrong_parent_fails_in_one_line(stand_ins, ca
     from unmask.cli.main import main
 
     parent, shipped = stand_ins
-    assert main(["serve", "--adapter", str(shipped), "--threads", "1"]) == 2  # over the default's conversion
+    # --port 0: any free port (a server left on :8000 must not answer first)
+    assert main(["serve", "--adapter", str(shipped), "--threads", "1", "--port", "0"]) == 2  # over the default's conversion
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "parent hash" in err and "differs" in err
-    assert main(["serve", str(parent), "--adapter", str(shipped), "--threads", "1"]) == 2
+    assert main(["serve", str(parent), "--adapter", str(shipped), "--threads", "1", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "this adapter was trained on another parent" in err

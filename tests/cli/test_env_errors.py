@@ -42,6 +42,8 @@ def _flag(dest: str) -> str:
 
 
 def _serve(argv, monkeypatch, capsys, env=None) -> str:
+    if "UNMASK_PORT" not in (env or {}) and not any(a.startswith("--port") for a in argv):
+        monkeypatch.setenv("UNMASK_PORT", "0")  # any free port: a server left on :8000 must not answer first
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
     assert main(["serve", *argv]) == 2
@@ -142,5 +144,6 @@ def test_a_port_in_use_is_refused_before_the_model_loads(monkeypatch, capsys):
         err = _serve(["/nonexistent/model"], monkeypatch, capsys, {"UNMASK_PORT": port})
         assert f"$UNMASK_PORT: cannot listen on 127.0.0.1:{port}" in err, err
         assert time.perf_counter() - t0 < 5
-    err = _serve(["/nonexistent/model", "--host", "no-such-host.invalid"], monkeypatch, capsys)
+    # a nonzero port (port 0 is never checked); the host is resolved before any bind
+    err = _serve(["/nonexistent/model", "--host", "no-such-host.invalid", "--port", "8123"], monkeypatch, capsys)
     assert "--host: cannot resolve 'no-such-host.invalid'" in err, err

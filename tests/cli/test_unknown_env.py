@@ -33,7 +33,7 @@ def test_options_and_the_other_known_variables_are_not_listed():
 
 
 def test_serve_logs_the_unknown_variable_before_anything_else_fails(tmp_path):
-    env = dict(os.environ, UNMASK_PROT="8005")
+    env = dict(os.environ, UNMASK_PROT="8005", UNMASK_PORT="0")  # any free port: :8000 may be taken
     r = subprocess.run([sys.executable, "-m", "unmask.cli.main", "serve", str(tmp_path / "missing")], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
