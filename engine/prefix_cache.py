@@ -189,6 +189,7 @@ class PrefixCache:
         return n
 
     # ------------------------------------------------------------------ the two hooks
+    @torch.inference_mode()  # the lane's buffers are inference tensors (made in a step): written in place here
     def load(self, seq) -> int:
         """Copy the longest stored prefix of ``seq``'s prompt into its cond lane, or extend what the lane holds
         (a request that has not run a step, whose lane ends where its chain of chunks does: a prefill waiting a
@@ -228,6 +229,7 @@ class PrefixCache:
         self.hits += m
         return m
 
+    @torch.inference_mode()
     def register(self, seq) -> int:
         """Store the complete chunks of ``seq``'s committed KV that became complete since the last call, while
         :attr:`limit` leaves room (evicting least recently used chunks of other chains first). A chunk whose parent

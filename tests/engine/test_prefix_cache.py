@@ -294,3 +294,22 @@ def test_prometheus_counters_read_the_engine_at_scrape_time():
     text = Metrics("m", FakeEngine()).render()[0].decode()
     assert 'unmask:prefix_cache_queries_total{model_name="m"} 120.0' in text
     assert 'unmask:prefix_cache_hits_total{model_name="m"} 32.0' in text
+
+
+@pytest.mark.parametrize("chunk", [9, 10, 11])
+def test_a_waiting_cfg_prefill_extends_its_lane_from_chunks_stored_meanwhile(chunk):
+    """Break-it: a CFG request's cond lane prefills at half the budget, so a request sharing its prompt stores the
+    next chunks first; loading them into the waiting lane (outside a step) wrote in place into buffers made inside
+    the step's inference mode and failed the whole step. Both requests get their tokens without the cache."""
+    model = tiny.loaded(attention="block_causal", block_alignment="absolute", fixed_block_size=True,
+                        logit_shift=False)
+    prompt = _ids(400, 3)
+    cfg = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, cfg_scale=1.0)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    outs = {}
+    for reuse in (False, True):
+        engine = Engine(model, enable_prefix_caching=reuse, prefill_chunk=chunk)
+        engine.add_request(prompt, cfg, "a")
+        engine.add_request(prompt[:200], plain, "b")
+        outs[reuse] = {rid: [o.token_ids for o in choices] for rid, choices in _drain(engine).items()}
+    assert outs[True] == outs[False]
