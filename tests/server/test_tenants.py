@@ -107,7 +107,9 @@ def test_an_empty_api_key_is_refused_at_start(tmp_path):
     import sys
 
     for args, env in (([f"--api-key="], {}), ([], {"UNMASK_API_KEY": " "})):
-        proc = subprocess.run([sys.executable, "-m", "unmask.cli.main", "serve", str(tmp_path / "none"), *args],
+        # --port 0 (any free port): a server left on :8000 must not answer first
+        proc = subprocess.run([sys.executable, "-m", "unmask.cli.main", "serve", str(tmp_path / "none"), *args,
+                               "--port", "0"],
                               capture_output=True, text=True, timeout=120,
                               env={**__import__("os").environ, **env})
         assert proc.returncode == 2 and "is empty" in proc.stderr, (proc.returncode, proc.stderr[-400:])
