@@ -169,7 +169,7 @@ def test_serve_cli_rejects_bad_flags_and_explains_missing_default(monkeypatch, c
 
     assert main(["serve", "/nonexistent", "--max-batch-size", "0"]) == 2
     assert "--max-batch-size" in capsys.readouterr().err
-    assert main(["serve", "/nonexistent/ckpt"]) == 2
+    assert main(["serve", "/nonexistent/ckpt", "--port", "0"]) == 2  # any free port: :8000 may be taken
     assert "/nonexistent/ckpt" in capsys.readouterr().err
 
     fake = types.ModuleType("unmask.training.realmodel")
