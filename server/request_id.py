@@ -26,6 +26,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("unmask_request_id", default="-")
 
 
+log = logging.getLogger("unmask.server")
+
 def sane(value: str | None) -> bool:
     """True when a client's id may be echoed and logged as it is: 1..128 printable ASCII characters without
     spaces (nothing that could forge a log line or a header)."""
@@ -79,6 +81,8 @@ class RequestIdMiddleware:
                 message = {**message, "headers": headers + [(b"x-request-id", rid.encode("latin-1"))]}
             await send(message)
 
+        # at debug level: the request line as received (method and path only: never headers, so never a key)
+        log.debug("%s %r", scope.get("method", "?"), scope.get("path", "?"))  # repr: no forged lines
         try:
             await self.app(scope, receive, send_with_id)
         finally:
