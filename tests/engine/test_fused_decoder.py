@@ -76,13 +76,13 @@ class _PathRecorder:
         self.records: list[dict] = []
         lm.hidden_states = self
 
-    def __call__(self, input_ids, position_ids, attention_mask, cache=None, variant_rows=None):
+    def __call__(self, input_ids, position_ids, attention_mask, cache=None, variant_rows=None, **kw):
         self.lm.decoder_forward = None
         try:
-            ref = self.orig(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows)
+            ref = self.orig(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows, **kw)
         finally:
             self.lm.decoder_forward = self.fused
-        out = self.orig(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows)
+        out = self.orig(input_ids, position_ids, attention_mask, cache=cache, variant_rows=variant_rows, **kw)
         self.records.append({"shape": tuple(input_ids.shape), "cached": cache.cached_len if cache is not None else 0,
                              "uniform": cache is None or len({lane.length for lane in cache.lanes}) == 1,
                              "routed": variant_rows is not None and bool(variant_rows.any()) and not bool(variant_rows.all()),
