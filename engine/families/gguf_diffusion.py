@@ -44,6 +44,8 @@ A ``llama.cpp`` diffusion architecture unmask does not serve (``rnd1``), an auto
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,7 +347,9 @@ def load_gguf(path: str | Path, family: str | None, device: torch.device, dtype:
     except Exception as exc:  # a library's error while building the model
         raise CheckpointError(one_line(f"{path}: cannot load ({type(exc).__name__}: {exc})")) from exc
     unused = ckpt.unused_ids  # llama.cpp's [PADi] rows: never generated, as rows past a directory's tokenizer
-    loaded.dllm.suppress_token_ids = sorted(set(loaded.dllm.suppress_token_ids) | set(unused))
+    # part of loading (before load_model freezes the settings): a new config, no setting edited in place
+    loaded.dllm = dataclasses.replace(loaded.dllm, suppress_token_ids=sorted(set(loaded.dllm.suppress_token_ids)
+                                                                           | set(unused)))
     check_loaded(loaded, Path(path), max_magnitude)
     return loaded
 
