@@ -22,29 +22,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import decoding_paths as dp  # noqa: E402
-from device_tags import fake_cuda  # noqa: E402
+from device_tags import Patches, fake_cuda  # noqa: E402
 
-
-class _Patches:
-    """monkeypatch's ``setattr`` for a script: undone on exit."""
-
-    def __init__(self):
-        self.undo = []
-
-    def setattr(self, obj, name, value):
-        self.undo.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    def close(self):
-        for obj, name, value in reversed(self.undo):
-            setattr(obj, name, value)
 
 
 def count(checkpoint: Path, path: dp.DecodingPath, batch: int) -> dict:
     from unmask.engine import LLM, Constraint, SamplingParams
     from unmask.engine.model import load_model
 
-    patches = _Patches()
+    patches = Patches()
     try:
         with fake_cuda(patches) as mode:
             llm = LLM(load_model(checkpoint, device="cuda", dtype="float32"))

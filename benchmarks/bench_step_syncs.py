@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 import decoding_paths as dp  # noqa: E402
-from device_tags import fake_cuda  # noqa: E402
+from device_tags import Patches, fake_cuda  # noqa: E402
 from sync_counter import SyncCounter  # noqa: E402
 
 # the paths of issue 42's table (tests/decoding_paths.py names)
@@ -47,20 +47,6 @@ PATHS = {"plain": "quota", "threshold": "threshold", "multi-block": "multi-block
 STEP_HOOK = "unmask.engine.denoiser:Denoiser.step"  # one batch step of the engine
 REFERENCE = "reference"  # benchmarks/reference_loop.py on the plain path's settings: what a vectorized step costs
 
-
-class _Patches:
-    """monkeypatch's ``setattr`` for a script: undone by :meth:`close`."""
-
-    def __init__(self):
-        self.undo = []
-
-    def setattr(self, obj, name, value):
-        self.undo.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    def close(self):
-        for obj, name, value in reversed(self.undo):
-            setattr(obj, name, value)
 
 
 def hook(spec: str) -> tuple[type, str]:
@@ -82,7 +68,7 @@ def count(checkpoint: Path, path: dp.DecodingPath, batch: int, max_tokens: int,
 
     step_cls, step_name = hook(step_hook)
 
-    patches = _Patches()
+    patches = Patches()
     try:
         with fake_cuda(patches):
             llm = LLM(load_model(checkpoint, device="cuda", dtype="float32"), max_batch_size=max(16, batch))
@@ -103,7 +89,7 @@ def count_reference(checkpoint: Path, batch: int, max_tokens: int) -> dict:
     from reference_loop import ReferenceConfig, reference_generate
     from unmask.engine.model import LoadedModel, load_model
 
-    patches = _Patches()
+    patches = Patches()
     try:
         with fake_cuda(patches):
             model = load_model(checkpoint, device="cuda", dtype="float32")

@@ -57,7 +57,7 @@ def _convert_diffusion_gguf(args: argparse.Namespace, t0: float) -> int:
     from unmask.cli.main import UsageError
     from unmask.engine.checkpoint import CheckpointWriteError
     from unmask.engine.config import CheckpointError
-    from unmask.engine.families.gguf_diffusion import write_family_checkpoint
+    from unmask.engine.families.gguf_checkpoint import write_family_checkpoint
     from unmask.engine.model import resolve_dtype
 
     path = _diffusion_gguf(args)

@@ -8,6 +8,7 @@ docs/design.md#layout-and-layers).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,9 +234,19 @@ class LoadedModel:
             variant_rows = ~drafter_rows
         if self.row_variant is None or variant_rows is None:
             return contextlib.nullcontext()
-        if variant_host is not None and "host" in inspect.signature(self.row_variant.select).parameters:
+        if variant_host is not None and _takes_host(self.row_variant):
             return self.row_variant.select(variant_rows, host=variant_host)  # (a variant may not take it)
         return self.row_variant.select(variant_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_host_of(cls: type) -> bool:
+    return "host" in inspect.signature(cls.select).parameters
+
+
+def _takes_host(variant) -> bool:
+    """Whether ``variant.select`` takes the rows' host copy (``host=``); read once per class, not per forward."""
+    return _takes_host_of(type(variant))
 
 
 def read_config(path: str | Path) -> dict:

@@ -225,7 +225,7 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
 
     bound = MAX_WEIGHT_MAGNITUDE if max_weight_magnitude is None else max_weight_magnitude
     if gguf:
-        from .families.gguf_diffusion import load_gguf
+        from .families.gguf_checkpoint import load_gguf
 
         loaded = load_gguf(path, name, load_device, dt, max_magnitude=bound)
     else:

@@ -26,7 +26,6 @@ their KV is cached exactly as in plain block-causal decoding.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import torch
@@ -219,21 +218,9 @@ class RefinementSequence(Sequence):
         apply here."""
         self._check_finished()
 
-    def _check_finished(self) -> None:
-        """The stop rules over the final region only: the revealed prefix before :attr:`final_end`."""
-        if self.finished:
-            return
-        stopper = self.stopper
-        end = min(self.final_end, self.prompt_len + self.max_tokens)
-        rest = self.canvas[self.prompt_len + len(stopper.prefix): end]
-        masks = (rest == self.dllm.mask_token_id).nonzero()
-        n_new = int(masks[0, 0]) if masks.numel() else int(rest.numel())
-        shown = stopper.stream_text
-        done = stopper.update(rest[:n_new].tolist() if n_new else [], self.block_idx >= len(self.blocks))
-        if done is not None:
-            self._finish(*done)
-        elif len(stopper.stream_text) > len(shown) and self.first_token_time is None:
-            self.first_token_time = time.time()
+    def stop_scan_end(self) -> int:
+        """The stop rules see the final region only: the revealed prefix before :attr:`final_end`."""
+        return min(self.final_end, self.prompt_len + self.max_tokens)
 
     def event(self, block: int, step: int, revealed) -> StepEvent:
         """:meth:`Request.event` plus where the provisional region starts (``StepEvent.final``, generated

@@ -346,7 +346,7 @@ class Request:
         if self.finished:
             return
         stopper = self.stopper
-        rest = self.canvas[self.prompt_len + len(stopper.prefix): self.prompt_len + self.max_tokens]
+        rest = self.canvas[self.prompt_len + len(stopper.prefix): self.stop_scan_end()]
         masks = (rest == self.dllm.mask_token_id).nonzero()
         n_new = int(masks[0, 0]) if masks.numel() else int(rest.numel())
         shown = stopper.stream_text
@@ -355,6 +355,11 @@ class Request:
             self._finish(*done)
         elif len(stopper.stream_text) > len(shown) and self.first_token_time is None:
             self.first_token_time = time.time()
+
+    def stop_scan_end(self) -> int:
+        """The canvas position where the stop rules' scan of the revealed prefix ends: ``max_tokens`` generated
+        positions (a strategy whose tokens may still change ends it before them)."""
+        return self.prompt_len + self.max_tokens
 
     def _finish(self, reason: str, ids: list[int], text: str) -> None:
         self.output_ids = list(ids)  # before `finished`: another thread reading num_output_tokens sees both

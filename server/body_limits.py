@@ -162,13 +162,19 @@ class BodyLimitsMiddleware:
         if err is not None:
             count_refusal(scope, err)
             return await err.response()(scope, receive, send)
-        sent = False
+        await self.app(scope, replay_body(data, receive), send)
 
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": data, "more_body": False}
-            return await receive()
 
-        await self.app(scope, replay, send)
+def replay_body(data: bytes, receive):
+    """An ASGI ``receive`` that hands the app the already read body ``data`` as one message, then defers to
+    ``receive`` (a disconnect after the body)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await receive()
+
+    return replay

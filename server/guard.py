@@ -27,6 +27,7 @@ from starlette._utils import get_route_path
 from starlette.responses import Response
 from starlette.routing import Match
 
+from .body_limits import replay_body
 from .errors import APIError, count_refusal
 
 log = logging.getLogger("unmask.server")
@@ -178,16 +179,7 @@ class GuardMiddleware:
         err = not_utf8(data[:4])
         if err is not None:
             return await self._reject(scope, err, receive, send)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": data, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay_body(data, receive), send)
 
     def _too_large(self, size: int) -> APIError:
         return APIError(413, f"request body of {size} bytes exceeds the server's limit of {self.max_body_bytes} "

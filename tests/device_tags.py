@@ -313,3 +313,19 @@ def fake_cuda(monkeypatch) -> Iterator[_FakeCudaDispatch]:
 def devices_of(module: torch.nn.Module) -> set[str]:
     """The devices of a module's parameters and buffers (``{"cuda:0"}`` when everything moved)."""
     return {str(t.device) for t in list(module.parameters()) + list(module.buffers())}
+
+
+class Patches:
+    """monkeypatch's ``setattr`` for a script (the benchmarks run :func:`fake_cuda` outside pytest): undone by
+    :meth:`close`."""
+
+    def __init__(self):
+        self.undo = []
+
+    def setattr(self, obj, name, value):
+        self.undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def close(self):
+        for obj, name, value in reversed(self.undo):
+            setattr(obj, name, value)
