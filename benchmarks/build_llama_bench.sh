@@ -9,7 +9,11 @@
 # Env:   JOBS (default 1: the build is slow but does not starve a training run), NICE (default 19),
 #        LLAMA_CPP_PYTHON_VERSION (pin the sdist, e.g. 0.3.16; default: the newest), PYTHON (default: python3),
 #        TARGET (the cmake target and binary name; default llama-bench), SOURCES_ONLY=1 (fetch and unpack the sdist,
-#        print the llama.cpp source directory, build nothing: what tests/engine/test_gguf_llama_converter.py needs).
+#        print the llama.cpp source directory, build nothing: what tests/engine/test_gguf_llama_converter.py needs),
+#        AMX=0 (build for this CPU without its AMX instructions, into build-noamx/ and bin/${TARGET}-noamx, beside the
+#        default build: on a VM that advertises AMX but does not enable its tile state, ggml's AMX kernels die with
+#        SIGILL (`tileloadd` in the Q8_0/Q4 matmuls); F16 does not use them. The rest of -march=native stays, so
+#        the quantized matmuls take ggml's AVX512-VNNI path instead).
 # Prints the binary's path as the last line of stdout. Needs a C/C++ compiler; cmake comes from PyPI if missing.
 set -euo pipefail
 
@@ -18,7 +22,16 @@ JOBS="${JOBS:-1}"
 NICE="${NICE:-19}"
 PYTHON="${PYTHON:-python3}"
 TARGET="${TARGET:-llama-bench}"
+AMX="${AMX:-1}"
 BIN="${CACHE_DIR}/bin/${TARGET}"
+build="${CACHE_DIR}/build"
+isa_flags=""
+if [[ "${AMX}" == 0 ]]; then
+    BIN="${CACHE_DIR}/bin/${TARGET}-noamx"
+    build="${CACHE_DIR}/build-noamx"
+    # explicit -mno-* flags win over -march=native in either order (gcc and clang), so __AMX_INT8__ stays undefined
+    isa_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 
 if [[ "${SOURCES_ONLY:-0}" != 1 && -x "${BIN}" ]]; then
     echo "${BIN}"
@@ -60,9 +73,8 @@ if [[ -z "${CMAKE}" ]]; then
 fi
 
 # 4. configure + build only the ${TARGET} target
-build="${CACHE_DIR}/build"
 nice -n "${NICE}" "${CMAKE}" -S "${src}" -B "${build}" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >&2
+    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DCMAKE_C_FLAGS="${isa_flags}" -DCMAKE_CXX_FLAGS="${isa_flags}" >&2
 nice -n "${NICE}" "${CMAKE}" --build "${build}" --target "${TARGET}" -j "${JOBS}" >&2
 
 found="$(find "${build}" -type f -name "${TARGET}" -perm -u+x | head -n1)"
