@@ -62,13 +62,15 @@ class MaskAdapter:
         ``[B, Q]`` in the decoder) get the adapter's delta (``host``: the same rows on the CPU: the indices are then
         found there and copied, no device read)."""
         flat = variant_rows.reshape(-1)
-        if host is not None:
+        off_cpu = flat.device.type != "cpu"
+        if host is not None:  # off the CPU the dense delta needs no indices: they stay on the host (a flag)
             found = host.reshape(-1).nonzero().flatten()
-            self.index = to_device(found, flat.device) if found.numel() else None
+            self.index = (found if off_cpu else to_device(found, flat.device)) if found.numel() else None
         else:
             self.index = flat.nonzero().flatten() if bool(flat.any()) else None
         self.shape = tuple(variant_rows.shape)
-        self.row_mask = flat[:, None] if self.index is not None and flat.numel() <= DENSE_DELTA_ROWS else None
+        dense = flat.numel() <= DENSE_DELTA_ROWS or off_cpu
+        self.row_mask = flat[:, None] if self.index is not None and dense else None
         try:
             yield
         finally:
@@ -79,7 +81,9 @@ class MaskAdapter:
 DELTA_CHUNK = 16
 #: forwards of at most this many rows (plain decoding steps, small speculative steps) compute the delta on every
 #: row in one chunk and keep it on the variant rows (:func:`_dense_delta`); longer ones gather the variant rows first
-#: (a block-4 speculative step forwards ~24 rows of which ~16 are mask rows: one chunk gathered, two dense)
+#: (a block-4 speculative step forwards ~24 rows of which ~16 are mask rows: one chunk gathered, two dense).
+#: Off the CPU every forward takes the dense path in one GEMM per factor (:func:`_fixed_chunk_linear`): on a GPU the
+#: launches cost more than the rank-``r`` FLOPs of the unselected rows, and no gather/scatter runs.
 DENSE_DELTA_ROWS = DELTA_CHUNK
 
 
@@ -97,7 +101,9 @@ def execution_device(module: nn.Module) -> torch.device:
 
 def _fixed_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[n, in]`` float32 and ``w`` ``[out, in]`` float32, computed in GEMMs of exactly
-    :data:`DELTA_CHUNK` rows (the last chunk zero-padded) -> ``[n, out]`` float32.
+    :data:`DELTA_CHUNK` rows (the last chunk zero-padded) -> ``[n, out]`` float32. Off the CPU: one GEMM (one launch;
+    cuBLAS picks kernels by shape too, but a GPU claims no batch invariance in float32, only ≈32:
+    docs/design.md#exactness-contracts-by-device-and-dtype).
 
     Batch invariance (docs/design.md#decisions): MKL's float32 GEMM picks its kernel by the row count, so one GEMM
     over all selected rows made a mask row's delta depend on how many rows were selected; with a fixed shape a row's
@@ -105,6 +111,8 @@ def _fixed_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     batch mates). One ``[1, in]`` product per row (``bmm`` over stride-0 weights) had the same property at ~30x
     the cost (docs/adapter.md, "Adapter delta cost").
     """
+    if x.device.type != "cpu":
+        return torch.nn.functional.linear(x, w)
     n = x.shape[0]
     pad = (-n) % DELTA_CHUNK
     if pad:
@@ -171,9 +179,12 @@ class MaskLoRALinear(nn.Module):
         lead = x.shape[:-1]
         if tuple(lead) != self._state.shape:
             raise RuntimeError(f"mask adapter: variant rows {self._state.shape} do not match input {tuple(x.shape)}")
+        row_mask = getattr(self._state, "row_mask", None)
+        training = torch.is_grad_enabled() and (x.requires_grad or self.lora_A.requires_grad)
+        if row_mask is not None and not training:  # no gather/scatter (short forwards; every forward off the CPU)
+            return _dense_delta(x, y, self.lora_A, self.lora_B, self.scale, row_mask)
         flat_x = x.reshape(-1, x.shape[-1])
         sel = flat_x.index_select(0, idx)
-        training = torch.is_grad_enabled() and (sel.requires_grad or self.lora_A.requires_grad)
         if training:
             delta = ((sel.float() @ self.lora_A.t()) @ self.lora_B.t()) * self.scale
         else:  # fixed-shape GEMMs: a row's delta does not depend on how many rows are selected
