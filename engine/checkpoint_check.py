@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import WRITER_MARKER
-from .config import CheckpointError, DllmConfig, read_json_file
+from .config import OWN_FORWARD_FAMILIES, CheckpointError, DllmConfig, read_json_file
 from .limits import MAX_WEIGHT_MAGNITUDE
 from .template_check import check_chat_template
 
@@ -323,14 +323,16 @@ def check_loaded(loaded, path: Path, max_magnitude: float = MAX_WEIGHT_MAGNITUDE
     ids = [("mask_token_id", dllm.mask_token_id), ("pad_token_id", dllm.pad_token_id)]
     ids += [(f"eos_token_ids[{i}]", t) for i, t in enumerate(dllm.eos_token_ids)]
     ids += [(f"suppress_token_ids[{i}]", t) for i, t in enumerate(dllm.suppress_token_ids)]
+    sentinel = dllm.family in OWN_FORWARD_FAMILIES  # no mask token: its id is the sentinel past the vocabulary
     for name, tid in ids:
-        if tid is None and name == "pad_token_id":
+        if (tid is None and name == "pad_token_id") or (sentinel and name == "mask_token_id" and tid == vocab):
             continue
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab:
             raise CheckpointError(f"{where}.{name}: {tid!r} is not a token id of this model (the LM head has "
                                   f"{vocab} rows: 0..{vocab - 1})")
-    check_mask_distinct(dllm.mask_token_id, dllm, getattr(loaded.tokenizer, "bos_token_id", None),
-                        f"{where}.mask_token_id")
+    if not sentinel:
+        check_mask_distinct(dllm.mask_token_id, dllm, getattr(loaded.tokenizer, "bos_token_id", None),
+                            f"{where}.mask_token_id")
     check_block_sizes(dllm, loaded.max_context, where)
     check_chat_template(loaded.tokenizer, path)
     check_finite(loaded.model, path, max_magnitude)

@@ -19,7 +19,10 @@ from typing import Any
 from .limits import MAX_SPECULATIVE_BLOCK, REMASKING_STRATEGIES
 
 ATTENTION_MODES = ("bidirectional", "prefix_causal", "block_causal")
-FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar", "llada2", "llada_moe")
+FAMILIES = ("a2d", "llada", "dream", "fast_dllm_v2", "sdar", "llada2", "llada_moe", "diffusion_gemma")
+#: families with their own forward (an encoder and a decoder: ``unmask.engine.uniform_canvas``), served as loaded:
+#: no weight packing, mask-row adapter or lane attention
+OWN_FORWARD_FAMILIES = ("diffusion_gemma",)
 BLOCK_ALIGNMENTS = ("generation", "absolute")
 # request fields a checkpoint may set defaults for, with their allowed ranges (those of SamplingParams)
 DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0), "speculative": bool,

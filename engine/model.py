@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .lane_attention import use_lanes
-from .config import CheckpointError
+from .config import OWN_FORWARD_FAMILIES, CheckpointError
 from .loaded import LoadedModel, RowVariant, read_config  # noqa: F401 (re-exported: their home is unmask.engine.loaded)
 
 
@@ -234,9 +234,15 @@ def load_model(name_or_path: str | os.PathLike, family: str | None = None, devic
         from .placement import place_model
 
         place_model(loaded, device_map, max_memory, offload_folder, device=dev)
-    pack_model(loaded, "auto" if (weights or "auto") == "auto" else fmt)  # auto's int4 case reads the weights
-    apply_adapter(loaded, adapter_dir, max_magnitude=bound)  # the mask-row adapter (docs/design.md#mask-row-adapter), after packing
-    use_lanes(loaded)  # attention over each lane's own keys, no cache copies (docs/design.md#decoding, "KV cache")
+    if loaded.dllm.family in OWN_FORWARD_FAMILIES:  # its own forward, as loaded (docs/design.md#model-families)
+        if fmt != "native" and weights not in (None, "auto"):
+            raise ValueError(f"weights: {loaded.dllm.family} runs its weights as loaded (native), got {weights!r}")
+        if adapter_dir is not None:
+            raise ValueError(f"adapter: a mask-row adapter needs mask rows; {loaded.dllm.family} has none")
+    else:
+        pack_model(loaded, "auto" if (weights or "auto") == "auto" else fmt)  # auto's int4 case reads the weights
+        apply_adapter(loaded, adapter_dir, max_magnitude=bound)  # the mask-row adapter (docs/design.md#mask-row-adapter), after packing
+        use_lanes(loaded)  # attention over each lane's own keys, no cache copies (docs/design.md#decoding, "KV cache")
     return_freed_memory()  # the adapter's float32 read copies
     loaded.dllm.freeze()  # the plan decides the defaults from these settings; nothing changes them (#decoding)
     return loaded
