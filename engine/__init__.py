@@ -18,7 +18,7 @@ __all__ = ["LLM", "Engine", "AsyncEngine", "RequestStream", "SamplingParams", "S
            "Revealed", "QueueFull", "CacheFull", "EngineError", "EngineClosed", "encode_prompt", "chat_prompt_ids",
            "encode_text", "encode_plain", "TokenTexts", "DecodingPlan", "Constraint", "CONSTRAINT_KINDS", "check_constraint",
            "check_first_forward", "SelfCheckError", "EngineConfig", "option", "options_of", "with_options",
-           "EngineDefaults", "route_keys"]
+           "EngineDefaults", "route_keys", "EventStream"]
 
 _LAZY = {  # name -> module: importing the package must not import torch-heavy modules eagerly
     "LLM": "llm", "encode_prompt": "llm", "chat_prompt_ids": "llm",
@@ -29,7 +29,7 @@ _LAZY = {  # name -> module: importing the package must not import torch-heavy m
     "check_constraint": "constraints", "encode_text": "text_ids", "encode_plain": "text_ids",
     "check_first_forward": "self_check", "SelfCheckError": "self_check",
     "EngineConfig": "options", "option": "options", "options_of": "options", "with_options": "options",
-    "EngineDefaults": "plan", "route_keys": "prefix_cache",
+    "EngineDefaults": "plan", "route_keys": "prefix_cache", "EventStream": "event_stream",
 }
 
 

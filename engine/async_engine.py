@@ -21,9 +21,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
 
 from .engine import Engine
+from .event_stream import EventStream
 from .model import LoadedModel
 from .options import EngineConfig
 from .outputs import CompletionOutput, StepEvent
@@ -34,7 +34,7 @@ from .scheduler import CacheFull, QueueFull
 __all__ = ["AsyncEngine", "RequestStream", "EngineError", "EngineClosed", "QueueFull", "CacheFull", "ParamError"]
 
 log = logging.getLogger("unmask.engine")
-_END = object()
+_END = EventStream.END
 _auto_ids = itertools.count()
 
 
@@ -46,20 +46,13 @@ class EngineClosed(RuntimeError):
     """The engine is shut down (or its thread died) and accepts no more requests."""
 
 
-class RequestStream(AsyncIterator[StepEvent]):
+class RequestStream(EventStream):
     """The events of one submitted request, as an async iterator (returned by :meth:`AsyncEngine.submit`).
 
     Every :class:`StepEvent` of every choice is yielded in the order the engine produced them; the iterator ends
-    after the last choice's ``finished`` event. :meth:`index_of` gives an event's choice index.
-
-    Attributes:
-        request_id: the id given to :meth:`AsyncEngine.submit`. n: number of choices.
-        outputs: one :class:`CompletionOutput` per choice (index = choice index), ``None`` until that choice's
-            finished event (set before the event is delivered).
-        resolved: the resolved :class:`~unmask.engine.plan.DecodingPlan` of choice 0 (read-only).
-        submitted: wall time (``time.time()``, seconds) of the submit.
-        first_step_time: wall time at which the engine started the request's first step (None before); queue
-            time = ``first_step_time - submitted``.
+    after the last choice's ``finished`` event. :meth:`index_of` gives an event's choice index. The attributes are
+    :class:`~unmask.engine.event_stream.EventStream`'s (``outputs`` set before a choice's finished event is
+    delivered).
 
     Raises (while iterating):
         EngineError: the engine failed while running this request.
@@ -68,48 +61,11 @@ class RequestStream(AsyncIterator[StepEvent]):
 
     def __init__(self, engine: "AsyncEngine", request_id: str, sequences: list[Request],
                  loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
+        super().__init__(request_id, len(sequences), sequences[0].plan)
         self._choices = sequences  # engine side only: callers read outputs, resolved and the events
-        self.n = len(sequences)
-        self.outputs: list[CompletionOutput | None] = [None] * len(sequences)
-        self.resolved = sequences[0].plan
-        self.submitted = time.time()
-        self.first_step_time: float | None = None
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(sequences)  # choices not finished yet (engine thread only)
-        self._closed = False
-
-    # ------------------------------------------------------------------ consumer side
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StepEvent:
-        if self._closed:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END:
-            self._closed = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._closed = True
-            raise item
-        return item
-
-    def index_of(self, event: StepEvent) -> int:
-        """Choice index (0..n-1) of one of this request's events."""
-        return event.index
-
-    @property
-    def finished(self) -> bool:
-        """True when every choice has finished (stop, length or abort)."""
-        return all(o is not None for o in self.outputs)
-
-    @property
-    def queue_time(self) -> float | None:
-        """Seconds between submit and the request's first step (None while still waiting)."""
-        return None if self.first_step_time is None else max(0.0, self.first_step_time - self.submitted)
 
     def abort(self) -> None:
         """Cancel the request (same as ``engine.abort(request_id)``)."""
@@ -118,7 +74,7 @@ class RequestStream(AsyncIterator[StepEvent]):
     # ------------------------------------------------------------------ engine-thread side
     def _put(self, item) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put_now, item)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
             pass
 

@@ -18,54 +18,21 @@ from __future__ import annotations
 import asyncio
 import time
 
-from unmask.engine import EngineClosed, EngineError, route_keys
+from unmask.engine import EngineClosed, EngineError, EventStream, route_keys
 
 __all__ = ["RemoteEngine", "RemoteStream", "replica_call"]
 
-_END = object()
+_END = EventStream.END
 
 
-class RemoteStream:
-    """One prompt's events from a replica: :class:`~unmask.engine.RequestStream`'s interface (``outputs``,
-    ``resolved``, ``queue_time``, ``abort``, async iteration)."""
+class RemoteStream(EventStream):
+    """One prompt's events from a replica: :class:`~unmask.engine.RequestStream`'s interface (the shared
+    :class:`~unmask.engine.EventStream`; ``queue_time`` compares two machines' clocks)."""
 
     def __init__(self, call: "_Call", request_id: str, n: int, resolved):
-        self.request_id, self.n, self.resolved = request_id, n, resolved
-        self.outputs: list = [None] * n
-        self.submitted = time.time()
-        self.first_step_time: float | None = None
+        super().__init__(request_id, n, resolved)
         self._call = call
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._closed = False  # consumer side
         self._ended = False  # producer side: nothing more will be put
-
-    def __aiter__(self) -> "RemoteStream":
-        return self
-
-    async def __anext__(self):
-        if self._closed:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END:
-            self._closed = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._closed = True
-            raise item
-        return item
-
-    def index_of(self, event) -> int:
-        return event.index
-
-    @property
-    def finished(self) -> bool:
-        return all(o is not None for o in self.outputs)
-
-    @property
-    def queue_time(self) -> float | None:
-        """Seconds between the submit here and the request's first step on the replica (clocks of two machines:
-        clamped at 0)."""
-        return None if self.first_step_time is None else max(0.0, self.first_step_time - self.submitted)
 
     def abort(self) -> None:
         """Cancel the request: the whole call (every prompt of the API request) on its replica."""
@@ -75,7 +42,7 @@ class RemoteStream:
         if not self._ended:
             if item is _END or isinstance(item, BaseException):
                 self._ended = True
-            self._queue.put_nowait(item)
+            self._put_now(item)
 
 
 class _Call:
