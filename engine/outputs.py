@@ -93,6 +93,8 @@ class StepEvent:
         final: where the revisable canvas's provisional region starts (docs/design.md#http-contract, "Revisable
             canvases"): ``canvas`` positions ``>= final`` may still change in a later step (token editing,
             ``unmask.engine.refinement``); ``None``: every revealed position is final (the usual rule).
+        cached_tokens: prompt tokens whose KV came from the prefix cache (known from the choice's admission on,
+            the same on every event; ``CompletionOutput.cached_tokens`` at the end).
     """
 
     request_id: str
@@ -110,6 +112,7 @@ class StepEvent:
     drafts_accepted: int = 0
     output: CompletionOutput | None = None
     final: int | None = None
+    cached_tokens: int = 0
 
 
 @dataclass

@@ -423,7 +423,7 @@ class Request:
                          revealed=revealed, canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
                          finish_reason=self.finish_reason, num_tokens=self.num_output_tokens,
                          drafts_proposed=self.proposed_drafts, drafts_accepted=self.accepted_drafts,
-                         output=self.completion() if self.finished else None)
+                         output=self.completion() if self.finished else None, cached_tokens=self.cached_tokens)
 
     def completion(self) -> CompletionOutput:
         """The choice's :class:`CompletionOutput` (final once finished; partial after an abort)."""

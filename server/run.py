@@ -41,6 +41,7 @@ class Run:
         self.num_choices = len(streams) * n
         self.work = [Work()] * self.num_choices
         self.outputs: list[CompletionOutput | None] = [None] * self.num_choices
+        self.cached = [0] * self.num_choices  # prompt tokens each choice loaded from the prefix cache, per its events
         self.first_content_time: float | None = None
         self._last_content: dict[int, tuple[float, int]] = {}  # choice -> (time, tokens) of its last content chunk
         self.done = False
@@ -55,6 +56,7 @@ class Run:
         deadline = None if timeout is None else self.arrival + timeout
         async for c, ev in choice_events(self.streams, self.n, deadline, timeout):
             self.work[c] = Work.of_event(ev)
+            self.cached[c] = ev.cached_tokens
             # the work counters grow per step (docs/design.md#deployment-and-metrics)
             self.tally.advance(c, self.work[c])
             if ev.output is not None:
@@ -97,8 +99,8 @@ class Run:
         docs/design.md#prefix-reuse). ``seen_only``: only what the events consumed so far say (a streamed chunk's
         usage so far), not what the engine has produced since."""
         outs = list(self.outputs) if seen_only else [self._output(c) for c in range(self.num_choices)]
-        cached = sum(max((o.cached_tokens for o in outs[p * self.n:(p + 1) * self.n] if o is not None), default=0)
-                     for p in range(len(self.prompt_ids)))
+        per_choice = [o.cached_tokens if o is not None else self.cached[c] for c, o in enumerate(outs)]
+        cached = sum(max(per_choice[p * self.n:(p + 1) * self.n], default=0) for p in range(len(self.prompt_ids)))
         return usage(sum(len(p) for p in self.prompt_ids), self._work(seen_only), cached)
 
     def body(self) -> dict:

@@ -302,3 +302,15 @@ def test_include_obfuscation_pads_every_chunk_with_choices(client):
     assert all("obfuscation" not in c for c in plain)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
     assert text == "".join(c["choices"][0]["delta"].get("content") or "" for c in plain)
+
+
+def test_continuous_usage_stats_report_the_cached_prompt_tokens_from_the_first_step(client):
+    """A repeated prompt loads its prefix from the prefix cache at admission: every usage-bearing chunk of the
+    stream says so, not only the last (was 0 until a choice finished)."""
+    long_user = [{"role": "user", "content": "tell me about the sea " * 12}]
+    body = {"model": "m", "messages": long_user, "max_tokens": 8, "seed": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    _chunks(client, body)  # fills the prefix cache
+    chunks = _chunks(client, body)
+    cached = [c["usage"]["prompt_tokens_details"]["cached_tokens"] for c in chunks if c["choices"]]
+    assert cached[-1] > 0 and set(cached[1:]) == {cached[-1]}, cached  # the role chunk precedes the first step
