@@ -26,7 +26,11 @@ OWN_FORWARD_FAMILIES = ("diffusion_gemma",)
 BLOCK_ALIGNMENTS = ("generation", "absolute")
 # request fields a checkpoint may set defaults for, with their allowed ranges (those of SamplingParams)
 DEFAULT_SAMPLING_FIELDS = {"temperature": (0.0, 100.0), "threshold": (0.0, 1.0), "speculative": bool,
-                           "remasking": REMASKING_STRATEGIES}
+                           "remasking": REMASKING_STRATEGIES,
+                           # the uniform-canvas sampler's (DiffusionGemma's generation_config.json)
+                           "max_denoising_steps": (1, 1024), "t_min": (0.0, 100.0), "t_max": (0.0, 100.0),
+                           "entropy_bound": (0.0, 1e6), "stability_threshold": (0, 1024),
+                           "confidence_threshold": (0.0, 1e6)}
 #: ``dllm`` keys of removed capabilities, with why: an old checkpoint that names one still loads, the key is ignored
 #: (:meth:`DllmConfig.from_dict`) and its loaders log :func:`warn_removed_fields` once
 REMOVED_FIELDS = {"draft_head": "the draft head was removed on 2026-12-05 and is no longer used; speculative "

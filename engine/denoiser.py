@@ -15,6 +15,7 @@ import torch
 
 from .attention import build_attention_mask
 from .batch_step import consume_batch
+from .config import OWN_FORWARD_FAMILIES
 from .kv_cache import BatchKV, CarryPool
 from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from .model import LoadedModel
@@ -24,6 +25,7 @@ from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
 from .sequence import Sequence
 from .transfer import to_device
+from .uniform_canvas import step_uniform
 
 
 class Denoiser:
@@ -45,7 +47,8 @@ class Denoiser:
     def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self._chunk_waited = False  # the prompt budget left a chunk waiting in the last step
-        self.budget = PrefillBudget(self.prefill_chunk, attention_crossover_keys(model.model.config),
+        own = model.dllm.family in OWN_FORWARD_FAMILIES  # its own step (engine/uniform_canvas.py): no prompt chunks
+        self.budget = PrefillBudget(self.prefill_chunk, 1 if own else attention_crossover_keys(model.model.config),
                                     PROMPT_TILE if model.tiles_prompt_rows else 1)  # whole prompt tiles
         self.model = model
         self.device = model.device
@@ -78,6 +81,9 @@ class Denoiser:
         """
         if not seqs:
             return []
+        if getattr(seqs[0], "own_forward", False):  # an encoder-decoder family's own step (engine/uniform_canvas.py)
+            self.forwards += 1
+            return step_uniform(self.model, seqs)
         # decoding sequences (nothing pending) skip the chunked-prefill bookkeeping
         budget = self.budget
         pending = [seq.pending_prompt_rows() if budget.chunk else 0 for seq in seqs]

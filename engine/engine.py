@@ -28,6 +28,7 @@ from .refinement import RefinementSequence
 from .sequence import Sequence
 from .speculative import SpeculativeSequence
 from .text_ids import suffix_ids
+from .uniform_canvas import UniformCanvasSequence
 
 __all__ = ["Engine", "make_requests", "plan_request", "model_defaults"]
 
@@ -67,8 +68,8 @@ def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingPar
         raise ParamError("n", f"must be a positive integer, got {n!r}")
     defaults = defaults if defaults is not None else model_defaults(model)
     plan = plan if plan is not None else plan_request(model, params, defaults)
-    kind = (SpeculativeSequence if plan.speculative else MultiBlockSequence if plan.multi_block
-            else RefinementSequence if plan.refinement else Sequence)
+    kind = (UniformCanvasSequence if plan.uniform is not None else SpeculativeSequence if plan.speculative
+            else MultiBlockSequence if plan.multi_block else RefinementSequence if plan.refinement else Sequence)
     return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, defaults.max_context,
                  model.device, vocab_size=model.vocab_size, index=i) for i in range(n)]
 

@@ -107,6 +107,7 @@ class Range:
     lo_open: bool = False
 
 
+MAX_DENOISING_STEPS = 1024  # a uniform canvas's denoising steps (DiffusionGemma's generate(): 48 by default)
 MAX_POST_STEPS = 256  # editing steps after a block's last mask (LLaDA2Pipeline's max_post_steps, default 16)
 
 RANGES: dict[str, Range] = {
@@ -137,6 +138,13 @@ RANGES: dict[str, Range] = {
     # block refinement's token editing (LLaDA2.1; docs/design.md#decoding): 0 = off, as diffusers' pipeline
     "editing_threshold": Range(0, 1),
     "max_post_steps": Range(0, MAX_POST_STEPS, integer=True),
+    # the uniform-canvas sampler (DiffusionGemma; unmask.engine.uniform_options): transformers' names
+    "max_denoising_steps": Range(1, MAX_DENOISING_STEPS, integer=True),
+    "t_min": Range(0, 100),
+    "t_max": Range(0, 100, lo_open=True),
+    "entropy_bound": Range(0, 1e6, lo_open=True),
+    "stability_threshold": Range(0, MAX_DENOISING_STEPS, integer=True),
+    "confidence_threshold": Range(0, 1e6, lo_open=True),
 }
 
 

@@ -12,6 +12,9 @@ __all__ = ["SamplingParams", "SpeculativeOptions", "Constraint", "ParamError", "
            "CACHE_MODES", "REMASKING_STRATEGIES", "CONSTRAINT_KINDS"]
 
 CONSTRAINT_KINDS = ("json_object", "json_schema", "lark", "regex")
+#: the uniform-canvas sampler's fields (DiffusionGemma; ``unmask.engine.uniform_options``), transformers' names
+UNIFORM_FIELDS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
+                  "confidence_threshold")
 
 SPECULATIVE_ONLY_FIELDS = ("speculative_branches", "speculative_epsilon", "speculative_ratio",
                            "speculative_no_repeat_ngram")  # need speculative
@@ -188,6 +191,9 @@ class SamplingParams:
             active block are then provisional until the block ends.
         max_post_steps: with ``editing_threshold``, the most editing steps after a block's last mask beyond the
             first (``LLaDA2Pipeline``'s ``max_post_steps``); ``None`` = 16.
+        max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold: the
+            uniform-canvas sampler's options (DiffusionGemma, transformers' names: ``unmask.engine.uniform_options``);
+            ``None`` = the checkpoint's, else transformers' default; another family refuses them.
 
     Raises:
         ParamError: from :meth:`validate`, naming the field.
@@ -224,6 +230,12 @@ class SamplingParams:
     multi_block: float | None = None
     editing_threshold: float | None = None
     max_post_steps: int | None = None
+    max_denoising_steps: int | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    entropy_bound: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -254,6 +266,8 @@ class SamplingParams:
         check("multi_block", self.multi_block)
         check("editing_threshold", self.editing_threshold)
         check("max_post_steps", self.max_post_steps)
+        for name in UNIFORM_FIELDS:
+            check(name, getattr(self, name))
         if self.max_post_steps is not None and not self.editing_threshold:
             raise ParamError("max_post_steps", "applies with token editing only: set editing_threshold > 0")
         check("top_logprobs", self.top_logprobs)

@@ -36,7 +36,8 @@ from typing import Any
 from .config import DllmConfig
 from .limits import MAX_SEED, MAX_SPECULATIVE_BLOCK, MIN_SAMPLING_TEMPERATURE, ParamError
 from .options import DRAFT_POLICIES
-from .params import SPECULATIVE_ONLY_FIELDS, SamplingParams
+from .params import SPECULATIVE_ONLY_FIELDS, UNIFORM_FIELDS, SamplingParams
+from .uniform_options import UNIFORM_CANVAS_FAMILIES, UniformCanvasOptions, uniform_canvas_options
 
 DEFAULT_BRANCHES = 3         # fallback groups when the request does not say (block 4: every draft has one)
 DEFAULT_NO_REPEAT_NGRAM = 3  # loop guard of the relaxed rules when the request does not say
@@ -134,6 +135,8 @@ class DecodingPlan:
         refinement: decoded by block refinement (``unmask.engine.refinement``: the families of
             :data:`REFINEMENT_FAMILIES`). editing_threshold: its token editing (``None`` = off);
             max_post_steps: editing steps after a block's last mask beyond the first.
+        uniform: the uniform-canvas sampler's options (DiffusionGemma, ``unmask.engine.uniform_canvas``), None
+            on the other families.
     """
 
     params: SamplingParams
@@ -164,6 +167,7 @@ class DecodingPlan:
     refinement: bool = False
     editing_threshold: float | None = None
     max_post_steps: int = 0
+    uniform: UniformCanvasOptions | None = None
 
     def for_choice(self, index: int) -> "DecodingPlan":
         """The plan of choice ``index`` of an ``n > 1`` request: seed ``(seed + index) mod 2**63``."""
@@ -370,6 +374,29 @@ def check_refinement(params: SamplingParams, dllm: DllmConfig, window_size: int,
     return True
 
 
+def uniform_canvas_plan(params: SamplingParams, dllm: DllmConfig, d: EngineDefaults) -> DecodingPlan:
+    """The plan of a request on a uniform-canvas family (DiffusionGemma: ``unmask.engine.uniform_options``): its
+    sampler's options, the canvas as the block, a seed; nothing of the masked-diffusion plan applies.
+
+    Raises:
+        ParamError: a uniform-canvas field on another family, or what ``uniform_canvas_options`` refuses (names
+            the field); a ``block_size`` other than the canvas length.
+    """
+    if dllm.family not in UNIFORM_CANVAS_FAMILIES:
+        name = next(f for f in UNIFORM_FIELDS if getattr(params, f) is not None)
+        raise ParamError(name, f"an option of the uniform-canvas sampler (families "
+                               f"{', '.join(UNIFORM_CANVAS_FAMILIES)}); this model is {dllm.family}")
+    opts = uniform_canvas_options(params, d.default_sampling)
+    if params.block_size not in (None, d.block_size):
+        raise ParamError("block_size", f"this {dllm.family} model refines canvases of {d.block_size} tokens only "
+                                       f"(canvas_length), got {params.block_size}")
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+    p = replace(params, seed=seed, block_size=d.block_size, speculative=False)
+    return DecodingPlan(params=p, speculative=False, block_size=d.block_size, draft_block=None,
+                        window_size=d.block_size, temperature=opts.t_max, sampling=True, threshold=None, seed=seed,
+                        cache="none", lanes=1, model_block_size=d.block_size, uniform=opts)
+
+
 def resolve_cache(mode: str, dllm: DllmConfig) -> str:
     """The cache mode a request runs: ``auto`` = ``exact`` on a causal model (its committed KV never changes),
     ``none`` on a bidirectional one; ``prefix``/``dual`` on a causal model = ``exact`` (already a prefix cache);
@@ -398,6 +425,8 @@ def resolve(params: SamplingParams, dllm: DllmConfig, default_drafts: str = "aut
         ValueError: ``default_drafts`` is not a policy.
     """
     d = defaults if defaults is not None else engine_defaults(dllm, None, device_type, default_drafts)
+    if dllm.family in UNIFORM_CANVAS_FAMILIES or any(getattr(params, f) is not None for f in UNIFORM_FIELDS):
+        return uniform_canvas_plan(params, dllm, d)
     p = resolve_params(params, d.default_sampling, d.block_size)
     if (p.speculative and params.speculative is None and params.block_size is None
             and params.speculative_options is None and not d.drafts):

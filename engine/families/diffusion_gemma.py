@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import CheckpointError, DllmConfig, read_json_file
+from ..uniform_options import TRANSFORMERS_DEFAULTS
 from . import FamilyAdapter
 from .common import load_tokenizer_without_remote_code, resolve_eos_token_ids, resolve_pad_token_id
 
@@ -70,7 +71,18 @@ def dllm_config(path: Path, config: dict, tokenizer) -> DllmConfig:
                                 generation_config=gen)
     return DllmConfig(family="diffusion_gemma", mask_token_id=vocab, attention="bidirectional",
                       block_size=int(config.get("canvas_length", 256)), logit_shift=False, eos_token_ids=eos,
-                      pad_token_id=resolve_pad_token_id(merged, tokenizer, eos, vocab), fixed_block_size=True)
+                      pad_token_id=resolve_pad_token_id(merged, tokenizer, eos, vocab), fixed_block_size=True,
+                      default_sampling=sampler_defaults(gen))
+
+
+def sampler_defaults(gen: dict) -> dict:
+    """The uniform-canvas options ``generation_config.json`` sets (``sampler_config.entropy_bound`` included)."""
+    out = {k: gen[k] for k in TRANSFORMERS_DEFAULTS if gen.get(k) is not None}
+    bound = (gen.get("sampler_config") or {}).get("entropy_bound") if isinstance(gen.get("sampler_config"), dict) \
+        else None
+    if bound is not None:
+        out["entropy_bound"] = bound
+    return out
 
 
 def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):

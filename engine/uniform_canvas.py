@@ -1,0 +1,267 @@
+"""The uniform-canvas sampler: DiffusionGemma's decoding (docs/design.md#decoding, "Uniform canvas"), the rule of
+transformers 5.25's ``DiffusionGemmaForBlockDiffusion.generate()`` run as an engine strategy (continuous batching,
+a :class:`StepEvent` per step).
+
+Per canvas of ``C`` = ``canvas_length`` generated tokens, one after another:
+
+* the encoder reads the tokens not yet in the choice's KV cache once (the prompt, then each finished canvas), with
+  transformers' own masks and positions (``_prepare_encoder_inputs``); the cache is the choice's own
+  ``DynamicCache``;
+* the canvas starts as ``C`` uniform draws over the vocabulary; each of at most ``max_denoising_steps`` = N steps
+  (``cur_step`` N..1) forwards the decoder over the canvas (bidirectional self-attention, read-only attention to
+  the encoder's cache, the previous step's tempered logits as self-conditioning, none at the first), tempers its
+  logits by the linear schedule ``t_min + (t_max - t_min) * cur_step / N``, samples a denoiser canvas from them,
+  accepts the lowest-entropy tokens whose summed entropy less the largest is within ``entropy_bound``, re-noises
+  every other position uniformly, and stops early when the argmax canvas has not changed for
+  ``stability_threshold`` steps and the mean token entropy is below ``confidence_threshold``;
+* the canvas's final tokens are its last argmax canvas; the stop rules (EOS, stop strings, ``max_tokens``) then see
+  them.
+
+Randomness (docs/design.md#decoding, "Uniform canvas"): each choice draws from its own ``torch.Generator`` seeded
+with its seed, the shapes and order ``generate()`` draws at batch 1 (``randint`` ``[1, C]`` per canvas, then per
+step ``multinomial`` over ``C`` rows and ``randint`` ``[1, C]``), so a choice alone = in any batch = ``generate()``
+at batch 1 after ``torch.manual_seed(seed)``.
+
+Streaming: a canvas's tokens are provisional until it ends (``StepEvent.final`` = its first generated position; the
+events' ``canvas`` shows its argmax canvas there), earlier canvases are final.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .outputs import Revealed, StepEvent
+from .request import Request
+
+__all__ = ["UniformCanvasSequence", "step_uniform"]
+
+
+class UniformCanvasSequence(Request):
+    """A choice decoded by the uniform-canvas sampler (module docstring). Same arguments as
+    :class:`~unmask.engine.request.Request`; the plan's ``uniform`` holds the options.
+
+    Attributes:
+        own_forward: the denoiser steps it through :func:`step_uniform` (not the one-forward seam).
+        generator: the choice's random stream (seeded with its seed). kv: its encoder ``DynamicCache``.
+        current / argmax: ``[1, C]`` int64 canvas and argmax canvas of the active canvas; sc: the last step's
+            tempered logits ``[1, C, V]`` (None before the first step of a canvas).
+    """
+
+    own_forward = True
+
+    def __init__(self, *args, **kwargs):
+        self.kv = None
+        self.encoded = 0  # generated canvases the encoder has read
+        self.current = self.argmax = self.sc = None
+        self.cur_step = 0  # steps left in the active canvas (generate()'s cur_step); 0 = not started
+        self.stopper_state = None
+        super().__init__(*args, **kwargs)
+        self.options = self.plan.uniform
+        self.generator = torch.Generator().manual_seed(int(self.plan.seed))
+
+    # the encoder runs the whole prompt in the first step: no chunked prefill, no lanes' caches
+    def pending_prompt_rows(self) -> int:
+        return 0
+
+    def prefill_inputs(self, budget):
+        return None
+
+    @property
+    def canvas_start(self) -> int:
+        """The active canvas's first canvas position."""
+        return self.prompt_len + self.block_idx * self.block_size
+
+    @property
+    def final_end(self) -> int:
+        """Where the provisional region starts: the active canvas while it is refined."""
+        return self.canvas_start if not self.finished and self.cur_step else self.length
+
+    def stop_scan_end(self) -> int:
+        return min(self.final_end, self.prompt_len + self.max_tokens)
+
+    def canvas_view(self) -> list[int | None]:
+        """Final tokens, then the active canvas's argmax canvas (provisional), then ``None``."""
+        view = super().canvas_view()
+        if self.argmax is not None and self.cur_step and not self.finished:
+            a = self.canvas_start - self.prompt_len
+            for i, t in enumerate(self.argmax[0].tolist()[: max(0, self.max_tokens - a)]):
+                view[a + i] = t
+        return view
+
+    def event(self, block: int, step: int, revealed) -> StepEvent:
+        ev = super().event(block, step, revealed)
+        if self.finished or not self.cur_step:
+            return ev
+        return replace(ev, final=max(0, self.canvas_start - self.prompt_len))
+
+    def cache_bytes(self) -> int:
+        if self.kv is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.kv.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t))
+
+    def release(self) -> None:
+        super().release()
+        self.kv = self.sc = None
+
+    # ------------------------------------------------------------------ one canvas
+    def encode(self, model) -> None:
+        """Read the tokens not yet in the cache (the prompt, or the last finished canvas) with the encoder, and
+        draw the new canvas (``generate()``'s steps 1.a and 1.b at batch 1)."""
+        from transformers import DynamicCache
+
+        P, C, dev = self.prompt_len, self.block_size, model.device
+        if self.kv is None:
+            self.kv = DynamicCache(config=model.model.config.get_text_config(decoder=True))
+            ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=dev)
+            first, cur_len = True, P
+        else:
+            start = P + (self.encoded - 1) * C
+            ids = self.canvas[start: start + C][None].to(dev)
+            first, cur_len = False, start + C
+        positions = torch.arange(cur_len - ids.shape[1], cur_len, dtype=torch.int32, device=dev)[None]
+        mask = torch.ones((1, cur_len), dtype=torch.bool, device=dev)
+        net = model.model
+        ids, masks = net._prepare_encoder_inputs(input_ids=ids, attention_mask=mask, encoder_position_ids=positions,
+                                                 cache=self.kv, is_prefill=first, canvas_length=C, batch_size=1)
+        net.model.encoder(input_ids=ids, attention_mask=masks, cache=self.kv, position_ids=positions)
+        V = net.config.text_config.vocab_size
+        self.current = torch.randint(0, V, (1, C), generator=self.generator).to(dev)
+        self.argmax, self.sc, self.encoded = self.current, None, self.encoded + 1
+        self.cur_step = self.options.max_denoising_steps
+        self.stopper_state = None
+
+    def positions(self, device) -> torch.Tensor:
+        """``[1, C]`` int32 decoder positions of the active canvas."""
+        s = self.canvas_start
+        return torch.arange(s, s + self.block_size, dtype=torch.int32, device=device)[None]
+
+    def consume_logits(self, raw: torch.Tensor, embed_dtype: torch.dtype) -> StepEvent:
+        """One denoising step's sampling on this choice's ``[1, C, V]`` float32 logits (``_denoising_step``, steps
+        1.c.ii-v, at batch 1)."""
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+            EntropyBoundSampler, EntropyBoundSamplerConfig, LinearTemperatureScheduleLogitsProcessor,
+            StableAndConfidentStoppingCriteria)
+
+        o = self.options
+        V = raw.shape[-1]
+        cur = torch.tensor(self.cur_step, device=raw.device, dtype=torch.int32)
+        processed = LinearTemperatureScheduleLogitsProcessor(o.t_min, o.t_max, o.max_denoising_steps)(
+            None, raw, cur_step=cur)
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        g = self.generator
+        denoised = torch.multinomial(probs.view(-1, V).cpu(), num_samples=1, generator=g).view(1, -1)
+        argmax = torch.argmax(processed, dim=-1)
+        sampler = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=o.entropy_bound), self.block_size, V,
+                                      o.max_denoising_steps)
+        accepted = sampler.accept_canvas(self.current, denoised.to(raw.device), processed, cur)
+        noise = torch.randint(0, V, (1, self.block_size), generator=g).to(raw.device)
+        self.current = torch.where(~sampler.accepted_token_mask, noise, accepted)
+        stop = False
+        if o.stability_threshold is not None and o.confidence_threshold is not None:
+            crit = StableAndConfidentStoppingCriteria(o.stability_threshold, o.confidence_threshold)
+            crit.argmax_canvas_history = self.stopper_state
+            stop = bool(crit(argmax, processed)[0])
+            self.stopper_state = crit.argmax_canvas_history
+        self.argmax, self.sc = argmax, processed.to(embed_dtype)
+        self.cur_step -= 1
+        self.step += 1
+        self.step_in_block += 1
+        block, step = self.block_idx, self.step - 1
+        revealed = self._end_canvas(probs) if stop or not self.cur_step else []
+        return self.event(block, step, revealed)
+
+    def _end_canvas(self, probs: torch.Tensor) -> list[Revealed]:
+        """The active canvas is final: its argmax canvas goes into the canvas, the stop rules see it."""
+        C, s = self.block_size, self.canvas_start
+        tokens = self.argmax[0].cpu()
+        p = probs[0].gather(-1, self.argmax[0][:, None].to(probs.device))[:, 0].cpu()
+        self.canvas[s: s + C] = tokens
+        self.cur_step = 0
+        self.blocks_done_steps.append(self.step_in_block)
+        self.step_in_block = self.step_in_window = 0
+        self.win_idx += 1
+        self.block_idx += 1
+        self._check_finished()
+        rel = s - self.prompt_len
+        return [Revealed(rel + i, int(t), float(c), float(torch.log(c)), ()) for i, (t, c) in
+                enumerate(zip(tokens.tolist(), p)) if rel + i < self.max_tokens]
+
+
+class _Layer:
+    """One layer's padded keys and values for a batched decoder step (what the decoder's attention reads)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+
+class _StackedCache:
+    """Several choices' encoder caches, left-padded per layer to the longest (the decoder only reads
+    ``layers[i].keys/values`` and ``is_compileable``)."""
+
+    is_compileable = False
+
+    def __init__(self, caches: list):
+        self.layers, self.lengths = [], []
+        for i in range(len(caches[0].layers)):
+            ks = [c.layers[i].keys for c in caches]
+            vs = [c.layers[i].values for c in caches]
+            n = max(k.shape[2] for k in ks)
+            self.layers.append(_Layer(torch.cat([_left_pad(k, n) for k in ks]), torch.cat([_left_pad(v, n) for v in vs])))
+            self.lengths.append([k.shape[2] for k in ks])
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``[1, H, T, D]`` zero-padded on the left to ``T = n``."""
+    return t if t.shape[2] == n else torch.nn.functional.pad(t, (0, 0, n - t.shape[2], 0))
+
+
+def _masks(stacked: _StackedCache, layer_types: list[str], C: int, device) -> dict | None:
+    """Per layer type, ``[B, 1, C, K + C]`` bool (True = attend): each choice's own cached keys and the canvas;
+    None when every choice's cache has the same length (no padding: ``generate()``'s own case)."""
+    out = {}
+    for kind in set(layer_types):
+        lengths = stacked.lengths[layer_types.index(kind)]
+        if len(set(lengths)) == 1:
+            out[kind] = None
+            continue
+        K = max(lengths)
+        keys = torch.arange(K + C, device=device)
+        starts = torch.tensor([K - n for n in lengths], device=device)
+        out[kind] = (keys[None, :] >= starts[:, None])[:, None, None, :].expand(-1, 1, C, -1)
+    return out
+
+
+@torch.inference_mode()
+def step_uniform(model, seqs: list[UniformCanvasSequence]) -> list[StepEvent]:
+    """One step of every choice in ``seqs`` (a :class:`~unmask.engine.loaded.LoadedModel` of a uniform-canvas
+    family): the encoder for those starting a canvas (one choice at a time, ``generate()``'s shapes), then one
+    decoder forward over all of them, then each choice's sampling on its own rows."""
+    net = model.model
+    for seq in seqs:
+        if not seq.cur_step:
+            seq.encode(model)
+    dev = model.device
+    canvas = torch.cat([s.current for s in seqs]).to(dev)
+    positions = torch.cat([s.positions(dev) for s in seqs])
+    embed = net.model.decoder.embed_tokens.weight
+    have = [s.sc is not None for s in seqs]
+    sc = sc_mask = None
+    if any(have):
+        sc = torch.cat([s.sc if s.sc is not None else torch.zeros(1, *seqs[0].current.shape[1:], embed.shape[0],
+                                                                   dtype=embed.dtype, device=dev) for s in seqs])
+        if not all(have):
+            sc_mask = torch.tensor(have, device=dev)
+    if len(seqs) == 1:
+        cache, masks = seqs[0].kv, {"full_attention": None, "sliding_attention": None}
+    else:
+        cache = _StackedCache([s.kv for s in seqs])
+        masks = _masks(cache, net.config.text_config.layer_types, seqs[0].block_size, dev)
+    logits = net(decoder_input_ids=canvas, self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
+                 decoder_attention_mask=masks, cache=cache, decoder_position_ids=positions).logits
+    events = []
+    for i, seq in enumerate(seqs):
+        seq.nfe += 1
+        events.append(seq.consume_logits(logits[i: i + 1], embed.dtype))
+    return events
