@@ -235,6 +235,23 @@ class _Common(_Rules):
     max_post_steps: int | None = ranged("max_post_steps", None,
                                         description="with editing_threshold: editing steps after a block's last "
                                                     "mask beyond the first; absent = 16")
+    # the uniform-canvas sampler (diffusion_gemma models; transformers' DiffusionGemmaGenerationConfig names)
+    max_denoising_steps: int | None = ranged("max_denoising_steps", None,
+                                             description="uniform canvas (diffusion_gemma): denoising steps per "
+                                                         "canvas at most; absent = the checkpoint's, else 48")
+    t_min: float | None = ranged("t_min", None, description="uniform canvas: the temperature at the last step "
+                                                            "(linear schedule); absent = the checkpoint's, else 0.4")
+    t_max: float | None = ranged("t_max", None, description="uniform canvas: the temperature at the first step; "
+                                                            "> t_min; absent = the checkpoint's, else 0.8")
+    entropy_bound: float | None = ranged("entropy_bound", None,
+                                         description="uniform canvas: a step accepts the lowest-entropy tokens whose "
+                                                     "summed entropy less the largest is within this; absent = 0.1")
+    stability_threshold: int | None = ranged("stability_threshold", None,
+                                             description="uniform canvas: adaptive stopping once the argmax canvas "
+                                                         "is unchanged for this many steps (and confident); absent = 1")
+    confidence_threshold: float | None = ranged("confidence_threshold", None,
+                                                description="uniform canvas: adaptive stopping needs the mean token "
+                                                            "entropy below this; absent = 0.005")
     top_k: int = ranged("top_k", 0, lo=TOP_K_OFF, description="0 or -1 = off")
     repetition_penalty: float = ranged("repetition_penalty", 1.0, description="vLLM's repetition penalty; 1 = off")
     min_tokens: int = ranged("min_tokens", 0, description="EOS/stop tokens forbidden before this many tokens")
@@ -343,6 +360,9 @@ class _Common(_Rules):
             speculative_ratio=self.speculative_ratio,
             speculative_no_repeat_ngram=self.speculative_no_repeat_ngram, multi_block=self.multi_block,
             editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps,
+            max_denoising_steps=self.max_denoising_steps, t_min=self.t_min, t_max=self.t_max,
+            entropy_bound=self.entropy_bound, stability_threshold=self.stability_threshold,
+            confidence_threshold=self.confidence_threshold,
             top_logprobs=self.alternatives() if logprobs else 0)
         return with_extras(params, self.constraint(), logit_bias_ids(self.logit_bias))
 

@@ -334,6 +334,8 @@ MODEL_DEPENDENT_400 = {
     "logit_bias",          # a token id outside the vocabulary, or one the model never samples (its mask token)
     "multi_block",         # needs a prefix/block-causal model, whole-block windows, no speculative decoding
     "editing_threshold", "max_post_steps",  # token editing: llada2 models only; max_post_steps needs editing
+    "max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
+    "confidence_threshold",  # the uniform-canvas sampler's options (diffusion_gemma models only)
     "response_format", "tool_choice", "tools",  # a schema llguidance cannot compile; a template without tools
     "messages.N.tool_call_id",  # a tool message must answer a call of an earlier assistant message (across items)
     # /v1/responses: its errors name its own fields (the chat ones above are translated: max_output_tokens, input,
