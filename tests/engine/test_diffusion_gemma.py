@@ -1,0 +1,139 @@
+"""DiffusionGemma (issue 43): a tiny random checkpoint in transformers' own layout decodes token for token as
+``DiffusionGemmaForBlockDiffusion.generate()`` at batch 1 with the same seed, alone and inside a mixed batch
+(other prompts, options, choices joining mid-flight), over seeds, step counts, temperature schedules and stopping
+settings; what the sampler does not do is refused naming the field."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_gemma_tiny import EOS, reference_generate, save_replica
+from unmask.engine.limits import ParamError
+from unmask.engine.llm import LLM
+from unmask.engine.model import load_model
+from unmask.engine.params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40, 41]]
+LOW_T = dict(t_min=0.05, t_max=0.1, entropy_bound=1000.0)  # near-argmax canvases that settle: stopping fires
+CASES = [  # (prompt, seed, options): transformers' generation-config names
+    (0, 1, dict(max_denoising_steps=6)),  # the defaults' schedule and bound
+    (1, 2, dict(max_denoising_steps=6)),
+    (2, 3, dict(max_denoising_steps=12, t_min=1.0, t_max=2.0, entropy_bound=0.5)),
+    (0, 1, dict(max_denoising_steps=12, confidence_threshold=10.0, **LOW_T)),  # stable for 1 step
+    (0, 2, dict(max_denoising_steps=12, confidence_threshold=0.5, stability_threshold=2, **LOW_T)),  # EOS
+    (3, 4, dict(max_denoising_steps=4, stability_threshold=0, confidence_threshold=10.0, entropy_bound=2.0)),
+    (1, 5, dict(max_denoising_steps=3, t_min=0.2, t_max=0.3)),
+]
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    path = tmp_path_factory.mktemp("diffusion_gemma")
+    save_replica(path, canvas_length=8)
+    return load_model(str(path), device="cpu")
+
+
+def _reference(model, case) -> list[int]:
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    prompt, seed, opts = case
+    kw = dict(opts)
+    if "entropy_bound" in kw:
+        kw["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=kw.pop("entropy_bound"))
+    return reference_generate(model, PROMPTS[prompt], seed, max_new_tokens=24, **kw)
+
+
+def _run(llm: LLM, cases) -> list:
+    reqs = [(PROMPTS[p], SamplingParams(max_tokens=24, seed=seed, **opts)) for p, seed, opts in cases]
+    out = dict(llm.generate_iter(reqs, lookahead=len(reqs)))
+    return [out[i].outputs[0] for i in range(len(reqs))]
+
+
+def test_a_loaded_checkpoint_is_the_family_with_its_canvas_as_the_block(replica):
+    d = replica.dllm
+    assert (d.family, d.block_size, d.fixed_block_size, d.eos_token_ids) == ("diffusion_gemma", 8, True, [EOS])
+    assert d.mask_token_id == replica.vocab_size  # no mask token: a sentinel no id can be
+    assert replica.weight_format == "native"  # served as loaded
+
+
+def test_alone_and_in_a_mixed_batch_equal_generate_at_batch_1(replica):
+    refs = [_reference(replica.model, c) for c in CASES]
+    alone = [_run(LLM(replica), [c])[0] for c in CASES]
+    mixed = _run(LLM(replica, max_batch_size=3), CASES)  # 7 choices through 3 slots: choices join mid-flight
+    for case, ref, a, m in zip(CASES, refs, alone, mixed):
+        assert a.token_ids == ref, case
+        assert m.token_ids == ref, case
+    # not vacuous: adaptive stopping ended canvases early, an EOS ended a choice, others ran to max_tokens
+    steps = [max(c[2]["max_denoising_steps"], 1) for c in CASES]
+    assert any(min(o.steps_per_block) < s for o, s in zip(alone, steps))
+    assert any(o.finish_reason == "stop" and o.token_ids[-1] == EOS for o in alone)
+    assert any(o.finish_reason == "length" and len(o.token_ids) == 24 for o in alone)
+    assert len({tuple(r) for r in refs}) == len(refs)
+
+
+def test_n_choices_take_seed_and_seed_plus_one(replica):
+    out = LLM(replica).generate([PROMPTS[0]], SamplingParams(max_tokens=16, seed=1, max_denoising_steps=6), n=2)
+    got = [o.token_ids for o in out[0].outputs]
+    assert got == [_reference(replica.model, (0, s, dict(max_denoising_steps=6)))[:16] for s in (1, 2)]
+
+
+def test_stop_strings_and_max_tokens_cut_the_final_text(replica):
+    llm = LLM(replica)
+    full = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, seed=1, max_denoising_steps=6))[0].outputs[0]
+    cut = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, seed=1, max_denoising_steps=6))[0].outputs[0]
+    assert cut.token_ids == full.token_ids[:5] and cut.finish_reason == "length"
+    stop = full.text[3:6]
+    stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, seed=1, max_denoising_steps=6,
+                                                        stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and full.text.startswith(stopped.text) and stop not in stopped.text
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 0.7), ("top_p", 0.5), ("top_k", 5), ("min_tokens", 2), ("logprobs", True), ("steps", 4),
+    ("threshold", 0.9), ("presence_penalty", 0.5), ("cfg_scale", 1.0), ("block_size", 4), ("t_max", 0.3),
+])
+def test_what_the_sampler_does_not_do_is_refused_naming_the_field(replica, field, value):
+    kw = {field: value, **({"t_min": 0.3} if field == "t_max" else {})}
+    with pytest.raises(ParamError) as err:
+        LLM(replica).generate([PROMPTS[0]], SamplingParams(max_tokens=8, **kw))
+    assert err.value.field == field
+
+
+def test_the_samplers_options_on_another_family_are_refused_naming_the_field():
+    from tiny import loaded
+
+    with pytest.raises(ParamError) as err:
+        LLM(loaded()).generate([[5, 6]], SamplingParams(max_tokens=4, entropy_bound=0.3))
+    assert err.value.field == "entropy_bound"
+
+
+def test_an_older_transformers_is_refused_naming_the_version(monkeypatch, tmp_path):
+    import transformers
+
+    from unmask.engine.config import CheckpointError
+    from unmask.engine.families.diffusion_gemma import require_transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.24.1")
+    with pytest.raises(CheckpointError, match=r"transformers >= 5\.25.*5\.24\.1"):
+        require_transformers()
+
+
+def test_the_stream_shows_the_canvas_changing_before_it_is_final(replica):
+    from unmask.engine.engine import Engine
+
+    engine = Engine(replica)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=16, seed=1, max_denoising_steps=6), "r")
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    provisional = [e for e in events if e.final is not None]
+    assert provisional and all(e.final % 8 == 0 for e in provisional)
+    changed = sum(a.canvas[i] != b.canvas[i] for a, b in zip(provisional, provisional[1:])
+                  for i in range(b.final, 16) if a.final == b.final)
+    assert changed, "the argmax canvas never changed between steps: the check would be vacuous"
+    texts = [e.text for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # the final text only grows
+    assert events[-1].finished and events[-1].final is None
+    ref = _reference(replica.model, (0, 1, dict(max_denoising_steps=6)))[:16]
+    assert events[-1].output.token_ids == ref
+    assert torch.equal(torch.tensor(events[-1].canvas), torch.tensor(ref))
