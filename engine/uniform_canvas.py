@@ -23,7 +23,8 @@ step ``multinomial`` over ``C`` rows and ``randint`` ``[1, C]``), so a choice al
 at batch 1 after ``torch.manual_seed(seed)``.
 
 Streaming: a canvas's tokens are provisional until it ends (``StepEvent.final`` = its first generated position; the
-events' ``canvas`` shows its argmax canvas there), earlier canvases are final.
+events' ``canvas`` shows its argmax canvas there, ``revealed`` the positions whose argmax token changed this step,
+with its tempered probability), earlier canvases are final; the step that ends a canvas reveals all of it, final.
 """
 from __future__ import annotations
 
@@ -164,29 +165,33 @@ class UniformCanvasSequence(Request):
             crit.argmax_canvas_history = self.stopper_state
             stop = bool(crit(argmax, processed)[0])
             self.stopper_state = crit.argmax_canvas_history
+        first = self.cur_step == o.max_denoising_steps
+        changed = torch.ones_like(argmax[0], dtype=torch.bool) if first else argmax[0] != self.argmax[0]
         self.argmax, self.sc = argmax, processed.to(embed_dtype)
         self.cur_step -= 1
         self.step += 1
         self.step_in_block += 1
         block, step = self.block_idx, self.step - 1
-        revealed = self._end_canvas(probs) if stop or not self.cur_step else []
+        confidence = probs[0].gather(-1, argmax[0][:, None])[:, 0].cpu()
+        rel = self.canvas_start - self.prompt_len
+        if stop or not self.cur_step:
+            self._end_canvas()
+            changed = torch.ones_like(changed)  # the whole canvas, final now
+        revealed = [Revealed(rel + i, int(t), float(c), float(torch.log(c)), ())
+                    for i, (t, c, new) in enumerate(zip(argmax[0].tolist(), confidence, changed.tolist()))
+                    if new and rel + i < self.max_tokens]
         return self.event(block, step, revealed)
 
-    def _end_canvas(self, probs: torch.Tensor) -> list[Revealed]:
+    def _end_canvas(self) -> None:
         """The active canvas is final: its argmax canvas goes into the canvas, the stop rules see it."""
         C, s = self.block_size, self.canvas_start
-        tokens = self.argmax[0].cpu()
-        p = probs[0].gather(-1, self.argmax[0][:, None].to(probs.device))[:, 0].cpu()
-        self.canvas[s: s + C] = tokens
+        self.canvas[s: s + C] = self.argmax[0].cpu()
         self.cur_step = 0
         self.blocks_done_steps.append(self.step_in_block)
         self.step_in_block = self.step_in_window = 0
         self.win_idx += 1
         self.block_idx += 1
         self._check_finished()
-        rel = s - self.prompt_len
-        return [Revealed(rel + i, int(t), float(c), float(torch.log(c)), ()) for i, (t, c) in
-                enumerate(zip(tokens.tolist(), p)) if rel + i < self.max_tokens]
 
 
 class _Layer:

@@ -1,0 +1,112 @@
+"""DiffusionGemma through the server (docs/design.md#http-contract, "Revisable canvases"): a streamed request whose
+denoising chunks show the canvas changing between steps while its content deltas only ever append final text, equal
+to the non-streamed answer; image inputs and the fields the uniform-canvas sampler does not honour are 400s naming
+the field; the held-out OpenAI checks (llm-comply, system) on a tiny DiffusionGemma checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from diffusion_gemma_tiny import save_replica
+from unmask.engine.async_engine import AsyncEngine
+from unmask.engine.model import load_model
+from unmask.server.app import build_app
+
+CH = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "Diffusion language models"}], "max_tokens": 24,
+        "seed": 3, "max_denoising_steps": 6}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("diffusion_gemma")
+    save_replica(path, canvas_length=8)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint):
+    with TestClient(build_app(AsyncEngine(load_model(str(checkpoint), device="cpu")), "m")) as c:
+        yield c
+
+
+def _stream(client, body: dict) -> list[dict]:
+    out = []
+    with client.stream("POST", CH, json={**body, "stream": True, "stream_options": {"include_denoising": True}}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def test_a_streamed_request_refines_its_canvas_but_never_its_content(client):
+    plain = client.post(CH, json=BODY)
+    assert plain.status_code == 200, plain.text
+    chunks = _stream(client, BODY)
+    canvases = [c["denoising"] for c in chunks if c.get("denoising")]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                      if c.get("choices") and not c.get("denoising"))
+    assert content == plain.json()["choices"][0]["message"]["content"]
+    # the canvas is refined: a position shown with one token shows another at a later step
+    changed = [i for a, b in zip(canvases, canvases[1:]) for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"]))
+               if x is not None and y is not None and x != y]
+    assert changed, "no token changed between steps: the check would be vacuous"
+    # every change is in the provisional region the previous chunk announced (a canvas's first position)
+    for a, b in zip(canvases, canvases[1:]):
+        for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"])):
+            if x is not None and x != y:
+                assert a.get("final") is not None and i >= a["final"], (i, a.get("final"))
+    # content was sent while a later canvas was still refined, and what a client received is a prefix of the answer
+    sent, prefixes, later = "", [], 0
+    for c in chunks:
+        d = c.get("denoising")
+        if d is not None and sent and d.get("final"):
+            later += 1
+        elif c.get("choices") and not d and c["choices"][0]["delta"].get("content"):
+            sent += c["choices"][0]["delta"]["content"]
+            prefixes.append(sent)
+    assert later > 0 and prefixes
+    assert all(content.startswith(p) for p in prefixes)
+
+
+def test_the_seed_gives_the_same_answer_and_usage_counts_it(client):
+    a, b = client.post(CH, json=BODY).json(), client.post(CH, json=BODY).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("extra, field", [({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"),
+                                          ({"logprobs": True}, "logprobs"), ({"t_min": 0.9}, "t_max"),
+                                          ({"min_tokens": 3}, "min_tokens")])
+def test_what_the_sampler_does_not_do_is_a_400_naming_the_field(client, extra, field):
+    r = client.post(CH, json={**BODY, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert client.post(CH, json=BODY).status_code == 200  # and the server keeps serving
+
+
+def test_an_image_input_is_a_400_naming_the_field(client):
+    content = [{"type": "text", "text": "What is this?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    r = client.post(CH, json={**BODY, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("messages"), r.json()
+
+
+@pytest.mark.system
+def test_llm_comply_on_a_tiny_diffusion_gemma(checkpoint, tmp_path):
+    from serving import start_serve, stop_server
+    from test_comply import KEY, NEEDS_A_SENSIBLE_MODEL, TINY_CHECKS, _statuses, run_comply
+
+    proc, base, log = start_serve(tmp_path, str(checkpoint), "--served-model-name", "tiny", "--api-key", KEY,
+                                  "--default-max-tokens", "32")
+    try:
+        got = _statuses(run_comply(base, "tiny", TINY_CHECKS, NEEDS_A_SENSIBLE_MODEL, timeout=60))
+    finally:
+        stop_server(proc)
+    assert got.pop("chat-reasoning-summary")[0] == "skipped"
+    failed = {k: v for k, v in got.items() if v[0] != "passed"}
+    assert not failed, (failed, log.read_text()[-2000:])
