@@ -15,13 +15,52 @@ import torch
 from .outputs import StepEvent
 from .reveals import to_host
 from .sampler import sample_groups, select_segments
+from .sequence import Sequence
+from .speculative import SpeculativeSequence
+from .speculative_batch import verify_batch
 from .transfer import to_device
 
-__all__ = ["consume_batch"]
+__all__ = ["batchable", "consume_batch"]
+
+
+def batchable(seq) -> bool:
+    """Whether ``seq`` goes through :func:`consume_batch`: a plain or multi-block sequence (its strategy keeps
+    :class:`~unmask.engine.sequence.Sequence`'s ``consume``) or a speculative one, without a grammar."""
+    return getattr(type(seq), "consume", None) in (Sequence.consume, SpeculativeSequence.consume) \
+        and getattr(seq, "grammar", None) is None
 
 
 def consume_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor
-                  ) -> list[StepEvent]:
+                  ) -> list[tuple[StepEvent, list[torch.Tensor | None]]]:
+    """What ``seq.consume`` returns for each of ``seqs`` (:func:`batchable` ones), from one step's needed rows:
+    the plain and multi-block sequences through one reveal pass, the speculative ones through one verification
+    pass (``unmask.engine.speculative_batch``): one device-to-host copy each.
+
+    Args:
+        seqs: the sequences; ``spans[i]``: per lane of ``seqs[i]`` (cond, then uncond under CFG) its rows
+            ``(start, end)`` in ``logits``.
+        logits: ``[R, V]`` needed rows of the step's forwards (edited in place).
+        forbidden_ids: ``[F]`` ids never generated, on the logits' device.
+
+    Returns:
+        per sequence ``(event, commits)``: its :class:`StepEvent` and per lane the chunk indices to commit.
+    """
+    out: list = [None] * len(seqs)
+    spec = [i for i, s in enumerate(seqs) if isinstance(s, SpeculativeSequence)]
+    plain = [i for i, s in enumerate(seqs) if not isinstance(s, SpeculativeSequence)]
+    if plain:
+        events = reveal_batch([seqs[i] for i in plain], [spans[i] for i in plain], logits, forbidden_ids)
+        for i, event in zip(plain, events):
+            out[i] = (event, [inp.commit for inp in seqs[i]._inputs])
+    if spec:
+        for i, (event, commit) in zip(spec, verify_batch([seqs[i] for i in spec], [spans[i][0] for i in spec],
+                                                          logits, forbidden_ids)):
+            out[i] = (event, [commit])
+    return out
+
+
+def reveal_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor
+                 ) -> list[StepEvent]:
     """Reveal for ``seqs`` (``Sequence`` s without a grammar) from one forward's needed rows.
 
     Args:

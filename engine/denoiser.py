@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .attention import build_attention_mask
-from .batch_step import consume_batch
+from .batch_step import batchable, consume_batch
 from .config import OWN_FORWARD_FAMILIES
 from .kv_cache import BatchKV, CarryPool
 from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
@@ -23,7 +23,6 @@ from .outputs import StepEvent
 from .prefill_cost import PrefillBudget, attention_crossover_keys
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
-from .sequence import Sequence
 from .transfer import to_device
 from .uniform_canvas import step_uniform
 
@@ -146,9 +145,9 @@ class Denoiser:
             offset += int(logits.shape[0])
         if batched:
             every = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            for i, event in zip(batched, consume_batch([seqs[i] for i in batched], batched_spans, every,
-                                                       self.forbidden)):
-                events[i] = event
+            for i, (event, commit) in zip(batched, consume_batch([seqs[i] for i in batched], batched_spans, every,
+                                                                 self.forbidden)):
+                events[i], commits[i] = event, commit
         for i, kv, first in kvs:
             for li, (inp, commit) in enumerate(zip(inputs[i], commits[i])):
                 if commit is not None and commit.numel():
@@ -281,12 +280,6 @@ def sees_every_key(inp: LaneInput, lane) -> bool:
     if lane.length == 0:
         return True
     return bool(((lane.grp == grp[0]) | (lane.pos < inp.start[0])).all())
-
-
-def batchable(seq: DecodingStrategy) -> bool:
-    """Whether ``seq`` reveals through the batched pass (``unmask.engine.batch_step``): a plain or multi-block
-    sequence (its strategy keeps :class:`~unmask.engine.sequence.Sequence`'s ``consume``) without a grammar."""
-    return getattr(type(seq), "consume", None) is Sequence.consume and getattr(seq, "grammar", None) is None
 
 
 def lane_index(inp: LaneInput, position: int) -> int:

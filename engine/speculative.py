@@ -39,19 +39,16 @@ for token), and the next drafts are drawn under the grammar's mask too (forced t
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .constraints import forced_run
-from .grammar_sampling import grammar_drafts, mask_verifier_rows
+from .grammar_sampling import grammar_drafts
 from .limits import MAX_SPECULATIVE_BLOCK as MAX_DRAFT_BLOCK
-from .noise import ACCEPT, DRAFT, RESIDUAL, Draws
+from .noise import ACCEPT, RESIDUAL, Draws
 from .outputs import StepEvent
 from .request import LaneInput, Request
-from .reveals import to_host
-from .sampler import (Candidates, add_bias, filter_top_k_top_p, forbid, forced_candidates, log_normalizer,
-                      sample_from_probs)
+from .reveals import HostRows
+from .speculative_batch import VerifyRows, speculative_rows, verify_batch
 
 __all__ = ["SpeculativeSequence", "speculative_accept", "MAX_DRAFT_BLOCK"]
 
@@ -76,15 +73,16 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: list[int], draw
         at the first rejection ``i`` (from ``p_i`` when that residual is empty, i.e. ``p_i == q_i``), from ``p_D``
         when every draft was accepted. The revealed tokens are then distributed as sampling from ``p`` alone.
     """
-    u = draws.uniform(ACCEPT, len(drafts), 1, "cpu")[:, 0]
-    for i, d in enumerate(drafts):
-        if float(u[i]) * float(q[i, d]) < float(p[i, d]):  # u < p / q, without dividing by q
-            continue
-        residual = (p[i] - q[i]).clamp_min(0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 1e-12 else p[i]  # p == q up to rounding: nothing left but p
-        return i, int(sample_from_probs(dist[None], draws.at([i]), RESIDUAL)[0])
-    return len(drafts), int(sample_from_probs(p[len(drafts)][None], draws.at([len(drafts)]), RESIDUAL)[0])
+    D = len(drafts)
+    q_all = p.clone()  # the row after the last draft: q = p, so its draw is from p
+    q_all[:D] = q
+    u = torch.ones(D + 1, dtype=torch.float64, device=p.device)
+    u[:D] = draws.uniform(ACCEPT, D, 1, p.device)[:, 0]
+    d = torch.tensor(list(drafts) + [0], dtype=torch.long, device=p.device)
+    accept, token = speculative_rows(p, q_all, d, u, draws.keys(RESIDUAL, D + 1))
+    ok = accept[:D].tolist()
+    i = next((j for j in range(D) if not ok[j]), D)
+    return i, int(token[i])
 
 
 class SpeculativeSequence(Request):
@@ -169,30 +167,6 @@ class SpeculativeSequence(Request):
                           committed=torch.cat(committed), needed=torch.tensor(needed, dtype=torch.long, device=dev),
                           commit=None)]
 
-    def _relaxed_ok(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor | None:
-        """``[D]`` bool: which drafts the relaxed acceptance rule keeps even when they are not the causal argmax;
-        ``None`` for exact verification. ``logits``: ``[D, V]`` float32 rows predicting the draft positions
-        (forbidden ids already at -inf), ``p`` their softmax.
-
-        * ``speculative_epsilon``: Medusa's typical acceptance (Cai et al. 2024, section 2.3.1): ``p(d) > min(eps,
-          sqrt(eps) * exp(-H(p)))``;
-        * ``speculative_ratio``: ``p(d) >= ratio * max(p)``, i.e. ``log max(p) - log p(d) <= tau`` with ``tau =
-          -log(ratio)`` (SpecDec's relaxed verification, Xia et al. 2023; ``top_k``/``top_p`` filtering, applied before, is the
-          top-beta cap).
-        """
-        if self.epsilon is None and self.ratio is None:
-            return None
-        if not drafts:
-            return torch.zeros(0, dtype=torch.bool)
-        logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
-        logp_draft = logp.gather(-1, torch.tensor(drafts, dtype=torch.long, device=logp.device)[:, None])[:, 0]
-        if self.ratio is not None:
-            return (logp_draft >= logp.max(-1).values + math.log(float(self.ratio))).cpu()
-        p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-        eps = float(self.epsilon)
-        return (logp_draft.exp() > torch.clamp(eps ** 0.5 * torch.exp(-entropy), max=eps)).cpu()
-
     def _repeats(self, f: int, drafts: list[int], q: int) -> bool:
         """Whether ``drafts[q]`` (at canvas position ``f + q``, after the final tokens before ``f`` and
         ``drafts[:q]``) completes an n-gram (``n = self.no_repeat`` tokens, all generated) that the generated text
@@ -219,21 +193,6 @@ class SpeculativeSequence(Request):
         """The causal (committed-context) rows run the model's row variant (a checkpoint's verifier)."""
         return inp.committed
 
-    def _candidates(self, logits: torch.Tensor, rows: list[int], tokens: list[int], logp: torch.Tensor,
-                    lse: torch.Tensor) -> Candidates:
-        """The revealed tokens of a step as :class:`Candidates` (CPU): probability ``exp(logp)`` (``logp``:
-        float64), their log-probabilities and, with ``top_logprobs``, the alternatives of each verifier row."""
-        top = (None, None)
-        if self.top_ids is not None:
-            k = self.top_ids.shape[-1]
-            if rows:
-                values, ids = torch.topk(logits[rows], min(k, logits.shape[-1]), dim=-1)
-                top = (ids.cpu(), (values.to(torch.float64) - lse[:, None]).float().cpu())
-            else:
-                top = (torch.empty(0, k, dtype=torch.long), torch.empty(0, k, dtype=torch.float32))
-        tok = torch.tensor(tokens, dtype=torch.long)
-        return Candidates(tok, logp.exp(), logp.exp(), logp.float(), *top)
-
     def consume(self, logits: list[torch.Tensor], forbidden_ids: torch.Tensor
                 ) -> tuple[StepEvent, list[torch.Tensor | None]]:
         """:meth:`verify` the one lane's rows; its commit is the verified causal tokens."""
@@ -243,7 +202,8 @@ class SpeculativeSequence(Request):
     # ------------------------------------------------------------------ one step: verify and reveal
     def verify(self, logits: torch.Tensor, forbidden_ids: torch.Tensor | None = None
                ) -> tuple[StepEvent, torch.Tensor]:
-        """Verify the drafts, reveal the accepted ones plus the correction, pick the next drafts.
+        """Verify the drafts, reveal the accepted ones plus the correction, pick the next drafts: this sequence
+        alone through the batched pass (``unmask.engine.speculative_batch.verify_batch``).
 
         Args:
             logits: ``[N, V]`` float logits of the ``needed`` rows of :meth:`lane_inputs`, in that order.
@@ -253,67 +213,61 @@ class SpeculativeSequence(Request):
             ``(event, commit)``: the step's :class:`StepEvent` and the ``[m]`` int64 chunk indices whose KV is
             committed to the lane cache (the causal tokens before the correction; empty without a cache).
         """
+        return verify_batch([self], [(0, int(logits.shape[0]))], logits.float().clone(), forbidden_ids)[0]
+
+    def _accepted(self, v: VerifyRows, f: int, drafts: list[int]) -> tuple[int, int, float, float]:
+        """``(accepted, token, its probability, its log-probability)`` from the pass's verdicts: the leading drafts
+        accepted (speculative sampling's test; else equal to the causal argmax, or kept by a relaxed rule unless
+        the loop guard blocks them) and the token after them (the correction, or the token after the last draft)."""
+        if self.sampling:
+            a = next((i for i in range(len(drafts)) if v.accept[i] < 0.5), len(drafts))
+            return a, v.sample[a], v.sample_prob[a], v.sample_lp[a]
+        a = 0
+        for q, d in enumerate(drafts):
+            if v.best[q] != d and not (v.relaxed[q] > 0.5 and not (self.no_repeat and self._repeats(f, drafts, q))):
+                break
+            a += 1
+        return a, v.best[a], v.best_prob[a], v.best_lp[a]
+
+    def advance(self, v: VerifyRows, logits: torch.Tensor, probs: torch.Tensor | None
+                ) -> tuple[StepEvent, torch.Tensor]:
+        """Apply a verification pass on the host: accept, reveal, pick the next drafts (as :meth:`verify` returns).
+
+        Args:
+            v: this sequence's rows of the pass (:class:`~unmask.engine.speculative_batch.VerifyRows`).
+            logits: ``[N, V]`` its filtered logits (device; a grammar's drafts are drawn from them).
+            probs: ``[N, V]`` float64 its sampling distributions (speculative sampling), else None.
+        """
         lay = self._layout
         lo, f, drafts, group_rows = lay["lo"], lay["f"], lay["drafts"], lay["group_rows"]
-        pred_pos = torch.tensor(lay["pred_pos"], dtype=torch.long)  # position each row predicts (logit shift)
-        early = (pred_pos - self.prompt_len < self.params.min_tokens) if self.params.min_tokens else None
-        logits = add_bias(forbid(logits.float().clone(), forbidden_ids, early, self.min_tokens_ids), self.logit_bias)
-        if self.grammar is not None:  # masked verifier rows (docs/design.md#constrained-decoding)
-            mask_verifier_rows(logits, self.grammar, drafts)
-        if self.params.top_k or self.params.top_p < 1.0:  # greedy: the argmax stays; logprobs are after the filter
-            logits = filter_top_k_top_p(logits, self.params.top_k, self.params.top_p)
-        if self.sampling:
-            def probs(rows):  # [len(rows), V] float64 sampling distributions (temperature after the filters)
-                return torch.softmax(logits[rows].to(torch.float64) / self.temperature, dim=-1)
-
-            q = self.draft_probs[: len(drafts)] if drafts else None
-            p = probs(list(range(len(drafts) + 1)))
-            accepted, token = speculative_accept(p, q if q is not None else p[:0], drafts,
-                                                 self.draws(range(f, f + len(drafts) + 1)))
-        else:
-            best = torch.argmax(logits, dim=-1).cpu()
-            relaxed = self._relaxed_ok(logits[: len(drafts)], drafts)
-            accepted = 0
-            for q, d in enumerate(drafts):
-                if int(best[q]) != d and not (relaxed is not None and bool(relaxed[q])
-                                              and not (self.no_repeat and self._repeats(f, drafts, q))):
-                    break
-                accepted += 1
-            token = int(best[accepted])  # the correction (or the token after the last draft)
+        accepted, token, prob, lp = self._accepted(v, f, drafts)
         new_tokens = list(drafts[:accepted])
+        probability, logprob = v.draft_prob[:accepted], v.draft_lp[:accepted]
         if f + accepted < self.end:
             new_tokens.append(token)
-        rows = list(range(len(new_tokens)))
-        lse = log_normalizer(logits[rows]) if rows else torch.empty(0, dtype=torch.float64)
-        tok_t = torch.tensor(new_tokens, dtype=torch.long)
-        logp = (logits[rows, tok_t.to(logits.device)].to(torch.float64) - lse).cpu() if rows else lse
-        cands = self._candidates(logits, rows, new_tokens, logp, lse)
-
+            probability, logprob = probability + [prob], logprob + [lp]
+        top = v.top[: len(new_tokens)] if v.top is not None and self.top_ids is not None else None
         self.proposed_drafts += len(drafts)
         self.accepted_drafts += accepted
         # next drafts: group A when every draft was accepted, else the first rejected draft's fallback group
         key_rows = group_rows.get("A" if accepted == len(drafts) else accepted, [])
-        # + the tokens the grammar forces next, final at once (docs/design.md#constrained-decoding)
-        if self.grammar is not None:
+        if self.grammar is not None:  # + the tokens the grammar forces next, final at once (probability 1)
             self.grammar.consume(new_tokens)
             forced = forced_run(self.grammar, self.end - f - len(new_tokens))
             new_tokens += forced
-            logp = torch.cat([logp, torch.zeros(len(forced), dtype=logp.dtype)])
-            if forced:  # final at once: probability 1
-                cands = Candidates.cat([cands, forced_candidates(forced, cands)])
+            probability, logprob = probability + [1.0] * len(forced), logprob + [0.0] * len(forced)
+            top = None if top is None else top + [((t, 0.0),) for t in forced]
             draft_rows = key_rows[len(forced):]
             self.drafts, self.draft_probs = grammar_drafts(logits, draft_rows, self.grammar,
                                                            self.draws([lay["pred_pos"][r] for r in draft_rows]),
                                                            self.temperature if self.sampling else None)
         elif self.sampling:
-            next_q = probs(key_rows) if key_rows else None
-            self.drafts = (sample_from_probs(next_q, self.draws([lay["pred_pos"][r] for r in key_rows]), DRAFT).tolist()
-                           if key_rows else [])
-            self.draft_probs = next_q
+            self.drafts = [v.draft_sample[r] for r in key_rows]
+            self.draft_probs = probs[key_rows[0]: key_rows[-1] + 1].clone() if key_rows else None
         else:
-            self.drafts = [int(best[r]) for r in key_rows]
-
-        revealed = self.record(list(range(f, f + len(new_tokens))), to_host(cands)) if new_tokens else []
+            self.drafts = [v.best[r] for r in key_rows]
+        rows = HostRows(new_tokens, probability, logprob, probability, [True] * len(new_tokens), top)
+        revealed = self.record(list(range(f, f + len(new_tokens))), rows)
         self.final_len = f + len(new_tokens)
         commit = (torch.arange(0, f + accepted - lo, dtype=torch.long) if self.cache_mode != "none"
                   else torch.empty(0, dtype=torch.long))

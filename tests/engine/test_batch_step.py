@@ -43,7 +43,7 @@ def _decode(llm: LLM, requests: list[dict]) -> list[list]:
     for i, kw in enumerate(requests):
         kw = dict(kw)
         prompt = dp.PROMPTS[kw.pop("prompt", i) % len(dp.PROMPTS)]
-        params = SamplingParams.from_flat(**dict(kw, max_tokens=10, ignore_eos=True, speculative=False))
+        params = SamplingParams.from_flat(**dict({"speculative": False}, **kw, max_tokens=10, ignore_eos=True))
         for r in engine.add_request(tok(prompt).input_ids, params, f"r{i}"):
             ids[r.request_id] = i
     events = [[] for _ in requests]
@@ -153,6 +153,53 @@ def test_a_batch_step_reads_the_host_at_most_once(name, checkpoints, monkeypatch
     assert c.steps
     for s in c.steps:
         assert s["syncs"].get("host read", 0) <= 1 and set(s["syncs"]) <= {"host read"}, s["syncs"]
+
+
+#: speculative requests of every verification rule, decoded together (issue 42: one verification pass per step)
+SPECULATIVE = [
+    dict(temperature=0, block_size=4, speculative=True, logprobs=True, top_logprobs=3),
+    dict(temperature=0, block_size=3, speculative=True, speculative_branches=1, min_tokens=5),
+    dict(temperature=0, block_size=4, speculative=True, speculative_ratio=0.3),
+    dict(temperature=0, block_size=4, speculative=True, speculative_epsilon=0.05, logit_bias={5: 3.0, 7: -100.0}),
+    dict(temperature=0.8, seed=3, block_size=4, speculative=True, logprobs=True, top_logprobs=2),
+    dict(temperature=1.0, seed=4, block_size=3, speculative=True, top_k=20, top_p=0.9),
+    dict(temperature=0, block_size=4),
+]
+
+
+def test_speculative_requests_verified_together_equal_their_own_consume(causal_llm, monkeypatch):
+    """The verification pass over many speculative sequences (``unmask.engine.speculative_batch``) gives each the
+    events (tokens, log-probabilities, alternatives, in order) that its own ``consume`` gives in the same forwards
+    (greedy, relaxed rules, speculative sampling, ``min_tokens``, ``logit_bias``, a plain request beside), and the
+    tokens it gets decoded alone."""
+    together = _decode(causal_llm, SPECULATIVE)
+    for i, req in enumerate(SPECULATIVE):
+        alone = _decode(causal_llm, [dict(req, prompt=i)])[0]
+        assert [[r[:2] for r in e[2]] for e in alone] == [[r[:2] for r in e[2]] for e in together[i]], req
+    monkeypatch.setattr(denoiser_module, "batchable", lambda seq: False)
+    assert _decode(causal_llm, SPECULATIVE) == together
+
+
+@pytest.mark.parametrize("name, batch", [("speculative-greedy", 1), ("speculative-greedy", 8),
+                                         ("speculative-greedy", 32), ("speculative-sampled", 8)])
+def test_a_speculative_batch_step_reads_the_host_at_most_twice(name, batch, checkpoints, monkeypatch):
+    """Under fake CUDA a step of 1, 8 or 32 speculative requests reads the host at most twice (issue 42's bound;
+    the verification pass copies once), with no value read, data-dependent shape, boolean-mask index or blocking
+    copy: verification per request read its argmax and acceptance (3 syncs a request-step, 96 at batch 32)."""
+    from unmask.engine.denoiser import Denoiser
+    from unmask.engine.model import LoadedModel, load_model
+
+    path = next(p for p in dp.PATHS if p.name == name)
+    with fake_cuda(monkeypatch):
+        llm = LLM(load_model(checkpoints[path.checkpoint], device="cuda", dtype="float32"), max_batch_size=batch)
+        params = SamplingParams.from_flat(**dict(path.params, max_tokens=6, ignore_eos=True))
+        prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(batch)]
+        with SyncCounter("cuda") as c, c.forward_methods(LoadedModel, ("hidden_states", "logits")), \
+                c.step_method(Denoiser, "step"):
+            llm.generate(prompts, params)
+    assert c.steps
+    for s in c.steps:
+        assert s["syncs"].get("host read", 0) <= 2 and set(s["syncs"]) <= {"host read"}, s["syncs"]
 
 
 def test_the_post_forward_step_traces_without_graph_breaks():

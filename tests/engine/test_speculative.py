@@ -2,6 +2,8 @@
 rejected drafts, batching with ordinary requests, parameter checks, and the HTTP/CLI surface."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from unmask.engine import LLM, ParamError, SamplingParams
 from unmask.engine.plan import resolve_params
 from unmask.engine.scheduler import Scheduler
 from unmask.engine.speculative import SpeculativeSequence
+from unmask.engine.speculative_batch import relaxed_accept
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. One two", "Paris"]
 
@@ -179,15 +182,13 @@ def test_ratio_acceptance_keeps_near_ties_only(llm):
     """``speculative_ratio``: a draft that is not the causal argmax is kept iff p(draft) >= ratio * max p (checked on
     hand-made distributions at the boundary); end to end, a vanishing ratio keeps planted wrong drafts (4 tokens
     per forward) and ratio 1 is exact verification (the greedy output, every planted draft rejected)."""
-    seq = llm.make_sequences(llm.encode(PROMPTS[0]), SamplingParams.from_flat(max_tokens=8, block_size=4, speculative=True,
-                                                                   speculative_ratio=0.5), "u")[0]
     probs = torch.tensor([[0.40, 0.21, 0.19, 0.20], [0.40, 0.21, 0.19, 0.20], [0.1, 0.1, 0.1, 0.7],
                           [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
     logits = torch.full((4, 300), float("-inf"))
     logits[:, :4] = probs.log().float()
-    ok = seq._relaxed_ok(logits, [1, 2, 2, 0])
+    ok = relaxed_accept(logits, torch.tensor([1, 2, 2, 0]), torch.full((4,), math.log(0.5), dtype=torch.float64),
+                        torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.bool))
     assert ok.tolist() == [True, False, False, True]  # 0.21 >= 0.5 * 0.40; 0.19 < 0.20; 0.1 < 0.35; the argmax
-    assert seq._relaxed_ok(logits[:0], []).numel() == 0
     ref = _greedy_b1(llm, PROMPTS[1], 13, ignore_eos=True).token_ids
     outs = {}
     for ratio in (1.0, 1e-30):
