@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .attention import build_attention_mask, canvas_groups
+from .config import OWN_FORWARD_FAMILIES
 from .model import LoadedModel
 
 __all__ = ["SelfCheckError", "check_first_forward"]
@@ -37,13 +38,28 @@ def check_first_forward(model: LoadedModel, committed: int = 3, masked: int = 2)
     what = f"the model's first forward on {dev} ({str(model.dtype).removeprefix('torch.')}, weights " \
            f"{model.weight_format})"
     try:
-        mask = build_attention_mask(pos, grp, start, valid, pos, grp, is_committed, valid)
         with torch.inference_mode():
-            hidden = model.hidden_states(ids, pos, mask, variant_rows=variant)
-            logits = model.logits(hidden[0], variant_rows=None if variant is None else variant[0])
+            if model.dllm.family in OWN_FORWARD_FAMILIES:
+                logits = _encoder_decoder_logits(model, ids[:, :committed])
+            else:
+                mask = build_attention_mask(pos, grp, start, valid, pos, grp, is_committed, valid)
+                hidden = model.hidden_states(ids, pos, mask, variant_rows=variant)
+                logits = model.logits(hidden[0], variant_rows=None if variant is None else variant[0])
         finite = bool(torch.isfinite(logits).all())
     except Exception as exc:  # any failure here would be every request's
         raise SelfCheckError(f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                              ) from exc
     if not finite:
         raise SelfCheckError(f"{what} gave non-finite logits")
+
+
+def _encoder_decoder_logits(model: LoadedModel, prompt: torch.Tensor) -> torch.Tensor:
+    """An encoder-decoder family's first forward (``unmask.engine.uniform_canvas``): the encoder over ``prompt``
+    ``[1, P]`` into a fresh cache, then the decoder over one canvas of zeros; its ``[1, C, V]`` logits."""
+    from transformers import DynamicCache
+
+    net = model.model
+    cache = DynamicCache(config=net.config.get_text_config(decoder=True))
+    net.model.encoder(input_ids=prompt, cache=cache)
+    canvas = torch.zeros((1, model.dllm.block_size), dtype=torch.long, device=prompt.device)
+    return net(decoder_input_ids=canvas, cache=cache).logits

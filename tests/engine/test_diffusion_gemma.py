@@ -137,3 +137,9 @@ def test_the_stream_shows_the_canvas_changing_before_it_is_final(replica):
     ref = _reference(replica.model, (0, 1, dict(max_denoising_steps=6)))[:16]
     assert events[-1].output.token_ids == ref
     assert torch.equal(torch.tensor(events[-1].canvas), torch.tensor(ref))
+
+
+def test_the_servers_first_forward_check_runs_the_encoder_and_the_decoder(replica):
+    from unmask.engine.self_check import check_first_forward
+
+    check_first_forward(replica)  # `unmask serve` runs it before accepting requests (the mask rows would not exist)
