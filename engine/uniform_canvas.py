@@ -140,10 +140,10 @@ class UniformCanvasSequence(Request):
 
     def consume_logits(self, raw: torch.Tensor, embed_dtype: torch.dtype) -> StepEvent:
         """One denoising step's sampling on this choice's ``[1, C, V]`` float32 logits (``_denoising_step``, steps
-        1.c.ii-v, at batch 1)."""
+        1.c.ii-v, at batch 1: the same operations on the same tensors, so the same bits; the token entropies, which
+        ``EntropyBoundSampler.accept_canvas`` and ``StableAndConfidentStoppingCriteria`` each compute, once)."""
         from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-            EntropyBoundSampler, EntropyBoundSamplerConfig, LinearTemperatureScheduleLogitsProcessor,
-            StableAndConfidentStoppingCriteria)
+            LinearTemperatureScheduleLogitsProcessor)
 
         o = self.options
         V = raw.shape[-1]
@@ -154,17 +154,12 @@ class UniformCanvasSequence(Request):
         g = self.generator
         denoised = torch.multinomial(probs.view(-1, V).cpu(), num_samples=1, generator=g).view(1, -1)
         argmax = torch.argmax(processed, dim=-1)
-        sampler = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=o.entropy_bound), self.block_size, V,
-                                      o.max_denoising_steps)
-        accepted = sampler.accept_canvas(self.current, denoised.to(raw.device), processed, cur)
+        entropy = torch.distributions.Categorical(logits=processed).entropy()  # [1, C]
+        accept = entropy_bound_mask(entropy, o.entropy_bound)
+        accepted = torch.where(accept, denoised.to(raw.device), self.current)
         noise = torch.randint(0, V, (1, self.block_size), generator=g).to(raw.device)
-        self.current = torch.where(~sampler.accepted_token_mask, noise, accepted)
-        stop = False
-        if o.stability_threshold is not None and o.confidence_threshold is not None:
-            crit = StableAndConfidentStoppingCriteria(o.stability_threshold, o.confidence_threshold)
-            crit.argmax_canvas_history = self.stopper_state
-            stop = bool(crit(argmax, processed)[0])
-            self.stopper_state = crit.argmax_canvas_history
+        self.current = torch.where(~accept, noise, accepted)
+        stop = self._stable_and_confident(argmax, entropy)
         first = self.cur_step == o.max_denoising_steps
         changed = torch.ones_like(argmax[0], dtype=torch.bool) if first else argmax[0] != self.argmax[0]
         self.argmax, self.sc = argmax, processed.to(embed_dtype)
@@ -182,6 +177,22 @@ class UniformCanvasSequence(Request):
                     if new and rel + i < self.max_tokens]
         return self.event(block, step, revealed)
 
+    def _stable_and_confident(self, argmax: torch.Tensor, entropy: torch.Tensor) -> bool:
+        """``StableAndConfidentStoppingCriteria`` at batch 1: the argmax canvas equals each of the last
+        ``stability_threshold`` ones (their history kept per canvas) and the mean token entropy is below
+        ``confidence_threshold``."""
+        o = self.options
+        if o.stability_threshold == 0:
+            stable = True
+        else:
+            if self.stopper_state is None:
+                self.stopper_state = torch.full((o.stability_threshold, *argmax.shape), -1, dtype=argmax.dtype,
+                                                device=argmax.device)
+            stable = bool((self.stopper_state == argmax[None]).all())
+            self.stopper_state = torch.roll(self.stopper_state, shifts=-1, dims=0)
+            self.stopper_state[-1] = argmax
+        return stable and bool(torch.mean(entropy, dim=-1)[0] < o.confidence_threshold)
+
     def _end_canvas(self) -> None:
         """The active canvas is final: its argmax canvas goes into the canvas, the stop rules see it."""
         C, s = self.block_size, self.canvas_start
@@ -192,6 +203,14 @@ class UniformCanvasSequence(Request):
         self.win_idx += 1
         self.block_idx += 1
         self._check_finished()
+
+
+def entropy_bound_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """``[B, C]`` bool: the positions ``EntropyBoundSampler.accept_canvas`` accepts (the lowest entropies whose sum
+    less their largest is within ``bound``; arXiv:2505.24857), from ``[B, C]`` token entropies."""
+    ordered, order = torch.sort(entropy, dim=-1, descending=False)
+    chosen = torch.cumsum(ordered, dim=-1) - ordered <= bound
+    return torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
 
 
 class _Layer:
