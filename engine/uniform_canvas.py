@@ -138,26 +138,29 @@ class UniformCanvasSequence(Request):
         s = self.canvas_start
         return torch.arange(s, s + self.block_size, dtype=torch.int32, device=device)[None]
 
-    def consume_logits(self, raw: torch.Tensor, embed_dtype: torch.dtype) -> StepEvent:
-        """One denoising step's sampling on this choice's ``[1, C, V]`` float32 logits (``_denoising_step``, steps
-        1.c.ii-v, at batch 1: the same operations on the same tensors, so the same bits; the token entropies, which
-        ``EntropyBoundSampler.accept_canvas`` and ``StableAndConfidentStoppingCriteria`` each compute, once)."""
+    def temper(self, raw: torch.Tensor) -> torch.Tensor:
+        """``[1, C, V]`` logits at this step's temperature, as ``LinearTemperatureScheduleLogitsProcessor`` computes
+        it (a float32 0-d tensor from the int32 ``cur_step``)."""
         from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
             LinearTemperatureScheduleLogitsProcessor)
 
         o = self.options
-        V = raw.shape[-1]
         cur = torch.tensor(self.cur_step, device=raw.device, dtype=torch.int32)
-        processed = LinearTemperatureScheduleLogitsProcessor(o.t_min, o.t_max, o.max_denoising_steps)(
-            None, raw, cur_step=cur)
-        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        return LinearTemperatureScheduleLogitsProcessor(o.t_min, o.t_max, o.max_denoising_steps)(None, raw,
+                                                                                                   cur_step=cur)
+
+    def consume_logits(self, processed: torch.Tensor, probs: torch.Tensor, argmax: torch.Tensor,
+                       entropy: torch.Tensor, accept: torch.Tensor, embed_dtype: torch.dtype) -> StepEvent:
+        """One denoising step's sampling (``_denoising_step``, steps 1.c.ii-v, at batch 1) from this choice's
+        tempered logits ``[1, C, V]`` and what :func:`step_uniform` computed from them per row (their softmax, argmax
+        ``[1, C]``, token entropies ``[1, C]`` and entropy-bound acceptance ``[1, C]``): the draws from the choice's
+        generator, the re-noising, the stopping rule."""
+        o = self.options
+        V = processed.shape[-1]
         g = self.generator
         denoised = torch.multinomial(probs.view(-1, V).cpu(), num_samples=1, generator=g).view(1, -1)
-        argmax = torch.argmax(processed, dim=-1)
-        entropy = torch.distributions.Categorical(logits=processed).entropy()  # [1, C]
-        accept = entropy_bound_mask(entropy, o.entropy_bound)
-        accepted = torch.where(accept, denoised.to(raw.device), self.current)
-        noise = torch.randint(0, V, (1, self.block_size), generator=g).to(raw.device)
+        accepted = torch.where(accept, denoised.to(processed.device), self.current)
+        noise = torch.randint(0, V, (1, self.block_size), generator=g).to(processed.device)
         self.current = torch.where(~accept, noise, accepted)
         stop = self._stable_and_confident(argmax, entropy)
         first = self.cur_step == o.max_denoising_steps
@@ -205,9 +208,10 @@ class UniformCanvasSequence(Request):
         self._check_finished()
 
 
-def entropy_bound_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+def entropy_bound_mask(entropy: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
     """``[B, C]`` bool: the positions ``EntropyBoundSampler.accept_canvas`` accepts (the lowest entropies whose sum
-    less their largest is within ``bound``; arXiv:2505.24857), from ``[B, C]`` token entropies."""
+    less their largest is within ``bound``, a number or ``[B, 1]`` per row; arXiv:2505.24857), from ``[B, C]``
+    token entropies."""
     ordered, order = torch.sort(entropy, dim=-1, descending=False)
     chosen = torch.cumsum(ordered, dim=-1) - ordered <= bound
     return torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
@@ -284,8 +288,17 @@ def step_uniform(model, seqs: list[UniformCanvasSequence]) -> list[StepEvent]:
         masks = _masks(cache, net.config.text_config.layer_types, seqs[0].block_size, dev)
     logits = net(decoder_input_ids=canvas, self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
                  decoder_attention_mask=masks, cache=cache, decoder_position_ids=positions).logits
+    # per row, so each row's bits are those of its batch-1 computation; one call each for the whole step
+    processed = torch.cat([seq.temper(logits[i: i + 1]) for i, seq in enumerate(seqs)])
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    argmax = torch.argmax(processed, dim=-1)
+    entropy = torch.distributions.Categorical(logits=processed).entropy()  # [B, C]
+    bounds = torch.tensor([seq.options.entropy_bound for seq in seqs], dtype=entropy.dtype, device=entropy.device)
+    accept = entropy_bound_mask(entropy, bounds[:, None])
     events = []
     for i, seq in enumerate(seqs):
         seq.nfe += 1
-        events.append(seq.consume_logits(logits[i: i + 1], embed.dtype))
+        row = slice(i, i + 1)
+        events.append(seq.consume_logits(processed[row], probs[row], argmax[row], entropy[row], accept[row],
+                                         embed.dtype))
     return events
