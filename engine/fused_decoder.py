@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .lane_attention import attend_lanes
 from .row_attention import lane_plans, padded_lanes, row_invariant_attention
 
 #: transformers decoder classes whose layer computation is the Llama one (Qwen3 adds per-head q/k RMSNorms)
@@ -288,6 +289,7 @@ class FusedDecoder:
         self.decoder = decoder
         self.row_invariant = bool(row_invariant)
         self.prompt_tiles = True  # with row_invariant: prompt rows in prompt tiles (a benchmark switches it off)
+        self.lane_attention = True  # without row_invariant: a lane-mode cache is read per lane, in place
         cfg = decoder.config
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
@@ -345,7 +347,10 @@ class FusedDecoder:
             else:
                 if cache is not None:
                     k, v = cache.update(k, v, i)
-                o = sdpa(q, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+                if getattr(cache, "lane_mode", False):  # each lane over its own KV blocks (engine/lane_attention.py)
+                    o = attend_lanes(cache, i, q, k, v, attention_mask, scaling).transpose(1, 2)
+                else:
+                    o = sdpa(q, k, v, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
             x = x + o_proj(o.transpose(1, 2).reshape(B, Q, Hq * D))
             gate, up = gate_up_proj(post_norm(x)).chunk(2, dim=-1)
             x = x + down_proj(act(gate) * up)

@@ -1,8 +1,9 @@
 """KV caches: per-lane storage of committed keys/values and the batched view one forward uses.
 
 A *lane* is one canvas variant of one request (the conditional canvas, plus the unconditional one under CFG).
-Each lane keeps, per layer, the keys and values of the tokens it has committed (``[H_kv, n, D]``), together with
-the position/group metadata the shared mask builder needs (``unmask.engine.attention``).
+Each lane keeps the keys and values of the tokens it has committed in blocks of the paged KV pool
+(``engine/kv_pool.py``: a block table per lane), together with the position/group metadata the shared mask builder
+needs (``unmask.engine.attention``).
 
 Cache policies (``SamplingParams.cache``, docs/design.md#decoding and #decisions):
 
@@ -21,40 +22,67 @@ import weakref
 
 import torch
 
+from .kv_pool import KVPool, PoolFull
 from .transfer import to_device
 
 
 class LaneCache:
-    """Committed KV of one lane, in per-layer buffers that grow in place.
+    """Committed KV of one lane: a block table into a :class:`~unmask.engine.kv_pool.KVPool`.
 
-    Each layer's keys and values live in a ``[H_kv, capacity, D]`` buffer of which the first :attr:`length`
-    positions are committed; appending writes after them (no re-copy of what is cached), and a one-lane forward
-    (:class:`BatchKV`) whose chunk fits in the free tail writes its new keys/values there and attends to a view of
-    the buffer, so the per-layer ``cat`` of cached + new keys disappears. The free tail is scratch: nothing reads it
-    as cached, and a forward never changes :attr:`length`, the committed values or the capacity.
+    Position ``p`` of the lane lives in block ``table[p // T]`` at slot ``p % T`` (T = the pool's block size); the
+    first :attr:`length` positions are committed. Appending writes after them into the lane's blocks (taking more
+    blocks when the table is full: nothing already written moves), and a forward (:class:`BatchKV`) whose chunk fits
+    in the blocks after the committed part writes its new keys/values there and attends to views of the blocks
+    (:meth:`segments`: one per run of consecutive storage), so neither a step nor a commit copies the cache. The
+    positions after :attr:`length` are scratch: nothing reads them as cached, and a forward never changes
+    :attr:`length`, the committed values or the table.
+
+    Blocks shared with the prefix store (:mod:`unmask.engine.prefix_cache`, :meth:`share`) hold committed positions
+    only, which nothing writes again; a write into a block another holder references copies its committed part
+    into a block of the lane's own first (copy on write: only after :meth:`reset`, which no sharing lane calls).
 
     Args:
-        capacity_hint: tokens to allocate at the first append (a sequence passes its canvas length: committed
-            tokens never exceed it, and cached + forwarded positions fit in it except in speculative steps with
-            branches near the canvas end, which then take the copying path); appends beyond it double the buffers.
+        capacity_hint: tokens to reserve at the first append (a sequence passes its canvas length: committed tokens
+            never exceed it, and cached + forwarded positions fit in it except in speculative steps with branches
+            near the canvas end, which take more blocks).
+        pool: the pool to take blocks from (the denoiser's; None: bound later by :meth:`bind`, or a pool of the
+            lane's own at the first write).
 
     Attributes:
-        keys, values: per layer ``[H_kv, n, D]`` views of the committed part (empty list before the first commit).
+        table: the block ids, in position order (one reference each, released by :meth:`clear` or when the lane is
+            garbage-collected).
         pos, grp: ``[n]`` int64 position and attention group of each cached token.
         carry_slot / carry_position: the row of the denoiser's :class:`CarryPool` holding the output of the last
             committed token (the logit-shifted prediction for the first position after it, kept because that token
             is not forwarded again) and that token's position (-1: none).
     """
 
-    def __init__(self, capacity_hint: int = 0):
+    def __init__(self, capacity_hint: int = 0, pool: KVPool | None = None):
         self.capacity_hint = int(capacity_hint)
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
+        self.pool: KVPool | None = None
+        self.table: list[int] = []
+        self.layers = 0  # layers written so far
         self._n = 0
         self.pos: torch.Tensor | None = None
         self.grp: torch.Tensor | None = None
         self.carry_slot = -1
         self.carry_position = -1
+        self._runs: tuple[int, list] | None = None  # (end, runs) of the last :meth:`_runs_to`
+        if pool is not None:
+            self.bind(pool)
+
+    def bind(self, pool: KVPool) -> None:
+        """Take blocks from ``pool`` from now on (a no-op when bound to it already).
+
+        Raises:
+            ValueError: the lane holds blocks of another pool.
+        """
+        if self.pool is pool:
+            return
+        if self.table:
+            raise ValueError("LaneCache: holds blocks of another pool")
+        self.pool = pool
+        weakref.finalize(self, pool.decref, self.table)  # the same list object: its blocks when collected
 
     @property
     def length(self) -> int:
@@ -63,35 +91,117 @@ class LaneCache:
 
     @property
     def capacity(self) -> int:
-        """Tokens the buffers hold room for (0 before the first append)."""
-        return int(self._k[0].shape[1]) if self._k else 0
+        """Positions the lane's blocks hold (0 before the first reservation)."""
+        return len(self.table) * self.pool.block_tokens if self.pool is not None else 0
 
     @property
     def keys(self) -> list[torch.Tensor]:
-        return [b[:, :self._n] for b in self._k] if self._n else []
+        """Per layer ``[H_kv, n, D]`` committed keys (views when the table is one run, else gathered copies)."""
+        return [self.key_value(i)[0] for i in range(self.layers)] if self._n else []
 
     @property
     def values(self) -> list[torch.Tensor]:
-        return [b[:, :self._n] for b in self._v] if self._n else []
+        return [self.key_value(i)[1] for i in range(self.layers)] if self._n else []
+
+    def reserve(self, tokens: int, required: bool = True) -> bool:
+        """Hold blocks for positions ``[0, tokens)`` (taking the missing ones). Returns whether it does; with
+        ``required`` a full pool raises :class:`~unmask.engine.kv_pool.PoolFull` instead."""
+        if self.pool is None:
+            self.bind(KVPool())
+        T = self.pool.block_tokens
+        missing = -(-int(tokens) // T) - len(self.table)
+        if missing <= 0:
+            return True
+        try:
+            self.table.extend(self.pool.allocate(missing))
+        except PoolFull:
+            if required:
+                raise
+            return False
+        self._runs = None
+        return True
+
+    def _runs_to(self, end: int) -> list:
+        if self._runs is None or self._runs[0] != end:
+            self._runs = (end, self.pool.runs(self.table, end))
+        return self._runs[1]
+
+    def segments(self, layer: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[H_kv, m_i, D]`` key and value views covering positions ``[0, end)`` in order, one per run of
+        consecutive storage (one when the table is one run)."""
+        if end <= 0:
+            return []
+        out = []
+        for slab, s, e in self._runs_to(end):
+            k, v = self.pool.storage(slab, layer)
+            out.append((k[:, s:e], v[:, s:e]))
+        return out
 
     def key_value(self, layer: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[H_kv, n + extra, D]`` views of one layer's buffers: the cached part and ``extra`` scratch positions
-        (``n + extra`` must not exceed :attr:`capacity`)."""
-        end = self._n + extra
-        return self._k[layer][:, :end], self._v[layer][:, :end]
+        """``[H_kv, n + extra, D]`` keys/values of one layer: the cached part and ``extra`` scratch positions
+        (``n + extra`` must not exceed :attr:`capacity`). A view when they are one run of storage, else one copy
+        (counted in the pool's ``gathered_bytes``)."""
+        segs = self.segments(layer, self._n + extra)
+        if len(segs) == 1:
+            return segs[0]
+        k, v = torch.cat([s[0] for s in segs], 1), torch.cat([s[1] for s in segs], 1)
+        self.pool.gathered_bytes += 2 * k.numel() * k.element_size()
+        return k, v
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``[H_kv, m, D]`` keys/values at positions ``[start, start + m)`` (inside :attr:`capacity`, at or
+        after :attr:`length`)."""
+        m = int(keys.shape[1])
+        T = self.pool.block_tokens
+        self._own(start // T, -(-(start + m) // T))
+        at = 0  # the position of the run's first slot
+        for slab, s, e in self._runs_to(start + m):
+            lo, hi = max(start, at), at + e - s
+            if hi > lo:
+                k, v = self.pool.storage(slab, layer, keys)
+                k[:, s + lo - at:s + hi - at] = keys[:, lo - start:hi - start]
+                v[:, s + lo - at:s + hi - at] = values[:, lo - start:hi - start]
+            at = hi
+        self.layers = max(self.layers, layer + 1)
+        self.pool.written_bytes += 2 * keys.numel() * keys.element_size()
+
+    def _own(self, first: int, last: int) -> None:
+        """Copy on write: table entries ``[first, last)`` held by another too get a block of the lane's own,
+        holding the same committed positions."""
+        pool = self.pool
+        for i in range(first, min(last, len(self.table))):
+            b = self.table[i]
+            if pool.refcount(b) > 1:
+                new = pool.allocate(1)[0]
+                T = pool.block_tokens
+                keep = max(0, min(T, self._n - i * T))
+                if keep:
+                    src, dst = pool.slab_of(b), pool.slab_of(new)
+                    so, do = (b - src.first) * T, (new - dst.first) * T
+                    for layer in range(self.layers):
+                        ks, vs = pool.storage(src, layer)
+                        kd, vd = pool.storage(dst, layer, ks)
+                        kd[:, do:do + keep] = ks[:, so:so + keep]
+                        vd[:, do:do + keep] = vs[:, so:so + keep]
+                self.table[i] = new
+                pool.decref([b])
+                self._runs = None
 
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values (the buffers' full capacity: a sequence's lane holds its canvas
-        length once it has committed anything, the amount the scheduler's ``max_cached_tokens`` budget reserves)."""
-        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
+        """Bytes of the blocks the lane holds (its table: a sequence's lane holds its canvas length once it has
+        committed anything, the amount the scheduler's ``max_cached_tokens`` budget reserves)."""
+        return len(self.table) * self.pool.block_bytes() if self.pool is not None else 0
 
     def clear(self) -> None:
-        """Drop everything and free the buffers (cancellation, end of a request)."""
-        self._k, self._v = [], []
+        """Drop everything and release the blocks (cancellation, end of a request)."""
+        if self.pool is not None and self.table:
+            self.pool.decref(self.table)
+        self.table.clear()
+        self._runs = None
         self.reset()
 
     def reset(self) -> None:
-        """Forget the cached tokens but keep the buffers (a prefix/dual cache refresh refills them at once)."""
+        """Forget the cached tokens but keep the blocks (a prefix/dual cache refresh refills them at once)."""
         self._n, self.pos, self.grp = 0, None, None
         self.carry_position = -1
 
@@ -103,35 +213,42 @@ class LaneCache:
         lane.append(keys, values, pos, grp)
         return lane
 
-    def _grow(self, tokens: int, like_k: list[torch.Tensor], like_v: list[torch.Tensor]) -> None:
-        """Make room for ``tokens`` committed positions (doubling; keeps the cached part). ``like_k``/``like_v``:
-        per-layer ``[H_kv, *, D]`` tensors giving shapes, dtype and device when nothing is allocated yet."""
-        cap = self.capacity
-        if tokens <= cap:
-            return
-        new_cap = max(tokens, 2 * cap, self.capacity_hint if not self._k else 0)
-        ref_k = self._k or like_k
-        ref_v = self._v or like_v
-        k_new = [t.new_empty(t.shape[0], new_cap, t.shape[-1]) for t in ref_k]
-        v_new = [t.new_empty(t.shape[0], new_cap, t.shape[-1]) for t in ref_v]
-        if self._n:
-            for dst, src in zip(k_new, self._k):
-                dst[:, :self._n] = src[:, :self._n]
-            for dst, src in zip(v_new, self._v):
-                dst[:, :self._n] = src[:, :self._n]
-        self._k, self._v = k_new, v_new
-
     def append(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, grp: torch.Tensor) -> None:
         """Append ``[H_kv, m, D]`` per-layer keys/values of m newly committed tokens."""
         m = int(keys[0].shape[1]) if keys else 0
         if not m:
             return
-        self._grow(self._n + m, keys, values)
-        for buf, new in zip(self._k, keys):
-            buf[:, self._n:self._n + m] = new
-        for buf, new in zip(self._v, values):
-            buf[:, self._n:self._n + m] = new
+        self.reserve(max(self._n + m, self.capacity_hint if not self.table else 0))
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.write(layer, self._n, k, v)
         self.adopt_scratch(m, pos, grp)
+
+    def share(self, blocks: list[int], pos: torch.Tensor, grp: torch.Tensor) -> None:
+        """Make ``blocks`` (full blocks of committed keys/values another holder keeps, e.g. the prefix store) the
+        lane's next positions, taking a reference to each: no copy. The lane's length must be a whole number of
+        blocks; blocks it reserved there already are released.
+
+        Raises:
+            ValueError: the lane's length is not a whole number of blocks.
+        """
+        if self.pool is None:
+            raise ValueError("LaneCache.share: the lane has no pool")
+        T = self.pool.block_tokens
+        if self._n % T:
+            raise ValueError(f"LaneCache.share: length {self._n} is not a whole number of {T}-token blocks")
+        first = self._n // T
+        self.pool.incref(blocks)
+        replaced = self.table[first:first + len(blocks)]
+        self.table[first:first + len(blocks)] = blocks
+        if replaced:
+            self.pool.decref(replaced)
+        self._runs = None
+        self.adopt_scratch(len(blocks) * T, pos, grp)
+
+    def blocks(self, start: int, end: int) -> list[int]:
+        """The table's blocks of positions ``[start, end)`` (whole blocks)."""
+        T = self.pool.block_tokens
+        return self.table[start // T:-(-end // T)]
 
     def adopt_scratch(self, m: int, pos: torch.Tensor, grp: torch.Tensor) -> None:
         """Commit the first ``m`` scratch positions, whose keys/values a forward already wrote after the cached part
@@ -182,10 +299,10 @@ class CarryPool:
 class BatchKV:
     """Duck-typed transformers ``Cache`` for one forward over several lanes.
 
-    ``update()`` returns the padded cached keys/values of every lane followed by the new chunk's, and keeps the
-    new ones so that the caller can commit selected positions into each lane afterwards. Nothing is committed
-    implicitly: a forward may write a one-lane chunk into the lane buffer's scratch tail, never into its cached
-    part, its length or its capacity.
+    ``update()`` returns the padded cached keys/values of every lane followed by the new chunk's (lane mode: the
+    chunk's alone, each lane's rows written into its blocks after its cached ones), and keeps the new ones so that
+    the caller can commit selected positions into each lane afterwards. Nothing is committed implicitly: a forward
+    may write a chunk into a lane's scratch positions, never into its cached part, its length or its table.
 
     Args:
         lanes: the lane caches, one per batch row (rows without a cache pass an empty ``LaneCache``).
@@ -198,19 +315,19 @@ class BatchKV:
         self.lanes = lanes
         self.device = device
         self.cached_len = max((lane.length for lane in lanes), default=0)
-        # batch row -> (the lane's length then, layers) for rows whose chunk a forward wrote into the lane's scratch tail
+        # batch row -> (the lane's length then, layers) for rows whose chunk a forward wrote after the lane's cached keys
         self._scratch: dict[int, tuple[int, set[int]]] = {}
         seen: set[int] = set()
         self._shared = {id(lane) for lane in lanes if id(lane) in seen or seen.add(id(lane))}  # in two rows
         self.new_keys: dict[int, torch.Tensor] = {}
         self.new_values: dict[int, torch.Tensor] = {}
         # lane mode (engine/lane_attention.py): update() returns the new keys only and the attention reads each
-        # lane's keys from its buffer; rows[b] = batch row b's real chunk rows, sees_all[b] = every one of them sees
+        # lane's keys from its blocks; rows[b] = batch row b's real chunk rows, sees_all[b] = every one of them sees
         # every key of its lane (no mask needed)
         self.lane_mode = False
         self.rows: list[int] = []
         self.sees_all: list[bool] = []
-        self._written: dict[int, set[int]] = {}  # layer -> rows whose chunk went into their lane's scratch tail
+        self._written: dict[int, set[int]] = {}  # layer -> rows whose chunk went into their lane's scratch positions
         self._masks: dict[int, torch.Tensor] = {}
 
     def key_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,15 +349,16 @@ class BatchKV:
         """transformers hook: ``[B, H, Q, D]`` new keys/values -> ``[B, H, C + Q, D]`` keys/values to attend, lane
         caches right-padded with zeros to the longest (C) and the new chunk after them.
 
-        One lane whose buffer has room for the chunk (and no autograd: the training ``draft`` objective forwards
-        with gradients): the new keys go into the lane buffer's scratch tail and a view is returned (no copy of the
-        cache). Otherwise one copy of each lane's cache and of the chunk into a fresh tensor.
+        One lane with room for the chunk in its blocks (and no autograd: the training ``draft`` objective forwards
+        with gradients): the new keys go into its scratch positions and a view is returned (no copy of the cache
+        when the lane is one run of storage, else one gathered copy). Otherwise one copy of each lane's cache and of
+        the chunk into a fresh tensor.
         """
         self.new_keys[layer_idx] = key_states
         self.new_values[layer_idx] = value_states
-        if self.lane_mode:  # each lane's chunk after its cached keys, in its own buffer where it fits
-            self._written[layer_idx] = {b for b, lane in enumerate(self.lanes)
-                                        if lane.length and self._to_scratch(b, key_states, value_states, layer_idx)}
+        if self.lane_mode:  # each lane's chunk after its cached keys, in its own blocks where they have room
+            self._written[layer_idx] = {b for b, lane in enumerate(self.lanes) if lane.length and self._to_scratch(
+                b, key_states, value_states, layer_idx, self.rows[b])}
             return key_states, value_states
         if self.cached_len == 0:
             return key_states, value_states
@@ -269,10 +387,10 @@ class BatchKV:
         """As :meth:`update`, but each lane's keys/values on their own: ``[1, H, n_b + Q, D]`` for batch row ``b``, its
         ``n_b`` cached keys then the whole chunk row ``b`` (the layout of ``engine/row_attention.py``).
 
-        A lane whose buffer has room for the chunk gets it written into its scratch tail and a view of the buffer is
-        returned (a decoding lane costs no copy of its cache; :meth:`commit` then adopts the written keys); a lane
-        with nothing cached gets a view of the chunk; otherwise (no room, autograd, a lane cache shared by two rows)
-        one copy of that lane's cache and chunk."""
+        A lane with room for the chunk gets it written into its scratch positions and a view of its blocks is
+        returned (a decoding lane in one run of storage costs no copy of its cache; :meth:`commit` then adopts the
+        written keys); a lane with nothing cached gets a view of the chunk; otherwise (no room, autograd, a lane
+        cache shared by two rows, a lane in several runs) one copy of that lane's cache and chunk."""
         self.new_keys[layer_idx] = key_states
         self.new_values[layer_idx] = value_states
         out = []
@@ -288,21 +406,17 @@ class BatchKV:
             out.append((kb, vb))
         return out
 
-    def lane_keys(self, b: int, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Lane mode: batch row ``b``'s keys and values ``[H, n_b + rows[b], D]`` (its ``n_b`` cached keys, then its
-        chunk rows) and ``n_b``: a view of the lane's buffer when the chunk was written into its scratch tail, else
-        one copy of that lane's cache and chunk (no room, autograd, a lane shared by two rows)."""
+    def lane_segments(self, b: int, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """Lane mode: batch row ``b``'s keys and values as ``[H, m_i, D]`` pieces in key order (its ``n_b`` cached
+        keys, then its ``rows[b]`` chunk rows) and ``n_b``. Views of the lane's blocks, one per run of storage, when
+        the chunk was written after the cached keys; else the cached runs' views followed by the chunk's own rows
+        (no room, autograd, a lane shared by two rows). Never a copy of the cache."""
         lane, q = self.lanes[b], self.rows[b]
         n = lane.length
         if b in self._written.get(layer_idx, ()):
-            k, v = lane.key_value(layer_idx, extra=q)
-            return k, v, n
-        kb, vb = key_states[b, :, :q], value_states[b, :, :q]
-        if n:
-            lk, lv = lane.key_value(layer_idx)
-            kb, vb = torch.cat([lk, kb], 1), torch.cat([lv, vb], 1)
-        return kb, vb, n
+            return lane.segments(layer_idx, n + q), n
+        return [*lane.segments(layer_idx, n), (key_states[b, :, :q], value_states[b, :, :q])], n
 
     def lane_mask(self, b: int, mask: torch.Tensor, n: int, q: int, C: int) -> torch.Tensor:
         """Lane mode: ``[1, 1, q, n + q]`` bool, batch row ``b``'s slice of the forward's ``[B, 1, Q, C + Q]`` mask
@@ -313,18 +427,18 @@ class BatchKV:
             got = self._masks[b] = torch.cat([rows[..., :n], rows[..., C:C + q]], -1)
         return got
 
-    def _to_scratch(self, b: int, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> bool:
-        """Write batch row ``b``'s chunk ``[H, Q, D]`` after its lane's cached keys if the buffer has room, no
-        gradient flows (the training ``draft`` objective forwards with gradients) and no other row uses the lane.
-        Returns whether it did."""
+    def _to_scratch(self, b: int, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                    rows: int | None = None) -> bool:
+        """Write batch row ``b``'s chunk (its first ``rows`` rows, default all Q: ``[H, rows, D]``) after its lane's
+        cached keys, in the lane's blocks (taking more when the table is full and the pool has them), if no gradient
+        flows (the training ``draft`` objective forwards with gradients) and no other row uses the lane. Returns
+        whether it did."""
         lane = self.lanes[b]
-        n, Q = lane.length, key_states.shape[2]
-        if (n + Q > lane.capacity or key_states.requires_grad or value_states.requires_grad
-                or id(lane) in self._shared):
+        n, q = lane.length, key_states.shape[2] if rows is None else rows
+        if (key_states.requires_grad or value_states.requires_grad or id(lane) in self._shared
+                or (n + q > lane.capacity and not lane.reserve(n + q, required=False))):
             return False
-        k, v = lane.key_value(layer_idx, extra=Q)
-        k[:, n:] = key_states[b]
-        v[:, n:] = value_states[b]
+        lane.write(layer_idx, n, key_states[b, :, :q], value_states[b, :, :q])
         written = self._scratch.get(b)
         if written is None:  # first layer of this forward (no set built per layer and lane)
             self._scratch[b] = written = (n, set())
@@ -335,14 +449,14 @@ class BatchKV:
         """Append to ``lane`` the new keys/values of batch row ``row`` at chunk indices ``idx`` (``[m]`` int64) with
         their ``[m]`` positions and groups.
 
-        When this forward wrote the chunk into that lane's scratch tail (cache unchanged since) and ``idx``
+        When this forward wrote the chunk into that lane's scratch positions (cache unchanged since) and ``idx``
         is the chunk's first m positions - the usual commit: the causal tokens the forward starts with - the values
         are already in place and only the length moves; otherwise they are copied in.
         """
         m = int(idx.numel())
         written = self._scratch.get(row)
         if (written is not None and lane is self.lanes[row] and lane.length == written[0] and m
-                and len(written[1]) == len(lane._k)
+                and len(written[1]) == lane.layers
                 and torch.equal(idx, torch.arange(m, device=idx.device, dtype=idx.dtype))):
             lane.adopt_scratch(m, pos, grp)
             return

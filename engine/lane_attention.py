@@ -5,8 +5,10 @@ transformers' attention reads the keys its cache's ``update`` returns; a batched
 Q, D]`` tensor, so every lane's cached keys were copied into a padded tensor on every layer of every step (for an
 8B model, 16 lanes of 2k tokens: ~16 GiB per step). Inside :func:`lanes` the engine's
 :class:`~unmask.engine.kv_cache.BatchKV` instead writes each lane's new keys after its cached ones in the lane's own
-buffer (its scratch tail) and returns only the new keys; this function then runs one SDPA call per lane on a view of
-the lane's buffer: its ``n_b`` cached keys and its ``Q_b`` chunk rows. Bytes moved per step: the new rows' keys.
+blocks of the paged KV pool (``engine/kv_pool.py``) and returns only the new keys; this function then attends per
+lane over views of those blocks: its ``n_b`` cached keys and its ``Q_b`` chunk rows, one SDPA call when they are one
+run of storage, the runs read in place and merged otherwise (:func:`lane_attend`). Bytes moved per step: the new
+rows' keys. The fused fp16 decoder calls :func:`attend_lanes` the same way.
 
 Per lane: grouped-query attention without repeating K/V (``enable_gqa``); no mask at all when every row of the
 lane sees every key (:attr:`BatchKV.sees_all`, decided on the host: a decoding step of the exact cache whose rows are
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NAME", "lanes", "register", "use_lanes"]
+__all__ = ["NAME", "attend_lanes", "lane_attend", "lanes", "register", "use_lanes"]
 
 NAME = "unmask_lanes"
 _current: contextvars.ContextVar = contextvars.ContextVar("unmask_lane_cache", default=None)
@@ -50,29 +53,117 @@ def lane_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return attend_lanes(cache, module.layer_idx, query, key, value, attention_mask, scaling), None
+
+
+def attend_lanes(cache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """Every lane's attention in one layer: ``query`` ``[B, Hq, Q, D]``, ``key``/``value`` the chunk's ``[B, Hkv, Q,
+    D]`` (written after each lane's cached keys by ``cache.update``), ``attention_mask`` the forward's ``[B, 1, Q, C +
+    Q]`` bool or None (nothing masked). Returns ``[B, Q, Hq, D]`` (padded rows 0). Used by transformers' attention
+    modules (:func:`lane_attention`) and the fused fp16 decoder (``engine/fused_decoder.py``)."""
     B, Hq, Q, D = query.shape
-    gqa = key.shape[1] != Hq
     out = query.new_zeros(B, Q, Hq, D)
     C = cache.cached_len
     for b in range(B):
         q_b = cache.rows[b]  # the lane's real chunk rows (the rest is padding)
         if q_b == 0:
             continue
-        k_b, v_b, n_b = cache.lane_keys(b, module.layer_idx, key, value)
+        segments, n_b = cache.lane_segments(b, layer, key, value)
         mask = None
         if not cache.sees_all[b] and attention_mask is not None:
             mask = cache.lane_mask(b, attention_mask, n_b, q_b, C)
-        o = F.scaled_dot_product_attention(query[b:b + 1, :, :q_b], k_b[None], v_b[None], attn_mask=mask,
-                                           scale=scaling, enable_gqa=gqa)
-        out[b, :q_b] = o[0].transpose(0, 1)
-    return out, None
+        out[b, :q_b] = lane_attend(query[b, :, :q_b], segments, mask, scaling)
+    return out
+
+
+def lane_attend(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
+                scale: float | None) -> torch.Tensor:
+    """One lane's attention: ``query`` ``[Hq, q, D]`` over keys/values given as ``[Hkv, m_i, D]`` pieces in key order
+    (``Hq`` a multiple of ``Hkv``), ``mask`` None or ``[1, 1, q, sum m_i]`` bool (True = may attend). Returns ``[q, Hq,
+    D]``.
+
+    One piece (the lane's blocks are one run of storage): one SDPA call on the view, grouped-query heads without
+    repeating K/V, as before the pool. Several (a shared prefix's blocks, then the lane's own): the scores of every
+    piece side by side, one softmax over them, then the weighted sum of each piece's values (float32): exact
+    attention read from the blocks in place, costing ``[Hq, q, sum m_i]`` scores (the math path's own transient),
+    never a copy of the keys. In bfloat16/float16 on a CPU, whose score matmul would round the scores to the keys'
+    dtype: one fused SDPA call per piece (float32 inside) and the pieces merged by their log-sum-exps
+    (:func:`_merged_runs`); elsewhere the pieces joined into one tensor (a copy) for one SDPA call."""
+    Hq, q, D = query.shape
+    if len(segments) == 1:
+        k, v = segments[0]
+        o = F.scaled_dot_product_attention(query[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                           enable_gqa=k.shape[0] != Hq)
+        return o[0].transpose(0, 1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if query.dtype != torch.float32:
+        if query.device.type == "cpu":
+            return _merged_runs(query, segments, mask, scale)
+        # half precision elsewhere: the runs joined (a copy) and one SDPA call; a paged kernel is not built
+        k, v = torch.cat([s[0] for s in segments], 1), torch.cat([s[1] for s in segments], 1)
+        return lane_attend(query, [(k, v)], mask, scale)
+    Hkv = segments[0][0].shape[0]
+    g = Hq // Hkv
+    qg = query.reshape(Hkv, g * q, D)  # query head h reads kv head h // g
+    # the keys and values are read in their own dtype (no converted copy of a block); scores and softmax in float32
+    scores = torch.cat([torch.matmul(qg, k.transpose(1, 2)).float() for k, _ in segments], -1) * scale
+    if mask is not None:
+        scores.masked_fill_(~mask[0, 0].repeat(g, 1), float("-inf"))
+    probs = torch.softmax(scores, -1)
+    o, at = None, 0
+    for _, v in segments:
+        m = v.shape[1]
+        part = torch.matmul(probs[..., at:at + m].to(v.dtype), v).float()
+        o = part if o is None else o.add_(part)
+        at += m
+    return o.reshape(Hq, q, D).transpose(0, 1).to(query.dtype)
+
+
+def _merged_runs(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """:func:`lane_attend` in half precision on a CPU: per piece, the CPU flash kernel's output and log-sum-exp
+    (float32 inside, as one SDPA call over the joined keys), then ``sum_i exp(lse_i - lse) o_i`` in float32 with
+    ``lse = logsumexp_i lse_i``. Grouped-query heads read their KV head without repeating it (the query heads of one
+    KV head are one batch of rows). A row that sees no key of a piece gets weight 0 there. Returns ``[q, Hq, D]``."""
+    Hq, q, D = query.shape
+    Hkv = segments[0][0].shape[0]
+    g = Hq // Hkv
+    qg = query.reshape(1, Hkv, g * q, D)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    outs, lses, at = [], [], 0
+    for k, v in segments:
+        m = k.shape[1]
+        bias = None
+        seen = None
+        if mask is not None:
+            part = mask[0, 0, :, at:at + m].repeat(g, 1)  # [g q, m]
+            seen = part.any(-1)  # rows that see a key of this piece
+            bias = torch.zeros(part.shape, dtype=query.dtype, device=query.device).masked_fill_(~part, float("-inf"))
+            bias = bias[None, None]
+        o, lse = flash(qg, k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)
+        if seen is not None:
+            lse = lse.masked_fill(~seen, float("-inf"))
+            o = o.masked_fill(~seen[:, None], 0)
+        outs.append(o.float())
+        lses.append(lse)
+        at += m
+    lse = torch.stack(lses)  # [pieces, 1, Hkv, g q]
+    weights = torch.exp(lse - torch.logsumexp(lse, 0, keepdim=True)).nan_to_num(0.0)
+    out = sum(w[..., None] * o for w, o in zip(weights, outs))  # [1, Hkv, g q, D]
+    return out.reshape(Hq, q, D).transpose(0, 1).to(query.dtype)
 
 
 def use_lanes(loaded) -> None:
-    """Switch ``loaded`` (a :class:`~unmask.engine.loaded.LoadedModel`) to :func:`lane_attention` when its decoder
-    runs the transformers forward (a fused decoder has its own attention) and every attention module reads
-    ``config._attn_implementation`` (transformers' models do); the engine's caches then run in lane mode."""
-    if loaded.decoder_forward is not None:
+    """Switch ``loaded`` (a :class:`~unmask.engine.loaded.LoadedModel`) to attention over each lane's own blocks: the
+    transformers forward through :func:`lane_attention` when every attention module reads
+    ``config._attn_implementation`` (transformers' models do), the fused fp16 decoder through :func:`attend_lanes`;
+    the engine's caches then run in lane mode. The fused low-bit decoder keeps its row-invariant attention
+    (``engine/row_attention.py``: its own per-lane calls)."""
+    fused = loaded.decoder_forward
+    if fused is not None:
+        if not getattr(fused, "row_invariant", False) and getattr(fused, "lane_attention", False):
+            loaded.lane_attention = True
         return
     register()
     set_impl = getattr(loaded.model, "set_attn_implementation", None)

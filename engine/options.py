@@ -114,6 +114,9 @@ class EngineConfig:
     max_cached_tokens: int | None = option(
         None, "KV budget in canvas tokens over the running batch (default: unlimited); requests wait for room, one "
               "that alone exceeds it is a 400")
+    gpu_memory_utilization: float = option(
+        0.9, "on a GPU, the fraction of its memory the server may use (vLLM's option): the KV pool takes what the "
+             "loaded model leaves of it, in blocks (docs/design.md#admission-and-limits)")
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = option("auto", "auto | float32 | bfloat16 | float16")
     default_drafts: str = option(
@@ -192,6 +195,8 @@ class EngineConfig:
             raise ValueError(f"max_weight_magnitude: must be >= 0 (0 = no bound), got {self.max_weight_magnitude}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk: must be >= 0 (0 = off), got {self.prefill_chunk}")
+        if not 0 < self.gpu_memory_utilization <= 1:  # NaN too
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         for name, allowed in (("default_drafts", DRAFT_POLICIES), ("weights", WEIGHTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")

@@ -1,5 +1,5 @@
 """Prefix reuse across requests: committed KV of earlier requests kept in fixed-size chunks, least recently used
-evicted first, and copied into a new request's lane when its token ids start the same way
+evicted first, and shared with a new request's lane when its token ids start the same way
 (docs/design.md#prefix-reuse; the idea of vLLM's automatic prefix caching: hash chains over fixed-size token blocks).
 
 Why it is exact: on ``prefix_causal`` and ``block_causal`` models a committed token's keys/values depend only on the
@@ -24,10 +24,13 @@ Never shared: bidirectional models (their prompt KV depends on the canvas), requ
 A new request reuses at most ``min(prompt, first block start) - 1`` positions (its first step needs the output of
 the last prompt position).
 
-Memory: each chunk holds ``[2, layers, H_kv, C, D]`` keys/values (copies: a lane's cache is one contiguous buffer,
-``engine/kv_cache.py``). :attr:`PrefixCache.limit` bounds the tokens held; the scheduler sets it to what the KV
-budget leaves after the running and paused sequences' reservations, so kept prefixes are evicted before a live
-request ever waits for room.
+Memory: a chunk is a whole number of the KV pool's blocks (``engine/kv_pool.py``), held by reference: storing
+takes a reference to the lane's own blocks and loading puts the store's blocks at the start of the new lane's block
+table (no copy; under row-invariant attention a copy into the lane's own blocks, once, so that its keys stay one
+tensor). A shared block holds committed positions only. :attr:`PrefixCache.limit` bounds the tokens held; the
+scheduler sets it to what the KV budget leaves after the running and paused sequences' reservations, and the pool
+evicts the store's least recently used chunks when an allocation runs short, so kept prefixes are evicted before a
+live request ever waits for room.
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .kv_cache import LaneCache
+from .kv_pool import BLOCK_TOKENS
 
 __all__ = ["PrefixCache", "model_fingerprint", "route_keys", "CHUNK_TOKENS", "DEFAULT_PREFIX_CACHE_TOKENS"]
 
@@ -114,7 +120,7 @@ def _checkpoint_files(model) -> tuple[str, list]:
 
 @dataclass
 class _Chunk:
-    kv: torch.Tensor   # [2, layers, H_kv, C, D]: keys then values of C consecutive committed positions
+    blocks: list[int]  # the KV pool's blocks of C consecutive committed positions (one reference each)
     grp: torch.Tensor  # [C] int64 attention groups as committed
 
 
@@ -146,6 +152,7 @@ class PrefixCache:
         self._chunks: collections.OrderedDict[bytes, _Chunk] = collections.OrderedDict()  # least recent first
         self.queries = self.hits = 0
         self.evicted = 0  # chunks evicted so far
+        self.pool = None  # the KV pool whose blocks the chunks are (the first registered lane's)
 
     # ------------------------------------------------------------------ keys
     @property
@@ -158,8 +165,8 @@ class PrefixCache:
         """Tokens of one stored chunk (:meth:`granularity` of the model)."""
         d = self.model.dllm
         if d.attention == "block_causal" and d.block_alignment == "absolute":
-            return math.lcm(self.chunk_tokens, int(d.block_size))
-        return self.chunk_tokens
+            return math.lcm(self.chunk_tokens, int(d.block_size), BLOCK_TOKENS)
+        return math.lcm(self.chunk_tokens, BLOCK_TOKENS)
 
     def _root(self, seq) -> bytes | None:
         """The root key of ``seq``'s chains, or None when the request never shares (see the module docstring)."""
@@ -189,7 +196,7 @@ class PrefixCache:
         return n
 
     # ------------------------------------------------------------------ the two hooks
-    @torch.inference_mode()  # the lane's buffers are inference tensors (made in a step): written in place here
+    @torch.inference_mode()  # as a step (a lane loaded between steps takes or copies blocks here)
     def load(self, seq) -> int:
         """Copy the longest stored prefix of ``seq``'s prompt into its cond lane, or extend what the lane holds
         (a request that has not run a step, whose lane ends where its chain of chunks does: a prefill waiting a
@@ -220,10 +227,14 @@ class PrefixCache:
             return 0
         for h in reversed(chain):  # most recent: the root end, so that eviction takes a chain's tail first
             self._chunks.move_to_end(h)
-        kv = torch.cat([c.kv for c in found], dim=-2)  # [2, layers, H_kv, m, D]
-        m = int(kv.shape[-2])
-        lane.append(list(kv[0].unbind(0)), list(kv[1].unbind(0)),
-                    torch.arange(have * C, have * C + m), torch.cat([c.grp for c in found]))  # host metadata
+        blocks = [b for c in found for b in c.blocks]
+        m = len(found) * C
+        pos, grp = torch.arange(have * C, have * C + m), torch.cat([c.grp for c in found])  # host metadata
+        if self.copy_on_load:  # row-invariant attention wants each lane's keys in one run: copied once, here
+            keys, values = self._read(blocks, m)
+            lane.append(keys, values, pos, grp)
+        else:
+            lane.share(blocks, pos, grp)  # the store's blocks themselves: no copy
         seq.prefix_chain = seq.prefix_chain + chain
         seq.cached_tokens += m
         self.hits += m
@@ -252,15 +263,66 @@ class PrefixCache:
             protect.add(h)
             if h in self._chunks or (i and chain[i - 1] not in self._chunks) or not self._make_room(C, protect):
                 continue
-            s, e = i * C, (i + 1) * C
-            kv = torch.stack([torch.stack([k[:, s:e] for k in lane.keys]),
-                              torch.stack([v[:, s:e] for v in lane.values])])  # a copy: the lane's buffer is freed
-            self._chunks[h] = _Chunk(kv, lane.grp[s:e].clone())
+            blocks = lane.blocks(i * C, (i + 1) * C)
+            self.attach(lane.pool)
+            self.pool.incref(blocks)  # the lane's own blocks, shared: no copy
+            self._chunks[h] = _Chunk(blocks, lane.grp[i * C:(i + 1) * C].clone())
             added += 1
         for h in reversed(chain):  # most recent: the root end, so that eviction takes a chain's tail first
             if h in self._chunks:
                 self._chunks.move_to_end(h)
         return added
+
+    # ------------------------------------------------------------------ blocks
+    @property
+    def copy_on_load(self) -> bool:
+        """Whether a load copies the stored blocks into the lane's own instead of sharing them: under row-invariant
+        attention (``engine/row_attention.py``, the low-bit formats) a lane's keys must be one tensor, which a
+        shared prefix's blocks next to the lane's own are not (one copy at load, not one per step)."""
+        return bool(getattr(self.model.decoder_forward, "row_invariant", False))
+
+    def attach(self, pool) -> None:
+        """Hold blocks of ``pool`` (the first time: it may evict this store's chunks when it runs short).
+
+        Raises:
+            ValueError: the store holds blocks of another pool.
+        """
+        if self.pool is None:
+            self.pool = pool
+            pool.evict = self.evict_blocks
+        elif pool is not self.pool:
+            raise ValueError("PrefixCache: the store holds blocks of another KV pool")
+
+    def _drop(self, key: bytes) -> None:
+        """Evict one chunk, releasing its blocks (freed unless a lane still holds them)."""
+        self.pool.decref(self._chunks.pop(key).blocks)
+        self.evicted += 1
+
+    def _sole(self, chunk: _Chunk) -> bool:
+        return all(self.pool.refcount(b) == 1 for b in chunk.blocks)
+
+    def evictable_blocks(self) -> int:
+        """Blocks held by the store alone: what evicting every chunk would free."""
+        return sum(len(c.blocks) for c in self._chunks.values() if self._sole(c))
+
+    def evict_blocks(self, n: int) -> None:
+        """Evict least recently used chunks held by the store alone until ``n`` blocks are freed or none is left
+        (the pool's :attr:`~unmask.engine.kv_pool.KVPool.evict`: a live request's blocks before cached prefixes)."""
+        freed = 0
+        for key in [k for k, c in self._chunks.items() if self._sole(c)]:
+            if freed >= n:
+                return
+            freed += len(self._chunks[key].blocks)
+            self._drop(key)
+
+    def _read(self, blocks: list[int], m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer ``[H_kv, m, D]`` copies of the keys/values in ``blocks``."""
+        tmp = LaneCache(pool=self.pool)
+        tmp.share(blocks, torch.arange(m), torch.zeros(m, dtype=torch.long))
+        tmp.layers = self.pool.layers_of(blocks[0])
+        keys, values = [k.clone() for k in tmp.keys], [v.clone() for v in tmp.values]
+        tmp.clear()
+        return keys, values
 
     # ------------------------------------------------------------------ memory
     def _make_room(self, tokens: int, protect: set) -> bool:
@@ -271,16 +333,14 @@ class PrefixCache:
             victim = next((h for h in self._chunks if h not in protect), None)
             if victim is None:
                 return False
-            del self._chunks[victim]
-            self.evicted += 1
+            self._drop(victim)
         return True
 
     def evict_to(self, limit: int) -> None:
         """Evict least recently used chunks until at most ``limit`` tokens are held."""
         C = self.chunk_tokens_held
         while self._chunks and len(self._chunks) * C > max(0, limit):
-            self._chunks.popitem(last=False)
-            self.evicted += 1
+            self._drop(next(iter(self._chunks)))
 
     def set_limit(self, free_tokens: int | None) -> None:
         """Bound the store by ``free_tokens`` (what the KV budget leaves; ``None`` = no budget: :attr:`max_tokens`)
@@ -290,7 +350,8 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every chunk."""
-        self._chunks.clear()
+        while self._chunks:
+            self._drop(next(iter(self._chunks)))
 
     def stats(self) -> dict:
         """``{"queries", "hits", "tokens", "evicted"}``: the counters (tokens), tokens held, chunks evicted."""

@@ -16,14 +16,15 @@ back to the front of the queue, and resumes where it stopped: a sequence's token
 So one request cannot hold every slot while another waits, and a small request's first step comes at the next
 step however large the running one is.
 
-Admission and the KV budget live here only (docs/design.md#decisions): a request reserves its canvas length x
-lanes (2 under CFG) cached tokens; one that can never fit the budget is a client error (:class:`ParamError`,
+Admission and the KV budget live here only (docs/design.md#decisions, #admission-and-limits): a request reserves its
+canvas length x lanes (2 under CFG) cached tokens, and joins when the KV pool (``engine/kv_pool.py``) has its blocks
+free (or held only by the prefix store), taking them at once; one that can never fit the budget is a client error (:class:`ParamError`,
 field ``max_tokens``), one that fits the budget but not what is left of it waits; a full queue is
 :class:`QueueFull` (HTTP 429). :meth:`Scheduler.fit_max_tokens` lowers a default ``max_tokens`` to fit, from the
 canvas layout alone (``unmask.engine.layout``), without building the request.
 
 Prefix reuse (docs/design.md#prefix-reuse, ``unmask.engine.prefix_cache``): a sequence joining the batch for the first
-time gets the longest stored prefix of its prompt copied into its cache; after every step the complete chunks of
+time gets the longest stored prefix of its prompt as the first blocks of its cache (shared, no copy); after every step the complete chunks of
 each stepped sequence's committed KV are stored. The store is bounded by what the budget leaves after the running
 and paused reservations (re-bounded at every admission and step), so kept prefixes are evicted first and never
 make a live sequence wait.
@@ -35,6 +36,8 @@ import collections
 from collections.abc import Callable, Iterable
 
 from .denoiser import Denoiser
+from .kv_budget import pool_blocks
+from .kv_pool import KVPool
 from .limits import ParamError
 from .outputs import StepEvent
 from .options import EngineConfig
@@ -68,7 +71,8 @@ class Scheduler:
 
     def __init__(self, denoiser: Denoiser, max_batch_size: int = _DEFAULTS.max_batch_size,
                  max_queue: int = _DEFAULTS.max_queue, max_cached_tokens: int | None = None, prefix_cache: PrefixCache | None = None,
-                 max_step_rows: int | None = _DEFAULTS.max_step_rows):
+                 max_step_rows: int | None = _DEFAULTS.max_step_rows,
+                 gpu_memory_utilization: float = _DEFAULTS.gpu_memory_utilization):
         if max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         self.denoiser = denoiser
@@ -82,7 +86,15 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_step_rows = max_step_rows  # row-equivalents; None: no bound (docs/design.md#admission-and-limits)
         # bytes per cached token (K and V of every layer) and per logits row: the memory estimate; None = unchecked
-        self.kv_bytes_per_token: int | None = None
+        # the lanes' KV blocks: the prefix store's pool (a store outlives engines: LLM's, tests'), else the
+        # denoiser's (kept on it), else a new one
+        self.kv_pool: KVPool = (getattr(prefix_cache, "pool", None) or getattr(denoiser, "kv_pool", None)
+                                or KVPool())
+        denoiser.kv_pool = self.kv_pool
+        if prefix_cache is not None:
+            prefix_cache.attach(self.kv_pool)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_bytes_per_token = None  # sizes the pool (the setter)
         self.logit_row_bytes: int | None = None
         self._last_step: dict[Request, int] = {}  # the step each running sequence last ran in
         self._steps = 0
@@ -91,6 +103,28 @@ class Scheduler:
     def need(seq: Request) -> int:
         """Cached tokens a choice reserves: canvas length x lanes (2 under CFG)."""
         return seq.length * len(seq.lanes)
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        """Bytes per cached token (K and V of every layer; None = unknown): the memory estimate, and on a GPU the
+        pool's size in blocks (setting it sizes the pool: :meth:`size_pool`)."""
+        return self._kv_bytes_per_token
+
+    @kv_bytes_per_token.setter
+    def kv_bytes_per_token(self, value: int | None) -> None:
+        self._kv_bytes_per_token = value
+        self.size_pool()
+
+    def need_blocks(self, seq: Request) -> int:
+        """KV blocks a choice reserves: its canvas length in whole blocks, per lane."""
+        return -(-seq.length // self.kv_pool.block_tokens) * len(seq.lanes)
+
+    def size_pool(self) -> None:
+        """Bound the KV pool (``engine/kv_budget.py``): the token budget in blocks on a CPU; on a GPU (the
+        denoiser's device) also what ``torch.cuda.mem_get_info`` leaves under :attr:`gpu_memory_utilization`."""
+        self.kv_pool.set_capacity(pool_blocks(self.denoiser.device, self.max_cached_tokens, self.kv_pool.block_tokens,
+                                              self._kv_bytes_per_token, 2 * self.max_batch_size,
+                                              self.gpu_memory_utilization))
 
     @staticmethod
     def step_rows(seq: Request) -> int:
@@ -148,6 +182,13 @@ class Scheduler:
         (:meth:`check_rows`)."""
         self.check_rows(reqs)
         self.check_memory(reqs)
+        cap = self.kv_pool.capacity_blocks
+        if reqs and cap is not None and self.need_blocks(reqs[0]) > cap:
+            seq = reqs[0]
+            raise ParamError("max_tokens", f"prompt ({seq.prompt_len} tokens) + max_tokens ({seq.max_tokens}) needs "
+                                           f"{self.need_blocks(seq)} KV blocks of {self.kv_pool.block_tokens} tokens "
+                                           f"({len(seq.lanes)} lane(s)); the server's KV pool holds {cap}, so this "
+                                           "request can never run")
         budget = self.max_cached_tokens
         if budget is None or not reqs or self.need(reqs[0]) <= budget:
             return
@@ -255,9 +296,17 @@ class Scheduler:
     def _fits(self, seq: Request, reserved: int) -> bool:
         """Whether ``seq`` may join with ``reserved`` tokens held: a paused sequence holds its reservation already;
         an empty batch takes any sequence that fits the budget alone (checked at submit)."""
-        if self.max_cached_tokens is None or seq in self.paused or not self.running:
+        if seq in self.paused:
             return True
-        return reserved + self.need(seq) <= self.max_cached_tokens
+        if self.running and self.max_cached_tokens is not None and reserved + self.need(seq) > self.max_cached_tokens:
+            return False
+        return self.need_blocks(seq) <= self.free_blocks()
+
+    def free_blocks(self) -> int:
+        """KV blocks a joining sequence can take: the pool's free ones and those only the prefix store holds."""
+        store = self.prefix_cache.evictable_blocks() if self.prefix_cache is not None and \
+            self.prefix_cache.pool is self.kv_pool else 0
+        return self.kv_pool.free_blocks + store if self.kv_pool.capacity_blocks is not None else 1 << 62
 
     @staticmethod
     def _counts(seqs: Iterable[Request]) -> collections.Counter:
@@ -268,8 +317,14 @@ class Scheduler:
         resumed = seq in self.paused
         self.paused.discard(seq)
         self.running.append(seq)
-        if self.prefix_cache is not None and not resumed:
+        if resumed:
+            return
+        for lane in seq.lanes:
+            lane.cache.bind(self.kv_pool)
+        if self.prefix_cache is not None:
             self.prefix_cache.load(seq)  # a no-op for a request that never shares
+        for lane in seq.lanes:  # the whole canvas now (after the shared prefix): a running sequence never waits
+            lane.cache.reserve(seq.length)
 
     def _bound_prefix_cache(self) -> None:
         """Bound the prefix store by what the budget leaves after the unfinished running and paused sequences'

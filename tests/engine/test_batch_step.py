@@ -222,9 +222,10 @@ def test_the_post_forward_step_traces_without_graph_breaks():
 
 
 def test_a_batched_step_attends_to_views_of_each_lanes_cache_not_copies(checkpoints, monkeypatch):
-    """Lane attention (engine/lane_attention.py): in a batch of decoding lanes each lane's keys are a view of its
-    own cache buffer (its new rows written after the cached ones), never a padded copy of every lane's cache; the
-    tokens equal the padded-copy attention's (transformers' SDPA over one [B, H, C + Q, D] tensor)."""
+    """Lane attention (engine/lane_attention.py): in a batch of decoding lanes each lane's keys are views of its own
+    blocks in the KV pool (engine/kv_pool.py; its new rows written after the cached ones), never a padded copy of
+    every lane's cache; the tokens equal the padded-copy attention's (transformers' SDPA over one [B, H, C + Q, D]
+    tensor)."""
     from unmask.engine.kv_cache import BatchKV
     from unmask.engine.model import load_model
 
@@ -232,16 +233,19 @@ def test_a_batched_step_attends_to_views_of_each_lanes_cache_not_copies(checkpoi
     model = load_model(checkpoints[path.checkpoint], weights="native")
     assert model.lane_attention
     seen = {"views": 0, "copies": 0}
-    lane_keys = BatchKV.lane_keys
+    lane_segments = BatchKV.lane_segments
 
     def spy(self, b, layer, key, value):
-        k, v, n = lane_keys(self, b, layer, key, value)
-        if n:  # a lane with cached keys: a view of its buffer, or a copy
-            seen["views" if k.untyped_storage().data_ptr() == self.lanes[b]._k[layer].untyped_storage().data_ptr()
-                 else "copies"] += 1
-        return k, v, n
+        segments, n = lane_segments(self, b, layer, key, value)
+        lane = self.lanes[b]
+        if n:  # a lane with cached keys: views of the pool's storage, or a copy
+            pool = lane.pool
+            storage = {pool.storage(pool.slab_of(blk), layer)[0].untyped_storage().data_ptr() for blk in lane.table}
+            for k, _ in segments[:-1] if b not in self._written.get(layer, ()) else segments:
+                seen["views" if k.untyped_storage().data_ptr() in storage else "copies"] += 1
+        return segments, n
 
-    monkeypatch.setattr(BatchKV, "lane_keys", spy)
+    monkeypatch.setattr(BatchKV, "lane_segments", spy)
     lanes = dp.run_path(LLM(model, max_batch_size=8), path)
     assert seen["views"] > 0 and seen["copies"] == 0, seen
     monkeypatch.undo()

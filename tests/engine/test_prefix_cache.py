@@ -11,6 +11,7 @@ import tiny
 from unmask.engine import SamplingParams
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.engine import Engine
+from unmask.engine.lane_attention import use_lanes
 from unmask.engine.mask_adapter import attach_mask_adapter
 from unmask.engine.model import load_model
 from unmask.engine.prefix_cache import PrefixCache, model_fingerprint
@@ -152,8 +153,8 @@ def test_lru_eviction_inside_a_small_budget_keeps_the_recently_used_prefix():
 
 
 def test_the_store_holds_its_tokens_kv_and_nothing_more():
-    """Each stored chunk owns exactly its keys/values and groups (copies, never views of the lane that computed
-    them: a view would keep that request's whole buffer alive after it ended), so the store's memory is its tokens x
+    """Each stored chunk holds exactly its blocks of the KV pool (a reference each, never the rest of the lane that
+    computed them), so once the requests end the pool's used blocks are the store's and its memory is its tokens x
     the model's KV bytes per token: what bounds a server's RSS (docs/history.md, "The server's RSS plateaus")."""
     model = tiny.loaded()
     engine = Engine(model)
@@ -163,12 +164,49 @@ def test_the_store_holds_its_tokens_kv_and_nothing_more():
     assert not engine.scheduler.running and store.tokens >= 3 * 64
     cfg = model.model.config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    held = 0
-    for chunk in store._chunks.values():
-        for t in (chunk.kv, chunk.grp):
-            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (t.shape, t.untyped_storage().nbytes())
-        held += chunk.kv.untyped_storage().nbytes()
-    assert held == store.tokens * per_token
+    pool = engine.scheduler.kv_pool
+    blocks = [b for chunk in store._chunks.values() for b in chunk.blocks]
+    assert len(set(blocks)) == len(blocks) and all(pool.refcount(b) == 1 for b in blocks)  # the store's alone
+    assert pool.used_blocks == len(blocks) and len(blocks) * pool.block_tokens == store.tokens
+    assert len(blocks) * pool.block_bytes() == store.tokens * per_token
+    store.clear()
+    assert pool.used_blocks == 0 and pool.free_blocks == pool.total_blocks
+
+
+def test_a_reused_prefix_is_the_stores_blocks_not_a_copy():
+    """Prefix reuse shares blocks (docs/design.md#prefix-reuse): the second request's cond lane starts with the very
+    blocks the first stored (refcount 2 while it runs: the store's and the lane's), its keys there are views of the
+    same storage, its own blocks follow; nothing of the prefix was copied (the pool's gathered bytes stay 0 and the
+    bytes written are the forwarded rows' only; attention reads the blocks in place: engine/lane_attention.py)."""
+    model = tiny.loaded()
+    use_lanes(model)  # as load_model installs it
+    assert model.lane_attention
+    engine = Engine(model)
+    store, pool = engine.prefix_cache, engine.scheduler.kv_pool
+    prompt = _ids(40, 7)
+    params = SamplingParams(max_tokens=8, block_size=4, temperature=0.0, ignore_eos=True)
+    _run(engine, prompt, params, "first")
+    written = pool.written_bytes
+    engine.add_request(prompt + _ids(5, 8), params, "second")
+    engine.step()
+    lane = engine.scheduler.running[0].lanes[0].cache
+    chain = engine.scheduler.running[0].prefix_chain
+    shared = [b for h in chain for b in store._chunks[h].blocks]
+    assert len(shared) == 2 and lane.table[:2] == shared and all(pool.refcount(b) == 2 for b in shared)
+    assert all(pool.refcount(b) == 1 for b in lane.table[2:])
+    (k0, _), (k1, _) = lane.segments(0, lane.length)[:2]  # the shared run, then the lane's own
+    slab = pool.slab_of(shared[0])
+    assert k0.untyped_storage().data_ptr() == pool.storage(slab, 0)[0].untyped_storage().data_ptr()
+    assert k0.shape[1] == 32 and k0.data_ptr() == pool.storage(slab, 0)[0][:, (shared[0] - slab.first) * 16:].data_ptr()
+    assert pool.gathered_bytes == 0
+    per_token = pool.block_bytes() // pool.block_tokens
+    assert k1.data_ptr() != k0.data_ptr() + k0.shape[1] * k0.stride(1) * k0.element_size()  # not one run: two views
+    # the step wrote its forwarded rows only: the 13 prompt rows after the prefix and the 4 of the active block
+    assert pool.written_bytes - written == (lane.length - 32 + 4) * per_token
+    out = _drain(engine)["second"][0]
+    assert out.cached_tokens == 32 and all(pool.refcount(b) == 1 for b in shared)  # the lane released its references
+    fresh = Engine(model, enable_prefix_caching=False)
+    assert out.token_ids == _run(fresh, prompt + _ids(5, 8), params, "x").token_ids
 
 
 def test_a_live_request_never_waits_for_cached_prefixes():

@@ -11,6 +11,7 @@ from unmask.engine import LLM, SamplingParams
 from unmask.engine.plan import resolve_params
 from unmask.engine.detokenize import decode, stream_safe, whole_chars
 from unmask.engine.kv_cache import BatchKV, LaneCache
+from unmask.engine.kv_pool import KVPool
 from unmask.engine.noise import Draws
 from unmask.engine.sampler import log_normalizer, sample_candidates
 from unmask.engine.scheduler import CacheFull, Scheduler
@@ -95,16 +96,20 @@ def test_batch_kv_fast_paths_equal_padded_copy():
             assert torch.equal(k[b, :, C:], new[b])
 
 
-def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
-    """Appends in chunks (past the capacity hint, so the buffers double) hold what a concatenation would; a one-lane
-    forward's new keys land in the scratch tail and never become cached; clear frees the buffers."""
+def test_lane_cache_grows_by_blocks_and_one_lane_forwards_write_only_scratch():
+    """Appends in chunks (past the capacity hint, so the lane takes more blocks) hold what a concatenation would,
+    and blocks already written never move; a one-lane forward's new keys land in the scratch positions and never
+    become cached; clear releases the blocks (engine/kv_pool.py)."""
     g = torch.Generator().manual_seed(0)
-    c = LaneCache(capacity_hint=4)
+    pool = KVPool(block_tokens=4)
+    c = LaneCache(capacity_hint=4, pool=pool)
     ks, vs = [], []
     for m in (3, 1, 5, 2):
         k, v = torch.randn(2, m, 8, generator=g), torch.randn(2, m, 8, generator=g)
         ks.append(k), vs.append(v)
+        table = list(c.table)
         c.append([k, k + 1], [v, v + 1], torch.arange(m), torch.zeros(m, dtype=torch.long))
+        assert c.table[:len(table)] == table  # grown by blocks: nothing moved
         n = sum(x.shape[1] for x in ks)
         assert c.length == n and c.capacity >= n
         assert torch.equal(c.keys[0], torch.cat(ks, 1)) and torch.equal(c.values[1], torch.cat(vs, 1) + 1)
@@ -115,29 +120,17 @@ def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
         assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), new[0]], 1))
         assert torch.equal(v_all[0, :, n:], new[0] * 2)
         assert c.length == n and torch.equal(c.keys[0], torch.cat(ks, 1))
-    assert c.capacity >= 11 and c.nbytes() == 2 * 2 * c.capacity * 2 * 8 * 4
+    assert c.capacity >= 11 and c.nbytes() == len(c.table) * 2 * 2 * 4 * 2 * 8 * 4 == len(c.table) * pool.block_bytes()
     assert c.pos.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 1]
-    # a chunk that does not fit in the free tail takes the copying path: the buffers are not touched
-    cap, bufs = c.capacity, [t.clone() for t in c._k]
-    big = torch.randn(1, 2, cap, 8, generator=g)
-    k_all, _ = BatchKV([c], torch.device("cpu")).update(big, big, 0)
-    assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), big[0]], 1))
-    # compared bit for bit: the free tail is uninitialised memory (torch.empty) and may hold NaN patterns, which
-    # torch.equal never finds equal - a value comparison made this test flaky
-    assert c.capacity == cap and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(bufs, c._k))
-    # with autograd (the training draft objective) no in-place write into the buffers either
-    grad_chunk = torch.randn(1, 2, 1, 8, requires_grad=True)
-    k_all, _ = BatchKV([c], torch.device("cpu")).update(grad_chunk, grad_chunk, 0)
-    k_all.sum().backward()
-    assert torch.equal(grad_chunk.grad, torch.ones_like(grad_chunk)) and not c._k[0].requires_grad
     # commits after a one-lane forward: the chunk's first m positions are adopted in place, anything else copied
     n0 = c.length
     chunk = torch.randn(1, 2, 3, 8, generator=g)
     kv = BatchKV([c], torch.device("cpu"))
     for layer in range(2):
         kv.update(chunk + layer, chunk * 2 + layer, layer)
+    written = pool.written_bytes
     kv.commit(0, torch.tensor([0, 1]), c, torch.tensor([7, 8]), torch.tensor([1, 1]))
-    assert c.length == n0 + 2 and c.pos[-2:].tolist() == [7, 8]
+    assert c.length == n0 + 2 and c.pos[-2:].tolist() == [7, 8] and pool.written_bytes == written  # adopted
     assert torch.equal(c.keys[1][:, n0:], chunk[0, :, :2] + 1) and torch.equal(c.values[0][:, n0:], chunk[0, :, :2] * 2)
     kv2 = BatchKV([c], torch.device("cpu"))
     for layer in range(2):
@@ -147,10 +140,12 @@ def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
     kv2.commit(0, torch.tensor([0]), c, torch.tensor([10]), torch.tensor([1]))  # the lane moved on: copied
     assert c.length == n0 + 4 and torch.equal(c.keys[0][:, -1], chunk[0, :, 0])
     cap = c.capacity
-    c.reset()  # a refresh: nothing cached, buffers kept
+    c.reset()  # a refresh: nothing cached, blocks kept
     assert c.length == 0 and c.capacity == cap and c.keys == [] and c.pos is None
+    used = pool.used_blocks
     c.clear()
     assert c.length == 0 and c.capacity == 0 and c.nbytes() == 0 and c.keys == []
+    assert pool.used_blocks == used - cap // 4
     # a cache built from given keys/values (the training draft objective's context)
     kv = [torch.randn(2, 5, 8, generator=g)]
     d = LaneCache.committed(kv, [kv[0] * 2], torch.arange(5), torch.arange(5))
@@ -158,6 +153,40 @@ def test_lane_cache_grows_in_place_and_one_lane_forwards_write_only_scratch():
     with torch.no_grad():
         kv[0].zero_()
     assert not torch.equal(d.keys[0], kv[0])  # copied
+
+
+def test_a_chunk_past_the_lanes_blocks_takes_more_or_copies_in_a_full_pool():
+    """A one-lane forward whose chunk does not fit in the lane's blocks takes more blocks when the pool has them, and
+    takes the copying path when it has none (or under autograd): the blocks are not touched then."""
+    g = torch.Generator().manual_seed(2)
+    pool = KVPool(block_tokens=4)
+    c = LaneCache(capacity_hint=4, pool=pool)
+    k = torch.randn(2, 11, 8, generator=g)
+    c.append([k], [k * 2], torch.arange(11), torch.zeros(11, dtype=torch.long))
+    ks = [k]
+    # a chunk that does not fit takes more blocks when the pool has them ...
+    cap = c.capacity
+    big = torch.randn(1, 2, cap, 8, generator=g)
+    k_all, _ = BatchKV([c], torch.device("cpu")).update(big, big, 0)
+    assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), big[0]], 1)) and c.capacity >= 11 + cap
+    # ... and the copying path when it has none: the blocks are not touched
+    pool.set_capacity(pool.total_blocks)
+    while pool.free_blocks:
+        pool.allocate(1)
+    cap, table = c.capacity, list(c.table)
+    blocks = [t.clone() for t in pool.storage(pool.slab_of(c.table[0]), 0)]
+    big = torch.randn(1, 2, cap, 8, generator=g)
+    k_all, _ = BatchKV([c], torch.device("cpu")).update(big, big, 0)
+    assert torch.equal(k_all[0], torch.cat([torch.cat(ks, 1), big[0]], 1))
+    # compared bit for bit: the scratch positions are uninitialised memory (torch.empty) and may hold NaN patterns,
+    # which torch.equal never finds equal - a value comparison made this test flaky
+    after = pool.storage(pool.slab_of(c.table[0]), 0)
+    assert c.table == table and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(blocks, after))
+    # with autograd (the training draft objective) no in-place write into the blocks either
+    grad_chunk = torch.randn(1, 2, 1, 8, requires_grad=True)
+    k_all, _ = BatchKV([c], torch.device("cpu")).update(grad_chunk, grad_chunk, 0)
+    k_all.sum().backward()
+    assert torch.equal(grad_chunk.grad, torch.ones_like(grad_chunk)) and not after[0].requires_grad
 
 
 def test_equal_length_batch_matches_alone(llm):
@@ -266,20 +295,23 @@ def test_block1_forwards_one_token_per_step_like_ar(attention):
 
 
 def test_lane_update_gives_each_lane_its_keys_as_a_view_and_commits_adopt_them():
-    """Row-invariant attention's per-lane keys (``BatchKV.lane_update``): a lane with room gets cached keys + its
-    chunk row as a view of its own buffer (no copy of the cache), an empty lane a view of the chunk, a lane without
-    room, with autograd or shared by two rows a copy; every one equals its cache followed by its chunk row, no
-    committed key changes, and a commit of the chunk's first positions adopts the scratch keys of that lane only."""
+    """Row-invariant attention's per-lane keys (``BatchKV.lane_update``): a lane whose blocks are one run gets cached
+    keys + its chunk row as a view of the pool's storage (no copy of the cache), an empty lane a view of the chunk, a
+    lane without room in a full pool, with autograd or shared by two rows a copy; every one equals its cache followed
+    by its chunk row, no committed key changes, and a commit of the chunk's first positions adopts the scratch keys
+    of that lane only."""
     g = torch.Generator().manual_seed(1)
+    pool = KVPool(block_tokens=4)
 
-    def lane(n, hint):
-        c = LaneCache(capacity_hint=hint)
+    def lane(n, hint, p=pool):
+        c = LaneCache(capacity_hint=hint, pool=p)
         if n:
             k = torch.randn(2, n, 8, generator=g)
             c.append([k, k + 1], [k * 3, k * 3 + 1], torch.arange(n), torch.zeros(n, dtype=torch.long))
         return c
 
-    lanes = [lane(5, 16), lane(0, 0), lane(3, 4), lane(9, 32)]  # lanes[2]: no room for a chunk of 3
+    full = KVPool(block_tokens=4, capacity_blocks=1)  # lanes[2]: 3 cached in its one block, no room for 3 more
+    lanes = [lane(5, 16), lane(0, 0), lane(3, 4, full), lane(9, 32)]
     before = [[t.clone() for t in ln.keys] for ln in lanes]
     new = torch.randn(4, 2, 3, 8, generator=g)
     kv = BatchKV(lanes, torch.device("cpu"))
@@ -290,13 +322,17 @@ def test_lane_update_gives_each_lane_its_keys_as_a_view_and_commits_adopt_them()
             assert k.shape == (1, 2, n + 3, 8)
             assert (not n or torch.equal(k[0, :, :n], before[b][layer])) and torch.equal(k[0, :, n:], new[b] + layer)
             assert torch.equal(v[0, :, n:], new[b] * 2 + layer)
-        assert per_lane[0][0].data_ptr() == lanes[0]._k[layer].data_ptr()  # a view of the lane's buffer
-        assert per_lane[3][0].data_ptr() == lanes[3]._k[layer].data_ptr()
-        assert per_lane[2][0].data_ptr() != lanes[2]._k[layer].data_ptr()  # no room: copied
-    assert [ln.length for ln in lanes] == [5, 0, 3, 9]
+        for b in (0, 3):  # a view of the pool's storage at the lane's first block
+            slab = pool.slab_of(lanes[b].table[0])
+            at = pool.storage(slab, layer)[0][:, (lanes[b].table[0] - slab.first) * 4:]
+            assert per_lane[b][0].data_ptr() == at.data_ptr()
+        full_k = full.storage(full.slab_of(0), layer)[0]
+        assert per_lane[2][0].untyped_storage().data_ptr() != full_k.untyped_storage().data_ptr()  # no room: copied
+    assert pool.gathered_bytes == 0 and [ln.length for ln in lanes] == [5, 0, 3, 9]
     assert all(torch.equal(a, b) for ln, bb in zip(lanes, before) for a, b in zip(ln.keys, bb))
     kv.commit(0, torch.tensor([0, 1]), lanes[0], torch.tensor([5, 6]), torch.tensor([0, 0]))    # adopted
     kv.commit(3, torch.tensor([1]), lanes[3], torch.tensor([9]), torch.tensor([0]))             # not a prefix
+    full.set_capacity(2)
     kv.commit(2, torch.tensor([0, 1, 2]), lanes[2], torch.tensor([3, 4, 5]), torch.tensor([0, 0, 0]))
     for b, idx in ((0, [0, 1]), (3, [1]), (2, [0, 1, 2])):
         for layer in range(2):
@@ -305,12 +341,15 @@ def test_lane_update_gives_each_lane_its_keys_as_a_view_and_commits_adopt_them()
     # one lane cache in two rows: neither writes into it (the second would overwrite the first's chunk)
     shared = lane(4, 16)
     kv = BatchKV([shared, shared], torch.device("cpu"))
+    written = pool.written_bytes
     per_lane = kv.lane_update(new[:2], new[:2], 0)
     for b in range(2):
-        assert torch.equal(per_lane[b][0][0, :, 4:], new[b]) and per_lane[b][0].data_ptr() != shared._k[0].data_ptr()
-    # autograd: copies, gradients reach the chunk, the buffer is untouched
+        assert torch.equal(per_lane[b][0][0, :, 4:], new[b])
+    assert pool.written_bytes == written
+    # autograd: copies, gradients reach the chunk, the blocks are untouched
     grad_chunk = torch.randn(1, 2, 1, 8, requires_grad=True)
     solo = lane(2, 8)
+    written = pool.written_bytes
     (k, _), = BatchKV([solo], torch.device("cpu")).lane_update(grad_chunk, grad_chunk, 0)
     k.sum().backward()
-    assert torch.equal(grad_chunk.grad, torch.ones_like(grad_chunk)) and not solo._k[0].requires_grad
+    assert torch.equal(grad_chunk.grad, torch.ones_like(grad_chunk)) and pool.written_bytes == written
