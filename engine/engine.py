@@ -111,7 +111,8 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(self.denoiser, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    max_cached_tokens=config.max_cached_tokens, prefix_cache=prefix_cache,
-                                   max_step_rows=config.max_step_rows)
+                                   max_step_rows=config.max_step_rows,
+                                   gpu_memory_utilization=config.gpu_memory_utilization)
         self.scheduler.kv_bytes_per_token, self.scheduler.logit_row_bytes = memory_sizes(model)
 
     @property

@@ -252,6 +252,7 @@ def test_the_budget_is_tokens_on_a_cpu_and_bytes_from_mem_get_info_on_a_gpu(monk
         engine = Engine(model, enable_prefix_caching=False)
         assert engine.scheduler.kv_bytes_per_token == per_token
         assert engine.scheduler.kv_pool.capacity_blocks == 10  # 21 - 0.1 x 110 blocks' bytes
+        assert Engine(model, gpu_memory_utilization=0.95).scheduler.kv_pool.capacity_blocks == 15  # 21 - 5.5
         engine.add_request(_ids(40, 8), SamplingParams(max_tokens=8, temperature=0.0, block_size=4), "a")
         outs = _drain(engine)
     assert len(outs["a"].token_ids) == 8
