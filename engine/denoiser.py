@@ -54,6 +54,7 @@ class Denoiser:
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
         self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
         self.carry = CarryPool()  # every lane's carried logits, on the device
+        self.encoder_store = None  # an encoder-decoder family's encoder KV reuse (engine/encoder_prefix.py)
         self.compiled = bool(compile)
         if compile:
             model.enable_compile()
@@ -82,7 +83,7 @@ class Denoiser:
             return []
         if getattr(seqs[0], "own_forward", False):  # an encoder-decoder family's own step (engine/uniform_canvas.py)
             self.forwards += 1
-            return step_uniform(self.model, seqs)
+            return step_uniform(self.model, seqs, self.encoder_store)
         # decoding sequences (nothing pending) skip the chunked-prefill bookkeeping
         budget = self.budget
         pending = [seq.pending_prompt_rows() if budget.chunk else 0 for seq in seqs]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .config import OWN_FORWARD_FAMILIES
 from .denoiser import Denoiser
+from .encoder_prefix import EncoderPrefixStore
 from .layout import build_layout
 from .limits import ParamError
 from .model import LoadedModel
@@ -109,6 +111,9 @@ class Engine:
             raise ValueError("prefix_cache: the store was built for another model (checkpoint files, weight "
                              "format, dtype, device or adapter differ); its KV would be wrong here")
         self.prefix_cache = prefix_cache
+        if (model.dllm.family in OWN_FORWARD_FAMILIES and config.enable_prefix_caching
+                and self.denoiser.encoder_store is None):
+            self.denoiser.encoder_store = EncoderPrefixStore()  # the encoder's KV reuse (docs/design.md#prefix-reuse)
         self.scheduler = Scheduler(self.denoiser, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    max_cached_tokens=config.max_cached_tokens, prefix_cache=prefix_cache,
                                    max_step_rows=config.max_step_rows,
@@ -215,7 +220,8 @@ class Engine:
     def prefix_cache_stats(self) -> dict:
         """``{"queries", "hits", "tokens", "evicted"}`` of the prefix cache (tokens; zeros without one)."""
         if self.prefix_cache is None:
-            return {"queries": 0, "hits": 0, "tokens": 0, "evicted": 0}
+            store = self.denoiser.encoder_store
+            return store.stats() if store is not None else {"queries": 0, "hits": 0, "tokens": 0, "evicted": 0}
         return self.prefix_cache.stats()
 
     @property

@@ -13,6 +13,8 @@ from .outputs import CompletionOutput, RequestOutput, StepEvent
 from .limits import ParamError
 from .params import SamplingParams
 from .prefix_cache import PrefixCache
+from .config import OWN_FORWARD_FAMILIES
+from .encoder_prefix import EncoderPrefixStore
 from .request import Request
 from .text_ids import encode_text
 
@@ -87,6 +89,8 @@ class LLM:
         # one store across calls, so that a chat's next turn reuses the last one's KV (docs/design.md#prefix-reuse)
         self.prefix_cache = (PrefixCache(self.model) if config.enable_prefix_caching
                              and self.model.dllm.attention != "bidirectional" else None)
+        if config.enable_prefix_caching and self.model.dllm.family in OWN_FORWARD_FAMILIES:  # the encoder's KV
+            self.denoiser.encoder_store = EncoderPrefixStore()
         self._engine(1)  # validates the plan's inputs against the model
 
     def _engine(self, max_batch_size: int) -> Engine:

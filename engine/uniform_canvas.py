@@ -107,27 +107,36 @@ class UniformCanvasSequence(Request):
         self.kv = self.sc = None
 
     # ------------------------------------------------------------------ one canvas
-    def encode(self, model) -> None:
+    def encode(self, model, store=None) -> None:
         """Read the tokens not yet in the cache (the prompt, or the last finished canvas) with the encoder, and
-        draw the new canvas (``generate()``'s steps 1.a and 1.b at batch 1)."""
+        draw the new canvas (``generate()``'s steps 1.a and 1.b at batch 1). ``store``: an
+        :class:`~unmask.engine.encoder_prefix.EncoderPrefixStore` to start the prompt from and to keep the cache in."""
         from transformers import DynamicCache
 
         P, C, dev = self.prompt_len, self.block_size, model.device
         if self.kv is None:
-            self.kv = DynamicCache(config=model.model.config.get_text_config(decoder=True))
-            ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=dev)
+            done, self.kv = store.lookup(self.prompt_ids, self.cache_salt) if store is not None else (0, None)
+            self.cached_tokens = done
+            if self.kv is None:
+                self.kv = DynamicCache(config=model.model.config.get_text_config(decoder=True))
+            # the prompt (or what a stored prefix leaves of it) in one prefill, as generate() reads a prompt
+            ids = torch.tensor([self.prompt_ids[done:]], dtype=torch.long, device=dev)
             first, cur_len = True, P
         else:
             start = P + (self.encoded - 1) * C
             ids = self.canvas[start: start + C][None].to(dev)
             first, cur_len = False, start + C
-        positions = torch.arange(cur_len - ids.shape[1], cur_len, dtype=torch.int32, device=dev)[None]
-        mask = torch.ones((1, cur_len), dtype=torch.bool, device=dev)
-        net = model.model
-        ids, masks = net._prepare_encoder_inputs(input_ids=ids, attention_mask=mask, encoder_position_ids=positions,
-                                                 cache=self.kv, is_prefill=first, canvas_length=C, batch_size=1)
-        net.model.encoder(input_ids=ids, attention_mask=masks, cache=self.kv, position_ids=positions)
-        V = net.config.text_config.vocab_size
+        if ids.shape[1]:
+            positions = torch.arange(cur_len - ids.shape[1], cur_len, dtype=torch.int32, device=dev)[None]
+            mask = torch.ones((1, cur_len), dtype=torch.bool, device=dev)
+            net = model.model
+            ids, masks = net._prepare_encoder_inputs(input_ids=ids, attention_mask=mask,
+                                                     encoder_position_ids=positions, cache=self.kv,
+                                                     is_prefill=first, canvas_length=C, batch_size=1)
+            net.model.encoder(input_ids=ids, attention_mask=masks, cache=self.kv, position_ids=positions)
+            if store is not None:
+                store.store(self.canvas[:cur_len].tolist(), self.kv, self.cache_salt)
+        V = model.model.config.text_config.vocab_size
         self.current = torch.randint(0, V, (1, C), generator=self.generator).to(dev)
         self.argmax, self.sc, self.encoded = self.current, None, self.encoded + 1
         self.cur_step = self.options.max_denoising_steps
@@ -262,14 +271,15 @@ def _masks(stacked: _StackedCache, layer_types: list[str], C: int, device) -> di
 
 
 @torch.inference_mode()
-def step_uniform(model, seqs: list[UniformCanvasSequence]) -> list[StepEvent]:
+def step_uniform(model, seqs: list[UniformCanvasSequence], store=None) -> list[StepEvent]:
     """One step of every choice in ``seqs`` (a :class:`~unmask.engine.loaded.LoadedModel` of a uniform-canvas
-    family): the encoder for those starting a canvas (one choice at a time, ``generate()``'s shapes), then one
-    decoder forward over all of them, then each choice's sampling on its own rows."""
+    family): the encoder for those starting a canvas (one choice at a time, ``generate()``'s shapes; from and into
+    ``store``, an :class:`~unmask.engine.encoder_prefix.EncoderPrefixStore`, when given), then one decoder forward
+    over all of them, then each choice's sampling on its own rows."""
     net = model.model
     for seq in seqs:
         if not seq.cur_step:
-            seq.encode(model)
+            seq.encode(model, store)
     dev = model.device
     canvas = torch.cat([s.current for s in seqs]).to(dev)
     positions = torch.cat([s.positions(dev) for s in seqs])

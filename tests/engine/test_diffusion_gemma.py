@@ -143,3 +143,24 @@ def test_the_servers_first_forward_check_runs_the_encoder_and_the_decoder(replic
     from unmask.engine.self_check import check_first_forward
 
     check_first_forward(replica)  # `unmask serve` runs it before accepting requests (the mask rows would not exist)
+
+
+def test_a_chats_next_turn_reuses_the_encoders_kv_and_decodes_the_same_tokens(replica):
+    """Encoder KV reuse (engine/encoder_prefix.py): the next turn's prompt starts with the last turn's, so it encodes
+    only what was added; its tokens are those of a fresh encode (and of generate()); n choices encode once."""
+    opts = dict(max_tokens=16, seed=4, max_denoising_steps=6)
+    llm = LLM(replica)
+    first = llm.generate([PROMPTS[2]], SamplingParams(**opts))[0].outputs[0]
+    turn = PROMPTS[2] + first.token_ids + [40, 41, 42]
+    again = llm.generate([turn], SamplingParams(**opts), n=2)[0].outputs
+    store = llm.denoiser.encoder_store
+    assert len(first.token_ids) == 16  # two whole canvases: the first one was encoded (the last never is)
+    # the last turn's prompt and first canvas, then (the second choice) the whole prompt
+    assert store.hits == 2 and store.tokens == len(PROMPTS[2]) + 8 + len(turn)
+    fresh = LLM(replica, enable_prefix_caching=False)
+    assert fresh.denoiser.encoder_store is None
+    expected = [o.token_ids for o in fresh.generate([turn], SamplingParams(**opts), n=2)[0].outputs]
+    assert [o.token_ids for o in again] == expected
+    torch.manual_seed(4)
+    ref = replica.model.generate(torch.tensor([turn]), max_new_tokens=16, max_denoising_steps=6)
+    assert again[0].token_ids == ref.sequences[0, len(turn):].tolist()[: len(again[0].token_ids)]
