@@ -33,12 +33,12 @@ import torch
 from .attention import canvas_groups
 from .outputs import StepEvent
 from .request import LaneInput
-from .reveals import to_host
-from .sampler import (classifier_free_guidance, draw_groups, filter_groups, filter_top_k_top_p, prepare_groups,
-                      score_groups)
-from .sequence import Sequence
+from .reveals import HostRows, to_host
+from .sampler import RowGroup, draw_groups, filter_groups, prepare_groups, score_groups
+from .sequence import Sequence, guided_rows
+from .transfer import to_device
 
-__all__ = ["RefinementSequence", "commit_schedule"]
+__all__ = ["RefinementSequence", "commit_schedule", "refine_batch"]
 
 
 def commit_schedule(block_size: int, steps: int) -> list[int]:
@@ -107,18 +107,20 @@ class RefinementSequence(Sequence):
     # ------------------------------------------------------------------ one step: commits and edits
     def consume(self, logits: list[torch.Tensor], forbidden_ids: torch.Tensor
                 ) -> tuple[StepEvent, list[torch.Tensor | None]]:
-        """Sample every generated position of the block, commit and edit by the module docstring's rule."""
-        cond = logits[0]
-        if len(logits) == 2:
-            cond = classifier_free_guidance(cond, logits[1], self.params.cfg_scale)
-        positions = self._block_positions()
-        group = self.row_group(positions, 0)
-        prepared = prepare_groups(cond, [group], forbidden_ids)  # steps 3-6 of sample_groups, the prepared
-        filtered = filter_groups(prepared.clone() if self.plan.sampling else prepared, [group])  # logits kept
-        cands = score_groups(filtered, draw_groups(filtered, [group]), [group])
-        # the rule runs on the host, beside the canvas: the candidates and confidences in one copy
-        host = torch.stack([cands.tokens.double(), self._confidence(prepared, cands.tokens).double()]).cpu()
-        candidates, confidence = host[0].long(), host[1].float()  # float32 compares as the scheduler does
+        """Sample every generated position of the block, commit and edit by the module docstring's rule: this
+        sequence alone through :func:`refine_batch`."""
+        spans, n = [], 0
+        for t in logits:
+            spans.append((n, n + int(t.shape[0])))
+            n += int(t.shape[0])
+        every = logits[0] if len(logits) == 1 else torch.cat(logits)
+        return refine_batch([self], [spans], every, forbidden_ids)[0], [inp.commit for inp in self._inputs]
+
+    def apply(self, positions: torch.Tensor, rows: HostRows) -> StepEvent:
+        """Commit and edit from the step's candidates on the host (``rows``: one per block position, ``extra`` =
+        the confidence), advance the block counters, check EOS and the stop rules."""
+        candidates = torch.tensor(rows.tokens, dtype=torch.long)
+        confidence = torch.tensor(rows.extra, dtype=torch.float32)  # float32 compares as the scheduler does
         current = self.canvas[positions]
         masked = current == self.dllm.mask_token_id
         had_masks = bool(masked.any())
@@ -126,10 +128,10 @@ class RefinementSequence(Sequence):
         edit = torch.zeros_like(masked)
         if self.editing:
             edit = ~masked & (candidates != current) & (confidence > self.editing)
-        rows = (commit | edit).nonzero(as_tuple=True)[0]
-        tokens = candidates[rows]
+        picked = (commit | edit).nonzero(as_tuple=True)[0]
+        tokens = candidates[picked]
         self.edits += int(edit.sum())
-        revealed = self.record(positions[rows].tolist(), to_host(cands.take(rows.to(cands.tokens.device))))
+        revealed = self.record(positions[picked].tolist(), rows.take(picked.tolist()))
         block, step = self.block_idx, self.step
         self.step += 1
         self.step_in_block += 1
@@ -144,7 +146,7 @@ class RefinementSequence(Sequence):
             self._end_block()
         else:
             self._check_finished()
-        return self.event(block, step, revealed), [inp.commit for inp in self._inputs]
+        return self.event(block, step, revealed)
 
     def _commits(self, masked: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
         """``[n]`` bool: the masks committed this step (module docstring's commit rule)."""
@@ -159,16 +161,6 @@ class RefinementSequence(Sequence):
         if k:
             out[torch.topk(conf, k).indices] = True
         return out
-
-    def _confidence(self, prepared: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """``[n]`` float32 probability of each row's candidate as ``BlockRefinementScheduler`` computes it: the
-        float32 softmax of the ``prepared`` logits (forbidden ids, bias and penalties applied), at the request's
-        temperature and after top-k/top-p when it samples, unfiltered at temperature 0 (whose candidate is the
-        argmax)."""
-        p = self.params
-        if self.plan.sampling:
-            prepared = filter_top_k_top_p(prepared / self.plan.temperature, p.top_k, p.top_p)
-        return torch.softmax(prepared, dim=-1).gather(-1, tokens[:, None].to(prepared.device))[:, 0]
 
     # ------------------------------------------------------------------ the end of a block, of the choice
     def _block_continues(self, had_masks: bool, edited: bool) -> bool:
@@ -230,3 +222,39 @@ class RefinementSequence(Sequence):
         if not self.editing or self.finished or final >= self.max_tokens:
             return ev
         return replace(ev, final=max(0, final))
+
+
+def refine_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor
+                 ) -> list[StepEvent]:
+    """One step of block refinement for many :class:`RefinementSequence` s: the candidates and confidences of every
+    block position of all of them in one pass on the logits' device and one device-to-host copy, then each
+    sequence's commits and edits on the host (:meth:`RefinementSequence.apply`).
+
+    Args:
+        spans: per sequence, per lane (cond, then uncond under CFG) its rows ``(start, end)`` in ``logits``.
+        logits: ``[R, V]`` the step's needed rows (edited in place).
+        forbidden_ids: ``[F]`` ids never generated.
+    """
+    cond, offsets = guided_rows(seqs, spans, logits)
+    positions = [seq._block_positions() for seq in seqs]
+    groups = [seq.row_group(pos, lo) for seq, pos, lo in zip(seqs, positions, offsets)]
+    prepared = prepare_groups(cond, groups, forbidden_ids)  # steps 3-6 of sample_groups, the prepared logits kept
+    filtered = filter_groups(prepared.clone(), groups)
+    cands = score_groups(filtered, draw_groups(filtered, groups), groups)
+    host = to_host(cands, extra=_confidence(prepared, cands.tokens, seqs, groups))  # the pass's one copy
+    return [seq.apply(pos, host.rows(g.lo, g.hi)) for seq, pos, g in zip(seqs, positions, groups)]
+
+
+def _confidence(prepared: torch.Tensor, tokens: torch.Tensor, seqs: list, groups: list[RowGroup]) -> torch.Tensor:
+    """``[n]`` float32 probability of each row's candidate as ``BlockRefinementScheduler`` computes it: the float32
+    softmax of the ``prepared`` logits (forbidden ids, bias and penalties applied), at the request's temperature and
+    after top-k/top-p when it samples, unfiltered at temperature 0 (whose candidate is the argmax)."""
+    sampled = [(seq, g) for seq, g in zip(seqs, groups) if seq.plan.sampling and g.n]
+    if sampled:
+        dev = prepared.device
+        prepared = prepared.clone()
+        rows = to_device(torch.cat([torch.arange(g.lo, g.hi) for _, g in sampled]), dev)
+        temps = to_device(torch.cat([torch.full((g.n,), float(seq.plan.temperature)) for seq, g in sampled]), dev)
+        prepared[rows] = prepared[rows] / temps.to(prepared.dtype)[:, None]
+        prepared = filter_groups(prepared, [g for _, g in sampled])
+    return torch.softmax(prepared, dim=-1).gather(-1, tokens[:, None].to(prepared.device))[:, 0]

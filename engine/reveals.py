@@ -26,6 +26,7 @@ class HostRows:
         chosen: whether the row is revealed this step.
         top: per row its alternatives ``((token id, logprob), ...)`` without filtered (-inf) or padding ids;
             ``None`` when no row asked for them.
+        extra: per row the caller's extra value (:func:`to_host`'s ``extra``), or ``None``.
     """
 
     tokens: list[int]
@@ -34,11 +35,13 @@ class HostRows:
     score: list[float]
     chosen: list[bool]
     top: list[tuple[tuple[int, float], ...]] | None
+    extra: list[float] | None = None
 
     def rows(self, lo: int, hi: int) -> "HostRows":
         """Rows ``[lo, hi)``."""
         return HostRows(self.tokens[lo:hi], self.probability[lo:hi], self.logprob[lo:hi], self.score[lo:hi],
-                        self.chosen[lo:hi], None if self.top is None else self.top[lo:hi])
+                        self.chosen[lo:hi], None if self.top is None else self.top[lo:hi],
+                        None if self.extra is None else self.extra[lo:hi])
 
     def picked(self, segments: list[tuple[int, int, int | None, float | None]]) -> list[int]:
         """The chosen rows in reveal order: segment by segment, a quota segment's by descending score (ties: the
@@ -53,12 +56,14 @@ class HostRows:
         """The given rows, in that order."""
         return HostRows([self.tokens[i] for i in rows], [self.probability[i] for i in rows],
                         [self.logprob[i] for i in rows], [self.score[i] for i in rows], [self.chosen[i] for i in rows],
-                        None if self.top is None else [self.top[i] for i in rows])
+                        None if self.top is None else [self.top[i] for i in rows],
+                        None if self.extra is None else [self.extra[i] for i in rows])
 
 
-def to_host(cands: Candidates, chosen: torch.Tensor | None = None) -> HostRows:
-    """``cands`` (``[N]`` rows, any device) and ``chosen`` (``[N]`` bool, same device; ``None`` = all) as
-    :class:`HostRows`, in one device-to-host copy."""
+def to_host(cands: Candidates, chosen: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> HostRows:
+    """``cands`` (``[N]`` rows, any device), ``chosen`` (``[N]`` bool, same device; ``None`` = all) and ``extra``
+    (``[N]`` float, same device: a value of the caller's per row, widened to float64) as :class:`HostRows`, in one
+    device-to-host copy."""
     n = int(cands.tokens.shape[0])
     dev = cands.tokens.device
     if chosen is None:
@@ -71,11 +76,14 @@ def to_host(cands: Candidates, chosen: torch.Tensor | None = None) -> HostRows:
         k = int(cands.top_ids.shape[-1])
         cols += [cands.top_ids.to(device=dev, dtype=torch.float64).reshape(n, k),
                  cands.top_logprobs.to(device=dev, dtype=torch.float64).reshape(n, k)]
+    if extra is not None:
+        cols.append(extra.to(device=dev, dtype=torch.float64))
     packed = torch.cat([c.reshape(n, -1) for c in cols], 1).cpu().tolist() if n else []
     top = None
     if k:
         top = [tuple((int(i), lp) for i, lp in zip(r[5:5 + k], r[5 + k:]) if i >= 0 and lp > float("-inf"))
                for r in packed]
     return HostRows([int(r[0]) for r in packed], [r[1] for r in packed], [r[2] for r in packed],
-                    [r[3] for r in packed], [r[4] > 0.5 for r in packed], top)
+                    [r[3] for r in packed], [r[4] > 0.5 for r in packed], top,
+                    None if extra is None else [r[-1] for r in packed])
 

@@ -14,10 +14,49 @@ from .attention import canvas_groups
 from .outputs import StepEvent
 from .request import LaneInput, Request
 from .reveals import HostRows, to_host
+from .transfer import to_device
 from .sampler import (Candidates, RowGroup, classifier_free_guidance, forced_candidates, prepare_groups, reveal_count,
                       sample_groups, select_segments)
 
-__all__ = ["Sequence"]
+__all__ = ["Sequence", "guided_rows"]
+
+
+def guided_rows(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The conditional rows of ``seqs`` one after another, CFG applied where a sequence has two lanes (LLaDA:
+    ``l = l_u + (1 + s)(l_c - l_u)``, one indexed write for all of them).
+
+    Args:
+        spans: per sequence, per lane (cond, then uncond) its rows ``(start, end)`` in ``logits`` (``[R, V]``).
+
+    Returns:
+        ``[n, V]`` rows (a view of ``logits`` when the cond rows are one run, edited in place) and each sequence's
+        first row in them.
+    """
+    dev = logits.device
+    cond_idx: list[int] = []
+    cfg_rows, cfg_uncond, cfg_scale, offsets = [], [], [], []
+    n = 0
+    for seq, lane_spans in zip(seqs, spans):
+        c0, c1 = lane_spans[0]
+        k = c1 - c0
+        offsets.append(n)
+        cond_idx.extend(range(c0, c1))
+        if len(lane_spans) == 2:
+            u0, _ = lane_spans[1]
+            cfg_rows.extend(range(n, n + k))
+            cfg_uncond.extend(range(u0, u0 + k))
+            cfg_scale.extend([1.0 + float(seq.params.cfg_scale)] * k)
+        n += k
+    run = not cond_idx or cond_idx == list(range(cond_idx[0], cond_idx[0] + n))
+    idx = to_device(torch.tensor(([] if run else cond_idx) + cfg_rows + cfg_uncond, dtype=torch.long), dev)
+    first = cond_idx[0] if cond_idx else 0
+    cond = logits[first: first + n] if run else logits[idx[:n]]  # one run: a view
+    if cfg_rows:
+        m = len(cfg_rows)
+        rows, uncond = idx[-2 * m: -m], logits[idx[-m:]]
+        scale = to_device(torch.tensor(cfg_scale, dtype=cond.dtype), dev)[:, None]
+        cond[rows] = uncond + scale * (cond[rows] - uncond)
+    return cond, offsets
 
 
 class Sequence(Request):

@@ -179,7 +179,8 @@ class _Dispatch(TorchDispatchMode):
 class SyncCounter:
     """Counts host syncs (``syncs``: kind -> count) and aten ops (``ops_outside`` / ``ops_inside`` the marked forward
     methods) while entered (``with SyncCounter() as c:``); ``steps`` holds one record per call of the method given
-    to :meth:`step_method`: ``{"syncs": {kind: n}, "ops_outside": n}``.
+    to :meth:`step_method`: ``{"syncs": {kind: n}, "forward_syncs": {kind: n}, "ops_outside": n, ...}``
+    (``forward_syncs``: the part of ``syncs`` made inside the forward methods, e.g. an MoE layer's expert counts).
 
     Args:
         device_type: the device whose tensors count (``"cuda"`` under fake CUDA; ``"cpu"``: every tensor).
@@ -188,6 +189,7 @@ class SyncCounter:
     def __init__(self, device_type: str = "cuda"):
         self.device_type = device_type
         self.syncs: Counter[str] = Counter()
+        self.forward_syncs: Counter[str] = Counter()  # the part of ``syncs`` made inside the marked forward methods
         self.ops_outside = 0
         self.device_ops_outside = 0  # ops outside the forward on a device tensor (in or out): kernel launches
         self.ops_inside = 0
@@ -210,9 +212,12 @@ class SyncCounter:
 
     def count(self, kind: str) -> None:
         self.syncs[kind] += 1
+        if self.in_forward:
+            self.forward_syncs[kind] += 1
 
     def reset(self) -> None:
         self.syncs.clear()
+        self.forward_syncs.clear()
         self.ops_outside = self.ops_inside = self.device_ops_outside = 0
         self.steps.clear()
 
@@ -251,14 +256,18 @@ class SyncCounter:
     def _step_wrapper(self, method):
         @functools.wraps(method)
         def wrapper(*args, **kwargs):
-            syncs, ops, dev_ops = Counter(self.syncs), self.ops_outside, self.device_ops_outside
+            syncs, fwd, ops, dev_ops = (Counter(self.syncs), Counter(self.forward_syncs), self.ops_outside,
+                                        self.device_ops_outside)
             try:
                 return method(*args, **kwargs)
             finally:
-                delta = Counter(self.syncs)
+                delta, fwd_delta = Counter(self.syncs), Counter(self.forward_syncs)
                 delta.subtract(syncs)
-                self.steps.append({"syncs": {k: v for k, v in delta.items() if v}, "ops_outside":
-                                   self.ops_outside - ops, "device_ops_outside": self.device_ops_outside - dev_ops})
+                fwd_delta.subtract(fwd)
+                self.steps.append({"syncs": {k: v for k, v in delta.items() if v},
+                                   "forward_syncs": {k: v for k, v in fwd_delta.items() if v},
+                                   "ops_outside": self.ops_outside - ops,
+                                   "device_ops_outside": self.device_ops_outside - dev_ops})
         return wrapper
 
 

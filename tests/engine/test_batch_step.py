@@ -134,10 +134,11 @@ def checkpoints(tmp_path_factory):
     return dp.write_checkpoints(tmp_path_factory.mktemp("paths"))
 
 
-@pytest.mark.parametrize("name", ["quota", "threshold", "multi-block", "cfg", "adapter-plain"])
+@pytest.mark.parametrize("name", ["quota", "threshold", "multi-block", "cfg", "adapter-plain", "llada2-refinement",
+                                  "llada2-editing"])
 def test_a_batch_step_reads_the_host_at_most_once(name, checkpoints, monkeypatch):
-    """Under fake CUDA, a step of 8 plain / threshold / multi-block / CFG / mask-row adapter requests makes at most
-    one host read (the step's summary), no value read, no data-dependent shape, no boolean-mask index and no blocking
+    """Under fake CUDA, a step of 8 plain / threshold / multi-block / CFG / mask-row adapter / block-refinement
+    requests makes at most one host read (the step's summary), no value read, no data-dependent shape, no boolean-mask index and no blocking
     copy (the adapter's rows are indexed from the host's flags)."""
     from unmask.engine.denoiser import Denoiser
     from unmask.engine.model import LoadedModel, load_model
@@ -151,8 +152,28 @@ def test_a_batch_step_reads_the_host_at_most_once(name, checkpoints, monkeypatch
                 c.step_method(Denoiser, "step"):
             llm.generate(prompts, params)
     assert c.steps
-    for s in c.steps:
-        assert s["syncs"].get("host read", 0) <= 1 and set(s["syncs"]) <= {"host read"}, s["syncs"]
+    for s in c.steps:  # an MoE forward (llada2) reads its expert counts: the model's, not the step's
+        outside = {k: v - s["forward_syncs"].get(k, 0) for k, v in s["syncs"].items()}
+        assert outside.get("host read", 0) <= 1 and set(outside) <= {"host read"}, s
+
+
+def test_refinement_requests_refined_together_equal_their_own_consume(monkeypatch):
+    """The block-refinement pass over many sequences (``unmask.engine.refinement.refine_batch``) gives each the
+    events its own ``consume`` gives in the same forwards: greedy and sampled, with and without editing, top-k,
+    ``logit_bias``, ``min_tokens`` and ``top_logprobs``."""
+    from llada2_tiny import loaded_llada2
+
+    model = loaded_llada2(seed=1)
+    # each mode with its own engine (a cold prefix cache), and each prompt at one block size
+    reqs = [dict(temperature=0, block_size=8, threshold=0.7, prompt=0),
+            dict(temperature=0, block_size=8, threshold=0.5, editing_threshold=0.4, logprobs=True, top_logprobs=2,
+                 prompt=0),
+            dict(temperature=0.9, seed=4, block_size=8, top_k=30, threshold=0.6, editing_threshold=0.3, prompt=0),
+            dict(temperature=0.7, seed=5, block_size=4, steps=6, logit_bias={9: 2.0}, min_tokens=3, prompt=1),
+            dict(temperature=0, block_size=4, threshold=0.9, top_p=0.8, prompt=2)]
+    together = _decode(LLM(model, max_batch_size=16), reqs)
+    monkeypatch.setattr(denoiser_module, "batchable", lambda seq: False)
+    assert _decode(LLM(model, max_batch_size=16), reqs) == together
 
 
 #: speculative requests of every verification rule, decoded together (issue 42: one verification pass per step)
