@@ -111,7 +111,9 @@ class KVPool:
 
     # ------------------------------------------------------------------ blocks
     def allocate(self, n: int) -> list[int]:
-        """``n`` blocks with one reference each, as one run of consecutive ids in one slab when there is one.
+        """``n`` blocks with one reference each, as one run of consecutive ids in one slab when there is one (an
+        unbounded pool holding less than twice the blocks in use makes a slab of ``n`` for it rather than scatter
+        them: memory stays within ~2x the peak in use).
 
         Raises:
             PoolFull: fewer than ``n`` blocks are free after eviction and the capacity is reached.
@@ -119,7 +121,11 @@ class KVPool:
         if n <= 0:
             return []
         self.ensure_free(n)
-        ids = self._run(n) or self._free[:n]
+        ids = self._run(n)
+        if ids is None and self.capacity_blocks is None and self.total_blocks < 2 * (self.used_blocks + n):
+            self._add_slab(n)  # unbounded and not twice the blocks in use: one run of its own, not scattered blocks
+            ids = self._run(n)
+        ids = ids or self._free[:n]
         taken = set(ids)
         self._free = [b for b in self._free if b not in taken]
         for b in ids:

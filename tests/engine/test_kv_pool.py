@@ -95,7 +95,7 @@ def test_blocks_come_in_runs_with_reference_counts_and_eviction():
 
 
 def test_runs_split_where_storage_does_and_segments_are_views():
-    pool = KVPool(block_tokens=4)
+    pool = KVPool(block_tokens=4, capacity_blocks=6)  # bounded: no new slab, the holes are taken
     hold = pool.allocate(6)
     pool.decref([hold[1], hold[3], hold[4]])  # free: 1, 3, 4
     lane = LaneCache(pool=pool)
@@ -179,6 +179,7 @@ def test_a_fragmented_pool_gives_the_same_tokens():
     engine = Engine(model, enable_prefix_caching=False, max_batch_size=4)
     pool = engine.scheduler.kv_pool
     held = pool.allocate(40)
+    pool.set_capacity(pool.total_blocks)  # bounded: the holes are taken, no new slab
     pool.decref(held[::2])  # 20 single free blocks between held ones
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"r{i}")
@@ -277,3 +278,14 @@ def test_half_precision_pieces_merge_by_log_sum_exp_as_one_call(dtype):
     one = lane_attend(query, [(keys, values)], mask, 0.25)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert (got.float() - want).abs().max() <= 2 * (one.float() - want).abs().max() + 1e-3
+
+
+def test_an_unbounded_pool_keeps_tables_in_one_run_within_twice_the_blocks_in_use():
+    pool = KVPool(block_tokens=4)
+    held = pool.allocate(10)
+    pool.decref(held[::2])  # 5 free, none adjacent, 5 in use
+    assert pool.allocate(3) == [10, 11, 12] and pool.total_blocks == 13  # a slab of its own: 10 < 2 x (5 + 3)
+    pool = KVPool(block_tokens=4)
+    held = pool.allocate(16)
+    pool.decref([b for b in held if b not in (2, 5, 8, 11, 14)])  # runs of 2 free, 5 in use
+    assert pool.allocate(3) == [0, 1, 3] and pool.total_blocks == 16  # 16 >= 2 x (5 + 3): scattered, no growth
