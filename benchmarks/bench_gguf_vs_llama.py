@@ -18,11 +18,17 @@ generation loop, load excluded). unmask:
 ``LLM`` on the GGUF (``weights auto``: fbgemm fp16 for both files), ``cache=none`` (the same algorithm: the whole
 canvas forwarded every step) and ``cache=dual`` (Fast-dLLM's dual cache, the best cache for a bidirectional
 model; approximate), generation time of ``LLM.generate`` after a warm-up. Medians over ``--repeats`` runs,
-interleaved; CPU seconds (user + system, all threads) beside the wall seconds, since on a shared machine the wall
-time is partly the scheduler's. Results are written after every configuration, so a cut run keeps what it
-measured.
+interleaved; CPU seconds (user + system, all threads; llama.cpp's from its first progress line on) beside the wall seconds, since on a shared machine the wall
+time is partly the scheduler's (with 2 busy threads on an oversubscribed machine every parallel region waits for
+a descheduled thread, which costs torch's many small ops per forward more than llama.cpp's graph). Both formats
+are loaded first and the step counts run outer, so a run cut during 128 steps keeps both formats at 32. Results are
+written after every configuration, so a cut run keeps what it measured.
 
-    TARGET=llama-diffusion-cli benchmarks/build_llama_bench.sh     # once: ~/.cache/unmask/llama.cpp/bin/
+llama.cpp binary: ``llama-diffusion-cli-noamx`` when built (``AMX=0``), else the native one: on the VM measured
+ggml's AMX Q8_0 kernel dies with SIGILL (``tileloadd``) although the kernel grants AMX (oneDNN's AMX kernels run in
+the same VM); without AMX its Q8_0 matmuls take the AVX512-VNNI path; F16 takes the same path in both builds.
+
+    TARGET=llama-diffusion-cli AMX=0 benchmarks/build_llama_bench.sh     # once: ~/.cache/unmask/llama.cpp/bin/
     .venv/bin/python benchmarks/bench_gguf_vs_llama.py
 """
 from __future__ import annotations
@@ -46,6 +52,10 @@ PROMPT = ("Explain in two short paragraphs why the sky looks blue during the day
 GEN, BLOCK, PROMPT_TOKENS = 128, 32, 64
 SHAPE = {"d_model": 1024, "n_layers": 28, "n_heads": 16, "n_kv_heads": 16, "mlp_hidden_size": 3072}
 TARGETS = {"none": 1.5, "dual": 4.0}  # issue 45: unmask / llama.cpp
+#: unmask's compute dtypes and the weight format each runs with: float32 activations with fbgemm's fp16 weights (the
+#: CPU default, the file's F16 values as they are), or bfloat16 weights and activations (``--dtype bfloat16``: oneDNN's
+#: bf16 GEMM, AMX where the CPU has it; weights rounded from F16 to bf16, docs/design.md#exactness-contracts-by-device-and-dtype)
+DTYPES = {"float32": "auto", "bfloat16": "native"}
 
 
 def llama_source() -> Path:
@@ -90,8 +100,29 @@ def convert(hf: Path, outtype: str, out: Path) -> Path:
     return out
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process so far (``/proc/PID/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _watch_until_loop(proc) -> tuple[float, bytes]:
+    """Read ``proc``'s stderr until its first ``diffusion step:`` progress line (the generation loop starts); the
+    process's CPU seconds then (loading and warm-up), and what was read."""
+    seen = b""
+    while b"diffusion step:" not in seen:
+        chunk = os.read(proc.stderr.fileno(), 65536)
+        if not chunk:
+            return float("nan"), seen
+        seen += chunk
+    return _cpu_seconds(proc.pid), seen
+
+
 def run_llama(binary: Path, gguf: Path, steps: int, threads: int) -> dict:
-    """One ``llama-diffusion-cli`` run; its ``total time`` (ms) and forwards."""
+    """One ``llama-diffusion-cli`` run; its ``total time`` (ms), forwards, and CPU seconds of its generation loop
+    (the whole process's minus those spent before its first progress line)."""
+    import threading
+
     ub = PROMPT_TOKENS + GEN
     blocks = ub // BLOCK
     per_block = steps // (GEN // BLOCK)
@@ -99,20 +130,29 @@ def run_llama(binary: Path, gguf: Path, steps: int, threads: int) -> dict:
            "--diffusion-block-length", str(BLOCK), "--diffusion-steps", str(per_block * blocks),
            "--temp", "0", "--top-k", "1", "-t", str(threads), "-tb", str(threads), "--seed", "0"]
     before = os.times()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out: list[bytes] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    cpu_before_loop, head = _watch_until_loop(proc)
+    tail = proc.stderr.read()
+    proc.wait(timeout=3600)
+    reader.join()
     after = os.times()
     cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-    m = re.search(r"total time: ([0-9.]+)ms, time per step: ([0-9.]+)ms, sampling time per step: ([0-9.]+)ms",
-                  r.stdout + r.stderr)
-    if r.returncode or not m:  # recorded, not raised: unmask's own timings of the file still count
+    text = (b"".join(out) + head + tail).decode(errors="replace")
+    m = re.search(r"total time: ([0-9.]+)ms, time per step: ([0-9.]+)ms, sampling time per step: ([0-9.]+)ms", text)
+    if proc.returncode or not m:  # recorded, not raised: unmask's own timings of the file still count
         import signal
 
-        why = signal.Signals(-r.returncode).name if r.returncode < 0 else f"exit {r.returncode}"
-        return {"seconds": float("nan"), "forwards": 0, "failed": why, "tail": (r.stdout + r.stderr)[-300:]}
+        why = signal.Signals(-proc.returncode).name if proc.returncode < 0 else f"exit {proc.returncode}"
+        return {"seconds": float("nan"), "cpu_seconds": float("nan"), "forwards": 0, "failed": why,
+                "tail": text[-300:]}
     forwards = per_block * (GEN // BLOCK) + (blocks - GEN // BLOCK)  # an empty block past the canvas: one forward
     total_s = float(m.group(1)) / 1e3
     sampling_s = float(m.group(3)) * per_block * blocks / 1e3
-    return {"seconds": total_s, "forwards": forwards, "sampling_seconds": sampling_s, "cpu_seconds_with_load": cpu,
+    return {"seconds": total_s, "forwards": forwards, "sampling_seconds": sampling_s,
+            "cpu_seconds": cpu - cpu_before_loop, "cpu_seconds_with_load": cpu,
             "command": " ".join(cmd[:1] + [Path(cmd[2]).name if i == 2 else c for i, c in enumerate(cmd[1:], 1)])}
 
 
@@ -134,28 +174,66 @@ def run_unmask(llm, ids: list[int], steps: int, cache: str) -> dict:
             "tokens": len(out.token_ids)}
 
 
+def default_binary() -> Path:
+    """``llama-diffusion-cli-noamx`` when built (``AMX=0``, build_llama_bench.sh), else ``llama-diffusion-cli``: the
+    native build's Q8_0 matmuls die with SIGILL in ggml's AMX kernel on the VM measured (its F16 matmuls do not use
+    AMX, so the two builds run F16 through the same code)."""
+    noamx = LLAMA_DIR / "bin" / "llama-diffusion-cli-noamx"
+    return noamx if noamx.is_file() else LLAMA_DIR / "bin" / "llama-diffusion-cli"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default=str(Path.home() / ".cache" / "unmask" / "bench_gguf"))
-    ap.add_argument("--llama-diffusion-cli", default=str(LLAMA_DIR / "bin" / "llama-diffusion-cli"))
+    ap.add_argument("--llama-diffusion-cli", default=str(default_binary()))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default="f16,q8_0")
     ap.add_argument("--steps", default="32,128")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="unmask's compute dtypes: float32 (weights auto: fbgemm fp16) and/or bfloat16 (weights native)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the configurations of the existing result file that this run does not measure")
     args = ap.parse_args(argv)
     bc.set_threads(args.threads)
-    from unmask.engine import LLM, SamplingParams
     from unmask.engine.model import load_model
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     hf = make_checkpoint(work / "llada-0.5b")
     env = bc.environment(args.threads)
+    env["llama_diffusion_cli"] = Path(args.llama_diffusion_cli).name
     binary = Path(args.llama_diffusion_cli)
-    rows, results = [], {}
-    for fmt in args.formats.split(","):
+    models = {}
+    for fmt in args.formats.split(","):  # all loaded up front: a cut run keeps every format at the first steps
         gguf = convert(hf, fmt, work / f"llada-0.5b-{fmt}.gguf")
-        lm = load_model(gguf, device="cpu", dtype="float32", weights="auto")
+        models[fmt] = (gguf, {d: load_model(gguf, device="cpu", dtype=d, weights=DTYPES[d])
+                              for d in args.dtypes.split(",")})
+    results = previous_results() if args.merge else {}
+    for steps in (int(s) for s in args.steps.split(",")):
+        for fmt, (gguf, lms) in models.items():
+            key = f"{fmt}-steps{steps}"
+            results[key] = measure(binary, gguf, lms, steps, args)
+            print(json.dumps({key: results[key]["median_seconds"]}), flush=True)
+            write(args, env, results)
+    return 0
+
+
+def previous_results() -> dict:
+    """The configurations of the committed result file (``--merge``), or none."""
+    path = bc.RESULTS / "bench_gguf_vs_llama.json"
+    return json.loads(path.read_text())["results"] if path.is_file() else {}
+
+
+def measure(binary: Path, gguf: Path, lms: dict, steps: int, args) -> dict:
+    """``--repeats`` interleaved runs of llama.cpp and, per unmask dtype (``lms``: dtype -> loaded model), unmask
+    without cache and with the dual cache (after one warm-up block per cache); medians of wall and CPU seconds, the
+    speed-ups and the load average at each run. Configurations: ``none`` / ``dual`` (float32), ``none bf16`` /
+    ``dual bf16``."""
+    from unmask.engine import LLM, SamplingParams
+
+    llms = {}
+    for dtype, lm in lms.items():
         ids = unmask_prompt(lm)
         if len(ids) != PROMPT_TOKENS:
             raise SystemExit(f"the prompt is {len(ids)} tokens, the block arithmetic needs {PROMPT_TOKENS}")
@@ -163,39 +241,57 @@ def main(argv=None) -> int:
         for cache in ("none", "dual"):  # warm-up: one block of 4 steps
             llm.generate([ids], SamplingParams(max_tokens=BLOCK, block_size=BLOCK, steps=4, temperature=0.0,
                                                ignore_eos=True, cache=cache))
-        for steps in (int(s) for s in args.steps.split(",")):
-            runs = {"llama.cpp": [], "none": [], "dual": []}
-            for _ in range(args.repeats):
-                runs["llama.cpp"].append(run_llama(binary, gguf, steps, args.threads))
-                for cache in ("none", "dual"):
-                    runs[cache].append(run_unmask(llm, ids, steps, cache))
-            med = {k: bc.median([r["seconds"] for r in v]) for k, v in runs.items()}
-            key = f"{fmt}-steps{steps}"
-            fwd = {k: v[0]["forwards"] or float("nan") for k, v in runs.items()}
-            results[key] = {"runs": runs, "median_seconds": med, "weights": lm.weight_format,
-                            "packed_layers": dict(lm.packed_layers or {}),
-                            "speedup": {c: med["llama.cpp"] / med[c] for c in ("none", "dual")},
-                            "speedup_per_forward": {c: (med["llama.cpp"] / fwd["llama.cpp"]) / (med[c] / fwd[c])
-                                                    for c in ("none", "dual")}}
-            for c in ("none", "dual"):
-                s = results[key]["speedup"][c]
-                failed = runs["llama.cpp"][0].get("failed")
-                rows.append([fmt.upper(), steps, c, f"failed ({failed})" if failed else med["llama.cpp"],
-                             fwd["llama.cpp"], med[c], fwd[c], s, results[key]["speedup_per_forward"][c], TARGETS[c],
-                             "no baseline" if failed else "pass" if s >= TARGETS[c] else "MISS"])
-            print(json.dumps({key: results[key]["median_seconds"]}), flush=True)
-            write(args, env, rows, results)
-        del llm, lm
-    return 0
+        llms[dtype] = (llm, ids)
+    suffix = {"float32": "", "bfloat16": " bf16"}
+    runs = {"llama.cpp": []} | {c + suffix[d]: [] for d in llms for c in ("none", "dual")}
+    for _ in range(args.repeats):
+        runs["llama.cpp"].append(dict(run_llama(binary, gguf, steps, args.threads), load=os.getloadavg()[0]))
+        for dtype, (llm, ids) in llms.items():
+            for cache in ("none", "dual"):
+                runs[cache + suffix[dtype]].append(dict(run_unmask(llm, ids, steps, cache), load=os.getloadavg()[0]))
+    med = {k: bc.median([r["seconds"] for r in v]) for k, v in runs.items()}
+    cpu = {k: bc.median([r["cpu_seconds"] for r in v]) for k, v in runs.items()}
+    fwd = {k: v[0]["forwards"] or float("nan") for k, v in runs.items()}
+    ours = [k for k in runs if k != "llama.cpp"]
+    return {"runs": runs, "median_seconds": med, "median_cpu_seconds": cpu,
+            "weights": {d: lm.weight_format for d, lm in lms.items()},
+            "packed_layers": {d: dict(lm.packed_layers or {}) for d, lm in lms.items()},
+            "speedup": {c: med["llama.cpp"] / med[c] for c in ours},
+            "speedup_cpu_seconds": {c: cpu["llama.cpp"] / cpu[c] for c in ours},
+            "speedup_per_forward": {c: (med["llama.cpp"] / fwd["llama.cpp"]) / (med[c] / fwd[c]) for c in ours},
+            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "binary": binary.name,
+            "load_range": [min(r["load"] for v in runs.values() for r in v),
+                           max(r["load"] for v in runs.values() for r in v)]}
 
 
-def write(args, env: dict, rows: list, results: dict) -> None:
-    """The result files with what was measured so far."""
-    md = bc.markdown_table(["GGUF", "steps", "unmask cache", "llama.cpp s", "llama.cpp fwd", "unmask s", "unmask fwd",
-                            "speed-up", "per forward", "target", ""], rows)
+def table_rows(key: str, res: dict) -> list[list]:
+    """The Markdown rows of one result (``f16-steps32``): one per unmask configuration."""
+    fmt, steps = key.split("-steps")
+    med, cpu, runs = res["median_seconds"], res["median_cpu_seconds"], res["runs"]
+    failed = runs["llama.cpp"][0].get("failed")
+    rows = []
+    for c in res["speedup"]:
+        s, target = res["speedup"][c], TARGETS[c.split()[0]]
+        rows.append([fmt.upper(), int(steps), c, f"failed ({failed})" if failed else med["llama.cpp"],
+                     cpu["llama.cpp"], runs["llama.cpp"][0]["forwards"] or float("nan"), med[c], cpu[c],
+                     runs[c][0]["forwards"], s, res["speedup_cpu_seconds"][c], res["speedup_per_forward"][c], target,
+                     "no baseline" if failed else "pass" if s >= target else "MISS",
+                     "{:.1f}-{:.1f}".format(*res["load_range"]), len(runs["llama.cpp"])])
+    return rows
+
+
+def write(args, env: dict, results: dict) -> None:
+    """The result files with what was measured so far (and, with ``--merge``, kept from the previous file)."""
+    rows = [row for key in sorted(results, key=lambda k: (int(k.split("steps")[1]), k)) for row in
+            table_rows(key, results[key])]
+    md = bc.markdown_table(["GGUF", "steps", "unmask cache", "llama.cpp s", "llama.cpp CPU s", "llama.cpp fwd",
+                            "unmask s", "unmask CPU s", "unmask fwd", "speed-up", "CPU-s ratio", "per forward",
+                            "target", "", "load", "runs"], rows)
     md += ("\n\nGeneration 128 tokens, block 32, greedy, 2 threads, prompt 64 tokens; seconds = medians of "
            f"{args.repeats} run(s) (generation loop only). llama.cpp's two extra forwards are its empty blocks past "
-           "the canvas (module docstring); 'per forward' compares seconds per forward.\n")
+           "the canvas (module docstring); 'per forward' compares seconds per forward; 'CPU-s ratio' compares CPU "
+           f"seconds (user + system, both threads); load = the 1-minute load average at the runs. llama.cpp: "
+           f"`{env.get('llama_diffusion_cli')}`.\n")
     data = {"environment": env, "settings": {"gen": GEN, "block": BLOCK, "prompt_tokens": PROMPT_TOKENS,
                                              "threads": args.threads, "repeats": args.repeats, "shape": SHAPE},
             "results": results, "targets": TARGETS}

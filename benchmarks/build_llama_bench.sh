@@ -11,9 +11,9 @@
 #        TARGET (the cmake target and binary name; default llama-bench), SOURCES_ONLY=1 (fetch and unpack the sdist,
 #        print the llama.cpp source directory, build nothing: what tests/engine/test_gguf_llama_converter.py needs),
 #        AMX=0 (build for this CPU without its AMX instructions, into build-noamx/ and bin/${TARGET}-noamx, beside the
-#        default build: on a VM that advertises AMX but does not enable its tile state, ggml's AMX kernels die with
-#        SIGILL (`tileloadd` in the Q8_0/Q4 matmuls); F16 does not use them. The rest of -march=native stays, so
-#        the quantized matmuls take ggml's AVX512-VNNI path instead).
+#        default build: on the VM measured, ggml's AMX Q8_0/Q4 kernels die with SIGILL at `tileloadd` although the
+#        kernel grants AMX (oneDNN's AMX kernels run there); F16 does not use them. The rest of -march=native
+#        stays, so the quantized matmuls take ggml's AVX512-VNNI path instead).
 # Prints the binary's path as the last line of stdout. Needs a C/C++ compiler; cmake comes from PyPI if missing.
 set -euo pipefail
 
