@@ -68,6 +68,7 @@ class LaneCache:
         self.carry_slot = -1
         self.carry_position = -1
         self._runs: tuple[int, list] | None = None  # (end, runs) of the last :meth:`_runs_to`
+        self._release: weakref.finalize | None = None
         if pool is not None:
             self.bind(pool)
 
@@ -81,8 +82,10 @@ class LaneCache:
             return
         if self.table:
             raise ValueError("LaneCache: holds blocks of another pool")
+        if self._release is not None:  # bound before (to a pool of its own), holding nothing
+            self._release.detach()
         self.pool = pool
-        weakref.finalize(self, pool.decref, self.table)  # the same list object: its blocks when collected
+        self._release = weakref.finalize(self, pool.decref, self.table)  # the same list: its blocks when collected
 
     @property
     def length(self) -> int:

@@ -289,3 +289,21 @@ def test_an_unbounded_pool_keeps_tables_in_one_run_within_twice_the_blocks_in_us
     held = pool.allocate(16)
     pool.decref([b for b in held if b not in (2, 5, 8, 11, 14)])  # runs of 2 free, 5 in use
     assert pool.allocate(3) == [0, 1, 3] and pool.total_blocks == 16  # 16 >= 2 x (5 + 3): scattered, no growth
+
+
+def test_a_collected_lane_returns_its_blocks_to_the_pool_it_holds_them_from():
+    """A lane dropped without clear() (a cancelled request's last reference) releases its blocks when collected, to
+    its current pool only (a lane that took a pool of its own before holds nothing there)."""
+    import gc
+
+    pool = KVPool(block_tokens=4)
+    lane = LaneCache(capacity_hint=8)
+    lane.reserve(4)  # a pool of its own
+    own = lane.pool
+    lane.clear()
+    lane.bind(pool)
+    lane.append([torch.ones(2, 6, 8)], [torch.ones(2, 6, 8)], torch.arange(6), torch.zeros(6, dtype=torch.long))
+    assert pool.used_blocks == 2 and own.used_blocks == 0
+    del lane
+    gc.collect()
+    assert pool.used_blocks == 0 and own.used_blocks == 0
