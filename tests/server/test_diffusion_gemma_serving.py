@@ -110,3 +110,14 @@ def test_llm_comply_on_a_tiny_diffusion_gemma(checkpoint, tmp_path):
     assert got.pop("chat-reasoning-summary")[0] == "skipped"
     failed = {k: v for k, v in got.items() if v[0] != "passed"}
     assert not failed, (failed, log.read_text()[-2000:])
+
+
+def test_n_choices_take_seed_and_seed_plus_one_and_a_stop_string_cuts_the_text(client):
+    two = client.post(CH, json={**BODY, "n": 2}).json()
+    texts = [c["message"]["content"] for c in sorted(two["choices"], key=lambda c: c["index"])]
+    one = client.post(CH, json={**BODY, "seed": BODY["seed"] + 1}).json()["choices"][0]["message"]["content"]
+    assert texts[1] == one and texts[0] == client.post(CH, json=BODY).json()["choices"][0]["message"]["content"]
+    stop = texts[0][2:4]
+    cut = client.post(CH, json={**BODY, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and texts[0].startswith(cut["message"]["content"])
+    assert stop not in cut["message"]["content"]
