@@ -28,6 +28,8 @@ import torch.nn.functional as F
 __all__ = ["NAME", "attend_lanes", "lane_attend", "lanes", "register", "use_lanes"]
 
 NAME = "unmask_lanes"
+#: the CPU's fused SDPA kernel returning the log-sum-exp (a private op: without it half precision joins the pieces)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _current: contextvars.ContextVar = contextvars.ContextVar("unmask_lane_cache", default=None)
 
 
@@ -84,12 +86,13 @@ def lane_attend(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Te
     D]``.
 
     One piece (the lane's blocks are one run of storage): one SDPA call on the view, grouped-query heads without
-    repeating K/V, as before the pool. Several (a shared prefix's blocks, then the lane's own): the scores of every
-    piece side by side, one softmax over them, then the weighted sum of each piece's values (float32): exact
-    attention read from the blocks in place, costing ``[Hq, q, sum m_i]`` scores (the math path's own transient),
-    never a copy of the keys. In bfloat16/float16 on a CPU, whose score matmul would round the scores to the keys'
-    dtype: one fused SDPA call per piece (float32 inside) and the pieces merged by their log-sum-exps
-    (:func:`_merged_runs`); elsewhere the pieces joined into one tensor (a copy) for one SDPA call."""
+    repeating K/V, as before the pool. Several (a shared prefix's blocks, then the lane's own), read in place, never
+    a copy of the keys: in float32 the scores of every piece side by side, one softmax, each piece's values weighted
+    (:func:`_score_runs`, costing the ``[Hq, q, sum m_i]`` scores SDPA's math path makes anyway); in half precision
+    on a CPU, whose score matmul would round the scores to the keys' dtype, one fused SDPA call per piece (float32
+    inside) merged by the pieces' log-sum-exps (:func:`_merged_runs`; faster, ``benchmarks/results/
+    bench_paged_attention.md``, but in float32 its merge left a prefix-reused nf4 step 1.2e-4 from a fresh prefill,
+    past the float32 cell's 1e-4); half precision off the CPU joins the pieces (a copy) for one SDPA call."""
     Hq, q, D = query.shape
     if len(segments) == 1:
         k, v = segments[0]
@@ -97,12 +100,20 @@ def lane_attend(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Te
                                            enable_gqa=k.shape[0] != Hq)
         return o[0].transpose(0, 1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    if query.dtype != torch.float32:
-        if query.device.type == "cpu":
-            return _merged_runs(query, segments, mask, scale)
-        # half precision elsewhere: the runs joined (a copy) and one SDPA call; a paged kernel is not built
-        k, v = torch.cat([s[0] for s in segments], 1), torch.cat([s[1] for s in segments], 1)
-        return lane_attend(query, [(k, v)], mask, scale)
+    if query.dtype == torch.float32:
+        return _score_runs(query, segments, mask, scale)
+    if query.device.type == "cpu" and _CPU_FLASH is not None:
+        return _merged_runs(query, segments, mask, scale)
+    # half precision off the CPU: the runs joined (a copy) and one SDPA call; a paged GPU kernel is not built
+    k, v = torch.cat([s[0] for s in segments], 1), torch.cat([s[1] for s in segments], 1)
+    return lane_attend(query, [(k, v)], mask, scale)
+
+
+def _score_runs(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    """:func:`lane_attend` over several pieces by scores: every piece's ``[Hkv, g q, m_i]`` scores side by side, one
+    float32 softmax, each piece's values weighted in place. Returns ``[q, Hq, D]``."""
+    Hq, q, D = query.shape
     Hkv = segments[0][0].shape[0]
     g = Hq // Hkv
     qg = query.reshape(Hkv, g * q, D)  # query head h reads kv head h // g
@@ -122,7 +133,7 @@ def lane_attend(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Te
 
 def _merged_runs(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
                  scale: float) -> torch.Tensor:
-    """:func:`lane_attend` in half precision on a CPU: per piece, the CPU flash kernel's output and log-sum-exp
+    """:func:`lane_attend` on a CPU over several pieces: per piece, the CPU flash kernel's output and log-sum-exp
     (float32 inside, as one SDPA call over the joined keys), then ``sum_i exp(lse_i - lse) o_i`` in float32 with
     ``lse = logsumexp_i lse_i``. Grouped-query heads read their KV head without repeating it (the query heads of one
     KV head are one batch of rows). A row that sees no key of a piece gets weight 0 there. Returns ``[q, Hq, D]``."""
@@ -130,7 +141,7 @@ def _merged_runs(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     Hkv = segments[0][0].shape[0]
     g = Hq // Hkv
     qg = query.reshape(1, Hkv, g * q, D)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash = _CPU_FLASH
     outs, lses, at = [], [], 0
     for k, v in segments:
         m = k.shape[1]

@@ -19,7 +19,7 @@ from unmask.engine.engine import Engine
 from unmask.engine.kv_budget import gpu_blocks, pool_blocks, token_blocks
 from unmask.engine.kv_cache import LaneCache
 from unmask.engine.kv_pool import KVPool, PoolFull
-from unmask.engine.lane_attention import lane_attend, use_lanes
+from unmask.engine.lane_attention import _merged_runs, _score_runs, lane_attend, use_lanes
 from unmask.engine.limits import ParamError
 from unmask.engine.model import load_model
 from unmask.engine.options import EngineConfig
@@ -114,8 +114,9 @@ def test_runs_split_where_storage_does_and_segments_are_views():
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
 def test_attention_over_pieces_equals_one_sdpa_call_over_the_joined_keys(gqa, masked):
-    """Lane attention over a lane's runs (a shared prefix's blocks, then its own): the scores of every run side by
-    side and one softmax equal SDPA over the joined keys (float32 rounding); one run is that SDPA call itself."""
+    """Lane attention over a lane's runs (a shared prefix's blocks, then its own): one fused call per run merged by
+    log-sum-exp (the CPU's way) and the scores of every run side by side with one softmax (elsewhere) equal SDPA over
+    the joined keys (float32 rounding); one run is that SDPA call itself."""
     g = torch.Generator().manual_seed(gqa)
     Hkv, q, D = 2, 5, 16
     query = torch.randn(Hkv * gqa, q, D, generator=g)
@@ -127,8 +128,9 @@ def test_attention_over_pieces_equals_one_sdpa_call_over_the_joined_keys(gqa, ma
         mask[..., 0] = True
     want = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask, scale=0.25,
                                           enable_gqa=gqa > 1)[0].transpose(0, 1)
-    got = lane_attend(query, pieces, mask, 0.25)
-    assert got.shape == (q, Hkv * gqa, D) and torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+    for way in (lane_attend, _merged_runs, _score_runs):  # the CPU's way, and the scores' (off the CPU)
+        got = way(query, pieces, mask, 0.25)
+        assert got.shape == (q, Hkv * gqa, D) and torch.allclose(got, want, atol=2e-6, rtol=1e-5), way
     one = lane_attend(query, [(keys, values)], mask, 0.25)
     assert torch.equal(one, want)
 
