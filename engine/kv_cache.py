@@ -63,8 +63,7 @@ class LaneCache:
         self.table: list[int] = []
         self.layers = 0  # layers written so far
         self._n = 0
-        self.pos: torch.Tensor | None = None
-        self.grp: torch.Tensor | None = None
+        self._meta: torch.Tensor | None = None  # [2, capacity] int64 on the host: positions, groups (doubling)
         self.carry_slot = -1
         self.carry_position = -1
         self._runs: tuple[int, list] | None = None  # (end, runs) of the last :meth:`_runs_to`
@@ -91,6 +90,16 @@ class LaneCache:
     def length(self) -> int:
         """Number of cached tokens."""
         return self._n
+
+    @property
+    def pos(self) -> torch.Tensor | None:
+        """``[n]`` int64 positions of the cached tokens (a view; None when nothing is cached)."""
+        return self._meta[0, :self._n] if self._n else None
+
+    @property
+    def grp(self) -> torch.Tensor | None:
+        """``[n]`` int64 attention groups of the cached tokens (a view; None when nothing is cached)."""
+        return self._meta[1, :self._n] if self._n else None
 
     @property
     def capacity(self) -> int:
@@ -205,7 +214,7 @@ class LaneCache:
 
     def reset(self) -> None:
         """Forget the cached tokens but keep the blocks (a prefix/dual cache refresh refills them at once)."""
-        self._n, self.pos, self.grp = 0, None, None
+        self._n = 0
         self.carry_position = -1
 
     @classmethod
@@ -258,9 +267,16 @@ class LaneCache:
         (:meth:`BatchKV.commit`), with their ``[m]`` positions and groups."""
         if self._n + m > self.capacity:
             raise ValueError(f"LaneCache: {m} scratch positions after {self._n} exceed the capacity {self.capacity}")
-        self._n += m
-        self.pos = pos.clone() if self.pos is None else torch.cat([self.pos, pos])
-        self.grp = grp.clone() if self.grp is None else torch.cat([self.grp, grp])
+        n = self._n
+        if self._meta is None or self._meta.shape[1] < n + m:  # doubling: a commit costs its own rows, amortized
+            grown = torch.empty(2, max(n + m, 2 * (self._meta.shape[1] if self._meta is not None else 0), 16),
+                                dtype=torch.long)
+            if n:
+                grown[:, :n] = self._meta[:, :n]
+            self._meta = grown
+        self._meta[0, n:n + m] = pos
+        self._meta[1, n:n + m] = grp
+        self._n = n + m
 
 
 class CarryPool:

@@ -309,3 +309,16 @@ def test_a_collected_lane_returns_its_blocks_to_the_pool_it_holds_them_from():
     del lane
     gc.collect()
     assert pool.used_blocks == 0 and own.used_blocks == 0
+
+
+def test_a_commit_costs_its_own_rows_of_metadata_not_the_whole_lanes():
+    """The cached tokens' positions and groups live in a doubling host buffer: 300 one-token commits reallocate it
+    a handful of times (a concatenation per commit copied the lane's whole metadata each step)."""
+    lane = LaneCache(pool=KVPool(block_tokens=4))
+    buffers = set()
+    for i in range(300):
+        lane.append([torch.zeros(1, 1, 2)], [torch.zeros(1, 1, 2)], torch.tensor([i]), torch.tensor([i // 4]))
+        buffers.add(lane.pos.untyped_storage().data_ptr())
+    assert len(buffers) <= 6 and lane.pos.tolist() == list(range(300)) and lane.grp.tolist() == [i // 4 for i in range(300)]
+    lane.reset()
+    assert lane.pos is None and lane.grp is None
