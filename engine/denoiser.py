@@ -54,6 +54,7 @@ class Denoiser:
         self.forbidden = torch.tensor(model.dllm.never_generate_ids, dtype=torch.long, device=self.device)
         self.forwards = 0  # batched forward passes run by this denoiser (engine-level NFE)
         self.carry = CarryPool()  # every lane's carried logits, on the device
+        self.forward_overhead_rows = forward_overhead_rows(model.model)  # plan_forwards' fixed cost of a forward
         self.encoder_store = None  # an encoder-decoder family's encoder KV reuse (engine/encoder_prefix.py)
         self.compiled = bool(compile)
         if compile:
@@ -112,10 +113,6 @@ class Denoiser:
         events = self._step_groups(seqs, inputs, prefilling, groups)
         return [e for e in events if e is not None]
 
-    #: fixed cost of one batched forward, in padded rows (weight streaming, per-layer launches): the
-    #: :func:`plan_forwards` cost model. On the 2-core CPU measured, a 1-row pass of the 30 layers' linears takes
-    #: ~30 ms and each further row ~4 ms (``benchmarks/bench_gemm_rows.py``): ~8 rows; GPUs are higher.
-    forward_overhead_rows = 16
 
     def _step_groups(self, seqs: list[DecodingStrategy], inputs: list[list[LaneInput]], prefilling: list[bool],
                      groups: list[list[int]]) -> list[StepEvent | None]:
@@ -260,13 +257,17 @@ class Denoiser:
         extra = {} if variant is None else {"variant_host": self._variant_host[g_rows, g_cols]}
         head = self.model.logits(hidden[idx[0], idx[1]],
                                  variant_rows=variant[idx[0], idx[1]] if variant is not None else None, **extra)
-        plan = to_device(torch.tensor([[o for o, _ in take], [h for _, h in take]], dtype=torch.long).reshape(2, -1), dev)
-        out = head.new_empty(n_out, head.shape[-1])
-        out[plan[0]] = head[plan[1]]
-        if carry_dst:  # read before this step's carries overwrite the slots
-            at = to_device(torch.tensor([carry_dst, carry_src], dtype=torch.long), dev)
-            out[at[0]] = self.carry.rows[at[1]]
-        if new_slots:
+        if not carry_dst and len(g_cols) == n_out:  # the LM-head rows are the needed rows, in order: no copy
+            out = head
+        else:
+            plan = to_device(torch.tensor([[o for o, _ in take], [h for _, h in take]], dtype=torch.long).reshape(2, -1),
+                             dev)
+            out = head.new_empty(n_out, head.shape[-1])
+            out[plan[0]] = head[plan[1]]
+            if carry_dst:  # read before this step's carries overwrite the slots
+                at = to_device(torch.tensor([carry_dst, carry_src], dtype=torch.long), dev)
+                out[at[0]] = self.carry.rows[at[1]]
+        if new_slots:  # copies (advanced indexing) before the sampler edits ``out`` in place
             self.carry.write(new_slots, head[to_device(torch.tensor(new_src, dtype=torch.long), dev)])
         return out, spans
 
@@ -287,6 +288,25 @@ def lane_index(inp: LaneInput, position: int) -> int:
     """The lane ``inp`` belongs to: its own ``lane`` when set (a prompt chunk of some lanes only), else its position
     in the sequence's list of lane inputs."""
     return position if inp.lane is None else inp.lane
+
+
+#: a forward's fixed host work per decoder layer (launches, Python) in the FLOPs of row work it costs as much as:
+#: measured on the 2-core CPU (1 thread), the tiny LLaDA2 replica (3 layers, 0.21M parameters) forwards 1 x 32 rows
+#: in 3.7 ms, 8 x 32 in 5.9, 8 x 64 in 8.6 (~1.2 ms a layer fixed, ~0.01 ms a row: ~4e10 FLOP/s)
+HOST_FLOPS_PER_LAYER = 5e7
+
+
+def forward_overhead_rows(module: torch.nn.Module) -> int:
+    """The fixed cost of one batched forward in padded rows (the :func:`plan_forwards` cost model): 16 for weight
+    streaming (on the 2-core CPU measured a 1-row pass of SmolLM2's 30 layers' linears takes ~30 ms and each further
+    row ~4 ms, ``benchmarks/bench_gemm_rows.py``: ~8 rows) plus the host's per-layer work over a row's FLOPs (2 per
+    parameter): ``L * HOST_FLOPS_PER_LAYER / (2 N)``. ~22 rows for SmolLM2-135M, 16 for billion-parameter models,
+    several hundred for the tests' tiny models, whose padded rows cost next to nothing (splitting their batch into
+    several forwards made a step slower)."""
+    config = getattr(module.config, "text_config", None) or module.config
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    params = max(1, sum(p.numel() for p in module.parameters()))
+    return int(16 + layers * HOST_FLOPS_PER_LAYER / (2 * params))
 
 
 def plan_forwards(widths: list[int], lanes: list[int], overhead_rows: int) -> list[list[int]]:

@@ -30,7 +30,6 @@ from dataclasses import replace
 
 import torch
 
-from .attention import canvas_groups
 from .outputs import StepEvent
 from .request import LaneInput
 from .reveals import HostRows, to_host
@@ -90,8 +89,7 @@ class RefinementSequence(Sequence):
     def lane_inputs(self) -> list[LaneInput]:
         """The active block (after the cached prefix), with every generated position's logits read."""
         a, e = self.active
-        grp, start, committed = canvas_groups(self.length, self.dllm.attention, a, a, e, self.block_size,
-                                              self.origin, device=self.device)
+        grp, start, committed = self._groups(a, e)
         out_pos = self._block_positions()
         inputs = []
         for lane in self.lanes:

@@ -346,11 +346,11 @@ class Request:
         if self.finished:
             return
         stopper = self.stopper
-        rest = self.canvas[self.prompt_len + len(stopper.prefix): self.stop_scan_end()]
-        masks = (rest == self.dllm.mask_token_id).nonzero()
-        n_new = int(masks[0, 0]) if masks.numel() else int(rest.numel())
+        rest = self.canvas[self.prompt_len + len(stopper.prefix): self.stop_scan_end()].tolist()
+        mask = self.dllm.mask_token_id
+        new = rest[: rest.index(mask)] if mask in rest else rest  # the revealed run before the first mask
         shown = stopper.stream_text
-        done = stopper.update(rest[:n_new].tolist() if n_new else [], self.block_idx >= len(self.blocks))
+        done = stopper.update(new, self.block_idx >= len(self.blocks))
         if done is not None:
             self._finish(*done)
         elif len(stopper.stream_text) > len(shown) and self.first_token_time is None:

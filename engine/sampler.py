@@ -451,16 +451,15 @@ def select_segments(cands: Candidates, segments: list[tuple[int, int, int | None
     W = max([hi - lo for lo, hi, _, _ in segments] + [0])
     if not S or not W:
         return torch.zeros(N, dtype=torch.bool, device=dev)
-    idx = torch.full((S, W), N, dtype=torch.long)  # N: a padding row (score -inf, never chosen)
-    quota = torch.zeros(S, 1, dtype=torch.long)
-    tau = torch.full((S, 1), 2.0, dtype=torch.float64)  # > any probability: no threshold
-    for s, (lo, hi, q, t) in enumerate(segments):
-        idx[s, : hi - lo] = torch.arange(lo, hi)
-        if t is not None:
-            tau[s, 0] = float(t)
-            quota[s, 0] = 1  # the best one always
-        else:
-            quota[s, 0] = max(1, min(int(q or 1), hi - lo)) if hi > lo else 0
+    # per segment: its first row, its rows, its quota (the best one always under a threshold) and threshold (2.0, above
+    # any probability: none)
+    lo = torch.tensor([[seg[0], seg[1] - seg[0], 1 if seg[3] is not None else
+                        (max(1, min(int(seg[2] or 1), seg[1] - seg[0])) if seg[1] > seg[0] else 0)]
+                       for seg in segments], dtype=torch.long)
+    col = torch.arange(W)[None, :]
+    idx = torch.where(col < lo[:, 1:2], lo[:, :1] + col, N)  # N: a padding row (score -inf, never chosen)
+    quota = lo[:, 2:3]
+    tau = torch.tensor([[2.0 if t is None else float(t)] for _, _, _, t in segments], dtype=torch.float64)
     both = to_device(torch.cat([idx, quota], 1), dev)  # one copy for the indices and quotas
     idx, quota, tau = both[:, :W], both[:, W:], to_device(tau, dev)
     pad = torch.full((1,), NEG_INF, dtype=torch.float64, device=dev)

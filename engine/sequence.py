@@ -71,8 +71,8 @@ class Sequence(Request):
         a, e = self.active
         L = self.length
         masked = self._window_masked()
-        grp, start, committed = canvas_groups(L, self.dllm.attention, a, a, e, self.block_size, self.origin,
-                                              device=self.device)
+        self._step_masked = (self.step, masked)  # the step's masked positions (read again by its reveal pass)
+        grp, start, committed = self._groups(a, e)
         out_pos = masked - 1 if self.dllm.logit_shift else masked
         mode = self.cache_mode
         causal = self.dllm.attention != "bidirectional"
@@ -115,8 +115,8 @@ class Sequence(Request):
             tokens = self.canvas.clone()
             tokens[: self.prompt_len] = self.dllm.mask_token_id
         grp, start, committed = masks
-        needed = torch.where(out_pos >= lo, out_pos - lo, torch.full_like(out_pos, -1))
-        if bool((needed < 0).any()) and lane.cache.carry_position != int(a - 1):
+        needed = (out_pos - lo).clamp_min(-1)  # out_pos ascending: only its first rows can precede the chunk
+        if out_pos.numel() and int(out_pos[0]) < lo and lane.cache.carry_position != int(a - 1):
             raise RuntimeError(f"{self.request_id}: missing carry logits for position {a - 1}")  # pragma: no cover
         carry_index = (a - 1 - lo) if (self.dllm.logit_shift and lo <= a - 1 < hi and self.cache_mode != "none") else -1
         return LaneInput(tokens=tokens[lo:hi], chunk=torch.arange(lo, hi, device=self.device), grp=grp[lo:hi],
@@ -176,8 +176,20 @@ class Sequence(Request):
 
     def masked_positions(self) -> torch.Tensor:
         """Canvas positions being predicted this step (the masked positions of the active window; ``[N]`` int64,
-        host)."""
+        host): those :meth:`lane_inputs` found, when it ran for this step (the canvas changes only at a reveal)."""
+        memo = getattr(self, "_step_masked", None)
+        if memo is not None and memo[0] == self.step:
+            return memo[1]
         return self._window_masked()
+
+    def _groups(self, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`~unmask.engine.attention.canvas_groups` of the canvas with ``[a, e)`` active, kept while the
+        active block stays (a block's steps all share it)."""
+        memo = getattr(self, "_groups_memo", None)
+        if memo is None or memo[0] != (a, e):
+            memo = self._groups_memo = ((a, e), canvas_groups(self.length, self.dllm.attention, a, a, e,
+                                                              self.block_size, self.origin, device=self.device))
+        return memo[1]
 
     def min_tokens_rows(self, masked: torch.Tensor) -> torch.Tensor | None:
         """``[N]`` bool: masked positions where EOS/stop ids are forbidden by ``min_tokens``."""
@@ -204,11 +216,15 @@ class Sequence(Request):
         :meth:`~unmask.engine.reveals.HostRows.picked` for the step's ``segments``, ascending without), advance
         the block/step counters, check EOS/stop/length; returns the step's :class:`StepEvent`."""
         picked = rows.picked(segments) if segments else [i for i, c in enumerate(rows.chosen) if c]
-        revealed = self.record(masked[picked].tolist(), rows.take(picked))
+        at = masked.tolist()
+        revealed = self.record([at[i] for i in picked], rows.take(picked))
         block = self.block_idx
         step = self.step
         self.step += 1
         self.step_in_block += 1
         self.step_in_window += 1
-        self._skip_empty_blocks()
+        if segments and len(picked) < int(masked.numel()):  # ``masked`` is the window's: masks are left in it
+            self._check_finished()
+        else:
+            self._skip_empty_blocks()
         return self.event(block, step, revealed)

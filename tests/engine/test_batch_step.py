@@ -36,8 +36,10 @@ MIXED = [
 
 
 def _decode(llm: LLM, requests: list[dict]) -> list[list]:
-    """Every request's events (block, step, revealed positions/tokens/logprobs in reveal order), decoded together."""
-    engine = llm._engine(16)
+    """Every request's events (block, step, revealed positions/tokens/logprobs in reveal order), decoded together
+    by a fresh engine over ``llm``'s model (its own prefix cache: a prompt another call cached is not loaded, so
+    two calls forward the same rows)."""
+    engine = LLM(llm.model)._engine(16)
     tok = llm.tokenizer
     ids = {}
     for i, kw in enumerate(requests):
@@ -163,17 +165,17 @@ def test_refinement_requests_refined_together_equal_their_own_consume(monkeypatc
     ``logit_bias``, ``min_tokens`` and ``top_logprobs``."""
     from llada2_tiny import loaded_llada2
 
-    model = loaded_llada2(seed=1)
-    # each mode with its own engine (a cold prefix cache), and each prompt at one block size
+    llm = LLM(loaded_llada2(seed=1))
+    # each prompt at one block size
     reqs = [dict(temperature=0, block_size=8, threshold=0.7, prompt=0),
             dict(temperature=0, block_size=8, threshold=0.5, editing_threshold=0.4, logprobs=True, top_logprobs=2,
                  prompt=0),
             dict(temperature=0.9, seed=4, block_size=8, top_k=30, threshold=0.6, editing_threshold=0.3, prompt=0),
             dict(temperature=0.7, seed=5, block_size=4, steps=6, logit_bias={9: 2.0}, min_tokens=3, prompt=1),
             dict(temperature=0, block_size=4, threshold=0.9, top_p=0.8, prompt=2)]
-    together = _decode(LLM(model, max_batch_size=16), reqs)
+    together = _decode(llm, reqs)
     monkeypatch.setattr(denoiser_module, "batchable", lambda seq: False)
-    assert _decode(LLM(model, max_batch_size=16), reqs) == together
+    assert _decode(llm, reqs) == together
 
 
 #: speculative requests of every verification rule, decoded together (issue 42: one verification pass per step)

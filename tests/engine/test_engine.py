@@ -623,12 +623,31 @@ def test_plan_forwards_is_the_cheapest_split(seed):
     assert plan_forwards([1] * 31 + [40], [1] * 32, 16) == [list(range(31)), [31]]
 
 
-def test_prefill_joining_one_row_steps_runs_apart_and_changes_nothing(llms):
+def test_a_forwards_fixed_cost_in_rows_follows_the_models_size():
+    """``forward_overhead_rows``: 16 rows of weight streaming plus the host's per-layer work over a row's FLOPs, so
+    a tiny model (a padded row costs it next to nothing) is not split into several forwards and a real one is."""
+    from types import SimpleNamespace
+
+    from unmask.engine.denoiser import HOST_FLOPS_PER_LAYER, forward_overhead_rows
+
+    def model(layers, params):  # ``params`` parameters on the meta device (no memory)
+        m = torch.nn.Linear(1, params, bias=False, device="meta")
+        m.config = SimpleNamespace(num_hidden_layers=layers)
+        return m
+
+    small, big = model(2, 100_000), model(30, 135_000_000)  # the tests' tiny Llama; SmolLM2-135M
+    assert forward_overhead_rows(small) == int(16 + 2 * HOST_FLOPS_PER_LAYER / (2 * 100_000)) > 400
+    assert 16 <= forward_overhead_rows(big) <= 30
+
+
+def test_prefill_joining_one_row_steps_runs_apart_and_changes_nothing(llms, monkeypatch):
     """A joining request's prompt prefill is forwarded apart from the others' one-row block-1 steps (no [B, prompt]
-    padding), and every request (CFG lanes included) still gets the tokens it gets alone."""
+    padding) at a real model's forward cost (16 rows; the tiny model's own, hundreds of rows, never splits), and
+    every request (CFG lanes included) still gets the tokens it gets alone."""
     from unmask.engine.scheduler import Scheduler
 
     llm = llms["prefix_causal"]
+    monkeypatch.setattr(llm.denoiser, "forward_overhead_rows", 16)
     params = [SamplingParams(max_tokens=10, temperature=0.8, seed=s, block_size=1, ignore_eos=True,
                              cfg_scale=1.5 if s == 2 else 0.0) for s in range(3)]
     alone = [llm.generate(PROMPTS[i], p)[0].outputs[0].token_ids for i, p in enumerate(params)]
