@@ -5,6 +5,10 @@ against that commit, and compared with the pool's by ``tests/engine/test_kv_pool
 Record (from a checkout of the old commit, importing its ``unmask``)::
 
     python tests/engine/kv_pool_golden.py tests/engine/golden/kv_pool_paths.json
+
+A later change that alters these tokens on purpose (a sampling rule, a checkpoint of ``decoding_paths``) records them
+again from its own tree with the same command, saying so in its commit; the pool's own equalities stay covered by
+``test_kv_pool.py``'s other tests (pieces vs one SDPA call, fragmented pools, prefix-reusing chats).
 """
 from __future__ import annotations
 
