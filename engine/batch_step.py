@@ -3,7 +3,7 @@
 Every unconstrained plain or multi-block sequence of a forward contributes its masked rows; CFG, the forbidden ids,
 ``min_tokens``, ``logit_bias``, penalties, top-k/top-p, the draws (counter-based, ``unmask.engine.noise``), the
 scores and the reveal rule (quota or threshold per window or active block) run over all rows at once on the
-model's device (``unmask.engine.sampler.sample_groups``, ``select_segments``), and the step's outcome reaches the
+model's device (``unmask.engine.sampler.sample_groups``, ``unmask.engine.reveal_rule.select_segments``), and the step's outcome reaches the
 host in one copy (``unmask.engine.reveals.to_host``). Each sequence then applies its rows on the host
 (``Sequence.reveal``): the same reveals, in the same order, as its own ``consume`` gives (tested), so a batch's
 tokens are each sequence's alone (batch invariance, docs/design.md#exactness-contracts-by-device-and-dtype).
@@ -16,7 +16,8 @@ import torch
 
 from .outputs import StepEvent
 from .reveals import to_host
-from .sampler import sample_groups, select_segments
+from .reveal_rule import select_segments
+from .sampler import sample_groups
 from .refinement import RefinementSequence, refine_batch
 from .sequence import Sequence, guided_rows
 from .speculative import SpeculativeSequence

@@ -44,7 +44,7 @@ def sample_chain(logits: torch.Tensor, grammar: GrammarState, params, draws: Dra
             masked positions of the active window, in position order.
         grammar: the request's state (its pushed stack empty). params: the request's parameters.
         draws: the step's counter-based draws, one row per masked position (``unmask.engine.noise``).
-        quota / threshold: as :func:`~unmask.engine.sampler.select_reveals` (one of them is set).
+        quota / threshold: as :func:`~unmask.engine.reveal_rule.select_reveals` (one of them is set).
 
     Returns:
         :class:`~unmask.engine.sampler.Candidates` of the kept rows 0..k-1 (k >= 1 when N >= 1).

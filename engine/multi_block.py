@@ -33,7 +33,7 @@ from .attention import canvas_groups
 from .outputs import StepEvent
 from .request import LaneInput
 from .reveals import HostRows
-from .sampler import reveal_count
+from .reveal_rule import reveal_count
 from .sequence import Sequence
 
 __all__ = ["MultiBlockSequence"]

@@ -15,8 +15,9 @@ from .outputs import StepEvent
 from .request import LaneInput, Request
 from .reveals import HostRows, to_host
 from .transfer import to_device
-from .sampler import (Candidates, RowGroup, classifier_free_guidance, forced_candidates, prepare_groups, reveal_count,
-                      sample_groups, select_segments)
+from .reveal_rule import reveal_count, select_segments
+from .sampler import (Candidates, RowGroup, classifier_free_guidance, forced_candidates, prepare_groups,
+                      sample_groups)
 
 __all__ = ["Sequence", "guided_rows"]
 
@@ -199,7 +200,7 @@ class Sequence(Request):
 
     def reveal_segments(self, masked: torch.Tensor) -> list[tuple[int, int, int | None, float | None]]:
         """The reveal rule of this step over its ``[N]`` masked rows: ``(lo, hi, quota, threshold)`` per segment
-        (:func:`~unmask.engine.sampler.select_segments`): one, the window's quota or threshold."""
+        (:func:`~unmask.engine.reveal_rule.select_segments`): one, the window's quota or threshold."""
         steps_left = self.window_steps[self.win_idx] - self.step_in_window
         n = int(masked.numel())
         quota = None if self.threshold is not None else reveal_count(n, steps_left)

@@ -16,7 +16,8 @@ from sync_counter import SyncCounter  # noqa: E402
 from unmask.engine import LLM, SamplingParams  # noqa: E402
 from unmask.engine import denoiser as denoiser_module  # noqa: E402
 from unmask.engine.noise import GUMBEL, REMASK, Draws, row_keys, uniform  # noqa: E402
-from unmask.engine.sampler import Candidates, RowGroup, sample_groups, select_segments  # noqa: E402
+from unmask.engine.reveal_rule import select_segments  # noqa: E402
+from unmask.engine.sampler import Candidates, RowGroup, sample_groups  # noqa: E402
 
 #: one request of each kind the batched pass serves, decoded together (and a constrained one beside them, which
 #: takes its own path in the same forwards)

@@ -12,7 +12,8 @@ from tiny import loaded
 from unmask.engine import LLM, ParamError, SamplingParams
 from unmask.engine.plan import resolve_params
 from unmask.engine.noise import Draws
-from unmask.engine.sampler import filter_top_k_top_p, reveal_count, sample_candidates
+from unmask.engine.reveal_rule import reveal_count
+from unmask.engine.sampler import filter_top_k_top_p, sample_candidates
 from unmask.engine.layout import split_steps
 from unmask.engine.sequence import Sequence
 

@@ -9,7 +9,8 @@ import torch
 from tiny import loaded
 from unmask.engine import LLM, SamplingParams
 from unmask.engine.noise import Draws
-from unmask.engine.sampler import sample_candidates, select_reveals
+from unmask.engine.reveal_rule import select_reveals
+from unmask.engine.sampler import sample_candidates
 
 
 def _cands(probs):
