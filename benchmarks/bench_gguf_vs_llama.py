@@ -15,13 +15,16 @@ no cost), ``-ub 192`` (its canvas is prompt + generation, and it counts blocks f
 = 6 blocks, the last two empty, so ``--diffusion-steps`` is 192 / 48 and it runs 130 / 34 forwards: two more than
 unmask's 128 / 32, reported; the per-forward ratio is reported too). Its time is its own ``total time`` line (the
 generation loop, load excluded). unmask:
-``LLM`` on the GGUF (``weights auto``: fbgemm fp16 for both files), ``cache=none`` (the same algorithm: the whole
-canvas forwarded every step) and ``cache=dual`` (Fast-dLLM's dual cache, the best cache for a bidirectional
-model; approximate), generation time of ``LLM.generate`` after a warm-up. Medians over ``--repeats`` runs,
-interleaved; CPU seconds (user + system, all threads; llama.cpp's from its first progress line on) beside the wall seconds, since on a shared machine the wall
-time is partly the scheduler's (with 2 busy threads on an oversubscribed machine every parallel region waits for
-a descheduled thread, which costs torch's many small ops per forward more than llama.cpp's graph). Both formats
-are loaded first and the step counts run outer, so a run cut during 128 steps keeps both formats at 32. Results are
+``LLM`` on the GGUF in two compute dtypes (``--dtypes``): float32 with ``weights auto`` (fbgemm fp16 for both
+files: the F16 values as they are, Q8_0's ``d * q`` rounded to fp16) and bfloat16 with ``weights native``
+(oneDNN's bf16 GEMM, AMX where the CPU has it; weights rounded to bf16, the CPU bf16 contract). Per dtype
+``cache=none`` (the same algorithm: the whole canvas forwarded every step) and ``cache=dual`` (Fast-dLLM's dual
+cache, the best cache for a bidirectional model; approximate), generation time of ``LLM.generate`` after a
+warm-up. Medians over ``--repeats`` runs, interleaved; CPU seconds (user + system, all threads; llama.cpp's from
+its first progress line on) beside the wall seconds, since on a shared machine the wall time is partly the
+scheduler's (with 2 busy threads on an oversubscribed machine every parallel region waits for a descheduled
+thread, which costs torch's many small ops per forward more than llama.cpp's graph). All models are loaded first
+and the step counts run outer, so a run cut during 128 steps keeps every format at 32. Results are
 written after every configuration, so a cut run keeps what it measured.
 
 llama.cpp binary: ``llama-diffusion-cli-noamx`` when built (``AMX=0``), else the native one: on the VM measured
@@ -54,7 +57,8 @@ SHAPE = {"d_model": 1024, "n_layers": 28, "n_heads": 16, "n_kv_heads": 16, "mlp_
 TARGETS = {"none": 1.5, "dual": 4.0}  # issue 45: unmask / llama.cpp
 #: unmask's compute dtypes and the weight format each runs with: float32 activations with fbgemm's fp16 weights (the
 #: CPU default, the file's F16 values as they are), or bfloat16 weights and activations (``--dtype bfloat16``: oneDNN's
-#: bf16 GEMM, AMX where the CPU has it; weights rounded from F16 to bf16, docs/design.md#exactness-contracts-by-device-and-dtype)
+#: bf16 GEMM, AMX where the CPU has it; weights rounded from F16 to bf16: the CPU bf16 column of
+#: docs/design.md#exactness-contracts-by-device-and-dtype)
 DTYPES = {"float32": "auto", "bfloat16": "native"}
 
 
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="f16,q8_0")
     ap.add_argument("--steps", default="32,128")
     ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="unmask's compute dtypes: float32 (weights auto: fbgemm fp16) and/or bfloat16 (weights native)")
+                    help="unmask's compute dtypes: float32 (weights auto: fbgemm fp16), bfloat16 (weights native)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the configurations of the existing result file that this run does not measure")
     args = ap.parse_args(argv)
@@ -288,10 +292,12 @@ def write(args, env: dict, results: dict) -> None:
                             "unmask s", "unmask CPU s", "unmask fwd", "speed-up", "CPU-s ratio", "per forward",
                             "target", "", "load", "runs"], rows)
     md += ("\n\nGeneration 128 tokens, block 32, greedy, 2 threads, prompt 64 tokens; seconds = medians of "
-           f"{args.repeats} run(s) (generation loop only). llama.cpp's two extra forwards are its empty blocks past "
-           "the canvas (module docstring); 'per forward' compares seconds per forward; 'CPU-s ratio' compares CPU "
-           f"seconds (user + system, both threads); load = the 1-minute load average at the runs. llama.cpp: "
-           f"`{env.get('llama_diffusion_cli')}`.\n")
+           "'runs' interleaved runs (generation loop only); 'bf16' = unmask in bfloat16 (weights rounded from the "
+           "file's values to bf16), else float32 activations with fbgemm fp16 weights. llama.cpp's two extra "
+           "forwards are its empty blocks past the canvas (module docstring); 'per forward' compares seconds per "
+           "forward; 'CPU-s ratio' compares CPU seconds (user + system, both threads); load = the 1-minute load "
+           f"average at the runs. llama.cpp: `{env.get('llama_diffusion_cli')}`. With --merge the rows of other "
+           "runs keep their own 'utc', 'binary' and 'load_range' (the JSON).\n")
     data = {"environment": env, "settings": {"gen": GEN, "block": BLOCK, "prompt_tokens": PROMPT_TOKENS,
                                              "threads": args.threads, "repeats": args.repeats, "shape": SHAPE},
             "results": results, "targets": TARGETS}
