@@ -148,7 +148,8 @@ class Engine:
         plan = plan_request(self.model, params, defaults)  # once: max_tokens changes no other choice
         if fit_max_tokens:
             m = self.scheduler.fit_max_tokens(len(prompt_ids), params.max_tokens,
-                                              self._need(prompt_ids, plan, defaults.max_context), defaults.max_context)
+                                              self._need(prompt_ids, plan, defaults.max_context), defaults.max_context,
+                                              plan.lanes)
             p = plan.params
             plan = replace(plan, params=replace(p, max_tokens=m, min_tokens=min(p.min_tokens, m)))
         return make_requests(self.model, prompt_ids, plan.params, request_id, n, defaults, plan)

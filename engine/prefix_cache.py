@@ -15,9 +15,10 @@ weights, the block grouping)``:
   the verifier's weights and a plain one's the drafter's, so the two never share; a mask-row adapter runs only on
   non-committed rows (docs/design.md#mask-row-adapter), so it does not split the key;
 * positions: chains start at position 0, so chunk i always holds positions ``[i C, (i + 1) C)``;
-* block grouping: ``block_causal`` with blocks aligned at 0 groups committed tokens by absolute block, so chunks
-  are whole blocks (C rounded up to a multiple of the block size) and the block size is in the key; with blocks
-  aligned at the generation only the prompt (causal) part of a request is kept.
+* block grouping: ``block_causal`` with blocks aligned at 0 groups committed tokens by absolute block of the
+  *request's* block size (a request may pick another than the model's; a prompt token sees its whole block, so its
+  KV differs with the block size), so chunks are whole blocks of it (C rounded up to a multiple of it) and it is in
+  the key; with blocks aligned at the generation only the prompt (causal) part of a request is kept.
 
 Never shared: bidirectional models (their prompt KV depends on the canvas), requests without the exact cache
 (``cache: none``, Fast-dLLM's approximate caches), the unconditional CFG lane (its prompt is mask tokens).
@@ -123,6 +124,10 @@ class _Chunk:
     blocks: list[int]  # the KV pool's blocks of C consecutive committed positions (one reference each)
     grp: torch.Tensor  # [C] int64 attention groups as committed
 
+    @property
+    def tokens(self) -> int:
+        return int(self.grp.numel())
+
 
 class PrefixCache:
     """The LRU store of committed-KV chunks of one model (not thread-safe: the engine thread alone calls it).
@@ -150,6 +155,7 @@ class PrefixCache:
         self.max_tokens = int(max_tokens)
         self.limit = self.max_tokens  # tokens the store may hold now (the scheduler lowers it to the free budget)
         self._chunks: collections.OrderedDict[bytes, _Chunk] = collections.OrderedDict()  # least recent first
+        self._held = 0  # tokens of the chunks held
         self.queries = self.hits = 0
         self.evicted = 0  # chunks evicted so far
         self.pool = None  # the KV pool whose blocks the chunks are (the first registered lane's)
@@ -158,14 +164,22 @@ class PrefixCache:
     @property
     def tokens(self) -> int:
         """Tokens held."""
-        return len(self._chunks) * self.chunk_tokens_held
+        return self._held
 
     @property
     def chunk_tokens_held(self) -> int:
-        """Tokens of one stored chunk (:meth:`granularity` of the model)."""
+        """Tokens of one stored chunk of a request at the model's block size (:meth:`chunk_tokens_of`)."""
+        return self._chunk_tokens(int(self.model.dllm.block_size))
+
+    def chunk_tokens_of(self, seq) -> int:
+        """Tokens of one of ``seq``'s chunks: C and the pool's block rounded up to whole blocks of the request's
+        block size on an absolute block-causal model (its committed tokens are grouped by them)."""
+        return self._chunk_tokens(int(seq.block_size))
+
+    def _chunk_tokens(self, block_size: int) -> int:
         d = self.model.dllm
         if d.attention == "block_causal" and d.block_alignment == "absolute":
-            return math.lcm(self.chunk_tokens, int(d.block_size), BLOCK_TOKENS)
+            return math.lcm(self.chunk_tokens, block_size, BLOCK_TOKENS)
         return math.lcm(self.chunk_tokens, BLOCK_TOKENS)
 
     def _root(self, seq) -> bytes | None:
@@ -175,8 +189,11 @@ class PrefixCache:
             return None
         rv = self.model.row_variant
         variant = rv is not None and getattr(rv, "rows", None) != "uncommitted" and seq.committed_rows_variant
-        grouping = f"{d.block_alignment}/{d.block_size}" if d.attention == "block_causal" else "causal"
-        desc = f"{self.fingerprint}|{d.attention}|{grouping}|variant={variant}|C={self.chunk_tokens_held}"
+        # absolute blocks: the request's block size groups its committed tokens (a request may pick its own); from
+        # the generation only the (causal) prompt part is stored
+        size = seq.block_size if d.block_alignment == "absolute" else d.block_size
+        grouping = f"{d.block_alignment}/{size}" if d.attention == "block_causal" else "causal"
+        desc = f"{self.fingerprint}|{d.attention}|{grouping}|variant={variant}|C={self.chunk_tokens_of(seq)}"
         if seq.cache_salt is not None:  # a tenant's (and cache_salt's) own chains: never matched by another salt
             desc += _salt_part(seq.cache_salt)
         return hashlib.sha256(desc.encode()).digest()
@@ -203,7 +220,7 @@ class PrefixCache:
         step may find chunks another sequence stored meanwhile). Returns the tokens loaded (0 for a request that
         never shares)."""
         lane = seq.lanes[0].cache  # the cond lane (a CFG request's uncond lane is never shared)
-        C = self.chunk_tokens_held
+        C = self.chunk_tokens_of(seq)
         have = len(seq.prefix_chain)
         if seq.nfe or lane.length != have * C:  # the cheap checks first: called before every step of a prefill
             return 0
@@ -250,7 +267,7 @@ class PrefixCache:
         if root is None:
             return 0
         chain = seq.prefix_chain
-        C = self.chunk_tokens_held
+        C = self.chunk_tokens_of(seq)
         n_chunks = self._storable(seq) // C
         if len(chain) >= n_chunks:
             return 0
@@ -267,6 +284,7 @@ class PrefixCache:
             self.attach(lane.pool)
             self.pool.incref(blocks)  # the lane's own blocks, shared: no copy
             self._chunks[h] = _Chunk(blocks, lane.grp[i * C:(i + 1) * C].clone())
+            self._held += C
             added += 1
         for h in reversed(chain):  # most recent: the root end, so that eviction takes a chain's tail first
             if h in self._chunks:
@@ -295,7 +313,9 @@ class PrefixCache:
 
     def _drop(self, key: bytes) -> None:
         """Evict one chunk, releasing its blocks (freed unless a lane still holds them)."""
-        self.pool.decref(self._chunks.pop(key).blocks)
+        chunk = self._chunks.pop(key)
+        self.pool.decref(chunk.blocks)
+        self._held -= chunk.tokens
         self.evicted += 1
 
     def _sole(self, chunk: _Chunk) -> bool:
@@ -328,8 +348,7 @@ class PrefixCache:
     def _make_room(self, tokens: int, protect: set) -> bool:
         """Evict least recently used chunks not in ``protect`` until ``tokens`` more fit under :attr:`limit`;
         False when they cannot."""
-        C = self.chunk_tokens_held
-        while len(self._chunks) * C + tokens > self.limit:
+        while self._held + tokens > self.limit:
             victim = next((h for h in self._chunks if h not in protect), None)
             if victim is None:
                 return False
@@ -338,8 +357,7 @@ class PrefixCache:
 
     def evict_to(self, limit: int) -> None:
         """Evict least recently used chunks until at most ``limit`` tokens are held."""
-        C = self.chunk_tokens_held
-        while self._chunks and len(self._chunks) * C > max(0, limit):
+        while self._chunks and self._held > max(0, limit):
             self._drop(next(iter(self._chunks)))
 
     def set_limit(self, free_tokens: int | None) -> None:

@@ -212,18 +212,22 @@ class Scheduler:
         """Queue choices already admitted (:meth:`check_admission`)."""
         self.waiting.extend(reqs)
 
-    def fit_max_tokens(self, prompt_len: int, max_tokens: int, need: Callable[[int], int], max_context: int) -> int:
-        """The largest ``max_tokens`` (at most the given one) whose canvas fits the model's context and the KV
-        budget: both grow with ``max_tokens`` (the canvas is rounded up to whole blocks), so bisect.
+    def fit_max_tokens(self, prompt_len: int, max_tokens: int, need: Callable[[int], int], max_context: int,
+                       lanes: int = 1) -> int:
+        """The largest ``max_tokens`` (at most the given one) whose canvas fits the model's context, the KV budget
+        and the KV pool's blocks (:meth:`check_fits`' two bounds: a GPU's pool is sized from its free memory, with
+        or without a token budget): all grow with ``max_tokens`` (the canvas is rounded up to whole blocks), so
+        bisect.
 
         Args:
-            need: ``m -> cached tokens`` of the request with ``max_tokens = m``; raises ParamError
-                (``max_tokens``) when that canvas exceeds the context.
+            need: ``m -> cached tokens`` of the request with ``max_tokens = m`` (canvas length x ``lanes``); raises
+                ParamError (``max_tokens``) when that canvas exceeds the context.
+            lanes: the request's lanes (2 under CFG): its blocks are the canvas's per lane.
 
         Raises:
             ParamError: (``prompt``) no generation fits.
         """
-        budget = self.max_cached_tokens
+        budget, cap, T = self.max_cached_tokens, self.kv_pool.capacity_blocks, self.kv_pool.block_tokens
         last: ParamError | None = None
 
         def fits(m: int) -> bool:
@@ -235,7 +239,7 @@ class Scheduler:
                     raise
                 last = exc
                 return False
-            return budget is None or n <= budget
+            return (budget is None or n <= budget) and (cap is None or -(-n // lanes // T) * lanes <= cap)
 
         hi = min(max_tokens, max_context - prompt_len)
         best = hi if hi >= 1 and fits(hi) else None
@@ -249,9 +253,11 @@ class Scheduler:
                     hi = mid
         if best is not None:
             return best
-        if budget is not None and last is None:
-            raise ParamError("prompt", f"the prompt has {prompt_len} tokens; with the server's KV budget "
-                                       f"(--max-cached-tokens) of {budget} cached tokens no generation fits")
+        if (budget is not None or cap is not None) and last is None:
+            held = (f"KV budget (--max-cached-tokens) of {budget} cached tokens" if budget is not None else
+                    f"KV pool of {cap} blocks of {T} tokens")
+            raise ParamError("prompt", f"the prompt has {prompt_len} tokens; with the server's {held} no generation "
+                                       "fits")
         raise ParamError("prompt", f"the prompt has {prompt_len} tokens; the model's context of {max_context} "
                                    f"tokens leaves no room to generate" + (f" ({last.reason})" if last else ""))
 
