@@ -15,6 +15,7 @@ import tiny
 from unmask.engine import SamplingParams
 from unmask.engine.async_engine import AsyncEngine
 from unmask.engine.engine import Engine
+from unmask.engine.kv_cache import LaneCache
 from unmask.engine.lane_attention import use_lanes
 from unmask.engine.limits import ParamError
 from unmask.server.app import build_app
@@ -175,3 +176,126 @@ def test_the_server_lowers_a_default_max_tokens_to_the_pool_and_keeps_serving():
     engine.shutdown()
     assert engine.scheduler.kv_pool.used_blocks == len([b for c in engine.engine.prefix_cache._chunks.values()
                                                           for b in c.blocks])
+
+
+@pytest.mark.parametrize("kw", KINDS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_a_request_that_exactly_fills_the_pool_decodes_the_unbounded_tokens(kw, monkeypatch):
+    """A pool of exactly the blocks a request reserves (its canvas per lane), the rest held by a stored prefix the
+    request does not share: the store is evicted for it, a speculative step near the canvas end finds no block for
+    its branches (it attends to its cached runs and the chunk instead), and the tokens are those of an unbounded
+    pool; a second request waits until the first has left, then runs in the same blocks."""
+    model = tiny.loaded()
+    use_lanes(model)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **dict(dict(temperature=0.0), **kw))
+    prompt = _ids(40, 3)  # a canvas of 48 (whole blocks): a speculative step's 20 rows at 40 pass its end
+    want = _generate_with(Engine(model, enable_prefix_caching=False), prompt, params, "a")
+    engine = Engine(model, max_batch_size=4)
+    pool, store = engine.scheduler.kv_pool, engine.prefix_cache
+    pool.set_capacity(engine.scheduler.need_blocks(engine.make_request(prompt, params, "a")[0]))
+    _generate_with(engine, _ids(32, 4), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), "warm")
+    assert store.tokens == 32 and pool.total_blocks == pool.capacity_blocks
+    refused = []
+    reserve = LaneCache.reserve
+
+    def counted(lane, tokens, required=True):
+        ok = reserve(lane, tokens, required)
+        refused.append(not ok)
+        return ok
+
+    monkeypatch.setattr(LaneCache, "reserve", counted)
+    engine.add_request(prompt, params, "a")
+    engine.add_request(prompt, params, "b")
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["a"] and pool.free_blocks == 0
+    outs = _drain(engine)
+    assert outs["a"][0].token_ids == want and outs["b"][0].token_ids == want
+    assert any(refused) == bool(kw.get("speculative"))  # branches past the canvas end found no block
+    store.clear()
+    assert pool.used_blocks == 0
+
+
+def _generate_with(engine: Engine, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
+    engine.add_request(prompt, params, rid)
+    return _drain(engine)[rid][0].token_ids
+
+
+# ------------------------------------------------------------------ mixed batches = each request alone
+#: one request of each kind the batched passes serve (plain, speculative greedy/relaxed/sampled, constrained, CFG,
+#: multi-block, logprobs), on the prefix-causal model
+CAUSAL_MIX = [
+    dict(temperature=0, block_size=4),
+    dict(temperature=0, block_size=4, threshold=0.3),
+    dict(temperature=0.9, seed=5, block_size=4, top_k=20, top_p=0.9),
+    dict(temperature=0, block_size=4, logit_bias={5: 5.0, 6: -100.0}, min_tokens=4, logprobs=True, top_logprobs=3),
+    dict(temperature=0, block_size=4, speculative=True, logprobs=True, top_logprobs=3),
+    dict(temperature=0, block_size=3, speculative=True, speculative_branches=1, min_tokens=5),
+    dict(temperature=0, block_size=4, speculative=True, speculative_ratio=0.3),
+    dict(temperature=0.8, seed=3, block_size=4, speculative=True, logprobs=True, top_logprobs=2),
+    dict(temperature=1.0, seed=4, block_size=3, speculative=True, top_k=20, top_p=0.9),
+    dict(temperature=0, block_size=4, cfg_scale=1.0),
+    dict(temperature=0, block_size=4, multi_block=0.5),
+    dict(temperature=0, block_size=4, constraint="json", max_tokens=40),
+    dict(temperature=0, block_size=4, speculative=True, constraint="json", max_tokens=40),
+    dict(temperature=0, block_size=1, logprobs=True),
+]
+#: block refinement at two block sizes (the model's 8 and 4), greedy, sampled, editing, logprobs, penalties
+LLADA2_MIX = [
+    dict(temperature=0, block_size=8, threshold=0.7),
+    dict(temperature=0, block_size=8, threshold=0.5, editing_threshold=0.4, logprobs=True, top_logprobs=2),
+    dict(temperature=0.9, seed=4, block_size=8, top_k=30, threshold=0.6, editing_threshold=0.3),
+    dict(temperature=0.7, seed=5, block_size=4, steps=6, logit_bias={9: 2.0}, min_tokens=3),
+    dict(temperature=0, block_size=4, threshold=0.9, top_p=0.8),
+    dict(temperature=0, block_size=8, threshold=0.6, editing_threshold=0.5, max_tokens=30),
+    dict(temperature=0, block_size=8, threshold=0.95, presence_penalty=0.5, repetition_penalty=1.2),
+]
+
+
+def _mix_arrivals(model, reqs: list[dict]) -> list[tuple]:
+    """``(prompt, params, id, 1)`` per request: a shared 3-sentence system text, then one of the paths' prompts."""
+    import decoding_paths as dp
+    from unmask.engine import Constraint
+
+    out = []
+    for i, kw in enumerate(reqs):
+        kw = dict(kw)
+        if kw.pop("constraint", None):
+            kw["constraint"] = Constraint("json_schema", dp.SCHEMA)
+        flat = dict({"speculative": False, "max_tokens": 12, "ignore_eos": "constraint" not in kw}, **kw)
+        prompt = model.tokenizer("system prompt shared by everyone " * 3 + dp.PROMPTS[i % 3]).input_ids
+        out.append((prompt, SamplingParams.from_flat(**flat), f"r{i}", 1))
+    return out
+
+
+def _mixed_equals_alone(model, reqs: list[dict], budget: int | None) -> None:
+    arrivals = _mix_arrivals(model, reqs)
+    engine = Engine(model, max_batch_size=16, max_cached_tokens=budget)
+    together = _drain(engine, arrivals)  # one joining every other step, sharing the system prompt's blocks
+    assert engine.prefix_cache.hits > 0
+    engine.prefix_cache.clear()
+    assert engine.scheduler.kv_pool.used_blocks == 0
+    for prompt, params, rid, n in arrivals:
+        alone = _drain(Engine(model, enable_prefix_caching=False), [(prompt, params, rid, n)])[rid][0]
+        got = together[rid][0]
+        assert got.token_ids == alone.token_ids, (rid, reqs[int(rid[1:])])
+        if alone.logprobs is not None:
+            assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_a_mixed_refinement_batch_with_prefix_reuse_gives_each_request_its_tokens_alone():
+    """LLaDA2 block refinement (the batched pass, ``refine_batch``) over requests at the model's block size and
+    another, joining one every other step and sharing a system prompt through the store, in a bounded pool: each
+    request's tokens (and logprobs) are its own alone without a store (MoE: within the float32 contract; the block-4
+    request parted before the store keyed chunks by the request's block size)."""
+    from llada2_tiny import loaded_llada2
+
+    _mixed_equals_alone(loaded_llada2(seed=1), LLADA2_MIX, budget=300)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("budget", [None, 260])
+def test_a_mixed_causal_batch_with_prefix_reuse_gives_each_request_its_tokens_alone(budget):
+    """The same for the prefix-causal model's kinds: plain, speculative (greedy, relaxed, sampled, constrained), CFG,
+    multi-block, a grammar, logprobs, batched by the speculative and reveal passes."""
+    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    use_lanes(model)
+    _mixed_equals_alone(model, CAUSAL_MIX, budget)
