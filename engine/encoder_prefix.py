@@ -10,8 +10,9 @@ prompts therefore encode their prompt once, and the next turn of a chat encodes 
 Exactness: a whole-prompt hit is the very cache a fresh encode makes (the encoder at batch 1, the same calls), so
 the choice's tokens are unchanged bit for bit; a strict-prefix hit encodes the rest on top of the stored cache, as
 ``generate()`` encodes each canvas on top of its prompt, which differs from encoding the whole prompt at once in
-the last bits (float32: within the ``prefix-reuse`` contract's tolerance, docs/design.md#exactness-contracts-by-
-device-and-dtype). Bounded by ``max_entries`` snapshots, least recently used first out.
+the last bits (float32: within the ``prefix-reuse`` contract's tolerance,
+docs/design.md#exactness-contracts-by-device-and-dtype). Bounded by ``max_entries`` snapshots, least recently used
+first out.
 """
 from __future__ import annotations
 
