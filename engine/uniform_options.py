@@ -68,14 +68,20 @@ def uniform_canvas_options(params, default_sampling: dict | None = None) -> Unif
     the checkpoint's ``default_sampling`` and transformers' defaults for unset fields.
 
     Raises:
-        ParamError: a field the sampler does not honour (``_REFUSED``, named with why); a grammar constraint
-            (named by its field); ``t_max <= t_min`` (names ``t_max``, as transformers refuses it).
+        ParamError: a field the sampler does not honour (``_REFUSED``, named with why; the ``speculative_*``
+            options); a grammar constraint (named by its field); ``t_max <= t_min`` (names ``t_max``, as
+            transformers refuses it).
     """
     for name, why in _REFUSED.items():
         value = getattr(params, name, None)
         if value is None or value == _NEUTRAL.get(name, None) or value in ([], {}):
             continue
         raise ParamError(name, f"not supported by the uniform-canvas sampler (DiffusionGemma): {why}")
+    opts = params.speculative_options
+    if opts is not None:
+        name = next(f for f in type(opts).FIELDS if getattr(opts, f) is not None)
+        raise ParamError(f"speculative_{name}", "not supported by the uniform-canvas sampler (DiffusionGemma): "
+                                                "self-speculative decoding needs a prefix_causal model")
     if params.constraint is not None:
         raise ParamError(params.constraint.field, "grammar constraints reveal one left-to-right prefix; the "
                                                   "uniform-canvas sampler (DiffusionGemma) samples whole canvases")

@@ -91,11 +91,12 @@ def test_stop_strings_and_max_tokens_cut_the_final_text(replica):
 @pytest.mark.parametrize("field, value", [
     ("temperature", 0.7), ("top_p", 0.5), ("top_k", 5), ("min_tokens", 2), ("logprobs", True), ("steps", 4),
     ("threshold", 0.9), ("presence_penalty", 0.5), ("cfg_scale", 1.0), ("block_size", 4), ("t_max", 0.3),
+    ("speculative_epsilon", 0.1),
 ])
 def test_what_the_sampler_does_not_do_is_refused_naming_the_field(replica, field, value):
     kw = {field: value, **({"t_min": 0.3} if field == "t_max" else {})}
     with pytest.raises(ParamError) as err:
-        LLM(replica).generate([PROMPTS[0]], SamplingParams(max_tokens=8, **kw))
+        LLM(replica).generate([PROMPTS[0]], SamplingParams.from_flat(max_tokens=8, **kw))
     assert err.value.field == field
 
 
