@@ -305,8 +305,12 @@ def forward_overhead_rows(module: torch.nn.Module) -> int:
     several forwards made a step slower)."""
     config = getattr(module.config, "text_config", None) or module.config
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
-    params = max(1, sum(p.numel() for p in module.parameters()))
-    return int(16 + layers * HOST_FLOPS_PER_LAYER / (2 * params))
+    params = sum(p.numel() for p in module.parameters())
+    for m in module.modules():  # packed / low-bit linears keep their weights in buffers
+        if not isinstance(getattr(m, "weight", None), torch.nn.Parameter) and hasattr(m, "in_features") \
+                and hasattr(m, "out_features"):
+            params += int(m.in_features) * int(m.out_features)
+    return int(16 + layers * HOST_FLOPS_PER_LAYER / (2 * max(1, params)))
 
 
 def plan_forwards(widths: list[int], lanes: list[int], overhead_rows: int) -> list[list[int]]:

@@ -639,6 +639,10 @@ def test_a_forwards_fixed_cost_in_rows_follows_the_models_size():
     small, big = model(2, 100_000), model(30, 135_000_000)  # the tests' tiny Llama; SmolLM2-135M
     assert forward_overhead_rows(small) == int(16 + 2 * HOST_FLOPS_PER_LAYER / (2 * 100_000)) > 400
     assert 16 <= forward_overhead_rows(big) <= 30
+    packed = torch.nn.Module()  # a low-bit linear keeps its weights in buffers: they count all the same
+    packed.config, packed.proj = big.config, torch.nn.Module()
+    packed.proj.in_features, packed.proj.out_features = 1, 135_000_000
+    assert forward_overhead_rows(packed) == forward_overhead_rows(big)
 
 
 def test_prefill_joining_one_row_steps_runs_apart_and_changes_nothing(llms, monkeypatch):
