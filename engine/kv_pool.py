@@ -26,6 +26,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 __all__ = ["BLOCK_TOKENS", "KVPool", "PoolFull"]
@@ -121,13 +122,13 @@ class KVPool:
         if n <= 0:
             return []
         self.ensure_free(n)
-        ids = self._run(n)
-        if ids is None and self.capacity_blocks is None and self.total_blocks < 2 * (self.used_blocks + n):
+        at = self._run(n)
+        if at is None and self.capacity_blocks is None and self.total_blocks < 2 * (self.used_blocks + n):
             self._add_slab(n)  # unbounded and not twice the blocks in use: one run of its own, not scattered blocks
-            ids = self._run(n)
-        ids = ids or self._free[:n]
-        taken = set(ids)
-        self._free = [b for b in self._free if b not in taken]
+            at = self._run(n)
+        at = at or 0  # no run: the lowest free ids
+        ids = self._free[at:at + n]
+        del self._free[at:at + n]  # a slice of the sorted free list either way: one memmove, not a rebuild
         for b in ids:
             self._refs[b] = 1
         return ids
@@ -139,13 +140,21 @@ class KVPool:
             self._refs[b] += 1
 
     def decref(self, blocks: list[int]) -> None:
-        """Drop one reference of each of ``blocks``; blocks left without one return to the free list."""
+        """Drop one reference of each of ``blocks``; blocks left without one return to the free list (merged in
+        once: an insertion per block cost O(free blocks) each, 0.23 s to release 8 lanes of 512 blocks from a
+        100k-block pool)."""
+        freed = []
         for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                bisect.insort(self._free, b)
+                freed.append(b)
             elif self._refs[b] < 0:
                 raise ValueError(f"block {b}: released more often than taken")
+        if len(freed) == 1:
+            bisect.insort(self._free, freed[0])
+        elif freed:
+            self._free.extend(freed)
+            self._free.sort()  # two sorted runs (a lane's table may be out of order: sorted too): merged in C
 
     def ensure_free(self, n: int) -> None:
         """Make at least ``n`` blocks free: a new slab while the capacity allows (under a bound, all the room left
@@ -174,19 +183,21 @@ class KVPool:
         self._refs.extend([0] * blocks)
         self._free.extend(range(first, first + blocks))  # ids above every existing one: stays sorted
 
-    def _run(self, n: int) -> list[int] | None:
-        """The first ``n`` consecutive free ids in one slab, or None."""
+    def _run(self, n: int) -> int | None:
+        """Where the first ``n`` consecutive free ids in one slab start in the free list, or None. Vectorized: a
+        Python scan cost ~1 us per free block (0.1 s per join in a fragmented 100k-block pool)."""
         free = self._free
-        start = 0
-        for i in range(1, len(free) + 1):
-            if i - start == n:
-                ids = free[start:i]
-                if self.slab_of(ids[0]) is self.slab_of(ids[-1]):
-                    return ids
-                start += 1
-            if i < len(free) and (free[i] != free[i - 1] + 1 or self.slab_of(free[i]) is not self.slab_of(free[i - 1])):
-                start = i
-        return None
+        if len(free) < n:
+            return None
+        if free[n - 1] - free[0] == n - 1 and self.slab_of(free[0]) is self.slab_of(free[n - 1]):
+            return 0  # the usual case: the lowest free ids are a run
+        ids = np.asarray(free, dtype=np.int64)
+        # a run breaks where ids are not consecutive or a slab starts (ids of two slabs are never one run)
+        breaks = np.flatnonzero((np.diff(ids) != 1) | np.isin(ids[1:], self._firsts))
+        starts = np.concatenate(([0], breaks + 1))
+        lengths = np.diff(np.concatenate((starts, [len(free)])))
+        fit = np.flatnonzero(lengths >= n)
+        return int(starts[fit[0]]) if fit.size else None
 
     def layers_of(self, block: int) -> int:
         """Layers written into ``block``'s slab."""

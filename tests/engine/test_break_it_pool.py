@@ -299,3 +299,24 @@ def test_a_mixed_causal_batch_with_prefix_reuse_gives_each_request_its_tokens_al
     model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
     use_lanes(model)
     _mixed_equals_alone(model, CAUSAL_MIX, budget)
+
+
+def test_the_free_list_stays_sorted_and_first_fit_across_slabs_after_out_of_order_releases():
+    """The pool's free list after releases in any order (a lane's table after a shared prefix is not ascending) is
+    the sorted free ids, merged once per release; a run never spans two slabs even where their ids are consecutive;
+    without a run the lowest free ids are taken; an allocation takes a slice of the list."""
+    from unmask.engine.kv_pool import KVPool
+
+    pool = KVPool(block_tokens=4)
+    first = pool.allocate(4)  # slab 0: ids 0-3
+    second = pool.allocate(8)  # slab 1: ids 4-11 (made as large as everything so far... and the request)
+    assert pool.slab_of(3) is not pool.slab_of(4)
+    pool.set_capacity(pool.total_blocks)  # bounded now: no new slab, holes are taken
+    pool.decref([first[3], second[1], first[2], second[0], 9, 7])  # out of order, singles and pairs
+    assert pool._free == [2, 3, 4, 5, 7, 9] and all(pool.refcount(b) == 0 for b in pool._free)
+    assert pool.allocate(3) == [2, 3, 4]  # 2-5 are consecutive ids but 3 | 4 is a slab edge: no run of 3 ...
+    pool.decref([2, 3, 4])
+    assert pool.allocate(2) == [2, 3]  # ... a run of 2 in slab 0 is
+    assert pool.allocate(2) == [4, 5] and pool.allocate(2) == [7, 9] and pool.free_blocks == 0
+    pool.decref(list(range(12)))
+    assert pool._free == list(range(12)) and pool.used_blocks == 0
