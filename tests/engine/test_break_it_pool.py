@@ -320,3 +320,30 @@ def test_the_free_list_stays_sorted_and_first_fit_across_slabs_after_out_of_orde
     assert pool.allocate(2) == [4, 5] and pool.allocate(2) == [7, 9] and pool.free_blocks == 0
     pool.decref(list(range(12)))
     assert pool._free == list(range(12)) and pool.used_blocks == 0
+
+
+def test_a_paused_choice_keeps_its_blocks_and_returns_them_when_aborted():
+    """Fair admission pauses a choice of the request holding the batch for a starved one (docs/design.md#admission-
+    and-limits): the paused choice keeps its blocks (they stay referenced while it waits), an abort of its request
+    while it waits returns them, and the starved request's tokens are its own alone."""
+    model = tiny.loaded()
+    use_lanes(model)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, block_size=4)
+    engine = Engine(model, max_batch_size=2, max_cached_tokens=400)
+    pool, sched = engine.scheduler.kv_pool, engine.scheduler
+    engine.add_request(_ids(40, 5), params, "big", n=2)
+    engine.step()
+    engine.add_request(_ids(20, 6), params, "small")
+    engine.step()
+    assert len(sched.paused) == 1
+    paused = next(iter(sched.paused))
+    held = list(paused.lanes[0].cache.table)
+    assert held and all(pool.refcount(b) >= 1 for b in held)
+    engine.abort("big")
+    stored = {b for c in engine.prefix_cache._chunks.values() for b in c.blocks}
+    assert not sched.paused and all(pool.refcount(b) == (b in stored) for b in held)
+    outs = _drain(engine)
+    want = _generate_with(Engine(model, enable_prefix_caching=False), _ids(20, 6), params, "small")
+    assert outs["small"][0].token_ids == want
+    engine.prefix_cache.clear()
+    assert pool.used_blocks == 0
