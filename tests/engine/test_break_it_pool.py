@@ -33,7 +33,10 @@ def _drain(engine: Engine, arrivals=(), aborts=None) -> dict:
     while engine.has_unfinished() or arrivals:
         if arrivals and step % 2 == 0:
             prompt, params, rid, n = arrivals.pop(0)
-            engine.add_request(prompt, params, rid, n=n)
+            try:
+                engine.add_request(prompt, params, rid, n=n)
+            except ParamError as exc:  # never fits: refused at once, naming the field; the rest keep running
+                outs[rid] = exc
         for ev in engine.step():
             if ev.finished:
                 outs.setdefault(ev.request_id, {})[ev.output.index] = ev.output
@@ -49,20 +52,21 @@ KINDS = [dict(block_size=4), dict(block_size=4, speculative=True),
          dict(block_size=4, multi_block=0.5), dict(block_size=1), dict(block_size=8, sub_block_size=4)]
 
 
-def _requests(seed: int, count: int) -> list[tuple]:
+def _requests(seed: int, count: int, kinds: list[dict] = KINDS) -> list[tuple]:
     """``count`` requests of random kinds, most starting with one 40-token system prompt, some aborted."""
     rng = random.Random(seed)
     system, out = _ids(40, 0), []
     for i in range(count):
-        kw = dict(dict(temperature=0.0), **rng.choice(KINDS))
+        kw = dict(dict(temperature=0.0), **rng.choice(kinds))
         prompt = system + _ids(rng.randint(1, 30), 10 + i) if rng.random() < 0.8 else _ids(rng.randint(5, 50), 50 + i)
         params = SamplingParams(max_tokens=rng.choice([8, 12, 20]), ignore_eos=True, **kw)
         out.append((prompt, params, f"r{i}", rng.choice([1, 1, 2]), rng.choice([None, None, None, 1, 3, 6])))
     return out
 
 
-def _shared_prefix_storm(model, seed: int, count: int, budget: int | None, **engine_kw) -> None:
-    reqs = _requests(seed, count)
+def _shared_prefix_storm(model, seed: int, count: int, budget: int | None, kinds: list[dict] = KINDS,
+                         **engine_kw) -> None:
+    reqs = _requests(seed, count, kinds)
     engine = Engine(model, max_batch_size=4, max_cached_tokens=budget, **engine_kw)
     pool, store = engine.scheduler.kv_pool, engine.prefix_cache
     got = _drain(engine, [r[:4] for r in reqs], {r[2]: r[4] for r in reqs if r[4] is not None})
@@ -73,6 +77,10 @@ def _shared_prefix_storm(model, seed: int, count: int, budget: int | None, **eng
     store.clear()
     assert pool.used_blocks == 0
     for prompt, params, rid, n, abort in reqs:
+        if isinstance(got.get(rid), ParamError):  # only what the budget can never hold, naming max_tokens
+            need = engine.make_request(prompt, params, rid)[0]
+            assert got[rid].field == "max_tokens" and engine.scheduler.need(need) > budget
+            continue
         if abort is not None:
             continue
         fresh = Engine(model, max_batch_size=4, enable_prefix_caching=False)
@@ -113,6 +121,16 @@ def test_storms_on_packed_weights(weights, tmp_path):
     path = write_checkpoint(tmp_path / "c", m.model, m.tokenizer, m.dllm)
     model = load_model(str(path), device="cpu", dtype="float32", weights=weights)
     _shared_prefix_storm(model, seed=7, count=12, budget=200)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("seed", [1, 2])
+def test_storms_at_many_block_sizes_on_a_block_causal_model(seed):
+    """The storm on a block-causal model aligned at 0 with requests at block sizes 2, 3, 4, 5, 8, 16: chunks of
+    16-48-80 tokens, only equal block sizes share."""
+    model = tiny.loaded(attention="block_causal", block_alignment="absolute", block_size=8, initializer_range=0.5)
+    use_lanes(model)
+    _shared_prefix_storm(model, seed=seed, count=14, budget=400, kinds=[dict(block_size=b) for b in (2, 3, 4, 5, 8, 16)])
 
 
 def _generate(engine: Engine, prompt: list[int], block_size: int) -> object:
