@@ -365,3 +365,47 @@ def test_a_paused_choice_keeps_its_blocks_and_returns_them_when_aborted():
     assert outs["small"][0].token_ids == want
     engine.prefix_cache.clear()
     assert pool.used_blocks == 0
+
+
+def test_a_failed_step_releases_every_lanes_blocks_and_the_engine_keeps_serving(monkeypatch):
+    """A fault inside a step (after the forward wrote its new rows into the lanes' scratch blocks) fails the requests
+    in the batch: their blocks all return to the pool (only the store's remain), and the next request runs."""
+    import asyncio
+
+    from unmask.engine.denoiser import Denoiser
+
+    model = tiny.loaded()
+    use_lanes(model)
+    engine = AsyncEngine(model, max_batch_size=4, max_cached_tokens=300)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, block_size=4)
+    real, calls = Denoiser.step, []
+
+    def faulty(self, seqs):
+        calls.append(len(seqs))
+        events = real(self, seqs)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return events
+
+    monkeypatch.setattr(Denoiser, "step", faulty)
+
+    async def run(prompt, rid, n=1):
+        try:
+            async for _ in engine.submit(prompt, params, rid, n=n):
+                pass
+            return "ok"
+        except Exception as exc:  # noqa: BLE001 - the failed requests' error
+            return type(exc).__name__
+
+    async def main():
+        first = await asyncio.gather(run(_ids(40, 7), "a", n=2), run(_ids(40, 7) + [9, 9], "b"))
+        return first, await run(_ids(30, 8), "c")
+
+    try:
+        (failed, after) = asyncio.run(main())
+        assert failed == ["EngineError", "EngineError"] and after == "ok"
+        sched = engine.scheduler
+        stored = [b for c in engine.engine.prefix_cache._chunks.values() for b in c.blocks]
+        assert not sched.running and not sched.waiting and sched.kv_pool.used_blocks == len(stored)
+    finally:
+        engine.shutdown()
