@@ -122,7 +122,7 @@ def _watch_until_loop(proc) -> tuple[float, bytes]:
     return _cpu_seconds(proc.pid), seen
 
 
-def run_llama(binary: Path, gguf: Path, steps: int, threads: int) -> dict:
+def run_llama(binary: Path, gguf: Path, steps: int, threads: int, passive: bool = False) -> dict:
     """One ``llama-diffusion-cli`` run; its ``total time`` (ms), forwards, and CPU seconds of its generation loop
     (the whole process's minus those spent before its first progress line)."""
     import threading
@@ -133,6 +133,7 @@ def run_llama(binary: Path, gguf: Path, steps: int, threads: int) -> dict:
     cmd = [str(binary), "-m", str(gguf), "-p", PROMPT, "-ub", str(ub), "-b", str(ub), "-c", "4096",
            "--diffusion-block-length", str(BLOCK), "--diffusion-steps", str(per_block * blocks),
            "--temp", "0", "--top-k", "1", "-t", str(threads), "-tb", str(threads), "--seed", "0"]
+    cmd += ["--poll", "0"] if passive else []
     before = os.times()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out: list[bytes] = []
@@ -196,9 +197,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", default="32,128")
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="unmask's compute dtypes: float32 (weights auto: fbgemm fp16), bfloat16 (weights native)")
+    ap.add_argument("--passive", action="store_true",
+                    help="threads wait passively on both sides: OMP_WAIT_POLICY=PASSIVE for unmask (libgomp), "
+                         "--poll 0 for llama.cpp; the result keys end in -passive")
     ap.add_argument("--merge", action="store_true",
                     help="keep the configurations of the existing result file that this run does not measure")
     args = ap.parse_args(argv)
+    if args.passive and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":  # read when libgomp loads
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     bc.set_threads(args.threads)
     from unmask.engine.model import load_model
 
@@ -216,7 +222,7 @@ def main(argv=None) -> int:
     results = previous_results() if args.merge else {}
     for steps in (int(s) for s in args.steps.split(",")):
         for fmt, (gguf, lms) in models.items():
-            key = f"{fmt}-steps{steps}"
+            key = f"{fmt}-steps{steps}" + ("-passive" if args.passive else "")
             results[key] = measure(binary, gguf, lms, steps, args)
             print(json.dumps({key: results[key]["median_seconds"]}), flush=True)
             write(args, env, results)
@@ -249,7 +255,8 @@ def measure(binary: Path, gguf: Path, lms: dict, steps: int, args) -> dict:
     suffix = {"float32": "", "bfloat16": " bf16"}
     runs = {"llama.cpp": []} | {c + suffix[d]: [] for d in llms for c in ("none", "dual")}
     for _ in range(args.repeats):
-        runs["llama.cpp"].append(dict(run_llama(binary, gguf, steps, args.threads), load=os.getloadavg()[0]))
+        llama = run_llama(binary, gguf, steps, args.threads, args.passive)
+        runs["llama.cpp"].append(dict(llama, load=os.getloadavg()[0]))
         for dtype, (llm, ids) in llms.items():
             for cache in ("none", "dual"):
                 runs[cache + suffix[dtype]].append(dict(run_unmask(llm, ids, steps, cache), load=os.getloadavg()[0]))
@@ -263,20 +270,22 @@ def measure(binary: Path, gguf: Path, lms: dict, steps: int, args) -> dict:
             "speedup": {c: med["llama.cpp"] / med[c] for c in ours},
             "speedup_cpu_seconds": {c: cpu["llama.cpp"] / cpu[c] for c in ours},
             "speedup_per_forward": {c: (med["llama.cpp"] / fwd["llama.cpp"]) / (med[c] / fwd[c]) for c in ours},
+            "threads_wait": "passive" if args.passive else "default (spin, then sleep)",
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "binary": binary.name,
             "load_range": [min(r["load"] for v in runs.values() for r in v),
                            max(r["load"] for v in runs.values() for r in v)]}
 
 
 def table_rows(key: str, res: dict) -> list[list]:
-    """The Markdown rows of one result (``f16-steps32``): one per unmask configuration."""
+    """The Markdown rows of one result (``f16-steps32``, ``f16-steps32-passive``): one per unmask configuration."""
     fmt, steps = key.split("-steps")
+    steps, wait = (steps.split("-") + [""])[:2]
     med, cpu, runs = res["median_seconds"], res["median_cpu_seconds"], res["runs"]
     failed = runs["llama.cpp"][0].get("failed")
     rows = []
     for c in res["speedup"]:
         s, target = res["speedup"][c], TARGETS[c.split()[0]]
-        rows.append([fmt.upper(), int(steps), c, f"failed ({failed})" if failed else med["llama.cpp"],
+        rows.append([fmt.upper(), int(steps), c + (f" ({wait})" if wait else ""), f"failed ({failed})" if failed else med["llama.cpp"],
                      cpu["llama.cpp"], runs["llama.cpp"][0]["forwards"] or float("nan"), med[c], cpu[c],
                      runs[c][0]["forwards"], s, res["speedup_cpu_seconds"][c], res["speedup_per_forward"][c], target,
                      "no baseline" if failed else "pass" if s >= target else "MISS",
@@ -286,7 +295,7 @@ def table_rows(key: str, res: dict) -> list[list]:
 
 def write(args, env: dict, results: dict) -> None:
     """The result files with what was measured so far (and, with ``--merge``, kept from the previous file)."""
-    rows = [row for key in sorted(results, key=lambda k: (int(k.split("steps")[1]), k)) for row in
+    rows = [row for key in sorted(results, key=lambda k: (int(k.split("steps")[1].split("-")[0]), k)) for row in
             table_rows(key, results[key])]
     md = bc.markdown_table(["GGUF", "steps", "unmask cache", "llama.cpp s", "llama.cpp CPU s", "llama.cpp fwd",
                             "unmask s", "unmask CPU s", "unmask fwd", "speed-up", "CPU-s ratio", "per forward",

@@ -40,10 +40,15 @@ def stand_in(tmp_path, load=0.0, loop=0.0, die=False) -> Path:
 
 def test_llama_cpus_loading_is_not_counted_in_its_loop(tmp_path):
     r = bg.run_llama(stand_in(tmp_path, load=0.2, loop=0.1), tmp_path / "m.gguf", steps=32, threads=2)
-    assert r["seconds"] == pytest.approx(1.2345)
+    assert r["seconds"] == pytest.approx(1.2345) and "--poll" not in r["command"]
     assert r["forwards"] == 34  # 8 steps x 4 blocks + 2 empty blocks past the canvas
     assert r["cpu_seconds_with_load"] - r["cpu_seconds"] >= 0.18  # the load's 0.2 s left out (ticks of 10 ms)
     assert 0.08 <= r["cpu_seconds"] <= r["cpu_seconds_with_load"] - 0.18
+
+
+def test_passive_waiting_asks_llama_not_to_poll(tmp_path):
+    r = bg.run_llama(stand_in(tmp_path), tmp_path / "m.gguf", steps=32, threads=2, passive=True)
+    assert r["command"].endswith("--poll 0")
 
 
 def test_a_crashing_llama_is_recorded_not_raised(tmp_path):
@@ -71,6 +76,8 @@ def test_each_unmask_configuration_is_judged_against_its_caches_target():
     verdicts = {row[2]: (row[0], row[1], row[12], row[13]) for row in rows}
     assert verdicts == {"none": ("Q8_0", 128, 1.5, "pass"), "dual": ("Q8_0", 128, 4.0, "MISS"),
                         "none bf16": ("Q8_0", 128, 1.5, "MISS"), "dual bf16": ("Q8_0", 128, 4.0, "pass")}
+    passive = {row[2]: (row[1], row[12]) for row in bg.table_rows("f16-steps32-passive", res)}
+    assert passive["dual bf16 (passive)"] == (32, 4.0) and len(passive) == 4
 
 
 def test_the_no_amx_build_is_preferred_when_present(tmp_path, monkeypatch):
