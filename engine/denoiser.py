@@ -20,7 +20,7 @@ from .kv_cache import BatchKV, CarryPool
 from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from .model import LoadedModel
 from .outputs import StepEvent
-from .prefill_cost import PrefillBudget, attention_crossover_keys
+from .prefill_cost import PrefillBudget, attention_crossover_keys, forward_overhead_rows
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
 from .transfer import to_device
@@ -288,29 +288,6 @@ def lane_index(inp: LaneInput, position: int) -> int:
     """The lane ``inp`` belongs to: its own ``lane`` when set (a prompt chunk of some lanes only), else its position
     in the sequence's list of lane inputs."""
     return position if inp.lane is None else inp.lane
-
-
-#: a forward's fixed host work per decoder layer (launches, Python) in the FLOPs of row work it costs as much as:
-#: measured on the 2-core CPU (1 thread), the tiny LLaDA2 replica (3 layers, 0.21M parameters) forwards 1 x 32 rows
-#: in 3.7 ms, 8 x 32 in 5.9, 8 x 64 in 8.6 (~1.2 ms a layer fixed, ~0.01 ms a row: ~4e10 FLOP/s)
-HOST_FLOPS_PER_LAYER = 5e7
-
-
-def forward_overhead_rows(module: torch.nn.Module) -> int:
-    """The fixed cost of one batched forward in padded rows (the :func:`plan_forwards` cost model): 16 for weight
-    streaming (on the 2-core CPU measured a 1-row pass of SmolLM2's 30 layers' linears takes ~30 ms and each further
-    row ~4 ms, ``benchmarks/bench_gemm_rows.py``: ~8 rows) plus the host's per-layer work over a row's FLOPs (2 per
-    parameter): ``L * HOST_FLOPS_PER_LAYER / (2 N)``. ~22 rows for SmolLM2-135M, 16 for billion-parameter models,
-    several hundred for the tests' tiny models, whose padded rows cost next to nothing (splitting their batch into
-    several forwards made a step slower)."""
-    config = getattr(module.config, "text_config", None) or module.config
-    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
-    params = sum(p.numel() for p in module.parameters())
-    for m in module.modules():  # packed / low-bit linears keep their weights in buffers
-        if not isinstance(getattr(m, "weight", None), torch.nn.Parameter) and hasattr(m, "in_features") \
-                and hasattr(m, "out_features"):
-            params += int(m.in_features) * int(m.out_features)
-    return int(16 + layers * HOST_FLOPS_PER_LAYER / (2 * max(1, params)))
 
 
 def plan_forwards(widths: list[int], lanes: list[int], overhead_rows: int) -> list[list[int]]:

@@ -85,3 +85,26 @@ class PrefillBudget:
         aligned = end // self.align * self.align
         # only a chunk holding a whole tile is cut back to one: shorter ones would split every tile in two chunks
         return aligned if end < limit and end - start >= self.align else end
+
+
+#: a forward's fixed host work per decoder layer (launches, Python) in the FLOPs of row work it costs as much as:
+#: measured on the 2-core CPU (1 thread), the tiny LLaDA2 replica (3 layers, 0.21M parameters) forwards 1 x 32 rows
+#: in 3.7 ms, 8 x 32 in 5.9, 8 x 64 in 8.6 (~1.2 ms a layer fixed, ~0.01 ms a row: ~4e10 FLOP/s)
+HOST_FLOPS_PER_LAYER = 5e7
+
+
+def forward_overhead_rows(module) -> int:
+    """The fixed cost of one batched forward of ``module`` (the loaded ``nn.Module``, with a ``config``) in padded
+    rows, ``unmask.engine.denoiser.plan_forwards``' cost model: 16 for weight streaming (on the 2-core CPU measured a 1-row pass of SmolLM2's 30 layers' linears takes ~30 ms and each further
+    row ~4 ms, ``benchmarks/bench_gemm_rows.py``: ~8 rows) plus the host's per-layer work over a row's FLOPs (2 per
+    parameter): ``L * HOST_FLOPS_PER_LAYER / (2 N)``. ~22 rows for SmolLM2-135M, 16 for billion-parameter models,
+    several hundred for the tests' tiny models, whose padded rows cost next to nothing (splitting their batch into
+    several forwards made a step slower)."""
+    config = getattr(module.config, "text_config", None) or module.config
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    own = {id(p) for p in module.parameters()}
+    params = sum(p.numel() for p in module.parameters())
+    for m in module.modules():  # packed / low-bit linears keep their weights in buffers: counted by their shape
+        if id(getattr(m, "weight", None)) not in own and hasattr(m, "in_features") and hasattr(m, "out_features"):
+            params += int(m.in_features) * int(m.out_features)
+    return int(16 + layers * HOST_FLOPS_PER_LAYER / (2 * max(1, params)))

@@ -629,7 +629,7 @@ def test_a_forwards_fixed_cost_in_rows_follows_the_models_size():
     a tiny model (a padded row costs it next to nothing) is not split into several forwards and a real one is."""
     from types import SimpleNamespace
 
-    from unmask.engine.denoiser import HOST_FLOPS_PER_LAYER, forward_overhead_rows
+    from unmask.engine.prefill_cost import HOST_FLOPS_PER_LAYER, forward_overhead_rows
 
     def model(layers, params):  # ``params`` parameters on the meta device (no memory)
         m = torch.nn.Linear(1, params, bias=False, device="meta")
