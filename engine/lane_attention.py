@@ -65,8 +65,10 @@ def attend_lanes(cache, layer: int, query: torch.Tensor, key: torch.Tensor, valu
     Q]`` bool or None (nothing masked). Returns ``[B, Q, Hq, D]`` (padded rows 0). Used by transformers' attention
     modules (:func:`lane_attention`) and the fused fp16 decoder (``engine/fused_decoder.py``)."""
     B, Hq, Q, D = query.shape
-    out = query.new_zeros(B, Q, Hq, D)
     C = cache.cached_len
+    if C == 0:  # no lane has cached keys (a canvas without cache, a batch of first prefills): one call for all
+        return _uncached(cache, query, key, value, attention_mask, scaling)
+    out = query.new_zeros(B, Q, Hq, D)
     for b in range(B):
         q_b = cache.rows[b]  # the lane's real chunk rows (the rest is padding)
         if q_b == 0:
@@ -77,6 +79,26 @@ def attend_lanes(cache, layer: int, query: torch.Tensor, key: torch.Tensor, valu
             mask = cache.lane_mask(b, attention_mask, n_b, q_b, C)
         out[b, :q_b] = lane_attend(query[b, :, :q_b], segments, mask, scaling)
     return out
+
+
+def _uncached(cache, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """:func:`attend_lanes` when no lane has cached keys: every lane attends over its own chunk only, so one SDPA call
+    over the batch (the forward's ``[B, 1, Q, Q]`` mask keeps the lanes' padding apart; no mask when every row is real
+    and sees every key) instead of one per lane. Padded rows come out 0 (a fully masked row would be NaN, and a NaN
+    value row poisons the next layer's products even at weight 0)."""
+    B, Hq, Q, _ = query.shape
+    padded = [b for b, q_b in enumerate(cache.rows) if q_b < Q]
+    mask = attention_mask
+    if mask is not None and not padded and all(cache.sees_all):
+        mask = None
+    elif mask is None and padded:
+        raise ValueError("lane attention: padded lanes need the forward's attention mask")
+    o = F.scaled_dot_product_attention(query, key, value, attn_mask=None if mask is None else mask[..., :Q],
+                                       scale=scaling, enable_gqa=key.shape[1] != Hq).transpose(1, 2)
+    for b in padded:
+        o[b, cache.rows[b]:] = 0
+    return o
 
 
 def lane_attend(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,

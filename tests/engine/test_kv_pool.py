@@ -322,3 +322,38 @@ def test_a_commit_costs_its_own_rows_of_metadata_not_the_whole_lanes():
     assert len(buffers) <= 6 and lane.pos.tolist() == list(range(300)) and lane.grp.tolist() == [i // 4 for i in range(300)]
     lane.reset()
     assert lane.pos is None and lane.grp is None
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_lanes_without_cached_keys_attend_in_one_call_as_each_alone(gqa, monkeypatch):
+    """No lane has cached keys (a canvas decoded without cache, a batch of first prefills): ``attend_lanes`` makes one
+    SDPA call for the batch, not one per lane; each lane's real rows equal its own call over its chunk (float32
+    tolerance: CPU SDPA's bits move with the call's shape, the ≈32 contracts), its padded rows are 0, and a lane
+    whose rows are all masked past its length never poisons the others with NaN."""
+    from types import SimpleNamespace
+
+    from unmask.engine import lane_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Q, D = 3, 4, 6, 8
+    Hkv = 2 if gqa else Hq
+    query = torch.randn(B, Hq, Q, D, generator=g)
+    key, value = torch.randn(B, Hkv, Q, D, generator=g), torch.randn(B, Hkv, Q, D, generator=g)
+    rows = [6, 4, 0]
+    mask = torch.zeros(B, 1, Q, Q, dtype=torch.bool)
+    for b, q in enumerate(rows):
+        mask[b, 0, :q, :q] = torch.rand(q, q, generator=g) < 0.7
+        mask[b, 0, range(q), range(q)] = True  # every real row sees itself
+    cache = SimpleNamespace(cached_len=0, rows=rows, sees_all=[False] * B)
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(lane_attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = lane_attention.attend_lanes(cache, 0, query, key, value, mask, 0.3)
+    assert len(calls) == 1 and out.shape == (B, Q, Hq, D) and torch.isfinite(out).all()
+    for b, q in enumerate(rows):
+        assert not out[b, q:].any()
+        if q:
+            alone = real(query[b:b + 1, :, :q], key[b:b + 1, :, :q], value[b:b + 1, :, :q],
+                         attn_mask=mask[b:b + 1, :, :q, :q], scale=0.3, enable_gqa=gqa)
+            torch.testing.assert_close(out[b, :q], alone[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
