@@ -348,13 +348,27 @@ def score_groups(logits: torch.Tensor, tokens: torch.Tensor, groups: list[RowGro
         for strategy, gs in by_strategy.items():
             rows = _rows_of(gs, logits.device)
             score[rows] = _strategy_scores(logits, lse, probability, strategy, gs, rows)
-    top_ids = top_lp = None
-    k = max([g.params.top_logprobs for g in groups] + [0])
-    if k:  # the k most likely tokens under the same distribution
-        values, top_ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-        top_lp = (values.to(torch.float64) - lse[:, None]).float()
+    top_ids, top_lp = _top_alternatives(logits, lse, groups)
     return Candidates(tokens=tokens, probability=probability, score=score, logprob=cand_logp.float(),
                       top_ids=top_ids, top_logprobs=top_lp)
+
+
+def _top_alternatives(logits: torch.Tensor, lse: torch.Tensor, groups: list[RowGroup]):
+    """``[N, k]`` int64 ids and float32 log-probabilities of each row's ``top_logprobs`` most likely tokens (k: the
+    widest asked; -1 / -inf padding) or ``(None, None)``: one ``topk`` per distinct k (its order among equal logits
+    depends on k: a mate's wider ``topk`` gave a request other alternatives than alone)."""
+    k = min(max([g.params.top_logprobs for g in groups] + [0]), logits.shape[-1])
+    by_k = _by(groups, lambda g: min(g.params.top_logprobs, k)) if k else {}
+    ids = torch.full((logits.shape[0], k), -1, dtype=torch.long, device=logits.device) if len(by_k) > 1 else None
+    lps = torch.full((logits.shape[0], k), float("-inf"), device=logits.device) if ids is not None else None
+    for kk, gs in by_k.items():
+        rows = _rows_of(gs, logits.device) if ids is not None else slice(None)  # one k: every row in one call
+        values, top = torch.topk(logits[rows], kk, dim=-1)
+        lp = (values.to(torch.float64) - lse[rows, None]).float()
+        if ids is None:
+            return top, lp
+        ids[rows, :kk], lps[rows, :kk] = top, lp
+    return ids, lps
 
 
 def score_candidates(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams, draws: Draws,

@@ -409,3 +409,21 @@ def test_a_failed_step_releases_every_lanes_blocks_and_the_engine_keeps_serving(
         assert not sched.running and not sched.waiting and sched.kv_pool.used_blocks == len(stored)
     finally:
         engine.shutdown()
+
+
+def test_a_requests_top_logprobs_among_equal_logits_do_not_depend_on_a_mates_wider_request():
+    """``torch.topk``'s order among equal logits depends on k: the batched reveal pass took every row's alternatives
+    from one ``topk`` at the widest ``top_logprobs`` of the batch, so a request asking for 2 beside one asking for 5
+    got other ids (of equal log-probability) than alone. Now one ``topk`` per distinct k."""
+    from unmask.engine.sampler import RowGroup, score_groups
+
+    logits = torch.zeros(4, 321)
+    logits[:, 7] = 1.0  # one clear best, then 320 equal logits
+    tokens = torch.full((4,), 7, dtype=torch.long)
+    two, five = SamplingParams(top_logprobs=2, logprobs=True), SamplingParams(top_logprobs=5, logprobs=True)
+    batched = score_groups(logits, tokens, [RowGroup(0, 2, two, None), RowGroup(2, 4, five, None)])
+    alone_two = score_groups(logits[:2], tokens[:2], [RowGroup(0, 2, two, None)])
+    alone_five = score_groups(logits[2:], tokens[2:], [RowGroup(0, 2, five, None)])
+    assert [t[:2] for t in batched.top([0, 1])] == alone_two.top([0, 1])  # what the request keeps (its first 2)
+    assert batched.top([2, 3]) == alone_five.top([0, 1])
+    assert [len(t) for t in batched.top([0, 1, 2, 3])] == [2, 2, 5, 5]
