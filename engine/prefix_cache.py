@@ -169,17 +169,18 @@ class PrefixCache:
     @property
     def chunk_tokens_held(self) -> int:
         """Tokens of one stored chunk of a request at the model's block size (:meth:`chunk_tokens_of`)."""
-        return self._chunk_tokens(int(self.model.dllm.block_size))
+        return self._chunk_tokens(lambda: int(self.model.dllm.block_size))
 
     def chunk_tokens_of(self, seq) -> int:
         """Tokens of one of ``seq``'s chunks: C and the pool's block rounded up to whole blocks of the request's
         block size on an absolute block-causal model (its committed tokens are grouped by them)."""
-        return self._chunk_tokens(int(seq.block_size))
+        return self._chunk_tokens(lambda: int(seq.block_size))
 
-    def _chunk_tokens(self, block_size: int) -> int:
+    def _chunk_tokens(self, block_size) -> int:
+        """``block_size``: a callable, read only on an absolute block-causal model."""
         d = self.model.dllm
         if d.attention == "block_causal" and d.block_alignment == "absolute":
-            return math.lcm(self.chunk_tokens, block_size, BLOCK_TOKENS)
+            return math.lcm(self.chunk_tokens, block_size(), BLOCK_TOKENS)
         return math.lcm(self.chunk_tokens, BLOCK_TOKENS)
 
     def _root(self, seq) -> bytes | None:
