@@ -341,8 +341,8 @@ def test_the_free_list_stays_sorted_and_first_fit_across_slabs_after_out_of_orde
 
 
 def test_a_paused_choice_keeps_its_blocks_and_returns_them_when_aborted():
-    """Fair admission pauses a choice of the request holding the batch for a starved one (docs/design.md#admission-
-    and-limits): the paused choice keeps its blocks (they stay referenced while it waits), an abort of its request
+    """Fair admission pauses a choice of the request holding the batch for a starved one
+    (docs/design.md#admission-and-limits): the paused choice keeps its blocks (they stay referenced while it waits), an abort of its request
     while it waits returns them, and the starved request's tokens are its own alone."""
     model = tiny.loaded()
     use_lanes(model)
