@@ -164,7 +164,8 @@ class EngineConfig:
     max_step_rows: int | None = option(
         DEFAULT_MAX_STEP_ROWS, "what one request may cost a step, in rows, over all its prompts and choices: "
         "block_size x n x lanes (2 under cfg_scale; a self-speculative draft block x (2 + branches)); a request "
-        "beyond it is a 400 naming block_size, and a step costs at most this beside the oldest waiting sequence, so "
+        "beyond it is a 400 naming block_size (n where the checkpoint fixes the block size: one sequence is always "
+        "admitted), and a step costs at most this beside the oldest waiting sequence, so "
         "a light request never waits behind more than one heavy step; each sequence and lane adds 2 rows, its "
         "measured cost beyond its rows (default 130: one block of 128, ~0.3 s a step for the default model on 2 "
         "cores; docs/design.md#admission-and-limits)", metavar="ROWS")

@@ -134,23 +134,31 @@ class Scheduler:
         return step_rows(seq)
 
     def check_rows(self, reqs: list[Request]) -> None:
-        """Raise :class:`ParamError` (``block_size``) when one request's choices - every prompt's, ``reqs`` being
-        all of them - would cost a step more than ``max_step_rows`` (``--max-step-rows``) row-equivalents: their
-        rows plus the per-sequence term (``unmask.engine.step_cost``)."""
+        """Raise :class:`ParamError` when one request's choices - every prompt's, ``reqs`` being all of them - would
+        cost a step more than ``max_step_rows`` (``--max-step-rows``) row-equivalents: their rows plus the
+        per-sequence term (``unmask.engine.step_cost``). It names ``block_size``, or ``n`` on a model whose block
+        size a request cannot choose (``DllmConfig.fixed_block_size``: DiffusionGemma's canvas, SDAR's block), where
+        one sequence is always admitted (it then steps alone: nothing the client sends could make it cheaper)."""
         if self.max_step_rows is None or not reqs:
             return
         cost = sum(step_cost(s) for s in reqs)
-        if cost > self.max_step_rows:
-            seq, rows = reqs[0], sum(step_rows(s) for s in reqs)
-            lanes = sum(len(s.lanes) for s in reqs)
-            shape = (f"draft block {seq.plan.draft_block} x {2 + seq.plan.branches} groups (self-speculative)"
-                     if seq.plan.speculative else f"block_size {seq.block_size}")
-            per_lane = f" + {lanes} x {SEQUENCE_ROWS} per sequence and lane" if SEQUENCE_ROWS else ""
-            raise ParamError("block_size", f"{shape} x {len(reqs)} sequence(s) x {len(seq.lanes)} lane(s)"
-                                           f"{' (cfg_scale)' if len(seq.lanes) == 2 else ''} costs every step {cost} "
-                                           f"row-equivalents ({rows} rows{per_lane}); the server's limit is "
-                                           f"{self.max_step_rows} per request (--max-step-rows): lower block_size "
-                                           f"or n")
+        if cost <= self.max_step_rows:
+            return
+        seq, rows = reqs[0], sum(step_rows(s) for s in reqs)
+        fixed = seq.dllm.fixed_block_size and not seq.plan.speculative
+        if fixed and len(reqs) == 1:
+            return
+        lanes = sum(len(s.lanes) for s in reqs)
+        shape = (f"draft block {seq.plan.draft_block} x {2 + seq.plan.branches} groups (self-speculative)"
+                 if seq.plan.speculative else f"block_size {seq.block_size}")
+        per_lane = f" + {lanes} x {SEQUENCE_ROWS} per sequence and lane" if SEQUENCE_ROWS else ""
+        fix = (f"lower n or send fewer prompts (the checkpoint fixes block_size at {seq.block_size}; one "
+               f"sequence is always admitted)" if fixed else "lower block_size or n")
+        raise ParamError("n" if fixed else "block_size",
+                         f"{shape} x {len(reqs)} sequence(s) x {len(seq.lanes)} lane(s)"
+                         f"{' (cfg_scale)' if len(seq.lanes) == 2 else ''} costs every step {cost} row-equivalents "
+                         f"({rows} rows{per_lane}); the server's limit is {self.max_step_rows} per request "
+                         f"(--max-step-rows): {fix}")
 
     def estimate_bytes(self, reqs: list[Request]) -> tuple[int, int]:
         """``(KV bytes, logits bytes)`` the request's choices hold at most: each choice's reserved cache
