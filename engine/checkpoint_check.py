@@ -230,11 +230,12 @@ def safetensors_header(file: Path) -> dict[str, tuple[list[int], str]]:
     return out
 
 
-def check_tensor_names(path: Path, headers: dict[str, tuple[Path, list[int], str]]) -> None:
+def check_tensor_names(path: Path, headers: dict[str, tuple[Path, list[int], str]], model_class=None) -> None:
     """The stored tensors are exactly the ones of the model ``config.json`` describes (shapes included, and a
     floating-point dtype for every floating-point parameter or buffer: an ``I32`` weight would be cast silently).
 
-    The model is built on the meta device (no memory). A tensor tied to another (``tie_word_embeddings``) may be
+    The model (``model_class``, default ``AutoModelForCausalLM``'s class for the config) is built on the meta device
+    (no memory). A tensor tied to another (``tie_word_embeddings``) may be
     absent when one of its group is stored; names matching the class's ``_keys_to_ignore_on_load_*`` are allowed.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -244,7 +245,8 @@ def check_tensor_names(path: Path, headers: dict[str, tuple[Path, list[int], str
         with _quiet_transformers():
             hf_config = AutoConfig.from_pretrained(str(path))
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(hf_config)
+                model = (AutoModelForCausalLM.from_config(hf_config) if model_class is None
+                         else model_class(hf_config))
     except Exception as exc:  # transformers' own validation of config.json (strict dataclass fields, ...)
         raise CheckpointError(one_line(f"{cfg_file}: {type(exc).__name__}: {exc}")) from exc
     groups: dict[int, list[str]] = {}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint_check import check_loading_info, check_tensor_names, check_weight_files
 from ..config import CheckpointError, DllmConfig, read_json_file
 from ..uniform_options import TRANSFORMERS_DEFAULTS
 from . import FamilyAdapter
@@ -69,10 +70,20 @@ def dllm_config(path: Path, config: dict, tokenizer) -> DllmConfig:
     merged = {**text, **{k: v for k, v in config.items() if k in ("eos_token_id", "pad_token_id")}}
     eos = resolve_eos_token_ids(path, merged, tokenizer, ("<eos>", "<end_of_turn>"), DEFAULT_EOS_IDS, vocab,
                                 generation_config=gen)
-    return DllmConfig(family="diffusion_gemma", mask_token_id=vocab, attention="bidirectional",
-                      block_size=int(config.get("canvas_length", 256)), logit_shift=False, eos_token_ids=eos,
-                      pad_token_id=resolve_pad_token_id(merged, tokenizer, eos, vocab), fixed_block_size=True,
-                      default_sampling=sampler_defaults(gen))
+    sampling = sampler_defaults(gen)
+    t_min, t_max = (sampling.get(k, TRANSFORMERS_DEFAULTS[k]) for k in ("t_min", "t_max"))
+    if all(isinstance(t, (int, float)) for t in (t_min, t_max)) and t_max <= t_min:  # transformers' own rule
+        raise CheckpointError(f"{path / 'generation_config.json'}:t_max: must be > t_min ({t_min}), got {t_max}")
+    try:
+        return DllmConfig(family="diffusion_gemma", mask_token_id=vocab, attention="bidirectional",
+                          block_size=int(config.get("canvas_length", 256)), logit_shift=False, eos_token_ids=eos,
+                          pad_token_id=resolve_pad_token_id(merged, tokenizer, eos, vocab), fixed_block_size=True,
+                          default_sampling=sampling)
+    except CheckpointError as exc:  # the sampling defaults come from generation_config.json alone: name it
+        head, sep, rest = str(exc).partition(".default_sampling.")
+        if not sep:
+            raise
+        raise CheckpointError(f"{path / 'generation_config.json'}:{rest}") from exc
 
 
 def sampler_defaults(gen: dict) -> dict:
@@ -90,7 +101,8 @@ def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):
     (sdpa attention, ``dtype`` on ``device``).
 
     Raises:
-        CheckpointError: transformers older than 5.25; a config without a text config or a canvas length.
+        CheckpointError: transformers older than 5.25; a config without a text config or a canvas length; a
+            missing, unexpected or misshapen tensor (naming the weight file and the tensor).
     """
     from ..loaded import LoadedModel
 
@@ -100,7 +112,12 @@ def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):
 
     tokenizer = load_tokenizer_without_remote_code(path)
     dllm = dllm_config(path, config, tokenizer)
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    headers = check_weight_files(path)
+    if headers is not None:  # transformers fills a missing tensor with random values and only logs it
+        check_tensor_names(path, headers, DiffusionGemmaForBlockDiffusion)
+    model, info = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                                  output_loading_info=True)
+    check_loading_info(path, ARCHITECTURE, info)
     model = model.to(device).eval()
     text = config["text_config"]
     return LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
