@@ -206,9 +206,12 @@ class UniformCanvasSequence(Request):
         return stable and bool(torch.mean(entropy, dim=-1)[0] < o.confidence_threshold)
 
     def _end_canvas(self) -> None:
-        """The active canvas is final: its argmax canvas goes into the canvas, the stop rules see it."""
+        """The active canvas is final: its argmax canvas goes into the canvas, the stop rules see it. Near the
+        context's end the layout's last block is shorter than ``C`` (``build_layout`` clamps it to the context):
+        the canvas is sampled whole, as ``generate()`` samples it, and only the positions that fit are kept."""
         C, s = self.block_size, self.canvas_start
-        self.canvas[s: s + C] = self.argmax[0].cpu()
+        fit = max(0, min(C, self.canvas.shape[0] - s))
+        self.canvas[s: s + fit] = self.argmax[0, :fit].cpu()
         self.cur_step = 0
         self.blocks_done_steps.append(self.step_in_block)
         self.step_in_block = self.step_in_window = 0

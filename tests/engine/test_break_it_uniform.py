@@ -61,3 +61,21 @@ def test_a_corrupt_checkpoint_is_refused_in_one_line_naming_the_file(replica, tm
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(str(bad / where)), msg
     assert all(n in msg for n in names), msg
+
+
+def test_a_last_canvas_past_the_context_end_keeps_what_fits_and_equals_generate(replica):
+    """The layout's last block is clamped to the context (512 here) while a canvas is sampled whole: ending such a
+    canvas wrote 8 tokens into fewer positions and failed the engine step (a 500)."""
+    from diffusion_gemma_tiny import reference_generate
+    from unmask.engine.llm import LLM
+    from unmask.engine.params import SamplingParams
+
+    model = load_model(str(replica), device="cpu")
+    llm = LLM(model)
+    for prompt_len, max_tokens in [(505, 7), (511, 1), (500, 12)]:
+        prompt = [5 + i % 7 for i in range(prompt_len)]
+        out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, seed=2, max_denoising_steps=2))[0]
+        ids = out.outputs[0].token_ids
+        assert len(ids) <= max_tokens and ids, (prompt_len, ids)
+        want = reference_generate(model.model, prompt, 2, max_new_tokens=max_tokens, max_denoising_steps=2)
+        assert ids == want[:max_tokens], (prompt_len, ids, want)
