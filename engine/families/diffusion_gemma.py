@@ -56,9 +56,16 @@ def _text_config(config: dict, where: Path) -> dict:
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "top_k_experts"):
         if not isinstance(text.get(key), int) or isinstance(text.get(key), bool) or text[key] < 1:
             raise CheckpointError(f"{where}:text_config.{key}: a positive integer is required, got {text.get(key)!r}")
-    if not isinstance(config.get("canvas_length", 256), int) or config.get("canvas_length", 256) < 1:
-        raise CheckpointError(f"{where}:canvas_length: a positive integer is required, got "
-                              f"{config.get('canvas_length')!r}")
+    canvas = config.get("canvas_length", 256)
+    if not isinstance(canvas, int) or isinstance(canvas, bool) or canvas < 1:
+        raise CheckpointError(f"{where}:canvas_length: a positive integer is required, got {canvas!r}")
+    context = text.get("max_position_embeddings", 4096)
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise CheckpointError(f"{where}:text_config.max_position_embeddings: a positive integer is required, got "
+                              f"{context!r}")
+    if canvas > context:
+        raise CheckpointError(f"{where}:canvas_length: {canvas} exceeds the context "
+                              f"(text_config.max_position_embeddings {context})")
     return text
 
 
@@ -121,7 +128,7 @@ def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):
     model = model.to(device).eval()
     text = config["text_config"]
     return LoadedModel(model=model, tokenizer=tokenizer, dllm=dllm, path=str(path), device=device, dtype=dtype,
-                       max_context=int(text.get("max_position_embeddings") or 4096))
+                       max_context=int(text.get("max_position_embeddings", 4096)))
 
 
 ADAPTER = FamilyAdapter(name="diffusion_gemma", detect=detect, load=load)

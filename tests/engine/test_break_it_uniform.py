@@ -42,6 +42,14 @@ def _generation_config(**fields):
     return edit
 
 
+def _text_config(**fields):
+    def edit(path):
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["text_config"].update(fields)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
 @pytest.mark.parametrize("edit, where, names", [
     # transformers filled a missing tensor with random values and only logged it: the model loaded and served noise
     (lambda p: _edit_tensors(p, _drop_q_proj), "model.safetensors", ["1 missing", "self_attn.q_proj.weight"]),
@@ -51,6 +59,10 @@ def _generation_config(**fields):
     (_generation_config(max_denoising_steps=0), "generation_config.json", [":max_denoising_steps:"]),
     # was "<dir>: cannot load (ValueError: `t_max` must be >= t_min` ...)"
     (_generation_config(t_min=0.9, t_max=0.5), "generation_config.json", [":t_max:"]),
+    # was served with a context of 4096 (0 read as unset)
+    (_text_config(max_position_embeddings=0), "config.json", [":text_config.max_position_embeddings:"]),
+    # was "config.json:dllm.block_size: 8 exceeds the model's context of 4" (no such field in this checkpoint)
+    (_text_config(max_position_embeddings=4), "config.json", [":canvas_length: 8 exceeds"]),
 ])
 def test_a_corrupt_checkpoint_is_refused_in_one_line_naming_the_file(replica, tmp_path, edit, where, names):
     bad = tmp_path / "bad"
