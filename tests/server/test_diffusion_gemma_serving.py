@@ -4,12 +4,12 @@ to the non-streamed answer; image inputs and the fields the uniform-canvas sampl
 the field; the held-out OpenAI checks (llm-comply, system) on a tiny DiffusionGemma checkpoint."""
 from __future__ import annotations
 
-import json
 
 import pytest
 from fastapi.testclient import TestClient
 
 from diffusion_gemma_tiny import save_replica
+from revisable_stream import check_revisable_stream
 from unmask.engine.async_engine import AsyncEngine
 from unmask.engine.model import load_model
 from unmask.server.app import build_app
@@ -32,33 +32,8 @@ def client(checkpoint):
         yield c
 
 
-def _stream(client, body: dict) -> list[dict]:
-    out = []
-    with client.stream("POST", CH, json={**body, "stream": True, "stream_options": {"include_denoising": True}}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                out.append(json.loads(line[6:]))
-    return out
-
-
 def test_a_streamed_request_refines_its_canvas_but_never_its_content(client):
-    plain = client.post(CH, json=BODY)
-    assert plain.status_code == 200, plain.text
-    chunks = _stream(client, BODY)
-    canvases = [c["denoising"] for c in chunks if c.get("denoising")]
-    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
-                      if c.get("choices") and not c.get("denoising"))
-    assert content == plain.json()["choices"][0]["message"]["content"]
-    # the canvas is refined: a position shown with one token shows another at a later step
-    changed = [i for a, b in zip(canvases, canvases[1:]) for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"]))
-               if x is not None and y is not None and x != y]
-    assert changed, "no token changed between steps: the check would be vacuous"
-    # every change is in the provisional region the previous chunk announced (a canvas's first position)
-    for a, b in zip(canvases, canvases[1:]):
-        for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"])):
-            if x is not None and x != y:
-                assert a.get("final") is not None and i >= a["final"], (i, a.get("final"))
+    chunks, content = check_revisable_stream(client, BODY)
     # content was sent while a later canvas was still refined, and what a client received is a prefix of the answer
     sent, prefixes, later = "", [], 0
     for c in chunks:

@@ -3,12 +3,12 @@ request whose denoising chunks show tokens changing while its content deltas onl
 the non-streamed answer; the held-out OpenAI checks (llm-comply, system) on a tiny LLaDA2 checkpoint."""
 from __future__ import annotations
 
-import json
 
 import pytest
 from fastapi.testclient import TestClient
 
 from llada2_tiny import checkpoint_dir, loaded_llada2
+from revisable_stream import check_revisable_stream, stream_chunks
 from unmask.engine.async_engine import AsyncEngine
 from unmask.server.app import build_app
 
@@ -23,33 +23,8 @@ def client():
         yield c
 
 
-def _stream(client, body: dict) -> list[dict]:
-    out = []
-    with client.stream("POST", CH, json={**body, "stream": True, "stream_options": {"include_denoising": True}}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                out.append(json.loads(line[6:]))
-    return out
-
-
 def test_a_streamed_editing_request_revises_its_canvas_but_never_its_content(client):
-    plain = client.post(CH, json=BODY)
-    assert plain.status_code == 200, plain.text
-    chunks = _stream(client, BODY)
-    canvases = [c["denoising"] for c in chunks if c.get("denoising")]
-    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
-                      if c.get("choices") and not c.get("denoising"))
-    assert content == plain.json()["choices"][0]["message"]["content"]
-    # tokens change in place: a position shown with one token shows another later (token editing happened)
-    changed = [i for a, b in zip(canvases, canvases[1:]) for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"]))
-               if x is not None and y is not None and x != y]
-    assert changed, "no edit seen: the check would be vacuous"
-    # every edit is in the provisional region the previous chunk announced
-    for a, b in zip(canvases, canvases[1:]):
-        for i, (x, y) in enumerate(zip(a["canvas"], b["canvas"])):
-            if x is not None and x != y:
-                assert a.get("final") is not None and i >= a["final"], (i, a.get("final"))
+    chunks, content = check_revisable_stream(client, BODY)
     # content was sent while later blocks were still being edited, and none of it was ever wrong: what a client
     # received before an edit is a prefix of the final answer (deltas only append final text)
     sent, prefixes, edits_after_content, last = "", [], 0, None
@@ -98,7 +73,7 @@ def test_streamed_logprobs_of_an_editing_request_join_into_the_non_streamed_ones
     shows its token (only final text is shown), so the chunks' logprobs joined equal the non-streamed ones."""
     body = {**BODY, "logprobs": True, "top_logprobs": 2}
     plain = client.post(CH, json=body).json()["choices"][0]["logprobs"]["content"]
-    chunks = _stream(client, body)
+    chunks = stream_chunks(client, body)
     streamed = [e for c in chunks if c.get("choices") and not c.get("denoising")
                 for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
     assert [(e["token"], e["logprob"]) for e in streamed] == [(e["token"], e["logprob"]) for e in plain]
