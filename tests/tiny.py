@@ -246,6 +246,44 @@ def random_adapter_weights(m, rank: int = 4, alpha: float = 8.0, seed: int = 0):
     return w
 
 
+def loaded_with_adapter():
+    """A tiny model (``initializer_range=0.5``) with :func:`random_adapter_weights` attached: the mask-adapter
+    decoding path."""
+    from unmask.engine.mask_adapter import attach_mask_adapter
+
+    m = loaded(initializer_range=0.5)
+    attach_mask_adapter(m, random_adapter_weights(m))
+    return m
+
+
+# The four attention layouts the cache tests (chunked prefill, prefix cache) run, by name: each a fresh model.
+CACHE_LAYOUTS = {
+    "prefix_causal": lambda: loaded(),
+    "block_causal_absolute": lambda: loaded(attention="block_causal", block_alignment="absolute",
+                                            fixed_block_size=True, logit_shift=False),
+    "block_causal_generation": lambda: loaded(attention="block_causal"),
+    "mask_adapter": loaded_with_adapter,
+}
+# (layout, SamplingParams keywords): the decoding paths both cache tests check on those layouts.
+CACHE_CASES = [
+    ("prefix_causal", dict(block_size=1, temperature=0.0)),
+    ("prefix_causal", dict(block_size=4, temperature=0.9, seed=5, top_k=50)),
+    ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.0)),
+    ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.8, seed=7)),
+    ("prefix_causal", dict(block_size=4, temperature=0.0, cfg_scale=1.0)),
+    ("prefix_causal", dict(block_size=4, temperature=0.0, multi_block=0.5)),
+    ("block_causal_absolute", dict(temperature=0.0)),
+    ("block_causal_generation", dict(temperature=0.7, seed=2)),
+    ("mask_adapter", dict(block_size=4, temperature=0.0, steps=4)),
+    ("mask_adapter", dict(block_size=4, speculative=True, temperature=0.0)),
+]
+
+
+def case_ids(cases) -> list[str]:
+    """pytest ids of ``(layout, keywords)`` cases: ``layout-key1value1-key2value2``."""
+    return [f"{m}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for m, kw in cases]
+
+
 def loaded_with_verifier(verifier_seed=0, drafter_seed=1, block_size=4, **model_kw):
     """``(routed, verifier)``: a prefix-causal tiny drafter whose causal rows run ``verifier``'s weights
     (``unmask.engine.routed``), and that verifier as its own :class:`LoadedModel` (two different random models)."""

@@ -19,7 +19,6 @@ import tiny
 from unmask.engine import LLM, SamplingParams
 from unmask.engine.denoiser import Denoiser
 from unmask.engine.engine import Engine
-from unmask.engine.mask_adapter import attach_mask_adapter
 from unmask.engine.prefill_cost import PrefillBudget, attention_crossover_keys
 
 #: P0 of ``tiny.loaded()`` (H 64, I 128, L 2, Hq 4, Hkv 2, D 16): linear FLOPs per row 2 * 2 * (64*64 + 2*64*32 +
@@ -51,31 +50,6 @@ def _chunk_sizes(prompt_len: int, budget: int, start: int = 0, keys=P0_TINY) -> 
     return sizes
 
 
-def _with_adapter():
-    m = tiny.loaded(initializer_range=0.5)
-    attach_mask_adapter(m, tiny.random_adapter_weights(m))
-    return m
-
-
-MODELS = {
-    "prefix_causal": lambda: tiny.loaded(),
-    "block_causal_absolute": lambda: tiny.loaded(attention="block_causal", block_alignment="absolute",
-                                                 fixed_block_size=True, logit_shift=False),
-    "block_causal_generation": lambda: tiny.loaded(attention="block_causal"),
-    "mask_adapter": _with_adapter,
-}
-CASES = [  # (model, params)
-    ("prefix_causal", dict(block_size=1, temperature=0.0)),
-    ("prefix_causal", dict(block_size=4, temperature=0.9, seed=5, top_k=50)),
-    ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.0)),
-    ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.8, seed=7)),
-    ("prefix_causal", dict(block_size=4, temperature=0.0, cfg_scale=1.0)),
-    ("prefix_causal", dict(block_size=4, temperature=0.0, multi_block=0.5)),
-    ("block_causal_absolute", dict(temperature=0.0)),
-    ("block_causal_generation", dict(temperature=0.7, seed=2)),
-    ("mask_adapter", dict(block_size=4, temperature=0.0, steps=4)),
-    ("mask_adapter", dict(block_size=4, speculative=True, temperature=0.0)),
-]
 
 
 def _first_step(model, prompt, params, chunk):
@@ -88,10 +62,9 @@ def _first_step(model, prompt, params, chunk):
     return engine.scheduler.running[0] if engine.scheduler.running else None, forwards
 
 
-@pytest.mark.parametrize("model_name, kw", CASES, ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
-                                                        for m, kw in CASES])
+@pytest.mark.parametrize("model_name, kw", tiny.CACHE_CASES, ids=tiny.case_ids(tiny.CACHE_CASES))
 def test_the_same_tokens_nfe_and_kv_as_the_whole_prompt_at_once(model_name, kw):
-    model = MODELS[model_name]()
+    model = tiny.CACHE_LAYOUTS[model_name]()
     prompt = _ids(101)
     params = SamplingParams(max_tokens=12, ignore_eos=True, **kw)
     whole = LLM(model, prefill_chunk=0).generate([prompt], params)[0].outputs[0]

@@ -12,7 +12,6 @@ from unmask.engine import SamplingParams
 from unmask.engine.checkpoint import write_checkpoint
 from unmask.engine.engine import Engine
 from unmask.engine.lane_attention import use_lanes
-from unmask.engine.mask_adapter import attach_mask_adapter
 from unmask.engine.model import load_model
 from unmask.engine.prefix_cache import PrefixCache, model_fingerprint
 
@@ -58,39 +57,17 @@ def _chat(model, params: SamplingParams, reuse: bool, turns: int = 3):
     return outs, kvs, engine
 
 
-def _with_adapter():
-    m = tiny.loaded(initializer_range=0.5)
-    attach_mask_adapter(m, tiny.random_adapter_weights(m))
-    return m
-
-
-MODELS = {
-    "prefix_causal": lambda: tiny.loaded(),
-    "block_causal_absolute": lambda: tiny.loaded(attention="block_causal", block_alignment="absolute",
-                                                 fixed_block_size=True, logit_shift=False),
-    "block_causal_generation": lambda: tiny.loaded(attention="block_causal"),
-    "mask_adapter": _with_adapter,
-}
-CASES = [  # (model, params)
-    ("prefix_causal", dict(block_size=1, temperature=0.0)),
+CASES = [  # (model, params): the shared cases and two more at the front
+    tiny.CACHE_CASES[0],
     ("prefix_causal", dict(block_size=4, temperature=0.0)),
     ("prefix_causal", dict(block_size=1, temperature=1.0, seed=3)),
-    ("prefix_causal", dict(block_size=4, temperature=0.9, seed=5, top_k=50)),
-    ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.0)),
-    ("prefix_causal", dict(block_size=4, speculative=True, temperature=0.8, seed=7)),
-    ("prefix_causal", dict(block_size=4, temperature=0.0, cfg_scale=1.0)),
-    ("prefix_causal", dict(block_size=4, temperature=0.0, multi_block=0.5)),
-    ("block_causal_absolute", dict(temperature=0.0)),
-    ("block_causal_generation", dict(temperature=0.7, seed=2)),
-    ("mask_adapter", dict(block_size=4, temperature=0.0, steps=4)),
-    ("mask_adapter", dict(block_size=4, speculative=True, temperature=0.0)),
+    *tiny.CACHE_CASES[1:],
 ]
 
 
-@pytest.mark.parametrize("model_name, kw", CASES, ids=[f"{m}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
-                                                        for m, kw in CASES])
+@pytest.mark.parametrize("model_name, kw", CASES, ids=tiny.case_ids(CASES))
 def test_a_chat_gets_the_same_tokens_with_and_without_reuse(model_name, kw):
-    model = MODELS[model_name]()
+    model = tiny.CACHE_LAYOUTS[model_name]()
     params = SamplingParams(max_tokens=20, ignore_eos=True, **kw)
     fresh, fresh_kv, _ = _chat(model, params, reuse=False)
     reused, reused_kv, engine = _chat(model, params, reuse=True)
