@@ -62,6 +62,23 @@ def _statuses(report: dict) -> dict[str, tuple[str, list]]:
     return {r["id"]: (r["status"], r.get("errors", [])) for r in report["results"]}
 
 
+def check_checkpoint_complies(tmp_path, checkpoint: str) -> None:
+    """Serve ``checkpoint`` with `unmask serve` (32 tokens by default) and run :data:`TINY_CHECKS` on it: every
+    check passes but the reasoning summary, which is skipped (a tiny model's text is noise, so ``finish_reason``
+    'length' is ignored). Shared by the families' serving tests."""
+    from serving import start_serve
+
+    proc, base, log = start_serve(tmp_path, checkpoint, "--served-model-name", "tiny", "--api-key", KEY,
+                                  "--default-max-tokens", "32")
+    try:
+        got = _statuses(run_comply(base, "tiny", TINY_CHECKS, NEEDS_A_SENSIBLE_MODEL, timeout=60))
+    finally:
+        stop_server(proc)
+    assert got.pop("chat-reasoning-summary")[0] == "skipped"
+    failed = {k: v for k, v in got.items() if v[0] != "passed"}
+    assert not failed, (failed, log.read_text()[-2000:])
+
+
 @pytest.mark.system
 def test_llm_comply_on_a_tiny_model(tmp_path):
     template = tmp_path / "tools.jinja"

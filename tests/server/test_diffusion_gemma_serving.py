@@ -73,18 +73,9 @@ def test_an_image_input_is_a_400_naming_the_field(client):
 
 @pytest.mark.system
 def test_llm_comply_on_a_tiny_diffusion_gemma(checkpoint, tmp_path):
-    from serving import start_serve, stop_server
-    from test_comply import KEY, NEEDS_A_SENSIBLE_MODEL, TINY_CHECKS, _statuses, run_comply
+    from test_comply import check_checkpoint_complies
 
-    proc, base, log = start_serve(tmp_path, str(checkpoint), "--served-model-name", "tiny", "--api-key", KEY,
-                                  "--default-max-tokens", "32")
-    try:
-        got = _statuses(run_comply(base, "tiny", TINY_CHECKS, NEEDS_A_SENSIBLE_MODEL, timeout=60))
-    finally:
-        stop_server(proc)
-    assert got.pop("chat-reasoning-summary")[0] == "skipped"
-    failed = {k: v for k, v in got.items() if v[0] != "passed"}
-    assert not failed, (failed, log.read_text()[-2000:])
+    check_checkpoint_complies(tmp_path, str(checkpoint))
 
 
 def test_n_choices_take_seed_and_seed_plus_one_and_a_stop_string_cuts_the_text(client):

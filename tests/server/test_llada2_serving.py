@@ -53,19 +53,9 @@ def test_editing_on_another_family_is_a_400_naming_the_field():
 
 @pytest.mark.system
 def test_llm_comply_on_a_tiny_llada2(tmp_path):
-    from serving import start_serve, stop_server
-    from test_comply import KEY, NEEDS_A_SENSIBLE_MODEL, TINY_CHECKS, _statuses, run_comply
+    from test_comply import check_checkpoint_complies
 
-    path = checkpoint_dir(loaded_llada2(seed=1), tmp_path / "llada2")
-    proc, base, log = start_serve(tmp_path, str(path), "--served-model-name", "tiny", "--api-key", KEY,
-                                  "--default-max-tokens", "32")
-    try:
-        got = _statuses(run_comply(base, "tiny", TINY_CHECKS, NEEDS_A_SENSIBLE_MODEL, timeout=60))
-    finally:
-        stop_server(proc)
-    assert got.pop("chat-reasoning-summary")[0] == "skipped"
-    failed = {k: v for k, v in got.items() if v[0] != "passed"}
-    assert not failed, (failed, log.read_text()[-2000:])
+    check_checkpoint_complies(tmp_path, str(checkpoint_dir(loaded_llada2(seed=1), tmp_path / "llada2")))
 
 
 def test_streamed_logprobs_of_an_editing_request_join_into_the_non_streamed_ones(client):
