@@ -196,6 +196,22 @@ def stop_server(proc, timeout: float = 30) -> None:
         proc.kill()
 
 
+def add_replica_arguments(ap) -> None:
+    """``--repeats``, ``--single`` and ``--replicas``: the command line of the benchmarks that time random replicas
+    of a family against its reference implementation (``bench_llada2``, ``bench_diffusion_gemma``)."""
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--single", type=int, default=2, help="prompts timed one by one at batch 1")
+    ap.add_argument("--replicas", default="tiny,0.5b")
+
+
+def fixed_prompts(n: int, length: int, high: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` ids drawn from ``[3, high)`` by a generator seeded 0: the same prompts every run."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, high, (n, length), generator=g).tolist()
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

@@ -54,14 +54,6 @@ SETTINGS = {
 PROMPT_LEN, GEN, CANVAS, STEPS, SEED = 32, 64, 32, 16, 1000
 
 
-def prompts(n: int, vocab: int) -> list[list[int]]:
-    """``n`` fixed prompts of ``PROMPT_LEN`` ordinary ids."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(3, min(vocab, 320) - 1, (n, PROMPT_LEN), generator=g).tolist()
-
-
 def engine_run(llm, batch: list[list[int]], setting: dict, seed: int) -> tuple[float, list[list[int]]]:
     from unmask.engine import SamplingParams
 
@@ -99,7 +91,7 @@ def measure(name: str, overrides: dict, args) -> list[dict]:
     model = loaded.model
     params_total = sum(p.numel() for n, p in model.named_parameters() if "vision" not in n)
     llm = LLM(loaded, max_batch_size=8, enable_prefix_caching=False)  # the repeats resend the same prompts
-    ps = prompts(8, loaded.vocab_size)
+    ps = bc.fixed_prompts(8, PROMPT_LEN, min(loaded.vocab_size, 320) - 1)  # ordinary ids
     rows = []
     for sname, setting in SETTINGS.items():
         engine_run(llm, ps[:1], setting, SEED)  # warm-up
@@ -137,9 +129,7 @@ def measure(name: str, overrides: dict, args) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """Run the replicas and write ``results/bench_diffusion_gemma.{json,md}``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--single", type=int, default=2, help="prompts timed one by one at batch 1")
-    ap.add_argument("--replicas", default="tiny,0.5b")
+    bc.add_replica_arguments(ap)
     args = bc.parse_args(ap, argv, threads=1)
     env = bc.environment(args.threads)
     rows = []

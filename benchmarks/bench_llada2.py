@@ -38,14 +38,6 @@ REPLICAS = {
 PROMPT_LEN, GEN, BLOCK, STEPS, THRESHOLD = 32, 128, 32, 4, 0.7
 
 
-def prompts(n: int, vocab: int) -> list[list[int]]:
-    """``n`` fixed prompts of ``PROMPT_LEN`` ordinary ids (no special tokens)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(3, vocab - 8, (n, PROMPT_LEN), generator=g).tolist()
-
-
 def engine_run(llm, batch: list[list[int]], editing) -> tuple[float, list[list[int]]]:
     from unmask.engine import SamplingParams
 
@@ -73,7 +65,7 @@ def measure(name: str, overrides: dict, args, editing) -> list[dict]:
     loaded = loaded_llada2(seed=0, block_size=BLOCK, **overrides)
     params_total = sum(p.numel() for p in loaded.model.parameters())
     llm = LLM(loaded, max_batch_size=8)
-    ps = prompts(8, loaded.vocab_size)
+    ps = bc.fixed_prompts(8, PROMPT_LEN, loaded.vocab_size - 8)  # ordinary ids, no special tokens
     engine_run(llm, ps[:1], editing)  # warm-up (first-call allocations, diffusers' imports)
     pipeline_run(loaded, ps[:1], editing)
     rows = []
@@ -102,9 +94,7 @@ def measure(name: str, overrides: dict, args, editing) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """Run both replicas and write ``results/bench_llada2.{json,md}``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--single", type=int, default=2, help="prompts timed one by one at batch 1")
-    ap.add_argument("--replicas", default="tiny,0.5b")
+    bc.add_replica_arguments(ap)
     ap.add_argument("--editing", action="store_true", help="also with token editing (editing_threshold 0.5)")
     ap.add_argument("--editing-replicas", default="tiny", help="the replicas --editing applies to")
     args = bc.parse_args(ap, argv, threads=1)
