@@ -9,6 +9,7 @@ import re
 import jsonschema
 import pytest
 
+from step_together import step_together
 from tiny import loaded
 from unmask.engine import LLM, Constraint, ParamError, SamplingParams
 from unmask.engine.constraints import check_constraint, compile_constraint
@@ -152,11 +153,7 @@ def test_unconstrained_requests_unchanged_next_to_constrained_ones(llms, specula
     seqs = []
     for i, (p, sp) in enumerate(zip(prompts, plain + [constrained])):
         seqs += llm.make_sequences(llm.encode(p), sp, f"r{i}")
-    sched = Scheduler(llm.denoiser, max_batch_size=8)
-    for s in seqs:
-        sched.add(s)
-    while sched.has_work():
-        sched.step()
+    step_together(llm.denoiser, seqs)
     assert [s.output_ids for s in seqs[:2]] == alone
     jsonschema.validate(json.loads(seqs[2].text), SCHEMA)
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from step_together import step_together
 from tiny import loaded
 from unmask.engine import LLM, ParamError, SamplingParams
 from unmask.engine.plan import resolve_params
@@ -139,14 +140,7 @@ def test_batch_invariance(llms, attention, cache):
     seqs = []
     for i, (p, sp) in enumerate(zip(PROMPTS, params)):
         seqs += llm.make_sequences(llm.encode(p), sp, f"r{i}")
-    from unmask.engine.scheduler import Scheduler
-
-    sched = Scheduler(llm.denoiser, max_batch_size=8)
-    for s in seqs:
-        sched.add(s)
-    while sched.has_work():
-        sched.step()
-    assert [s.output_ids for s in seqs] == alone
+    assert [s.output_ids for s in step_together(llm.denoiser, seqs)] == alone
 
 
 @pytest.mark.parametrize("attention", ["prefix_causal", "block_causal"])

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from step_together import step_together
 from tiny import loaded
 from unmask.engine import LLM, SamplingParams
 from unmask.engine.plan import resolve_params
@@ -196,12 +197,7 @@ def test_equal_length_batch_matches_alone(llm):
     sps = [SamplingParams(max_tokens=10, temperature=0.7, seed=s, ignore_eos=True) for s in (1, 2)]
     alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip((ids, other), sps)]
     seqs = llm.make_sequences(ids, sps[0], "a") + llm.make_sequences(other, sps[1], "b")
-    sched = Scheduler(llm.denoiser, max_batch_size=4)
-    for s in seqs:
-        sched.add(s)
-    while sched.has_work():
-        sched.step()
-    assert [s.output_ids for s in seqs] == alone
+    assert [s.output_ids for s in step_together(llm.denoiser, seqs, max_batch_size=4)] == alone
 
 
 # ---------------------------------------------------------------- cache memory accounting
