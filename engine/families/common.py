@@ -356,6 +356,13 @@ def default_temperature(path: Path, family_default: float) -> float:
     return float(family_default)
 
 
+def declares(config: dict, architectures: tuple[str, ...], model_types: tuple[str, ...]) -> bool:
+    """Whether ``config.json`` names a family: its ``architectures`` list one of ``architectures`` or its
+    ``model_type``, lower-cased, is one of ``model_types``."""
+    archs = config.get("architectures") or []
+    return any(a in archs for a in architectures) or str(config.get("model_type", "")).lower() in model_types
+
+
 def positive_int(config: dict, key: str, default: int, path: Path) -> int:
     """``config[key]`` as a positive integer (``default`` when absent). Raises CheckpointError naming the key."""
     value = config.get(key, default)

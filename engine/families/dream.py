@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import FamilyAdapter
-from .common import build_foreign_model, qwen_style_config, read_state_dict
+from .common import build_foreign_model, declares, qwen_style_config, read_state_dict
 
 ARCHITECTURE = "DreamModel"
 MASK_TOKENS = ("<|mask|>",)
@@ -33,8 +33,7 @@ DEFAULT_BLOCK_SIZE = 32
 
 def detect(config: dict) -> bool:
     """``architectures`` contains ``DreamModel`` or ``model_type`` is ``Dream`` (any case)."""
-    archs = config.get("architectures") or []
-    return ARCHITECTURE in archs or str(config.get("model_type", "")).lower() == "dream"
+    return declares(config, (ARCHITECTURE,), ("dream",))
 
 
 def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype, state_dict=None, tokenizer=None):

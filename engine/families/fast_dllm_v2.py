@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import FamilyAdapter
-from .common import build_foreign_model, positive_int, qwen_style_config, read_state_dict
+from .common import build_foreign_model, declares, positive_int, qwen_style_config, read_state_dict
 
 ARCHITECTURE = "Fast_dLLM_QwenForCausalLM"
 MASK_TOKENS = ("|<MASK>|",)
@@ -34,8 +34,7 @@ SUB_BLOCK_SIZE = 8  # generate(small_block_size=8)
 
 def detect(config: dict) -> bool:
     """``architectures`` contains ``Fast_dLLM_QwenForCausalLM`` or ``model_type`` is ``Fast_dLLM_Qwen``."""
-    archs = config.get("architectures") or []
-    return ARCHITECTURE in archs or str(config.get("model_type", "")).lower() == "fast_dllm_qwen"
+    return declares(config, (ARCHITECTURE,), ("fast_dllm_qwen",))
 
 
 def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):

@@ -40,7 +40,7 @@ import torch
 
 from ..config import CheckpointError
 from . import FamilyAdapter
-from .common import build_foreign_model, positive_int, read_state_dict
+from .common import build_foreign_model, declares, positive_int, read_state_dict
 
 ARCHITECTURE = "LLaDAModelLM"
 MASK_TOKENS = ("<|mdm_mask|>",)
@@ -85,8 +85,7 @@ _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "relu": "relu"}
 
 def detect(config: dict) -> bool:
     """``architectures`` contains ``LLaDAModelLM`` or ``model_type == "llada"``."""
-    archs = config.get("architectures") or []
-    return ARCHITECTURE in archs or str(config.get("model_type", "")).lower() == "llada"
+    return declares(config, (ARCHITECTURE,), ("llada",))
 
 
 def llama_config_from_llada(config: dict, path: Path | str = ""):

@@ -26,7 +26,7 @@ import torch
 
 from ..config import CheckpointError
 from . import FamilyAdapter
-from .common import build_foreign_model, positive_int, read_state_dict
+from .common import build_foreign_model, declares, positive_int, read_state_dict
 
 ARCHITECTURES = ("LLaDAMoEModelLM", "LLaDAMoEModel")
 MODEL_TYPES = ("lladamoe", "llada_moe", "llada-moe")
@@ -39,8 +39,7 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_
 
 def detect(config: dict) -> bool:
     """``architectures`` names ``LLaDAMoEModelLM`` / ``LLaDAMoEModel`` or ``model_type`` is ``lladamoe``."""
-    archs = config.get("architectures") or []
-    return any(a in archs for a in ARCHITECTURES) or str(config.get("model_type", "")).lower() in MODEL_TYPES
+    return declares(config, ARCHITECTURES, MODEL_TYPES)
 
 
 def moe_shape(config: dict, path: Path | str = "") -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import FamilyAdapter
-from .common import build_foreign_model, positive_int, qwen_style_config, read_state_dict
+from .common import build_foreign_model, declares, positive_int, qwen_style_config, read_state_dict
 
 ARCHITECTURE = "SDARForCausalLM"
 MASK_TOKENS = ("<|MASK|>",)
@@ -32,8 +32,7 @@ DEFAULT_BLOCK_SIZE = 4
 
 def detect(config: dict) -> bool:
     """``architectures`` contains ``SDARForCausalLM`` or ``model_type == "sdar"``."""
-    archs = config.get("architectures") or []
-    return ARCHITECTURE in archs or str(config.get("model_type", "")).lower() == "sdar"
+    return declares(config, (ARCHITECTURE,), ("sdar",))
 
 
 def load(path: Path, config: dict, device: torch.device, dtype: torch.dtype):
