@@ -22,6 +22,7 @@ from .grammar_sampling import mask_verifier_rows
 from .noise import ACCEPT, DRAFT, RESIDUAL, Draws, row_keys, uniform
 from .outputs import StepEvent
 from .sampler import RowGroup, filter_groups, gumbel_argmax, log_normalizer, prepare_groups
+from .sequence import guided_rows
 from .transfer import to_device
 
 __all__ = ["VerifyRows", "relaxed_accept", "speculative_rows", "verify_batch"]
@@ -210,10 +211,7 @@ def verify_batch(seqs: list, spans: list[tuple[int, int]], logits: torch.Tensor,
     Returns:
         per sequence ``(event, commit)``: its :class:`StepEvent` and the ``[m]`` int64 chunk indices to commit.
     """
-    dev = logits.device
-    idx = [i for a, b in spans for i in range(a, b)]
-    run = idx == list(range(idx[0], idx[0] + len(idx))) if idx else True
-    rows = logits[idx[0]: idx[0] + len(idx)] if run and idx else logits[to_device(torch.tensor(idx), dev)]
+    rows, _ = guided_rows(seqs, [[span] for span in spans], logits)  # one lane each: no CFG
     sizes = [b - a for a, b in spans]
     plan = _Plan(seqs, sizes)
     rows = prepare_groups(rows, plan.groups, forbidden_ids)
