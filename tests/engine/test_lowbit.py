@@ -26,6 +26,17 @@ def _rel(a, b):
     return float((a - b).norm() / a.norm())
 
 
+def _batch(seed: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids [rows, cols] (generator ``seed``) and their positions 0..cols-1."""
+    ids = torch.randint(0, 300, (rows, cols), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.arange(cols)[None].expand(rows, cols)
+
+
+def _logits(m, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``m``'s logits [rows, cols, V] of a batch (no attention mask; the tiny model's width 64)."""
+    return m.logits(m.hidden_states(ids, pos, None).reshape(-1, 64)).reshape(*ids.shape, -1)
+
+
 def test_quantizers_respect_their_grids():
     torch.manual_seed(0)
     w = torch.randn(64, 96)
@@ -57,16 +68,13 @@ def test_model_logits_close_and_batch_invariant(fmt):
     pack_model(lm, fmt)
     assert lm.weight_format == fmt and lm.decoder_path == "fused"
     assert type(lm.model.get_output_embeddings()).__name__ == "LowbitLinear"
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 300, (8, 9), generator=g)
-    pos = torch.arange(9)[None].expand(8, 9)
+    ids, pos = _batch(3, 8, 9)
     with torch.no_grad():
-        a = ref.logits(ref.hidden_states(ids, pos, None).reshape(-1, 64))
-        full = lm.logits(lm.hidden_states(ids, pos, None).reshape(-1, 64)).reshape(8, 9, -1)
+        a, full = _logits(ref, ids, pos), _logits(lm, ids, pos)
         assert _rel(a, full.reshape(a.shape)) < LOGIT_RTOL[fmt]
         # a row's logits do not depend on its batch mates (bit for bit): alone, in 3, in other company
         for rows in ([0], [0, 1, 2], [0, 5, 7, 3]):
-            sub = lm.logits(lm.hidden_states(ids[rows], pos[rows], None).reshape(-1, 64)).reshape(len(rows), 9, -1)
+            sub = _logits(lm, ids[rows], pos[rows])
             assert torch.equal(sub[0], full[0])
 
 
@@ -124,16 +132,13 @@ def test_auto_runs_4bit_grid_weights_as_int4_and_the_rest_fp16():
     n_layers = len(lm.model.base_model.layers)
     assert lm.packed_layers == {"int4": 4 * n_layers, "fp16": 1}  # q|k|v, o, gate|up, down; the head off the grid
     assert type(lm.model.get_output_embeddings()).__name__ == "PackedFp16Linear"
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 300, (6, 7), generator=g)
-    pos = torch.arange(7)[None].expand(6, 7)
+    ids, pos = _batch(5, 6, 7)
     with torch.no_grad():
-        a = ref.logits(ref.hidden_states(ids, pos, None).reshape(-1, 64))
-        full = lm.logits(lm.hidden_states(ids, pos, None).reshape(-1, 64)).reshape(6, 7, -1)
+        a, full = _logits(ref, ids, pos), _logits(lm, ids, pos)
         # only bf16 rounding (activations, scales, outputs) separates them: far inside explicit int4's 0.25
         assert _rel(a, full.reshape(a.shape)) < 0.03
         for rows in ([0], [0, 4, 2]):
-            sub = lm.logits(lm.hidden_states(ids[rows], pos[rows], None).reshape(-1, 64)).reshape(len(rows), 7, -1)
+            sub = _logits(lm, ids[rows], pos[rows])
             assert torch.equal(sub[0], full[0])
     # float weights keep auto's fp16 packing; an explicit format is taken as asked
     plain = tiny.loaded()
