@@ -49,6 +49,9 @@ def guided_rows(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Te
             cfg_scale.extend([1.0 + float(seq.params.cfg_scale)] * k)
         n += k
     run = not cond_idx or cond_idx == list(range(cond_idx[0], cond_idx[0] + n))
+    if run and not cfg_rows:  # the usual step: a view, no index tensor to copy to the device
+        first = cond_idx[0] if cond_idx else 0
+        return logits[first: first + n], offsets
     idx = to_device(torch.tensor(([] if run else cond_idx) + cfg_rows + cfg_uncond, dtype=torch.long), dev)
     first = cond_idx[0] if cond_idx else 0
     cond = logits[first: first + n] if run else logits[idx[:n]]  # one run: a view
