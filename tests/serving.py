@@ -143,6 +143,14 @@ def assert_exits_cleanly(proc: subprocess.Popen, log_path: Path, timeout: float 
     assert rc == 0, log_path.read_text()[-3000:]
 
 
+def served_tiny(tmp: Path):
+    """A module fixture's body: :func:`start_server` with ``--served-model-name tiny`` under ``tmp``; yields the
+    base URL, stops the server after the module."""
+    proc, base, _ = start_server(tmp, "--served-model-name", "tiny")
+    yield base
+    stop_server(proc)
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> None:
     proc.terminate()
     try:

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from serving import start_server, stop_server
+from serving import served_tiny
 from unmask.server.accounting import Tally, Work
 
 COUNTERS = ("generation_tokens_total", "nfe_total", "denoising_steps_total", "prompt_tokens_total")
@@ -26,9 +26,7 @@ def scrape(base: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, base, _ = start_server(tmp_path_factory.mktemp("per-step"), "--served-model-name", "tiny")
-    yield base
-    stop_server(proc)
+    yield from served_tiny(tmp_path_factory.mktemp("per-step"))
 
 
 def test_a_long_streams_generation_tokens_grow_before_it_ends(server):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from serving import start_server, stop_server
+from serving import served_tiny
 from unmask.engine.limits import (MAX_CONTENT_PARTS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_VALUES,
                                   MAX_SCHEMA_NODES, MAX_TOOLS)
 from unmask.server.body_limits import STRUCTURE_LIMITS, structure_error
@@ -74,9 +74,7 @@ def test_bodies_within_the_bounds_pass():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, base, _ = start_server(tmp_path_factory.mktemp("limits"), "--served-model-name", "tiny")
-    yield base
-    stop_server(proc)
+    yield from served_tiny(tmp_path_factory.mktemp("limits"))
 
 
 def test_health_answers_within_half_a_second_under_each_abusive_request(server):
