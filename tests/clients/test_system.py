@@ -40,6 +40,19 @@ class Tmux:
         return subprocess.run([self.tmux, "-L", self.sock, "capture-pane", "-p"], capture_output=True,
                               text=True).stdout
 
+    def status_screens_until(self, marker: str, timeout: float, what: str, every: float) -> list[str]:
+        """Poll the screen every ``every`` s until it shows ``marker``; the screens seen that show the status line
+        (``NFE``), oldest first."""
+        screens = []
+
+        def reached():
+            s = self.screen()
+            if "NFE" in s:
+                screens.append(s)
+            return marker in s
+        _wait(reached, timeout, what, every=every)
+        return screens
+
     def kill(self) -> None:
         subprocess.run([self.tmux, "-L", self.sock, "kill-server"], capture_output=True)
 
@@ -53,14 +66,7 @@ def test_terminal_chat_under_tmux(server, tmp_path):
     try:
         _wait(lambda: "you>" in t.screen(), 60, "the prompt")
         t.send("Hello there", "Enter")
-        screens = []
-
-        def progressed():
-            s = t.screen()
-            if "NFE" in s:
-                screens.append(s)
-            return "usage:" in s
-        _wait(progressed, 90, "the answer", every=0.02)
+        screens = t.status_screens_until("usage:", 90, "the answer", every=0.02)
         masked = [s.count("·") for s in screens]
         assert max(masked) > 20 and masked[-1] < max(masked), masked   # placeholders turned into text
         assert any(0 < s.count("·") for s in screens) and "TPF" in screens[-1] and "tok/s" in screens[-1]
@@ -213,14 +219,7 @@ def test_generate_show_steps_redraws_in_place_under_tmux(tmp_path):
     cmd = " ".join(shlex.quote(a) for a in args) + "; echo GEN-EXITED; sleep 30"
     t = Tmux(tmux, f"unmask-gen-{os.getpid()}", f"TERM=xterm-256color COLUMNS=110 {cmd}")
     try:
-        screens = []
-
-        def done():
-            s = t.screen()
-            if "NFE" in s:
-                screens.append(s)
-            return "GEN-EXITED" in s
-        _wait(done, 120, "the generation", every=0.01)
+        screens = t.status_screens_until("GEN-EXITED", 120, "the generation", every=0.01)
         final = t.screen()
         assert final.count("NFE") == 1 and "tokens 48" in final, final   # one status line: redrawn, not appended
         assert "[block " not in final                   # not the piped line-per-step output
