@@ -68,15 +68,18 @@ def select_segments(cands: Candidates, segments: list[tuple[int, int, int | None
     col = torch.arange(W)[None, :]
     idx = torch.where(col < lo[:, 1:2], lo[:, :1] + col, N)  # N: a padding row (score -inf, never chosen)
     quota = lo[:, 2:3]
-    tau = torch.tensor([[2.0 if t is None else float(t)] for _, _, _, t in segments], dtype=torch.float64)
     both = to_device(torch.cat([idx, quota], 1), dev)  # one copy for the indices and quotas
-    idx, quota, tau = both[:, :W], both[:, W:], to_device(tau, dev)
+    idx, quota = both[:, :W], both[:, W:]
     pad = torch.full((1,), NEG_INF, dtype=torch.float64, device=dev)
     score = torch.cat([cands.score.to(torch.float64), pad])[idx]
-    prob = torch.cat([cands.probability.to(torch.float64), pad])[idx]
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(W, device=dev).expand(S, W))
-    chosen = ((rank < quota) | (prob >= tau)) & (idx < N)
+    chosen = rank < quota
+    if any(t is not None for _, _, _, t in segments):  # quota mode alone needs no probabilities (nor their copy)
+        tau = torch.tensor([[2.0 if t is None else float(t)] for _, _, _, t in segments], dtype=torch.float64)
+        prob = torch.cat([cands.probability.to(torch.float64), pad])[idx]
+        chosen |= prob >= to_device(tau, dev)
+    chosen &= idx < N
     out = torch.zeros(N + 1, dtype=torch.bool, device=dev)
     out[idx.flatten()] = chosen.flatten()
     return out[:N]
