@@ -49,14 +49,14 @@ _NEUTRAL = {"top_k": 0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalt
 
 @dataclass(frozen=True)
 class UniformCanvasOptions:
-    """The sampler's settings for one request (module docstring; transformers' names)."""
+    """The sampler's settings for one request (module docstring; transformers' names and defaults)."""
 
-    max_denoising_steps: int = 48
-    t_min: float = 0.4
-    t_max: float = 0.8
-    entropy_bound: float = 0.1
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
+    max_denoising_steps: int = TRANSFORMERS_DEFAULTS["max_denoising_steps"]
+    t_min: float = TRANSFORMERS_DEFAULTS["t_min"]
+    t_max: float = TRANSFORMERS_DEFAULTS["t_max"]
+    entropy_bound: float = TRANSFORMERS_DEFAULTS["entropy_bound"]
+    stability_threshold: int = TRANSFORMERS_DEFAULTS["stability_threshold"]
+    confidence_threshold: float = TRANSFORMERS_DEFAULTS["confidence_threshold"]
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -92,7 +92,5 @@ def uniform_canvas_options(params, default_sampling: dict | None = None) -> Unif
         values[key] = value if value is not None else defaults.get(key, TRANSFORMERS_DEFAULTS[key])
     if values["t_max"] <= values["t_min"]:
         raise ParamError("t_max", f"must be > t_min ({values['t_min']}), got {values['t_max']}")
-    return UniformCanvasOptions(max_denoising_steps=int(values["max_denoising_steps"]), t_min=float(values["t_min"]),
-                                t_max=float(values["t_max"]), entropy_bound=float(values["entropy_bound"]),
-                                stability_threshold=int(values["stability_threshold"]),
-                                confidence_threshold=float(values["confidence_threshold"]))
+    # each value as its default's type (int steps and stability, float temperatures and bounds)
+    return UniformCanvasOptions(**{key: type(TRANSFORMERS_DEFAULTS[key])(value) for key, value in values.items()})
