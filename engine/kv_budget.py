@@ -5,8 +5,8 @@ memory a GPU reports on a GPU.
   blocks, plus one block per lane the batch can hold (a lane's last block is partly used): every batch the token
   budget admits then has its blocks.
 * GPU: ``torch.cuda.mem_get_info`` after the model is loaded; the pool may take what keeps the device's use under
-  ``--gpu-memory-utilization`` of its total (vLLM's option of that name: ``free - (1 - fraction) x total``), less
-  the step's logits buffers, in whole blocks. A token budget given too lowers it.
+  ``--gpu-memory-utilization`` of its total (vLLM's option of that name: ``free - (1 - fraction) x total``; the
+  rest covers the step's working memory), in whole blocks. A token budget given too lowers it.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def gpu_blocks(device: torch.device, block_bytes: int, fraction: float, reserve_
 
 
 def pool_blocks(device: torch.device, max_cached_tokens: int | None, block_tokens: int, bytes_per_token: int | None,
-                lanes: int, fraction: float, reserve_bytes: int = 0) -> int | None:
+                lanes: int, fraction: float) -> int | None:
     """The pool's capacity in blocks on ``device`` (None: unbounded, a CPU without a token budget)."""
     by_tokens = token_blocks(max_cached_tokens, block_tokens, lanes) if max_cached_tokens is not None else None
     if torch.device(device).type != "cuda" or not bytes_per_token:
         return by_tokens
-    by_bytes = gpu_blocks(torch.device(device), bytes_per_token * block_tokens, fraction, reserve_bytes)
+    by_bytes = gpu_blocks(torch.device(device), bytes_per_token * block_tokens, fraction)
     return by_bytes if by_tokens is None else min(by_tokens, by_bytes)
