@@ -167,7 +167,7 @@ class Denoiser:
             if inp.replace_cache:
                 lane_cache.reset()  # refilled by this forward: keep the buffers
             lanes.append(lane_cache)
-        input_ids, pos, grp, start, committed, valid, prompt, variant = self._inputs_on_device(rows)
+        input_ids, pos, grp, start, committed, valid, prompt, variant, variant_host = self._inputs_on_device(rows)
         kv = BatchKV(lanes, dev)
         if self.model.lane_attention:  # each lane's keys read from its own buffer (engine/lane_attention.py)
             kv.lane_mode = True
@@ -181,14 +181,15 @@ class Denoiser:
         )
         extra = {"prompt_rows": prompt} if prompt is not None else {}
         if variant is not None:  # the variant rows' indices are taken on the host (no device read)
-            extra["variant_host"] = self._variant_host
+            extra["variant_host"] = variant_host
         hidden = self.model.hidden_states(input_ids, pos, mask, cache=kv, variant_rows=variant, **extra)
         self.forwards += 1
-        return (*self._gather_logits(rows, hidden, variant), kv)
+        return (*self._gather_logits(rows, hidden, variant, variant_host), kv)
 
     def _inputs_on_device(self, rows: list[tuple[DecodingStrategy, int, LaneInput]]) -> tuple:
         """The forward's ``[B, Q]`` inputs (ids, positions, groups, group starts, committed, valid, prompt rows or
-        None, variant rows or None), right-padded, built on the host and copied to the device in one tensor."""
+        None, variant rows or None), right-padded, built on the host and copied to the device in one tensor, and the
+        variant rows' ``[B, Q]`` bool host copy (None without a row variant)."""
         pad = torch.nn.utils.rnn.pad_sequence
         # committed prompt rows: a row-invariant decoder computes them in prompt tiles (engine/row_attention.py)
         tiles = self.model.tiles_prompt_rows
@@ -212,14 +213,15 @@ class Denoiser:
         flags = pad([torch.stack([inp.committed, torch.ones_like(inp.committed), p, v]) .T
                      for (_, _, inp), p, v in zip(rows, prompts, variants)], batch_first=True)  # [B, Q, 4]
         host = torch.cat([torch.stack(longs), flags.permute(2, 0, 1).long()])  # [8, B, Q]
-        self._variant_host = flags[..., 3] if self.model.has_row_variant else None
         on = to_device(host, self.device)
         any_prompt = bool(flags[..., 2].any())  # host values: no device read
+        variant = self.model.has_row_variant
         return (on[0], on[1], on[2], on[3], on[4].bool(), on[5].bool(), on[6].bool() if any_prompt else None,
-                on[7].bool() if self.model.has_row_variant else None)
+                on[7].bool() if variant else None, flags[..., 3] if variant else None)
 
     def _gather_logits(self, rows: list[tuple[DecodingStrategy, int, LaneInput]], hidden: torch.Tensor,
-                       variant: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+                       variant: torch.Tensor | None, variant_host: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The needed outputs of every row through one LM-head call, the carries (the last committed token's
         output, whose position is not forwarded again) read from and written to the pool; returns the logits of
         the needed rows in row order and each row's span."""
@@ -254,7 +256,7 @@ class Denoiser:
                 new_src.append(carry_head)
                 lane_cache.carry_position = int(inp.chunk[inp.carry_index])
         idx = to_device(torch.tensor([g_rows, g_cols], dtype=torch.long), dev)
-        extra = {} if variant is None else {"variant_host": self._variant_host[g_rows, g_cols]}
+        extra = {} if variant is None else {"variant_host": variant_host[g_rows, g_cols]}
         head = self.model.logits(hidden[idx[0], idx[1]],
                                  variant_rows=variant[idx[0], idx[1]] if variant is not None else None, **extra)
         if not carry_dst and len(g_cols) == n_out:  # the LM-head rows are the needed rows, in order: no copy
