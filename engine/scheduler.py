@@ -126,13 +126,6 @@ class Scheduler:
                                               self._kv_bytes_per_token, 2 * self.max_batch_size,
                                               self.gpu_memory_utilization))
 
-    @staticmethod
-    def step_rows(seq: Request) -> int:
-        """Rows ``seq`` forwards in a denoising step at most (``unmask.engine.step_cost.step_rows``: its block x
-        lanes; a self-speculative step's drafts, mask group and fallback groups). A block attends to itself, so
-        they go together."""
-        return step_rows(seq)
-
     def check_rows(self, reqs: list[Request]) -> None:
         """Raise :class:`ParamError` when one request's choices - every prompt's, ``reqs`` being all of them - would
         cost a step more than ``max_step_rows`` (``--max-step-rows``) row-equivalents: their rows plus the
