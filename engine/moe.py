@@ -8,8 +8,10 @@ experts); the weights are the chosen experts' plain scores, divided by their sum
 ``top_k > 1``), times ``routed_scaling_factor``.
 
 Experts (:class:`GroupedExperts`): the ``E`` experts' SwiGLU weights stacked (``gate_proj``/``up_proj``
-``[E, I, H]``, ``down_proj`` ``[E, H, I]``). A forward sorts its (token, slot) pairs by expert and runs one
-gate, up and down GEMM per expert that received rows (a loop over the experts with rows, never over tokens); each
+``[E, I, H]``, ``down_proj`` ``[E, H, I]``). A forward sorts its (token, slot) pairs by expert and runs, on the
+CPU, one gate, up and down GEMM per expert that received rows (a loop over the experts with rows, never over
+tokens; the row counts read on the host), off the CPU one ``torch.nn.functional.grouped_mm`` per projection over all
+of them with the group offsets on the device (no host read per layer; when the widths fit its 16-byte rule); each
 pair's output lands in its own slot of a ``[N, k, H]`` buffer and the slots are summed in slot order, so a token's
 result never depends on the order other tokens reached the experts. Batch invariance
 (docs/design.md#exactness-contracts-by-device-and-dtype): routing is per row; an expert's GEMM row count is the
@@ -130,20 +132,45 @@ class GroupedExperts(nn.Module):
         N, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
         sorted_rows = x.index_select(0, order // k)  # each pair's token, in expert order
-        out = torch.empty_like(sorted_rows)
+        if sorted_rows.device.type != "cpu" and grouped_mm_fits(sorted_rows, self.gate_proj):
+            out = self._grouped(sorted_rows, torch.bincount(flat, minlength=self.gate_proj.shape[0]))
+        else:
+            out = self._looped(sorted_rows, torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist())
+        slots = torch.empty_like(out)
+        slots[order] = out * weights.reshape(-1).to(x.dtype)[order, None]
+        return slots.view(N, k, -1).sum(dim=1)
+
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One ``grouped_mm`` per projection over ``rows`` ``[P, H]`` sorted by expert (``counts`` ``[E]`` on the
+        rows' device): the group offsets stay on the device, so no host read. Off the CPU only: on the CPU the
+        kernel's bits differ from the loop's (float32 rounding), which the llada2 checks were made with, and a
+        host read costs nothing there."""
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = F.silu(F.grouped_mm(rows, self.gate_proj.transpose(1, 2), offs=offs)) * \
+            F.grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs)
+        return F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+
+    def _looped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One gate, up and down GEMM per expert with rows (``counts`` read on the host)."""
+        out = torch.empty_like(rows)
         start = 0
         for e, count in enumerate(counts):
             if not count:
                 continue
-            rows = sorted_rows[start:start + count]
-            h = F.silu(rows @ self.gate_proj[e].t()) * (rows @ self.up_proj[e].t())
+            chunk = rows[start:start + count]
+            h = F.silu(chunk @ self.gate_proj[e].t()) * (chunk @ self.up_proj[e].t())
             out[start:start + count] = h @ self.down_proj[e].t()
             start += count
-        slots = torch.empty_like(out)
-        slots[order] = out * weights.reshape(-1).to(x.dtype)[order, None]
-        return slots.view(N, k, -1).sum(dim=1)
+        return out
+
+
+def grouped_mm_fits(rows: torch.Tensor, stacked: torch.Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` takes these operands (torch >= 2.10): same dtype, and every
+    row of both a multiple of 16 bytes (the kernel's stride rule; ``stacked`` ``[E, I, H]``)."""
+    size = rows.element_size()
+    return (hasattr(F, "grouped_mm") and rows.dtype == stacked.dtype and rows.dim() == 2
+            and (stacked.shape[1] * size) % 16 == 0 and (stacked.shape[2] * size) % 16 == 0)
 
 
 class MoeLayer(nn.Module):
