@@ -53,8 +53,11 @@ class UniformCanvasSequence(Request):
 
     def __init__(self, *args, **kwargs):
         self.kv = None
+        self.kv_version = None  # a new object after every encode: what a stacked cache of the batch was built from
+        self.stacked = None  # the batch's _StackedCache this choice was last stepped in
         self.encoded = 0  # generated canvases the encoder has read
         self.current = self.argmax = self.sc = None
+        self.argmax_ids: list[int] = []  # the argmax canvas as host ids
         self.cur_step = 0  # steps left in the active canvas (generate()'s cur_step); 0 = not started
         self.stopper_state = None
         super().__init__(*args, **kwargs)
@@ -104,7 +107,7 @@ class UniformCanvasSequence(Request):
 
     def release(self) -> None:
         super().release()
-        self.kv = self.sc = None
+        self.kv = self.sc = self.stacked = None
 
     # ------------------------------------------------------------------ one canvas
     def encode(self, model, store=None) -> None:
@@ -136,6 +139,7 @@ class UniformCanvasSequence(Request):
             net.model.encoder(input_ids=ids, attention_mask=masks, cache=self.kv, position_ids=positions)
             if store is not None:
                 store.store(self.canvas[:cur_len].tolist(), self.kv, self.cache_salt)
+        self.kv_version = object()
         V = model.model.config.text_config.vocab_size
         self.current = torch.randint(0, V, (1, C), generator=self.generator).to(dev)
         self.argmax, self.sc, self.encoded = self.current, None, self.encoded + 1
@@ -159,11 +163,13 @@ class UniformCanvasSequence(Request):
                                                                                                    cur_step=cur)
 
     def consume_logits(self, processed: torch.Tensor, probs: torch.Tensor, argmax: torch.Tensor,
-                       entropy: torch.Tensor, accept: torch.Tensor, embed_dtype: torch.dtype) -> StepEvent:
+                       entropy: torch.Tensor, accept: torch.Tensor, shown: tuple[list, list, list],
+                       embed_dtype: torch.dtype) -> StepEvent:
         """One denoising step's sampling (``_denoising_step``, steps 1.c.ii-v, at batch 1) from this choice's
-        tempered logits ``[1, C, V]`` and what :func:`step_uniform` computed from them per row (their softmax, argmax
-        ``[1, C]``, token entropies ``[1, C]`` and entropy-bound acceptance ``[1, C]``): the draws from the choice's
-        generator, the re-noising, the stopping rule."""
+        tempered logits ``[1, C, V]`` and what :func:`step_uniform` computed from them for the whole batch (this
+        choice's rows: their softmax, argmax ``[1, C]``, token entropies ``[1, C]``, entropy-bound acceptance
+        ``[1, C]``, and ``shown``: the argmax ids, their probabilities and log-probabilities as host lists of ``C``):
+        the draws from the choice's generator, the re-noising, the stopping rule."""
         o = self.options
         V = processed.shape[-1]
         g = self.generator
@@ -172,21 +178,19 @@ class UniformCanvasSequence(Request):
         noise = torch.randint(0, V, (1, self.block_size), generator=g).to(processed.device)
         self.current = torch.where(~accept, noise, accepted)
         stop = self._stable_and_confident(argmax, entropy)
-        first = self.cur_step == o.max_denoising_steps
-        changed = torch.ones_like(argmax[0], dtype=torch.bool) if first else argmax[0] != self.argmax[0]
-        self.argmax, self.sc = argmax, processed.to(embed_dtype)
+        ids, conf, logconf = shown
+        before = self.argmax_ids if self.cur_step != o.max_denoising_steps else None
+        self.argmax, self.argmax_ids, self.sc = argmax, ids, processed.to(embed_dtype)
         self.cur_step -= 1
         self.step += 1
         self.step_in_block += 1
         block, step = self.block_idx, self.step - 1
-        confidence = probs[0].gather(-1, argmax[0][:, None])[:, 0].cpu()
         rel = self.canvas_start - self.prompt_len
         if stop or not self.cur_step:
             self._end_canvas()
-            changed = torch.ones_like(changed)  # the whole canvas, final now
-        revealed = [Revealed(rel + i, int(t), float(c), float(torch.log(c)), ())
-                    for i, (t, c, new) in enumerate(zip(argmax[0].tolist(), confidence, changed.tolist()))
-                    if new and rel + i < self.max_tokens]
+            before = None  # the whole canvas, final now
+        revealed = [Revealed(rel + i, t, conf[i], logconf[i], ())
+                    for i, t in enumerate(ids[: max(0, self.max_tokens - rel)]) if before is None or t != before[i]]
         return self.event(block, step, revealed)
 
     def _stable_and_confident(self, argmax: torch.Tensor, entropy: torch.Tensor) -> bool:
@@ -238,11 +242,15 @@ class _Layer:
 
 class _StackedCache:
     """Several choices' encoder caches, left-padded per layer to the longest (the decoder only reads
-    ``layers[i].keys/values`` and ``is_compileable``)."""
+    ``layers[i].keys/values`` and ``is_compileable``), with their attention masks (:func:`_masks`). Built once per
+    batch composition: ``versions`` are the choices' ``kv_version`` objects in batch order, and a choice's cache
+    changes only when it encodes (which gives it a new one), so the same versions mean the same padded tensors."""
 
     is_compileable = False
 
-    def __init__(self, caches: list):
+    def __init__(self, seqs: list[UniformCanvasSequence], layer_types: list[str], device):
+        caches = [s.kv for s in seqs]
+        self.versions = [s.kv_version for s in seqs]
         self.layers, self.lengths = [], []
         for i in range(len(caches[0].layers)):
             ks = [c.layers[i].keys for c in caches]
@@ -250,6 +258,11 @@ class _StackedCache:
             n = max(k.shape[2] for k in ks)
             self.layers.append(_Layer(torch.cat([_left_pad(k, n) for k in ks]), torch.cat([_left_pad(v, n) for v in vs])))
             self.lengths.append([k.shape[2] for k in ks])
+        self.masks = _masks(self, layer_types, seqs[0].block_size, device)
+
+    def fits(self, seqs: list[UniformCanvasSequence]) -> bool:
+        """Whether this cache is the stack of ``seqs``' caches as they are now."""
+        return len(seqs) == len(self.versions) and all(s.kv_version is v for s, v in zip(seqs, self.versions))
 
 
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -273,12 +286,37 @@ def _masks(stacked: _StackedCache, layer_types: list[str], C: int, device) -> di
     return out
 
 
+def _decoder_cache(net, seqs: list[UniformCanvasSequence], device) -> tuple:
+    """``(cache, masks)`` the decoder reads for ``seqs``: a lone choice's own cache, no masks; else the batch's
+    :class:`_StackedCache`, reused from the last step while no choice has joined, left or encoded."""
+    if len(seqs) == 1:
+        return seqs[0].kv, {"full_attention": None, "sliding_attention": None}
+    stacked = seqs[0].stacked
+    if stacked is None or not stacked.fits(seqs):
+        stacked = _StackedCache(seqs, net.config.text_config.layer_types, device)
+        for s in seqs:
+            s.stacked = stacked
+    return stacked, stacked.masks
+
+
+def _self_conditioning(seqs: list[UniformCanvasSequence], embed: torch.Tensor, device) -> tuple:
+    """``(logits [B, C, V] or None, mask [B] bool or None)``: the previous step's tempered logits per choice, zeros
+    and a False mask row for a choice at its canvas's first step (none at all when every choice is there)."""
+    have = [s.sc is not None for s in seqs]
+    if not any(have):
+        return None, None
+    sc = torch.cat([s.sc if s.sc is not None else torch.zeros(1, *seqs[0].current.shape[1:], embed.shape[0],
+                                                               dtype=embed.dtype, device=device) for s in seqs])
+    return sc, None if all(have) else torch.tensor(have, device=device)
+
+
 @torch.inference_mode()
 def step_uniform(model, seqs: list[UniformCanvasSequence], store=None) -> list[StepEvent]:
     """One step of every choice in ``seqs`` (a :class:`~unmask.engine.loaded.LoadedModel` of a uniform-canvas
     family): the encoder for those starting a canvas (one choice at a time, ``generate()``'s shapes; from and into
     ``store``, an :class:`~unmask.engine.encoder_prefix.EncoderPrefixStore`, when given), then one decoder forward
-    over all of them, then each choice's sampling on its own rows."""
+    over all of them, the row-wise math (temperature, softmax, argmax, entropy, acceptance) over the whole batch,
+    then each choice's draws on its own rows from its own generator."""
     net = model.model
     for seq in seqs:
         if not seq.cur_step:
@@ -287,31 +325,25 @@ def step_uniform(model, seqs: list[UniformCanvasSequence], store=None) -> list[S
     canvas = torch.cat([s.current for s in seqs]).to(dev)
     positions = torch.cat([s.positions(dev) for s in seqs])
     embed = net.model.decoder.embed_tokens.weight
-    have = [s.sc is not None for s in seqs]
-    sc = sc_mask = None
-    if any(have):
-        sc = torch.cat([s.sc if s.sc is not None else torch.zeros(1, *seqs[0].current.shape[1:], embed.shape[0],
-                                                                   dtype=embed.dtype, device=dev) for s in seqs])
-        if not all(have):
-            sc_mask = torch.tensor(have, device=dev)
-    if len(seqs) == 1:
-        cache, masks = seqs[0].kv, {"full_attention": None, "sliding_attention": None}
-    else:
-        cache = _StackedCache([s.kv for s in seqs])
-        masks = _masks(cache, net.config.text_config.layer_types, seqs[0].block_size, dev)
+    sc, sc_mask = _self_conditioning(seqs, embed, dev)
+    cache, masks = _decoder_cache(net, seqs, dev)
     logits = net(decoder_input_ids=canvas, self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
                  decoder_attention_mask=masks, cache=cache, decoder_position_ids=positions).logits
-    # per row, so each row's bits are those of its batch-1 computation; one call each for the whole step
+    # per row, so each row's bits are those of its batch-1 computation
     processed = torch.cat([seq.temper(logits[i: i + 1]) for i, seq in enumerate(seqs)])
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     argmax = torch.argmax(processed, dim=-1)
-    entropy = torch.distributions.Categorical(logits=processed).entropy()  # [B, C]
+    # transformers' own entropy (EntropyBoundSampler and the stopping rule build this Categorical), without its
+    # argument check
+    entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()  # [B, C]
     bounds = torch.tensor([seq.options.entropy_bound for seq in seqs], dtype=entropy.dtype, device=entropy.device)
     accept = entropy_bound_mask(entropy, bounds[:, None])
+    confidence = probs.gather(-1, argmax[..., None])[..., 0]
+    shown = zip(argmax.tolist(), confidence.tolist(), torch.log(confidence).tolist())
     events = []
-    for i, seq in enumerate(seqs):
+    for i, (seq, row_shown) in enumerate(zip(seqs, shown)):
         seq.nfe += 1
         row = slice(i, i + 1)
         events.append(seq.consume_logits(processed[row], probs[row], argmax[row], entropy[row], accept[row],
-                                         embed.dtype))
+                                         row_shown, embed.dtype))
     return events
