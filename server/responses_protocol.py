@@ -15,10 +15,13 @@ both.
   ``previous_response_id`` (nothing is stored), ``background``, ``truncation: auto``, other item and tool types.
 * Ours: ``seed``, ``stream_options.include_denoising`` (a ``response.denoising_step`` event per denoising step) and
   the diffusion extras (``steps``, ``block_size``, ``threshold``, ``remasking``, ``cfg_scale``, ``top_k``,
-  ``cache``, ``speculative``), as on chat completions.
+  ``cache``, ``speculative``, ``sub_block_size``, ``multi_block``, token editing's ``editing_threshold`` /
+  ``max_post_steps`` and the uniform canvas's ``max_denoising_steps``, ``t_min``, ``t_max``, ``entropy_bound``,
+  ``stability_threshold``, ``confidence_threshold``), as on chat completions.
 """
 from __future__ import annotations
 
+import copy
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -27,7 +30,7 @@ from pydantic_core import PydanticCustomError
 from unmask.engine.limits import MAX_CONTENT_PARTS
 
 from .field_text import CACHE_DESCRIPTION
-from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, ranged
+from .protocol import STREAM_OPTIONS_RULE, TOP_K_OFF, CacheName, RemaskingName, _Common, ranged
 from .tool_protocol import (FUNCTION_NAME, MAX_DESCRIPTION_CHARS, MAX_TOOLS, RequestBody, Strict, _bounded_schema,
                             integral_fields)
 
@@ -141,10 +144,19 @@ class ResponsesStreamOptions(Strict):
                                                          "(events carry no padding)")
 
 
-INTEGER_FIELDS = frozenset({"max_output_tokens", "seed", "steps", "block_size", "top_k"})
+# the diffusion extras defined as on chat completions (their bounds and descriptions taken from there), and all
+# of them, passed through to the chat request as they are
+SHARED_EXTRAS = ("sub_block_size", "multi_block", "editing_threshold", "max_post_steps", "max_denoising_steps",
+                 "t_min", "t_max", "entropy_bound", "stability_threshold", "confidence_threshold")
+EXTRAS = ("seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", "top_k", "cache", "speculative",
+          *SHARED_EXTRAS)
+INTEGER_FIELDS = frozenset({"max_output_tokens", "seed", "steps", "block_size", "top_k", "sub_block_size",
+                            "max_post_steps", "max_denoising_steps", "stability_threshold"})
 
-# the diffusion extras passed through to the chat request as they are
-EXTRAS = ("seed", "steps", "block_size", "threshold", "remasking", "cfg_scale", "top_k", "cache", "speculative")
+
+def _chat_field(name: str) -> Any:
+    """A copy of chat completions' field ``name`` (same bounds, default and description)."""
+    return copy.copy(_Common.model_fields[name])
 
 
 class ResponsesRequest(RequestBody):
@@ -188,6 +200,16 @@ class ResponsesRequest(RequestBody):
     top_k: int | None = ranged("top_k", None, lo=TOP_K_OFF)
     cache: CacheName | None = Field(None, description=CACHE_DESCRIPTION)
     speculative: bool | None = None
+    sub_block_size: int | None = _chat_field("sub_block_size")
+    multi_block: float | None = _chat_field("multi_block")
+    editing_threshold: float | None = _chat_field("editing_threshold")
+    max_post_steps: int | None = _chat_field("max_post_steps")
+    max_denoising_steps: int | None = _chat_field("max_denoising_steps")  # the uniform canvas (diffusion_gemma)
+    t_min: float | None = _chat_field("t_min")
+    t_max: float | None = _chat_field("t_max")
+    entropy_bound: float | None = _chat_field("entropy_bound")
+    stability_threshold: int | None = _chat_field("stability_threshold")
+    confidence_threshold: float | None = _chat_field("confidence_threshold")
 
     def messages(self) -> list[dict]:
         """The chat messages of ``instructions`` + ``input`` (chat request dicts)."""

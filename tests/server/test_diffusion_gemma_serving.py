@@ -87,3 +87,17 @@ def test_n_choices_take_seed_and_seed_plus_one_and_a_stop_string_cuts_the_text(c
     cut = client.post(CH, json={**BODY, "stop": [stop]}).json()["choices"][0]
     assert cut["finish_reason"] == "stop" and texts[0].startswith(cut["message"]["content"])
     assert stop not in cut["message"]["content"]
+
+
+def test_the_responses_api_takes_the_uniform_canvas_fields_as_chat_completions_does(client):
+    """``/v1/responses`` passes the sampler's knobs through (same answer as chat completions with the same ones),
+    and refuses a bad one with a 400 naming it."""
+    knobs = {"seed": 5, "max_denoising_steps": 4, "t_min": 0.2, "t_max": 0.6, "entropy_bound": 0.5,
+             "stability_threshold": 2, "confidence_threshold": 0.01}
+    chat = client.post(CH, json={**BODY, **knobs}).json()["choices"][0]["message"]["content"]
+    r = client.post("/v1/responses", json={"model": "m", "input": BODY["messages"][0]["content"],
+                                           "max_output_tokens": BODY["max_tokens"], **knobs})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["text"] == chat
+    r = client.post("/v1/responses", json={"model": "m", "input": "hi", "t_min": 0.9, "t_max": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "t_max", r.text
