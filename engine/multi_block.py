@@ -99,13 +99,12 @@ class MultiBlockSequence(Sequence):
         committed = committed.clone()
         committed[a:self.blocks[active[-1]][0]] = True
         masked = self.masked_positions()
-        out_pos = masked - 1 if self.dllm.logit_shift else masked
+        out_pos = masked.numpy() - 1 if self.dllm.logit_shift else masked.numpy()
         inputs = []
         for lane in self.lanes:
             c = lane.cache.length
             lo = 0 if self.cache_mode == "none" else c
-            commit_pos = (torch.arange(c, a, device=self.device) if self.cache_mode != "none"
-                          else torch.empty(0, dtype=torch.long, device=self.device))
+            commit_pos = (c, a) if self.cache_mode != "none" else None
             inputs.append(self._lane_input(lane, lo, e, a, out_pos, commit_pos, (grp, start, committed)))
         self._inputs = inputs
         return inputs

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .attention import canvas_groups
@@ -229,15 +230,23 @@ class Request:
         self.prefix_queried = False  # counted in the prefix cache's queries
         self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
         self.accepted_drafts = 0
+        self._masked_memo: tuple | None = None  # (window start, its tokens' bytes) -> its masked positions
         self._skip_empty_blocks()
 
     # ------------------------------------------------------------------ blocks and windows
     def _window_masked(self) -> torch.Tensor:
         """Canvas positions of the current decoding window that are still masked (the positions predicted and
-        revealed this step)."""
+        revealed this step; ``[N]`` int64, host, ascending). Computed once per state of the window's tokens (a
+        step asks several times; a reveal, or any other write, changes the tokens and so the answer)."""
         _, s, e = self.windows[self.win_idx]
-        pos = torch.arange(s, e, device=self.device)
-        return pos[self.canvas[s:e] == self.dllm.mask_token_id]
+        window = self.canvas.numpy()[s:e]
+        key = (s, window.tobytes())
+        memo = self._masked_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        masked = torch.from_numpy(np.flatnonzero(window == self.dllm.mask_token_id) + s)
+        self._masked_memo = (key, masked)
+        return masked
 
     def _skip_empty_blocks(self) -> None:
         """Advance past windows without masks; entering a new block resets its step counter."""
@@ -342,15 +351,20 @@ class Request:
 
     # ------------------------------------------------------------------ finish
     def _check_finished(self) -> None:
-        """Apply the stop rules (``unmask.engine.stopping``) to the newly revealed left-to-right prefix."""
+        """Apply the stop rules (``unmask.engine.stopping``) to the newly revealed left-to-right prefix (nothing to
+        do when the position after it is still masked and a block is left: the prefix did not grow)."""
         if self.finished:
             return
         stopper = self.stopper
-        rest = self.canvas[self.prompt_len + len(stopper.prefix): self.stop_scan_end()].tolist()
-        mask = self.dllm.mask_token_id
+        lo, hi = self.prompt_len + len(stopper.prefix), self.stop_scan_end()
+        at_end = self.block_idx >= len(self.blocks)
+        canvas, mask = self.canvas.numpy(), self.dllm.mask_token_id
+        if stopper.checked and not at_end and lo < hi and canvas[lo] == mask:
+            return  # StopChecker.update would skip it: no new ids, already checked, not at the end
+        rest = canvas[lo:hi].tolist()
         new = rest[: rest.index(mask)] if mask in rest else rest  # the revealed run before the first mask
         shown = stopper.stream_text
-        done = stopper.update(new, self.block_idx >= len(self.blocks))
+        done = stopper.update(new, at_end)
         if done is not None:
             self._finish(*done)
         elif len(stopper.stream_text) > len(shown) and self.first_token_time is None:
@@ -396,12 +410,14 @@ class Request:
         if not positions:
             return []
         rel = [p - self.prompt_len for p in positions]
-        self.canvas[torch.tensor(positions, dtype=torch.long)] = torch.tensor(rows.tokens, dtype=torch.long)
-        rel_t = torch.tensor(rel, dtype=torch.long)
-        self.logprobs[rel_t] = torch.tensor(rows.logprob, dtype=torch.float32)
+        canvas, logprobs = self.canvas.numpy(), self.logprobs.numpy()  # host tensors: written through their memory
+        for p, r, t, lp in zip(positions, rel, rows.tokens, rows.logprob):
+            canvas[p] = t
+            logprobs[r] = lp  # rounded to float32 as a float32 tensor write rounds it
         k = self.params.top_logprobs
         tops = [tuple(t[:k]) for t in rows.top] if rows.top is not None and k else [()] * len(rel)
         if self.top_ids is not None:
+            rel_t = torch.tensor(rel, dtype=torch.long)
             kk = self.top_ids.shape[-1]
             self.top_ids[rel_t] = torch.tensor([[i for i, _ in t[:kk]] + [-1] * (kk - len(t[:kk])) for t in tops],
                                                dtype=torch.long).reshape(len(rel), kk)

@@ -8,6 +8,7 @@ the threshold (Fast-dLLM), window by window. Shapes: logits ``[N, V]`` float32 f
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .attention import canvas_groups
@@ -77,7 +78,7 @@ class Sequence(Request):
         masked = self._window_masked()
         self._step_masked = (self.step, masked)  # the step's masked positions (read again by its reveal pass)
         grp, start, committed = self._groups(a, e)
-        out_pos = masked - 1 if self.dllm.logit_shift else masked
+        out_pos = masked.numpy() - 1 if self.dllm.logit_shift else masked.numpy()
         mode = self.cache_mode
         causal = self.dllm.attention != "bidirectional"
         inputs = []
@@ -86,15 +87,15 @@ class Sequence(Request):
             replace = False
             if mode == "none":
                 lo, hi = 0, (e if causal else L)
-                commit_pos = torch.empty(0, dtype=torch.long, device=self.device)
+                commit_pos = None
             elif mode == "exact":
                 lo, hi = c, e
-                if self.dllm.logit_shift and c < a and masked.numel() == 1 and int(masked[0]) == a:
+                if self.dllm.logit_shift and c < a and len(out_pos) == 1 and int(out_pos[0]) == a - 1:
                     # only the block's first position is masked: its logits come from position a - 1 (committed,
                     # and committed tokens never attend to the active block), so the block need not be
                     # forwarded - block_size=1 then forwards one token per step, exactly like AR decoding
                     hi = a
-                commit_pos = torch.arange(c, a, device=self.device)
+                commit_pos = (c, a)
             elif self.step_in_block == 0:  # prefix / dual refresh: full forward, cache around the block
                 lo, hi, replace = 0, L, True
                 commit_pos = torch.arange(0, a, device=self.device)
@@ -103,29 +104,56 @@ class Sequence(Request):
             else:
                 lo = a
                 hi = L if mode == "prefix" else e
-                commit_pos = torch.empty(0, dtype=torch.long, device=self.device)
+                commit_pos = None
             inputs.append(self._lane_input(lane, lo, hi, a, out_pos, commit_pos, (grp, start, committed), replace))
         self._inputs = inputs
         return inputs
 
-    def _lane_input(self, lane, lo: int, hi: int, a: int, out_pos: torch.Tensor, commit_pos: torch.Tensor,
+    def _lane_input(self, lane, lo: int, hi: int, a: int, out_pos, commit_pos,
                     masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], replace: bool = False) -> LaneInput:
         """The :class:`LaneInput` of ``lane`` forwarding rows ``lo:hi`` (shared by :meth:`lane_inputs` and the
         multi-block variant): the lane's tokens (the unconditional lane's prompt masked), the rows whose logits are
-        needed (``out_pos``, -1 = the carried logits of position ``a - 1``), the positions to commit to the cache
-        and the canvas's attention metadata ``masks`` = (groups, starts, committed) sliced to the rows."""
+        needed (``out_pos``: ``[N]`` int64 host array or tensor, ascending; -1 = the carried logits of position ``a - 1``),
+        the positions to commit to the cache (``commit_pos``: a tensor of positions, ``(c, a)`` = positions
+        ``c..a-1``, ``None`` = none) and the canvas's attention metadata ``masks`` = (groups, starts, committed)
+        sliced to the rows (the slices, the chunk's positions and the commit indices are kept while the block
+        and the rows stay: a block's steps share them)."""
+        if isinstance(out_pos, torch.Tensor):
+            out_pos = out_pos.numpy()
         tokens = self.canvas
         if lane.kind == "uncond":
             tokens = self.canvas.clone()
             tokens[: self.prompt_len] = self.dllm.mask_token_id
-        grp, start, committed = masks
-        needed = (out_pos - lo).clamp_min(-1)  # out_pos ascending: only its first rows can precede the chunk
-        if out_pos.numel() and int(out_pos[0]) < lo and lane.cache.carry_position != int(a - 1):
+        if len(out_pos) and int(out_pos[0]) < lo and lane.cache.carry_position != int(a - 1):
             raise RuntimeError(f"{self.request_id}: missing carry logits for position {a - 1}")  # pragma: no cover
+        needed = torch.from_numpy(np.maximum(out_pos - lo, -1))  # out_pos ascending: only its first rows precede
         carry_index = (a - 1 - lo) if (self.dllm.logit_shift and lo <= a - 1 < hi and self.cache_mode != "none") else -1
-        return LaneInput(tokens=tokens[lo:hi], chunk=torch.arange(lo, hi, device=self.device), grp=grp[lo:hi],
-                         start=start[lo:hi], committed=committed[lo:hi], needed=needed, commit=commit_pos - lo,
-                         replace_cache=replace, carry_index=carry_index)
+        chunk, grp, start, committed, commit = self._chunk_meta(lo, hi, masks, commit_pos)
+        return LaneInput(tokens=tokens[lo:hi], chunk=chunk, grp=grp, start=start, committed=committed, needed=needed,
+                         commit=commit, replace_cache=replace, carry_index=carry_index)
+
+    def _chunk_meta(self, lo: int, hi: int, masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], commit_pos
+                    ) -> tuple[torch.Tensor, ...]:
+        """Rows ``lo:hi``'s positions, ``masks`` sliced to them, and the chunk indices of ``commit_pos`` (see
+        :meth:`_lane_input`); kept per ``(masks, lo, hi, commit)`` while ``masks`` stay the same objects."""
+        key = (lo, hi, commit_pos if commit_pos is None or isinstance(commit_pos, tuple) else None)
+        memo = getattr(self, "_chunk_memo", None)
+        if memo is None or memo[0] is not masks:
+            memo = self._chunk_memo = (masks, {})
+        hit = memo[1].get(key) if key[2] is not None or commit_pos is None else None
+        if hit is not None:
+            return hit
+        if commit_pos is None:
+            commit = torch.empty(0, dtype=torch.long, device=self.device)
+        elif isinstance(commit_pos, tuple):
+            commit = torch.arange(commit_pos[0] - lo, commit_pos[1] - lo, device=self.device)
+        else:
+            commit = commit_pos - lo
+        grp, start, committed = masks
+        out = (torch.arange(lo, hi, device=self.device), grp[lo:hi], start[lo:hi], committed[lo:hi], commit)
+        if commit_pos is None or isinstance(commit_pos, tuple):
+            memo[1][key] = out
+        return out
 
     def variant_rows(self, inp: LaneInput) -> torch.Tensor | None:
         """Plain denoising never runs the model's row variant."""

@@ -23,6 +23,8 @@ class StopChecker:
     Attributes:
         prefix: the revealed left-to-right prefix (token ids; up to and including an EOS id).
         stream_text: the stream-safe text so far.
+        checked: :meth:`update` has run once (from then on an update without new ids and not at the end does
+            nothing).
     """
 
     def __init__(self, tokenizer, stop: list[str], min_tokens: int, eos_ids: set[int], max_tokens: int):
@@ -33,15 +35,15 @@ class StopChecker:
         self.max_tokens = max_tokens
         self.prefix: list[int] = []
         self.stream_text = ""
-        self._checked = False
+        self.checked = False
 
     def update(self, new_ids: list[int], at_end: bool) -> tuple[str, list[int], str] | None:
         """Extend the prefix by ``new_ids`` (the newly revealed contiguous tokens after it; ``at_end``: no block
         is left to decode) and apply the rules: ``(finish_reason, output ids, text)`` when the choice ends, else
         ``None`` (``stream_text`` may have grown)."""
-        if not new_ids and self._checked and not at_end:
+        if not new_ids and self.checked and not at_end:
             return None  # the prefix did not grow: skip the re-decode (most steps of a block not decoded in order)
-        self._checked = True
+        self.checked = True
         prefix = self.prefix
         eos_hit = False
         for t in new_ids:
