@@ -22,7 +22,8 @@ UNIFORM_CANVAS_FAMILIES = ("diffusion_gemma",)
 TRANSFORMERS_DEFAULTS = {"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1,
                          "stability_threshold": 1, "confidence_threshold": 0.005}
 
-# request fields the sampler does not honour -> why (refused when set to anything but their neutral value)
+# request fields the sampler does not honour -> why (refused when set to anything but their neutral value:
+# temperature 1, OpenAI's default, which clients send unasked, leaves the schedule as it is)
 _REFUSED = {
     "temperature": "its temperature follows the linear schedule: set t_min / t_max",
     "steps": "its steps per canvas are max_denoising_steps",
@@ -42,7 +43,7 @@ _REFUSED = {
     "multi_block": "its canvases are decoded one after another",
     "editing_threshold": "token editing is LLaDA2.1's", "max_post_steps": "token editing is LLaDA2.1's",
 }
-_NEUTRAL = {"top_k": 0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+_NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
             "min_tokens": 0, "logprobs": False, "cfg_scale": 0.0, "speculative": False, "constraints": {},
             "suffix": "", "editing_threshold": 0.0}
 

@@ -101,3 +101,13 @@ def test_the_responses_api_takes_the_uniform_canvas_fields_as_chat_completions_d
     assert r.json()["output"][0]["content"][0]["text"] == chat
     r = client.post("/v1/responses", json={"model": "m", "input": "hi", "t_min": 0.9, "t_max": 0.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "t_max", r.text
+
+
+def test_temperature_one_the_openai_default_is_the_schedule_itself(client):
+    """Clients send ``temperature: 1`` unasked (OpenAI's default): the answer is the one without it; any other value
+    stays a 400 naming ``temperature``."""
+    plain = client.post(CH, json=BODY).json()["choices"][0]["message"]["content"]
+    r = client.post(CH, json={**BODY, "temperature": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == plain
+    assert client.post(CH, json={**BODY, "temperature": 0.0}).json()["error"]["param"] == "temperature"
