@@ -22,6 +22,7 @@ from .refinement import RefinementSequence, refine_batch
 from .sequence import Sequence, guided_rows
 from .speculative import SpeculativeSequence
 from .speculative_batch import verify_batch
+from .step_graphs import StepGraphs
 
 __all__ = ["batchable", "consume_batch"]
 
@@ -36,8 +37,8 @@ def batchable(seq) -> bool:
     return getattr(type(seq), "consume", None) in PASSES and getattr(seq, "grammar", None) is None
 
 
-def consume_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor
-                  ) -> list[tuple[StepEvent, list[torch.Tensor | None]]]:
+def consume_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor,
+                  graphs: StepGraphs | None = None) -> list[tuple[StepEvent, list[torch.Tensor | None]]]:
     """What ``seq.consume`` returns for each of ``seqs`` (:func:`batchable` ones), from one step's needed rows:
     the plain and multi-block sequences through one reveal pass, the speculative ones through one verification
     pass (``unmask.engine.speculative_batch``), the block-refinement ones through one refinement pass
@@ -48,6 +49,8 @@ def consume_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.
             ``(start, end)`` in ``logits``.
         logits: ``[R, V]`` needed rows of the step's forwards (edited in place).
         forbidden_ids: ``[F]`` ids never generated, on the logits' device.
+        graphs: the reveal pass's static step (``--cuda-graphs``, ``unmask.engine.step_graphs``), or None; the
+            verification and refinement passes stay eager (counted there).
 
     Returns:
         per sequence ``(event, commits)``: its :class:`StepEvent` and per lane the chunk indices to commit.
@@ -58,18 +61,21 @@ def consume_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.
         kinds.setdefault(PASSES[type(seq).consume], []).append(i)
     for kind, at in kinds.items():
         some, their = [seqs[i] for i in at], [spans[i] for i in at]
+        if graphs is not None and kind != "reveal":
+            graphs.note_eager(kind, len(at))
         if kind == "verify":
             for i, (event, commit) in zip(at, verify_batch(some, [s[0] for s in their], logits, forbidden_ids)):
                 out[i] = (event, [commit])
             continue
-        events = (reveal_batch if kind == "reveal" else refine_batch)(some, their, logits, forbidden_ids)
+        events = (reveal_batch(some, their, logits, forbidden_ids, graphs) if kind == "reveal"
+                  else refine_batch(some, their, logits, forbidden_ids))
         for i, event in zip(at, events):
             out[i] = (event, [inp.commit for inp in seqs[i]._inputs])
     return out
 
 
-def reveal_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor
-                 ) -> list[StepEvent]:
+def reveal_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor, forbidden_ids: torch.Tensor,
+                 graphs: StepGraphs | None = None) -> list[StepEvent]:
     """Reveal for ``seqs`` (``Sequence`` s without a grammar) from one forward's needed rows.
 
     Args:
@@ -77,6 +83,8 @@ def reveal_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.T
             ``(start, end)`` in ``logits``.
         logits: ``[R, V]`` needed rows of the forward (edited in place).
         forbidden_ids: ``[F]`` ids never generated, on the logits' device.
+        graphs: when given, sampling and the reveal rule run through its static step (bucketed shapes, a CUDA
+            graph under ``--cuda-graphs``): the same candidates and reveals.
 
     Returns:
         each sequence's :class:`StepEvent`, in order.
@@ -85,8 +93,12 @@ def reveal_batch(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.T
     masks = [seq.masked_positions() for seq in seqs]
     groups = [seq.row_group(masked, lo) for seq, masked, lo in zip(seqs, masks, offsets)]
     segments = [seq.reveal_segments(masked) for seq, masked in zip(seqs, masks)]
-    cands = sample_groups(cond, groups, forbidden_ids)
     flat = [(g.lo + lo, g.lo + hi, q, t) for g, own in zip(groups, segments) for lo, hi, q, t in own]
-    host = to_host(cands, select_segments(cands, flat))  # the step's one device-to-host copy
+    if graphs is not None:
+        cands, chosen = graphs.sample_and_select(cond, groups, flat, forbidden_ids)
+    else:
+        cands = sample_groups(cond, groups, forbidden_ids)
+        chosen = select_segments(cands, flat)
+    host = to_host(cands, chosen)  # the step's one device-to-host copy
     return [seq.reveal(masked, host.rows(g.lo, g.hi), own)
             for seq, g, own, masked in zip(seqs, groups, segments, masks)]

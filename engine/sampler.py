@@ -157,6 +157,28 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+def filter_rows(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """:func:`filter_top_k_top_p` with a setting per row, equal to it row by row (tested): ``top_k`` ``[N]``
+    int64 (0, or >= V: no top-k), ``top_p`` ``[N]`` float32 (>= 1: no nucleus); ``None``: no row has one.
+    ``[N, V]`` -> ``[N, V]``, no host read (the static post-forward step, ``unmask.engine.step_graphs``)."""
+    V = logits.shape[-1]
+    if top_k is not None:
+        on = (top_k > 0) & (top_k < V)
+        at = (top_k.clamp(1, V) - 1)[:, None]
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(-1, at)
+        kth = torch.where(on[:, None], kth, torch.full_like(kth, NEG_INF))
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits.float(), dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = (cum_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, NEG_INF)
+    return logits
+
+
 @dataclass
 class RowGroup:
     """One request's rows ``[lo, hi)`` in a :func:`sample_groups` call.
@@ -285,7 +307,7 @@ def filter_groups(logits: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
     return logits
 
 
-def _temperature(params: SamplingParams) -> float:
+def sampling_temperature(params: SamplingParams) -> float:
     """The sampling temperature, 0 for argmax (a positive temperature this small is argmax too: the noise cannot
     change the order, and l / T would overflow float64 to -inf for every token)."""
     t = float(params.temperature or 0.0)
@@ -296,12 +318,12 @@ def draw_groups(logits: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
     """Step 5: the candidate of each row of filtered ``[N, V]`` logits: argmax at temperature 0, else Gumbel-max
     ``argmax(l / T + g)`` over the sampled groups' rows at once. Returns ``[N]`` int64."""
     tokens = torch.argmax(logits, dim=-1)
-    sampled = [g for g in groups if _temperature(g.params) and g.n]
+    sampled = [g for g in groups if sampling_temperature(g.params) and g.n]
     if not sampled:
         return tokens
     dev = logits.device
     rows = _rows_of(sampled, dev)
-    temps = to_device(torch.cat([torch.full((g.n,), _temperature(g.params), dtype=torch.float64) for g in sampled]), dev)
+    temps = to_device(torch.cat([torch.full((g.n,), sampling_temperature(g.params), dtype=torch.float64) for g in sampled]), dev)
     keys = torch.cat([g.draws.keys(GUMBEL, g.n) for g in sampled])
     tokens[rows] = gumbel_argmax(logits[rows].to(torch.float64) / temps[:, None], keys)
     return tokens
@@ -312,26 +334,37 @@ def draw(logits: torch.Tensor, params: SamplingParams, draws: Draws) -> torch.Te
     return draw_groups(logits, [RowGroup(0, logits.shape[0], params, draws)])
 
 
-def _strategy_scores(logits: torch.Tensor, lse: torch.Tensor, probability: torch.Tensor, strategy: str,
-                     gs: list[RowGroup], rows: torch.Tensor) -> torch.Tensor:
-    """``[n]`` float64 ordering scores of the ``rows`` (``[n]`` int64, on the logits' device) of the groups ``gs``,
-    which share the remasking ``strategy``: one computation for all of them."""
+def strategy_score(strategy: str, logits: torch.Tensor, lse: torch.Tensor, probability: torch.Tensor,
+                   remask_keys: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n]`` float64 ordering scores of ``n`` rows under the remasking ``strategy``, from their filtered ``[n, V]``
+    ``logits``, ``[n]`` float64 log-normalizers ``lse`` and candidate ``probability``; ``remask_keys`` (``[n]``
+    int64, ``random``) and ``order`` (``[n]``, ``left_to_right``: the row's index among its request's masked
+    positions) where the strategy reads them. Row by row: a row's score depends on that row only."""
     if strategy == "low_confidence":
-        return probability[rows]
+        return probability
     if strategy == "margin":
-        top2 = (torch.topk(logits[rows], 2, dim=-1).values.to(torch.float64) - lse[rows, None]).exp()
+        top2 = (torch.topk(logits, 2, dim=-1).values.to(torch.float64) - lse[:, None]).exp()
         return top2[:, 0] - top2[:, 1]
     if strategy == "entropy":
-        log_probs = torch.log_softmax(logits[rows].to(torch.float64), dim=-1)
+        log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
         p = log_probs.exp()
         return torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim=-1)
     if strategy == "random":
-        keys = torch.cat([g.draws.keys(REMASK, g.n) for g in gs])
-        return uniform(keys, 1, logits.device)[:, 0]
+        return uniform(remask_keys, 1, logits.device)[:, 0]
     if strategy == "left_to_right":  # with a threshold: the leftmost masked position plus every confident one
-        order = torch.cat([torch.arange(g.left_to_right_base, g.left_to_right_base + g.n) for g in gs])
         return -order.to(device=logits.device, dtype=torch.float64)
     raise ValueError(f"remasking: unknown strategy {strategy!r}")  # pragma: no cover - validated in SamplingParams
+
+
+def _strategy_scores(logits: torch.Tensor, lse: torch.Tensor, probability: torch.Tensor, strategy: str,
+                     gs: list[RowGroup], rows: torch.Tensor) -> torch.Tensor:
+    """``[n]`` float64 ordering scores of the ``rows`` (``[n]`` int64, on the logits' device) of the groups ``gs``,
+    which share the remasking ``strategy``: one computation for all of them (:func:`strategy_score`)."""
+    keys = torch.cat([g.draws.keys(REMASK, g.n) for g in gs]) if strategy == "random" else None
+    order = (torch.cat([torch.arange(g.left_to_right_base, g.left_to_right_base + g.n) for g in gs])
+             if strategy == "left_to_right" else None)
+    own = logits[rows] if strategy in ("margin", "entropy") else logits
+    return strategy_score(strategy, own, lse[rows], probability[rows], keys, order)
 
 
 def score_groups(logits: torch.Tensor, tokens: torch.Tensor, groups: list[RowGroup]) -> Candidates:
