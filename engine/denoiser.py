@@ -23,6 +23,7 @@ from .outputs import StepEvent
 from .prefill_cost import PrefillBudget, attention_crossover_keys, forward_overhead_rows
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
+from .step_graphs import StepGraphs
 from .transfer import to_device
 from .uniform_canvas import step_uniform
 
@@ -38,12 +39,16 @@ class Denoiser:
             a row at position p costs ``1 + p / P0``, P0 from the model's config:
             :func:`~unmask.engine.prefill_cost.attention_crossover_keys`); 0 = the whole prompt in the first step.
             :attr:`budget` holds both, and the prompt-tile alignment of chunk ends (a test may replace it).
+        cuda_graphs: run the batched reveal pass through :attr:`step_graphs` (bucketed static shapes, a CUDA graph
+            per bucket captured at first use; ``unmask.engine.step_graphs``); CUDA devices only.
 
     Raises:
-        ValueError: ``compile`` on a model with packed weights (names ``compile``); ``prefill_chunk`` < 0.
+        ValueError: ``compile`` on a model with packed weights (names ``compile``); ``prefill_chunk`` < 0;
+            ``cuda_graphs`` on a model that is not on a CUDA device (names ``cuda_graphs``).
     """
 
-    def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 cuda_graphs: bool = False):
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self._chunk_waited = False  # the prompt budget left a chunk waiting in the last step
         own = model.dllm.family in OWN_FORWARD_FAMILIES  # its own step (engine/uniform_canvas.py): no prompt chunks
@@ -57,6 +62,10 @@ class Denoiser:
         self.forward_overhead_rows = forward_overhead_rows(model.model)  # plan_forwards' fixed cost of a forward
         self.encoder_store = None  # an encoder-decoder family's encoder KV reuse (engine/encoder_prefix.py)
         self.compiled = bool(compile)
+        if cuda_graphs and torch.device(self.device).type != "cuda":
+            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, the model is on {self.device} "
+                             "(docs/design.md#devices)")
+        self.step_graphs = StepGraphs(self.device, capture=True) if cuda_graphs else None
         if compile:
             model.enable_compile()
 
@@ -84,6 +93,8 @@ class Denoiser:
             return []
         if getattr(seqs[0], "own_forward", False):  # an encoder-decoder family's own step (engine/uniform_canvas.py)
             self.forwards += 1
+            if self.step_graphs is not None:
+                self.step_graphs.note_eager("uniform canvas", len(seqs))
             return step_uniform(self.model, seqs, self.encoder_store)
         # decoding sequences (nothing pending) skip the chunked-prefill bookkeeping
         budget = self.budget
@@ -138,13 +149,15 @@ class Denoiser:
                     batched.append(i)
                     batched_spans.append([(a + offset, b + offset) for a, b in lane_spans])
                 else:
+                    if self.step_graphs is not None:
+                        self.step_graphs.note_eager("own consume")  # a grammar's, or a strategy's own
                     events[i], commits[i] = seqs[i].consume([logits[a:b] for a, b in lane_spans], self.forbidden)
             pieces.append(logits)
             offset += int(logits.shape[0])
         if batched:
             every = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             for i, (event, commit) in zip(batched, consume_batch([seqs[i] for i in batched], batched_spans, every,
-                                                                 self.forbidden)):
+                                                                 self.forbidden, self.step_graphs)):
                 events[i], commits[i] = event, commit
         for i, kv, first in kvs:
             for li, (inp, commit) in enumerate(zip(inputs[i], commits[i])):

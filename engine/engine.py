@@ -104,7 +104,8 @@ class Engine:
         self.model = model
         model_defaults(model, config)  # validates default_drafts, block_size, max_model_len against the model
         self.default_drafts = config.default_drafts
-        self.denoiser = denoiser or Denoiser(model, compile=config.compile, prefill_chunk=config.prefill_chunk)
+        self.denoiser = denoiser or Denoiser(model, compile=config.compile, prefill_chunk=config.prefill_chunk,
+                                             cuda_graphs=config.cuda_graphs)
         if prefix_cache is None and config.enable_prefix_caching and model.dllm.attention != "bidirectional":
             prefix_cache = PrefixCache(model)
         elif prefix_cache is not None and prefix_cache.fingerprint != model_fingerprint(model):

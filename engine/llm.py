@@ -83,7 +83,8 @@ class LLM:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, **options):
         config = self.config = with_options(EngineConfig, config, options).validate()
         self.model = model if isinstance(model, LoadedModel) else load_model(model, **config.load_options())
-        self.denoiser = Denoiser(self.model, compile=config.compile, prefill_chunk=config.prefill_chunk)
+        self.denoiser = Denoiser(self.model, compile=config.compile, prefill_chunk=config.prefill_chunk,
+                                 cuda_graphs=config.cuda_graphs)
         self.max_batch_size = config.max_batch_size
         self.default_drafts = config.default_drafts
         # one store across calls, so that a chat's next turn reuses the last one's KV (docs/design.md#prefix-reuse)

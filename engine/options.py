@@ -181,6 +181,11 @@ class EngineConfig:
         60.0, "seconds a tensor-parallel collective may wait for a rank: a rank that dies ends the server within "
               "it, with an error naming the group (default 60)", metavar="S")
     compile: bool = option(False, "torch.compile the decoder forward (unmask.engine.denoiser.Denoiser)", cli=False)
+    cuda_graphs: bool = option(
+        False, "capture the post-forward step (sampling and the reveal rule of the batched pass) as CUDA graphs, one "
+               "per bucket of rows and block sizes at first use, replayed afterwards; CUDA only (an error on a CPU); "
+               "constrained, speculative and block-refinement sequences stay eager, counted "
+               "(docs/design.md#decoding)", action="store_true")
 
     def validate(self) -> "EngineConfig":
         """Check every range that needs no model; returns self.
