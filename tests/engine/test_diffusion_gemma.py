@@ -165,3 +165,32 @@ def test_a_chats_next_turn_reuses_the_encoders_kv_and_decodes_the_same_tokens(re
     torch.manual_seed(4)
     ref = replica.model.generate(torch.tensor([turn]), max_new_tokens=16, max_denoising_steps=6)
     assert again[0].token_ids == ref.sequences[0, len(turn):].tolist()[: len(again[0].token_ids)]
+
+
+
+def test_the_batchs_stacked_encoder_kv_is_reused_until_a_choice_joins_leaves_or_encodes(replica):
+    """engine/uniform_canvas.py's _StackedCache: built once per batch composition (docs/design.md#decoding, "Uniform
+    canvas"), reused while the same choices step with the same caches; a stale one would feed a choice another
+    canvas's keys, so the tokens are checked against generate() too."""
+    from unmask.engine.engine import Engine
+
+    engine = Engine(replica)
+    cases = [CASES[0], (2, 3, dict(max_denoising_steps=6))]  # prompts of 5 and 11 tokens: padded, masked keys
+    for i, (p, seed, opts) in enumerate(cases):
+        engine.add_request(PROMPTS[p], SamplingParams(max_tokens=24, seed=seed, **opts), f"r{i}")
+    steps, outputs = [], {}
+    while engine.has_unfinished():
+        for e in engine.step():
+            if e.finished:
+                outputs[e.request_id] = e.output.token_ids
+        running = list(engine.scheduler.running)
+        if len(running) == 2:
+            steps.append(([s.kv_version for s in running], running[0].stacked))
+            assert running[1].stacked is running[0].stacked and running[0].stacked.fits(running)
+    reused = rebuilt = 0
+    for (versions, stacked), (before, last) in zip(steps[1:], steps):
+        same = all(a is b for a, b in zip(versions, before))
+        assert (stacked is last) == same, "a stacked cache must be reused exactly while no choice encodes"
+        reused, rebuilt = reused + same, rebuilt + (not same)
+    assert reused >= 10 and rebuilt == 2  # 3 canvases of 8 at 6 steps each: encodes at the 7th and 13th steps
+    assert [outputs["r0"], outputs["r1"]] == [_reference(replica.model, c) for c in cases]
