@@ -44,9 +44,11 @@ class UniformCanvasSequence(Request):
 
     Attributes:
         own_forward: the denoiser steps it through :func:`step_uniform` (not the one-forward seam).
-        generator: the choice's random stream (seeded with its seed). kv: its encoder ``DynamicCache``.
-        current / argmax: ``[1, C]`` int64 canvas and argmax canvas of the active canvas; sc: the last step's
-            tempered logits ``[1, C, V]`` (None before the first step of a canvas).
+        generator: the choice's random stream (seeded with its seed). kv: its encoder ``DynamicCache``;
+            kv_version: a new object at each encode (what :class:`_StackedCache` checks); stacked: the batch's
+            stacked cache it last stepped in.
+        current / argmax: ``[1, C]`` int64 canvas and argmax canvas of the active canvas (argmax_ids: the latter
+            as host ids); sc: the last step's tempered logits ``[1, C, V]`` (None before the first step of a canvas).
     """
 
     own_forward = True
