@@ -15,6 +15,12 @@ memory from random weights and nothing downloaded (docs/gpu.md).
    same weights. Tokens must be equal where the algorithm is the same (cache none vs the reference) in float32: a
    small LLaDA-shaped float32 model checks that on the device (``reference_equality``); in bfloat16 the match
    fraction is reported (see :func:`speed`).
+5. **cuda graphs** (``--cuda-graphs``, engine/step_graphs.py): the batched reveal pass captured as a CUDA graph per
+   bucket and replayed, against the eager pass on the same inputs: tokens, probabilities and reveals equal
+   (required), and the median time of both per step at 32, 256 and 1,024 rows (batch 1, 8, 32 x block 32) over
+   the LLaDA-8B vocabulary; then the cuda lane's causal checkpoint decodes a sampled batch with and without
+   ``cuda_graphs`` (equal tokens required). With ``--device cpu`` the same code runs the static step uncaptured
+   (equality only) and checks that ``cuda_graphs`` is refused on a CPU.
 
 Runs where only torch and transformers are installed and unmask is not (it registers this checkout as the
 ``unmask`` package: :func:`use_source_tree`)::
@@ -420,6 +426,116 @@ def speed(model, device: str, run: dict, require_equal: bool, deadline: float, s
     return out
 
 
+# ------------------------------------------------------------------ 5. cuda graphs of the post-forward step
+GRAPH_ROWS = (32, 256, 1024)  # batch 1, 8, 32 x a block of 32 masked rows
+
+
+def graph_step_inputs(rows: int, vocab: int, mixed: bool, device: str, seed: int = 0):
+    """One step's reveal-pass inputs: ``rows`` rows in sequences of 32 (a block each), ``[rows, vocab]`` random
+    logits on ``device``; greedy quota decoding, or (``mixed``) every second sequence sampled, with top-k, top-p,
+    the margin / random / left-to-right strategies and thresholds among them. Returns ``(logits, groups,
+    segments)``."""
+    import torch
+    from unmask.engine import SamplingParams
+    from unmask.engine.noise import Draws
+    from unmask.engine.sampler import RowGroup
+
+    groups, segments = [], []
+    for i, lo in enumerate(range(0, rows, 32)):
+        hi = min(rows, lo + 32)
+        kind = i % 4 if mixed else 0
+        params = SamplingParams(temperature=0.8 if kind % 2 else 0.0, top_k=50 if kind == 1 else 0,
+                                top_p=0.9 if kind == 3 else 1.0, seed=seed + i,
+                                remasking=("low_confidence", "margin", "random", "left_to_right")[kind])
+        groups.append(RowGroup(lo, hi, params, Draws(seed + i, 3, list(range(100 + lo, 100 + hi)))))
+        segments.append((lo, hi, None, 0.9) if kind % 2 else (lo, hi, 2, None))
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(rows, vocab, device=device, generator=g) * 4, groups, segments
+
+
+def _median_ms(fn, device: str, reps: int) -> float:
+    import statistics
+
+    times = []
+    for _ in range(reps):
+        times.append(_timed(fn, device)[1])
+    return round(1000 * statistics.median(times), 3)
+
+
+def graph_step_rows(device: str, vocab: int, rows_list, reps: int) -> tuple[list, bool]:
+    """Eager pass vs :class:`~unmask.engine.step_graphs.StepGraphs` (captured on CUDA, the uncaptured static step
+    elsewhere) at each row count, greedy and mixed: equality of every output on three steps of other values, and
+    the median per-step time of both (the host's table building and the copies included)."""
+    import torch
+    from unmask.engine.reveal_rule import select_segments
+    from unmask.engine.sampler import sample_groups
+    from unmask.engine.step_graphs import StepGraphs
+
+    def eager(logits, groups, segments):
+        cands = sample_groups(logits.clone(), groups)
+        return cands, select_segments(cands, segments)
+
+    out, ok = [], True
+    for rows in rows_list:
+        for mixed in (False, True):
+            graphs = StepGraphs(device, capture=device == "cuda")
+            row = {"rows": rows, "mixed": mixed, "equal": True}
+            with torch.inference_mode():
+                for seed in range(3):  # the first captures, the others replay on new values
+                    inputs = graph_step_inputs(rows, vocab, mixed, device, seed)
+                    (a, ca), (b, cb) = eager(*inputs), graphs.sample_and_select(inputs[0].clone(), *inputs[1:])
+                    row["equal"] &= all(torch.equal(getattr(a, f), getattr(b, f))
+                                        for f in ("tokens", "probability", "logprob", "score")) and torch.equal(ca, cb)
+                row["eager_ms"] = _median_ms(lambda: eager(*inputs), device, reps)
+                row["graph_ms"] = _median_ms(lambda: graphs.sample_and_select(inputs[0].clone(), *inputs[1:]),
+                                             device, reps)
+            row["x_eager"] = round(row["eager_ms"] / row["graph_ms"], 2)
+            row["stats"] = dict(graphs.stats)
+            ok &= row["equal"]
+            out.append(row)
+            log(f"cuda graphs {rows} rows {'mixed' if mixed else 'greedy'}: equal {row['equal']}, eager "
+                f"{row['eager_ms']} ms, {'replay' if device == 'cuda' else 'static'} {row['graph_ms']} ms")
+    return out, ok
+
+
+def graphs_section(device: str, lane, small: bool, reps: int = 20) -> dict:
+    """Section 5: the post-forward step's CUDA graphs (see the module docstring)."""
+    import torch
+
+    vocab = SMALL["vocab"] if small else LLADA_8B["vocab"]
+    out: dict = {"vocab": vocab, "reps": reps}
+    out["steps"], ok = graph_step_rows(device, vocab, GRAPH_ROWS[:2] if small else GRAPH_ROWS, reps)
+    import decoding_paths
+    from unmask.engine import SamplingParams
+
+    prompts = [decoding_paths.PROMPTS[i % len(decoding_paths.PROMPTS)] for i in range(8)]
+    params = SamplingParams(temperature=0.8, seed=3, block_size=4, max_tokens=16, ignore_eos=True, speculative=False)
+    if device != "cuda":
+        try:
+            lane.llm("causal", device, torch.float32, cuda_graphs=True)
+            out["refused_on_cpu"] = False
+        except ValueError as exc:
+            out["refused_on_cpu"] = "cuda_graphs" in str(exc)
+        out["ok"] = ok and out["refused_on_cpu"]
+        return out
+    runs = {}
+    for graphs in (False, True):
+        llm = lane.llm("causal", device, torch.float32, max_batch_size=8, enable_prefix_caching=False,
+                       cuda_graphs=graphs)
+        llm.generate(prompts[:1], params)  # warm-up (and the first capture)
+        toks, t = _timed(lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, params)], device)
+        runs[graphs] = {"tokens": toks, "seconds": round(t, 3)}
+        if graphs:
+            runs[graphs]["stats"] = dict(llm.denoiser.step_graphs.stats)
+    equal = runs[True]["tokens"] == runs[False]["tokens"]
+    out["engine"] = {"batch": 8, "equal_tokens": equal, "seconds_eager": runs[False]["seconds"],
+                     "seconds_graphs": runs[True]["seconds"], "stats": runs[True]["stats"]}
+    log(f"cuda graphs engine batch 8: equal tokens {equal}, eager {runs[False]['seconds']} s, graphs "
+        f"{runs[True]['seconds']} s, {runs[True]['stats']}")
+    out["ok"] = ok and equal
+    return out
+
+
 # ------------------------------------------------------------------ main
 def write(out_path: Path, result: dict) -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -436,6 +552,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the JSON (default {DEFAULT_OUT})")
     ap.add_argument("--check-env-only", action="store_true", help="the environment section only")
     ap.add_argument("--skip-lane", action="store_true", help="leave out the cuda lane")
+    ap.add_argument("--skip-graphs", action="store_true", help="leave out the cuda graphs section")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads with --device cpu (default 1: tiny models run fastest on one)")
     ap.add_argument("--budget-s", type=float, default=270.0,
@@ -459,7 +576,7 @@ def prepare(args) -> str:
 
 
 def lane_and_syncs(args, result: dict, required: dict) -> None:
-    """Sections 2 and 3 on one set of lane checkpoints."""
+    """Sections 2, 3 and 5 on one set of lane checkpoints."""
     import cuda_lane
 
     lane = cuda_lane.Lane()
@@ -477,6 +594,14 @@ def lane_and_syncs(args, result: dict, required: dict) -> None:
         for name, case in result["host_syncs"].get("cases", {}).items():
             log(f"host syncs {name}: {case}")
         write(args.out, result)
+        if not args.skip_graphs:
+            try:
+                result["cuda_graphs"] = graphs_section(args.device, lane, args.small)
+                required["cuda_graphs"] = result["cuda_graphs"]["ok"]
+            except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported
+                result["cuda_graphs"] = {"error": error_text(exc)}
+                required["cuda_graphs"] = False
+            write(args.out, result)
     finally:
         lane.close()
 

@@ -88,7 +88,8 @@ def test_the_small_cpu_run_passes_without_unmask_or_its_other_dependencies(small
     proc, out = small_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["ok"] is True and data["required"] == {"cuda_lane": True, "speed_equal_tokens": True}
+    assert data["ok"] is True and data["required"] == {"cuda_lane": True, "speed_equal_tokens": True,
+                                                       "cuda_graphs": True}
     assert data["unmask_import"].startswith("source tree")
     env = data["environment"]
     for key in ("torch", "torch_cuda_build", "transformers", "driver_version", "sdpa_probe", "llguidance"):
@@ -101,6 +102,12 @@ def test_the_small_cpu_run_passes_without_unmask_or_its_other_dependencies(small
                        "adapter-constrained"}  # llguidance is missing: skipped with a note, not failed
     assert all("llguidance" in c["note"] for c in lane["checks"] if c["ok"] is None)
     assert data["host_syncs"] == {"skipped": "sync debug mode is CUDA's"}
+    graphs = data["cuda_graphs"]  # the static step uncaptured on a CPU: equality, and the option refused
+    assert graphs["ok"] is True and graphs["refused_on_cpu"] is True and "engine" not in graphs
+    assert [(r["rows"], r["mixed"]) for r in graphs["steps"]] == [(32, False), (32, True), (256, False), (256, True)]
+    for row in graphs["steps"]:
+        assert row["equal"] is True and row["stats"]["static_steps"] > 3 and not row["stats"].get("eager_steps")
+        assert row["eager_ms"] > 0 and row["graph_ms"] > 0
     speed = data["speed"]
     assert speed["settings"]["require_equal"] is True and speed["ok"] is True
     assert [r["batch"] for r in speed["rows"]] == list(gc.SMALL_RUN["batches"])
@@ -168,7 +175,7 @@ def test_the_gpu_runs_own_branch_on_a_shrunken_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "LLADA_8B", dict(gc.SMALL, d_model=128, n_layers=3, mlp_hidden_size=256))
     monkeypatch.setattr(gc, "FULL_RUN", dict(batches=(1, 3), prompt=24, new_tokens=16, block=8))
     out = tmp_path / "full.json"
-    assert gc.main(["--device", "cpu", "--skip-lane", "--out", str(out)]) == 0
+    assert gc.main(["--device", "cpu", "--skip-lane", "--skip-graphs", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["required"] == {"reference_equality": True} and "cuda_lane" not in data
     assert data["reference_equality"]["settings"]["dtype"] == "float32"
