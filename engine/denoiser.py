@@ -204,33 +204,36 @@ class Denoiser:
         None, variant rows or None), right-padded, built on the host and copied to the device in one tensor, and the
         variant rows' ``[B, Q]`` bool host copy (None without a row variant)."""
         pad = torch.nn.utils.rnn.pad_sequence
+        inps = [inp for _, _, inp in rows]
+        lengths = [int(inp.chunk.numel()) for inp in inps]
+        B, Q = len(rows), max(lengths)
+        longs = [pad([inp.tokens for inp in inps], batch_first=True),
+                 pad([inp.chunk for inp in inps], batch_first=True),
+                 pad([inp.grp for inp in inps], batch_first=True, padding_value=-2),
+                 pad([inp.start for inp in inps], batch_first=True)]
+        committed = pad([inp.committed for inp in inps], batch_first=True)
+        valid = torch.arange(Q) < torch.tensor(lengths)[:, None]
+        none = torch.zeros(B, Q, dtype=torch.bool)
         # committed prompt rows: a row-invariant decoder computes them in prompt tiles (engine/row_attention.py)
-        tiles = self.model.tiles_prompt_rows
-        # a mask-row adapter (engine/mask_adapter.py) runs on every non-committed row, whatever the strategy
-        uncommitted = getattr(self.model.row_variant, "rows", None) == "uncommitted"
-        prompts, variants = [], []
-        for seq, li, inp in rows:
-            none = torch.zeros(inp.chunk.numel(), dtype=torch.bool)
-            if tiles and (inp.replace_cache or seq.lanes[li].cache.length < seq.prompt_len):
-                prompts.append(inp.committed & (inp.chunk < seq.prompt_len))  # (a decoding step has none)
-            else:
-                prompts.append(none)
-            v = None
-            if self.model.has_row_variant:
-                v = ~inp.committed if uncommitted else seq.variant_rows(inp)
-            variants.append(none if v is None else v.cpu())
-        longs = [pad([inp.tokens for _, _, inp in rows], batch_first=True),
-                 pad([inp.chunk for _, _, inp in rows], batch_first=True),
-                 pad([inp.grp for _, _, inp in rows], batch_first=True, padding_value=-2),
-                 pad([inp.start for _, _, inp in rows], batch_first=True)]
-        flags = pad([torch.stack([inp.committed, torch.ones_like(inp.committed), p, v]) .T
-                     for (_, _, inp), p, v in zip(rows, prompts, variants)], batch_first=True)  # [B, Q, 4]
-        host = torch.cat([torch.stack(longs), flags.permute(2, 0, 1).long()])  # [8, B, Q]
-        on = to_device(host, self.device)
-        any_prompt = bool(flags[..., 2].any())  # host values: no device read
+        prompt = none
+        if self.model.tiles_prompt_rows:
+            prompt = pad([inp.committed & (inp.chunk < seq.prompt_len)
+                          if inp.replace_cache or seq.lanes[li].cache.length < seq.prompt_len  # (a step has none)
+                          else torch.zeros(n, dtype=torch.bool) for (seq, li, inp), n in zip(rows, lengths)],
+                         batch_first=True)
         variant = self.model.has_row_variant
+        flag = none
+        if variant:
+            # a mask-row adapter (engine/mask_adapter.py) runs on every non-committed row, whatever the strategy
+            uncommitted = getattr(self.model.row_variant, "rows", None) == "uncommitted"
+            vs = [~inp.committed if uncommitted else seq.variant_rows(inp) for seq, _, inp in rows]
+            flag = pad([torch.zeros(n, dtype=torch.bool) if v is None else v.cpu() for v, n in zip(vs, lengths)],
+                       batch_first=True)
+        host = torch.cat([torch.stack(longs), torch.stack([committed, valid, prompt, flag]).long()])  # [8, B, Q]
+        on = to_device(host, self.device)
+        any_prompt = bool(prompt.any())  # host values: no device read
         return (on[0], on[1], on[2], on[3], on[4].bool(), on[5].bool(), on[6].bool() if any_prompt else None,
-                on[7].bool() if variant else None, flags[..., 3] if variant else None)
+                on[7].bool() if variant else None, flag if variant else None)
 
     def _gather_logits(self, rows: list[tuple[DecodingStrategy, int, LaneInput]], hidden: torch.Tensor,
                        variant: torch.Tensor | None, variant_host: torch.Tensor | None
@@ -323,7 +326,7 @@ def plan_forwards(widths: list[int], lanes: list[int], overhead_rows: int) -> li
         groups of indices into ``widths``, each sorted ascending, covering every index once.
     """
     n = len(widths)
-    if n <= 1:
+    if n <= 1 or (overhead_rows > 0 and min(widths) == max(widths)):  # equal widths: a split only adds overheads
         return [list(range(n))]
     order = sorted(range(n), key=lambda i: widths[i])
     best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sequences of `order`
