@@ -231,6 +231,7 @@ class Request:
         self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
         self.accepted_drafts = 0
         self._masked_memo: tuple | None = None  # (window start, its tokens' bytes) -> its masked positions
+        self._canvas_view: tuple | None = None  # (canvas, its NumPy view): host_canvas
         self._skip_empty_blocks()
 
     # ------------------------------------------------------------------ blocks and windows
@@ -239,7 +240,7 @@ class Request:
         revealed this step; ``[N]`` int64, host, ascending). Computed once per state of the window's tokens (a
         step asks several times; a reveal, or any other write, changes the tokens and so the answer)."""
         _, s, e = self.windows[self.win_idx]
-        window = self.canvas.numpy()[s:e]
+        window = self.host_canvas()[s:e]
         key = (s, window.tobytes())
         memo = self._masked_memo
         if memo is not None and memo[0] == key:
@@ -247,6 +248,13 @@ class Request:
         masked = torch.from_numpy(np.flatnonzero(window == self.dllm.mask_token_id) + s)
         self._masked_memo = (key, masked)
         return masked
+
+    def host_canvas(self) -> np.ndarray:
+        """The canvas's memory as a NumPy array (``[L]`` int64; writes go to the canvas)."""
+        memo = self._canvas_view
+        if memo is None or memo[0] is not self.canvas:
+            memo = self._canvas_view = (self.canvas, self.canvas.numpy())
+        return memo[1]
 
     def _skip_empty_blocks(self) -> None:
         """Advance past windows without masks; entering a new block resets its step counter."""
@@ -358,7 +366,7 @@ class Request:
         stopper = self.stopper
         lo, hi = self.prompt_len + len(stopper.prefix), self.stop_scan_end()
         at_end = self.block_idx >= len(self.blocks)
-        canvas, mask = self.canvas.numpy(), self.dllm.mask_token_id
+        canvas, mask = self.host_canvas(), self.dllm.mask_token_id
         if stopper.checked and not at_end and lo < hi and canvas[lo] == mask:
             return  # StopChecker.update would skip it: no new ids, already checked, not at the end
         rest = canvas[lo:hi].tolist()
@@ -410,7 +418,7 @@ class Request:
         if not positions:
             return []
         rel = [p - self.prompt_len for p in positions]
-        canvas, logprobs = self.canvas.numpy(), self.logprobs.numpy()  # host tensors: written through their memory
+        canvas, logprobs = self.host_canvas(), self.logprobs.numpy()  # host tensors: written through their memory
         for p, r, t, lp in zip(positions, rel, rows.tokens, rows.logprob):
             canvas[p] = t
             logprobs[r] = lp  # rounded to float32 as a float32 tensor write rounds it

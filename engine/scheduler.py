@@ -32,6 +32,7 @@ make a live sequence wait.
 from __future__ import annotations
 
 import collections
+import time
 
 from collections.abc import Callable, Iterable
 
@@ -46,6 +47,8 @@ from .request import Request
 from .step_cost import SEQUENCE_ROWS, step_cost, step_rows
 
 _DEFAULTS = EngineConfig()  # the engine options' one set of defaults
+#: seconds a reading of the available memory answers admissions needing at most half of it (Scheduler.check_memory)
+FREE_MEMORY_REUSE_S = 1.0
 
 
 class QueueFull(RuntimeError):
@@ -98,6 +101,7 @@ class Scheduler:
         self.logit_row_bytes: int | None = None
         self._last_step: dict[Request, int] = {}  # the step each running sequence last ran in
         self._steps = 0
+        self._free_memory: tuple[float, int] | None = None  # (time.monotonic(), bytes available) last read
 
     @staticmethod
     def need(seq: Request) -> int:
@@ -164,13 +168,19 @@ class Scheduler:
 
     def check_memory(self, reqs: list[Request]) -> None:
         """Raise :class:`ParamError` (``max_tokens``) when the estimate (:meth:`estimate_bytes`) exceeds the
-        memory the machine has available now: the request could only fail or swap midway."""
+        memory the machine has available now: the request could only fail or swap midway. The available memory is
+        read again unless the estimate is at most half of a reading less than ``FREE_MEMORY_REUSE_S`` old (a burst
+        of admissions, e.g. ``generate`` with many prompts, reads it once)."""
         kv, logits = self.estimate_bytes(reqs)
         if not kv + logits:
             return
+        seen, now = self._free_memory, time.monotonic()
+        if seen is not None and now - seen[0] < FREE_MEMORY_REUSE_S and 2 * (kv + logits) <= seen[1]:
+            return  # at most half of what was available a moment ago: no new reading (a burst of admissions)
         import psutil
 
         free = psutil.virtual_memory().available
+        self._free_memory = (now, free)
         if kv + logits > free:
             raise ParamError("max_tokens", f"this request needs ~{(kv + logits) >> 20} MiB (KV cache {kv >> 20} MiB "
                                            f"for {sum(self.need(s) for s in reqs)} tokens, logits {logits >> 20} "

@@ -8,6 +8,8 @@ the threshold (Fast-dLLM), window by window. Shapes: logits ``[N, V]`` float32 f
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -20,7 +22,7 @@ from .reveal_rule import reveal_count, select_segments
 from .sampler import (Candidates, RowGroup, classifier_free_guidance, forced_candidates, prepare_groups,
                       sample_groups)
 
-__all__ = ["Sequence", "guided_rows"]
+__all__ = ["Sequence", "block_metadata", "chunk_metadata", "guided_rows"]
 
 
 def guided_rows(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -62,6 +64,42 @@ def guided_rows(seqs: list, spans: list[list[tuple[int, int]]], logits: torch.Te
         scale = to_device(torch.tensor(cfg_scale, dtype=cond.dtype), dev)[:, None]
         cond[rows] = uncond + scale * (cond[rows] - uncond)
     return cond, offsets
+
+
+class SharedMasks(tuple):
+    """:func:`block_metadata`'s ``(grp, start, committed)``, with the ``key`` it was built from."""
+
+    key: tuple
+
+
+@functools.lru_cache(maxsize=512)
+def block_metadata(length: int, attention: str, a: int, e: int, block_size: int, origin: int) -> SharedMasks:
+    """:func:`~unmask.engine.attention.canvas_groups` (host, ``[L]`` each) of a canvas of ``length`` whose
+    block ``[a, e)`` is active and everything before it committed: a function of these numbers alone, so built once
+    and shared by the steps of a block and every sequence of that shape (read-only)."""
+    masks = SharedMasks(canvas_groups(length, attention, a, a, e, block_size, origin))
+    masks.key = (length, attention, a, e, block_size, origin)
+    return masks
+
+
+def _slice_chunk(masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lo: int, hi: int, commit_pos
+                 ) -> tuple[torch.Tensor, ...]:
+    """Rows ``lo:hi``: ``[Q]`` positions, ``masks`` sliced to them and the ``[C]`` chunk indices of
+    ``commit_pos`` (a tensor of positions, ``(c, a)`` = positions ``c..a-1``, ``None`` = none)."""
+    if commit_pos is None:
+        commit = torch.empty(0, dtype=torch.long)
+    elif isinstance(commit_pos, tuple):
+        commit = torch.arange(commit_pos[0] - lo, commit_pos[1] - lo)
+    else:
+        commit = commit_pos - lo
+    grp, start, committed = masks
+    return torch.arange(lo, hi), grp[lo:hi], start[lo:hi], committed[lo:hi], commit
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_metadata(key: tuple, lo: int, hi: int, commit_pos: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
+    """:func:`_slice_chunk` of :func:`block_metadata` ``(*key)``: shared like it (read-only)."""
+    return _slice_chunk(block_metadata(*key), lo, hi, commit_pos)
 
 
 class Sequence(Request):
@@ -135,25 +173,12 @@ class Sequence(Request):
     def _chunk_meta(self, lo: int, hi: int, masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], commit_pos
                     ) -> tuple[torch.Tensor, ...]:
         """Rows ``lo:hi``'s positions, ``masks`` sliced to them, and the chunk indices of ``commit_pos`` (see
-        :meth:`_lane_input`); kept per ``(masks, lo, hi, commit)`` while ``masks`` stay the same objects."""
-        key = (lo, hi, commit_pos if commit_pos is None or isinstance(commit_pos, tuple) else None)
-        memo = getattr(self, "_chunk_memo", None)
-        if memo is None or memo[0] is not masks:
-            memo = self._chunk_memo = (masks, {})
-        hit = memo[1].get(key) if key[2] is not None or commit_pos is None else None
-        if hit is not None:
-            return hit
-        if commit_pos is None:
-            commit = torch.empty(0, dtype=torch.long, device=self.device)
-        elif isinstance(commit_pos, tuple):
-            commit = torch.arange(commit_pos[0] - lo, commit_pos[1] - lo, device=self.device)
-        else:
-            commit = commit_pos - lo
-        grp, start, committed = masks
-        out = (torch.arange(lo, hi, device=self.device), grp[lo:hi], start[lo:hi], committed[lo:hi], commit)
-        if commit_pos is None or isinstance(commit_pos, tuple):
-            memo[1][key] = out
-        return out
+        :meth:`_lane_input`); shared by every sequence of the same canvas shape when ``masks`` are
+        :meth:`_groups`' (:func:`chunk_metadata`)."""
+        key = getattr(masks, "key", None)
+        if key is not None and not isinstance(commit_pos, torch.Tensor):
+            return chunk_metadata(key, lo, hi, commit_pos)
+        return _slice_chunk(masks, lo, hi, commit_pos)
 
     def variant_rows(self, inp: LaneInput) -> torch.Tensor | None:
         """Plain denoising never runs the model's row variant."""
@@ -215,13 +240,9 @@ class Sequence(Request):
         return self._window_masked()
 
     def _groups(self, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:func:`~unmask.engine.attention.canvas_groups` of the canvas with ``[a, e)`` active, kept while the
-        active block stays (a block's steps all share it)."""
-        memo = getattr(self, "_groups_memo", None)
-        if memo is None or memo[0] != (a, e):
-            memo = self._groups_memo = ((a, e), canvas_groups(self.length, self.dllm.attention, a, a, e,
-                                                              self.block_size, self.origin, device=self.device))
-        return memo[1]
+        """:func:`~unmask.engine.attention.canvas_groups` of the canvas with ``[a, e)`` active (read-only: shared
+        by every sequence of the same canvas shape and block, :func:`block_metadata`)."""
+        return block_metadata(self.length, self.dllm.attention, a, e, self.block_size, self.origin)
 
     def min_tokens_rows(self, masked: torch.Tensor) -> torch.Tensor | None:
         """``[N]`` bool: masked positions where EOS/stop ids are forbidden by ``min_tokens``."""
