@@ -151,7 +151,7 @@ class _FakeCudaDispatch(TorchDispatchMode):
         explicit = _as_device(kwargs.get("device"))
         if explicit is None:
             explicit = next((a for a in args if isinstance(a, torch.device)), None)
-        if func in TRANSFERS:
+        if func in TRANSFERS or func is torch.Tensor.copy_:  # copy_: a Python binding (a device guard first)
             if func is aten.to.other:
                 return _normal(args[1].device)
             if func in (aten._to_copy.default, aten.to.device, aten.to.dtype_layout):

@@ -42,6 +42,8 @@ def test_the_harness_raises_where_cuda_raises_and_allows_what_cuda_allows(monkey
         assert a[torch.tensor([0, 2])].tolist() == [0.0, 2.0]  # CPU indices of a CUDA tensor
         a[torch.tensor([1])] = 5.0
         a[1:3] = torch.tensor([7.0, 8.0])  # basic indexing copies across devices
+        b = torch.zeros(2, device="cuda").copy_(torch.tensor([1.0, 2.0]), non_blocking=True)  # copy_ too
+        assert b.device.type == "cuda" and b.cpu().tolist() == [1.0, 2.0]
         assert a.cpu().tolist() == [0.0, 7.0, 8.0, 3.0] and type(a.cpu()) is torch.Tensor
         m = torch.nn.Linear(4, 2).to("cuda")
         assert devices_of(m) == {"cuda:0"} and m(a).device.type == "cuda"
