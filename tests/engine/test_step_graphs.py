@@ -162,9 +162,10 @@ def test_the_post_forward_step_compiles_with_inductor():
     within float64 rounding (inductor fuses the reductions in another order)."""
     torch._dynamo.reset()
     groups, segments, logits = _groups(0, KINDS[:3])
-    shape, ints, floats = sg.step_tables(groups, segments, 9, V)
+    n = logits.shape[0]
+    shape, ints, floats = sg.step_tables(groups, segments, n, V)
     padded = torch.zeros(shape.rows, V)
-    padded[:9] = prepare_groups(logits.clone(), groups)
+    padded[:n] = prepare_groups(logits.clone(), groups)
     want = sg.post_forward_step(padded, ints, floats, **shape.flags())
     got = torch.compile(sg.post_forward_step, fullgraph=True)(padded, ints, floats, **shape.flags())
     assert torch.equal(want[0], got[0]) and torch.equal(want[4], got[4])
@@ -322,6 +323,39 @@ def test_decoding_through_captured_steps_gives_the_eager_events(fake_cuda_graphs
     assert graphs.stats["eager:verify"] > 0 and not graphs.stats["eager_steps"]
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return dp.write_checkpoints(tmp_path_factory.mktemp("paths"))
+
+
+@pytest.mark.parametrize("name", ["threshold", "sampled-top-k-top-p", "cfg"])
+def test_on_a_faked_gpu_the_static_step_keeps_one_host_read_and_one_device(name, checkpoints, monkeypatch):
+    """Under fake CUDA (tests/device_tags.py) a batch of 8 decoded through the static step (the path a capture
+    records, uncaptured): the path's CPU tokens, every buffer and operation on the model's device (fake CUDA raises
+    on a mix), and at most one host read per step outside the forward (the step's summary), no other sync."""
+    from device_tags import fake_cuda
+    from sync_counter import SyncCounter
+
+    from unmask.engine.denoiser import Denoiser
+    from unmask.engine.model import LoadedModel, load_model
+
+    path = next(p for p in dp.PATHS if p.name == name)
+    params = SamplingParams.from_flat(**dict(path.params, max_tokens=8, ignore_eos=True))
+    prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(8)]
+    want = [o.outputs[0].token_ids for o in LLM(load_model(checkpoints[path.checkpoint]), max_batch_size=8,
+                                                 enable_prefix_caching=False).generate(prompts, params)]
+    with fake_cuda(monkeypatch):
+        llm = LLM(load_model(checkpoints[path.checkpoint], device="cuda", dtype="float32"), max_batch_size=8,
+                  enable_prefix_caching=False)
+        graphs = llm.denoiser.step_graphs = sg.StepGraphs(llm.model.device)
+        with SyncCounter("cuda") as c, c.forward_methods(LoadedModel, ("hidden_states", "logits")), \
+                c.step_method(Denoiser, "step"):
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want and graphs.stats["static_steps"] > 0 and not graphs.stats["eager_steps"]
+    for step in c.steps:
+        assert set(step["syncs"]) <= {"host read"} and step["syncs"].get("host read", 0) <= 1, step
+
+
 def test_cuda_graphs_on_a_cpu_model_is_refused_naming_the_option():
     with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs need a CUDA device, the model is on cpu"):
         LLM(tiny.loaded(attention="prefix_causal", block_size=4), cuda_graphs=True)
@@ -344,16 +378,23 @@ def test_on_cuda_a_replayed_step_equals_the_eager_pass():
 
 @pytest.mark.cuda
 def test_on_cuda_decoding_with_cuda_graphs_gives_the_same_tokens():
+    """The cuda lane's causal checkpoint (loaded through ``load_model`` on the GPU, float32): a sampled batch of 6
+    gives the same tokens with ``cuda_graphs`` as without (same forwards; the graphs replay the same step)."""
+    import cuda_lane
     import serving
 
     serving.require_cuda()
-    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
-    model.model.to("cuda")
-    model.device = torch.device("cuda")
-    prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(6)]
-    params = SamplingParams(temperature=0.8, seed=3, block_size=4, max_tokens=12, ignore_eos=True, speculative=False)
-    plain = LLM(model, max_batch_size=6).generate(prompts, params)
-    llm = LLM(model, max_batch_size=6, cuda_graphs=True)
-    graphed = llm.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in plain]
-    assert llm.denoiser.step_graphs.stats["graph_steps"] > 0
+    lane = cuda_lane.Lane()
+    try:
+        prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(6)]
+        params = SamplingParams(temperature=0.8, seed=3, block_size=4, max_tokens=12, ignore_eos=True,
+                                speculative=False)
+        runs = {}
+        for graphs in (False, True):
+            llm = lane.llm("causal", "cuda", torch.float32, max_batch_size=6, enable_prefix_caching=False,
+                           cuda_graphs=graphs)
+            runs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert runs[True] == runs[False]
+        assert llm.denoiser.step_graphs.stats["graph_steps"] > llm.denoiser.step_graphs.stats["captures"] > 0
+    finally:
+        lane.close()
