@@ -295,7 +295,8 @@ def sees_every_key(inp: LaneInput, lane) -> bool:
     attention rule of ``unmask.engine.attention`` on host metadata): the rows form one group, and each cached key is
     in that group or committed before the group starts. Then the lane's attention needs no mask."""
     grp = inp.grp
-    if grp.numel() == 0 or not bool((grp == grp[0]).all()):
+    one = inp.one_group if inp.one_group is not None else bool(grp.numel()) and bool((grp == grp[0]).all())
+    if not one:
         return False
     if lane.length == 0:
         return True

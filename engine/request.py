@@ -57,7 +57,8 @@ class LaneInput:
     to the lane cache after the forward (``None``: decided by the strategy's ``consume``);
     ``replace_cache`` = drop the old cache first (Fast-dLLM refresh); ``carry_index`` = chunk index of the last
     committed token, whose output becomes the carry; ``lane`` = the lane it feeds (``None``: its position in the
-    list; set by prompt chunks that leave a lane out).
+    list; set by prompt chunks that leave a lane out); ``one_group`` = whether every chunk row is in one attention
+    group (``None``: not known, the denoiser looks).
     """
 
     tokens: torch.Tensor
@@ -70,6 +71,7 @@ class LaneInput:
     replace_cache: bool = False
     carry_index: int = -1
     lane: int | None = None
+    one_group: bool | None = None
 
 
 @dataclass
@@ -231,30 +233,38 @@ class Request:
         self.proposed_drafts = 0  # draft tokens verified / accepted (self-speculative decoding; 0 otherwise)
         self.accepted_drafts = 0
         self._masked_memo: tuple | None = None  # (window start, its tokens' bytes) -> its masked positions
-        self._canvas_view: tuple | None = None  # (canvas, its NumPy view): host_canvas
+        self._views: tuple | None = None  # (canvas, logprobs, their NumPy views): _host_views
         self._skip_empty_blocks()
 
     # ------------------------------------------------------------------ blocks and windows
     def _window_masked(self) -> torch.Tensor:
         """Canvas positions of the current decoding window that are still masked (the positions predicted and
-        revealed this step; ``[N]`` int64, host, ascending). Computed once per state of the window's tokens (a
-        step asks several times; a reveal, or any other write, changes the tokens and so the answer)."""
+        revealed this step; ``[N]`` int64, host, ascending)."""
+        return self._masked_window()[0]
+
+    def _masked_window(self) -> tuple[torch.Tensor, np.ndarray]:
+        """:meth:`_window_masked` and the same positions as a NumPy array (sharing memory), computed once per
+        state of the window's tokens (a step asks several times; a reveal, or any other write, changes the tokens
+        and so the answer)."""
         _, s, e = self.windows[self.win_idx]
         window = self.host_canvas()[s:e]
         key = (s, window.tobytes())
         memo = self._masked_memo
-        if memo is not None and memo[0] == key:
-            return memo[1]
-        masked = torch.from_numpy(np.flatnonzero(window == self.dllm.mask_token_id) + s)
-        self._masked_memo = (key, masked)
-        return masked
+        if memo is None or memo[0] != key:
+            at = np.flatnonzero(window == self.dllm.mask_token_id) + s
+            memo = self._masked_memo = (key, torch.from_numpy(at), at)
+        return memo[1], memo[2]
 
     def host_canvas(self) -> np.ndarray:
         """The canvas's memory as a NumPy array (``[L]`` int64; writes go to the canvas)."""
-        memo = self._canvas_view
-        if memo is None or memo[0] is not self.canvas:
-            memo = self._canvas_view = (self.canvas, self.canvas.numpy())
-        return memo[1]
+        return self._host_views()[0]
+
+    def _host_views(self) -> tuple[np.ndarray, np.ndarray]:
+        """NumPy views of the canvas and the log-probabilities (kept while those tensors stay)."""
+        memo = self._views
+        if memo is None or memo[0] is not self.canvas or memo[1] is not self.logprobs:
+            memo = self._views = (self.canvas, self.logprobs, (self.canvas.numpy(), self.logprobs.numpy()))
+        return memo[2]
 
     def _skip_empty_blocks(self) -> None:
         """Advance past windows without masks; entering a new block resets its step counter."""
@@ -353,7 +363,7 @@ class Request:
 
     def canvas_view(self) -> list[int | None]:
         """The first ``max_tokens`` generated positions: token id or ``None`` where masked."""
-        region = self.canvas[self.prompt_len: self.prompt_len + self.max_tokens].tolist()
+        region = self.host_canvas()[self.prompt_len: self.prompt_len + self.max_tokens].tolist()
         m = self.dllm.mask_token_id
         return [None if t == m else t for t in region]
 
@@ -418,7 +428,7 @@ class Request:
         if not positions:
             return []
         rel = [p - self.prompt_len for p in positions]
-        canvas, logprobs = self.host_canvas(), self.logprobs.numpy()  # host tensors: written through their memory
+        canvas, logprobs = self._host_views()  # host tensors: written through their memory
         for p, r, t, lp in zip(positions, rel, rows.tokens, rows.logprob):
             canvas[p] = t
             logprobs[r] = lp  # rounded to float32 as a float32 tensor write rounds it

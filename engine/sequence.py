@@ -98,8 +98,10 @@ def _slice_chunk(masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lo: int
 
 @functools.lru_cache(maxsize=4096)
 def chunk_metadata(key: tuple, lo: int, hi: int, commit_pos: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
-    """:func:`_slice_chunk` of :func:`block_metadata` ``(*key)``: shared like it (read-only)."""
-    return _slice_chunk(block_metadata(*key), lo, hi, commit_pos)
+    """:func:`_slice_chunk` of :func:`block_metadata` ``(*key)`` and whether its rows are one attention group:
+    shared like it (read-only)."""
+    chunk, grp, start, committed, commit = _slice_chunk(block_metadata(*key), lo, hi, commit_pos)
+    return chunk, grp, start, committed, commit, bool(grp.numel()) and bool((grp == grp[0]).all())
 
 
 class Sequence(Request):
@@ -113,10 +115,10 @@ class Sequence(Request):
         """What each lane forwards in the next step (see :class:`LaneInput`)."""
         a, e = self.active
         L = self.length
-        masked = self._window_masked()
+        masked, at = self._masked_window()
         self._step_masked = (self.step, masked)  # the step's masked positions (read again by its reveal pass)
-        grp, start, committed = self._groups(a, e)
-        out_pos = masked.numpy() - 1 if self.dllm.logit_shift else masked.numpy()
+        masks = self._groups(a, e)
+        out_pos = at - 1 if self.dllm.logit_shift else at
         mode = self.cache_mode
         causal = self.dllm.attention != "bidirectional"
         inputs = []
@@ -143,7 +145,7 @@ class Sequence(Request):
                 lo = a
                 hi = L if mode == "prefix" else e
                 commit_pos = None
-            inputs.append(self._lane_input(lane, lo, hi, a, out_pos, commit_pos, (grp, start, committed), replace))
+            inputs.append(self._lane_input(lane, lo, hi, a, out_pos, commit_pos, masks, replace))
         self._inputs = inputs
         return inputs
 
@@ -166,19 +168,19 @@ class Sequence(Request):
             raise RuntimeError(f"{self.request_id}: missing carry logits for position {a - 1}")  # pragma: no cover
         needed = torch.from_numpy(np.maximum(out_pos - lo, -1))  # out_pos ascending: only its first rows precede
         carry_index = (a - 1 - lo) if (self.dllm.logit_shift and lo <= a - 1 < hi and self.cache_mode != "none") else -1
-        chunk, grp, start, committed, commit = self._chunk_meta(lo, hi, masks, commit_pos)
+        chunk, grp, start, committed, commit, one_group = self._chunk_meta(lo, hi, masks, commit_pos)
         return LaneInput(tokens=tokens[lo:hi], chunk=chunk, grp=grp, start=start, committed=committed, needed=needed,
-                         commit=commit, replace_cache=replace, carry_index=carry_index)
+                         commit=commit, replace_cache=replace, carry_index=carry_index, one_group=one_group)
 
     def _chunk_meta(self, lo: int, hi: int, masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], commit_pos
                     ) -> tuple[torch.Tensor, ...]:
-        """Rows ``lo:hi``'s positions, ``masks`` sliced to them, and the chunk indices of ``commit_pos`` (see
-        :meth:`_lane_input`); shared by every sequence of the same canvas shape when ``masks`` are
-        :meth:`_groups`' (:func:`chunk_metadata`)."""
+        """Rows ``lo:hi``'s positions, ``masks`` sliced to them, the chunk indices of ``commit_pos`` (see
+        :meth:`_lane_input`) and whether the rows are one attention group (``None``: not looked at); shared by
+        every sequence of the same canvas shape when ``masks`` are :meth:`_groups`' (:func:`chunk_metadata`)."""
         key = getattr(masks, "key", None)
         if key is not None and not isinstance(commit_pos, torch.Tensor):
             return chunk_metadata(key, lo, hi, commit_pos)
-        return _slice_chunk(masks, lo, hi, commit_pos)
+        return (*_slice_chunk(masks, lo, hi, commit_pos), None)
 
     def variant_rows(self, inp: LaneInput) -> torch.Tensor | None:
         """Plain denoising never runs the model's row variant."""
@@ -269,7 +271,8 @@ class Sequence(Request):
         :meth:`~unmask.engine.reveals.HostRows.picked` for the step's ``segments``, ascending without), advance
         the block/step counters, check EOS/stop/length; returns the step's :class:`StepEvent`."""
         picked = rows.picked(segments) if segments else [i for i, c in enumerate(rows.chosen) if c]
-        at = masked.tolist()
+        memo = self._masked_memo
+        at = (memo[2] if memo is not None and memo[1] is masked else masked).tolist()
         revealed = self.record([at[i] for i in picked], rows.take(picked))
         block = self.block_idx
         step = self.step
