@@ -157,15 +157,19 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
-def filter_rows(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def filter_rows(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                k_width: int | None = None) -> torch.Tensor:
     """:func:`filter_top_k_top_p` with a setting per row, equal to it row by row (tested): ``top_k`` ``[N]``
-    int64 (0, or >= V: no top-k), ``top_p`` ``[N]`` float32 (>= 1: no nucleus); ``None``: no row has one.
-    ``[N, V]`` -> ``[N, V]``, no host read (the static post-forward step, ``unmask.engine.step_graphs``)."""
+    int64 (0, or >= V: no top-k), ``top_p`` ``[N]`` float32 (>= 1: no nucleus); ``None``: no row has one;
+    ``k_width``: a bound >= every active row's k (one ``topk`` of that width finds each row's k-th value; None:
+    a full sort). ``[N, V]`` -> ``[N, V]``, no host read (the static post-forward step,
+    ``unmask.engine.step_graphs``)."""
     V = logits.shape[-1]
     if top_k is not None:
+        width = V if k_width is None else min(int(k_width), V)
         on = (top_k > 0) & (top_k < V)
-        at = (top_k.clamp(1, V) - 1)[:, None]
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(-1, at)
+        at = (top_k.clamp(1, width) - 1)[:, None]
+        kth = torch.topk(logits, width, dim=-1).values.gather(-1, at)
         kth = torch.where(on[:, None], kth, torch.full_like(kth, NEG_INF))
         logits = logits.masked_fill(logits < kth, NEG_INF)
     if top_p is not None:

@@ -53,7 +53,9 @@ class StepShape:
 
     Attributes:
         rows, segments, width: the padded row count, segment count and segment width.
-        vocab: V. sampled: some row draws (temperature > 0). top_k / top_p: some row filters.
+        vocab: V. sampled: some row draws (temperature > 0). top_k: the width of the one ``topk`` that finds
+            every row's k-th value (the largest k asked, rounded up to a power of two, at most V; 0: no row has
+            top-k). top_p: some row has a nucleus.
         strategies: the codes (:data:`STRATEGIES`) other than 0 some row uses. threshold: some segment has one.
     """
 
@@ -62,7 +64,7 @@ class StepShape:
     width: int
     vocab: int
     sampled: bool
-    top_k: bool
+    top_k: int
     top_p: bool
     strategies: tuple[int, ...]
     threshold: bool
@@ -74,7 +76,7 @@ class StepShape:
 
 
 def post_forward_step(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, *, segments: int, width: int,
-                      sampled: bool, top_k: bool, top_p: bool, strategies: tuple[int, ...], threshold: bool
+                      sampled: bool, top_k: int, top_p: bool, strategies: tuple[int, ...], threshold: bool
                       ) -> tuple[torch.Tensor, ...]:
     """Steps 4-7 of docs/design.md#decoding for ``R`` prepared rows over static shapes, no host read.
 
@@ -84,8 +86,8 @@ def post_forward_step(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Te
             segment's rows ``[S, W]`` (padded with R); each segment's quota (0 for a padding segment).
         floats: ``[3R + S]`` float64: per row temperature (0: argmax), top_p (1: none; compared in float32 as the
             eager filter does), left-to-right order; each segment's threshold (2.0: none).
-        segments, width: S and W. sampled, top_k, top_p, threshold: whether any row or segment needs that part;
-        strategies: the non-default strategy codes present.
+        segments, width: S and W. sampled, top_p, threshold: whether any row or segment needs that part; top_k:
+        0, or the width of the k-th-value ``topk`` (>= every row's k); strategies: the non-default codes present.
 
     Returns:
         ``[R]`` tokens (int64), probability (float64), log-probability (float32), score (float64), chosen (bool):
@@ -99,7 +101,7 @@ def post_forward_step(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Te
     temps, p_rows, order = floats[:R], floats[R:2 * R], floats[2 * R:3 * R]
     tau = floats[3 * R:3 * R + S].view(S, 1)
     if top_k or top_p:
-        logits = filter_rows(logits, k_rows if top_k else None, p_rows.float() if top_p else None)
+        logits = filter_rows(logits, k_rows if top_k else None, p_rows.float() if top_p else None, top_k or None)
     tokens = torch.argmax(logits, dim=-1)
     if sampled:
         hot = temps > 0
@@ -162,8 +164,9 @@ def step_tables(groups: list[RowGroup], segments: list[tuple[int, int, int | Non
         if t is not None:
             tau[s] = float(t)
     live = [g for g in groups if g.n]
+    k_max = max([int(g.params.top_k or 0) for g in live if 0 < int(g.params.top_k or 0) < vocab] + [0])
     shape = StepShape(R, S, W, vocab, sampled=any(sampling_temperature(g.params) for g in live),
-                      top_k=any(0 < int(g.params.top_k or 0) < vocab for g in live),
+                      top_k=min(1 << (k_max - 1).bit_length(), vocab) if k_max else 0,
                       top_p=any(g.params.top_p < 1.0 for g in live), strategies=tuple(sorted(used - {0})),
                       threshold=any(t is not None for *_, t in segments))
     return shape, ints, floats

@@ -84,13 +84,16 @@ def test_a_size_takes_the_smallest_rung_and_none_past_the_top():
     assert bucket(3, SEGMENT_BUCKETS) == 4 and bucket(5, WIDTH_BUCKETS) == 8
 
 
-def test_per_row_filters_equal_the_scalar_filter_row_by_row():
+@pytest.mark.parametrize("k_width", [None, 8, 5])
+def test_per_row_filters_equal_the_scalar_filter_row_by_row(k_width):
+    """Each row's top-k / top-p as the scalar filter does it, the k-th value from a full sort or one narrower
+    ``topk`` (at least the largest active k)."""
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1)) * 2
-    logits[2, :10] = logits[2, 10]  # ties at the boundary
+    logits[3, :10] = logits[3, 10]  # ties at the boundary
     settings = [(0, 1.0), (5, 1.0), (0, 0.7), (3, 0.5), (V, 0.95), (1, 0.2)]
     k = torch.tensor([s[0] for s in settings])
     p = torch.tensor([s[1] for s in settings], dtype=torch.float32)
-    got = filter_rows(logits.clone(), k, p)
+    got = filter_rows(logits.clone(), k, p, k_width)
     for i, (kk, pp) in enumerate(settings):
         want = filter_top_k_top_p(logits[i:i + 1].clone(), kk, pp)
         assert torch.equal(got[i:i + 1], want), i
@@ -284,7 +287,8 @@ def test_the_step_makes_no_host_read_inside_a_capture(fake_cuda_graphs):
     groups, segments, logits = _groups(4)
     graphs.sample_and_select(logits.clone(), groups, segments)
     (shape,) = graphs.graphs
-    assert shape.sampled and shape.top_k and shape.top_p and shape.threshold and shape.strategies == (1, 2, 3, 4)
+    assert shape.sampled and shape.top_p and shape.threshold and shape.strategies == (1, 2, 3, 4)
+    assert shape.top_k == 8  # the widest k asked (5), rounded up to a power of two
     with pytest.raises(RuntimeError, match="host read inside a CUDA graph capture"):
         with _Recorder([]):
             torch.ones(2).nonzero()
