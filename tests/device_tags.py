@@ -120,12 +120,21 @@ class _FakeCudaDispatch(TorchDispatchMode):
         if target.type != "cuda":
             return out
         inners = {id(_unwrap(t)): t for t in tensors if _unwrap(t) is not t}
+        # a view of a normal tensor (a parameter) made in inference mode is a normal tensor sharing its base's version
+        # counter, as on a real device: the wrapper must not be born an inference tensor
+        normal_view = func.is_view and torch.is_inference_mode_enabled() and any(
+            not t.is_inference() for t in tensors)
 
         def tag(o):
             if not isinstance(o, torch.Tensor):
                 return o
             same = inners.get(id(o))  # an in-place op or an out= argument returns its input
-            return same if same is not None else Tagged(o, target)
+            if same is not None:
+                return same
+            if normal_view:
+                with torch.inference_mode(False):
+                    return Tagged(o, target)
+            return Tagged(o, target)
 
         return tree_map(tag, out)
 

@@ -47,6 +47,8 @@ def test_the_harness_raises_where_cuda_raises_and_allows_what_cuda_allows(monkey
         assert a.cpu().tolist() == [0.0, 7.0, 8.0, 3.0] and type(a.cpu()) is torch.Tensor
         m = torch.nn.Linear(4, 2).to("cuda")
         assert devices_of(m) == {"cuda:0"} and m(a).device.type == "cuda"
+        with torch.inference_mode():  # a view of a parameter in inference mode, as on a device (engine/moe.py)
+            assert (a[None, :] @ m.weight.t()).shape == (1, 2) and not m.weight.t().is_inference()
 
 
 @pytest.mark.parametrize("path", dp.PATHS, ids=lambda p: p.name)

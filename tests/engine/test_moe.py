@@ -63,7 +63,7 @@ def test_off_the_cpu_a_moe_layer_reads_nothing_on_the_host(monkeypatch):
     with fake_cuda(monkeypatch):
         layer.to(FAKE)
         xd = x.to(FAKE)
-        with SyncCounter() as counter:  # no_grad (fake_cuda's): a Tagged view of a parameter refuses inference mode
+        with torch.inference_mode(), SyncCounter() as counter:  # as the engine runs it (views of parameters)
             out = layer(xd)
         assert out.device.type == "cuda"
         out = out.cpu()
