@@ -16,7 +16,7 @@ from .config import OWN_FORWARD_FAMILIES
 from .denoiser import Denoiser
 from .encoder_prefix import EncoderPrefixStore
 from .layout import build_layout
-from .limits import ParamError
+from .limits import MAX_SEED, ParamError
 from .model import LoadedModel
 from .options import EngineConfig, with_options
 from .outputs import StepEvent
@@ -72,7 +72,10 @@ def make_requests(model: LoadedModel, prompt_ids: list[int], params: SamplingPar
     plan = plan if plan is not None else plan_request(model, params, defaults)
     kind = (UniformCanvasSequence if plan.uniform is not None else SpeculativeSequence if plan.speculative
             else MultiBlockSequence if plan.multi_block else RefinementSequence if plan.refinement else Sequence)
-    return [kind(request_id, prompt_ids, plan.for_choice(i), model.dllm, model.tokenizer, defaults.max_context,
+    # one choice whose plan already carries its seed: the plan as it is (for_choice would rebuild and re-check it)
+    same = n == 1 and plan.params.seed == plan.seed and 0 <= plan.seed <= MAX_SEED
+    plans = [plan] if same else [plan.for_choice(i) for i in range(n)]
+    return [kind(request_id, prompt_ids, plans[i], model.dllm, model.tokenizer, defaults.max_context,
                  model.device, vocab_size=model.vocab_size, index=i) for i in range(n)]
 
 
