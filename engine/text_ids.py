@@ -65,6 +65,9 @@ def encode_plain(tokenizer, text: str) -> list[int]:
 def check_token_ids(name: str, ids, vocab_size: int) -> None:
     """Raise :class:`ParamError` naming ``name`` when an id is not in ``[0, vocab_size)`` (an id outside it would
     fail an index in the middle of a batched step and take the other requests of the batch down with it)."""
+    if isinstance(ids, list) and all(type(t) is int for t in ids) and (not ids or 0 <= min(ids) <= max(ids) <
+                                                                        vocab_size):
+        return  # the usual list of plain ints, all in range (the loop below names the first bad one)
     for t in ids:
         try:
             ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
