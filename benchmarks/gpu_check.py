@@ -16,8 +16,8 @@ memory from random weights and nothing downloaded (docs/gpu.md).
    small LLaDA-shaped float32 model checks that on the device (``reference_equality``); in bfloat16 the match
    fraction is reported (see :func:`speed`).
 5. **cuda graphs** (``--cuda-graphs``, engine/step_graphs.py): the batched reveal pass captured as a CUDA graph per
-   bucket and replayed, against the eager pass on the same inputs: tokens, probabilities and reveals equal
-   (required), and the median time of both per step at 32, 256 and 1,024 rows (batch 1, 8, 32 x block 32) over
+   bucket and replayed, against the eager pass on the same inputs: tokens and reveals equal, probabilities within
+   1e-9 (required; bit for bit on a CPU, reported), and the median time of both per step at 32, 256 and 1,024 rows (batch 1, 8, 32 x block 32) over
    the LLaDA-8B vocabulary; then the cuda lane's causal checkpoint decodes a sampled batch with and without
    ``cuda_graphs`` (equal tokens required). With ``--device cpu`` the same code runs the static step uncaptured
    (equality only) and checks that ``cuda_graphs`` is refused on a CPU.
@@ -453,19 +453,40 @@ def graph_step_inputs(rows: int, vocab: int, mixed: bool, device: str, seed: int
     return torch.randn(rows, vocab, device=device, generator=g) * 4, groups, segments
 
 
-def _median_ms(fn, device: str, reps: int) -> float:
+def same_step(a, b) -> tuple[bool, bool, float]:
+    """``(agree, bitwise, largest difference)`` of two reveal-pass results ``(candidates, chosen)``: ``agree`` =
+    tokens and reveals equal, probabilities and scores within 1e-9, log-probabilities within float32 rounding (a
+    GPU's row reductions may split a row by the row count: its float64 sums move in the last bits, the contracts'
+    GPU float32 column); ``bitwise``: every output equal (what a CPU gives)."""
+    import torch
+
+    (ca, cha), (cb, chb) = a, b
+    fields = ("tokens", "probability", "logprob", "score")
+    bitwise = all(torch.equal(getattr(ca, f), getattr(cb, f)) for f in fields) and torch.equal(cha, chb)
+    diff = max(float((getattr(ca, f).double() - getattr(cb, f).double()).abs().max()) if len(ca.tokens) else 0.0
+               for f in ("probability", "score"))
+    agree = (torch.equal(ca.tokens, cb.tokens) and torch.equal(cha, chb) and diff <= 1e-9
+             and torch.allclose(ca.logprob, cb.logprob, rtol=1e-6, atol=1e-6))
+    return agree, bitwise, diff
+
+
+def _paired_ms(fns, device: str, reps: int) -> list[float]:
+    """Median milliseconds of each of ``fns`` over ``reps`` rounds, the calls alternating within a round (a busy
+    machine's load falls on both alike)."""
     import statistics
 
-    times = []
+    times = [[] for _ in fns]
     for _ in range(reps):
-        times.append(_timed(fn, device)[1])
-    return round(1000 * statistics.median(times), 3)
+        for i, fn in enumerate(fns):
+            times[i].append(_timed(fn, device)[1])
+    return [round(1000 * statistics.median(t), 3) for t in times]
 
 
 def graph_step_rows(device: str, vocab: int, rows_list, reps: int) -> tuple[list, bool]:
     """Eager pass vs :class:`~unmask.engine.step_graphs.StepGraphs` (captured on CUDA, the uncaptured static step
-    elsewhere) at each row count, greedy and mixed: equality of every output on three steps of other values, and
-    the median per-step time of both (the host's table building and the copies included)."""
+    elsewhere) at each row count, greedy and mixed: :func:`same_step` on three steps of other values (``equal``:
+    they agree; ``bitwise``; ``max_diff``), and the median per-step time of both, alternating (the host's table building
+    and the copies included)."""
     import torch
     from unmask.engine.reveal_rule import select_segments
     from unmask.engine.sampler import sample_groups
@@ -479,21 +500,24 @@ def graph_step_rows(device: str, vocab: int, rows_list, reps: int) -> tuple[list
     for rows in rows_list:
         for mixed in (False, True):
             graphs = StepGraphs(device, capture=device == "cuda")
-            row = {"rows": rows, "mixed": mixed, "equal": True}
+            row = {"rows": rows, "mixed": mixed, "equal": True, "bitwise": True, "max_diff": 0.0}
             with torch.inference_mode():
                 for seed in range(3):  # the first captures, the others replay on new values
                     inputs = graph_step_inputs(rows, vocab, mixed, device, seed)
-                    (a, ca), (b, cb) = eager(*inputs), graphs.sample_and_select(inputs[0].clone(), *inputs[1:])
-                    row["equal"] &= all(torch.equal(getattr(a, f), getattr(b, f))
-                                        for f in ("tokens", "probability", "logprob", "score")) and torch.equal(ca, cb)
-                row["eager_ms"] = _median_ms(lambda: eager(*inputs), device, reps)
-                row["graph_ms"] = _median_ms(lambda: graphs.sample_and_select(inputs[0].clone(), *inputs[1:]),
-                                             device, reps)
+                    agree, bitwise, diff = same_step(eager(*inputs),
+                                                     graphs.sample_and_select(inputs[0].clone(), *inputs[1:]))
+                    row["equal"] &= agree
+                    row["bitwise"] &= bitwise
+                    row["max_diff"] = max(row["max_diff"], diff)
+                row["eager_ms"], row["graph_ms"] = _paired_ms(
+                    [lambda: eager(*inputs), lambda: graphs.sample_and_select(inputs[0].clone(), *inputs[1:])],
+                    device, reps)
             row["x_eager"] = round(row["eager_ms"] / row["graph_ms"], 2)
             row["stats"] = dict(graphs.stats)
             ok &= row["equal"]
             out.append(row)
-            log(f"cuda graphs {rows} rows {'mixed' if mixed else 'greedy'}: equal {row['equal']}, eager "
+            log(f"cuda graphs {rows} rows {'mixed' if mixed else 'greedy'}: equal {row['equal']} (bitwise "
+                f"{row['bitwise']}, max diff {row['max_diff']:.1e}), eager "
                 f"{row['eager_ms']} ms, {'replay' if device == 'cuda' else 'static'} {row['graph_ms']} ms")
     return out, ok
 
