@@ -153,11 +153,10 @@ class Sequence(Request):
                     masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], replace: bool = False) -> LaneInput:
         """The :class:`LaneInput` of ``lane`` forwarding rows ``lo:hi`` (shared by :meth:`lane_inputs` and the
         multi-block variant): the lane's tokens (the unconditional lane's prompt masked), the rows whose logits are
-        needed (``out_pos``: ``[N]`` int64 host array or tensor, ascending; -1 = the carried logits of position ``a - 1``),
-        the positions to commit to the cache (``commit_pos``: a tensor of positions, ``(c, a)`` = positions
-        ``c..a-1``, ``None`` = none) and the canvas's attention metadata ``masks`` = (groups, starts, committed)
-        sliced to the rows (the slices, the chunk's positions and the commit indices are kept while the block
-        and the rows stay: a block's steps share them)."""
+        needed (``out_pos``: ``[N]`` int64 host array or tensor, ascending; -1 = the carried logits of position
+        ``a - 1``), the positions to commit to the cache (``commit_pos``: a tensor of positions, ``(c, a)`` =
+        positions ``c..a-1``, ``None`` = none) and the canvas's attention metadata ``masks`` = (groups, starts,
+        committed) sliced to the rows (:meth:`_chunk_meta`: shared when ``masks`` are :meth:`_groups`')."""
         if isinstance(out_pos, torch.Tensor):
             out_pos = out_pos.numpy()
         tokens = self.canvas
