@@ -23,7 +23,7 @@ from .outputs import StepEvent
 from .prefill_cost import PrefillBudget, attention_crossover_keys, forward_overhead_rows
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
-from .step_graphs import StepGraphs
+from .step_graphs import StepGraphs, check_cuda_graphs
 from .transfer import to_device
 from .uniform_canvas import step_uniform
 
@@ -62,9 +62,7 @@ class Denoiser:
         self.forward_overhead_rows = forward_overhead_rows(model.model)  # plan_forwards' fixed cost of a forward
         self.encoder_store = None  # an encoder-decoder family's encoder KV reuse (engine/encoder_prefix.py)
         self.compiled = bool(compile)
-        if cuda_graphs and torch.device(self.device).type != "cuda":
-            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, the model is on {self.device} "
-                             "(docs/design.md#devices)")
+        check_cuda_graphs(cuda_graphs, self.device)
         self.step_graphs = StepGraphs(self.device, capture=True) if cuda_graphs else None
         if compile:
             model.enable_compile()

@@ -29,6 +29,7 @@ from .multi_block import MultiBlockSequence
 from .refinement import RefinementSequence
 from .sequence import Sequence
 from .speculative import SpeculativeSequence
+from .step_graphs import check_cuda_graphs
 from .text_ids import suffix_ids
 from .uniform_canvas import UniformCanvasSequence
 
@@ -41,9 +42,10 @@ def model_defaults(model: LoadedModel, config: EngineConfig | None = None) -> En
 
     Raises:
         ValueError: an engine option the model does not allow (names it: ``block_size``, ``max_model_len``,
-            ``default_drafts``).
+            ``default_drafts``, ``cuda_graphs`` off CUDA).
     """
     config = config or EngineConfig()
+    check_cuda_graphs(config.cuda_graphs, model.device)
     return engine_defaults(model.dllm, model.max_context, model.device.type, config.default_drafts,
                            config.block_size, config.max_model_len)
 

@@ -34,7 +34,8 @@ from .sampler import (Candidates, RowGroup, filter_rows, gumbel_argmax, log_norm
                       sample_groups, sampling_temperature, strategy_score)
 from .transfer import copy_into
 
-__all__ = ["STRATEGIES", "StepGraphs", "StepShape", "capture_step", "post_forward_step", "step_tables"]
+__all__ = ["STRATEGIES", "StepGraphs", "StepShape", "capture_step", "check_cuda_graphs", "post_forward_step",
+           "step_tables"]
 
 log = logging.getLogger("unmask.engine.step_graphs")
 
@@ -45,6 +46,18 @@ INT_ROW_FIELDS = 4
 #: float64 table: per row temperature, top_p, left-to-right order; then segment thresholds
 FLOAT_ROW_FIELDS = 3
 NO_THRESHOLD = 2.0  # above any probability
+
+
+def check_cuda_graphs(enabled: bool, device: torch.device | str) -> None:
+    """The ``cuda_graphs`` option against the model's ``device``.
+
+    Raises:
+        ValueError: ``cuda_graphs`` on a device that is not CUDA (names the option): there is nothing to capture,
+            and the static step run uncaptured is slower than the eager pass (docs/results.md).
+    """
+    if enabled and torch.device(device).type != "cuda":
+        raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, the model is on {device} "
+                         "(docs/design.md#devices)")
 
 
 @dataclass(frozen=True)

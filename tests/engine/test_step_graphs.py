@@ -360,9 +360,18 @@ def test_on_a_faked_gpu_the_static_step_keeps_one_host_read_and_one_device(name,
         assert set(step["syncs"]) <= {"host read"} and step["syncs"].get("host read", 0) <= 1, step
 
 
-def test_cuda_graphs_on_a_cpu_model_is_refused_naming_the_option():
+def test_cuda_graphs_on_a_cpu_model_is_refused_naming_the_option(checkpoints, monkeypatch, capsys):
+    """``LLM(..., cuda_graphs=True)`` on a CPU model is a ValueError naming the option; ``unmask serve`` refuses it
+    before the first forward, one line naming the flag or the variable it came from (exit 2)."""
+    from unmask.cli.main import main
+
     with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs need a CUDA device, the model is on cpu"):
         LLM(tiny.loaded(attention="prefix_causal", block_size=4), cuda_graphs=True)
+    assert main(["serve", str(checkpoints["causal"]), "--port", "0", "--device", "cpu", "--cuda-graphs"]) == 2
+    assert "--cuda-graphs: CUDA graphs need a CUDA device, the model is on cpu" in capsys.readouterr().err
+    monkeypatch.setenv("UNMASK_CUDA_GRAPHS", "1")
+    assert main(["serve", str(checkpoints["causal"]), "--port", "0", "--device", "cpu"]) == 2
+    assert "$UNMASK_CUDA_GRAPHS: CUDA graphs need a CUDA device" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ on a GPU (the cuda lane; skips without one)
