@@ -28,6 +28,7 @@ Runs where only torch and transformers are installed and unmask is not (it regis
     python benchmarks/gpu_check.py                        # on a GPU: JSON to benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --device cpu --small   # the same code paths on a small model (CI)
     python benchmarks/gpu_check.py --check-env-only       # section 1 only, seconds
+    python benchmarks/gpu_check.py --skip-lane --skip-speed --out /tmp/graphs.json   # sections 1, 3, 5
 
 Exit status 0 when every required check passed, 1 otherwise (the JSON says which), 2 on bad arguments.
 """
@@ -577,6 +578,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check-env-only", action="store_true", help="the environment section only")
     ap.add_argument("--skip-lane", action="store_true", help="leave out the cuda lane")
     ap.add_argument("--skip-graphs", action="store_true", help="leave out the cuda graphs section")
+    ap.add_argument("--skip-speed", action="store_true",
+                    help="leave out the speed sections (with --skip-lane: the environment, host syncs and cuda graphs "
+                         "only, about a minute)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads with --device cpu (default 1: tiny models run fastest on one)")
     ap.add_argument("--budget-s", type=float, default=270.0,
@@ -681,7 +685,8 @@ def main(argv=None) -> int:
 
     required: dict[str, bool] = {}
     lane_and_syncs(args, result, required)
-    speed_sections(args, result, required, t_start + args.budget_s)
+    if not args.skip_speed:
+        speed_sections(args, result, required, t_start + args.budget_s)
     result["required"] = required
     result["ok"] = all(required.values())
     result["seconds"] = round(time.perf_counter() - t_start, 2)

@@ -118,6 +118,17 @@ def test_the_small_cpu_run_passes_without_unmask_or_its_other_dependencies(small
     assert "required checks" in proc.stdout
 
 
+def test_the_graphs_alone_run_without_the_lane_and_the_speed_sections(tmp_path, monkeypatch):
+    """``--skip-lane --skip-speed``: the environment, host syncs and the cuda graphs section only."""
+    monkeypatch.setattr(gc, "prepare", lambda args: "test")
+    monkeypatch.setattr(gc, "GRAPH_ROWS", (32,))
+    out = tmp_path / "graphs.json"
+    assert gc.main(["--device", "cpu", "--small", "--skip-lane", "--skip-speed", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["required"] == {"cuda_graphs": True} and "speed" not in data and "cuda_lane" not in data
+    assert [r["rows"] for r in data["cuda_graphs"]["steps"]] == [32, 32]
+
+
 def test_check_env_only(tmp_path):
     out = tmp_path / "env.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--check-env-only", "--out", str(out)], capture_output=True,
