@@ -209,7 +209,8 @@ def capture_step(fn: Callable[..., tuple], args: tuple, pool=None, warmup: int =
             fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the server's other threads (HTTP, metrics) may touch CUDA while the engine thread captures
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = fn(*args)
     return CapturedStep(graph, outputs)
 

@@ -234,7 +234,8 @@ def fake_cuda_graphs(monkeypatch):
         where[0] = "default"
 
     @contextlib.contextmanager
-    def graph(g, pool=None, stream=None):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"  # the server's other threads may use CUDA meanwhile
         events.append(("graph", pool))
         where[0] = "capture"
         with _Recorder(g.tape):
