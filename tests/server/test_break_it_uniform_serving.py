@@ -74,7 +74,7 @@ def _streamed(client, body: dict, keep: int | None = None) -> str:
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"temperature": 1.0}, "temperature"), ({"top_k": 5}, "top_k"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"temperature": 0.7}, "temperature"), ({"top_k": 5}, "top_k"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"5": 1}}, "logit_bias"), ({"steps": 4}, "steps"), ({"block_size": 4}, "block_size"),
     ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}},
                                                                     "response_format"),
