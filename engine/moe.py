@@ -10,8 +10,9 @@ experts); the weights are the chosen experts' plain scores, divided by their sum
 Experts (:class:`GroupedExperts`): the ``E`` experts' SwiGLU weights stacked (``gate_proj``/``up_proj``
 ``[E, I, H]``, ``down_proj`` ``[E, H, I]``). A forward sorts its (token, slot) pairs by expert and runs, on the
 CPU, one gate, up and down GEMM per expert that received rows (a loop over the experts with rows, never over
-tokens; the row counts read on the host), off the CPU one ``torch.nn.functional.grouped_mm`` per projection over all
-of them with the group offsets on the device (no host read per layer; when the widths fit its 16-byte rule); each
+tokens; the row counts read on the host), and where ``torch.nn.functional.grouped_mm`` has its kernel without a host
+read (bf16 on CUDA compute capability 9.x/10.x, :func:`grouped_mm_reads_nothing`; the widths within its 16-byte
+rule) one ``grouped_mm`` per projection over all of them with the group offsets on the device; each
 pair's output lands in its own slot of a ``[N, k, H]`` buffer and the slots are summed in slot order, so a token's
 result never depends on the order other tokens reached the experts. Batch invariance
 (docs/design.md#exactness-contracts-by-device-and-dtype): routing is per row; an expert's GEMM row count is the
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoeSpec", "MoeRouter", "GroupedExperts", "SwiGLU", "MoeLayer", "SCORE_FUNCTIONS"]
+__all__ = ["MoeSpec", "MoeRouter", "GroupedExperts", "SwiGLU", "MoeLayer", "SCORE_FUNCTIONS", "grouped_mm_fits",
+           "grouped_mm_reads_nothing"]
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
@@ -133,19 +135,21 @@ class GroupedExperts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         sorted_rows = x.index_select(0, order // k)  # each pair's token, in expert order
-        if sorted_rows.device.type != "cpu" and grouped_mm_fits(sorted_rows, self.gate_proj):
+        if grouped_mm_reads_nothing(sorted_rows.device, sorted_rows.dtype) and grouped_mm_fits(sorted_rows,
+                                                                                                   self.gate_proj):
             out = self._grouped(sorted_rows, torch.bincount(flat, minlength=self.gate_proj.shape[0]))
         else:
             out = self._looped(sorted_rows, torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist())
         slots = torch.empty_like(out)
         slots[order] = out * weights.reshape(-1).to(x.dtype)[order, None]
-        return slots.view(N, k, -1).sum(dim=1)
+        return slots.view(N, k, out.shape[-1]).sum(dim=1)  # the width named: N may be 0
 
     def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One ``grouped_mm`` per projection over ``rows`` ``[P, H]`` sorted by expert (``counts`` ``[E]`` on the
-        rows' device): the group offsets stay on the device, so no host read. Off the CPU only: on the CPU the
-        kernel's bits differ from the loop's (float32 rounding), which the llada2 checks were made with, and a
-        host read costs nothing there."""
+        rows' device): the group offsets stay on the device, so no host read. Only where
+        :func:`grouped_mm_reads_nothing`: on the CPU the kernel's bits differ from the loop's (float32 rounding),
+        which the llada2 checks were made with, and a host read costs nothing there; elsewhere on a GPU torch's
+        fallback reads the offsets on the host once per call."""
         offs = torch.cumsum(counts, 0).to(torch.int32)
         h = F.silu(F.grouped_mm(rows, self.gate_proj.transpose(1, 2), offs=offs)) * \
             F.grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs)
@@ -163,6 +167,16 @@ class GroupedExperts(nn.Module):
             out[start:start + count] = h @ self.down_proj[e].t()
             start += count
         return out
+
+
+def grouped_mm_reads_nothing(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` runs a kernel with no host read on ``device`` for ``dtype``:
+    bfloat16 on a CUDA GPU of compute capability 9.x or 10.x (torch's ``_grouped_mm_cuda`` fast path). Anything
+    else takes torch's fallback, which reads the offsets on the host (``offs.cpu()``) and runs one GEMM per group,
+    empty ones included: three host reads per MoE layer where the per-expert loop reads its counts once."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_properties(device).major in (9, 10)
 
 
 def grouped_mm_fits(rows: torch.Tensor, stacked: torch.Tensor) -> bool:

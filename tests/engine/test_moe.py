@@ -46,9 +46,10 @@ def test_misaligned_shapes_take_the_loop():
 
 
 def test_off_the_cpu_a_moe_layer_reads_nothing_on_the_host(monkeypatch):
-    """Under fake CUDA the whole MoE layer (router, experts, shared expert) runs without a host read, a
-    data-dependent shape or a blocking copy: the per-expert counts no longer reach the host (issue 42: at most one
-    host sync per step); the values equal the CPU loop's to float32 rounding."""
+    """Under fake CUDA (compute capability 9) a bf16 MoE layer (router, experts, shared expert) runs without a host
+    read, a data-dependent shape or a blocking copy: the per-expert counts no longer reach the host (issue 42: at
+    most one host sync per step); the values equal the CPU loop's to bf16 rounding. (float32 and fp16 keep the
+    loop off the CPU: grouped_mm's kernel for them reads the host, tests/engine/test_break_it_moe.py.)"""
     from device_tags import FAKE, fake_cuda
     from sync_counter import SyncCounter
 
@@ -56,8 +57,8 @@ def test_off_the_cpu_a_moe_layer_reads_nothing_on_the_host(monkeypatch):
     layer = MoeLayer(spec).requires_grad_(False)  # as loaded for serving
     g = torch.Generator().manual_seed(1)
     for p in layer.parameters():
-        p.data = torch.randn(p.shape, generator=g) * 0.1
-    x = torch.randn(2, 9, 16, generator=g)
+        p.data = (torch.randn(p.shape, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(2, 9, 16, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
         cpu = layer(x)
     with fake_cuda(monkeypatch):
@@ -68,7 +69,7 @@ def test_off_the_cpu_a_moe_layer_reads_nothing_on_the_host(monkeypatch):
         assert out.device.type == "cuda"
         out = out.cpu()
     assert counter.total == 0, dict(counter.syncs)
-    torch.testing.assert_close(out, cpu, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, cpu, rtol=2e-2, atol=2e-2)
 
 
 def test_on_the_cpu_the_loop_runs(monkeypatch):
