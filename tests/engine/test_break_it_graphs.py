@@ -1,0 +1,212 @@
+"""Break-it tests of the static post-forward step and its CUDA graphs (engine/step_graphs.py, engine/buckets.py;
+docs/design.md#decoding, "Static shapes and CUDA graphs"): ladder edges, batches that change between replays of one
+bucket, non-finite rows, odd vocabularies, half-precision logits, batch invariance through the static step, and the
+option refused off CUDA. The capture runs against test_step_graphs' fake graph API (a replay re-runs the recorded ops
+on the captured tensors, so a value baked in at capture shows as a wrong result)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import decoding_paths as dp  # noqa: E402
+import tiny  # noqa: E402
+from test_step_graphs import KINDS, _eager, _groups, fake_cuda_graphs  # noqa: E402,F401
+
+from unmask.engine import LLM, SamplingParams  # noqa: E402
+from unmask.engine import step_graphs as sg  # noqa: E402
+from unmask.engine.buckets import ROW_BUCKETS, SEGMENT_BUCKETS, WIDTH_BUCKETS  # noqa: E402
+from unmask.engine.noise import Draws  # noqa: E402
+from unmask.engine.sampler import RowGroup  # noqa: E402
+
+
+def _same(a, b, nan_ok=False) -> None:
+    (ca, cha), (cb, chb) = a, b
+    for field in ("tokens", "probability", "score", "logprob"):
+        x, y = getattr(ca, field), getattr(cb, field)
+        assert x.dtype == y.dtype and x.shape == y.shape, field
+        assert torch.equal(x, y) or (nan_ok and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True)), (field, x, y)
+    assert torch.equal(cha, chb), (cha, chb)
+
+
+def _uniform_batch(n_groups: int, rows: int, V: int, seed: int = 0, **kw):
+    """``n_groups`` groups of ``rows`` rows each (one segment each), parameters cycling through sampled and
+    greedy, quota and threshold; ``[n_groups * rows, V]`` logits."""
+    gen = torch.Generator().manual_seed(seed)
+    groups, segments = [], []
+    for i in range(n_groups):
+        lo = i * rows
+        params = SamplingParams(seed=i, temperature=0.8 if i % 2 else 0.0, **kw)
+        groups.append(RowGroup(lo, lo + rows, params, Draws(i, 3, list(range(5, 5 + rows)))))
+        segments.append((lo, lo + rows, None, 0.4) if i % 3 == 0 else (lo, lo + rows, 2, None))
+    return groups, segments, torch.randn(n_groups * rows, V, generator=gen) * 3
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 12, 13, 24, 25, ROW_BUCKETS[-1]])
+def test_rows_at_and_just_above_a_rung_give_the_eager_result(rows):
+    """Row counts on a rung, one above it, and the top rung itself: bucketed to the rung expected, results equal."""
+    groups, segments, logits = _uniform_batch(1, rows, 11) if rows < 64 else _uniform_batch(rows // 64, 64, 11)
+    graphs = sg.StepGraphs("cpu")
+    _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+    assert graphs.stats["static_steps"] == 1
+    (key,) = graphs._inputs
+    assert key[0] == next(r for r in ROW_BUCKETS if r >= rows)
+
+
+def test_past_every_ladders_top_the_step_runs_eagerly_and_equal():
+    """One row past the top rung of rows, one segment past the segment ladder, one column past the width ladder:
+    the eager pass, counted by reason, same results."""
+    graphs = sg.StepGraphs("cpu")
+    cases = {"rows": _uniform_batch(ROW_BUCKETS[-1] // 64 + 1, 64, 5),
+             "segments": _uniform_batch(SEGMENT_BUCKETS[-1] + 1, 1, 5),
+             "width": _uniform_batch(1, WIDTH_BUCKETS[-1] + 1, 5)}
+    for reason, (groups, segments, logits) in cases.items():
+        _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+        assert graphs.stats[f"eager:{reason}"] == 1, (reason, graphs.stats)
+    at_top = {"segments": _uniform_batch(SEGMENT_BUCKETS[-1], 1, 5), "width": _uniform_batch(1, WIDTH_BUCKETS[-1], 5)}
+    for groups, segments, logits in at_top.values():
+        _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+    assert graphs.stats["static_steps"] == 2
+
+
+def _mixed(seed: int, layout: list[int]):
+    """Groups of :data:`KINDS`' parameters in the order ``layout`` (indices into KINDS, repeats allowed), rows and
+    rules as there, with distinct seeds and positions per entry."""
+    gen = torch.Generator().manual_seed(seed)
+    groups, segments, lo = [], [], 0
+    for j, i in enumerate(layout):
+        kw, n, (quota, threshold) = KINDS[i]
+        params = SamplingParams(seed=seed * 100 + j, **kw)
+        extra = {}
+        if kw.get("min_tokens"):
+            extra = dict(min_tokens_rows=torch.tensor([True, False]), min_tokens_ids=torch.tensor([1, 2]),
+                         context_ids=torch.tensor([3, 3, 7]), bias=(torch.tensor([4, 9]), torch.tensor([2.0, -1.0])))
+        groups.append(RowGroup(lo, lo + n, params, Draws(seed * 100 + j, seed + j, list(range(30 + lo, 30 + lo + n))),
+                               left_to_right_base=j + seed, **extra))
+        segments.append((lo, lo + n, quota, threshold))
+        lo += n
+    return groups, segments, torch.randn(lo, 48, generator=gen) * 3
+
+
+def test_one_bucket_replayed_for_batches_whose_members_change(fake_cuda_graphs):
+    """The same graph (same bucket and parts) replayed while requests join, leave and change places: rows of a
+    sampled top-k request where a greedy one was at capture, thresholds on other segments, fewer real rows (more
+    padding), other left-to-right bases and seeds. Every replay equals the eager pass on its own values."""
+    graphs = sg.StepGraphs("cpu", capture=True, warmup=1)
+    layouts = [[0, 1, 2, 3, 4, 5, 6],  # 13 rows, captured
+               [6, 5, 4, 3, 2, 1, 0],  # the same requests in reverse order
+               [1, 1, 2, 3, 4, 5, 6],  # the greedy one left, a second sampled top-k/top-p one joined
+               [1, 2, 3, 4, 5, 6, 6],  # 13 rows, other segments under a threshold
+               [1, 2, 3, 4, 0, 0, 0],  # 9 rows (7 padding), still every part
+               [4, 3, 2, 1, 6]]        # 9 rows, 5 segments (8 bucketed)
+    shapes = set()
+    for seed, layout in enumerate(layouts):
+        groups, segments, logits = _mixed(seed, layout)
+        _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+        shape, _, _ = sg.step_tables(groups, segments, logits.shape[0], 48)
+        shapes.add(shape)
+    assert graphs.stats["captures"] == len(shapes) < len(layouts)
+    assert graphs.stats["graph_steps"] == len(layouts)
+
+
+def test_a_request_gets_the_same_results_alone_and_inside_a_batch_through_the_static_step():
+    """Batch invariance through the static step: each request's rows, candidates and reveals alone (a small bucket,
+    its own top-k width) equal its rows inside the mixed batch (a larger bucket, the batch's widest top-k)."""
+    groups, segments, logits = _mixed(7, [0, 1, 2, 3, 4, 5, 6, 1, 2])
+    batch = sg.StepGraphs("cpu").sample_and_select(logits.clone(), groups, segments)
+    for g, (lo, hi, q, t) in zip(groups, segments):
+        alone_group = RowGroup(0, g.n, g.params, g.draws, g.min_tokens_rows, g.min_tokens_ids, g.context_ids, g.bias,
+                               g.left_to_right_base)
+        cands, chosen = sg.StepGraphs("cpu").sample_and_select(logits[lo:hi].clone(), [alone_group],
+                                                               [(0, hi - lo, q, t)])
+        for field in ("tokens", "probability", "score", "logprob"):
+            assert torch.equal(getattr(cands, field), getattr(batch[0], field)[lo:hi]), (field, g.params)
+        assert torch.equal(chosen, batch[1][lo:hi])
+
+
+@pytest.mark.parametrize("V", [5, 37, 48, 50_257 % 97])
+def test_vocabularies_not_a_power_of_two_with_top_k_near_and_past_v(V):
+    """top-k at V-1, V and past V beside small ones (the k-th value's ``topk`` width clipped to V)."""
+    gen = torch.Generator().manual_seed(V)
+    ks = [V - 1, V, V + 3, 1, 2]
+    groups, segments, lo = [], [], 0
+    for i, k in enumerate(ks):
+        groups.append(RowGroup(lo, lo + 3, SamplingParams(seed=i, temperature=0.9, top_k=k),
+                               Draws(i, 1, [0, 1, 2])))
+        segments.append((lo, lo + 3, 1, None))
+        lo += 3
+    logits = torch.randn(lo, V, generator=gen)
+    _same(_eager(logits, groups, segments), sg.StepGraphs("cpu").sample_and_select(logits.clone(), groups, segments))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_logits_give_the_eager_result(dtype):
+    groups, segments, logits = _groups(5)
+    logits = logits.to(dtype)
+    _same(_eager(logits, groups, segments), sg.StepGraphs("cpu").sample_and_select(logits.clone(), groups, segments))
+
+
+@pytest.mark.parametrize("bad", ["nan-row", "nan-entry", "inf-entry", "all-forbidden"])
+def test_non_finite_rows_change_nothing_else_and_match_the_eager_pass(bad):
+    """A row of NaN logits, one NaN or +inf entry, or a row whose every token is forbidden (-inf): the other rows
+    are those of the clean batch and the static step gives what the eager pass gives (NaN where it does)."""
+    groups, segments, logits = _groups(6)
+    clean = sg.StepGraphs("cpu").sample_and_select(logits.clone(), groups, segments)
+    row = 4  # inside the sampled top-k / top-p margin request (rows 3-4)
+    if bad == "nan-row":
+        logits[row] = float("nan")
+    elif bad == "nan-entry":
+        logits[row, 7] = float("nan")
+    elif bad == "inf-entry":
+        logits[row, 7] = float("inf")
+    else:
+        logits[row] = float("-inf")
+    want = _eager(logits, groups, segments)
+    got = sg.StepGraphs("cpu").sample_and_select(logits.clone(), groups, segments)
+    _same(want, got, nan_ok=True)
+    lo, hi = 3, 5  # the damaged request's rows; the others' are untouched
+    others = torch.cat([torch.arange(0, lo), torch.arange(hi, logits.shape[0])])
+    for field in ("tokens", "probability", "score", "logprob"):
+        assert torch.equal(getattr(got[0], field)[others], getattr(clean[0], field)[others]), field
+    assert torch.equal(got[1][others], clean[1][others])
+
+
+def test_decoding_with_requests_joining_and_leaving_through_captured_steps(fake_cuda_graphs):
+    """Requests added at different steps (joining a batch in flight, leaving as they finish, other block sizes):
+    the events with the captured static step equal those without it, and graphs were replayed."""
+    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    requests = [dict(temperature=0, block_size=4, max_tokens=4), dict(temperature=0.9, seed=5, block_size=4, top_k=20),
+                dict(temperature=0, block_size=4, threshold=0.3, max_tokens=12),
+                dict(temperature=0.7, seed=6, block_size=8, remasking="margin", top_p=0.8),
+                dict(temperature=0, block_size=4, remasking="left_to_right", min_tokens=3, logit_bias={3: 2.0}),
+                dict(temperature=0, block_size=8, sub_block_size=4, cfg_scale=0.5, max_tokens=6),
+                dict(temperature=0.5, seed=9, block_size=4, repetition_penalty=1.3, presence_penalty=0.4),
+                dict(temperature=0, block_size=4, logprobs=True, top_logprobs=2)]
+    joins = [0, 0, 1, 2, 2, 4, 5, 6]  # the engine step at which each request arrives
+    prompts = [model.tokenizer(dp.PROMPTS[i % len(dp.PROMPTS)]).input_ids for i in range(len(requests))]
+
+    def decode(graphs=None):
+        llm = LLM(model, max_batch_size=8, enable_prefix_caching=False)
+        llm.denoiser.step_graphs = graphs
+        engine = llm._engine(8)
+        events, step = {}, 0
+        while step == 0 or engine.has_unfinished() or step <= max(joins):
+            for i in [i for i, j in enumerate(joins) if j == step]:
+                kw = dict(dict(max_tokens=8, ignore_eos=True, speculative=False), **requests[i])
+                engine.add_request(prompts[i], SamplingParams.from_flat(**kw), f"r{i}")
+            for ev in engine.step():
+                events.setdefault(ev.request_id, []).append(
+                    (ev.block, ev.step, [(r.position, r.token_id, r.logprob) for r in ev.revealed], ev.finished))
+            step += 1
+        return events
+
+    want = decode()
+    graphs = sg.StepGraphs("cpu", capture=True, warmup=1)
+    assert decode(graphs) == want and len(want) == len(requests)
+    assert graphs.stats["graph_steps"] >= graphs.stats["captures"] >= 1
+    assert graphs.stats["eager:top_logprobs"] > 0  # a step holding the top_logprobs request ran the eager pass
