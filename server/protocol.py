@@ -46,7 +46,8 @@ CacheName = Literal[tuple(CACHE_MODES)]  # type: ignore[valid-type]
 _INTEGER_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of", "seed", "steps", "block_size",
                              "sub_block_size", "top_k", "min_tokens", "speculative_branches",
                              "speculative_no_repeat_ngram", "top_logprobs", "stop_token_ids", "prompt_logprobs",
-                             "prompt_logprobs_samples"})
+                             "prompt_logprobs_samples", "max_post_steps", "max_denoising_steps",
+                             "stability_threshold"})
 
 
 TokenId = Annotated[int, Field(ge=RANGES["stop_token_ids"].lo, le=MAX_TOKEN_ID)]

@@ -194,7 +194,7 @@ class ResponsesRequest(RequestBody):
     seed: int | None = ranged("seed", None)
     steps: int | None = ranged("steps", None)
     block_size: int | None = ranged("block_size", None)
-    threshold: float | None = ranged("threshold", None)
+    threshold: float | None = _chat_field("threshold")  # null: not the checkpoint's default threshold
     remasking: RemaskingName | None = None
     cfg_scale: float | None = ranged("cfg_scale", None)
     top_k: int | None = ranged("top_k", None, lo=TOP_K_OFF)
@@ -320,6 +320,8 @@ class ResponsesRequest(RequestBody):
                      "safety_identifier", *EXTRAS):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
+        if self.threshold is None and "threshold" in self.model_fields_set:
+            body["threshold"] = None  # an explicit null turns the checkpoint's default threshold off, as on chat
         if self.tools:
             body["tools"] = [t.chat() for t in self.tools]
         if self.tool_choice is not None:
