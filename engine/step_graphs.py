@@ -245,6 +245,7 @@ class StepGraphs:
         self.stats: Counter = Counter()
         self.graphs: dict[StepShape, CapturedStep] = {}
         self._inputs: dict[tuple[int, ...], StaticInputs] = {}
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}  # one [R, V] buffer per row bucket
         self._pool = None
 
     def note_eager(self, reason: str, count: int = 1) -> None:
@@ -277,11 +278,16 @@ class StepGraphs:
         return Candidates(tokens[:n], probability[:n], score[:n], logprob[:n]), chosen[:n]
 
     def _static(self, shape: StepShape) -> StaticInputs:
+        """The bucket's input buffers: tables per (rows, segments, width), the ``[R, V]`` logits buffer shared by
+        every shape of its row bucket (the largest buffer by far: 8192 x V float32 is 4.1 GB at LLaDA-8B's vocabulary;
+        each step fills it before its replay)."""
         key = (shape.rows, shape.segments, shape.width, shape.vocab)
         if key not in self._inputs:
             R, S, W, V = key
+            if (R, V) not in self._logits:
+                self._logits[R, V] = torch.zeros(R, V, dtype=torch.float32, device=self.device)
             self._inputs[key] = StaticInputs(
-                torch.zeros(R, V, dtype=torch.float32, device=self.device),
+                self._logits[R, V],
                 torch.zeros(INT_ROW_FIELDS * R + S * W + S, dtype=torch.long, device=self.device),
                 torch.zeros(FLOAT_ROW_FIELDS * R + S, dtype=torch.float64, device=self.device))
         return self._inputs[key]

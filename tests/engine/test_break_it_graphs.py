@@ -210,3 +210,19 @@ def test_decoding_with_requests_joining_and_leaving_through_captured_steps(fake_
     assert decode(graphs) == want and len(want) == len(requests)
     assert graphs.stats["graph_steps"] >= graphs.stats["captures"] >= 1
     assert graphs.stats["eager:top_logprobs"] > 0  # a step holding the top_logprobs request ran the eager pass
+
+
+def test_shapes_of_one_row_bucket_share_one_logits_buffer(fake_cuda_graphs):
+    """Steps in one row bucket with other segment counts and widths (a graph each) fill one ``[R, V]`` logits
+    buffer: it was allocated per (rows, segments, width), up to 90 copies of the largest buffer there is (8192 x V
+    float32: 4.1 GB at LLaDA-8B's vocabulary). Every replay still gives the eager result."""
+    graphs = sg.StepGraphs("cpu", capture=True, warmup=1)
+    batches = [_uniform_batch(1, 16, 11, seed=0),   # 16 rows, 1 segment of width 16
+               _uniform_batch(4, 4, 11, seed=1),    # 16 rows, 4 segments of width 4
+               _uniform_batch(2, 8, 11, seed=2),    # 16 rows, 2 segments of width 8
+               _uniform_batch(1, 16, 11, seed=3),   # the first shape again: a replay
+               _uniform_batch(4, 4, 11, seed=4)]
+    for groups, segments, logits in batches:
+        _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+    assert len(graphs._inputs) == 3 and len({s.logits.data_ptr() for s in graphs._inputs.values()}) == 1
+    assert graphs.stats["captures"] == 3 and graphs.stats["graph_steps"] == 5
