@@ -226,3 +226,59 @@ def test_shapes_of_one_row_bucket_share_one_logits_buffer(fake_cuda_graphs):
         _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
     assert len(graphs._inputs) == 3 and len({s.logits.data_ptr() for s in graphs._inputs.values()}) == 1
     assert graphs.stats["captures"] == 3 and graphs.stats["graph_steps"] == 5
+
+
+#: every kind of request beside each other: the plain ones through the static step, the others counted as eager
+EVERY_KIND = [dict(temperature=0, block_size=4, multi_block=0.5, max_tokens=12),
+              dict(temperature=0.8, seed=2, block_size=4, multi_block=0.75, threshold=0.5, top_k=7),
+              dict(temperature=0, block_size=4, speculative=True),
+              dict(temperature=0, block_size=4, constraint=True, max_tokens=24),
+              dict(temperature=0.6, seed=4, block_size=8, sub_block_size=4, cfg_scale=0.7, remasking="random"),
+              dict(temperature=0, block_size=4, remasking="left_to_right", threshold=0.2, frequency_penalty=0.3),
+              dict(temperature=1.1, seed=8, block_size=4, min_tokens=6, logit_bias={2: -5.0, 9: 4.0})]
+
+
+def _decode_all(model, reqs, graphs, arrive_every: int = 1, prompt: int = 0) -> dict:
+    """Events per request, request i arriving at engine step ``i * arrive_every`` with prompt ``prompt + i``,
+    through ``graphs`` (or none)."""
+    from unmask.engine import Constraint
+
+    llm = LLM(model, max_batch_size=8, enable_prefix_caching=False)
+    llm.denoiser.step_graphs = graphs
+    engine = llm._engine(8)
+    pending = []
+    for i, kw in enumerate(reqs):
+        kw = dict(kw)
+        if kw.pop("constraint", None):
+            kw["constraint"] = Constraint("json_schema", dp.SCHEMA)
+        flat = dict({"speculative": False, "max_tokens": 10, "ignore_eos": "constraint" not in kw}, **kw)
+        ids = model.tokenizer(dp.PROMPTS[(prompt + i) % len(dp.PROMPTS)]).input_ids
+        pending.append((i * arrive_every, ids, SamplingParams.from_flat(**flat), f"r{i}"))
+    events, step = {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, ids, params, rid = pending.pop(0)
+            engine.add_request(ids, params, rid)
+        for ev in engine.step():
+            events.setdefault(ev.request_id, []).append(
+                (ev.block, ev.step, [(r.position, r.token_id, r.logprob) for r in ev.revealed], ev.finished))
+        step += 1
+    return events
+
+
+def test_every_kind_of_request_in_one_batch_through_captured_steps(fake_cuda_graphs):
+    """Multi-block (quota and threshold), speculative, grammar-constrained, CFG with sub-blocks, every remasking,
+    penalties, min_tokens and logit_bias joining one at a time: the events without graphs, with captured steps; and
+    each request alone through captured steps: its events without graphs bit for bit, its tokens in the batch (the
+    forward's own batch contract decides the log-probabilities' last bits, not the static step)."""
+    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    want = _decode_all(model, EVERY_KIND, None)
+    graphs = sg.StepGraphs("cpu", capture=True, warmup=1)
+    assert _decode_all(model, EVERY_KIND, graphs) == want
+    assert graphs.stats["graph_steps"] > 0 and graphs.stats["eager:verify"] > 0
+    assert graphs.stats["eager:own consume"] > 0
+    for i, kw in enumerate(EVERY_KIND):
+        alone = _decode_all(model, [kw], sg.StepGraphs("cpu", capture=True, warmup=0), prompt=i)
+        assert alone == _decode_all(model, [kw], None, prompt=i), kw
+        tokens = [[(p, t) for p, t, _ in e[2]] for e in alone["r0"]]
+        assert tokens == [[(p, t) for p, t, _ in e[2]] for e in want[f"r{i}"]], kw
