@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .attention import canvas_groups
@@ -64,9 +65,14 @@ class MultiBlockSequence(Sequence):
         return lo, hi
 
     def _masked_in(self, b: int) -> torch.Tensor:
+        """``[n]`` int64 (host): block b's masked generation positions, ascending."""
         lo, hi = self._block_gen[b]
-        pos = torch.arange(lo, hi, device=self.device)
-        return pos[self.canvas[lo:hi] == self.dllm.mask_token_id]
+        return torch.from_numpy(np.flatnonzero(self.host_canvas()[lo:hi] == self.dllm.mask_token_id) + lo)
+
+    def _masks_left(self, b: int) -> int:
+        """How many of block b's generation positions are masked."""
+        lo, hi = self._block_gen[b]
+        return int(np.count_nonzero(self.host_canvas()[lo:hi] == self.dllm.mask_token_id))
 
     def active_blocks(self) -> list[int]:
         """Indices of the blocks active in the next step."""
@@ -114,9 +120,10 @@ class MultiBlockSequence(Sequence):
         """One segment per active block with masks (its rows of ``masked`` are contiguous: ascending
         positions): its own quota from its own step budget, or the threshold rule."""
         segments = []
+        at = masked.numpy()
         for b in self.active_blocks():
             lo, hi = self._block_gen[b]
-            r0, r1 = int(torch.searchsorted(masked, lo)), int(torch.searchsorted(masked, hi))
+            r0, r1 = int(np.searchsorted(at, lo)), int(np.searchsorted(at, hi))
             if r1 == r0:
                 continue
             steps_left = max(1, self.window_steps[b] - self.block_steps[b])
@@ -129,12 +136,14 @@ class MultiBlockSequence(Sequence):
         leave. ``rows`` are the step's candidates for ``masked`` (:meth:`masked_positions`)."""
         active = self.active_blocks()
         self.active_history.append(active)
+        at = masked.numpy()
         for b in active:
             lo, hi = self._block_gen[b]
-            if int(torch.searchsorted(masked, hi)) > int(torch.searchsorted(masked, lo)):
+            if int(np.searchsorted(at, hi)) > int(np.searchsorted(at, lo)):
                 self.block_steps[b] += 1
         picked = rows.picked(segments) if segments else [i for i, c in enumerate(rows.chosen) if c]
-        revealed = self.record(masked[picked].tolist(), rows.take(picked))
+        listed = at.tolist()
+        revealed = self.record([listed[i] for i in picked], rows.take(picked))
         block, step = self.block_idx, self.step
         self.step += 1
         self._advance()
@@ -146,10 +155,10 @@ class MultiBlockSequence(Sequence):
         last = self.last_active
         if last + 1 < n:
             lo, hi = self._block_gen[last]
-            done = (hi - lo) - int(self._masked_in(last).numel())
+            done = (hi - lo) - self._masks_left(last)
             if done >= math.ceil(self.fraction * (hi - lo) - 1e-9):
                 self.last_active = last + 1
-        while self.block_idx < n and self._masked_in(self.block_idx).numel() == 0:
+        while self.block_idx < n and self._masks_left(self.block_idx) == 0:
             self.blocks_done_steps.append(self.block_steps[self.block_idx])
             self.block_idx += 1
         if self.block_idx < n:
