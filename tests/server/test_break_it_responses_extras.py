@@ -156,3 +156,30 @@ def test_each_extra_on_a_plain_model_answers_as_chat_completions_does(plain, nam
         b = plain.post(RS, json=_resp({name: value}, 8))
         param = (lambda r: r.json()["error"]["param"] if r.status_code != 200 else None)
         assert (a.status_code, param(a)) == (b.status_code, param(b)), (name, value, a.text, b.text)
+
+
+@pytest.fixture(scope="module")
+def llada2():
+    from llada2_tiny import loaded_llada2
+
+    with TestClient(build_app(AsyncEngine(loaded_llada2(seed=1)), "m")) as c:
+        yield c
+
+
+@pytest.mark.parametrize("which,extra", [
+    ("llada2", {"editing_threshold": 0.3, "max_post_steps": 2.0, "threshold": 0.6, "seed": 1, "temperature": 0.9}),
+    ("plain", {"multi_block": 0.5, "block_size": 4, "seed": 3, "temperature": 0.8, "steps": 8.0}),
+    ("plain", {"cfg_scale": 0.5, "remasking": "margin", "threshold": None, "seed": 4, "sub_block_size": 2})])
+def test_streamed_extras_give_the_plain_and_the_chat_answer(which, extra, request):
+    """Token editing (provisional tokens), multi-block and CFG with a null threshold, streamed on /v1/responses
+    with denoising steps: the deltas, the final response, the plain response and chat completions agree."""
+    client = request.getfixturevalue(which)
+    body = _resp(extra, 24)
+    text = _text(client.post(RS, json=body))
+    with client.stream("POST", RS, json={**body, "stream": True, "stream_options": {"include_denoising": True}}) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")
+                  and line[5:].strip() != "[DONE]"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
+    assert any(e["type"] == "response.denoising_step" for e in events)
+    assert _text(client.post(CH, json=_chat(extra, 24))) == text
