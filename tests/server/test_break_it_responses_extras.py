@@ -183,3 +183,17 @@ def test_streamed_extras_give_the_plain_and_the_chat_answer(which, extra, reques
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
     assert any(e["type"] == "response.denoising_step" for e in events)
     assert _text(client.post(CH, json=_chat(extra, 24))) == text
+
+
+def test_every_extra_publishes_the_chat_schema(plain):
+    """Each diffusion extra of /v1/responses publishes chat completions' bounds and enum (the shared ones are copies
+    of chat's fields: a bound added there must show here)."""
+    schema = plain.get("/openapi.json").json()["components"]["schemas"]
+    chat, responses = schema["ChatCompletionRequest"]["properties"], schema["ResponsesRequest"]["properties"]
+
+    def bounds(props, name):
+        branches = [b for b in props[name].get("anyOf", [props[name]]) if b.get("type") != "null"]
+        return [{k: v for k, v in b.items() if k not in ("title", "default", "description")} for b in branches]
+
+    for name in EXTRAS:
+        assert bounds(responses, name) == bounds(chat, name), name
