@@ -124,7 +124,7 @@ def apply_penalties(logits: torch.Tensor, context_ids: torch.Tensor, params: Sam
         return logits
     V = logits.shape[-1]
     ids = context_ids[(context_ids >= 0) & (context_ids < V)]
-    counts = torch.bincount(ids, minlength=V).to(device=logits.device, dtype=logits.dtype)
+    counts = to_device(torch.bincount(ids, minlength=V).to(logits.dtype), logits.device)  # no blocking copy
     present = counts > 0
     if params.repetition_penalty != 1.0:
         rp = params.repetition_penalty
@@ -356,7 +356,7 @@ def strategy_score(strategy: str, logits: torch.Tensor, lse: torch.Tensor, proba
     if strategy == "random":
         return uniform(remask_keys, 1, logits.device)[:, 0]
     if strategy == "left_to_right":  # with a threshold: the leftmost masked position plus every confident one
-        return -order.to(device=logits.device, dtype=torch.float64)
+        return -to_device(order, logits.device).to(torch.float64)  # a host-built order: a non-blocking copy
     raise ValueError(f"remasking: unknown strategy {strategy!r}")  # pragma: no cover - validated in SamplingParams
 
 

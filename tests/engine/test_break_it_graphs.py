@@ -282,3 +282,57 @@ def test_every_kind_of_request_in_one_batch_through_captured_steps(fake_cuda_gra
         assert alone == _decode_all(model, [kw], None, prompt=i), kw
         tokens = [[(p, t) for p, t, _ in e[2]] for e in alone["r0"]]
         assert tokens == [[(p, t) for p, t, _ in e[2]] for e in want[f"r{i}"]], kw
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return dp.write_checkpoints(tmp_path_factory.mktemp("paths"))
+
+
+def _on_a_fake_gpu(name, checkpoints, monkeypatch, graphs: bool):
+    """Three requests of path ``name`` decoded on fake CUDA (through the static step when ``graphs``): asserts the
+    CPU's tokens in the same weights, and at most one host read and no other sync per step outside the forward."""
+    from device_tags import fake_cuda
+    from sync_counter import SyncCounter
+
+    from unmask.engine.denoiser import Denoiser
+    from unmask.engine.model import LoadedModel, load_model
+
+    path = next(p for p in dp.PATHS if p.name == name)
+    params = SamplingParams.from_flat(**dict(path.params, max_tokens=8, ignore_eos=True))
+    prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(3)]
+    # the CPU run in the same weights (the CPU's default packs fp16 weights: other logits, other tokens here)
+    cpu = load_model(checkpoints[path.checkpoint], dtype="float32", weights="native")
+    want = [o.outputs[0].token_ids for o in LLM(cpu, max_batch_size=4, enable_prefix_caching=False).generate(
+        prompts, params)]
+    with fake_cuda(monkeypatch):
+        llm = LLM(load_model(checkpoints[path.checkpoint], device="cuda", dtype="float32"), max_batch_size=4,
+                  enable_prefix_caching=False)
+        step_graphs = llm.denoiser.step_graphs = sg.StepGraphs(llm.model.device) if graphs else None
+        with SyncCounter("cuda") as c, c.forward_methods(LoadedModel, ("hidden_states", "logits")), \
+                c.step_method(Denoiser, "step"):
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    if graphs:
+        assert step_graphs.stats["static_steps"] > 0 and not step_graphs.stats["eager_steps"]
+        bufs = {b.device.type for s in step_graphs._inputs.values() for b in (s.logits, s.ints, s.floats)}
+        assert bufs == {"cuda"}
+    for step in c.steps:
+        outside = {k: v - step["forward_syncs"].get(k, 0) for k, v in step["syncs"].items()}
+        assert {k for k, v in outside.items() if v} <= {"host read"} and outside.get("host read", 0) <= 1, step
+
+
+@pytest.mark.parametrize("name", ["multi-block", "remasking-left-to-right", "logit-bias-min-tokens", "penalties"])
+def test_on_a_faked_gpu_more_paths_keep_the_cpu_tokens_and_one_host_read(name, checkpoints, monkeypatch):
+    """Paths test_step_graphs leaves out (multi-block windows, left-to-right remasking, min_tokens and logit_bias,
+    penalties) through the static step on fake CUDA: the CPU's tokens, every
+    buffer on the device, at most one host read per step outside the forward (penalties made a blocking copy of
+    their counts per penalised request per step)."""
+    _on_a_fake_gpu(name, checkpoints, monkeypatch, graphs=True)
+
+
+@pytest.mark.parametrize("name", ["remasking-left-to-right", "penalties"])
+def test_on_a_faked_gpu_the_eager_pass_copies_nothing_blocking_either(name, checkpoints, monkeypatch):
+    """Without graphs: the left-to-right order (built on the host) and the penalties' counts reached the device by
+    a blocking copy each step (one per penalised request): now non-blocking pinned copies."""
+    _on_a_fake_gpu(name, checkpoints, monkeypatch, graphs=False)

@@ -347,8 +347,9 @@ def test_on_a_faked_gpu_the_static_step_keeps_one_host_read_and_one_device(name,
     path = next(p for p in dp.PATHS if p.name == name)
     params = SamplingParams.from_flat(**dict(path.params, max_tokens=8, ignore_eos=True))
     prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(8)]
-    want = [o.outputs[0].token_ids for o in LLM(load_model(checkpoints[path.checkpoint]), max_batch_size=8,
-                                                 enable_prefix_caching=False).generate(prompts, params)]
+    cpu = load_model(checkpoints[path.checkpoint], dtype="float32", weights="native")  # the fake GPU's weights
+    want = [o.outputs[0].token_ids for o in LLM(cpu, max_batch_size=8, enable_prefix_caching=False).generate(
+        prompts, params)]
     with fake_cuda(monkeypatch):
         llm = LLM(load_model(checkpoints[path.checkpoint], device="cuda", dtype="float32"), max_batch_size=8,
                   enable_prefix_caching=False)
