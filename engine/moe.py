@@ -171,9 +171,10 @@ class GroupedExperts(nn.Module):
 
 def grouped_mm_reads_nothing(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.nn.functional.grouped_mm`` runs a kernel with no host read on ``device`` for ``dtype``:
-    bfloat16 on a CUDA GPU of compute capability 9.x or 10.x (torch's ``_grouped_mm_cuda`` fast path). Anything
-    else takes torch's fallback, which reads the offsets on the host (``offs.cpu()``) and runs one GEMM per group,
-    empty ones included: three host reads per MoE layer where the per-expert loop reads its counts once."""
+    bfloat16 on a CUDA GPU of compute capability 9.x or 10.x (torch's ``_grouped_mm_cuda`` fast path; torch built
+    against CUDA >= 13.3 also runs fp16 there through cuBLASLt, not assumed here). Anything else takes torch's
+    fallback, which reads the offsets on the host (``offs.cpu()``) and runs one GEMM per group, empty ones included:
+    three host reads per MoE layer where the per-expert loop reads its counts once."""
     if device.type != "cuda" or dtype != torch.bfloat16 or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_properties(device).major in (9, 10)
