@@ -143,8 +143,9 @@ def test_a_tiny_llada2_decodes_the_cpu_tokens_under_fake_cuda(dtype, tmp_path, m
     path = checkpoint_dir(loaded_llada2(seed=0), tmp_path / "llada2")
     params = SamplingParams(temperature=0, block_size=8, threshold=0.6, max_tokens=8, ignore_eos=True)
     prompts = ["a b c", "hello there", "x"]
-    want = [o.outputs[0].token_ids for o in LLM(load_model(path, dtype=dtype), max_batch_size=4,
-                                                  enable_prefix_caching=False).generate(prompts, params)]
+    cpu = load_model(path, dtype=dtype, weights="native")  # the fake GPU's weights (the CPU default packs fp16)
+    want = [o.outputs[0].token_ids for o in LLM(cpu, max_batch_size=4, enable_prefix_caching=False).generate(
+        prompts, params)]
     with fake_cuda(monkeypatch):
         torch_grouped_mm_rule(monkeypatch, 9)
         llm = LLM(load_model(path, device="cuda", dtype=dtype), max_batch_size=4, enable_prefix_caching=False)
