@@ -234,7 +234,8 @@ class StepGraphs:
 
     Attributes:
         stats: counts: ``graph_steps`` (replays), ``static_steps`` (uncaptured calls), ``captures``, ``eager_steps``
-            and ``eager:<reason>`` (a step or sequence served by the eager passes, by reason).
+            and ``eager:<reason>`` (a step or sequence served by the eager passes, by reason; ``eager:capture
+            failed``: a step of a shape whose capture raised, run through the static step uncaptured, logged).
         graphs: the captured graphs by :class:`StepShape`.
     """
 
@@ -246,6 +247,7 @@ class StepGraphs:
         self.graphs: dict[StepShape, CapturedStep] = {}
         self._inputs: dict[tuple[int, ...], StaticInputs] = {}
         self._logits: dict[tuple[int, int], torch.Tensor] = {}  # one [R, V] buffer per row bucket
+        self._uncapturable: set[StepShape] = set()  # shapes whose capture failed: run uncaptured
         self._pool = None
 
     def note_eager(self, reason: str, count: int = 1) -> None:
@@ -298,12 +300,20 @@ class StepGraphs:
             self.stats["static_steps"] += 1
             return post_forward_step(*args, **shape.flags())
         captured = self.graphs.get(shape)
+        if captured is None and shape in self._uncapturable:
+            self.note_eager("capture failed")
+            return post_forward_step(*args, **shape.flags())
         if captured is None:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             flags = shape.flags()
-            captured = self.graphs[shape] = capture_step(lambda *a: post_forward_step(*a, **flags), args,
-                                                         self._pool, self.warmup)
+            try:
+                captured = capture_step(lambda *a: post_forward_step(*a, **flags), args, self._pool, self.warmup)
+            except RuntimeError as exc:  # not every request of this shape, every step, failing on it
+                log.warning("cuda graphs: capturing %s failed, its steps run uncaptured: %s", shape, exc)
+                self._uncapturable.add(shape)
+                return self._run(shape, static)
+            self.graphs[shape] = captured
             self.stats["captures"] += 1
             log.info("cuda graphs: captured the post-forward step for %s (%d graphs)", shape, len(self.graphs))
         self.stats["graph_steps"] += 1

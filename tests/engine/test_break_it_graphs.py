@@ -336,3 +336,31 @@ def test_on_a_faked_gpu_the_eager_pass_copies_nothing_blocking_either(name, chec
     """Without graphs: the left-to-right order (built on the host) and the penalties' counts reached the device by
     a blocking copy each step (one per penalised request): now non-blocking pinned copies."""
     _on_a_fake_gpu(name, checkpoints, monkeypatch, graphs=False)
+
+
+def test_a_shape_whose_capture_fails_runs_uncaptured_and_the_requests_are_served(fake_cuda_graphs, monkeypatch):
+    """A capture that raises (CUDA refuses an op under capture, say) failed the step, and every later step of that
+    shape retried and failed again: every request of that batch shape failed. Now the shape runs through the static
+    step uncaptured (counted, logged) with the eager pass's results, and other shapes still capture."""
+    import contextlib
+
+    real = torch.cuda.graph
+    refused = []
+
+    @contextlib.contextmanager
+    def failing(g, pool=None, stream=None, capture_error_mode="global"):
+        if not refused:
+            refused.append(1)
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        with real(g, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            yield
+
+    monkeypatch.setattr(torch.cuda, "graph", failing)
+    graphs = sg.StepGraphs("cpu", capture=True, warmup=0)
+    for seed in (0, 1):  # the same shape twice: the first call's capture fails, the second does not retry it
+        groups, segments, logits = _groups(seed)
+        _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+    assert graphs.stats["eager:capture failed"] == 2 and not graphs.graphs and len(refused) == 1
+    groups, segments, logits = _uniform_batch(2, 8, 48)  # another shape captures as before
+    _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+    assert graphs.stats["captures"] == 1
