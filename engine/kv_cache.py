@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from .kv_pool import KVPool, PoolFull
@@ -315,6 +316,20 @@ class CarryPool:
         self.rows[to_device(torch.tensor(slots, dtype=torch.long), values.device)] = values
 
 
+class _ScratchPlan:
+    """One lane-mode forward's scratch writes (:meth:`BatchKV._scratch_plan`): the batch rows written, their lanes,
+    per slab ``(pool, slab, [M] destination slots, [M] source rows)`` and the layers written so far (one set shared
+    by every written row's ``BatchKV._scratch`` entry)."""
+
+    __slots__ = ("rows", "lanes", "slabs", "layers")
+
+    def __init__(self):
+        self.rows: set[int] = set()
+        self.lanes: list[LaneCache] = []
+        self.slabs: list[tuple] = []
+        self.layers: set[int] = set()
+
+
 class BatchKV:
     """Duck-typed transformers ``Cache`` for one forward over several lanes.
 
@@ -347,6 +362,7 @@ class BatchKV:
         self.rows: list[int] = []
         self.sees_all: list[bool] = []
         self._written: dict[int, set[int]] = {}  # layer -> rows whose chunk went into their lane's scratch positions
+        self._plan: _ScratchPlan | None = None  # lane mode: the forward's scratch writes (:meth:`_scratch_plan`)
         self._masks: dict[int, torch.Tensor] = {}
 
     def key_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -376,8 +392,7 @@ class BatchKV:
         self.new_keys[layer_idx] = key_states
         self.new_values[layer_idx] = value_states
         if self.lane_mode:  # each lane's chunk after its cached keys, in its own blocks where they have room
-            self._written[layer_idx] = {b for b, lane in enumerate(self.lanes) if lane.length and self._to_scratch(
-                b, key_states, value_states, layer_idx, self.rows[b])}
+            self._written[layer_idx] = self._write_planned(key_states, value_states, layer_idx)
             return key_states, value_states
         if self.cached_len == 0:
             return key_states, value_states
@@ -463,6 +478,65 @@ class BatchKV:
             self._scratch[b] = written = (n, set())
         written[1].add(layer_idx)
         return True
+
+    def _scratch_plan(self, key_states: torch.Tensor, value_states: torch.Tensor) -> _ScratchPlan:
+        """Lane mode, once per forward: which batch rows' chunks go after their lane's cached keys (a lane with
+        cached keys where :meth:`_to_scratch` would write: no gradient, not shared, room in its blocks, taken now
+        when the pool has them; its blocks owned, copy on write) and, per slab, the ``[M]`` destination slots and
+        ``[M]`` source rows (``b * Q + i``) of every layer's writes, on the keys' device."""
+        B, _, Q, _ = key_states.shape
+        plan = _ScratchPlan()
+        if key_states.requires_grad or value_states.requires_grad:
+            return plan
+        per_slab: dict[int, tuple] = {}
+        for b, lane in enumerate(self.lanes):
+            n, q = lane.length, self.rows[b]
+            if not n or id(lane) in self._shared or (n + q > lane.capacity
+                                                              and not lane.reserve(n + q, required=False)):
+                continue
+            T = lane.pool.block_tokens
+            lane._own(n // T, -(-(n + q) // T))
+            at = 0  # the position of the run's first slot
+            for slab, s, e in lane._runs_to(n + q):
+                lo, hi = max(n, at), at + e - s
+                if hi > lo:
+                    got = per_slab.get(id(slab))
+                    if got is None:
+                        got = per_slab[id(slab)] = (lane.pool, slab, [], [])
+                    got[2].append(np.arange(s + lo - at, s + hi - at))
+                    got[3].append(np.arange(b * Q + lo - n, b * Q + hi - n))
+                at = hi
+            plan.rows.add(b)
+            plan.lanes.append(lane)
+            self._scratch[b] = (n, plan.layers)
+        dev = key_states.device
+        for pool, slab, dst, src in per_slab.values():
+            idx = to_device(torch.from_numpy(np.stack([np.concatenate(dst), np.concatenate(src)])), dev)
+            plan.slabs.append((pool, slab, idx[0], idx[1]))
+        return plan
+
+    def _write_planned(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> set[int]:
+        """Lane mode: write one layer's chunks after their lanes' cached keys as :meth:`_scratch_plan` says (one
+        gather and one indexed copy per slab for keys and values, not two slice copies per lane); returns the batch
+        rows written."""
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = self._scratch_plan(key_states, value_states)
+        if not plan.rows:
+            return plan.rows
+        B, H, Q, D = key_states.shape
+        flat_k = key_states.transpose(0, 1).reshape(H, B * Q, D)  # [H, B Q, D] (a copy only when not contiguous so)
+        flat_v = value_states.transpose(0, 1).reshape(H, B * Q, D)
+        for pool, slab, dst, src in plan.slabs:
+            k, v = pool.storage(slab, layer_idx, key_states[0])
+            k.index_copy_(1, dst, flat_k.index_select(1, src))
+            v.index_copy_(1, dst, flat_v.index_select(1, src))
+            pool.written_bytes += 2 * int(src.shape[0]) * H * D * key_states.element_size()
+        for lane in plan.lanes:
+            if lane.layers <= layer_idx:
+                lane.layers = layer_idx + 1
+        plan.layers.add(layer_idx)
+        return plan.rows
 
     def commit(self, row: int, idx: torch.Tensor, lane: LaneCache, pos: torch.Tensor, grp: torch.Tensor) -> None:
         """Append to ``lane`` the new keys/values of batch row ``row`` at chunk indices ``idx`` (``[m]`` int64) with
