@@ -224,25 +224,34 @@ class StaticInputs:
     floats: torch.Tensor
 
 
+#: default cap on captured graphs (buckets x parts seen); beyond it a new shape runs uncaptured
+MAX_GRAPHS = 64
+
+
 class StepGraphs:
     """The batched reveal pass through :func:`post_forward_step` (bucketed), with CUDA graphs under ``capture``.
 
     Args:
         device: the model's device. capture: capture and replay CUDA graphs (a CUDA device; the engine refuses
             ``cuda_graphs`` elsewhere, ``unmask.engine.denoiser``); without it the function runs eagerly over the
-            same static buffers. warmup: calls before a capture.
+            same static buffers. warmup: calls before a capture. max_graphs: the most graphs captured (each
+            holds memory of the shared pool, outside the KV budget, and its capture synchronizes the device; vLLM
+            captures a few dozen sizes); later new shapes run uncaptured.
 
     Attributes:
         stats: counts: ``graph_steps`` (replays), ``static_steps`` (uncaptured calls), ``captures``, ``eager_steps``
             and ``eager:<reason>`` (a step or sequence served by the eager passes, by reason; ``eager:capture
-            failed``: a step of a shape whose capture raised, run through the static step uncaptured, logged).
+            failed``: a step of a shape whose capture raised, run through the static step uncaptured, logged;
+            ``eager:graph cap``: a new shape once ``max_graphs`` are captured, run uncaptured).
         graphs: the captured graphs by :class:`StepShape`.
     """
 
-    def __init__(self, device: torch.device | str, capture: bool = False, warmup: int = 2):
+    def __init__(self, device: torch.device | str, capture: bool = False, warmup: int = 2,
+                 max_graphs: int = MAX_GRAPHS):
         self.device = torch.device(device)
         self.capture = capture
         self.warmup = warmup
+        self.max_graphs = max_graphs
         self.stats: Counter = Counter()
         self.graphs: dict[StepShape, CapturedStep] = {}
         self._inputs: dict[tuple[int, ...], StaticInputs] = {}
@@ -302,6 +311,9 @@ class StepGraphs:
         captured = self.graphs.get(shape)
         if captured is None and shape in self._uncapturable:
             self.note_eager("capture failed")
+            return post_forward_step(*args, **shape.flags())
+        if captured is None and len(self.graphs) >= self.max_graphs:
+            self.note_eager("graph cap")  # each capture holds pool memory and synchronizes the device
             return post_forward_step(*args, **shape.flags())
         if captured is None:
             if self._pool is None:

@@ -364,3 +364,16 @@ def test_a_shape_whose_capture_fails_runs_uncaptured_and_the_requests_are_served
     groups, segments, logits = _uniform_batch(2, 8, 48)  # another shape captures as before
     _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
     assert graphs.stats["captures"] == 1
+
+
+def test_past_the_graph_cap_a_new_shape_runs_uncaptured_and_captured_ones_still_replay(fake_cuda_graphs):
+    """Graphs are keyed by bucket and parts, so mixed traffic keeps capturing (14 captures in 24 steps seen): each
+    holds pool memory outside the KV budget and synchronizes the device. Past ``max_graphs`` a new shape runs
+    through the static step uncaptured, with the eager pass's results; a captured shape still replays."""
+    graphs = sg.StepGraphs("cpu", capture=True, warmup=0, max_graphs=2)
+    shapes = [_uniform_batch(1, 16, 11, seed=0), _uniform_batch(4, 4, 11, seed=1), _uniform_batch(2, 8, 11, seed=2),
+              _uniform_batch(1, 16, 11, seed=3)]
+    for groups, segments, logits in shapes:
+        _same(_eager(logits, groups, segments), graphs.sample_and_select(logits.clone(), groups, segments))
+    assert len(graphs.graphs) == 2 and graphs.stats["captures"] == 2
+    assert graphs.stats["eager:graph cap"] == 1 and graphs.stats["graph_steps"] == 3
