@@ -157,11 +157,15 @@ class Denoiser:
             for i, (event, commit) in zip(batched, consume_batch([seqs[i] for i in batched], batched_spans, every,
                                                                  self.forbidden, self.step_graphs)):
                 events[i], commits[i] = event, commit
+        per_kv: dict[int, tuple[BatchKV, list]] = {}
         for i, kv, first in kvs:
+            todo = per_kv.setdefault(id(kv), (kv, []))[1]
             for li, (inp, commit) in enumerate(zip(inputs[i], commits[i])):
                 if commit is not None and commit.numel():
-                    kv.commit(first + li, commit, seqs[i].lanes[lane_index(inp, li)].cache, inp.chunk[commit],
-                              inp.grp[commit])
+                    todo.append((first + li, commit, seqs[i].lanes[lane_index(inp, li)].cache, inp.chunk[commit],
+                                 inp.grp[commit]))
+        for kv, todo in per_kv.values():  # one batched copy per forward (BatchKV.commit_all)
+            kv.commit_all(todo)
         return events
 
     def _forward(self, rows: list[tuple[DecodingStrategy, int, LaneInput]]
@@ -298,7 +302,11 @@ def sees_every_key(inp: LaneInput, lane) -> bool:
         return False
     if lane.length == 0:
         return True
-    return bool(((lane.grp == grp[0]) | (lane.pos < inp.start[0])).all())
+    key = (lane.meta_version, int(grp[0]), int(inp.start[0]))  # the answer changes only with these (host values)
+    memo = lane.sees_memo
+    if memo is None or memo[0] != key:
+        memo = lane.sees_memo = (key, bool(((lane.grp == grp[0]) | (lane.pos < inp.start[0])).all()))
+    return memo[1]
 
 
 def lane_index(inp: LaneInput, position: int) -> int:

@@ -69,6 +69,9 @@ class LaneCache:
         self.carry_position = -1
         self._runs: tuple[int, list] | None = None  # (end, runs) of the last :meth:`_runs_to`
         self._release: weakref.finalize | None = None
+        #: bumped whenever the cached tokens' metadata changes (a commit, a reset): a key for what is computed from it
+        self.meta_version = 0
+        self.sees_memo: tuple | None = None  # the denoiser's ``sees_every_key`` answer, keyed by meta_version
         if pool is not None:
             self.bind(pool)
 
@@ -217,6 +220,7 @@ class LaneCache:
         """Forget the cached tokens but keep the blocks (a prefix/dual cache refresh refills them at once)."""
         self._n = 0
         self.carry_position = -1
+        self.meta_version += 1
 
     @classmethod
     def committed(cls, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
@@ -278,6 +282,7 @@ class LaneCache:
         self._meta[0, n:n + m] = pos
         self._meta[1, n:n + m] = grp
         self._n = n + m
+        self.meta_version += 1
 
 
 class CarryPool:
@@ -546,15 +551,80 @@ class BatchKV:
         is the chunk's first m positions - the usual commit: the causal tokens the forward starts with - the values
         are already in place and only the length moves; otherwise they are copied in.
         """
-        m = int(idx.numel())
-        written = self._scratch.get(row)
-        if (written is not None and lane is self.lanes[row] and lane.length == written[0] and m
-                and len(written[1]) == lane.layers
-                and torch.equal(idx, torch.arange(m, device=idx.device, dtype=idx.dtype))):
-            lane.adopt_scratch(m, pos, grp)
+        if self._adopts(row, idx, lane):
+            lane.adopt_scratch(int(idx.numel()), pos, grp)
             return
         keys, values = self.new_kv(row, idx)
         lane.append(keys, values, pos, grp)
+
+    def commit_all(self, commits: list[tuple[int, torch.Tensor, LaneCache, torch.Tensor, torch.Tensor]]) -> None:
+        """:meth:`commit` of each ``(row, idx, lane, pos, grp)``, in order: those whose keys/values must be copied
+        in, into lanes that appear once, with one gather and one indexed copy per slab per layer for all of them
+        (the lane's blocks reserved and owned first, as :meth:`LaneCache.append` does), the rest one by one."""
+        lanes = [c[2] for c in commits]
+        seen: set[int] = set()
+        twice = {id(lane) for lane in lanes if id(lane) in seen or seen.add(id(lane))}
+        copies = []
+        for row, idx, lane, pos, grp in commits:
+            m = int(idx.numel())
+            if not m:
+                continue
+            if id(lane) in twice or self._adopts(row, idx, lane) or not self.new_keys or idx.device.type != "cpu":
+                self.commit(row, idx, lane, pos, grp)
+            else:
+                copies.append((row, idx, lane, pos, grp))
+        if copies:
+            self._copy_in(copies)
+
+    def _adopts(self, row: int, idx: torch.Tensor, lane: LaneCache) -> bool:
+        """Whether :meth:`commit` only adopts scratch positions (this forward wrote the chunk after the lane's
+        cached keys in every layer and ``idx`` is its first m rows)."""
+        m = int(idx.numel())
+        written = self._scratch.get(row)
+        return (written is not None and lane is self.lanes[row] and lane.length == written[0] and m > 0
+                and len(written[1]) == lane.layers
+                and torch.equal(idx, torch.arange(m, device=idx.device, dtype=idx.dtype)))
+
+    def _copy_in(self, commits: list) -> None:
+        """Append each ``(row, idx, lane, pos, grp)``'s new keys/values (host ``idx``; distinct lanes) to its lane:
+        per slab one ``[M]`` destination-slot and source-row index, per layer one gather and one indexed copy."""
+        layers = sorted(self.new_keys)
+        first = self.new_keys[layers[0]]
+        B, H, Q, D = first.shape
+        per_slab: dict[int, tuple] = {}
+        for row, idx, lane, _, _ in commits:
+            n, m = lane.length, int(idx.numel())
+            lane.reserve(max(n + m, lane.capacity_hint if not lane.table else 0))
+            T = lane.pool.block_tokens
+            lane._own(n // T, -(-(n + m) // T))
+            src = idx.numpy() + row * Q
+            at = 0  # the position of the run's first slot
+            for slab, s, e in lane._runs_to(n + m):
+                lo, hi = max(n, at), at + e - s
+                if hi > lo:
+                    got = per_slab.get(id(slab))
+                    if got is None:
+                        got = per_slab[id(slab)] = (lane.pool, slab, [], [])
+                    got[2].append(np.arange(s + lo - at, s + hi - at))
+                    got[3].append(src[lo - n:hi - n])
+                at = hi
+        dev = first.device
+        slabs = []
+        for pool, slab, dst, src in per_slab.values():
+            idx = to_device(torch.from_numpy(np.stack([np.concatenate(dst), np.concatenate(src)])), dev)
+            slabs.append((pool, slab, idx[0], idx[1]))
+        for layer in layers:
+            keys, values = self.new_keys[layer], self.new_values[layer]
+            flat_k = keys.transpose(0, 1).reshape(H, B * Q, D)
+            flat_v = values.transpose(0, 1).reshape(H, B * Q, D)
+            for pool, slab, dst, src in slabs:
+                k, v = pool.storage(slab, layer, keys[0])
+                k.index_copy_(1, dst, flat_k.index_select(1, src))
+                v.index_copy_(1, dst, flat_v.index_select(1, src))
+                pool.written_bytes += 2 * int(src.shape[0]) * H * D * keys.element_size()
+        for _, idx, lane, pos, grp in commits:
+            lane.layers = max(lane.layers, len(layers))
+            lane.adopt_scratch(int(idx.numel()), pos, grp)
 
     def new_kv(self, row: int, idx: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer ``[H, m, D]`` keys/values of batch row ``row`` at chunk indices ``idx`` (length m)."""
