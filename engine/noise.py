@@ -77,7 +77,12 @@ class Draws:
 
     def __init__(self, seed: int, step: int, positions: Sequence[int] | torch.Tensor | None = None):
         self.seed, self.step = int(seed), int(step)
-        self.positions = None if positions is None else torch.as_tensor(positions, dtype=torch.long).cpu().reshape(-1)
+        if isinstance(positions, torch.Tensor) and positions.dtype == torch.long and positions.dim() == 1 \
+                and positions.device.type == "cpu":
+            self.positions = positions  # the usual case (a step's masked positions): no op
+        else:
+            self.positions = (None if positions is None
+                              else torch.as_tensor(positions, dtype=torch.long).cpu().reshape(-1))
 
     def at(self, rows: Sequence[int] | torch.Tensor) -> "Draws":
         """The draws of a subset of the rows (``rows``: indices into them)."""

@@ -11,7 +11,7 @@ Token counting (docs/design.md#decisions): ``token_ids`` runs up to and includin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,35 @@ class RequestOutput:
     def finished(self) -> bool:
         """True when every choice has a ``finish_reason`` (vacuously True with no choices)."""
         return all(o.finish_reason is not None for o in self.outputs)
+
+
+def filled(cls, **values):
+    """An instance of the frozen dataclass ``cls`` (whose fields have no ``default_factory``) with ``values`` (every
+    field without a default must be among them; not checked) and the defaults of the others, its ``__dict__``
+    filled at once: the object ``cls(**values)`` makes (equal, same repr, pickled the same) without the frozen
+    ``__init__``'s ``object.__setattr__`` per field (one :class:`StepEvent` per choice per step, issue 42)."""
+    defaults = _DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = _DEFAULTS[cls] = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+    obj = object.__new__(cls)
+    d = obj.__dict__
+    d.update(defaults)
+    d.update(values)
+    return obj
+
+
+def revealed_token(position: int, token_id: int, confidence: float, logprob: float,
+             top: tuple[tuple[int, float], ...] = ()) -> Revealed:
+    """``Revealed(position, token_id, confidence, logprob, top)``, built as :func:`filled` builds it (one per
+    revealed token)."""
+    obj = object.__new__(Revealed)
+    d = obj.__dict__
+    d["position"] = position
+    d["token_id"] = token_id
+    d["confidence"] = confidence
+    d["logprob"] = logprob
+    d["top"] = top
+    return obj
+
+
+_DEFAULTS: dict[type, dict] = {}  # filled(): per class, its fields' defaults

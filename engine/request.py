@@ -39,7 +39,7 @@ from .kv_cache import LaneCache
 from .layout import build_layout
 from .limits import ParamError, check_block_use
 from .noise import Draws
-from .outputs import CompletionOutput, Revealed, StepEvent
+from .outputs import CompletionOutput, Revealed, StepEvent, filled, revealed_token
 from .plan import DecodingPlan
 from .prefill_cost import PrefillBudget
 from .reveals import HostRows
@@ -441,7 +441,7 @@ class Request:
                                                dtype=torch.long).reshape(len(rel), kk)
             self.top_lps[rel_t] = torch.tensor([[lp for _, lp in t[:kk]] + [float("-inf")] * (kk - len(t[:kk]))
                                                 for t in tops], dtype=torch.float32).reshape(len(rel), kk)
-        return [Revealed(p, t, c, lp, top) for p, t, c, lp, top in
+        return [revealed_token(p, t, c, lp, top) for p, t, c, lp, top in
                 zip(rel, rows.tokens, rows.probability, rows.logprob, tops) if p < self.max_tokens]
 
     def _top_logprobs(self, n: int) -> list[list[tuple[int, float]]] | None:
@@ -453,11 +453,11 @@ class Request:
 
     def event(self, block: int, step: int, revealed: list[Revealed]) -> StepEvent:
         """The :class:`StepEvent` of the state now (``output`` set once finished)."""
-        return StepEvent(request_id=self.request_id, index=self.index, block=block, step=step, nfe=self.nfe,
-                         revealed=revealed, canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
-                         finish_reason=self.finish_reason, num_tokens=self.num_output_tokens,
-                         drafts_proposed=self.proposed_drafts, drafts_accepted=self.accepted_drafts,
-                         output=self.completion() if self.finished else None, cached_tokens=self.cached_tokens)
+        return filled(StepEvent, request_id=self.request_id, index=self.index, block=block, step=step, nfe=self.nfe,
+                      revealed=revealed, canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
+                      finish_reason=self.finish_reason, num_tokens=self.num_output_tokens,
+                      drafts_proposed=self.proposed_drafts, drafts_accepted=self.accepted_drafts,
+                      output=self.completion() if self.finished else None, cached_tokens=self.cached_tokens)
 
     def completion(self) -> CompletionOutput:
         """The choice's :class:`CompletionOutput` (final once finished; partial after an abort)."""
