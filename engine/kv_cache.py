@@ -569,8 +569,11 @@ class BatchKV:
             m = int(idx.numel())
             if not m:
                 continue
-            if id(lane) in twice or self._adopts(row, idx, lane) or not self.new_keys or idx.device.type != "cpu":
-                self.commit(row, idx, lane, pos, grp)
+            if self._adopts(row, idx, lane):
+                lane.adopt_scratch(m, pos, grp)
+            elif id(lane) in twice or not self.new_keys or idx.device.type != "cpu":
+                keys, values = self.new_kv(row, idx)
+                lane.append(keys, values, pos, grp)
             else:
                 copies.append((row, idx, lane, pos, grp))
         if copies:
