@@ -371,5 +371,10 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Run training (see :class:`Trainer`); returns ``cfg.out``."""
-    return Trainer(cfg).train()
+    """Run training (see :class:`Trainer`); returns ``cfg.out``. Ends with accelerate's ``end_training``: a torchrun
+    job's gloo/NCCL process group is destroyed before the process exits (a live one aborted a rank at exit now and
+    then: "terminate called without an active exception"); a no-op in one process."""
+    trainer = Trainer(cfg)
+    out = trainer.train()
+    trainer.acc.end_training()
+    return out

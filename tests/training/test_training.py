@@ -283,13 +283,15 @@ def test_kill_during_checkpoint_write_leaves_latest_loadable(workdir, tmp_path):
 @pytest.mark.slow
 def test_ddp_two_process_gloo(workdir, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    from serving import free_port  # a fixed port collided with another run of this test on a shared machine
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "unmask.cli.main", "train", "--model", str(workdir / "src"), "--data", str(workdir / "data.jsonl"),
            "--out", str(out), "--batch-size", "1", "--max-steps", "2", "--seq-len", "64", "--no-progress",
            "--trainable", "lora", "--lr", "1e-2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[:3000] + "\n...\n" + r.stderr[-3000:]  # the first error and the launcher's tail
     ckpt = resolve_latest(out)
     state = torch.load(ckpt / "training_state.pt", weights_only=False)
     assert state["world_size"] == 2 and state["step"] == 2
