@@ -426,6 +426,14 @@ def load_checked(args: argparse.Namespace, config: EngineConfig):
     from unmask.engine import CheckpointError, SelfCheckError, check_first_forward, load_model
     from unmask.engine.engine import model_defaults
 
+    if config.cuda_graphs and config.device_map is None:  # before a conversion or load of a minute
+        from unmask.engine.model import resolve_device
+        from unmask.engine.step_graphs import check_cuda_graphs
+
+        try:
+            check_cuda_graphs(True, resolve_device(config.device))
+        except ValueError as exc:
+            raise UsageError(name_load_option(args, str(exc))) from exc
     config, model_path, what = resolve_model(config)
     try:
         loaded = load_model(model_path, **config.load_options())

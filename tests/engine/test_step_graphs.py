@@ -374,6 +374,16 @@ def test_cuda_graphs_on_a_cpu_model_is_refused_naming_the_option(checkpoints, mo
     monkeypatch.setenv("UNMASK_CUDA_GRAPHS", "1")
     assert main(["serve", str(checkpoints["causal"]), "--port", "0", "--device", "cpu"]) == 2
     assert "$UNMASK_CUDA_GRAPHS: CUDA graphs need a CUDA device" in capsys.readouterr().err
+    # refused before the model is converted or loaded (a minute on a first start; the new-user pass waited 24 s)
+    import unmask.engine as engine_api
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded a model whose device cuda_graphs refuses")
+
+    monkeypatch.setattr(engine_api, "load_model", no_load)
+    monkeypatch.setattr("unmask.cli.serve.resolve_model", no_load)
+    assert main(["serve", "--port", "0"]) == 2  # --device auto on this CPU machine, the default model
+    assert "$UNMASK_CUDA_GRAPHS: CUDA graphs need a CUDA device, the model is on cpu" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ on a GPU (the cuda lane; skips without one)
