@@ -32,6 +32,7 @@ from .speculative import SpeculativeSequence
 from .step_graphs import check_cuda_graphs
 from .text_ids import suffix_ids
 from .uniform_canvas import UniformCanvasSequence
+from .uniform_options import UNIFORM_CANVAS_FAMILIES, describe_uniform_defaults
 
 __all__ = ["Engine", "make_requests", "plan_request", "model_defaults"]
 
@@ -180,6 +181,8 @@ class Engine:
         from pathlib import Path
 
         d, m = self.model.dllm, self.model
+        if d.family in UNIFORM_CANVAS_FAMILIES:  # no masks, block or remasking (the new-user pass read them here)
+            return describe_uniform_defaults(d.block_size, d.default_sampling)
         verifier = (str(Path(m.path) / Path(d.verifier).expanduser()) if d.verifier
                     else "the parent's causal path" if m.adapter else "the model's causal path")
         return self.defaults.describe(verifier, "the mask-row adapter" if m.adapter else "the model's mask rows")

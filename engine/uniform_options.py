@@ -14,7 +14,8 @@ from dataclasses import dataclass, fields
 
 from .limits import ParamError
 
-__all__ = ["UniformCanvasOptions", "UNIFORM_CANVAS_FAMILIES", "uniform_canvas_options", "TRANSFORMERS_DEFAULTS"]
+__all__ = ["UniformCanvasOptions", "UNIFORM_CANVAS_FAMILIES", "uniform_canvas_options", "TRANSFORMERS_DEFAULTS",
+           "describe_uniform_defaults"]
 
 #: families decoded by the uniform-canvas sampler (``unmask.engine.uniform_canvas``)
 UNIFORM_CANVAS_FAMILIES = ("diffusion_gemma",)
@@ -95,3 +96,13 @@ def uniform_canvas_options(params, default_sampling: dict | None = None) -> Unif
         raise ParamError("t_max", f"must be > t_min ({values['t_min']}), got {values['t_max']}")
     # each value as its default's type (int steps and stability, float temperatures and bounds)
     return UniformCanvasOptions(**{key: type(TRANSFORMERS_DEFAULTS[key])(value) for key, value in values.items()})
+
+
+def describe_uniform_defaults(canvas: int, default_sampling: dict | None = None) -> str:
+    """The start-up log's line of what a request that sets nothing gets on a uniform-canvas family (canvases of
+    ``canvas`` tokens; the checkpoint's ``default_sampling``, else transformers' defaults)."""
+    d = {k: (default_sampling or {}).get(k, v) for k, v in TRANSFORMERS_DEFAULTS.items()}
+    return (f"uniform canvases of {canvas} tokens refined for at most {d['max_denoising_steps']} steps each "
+            f"(temperature {d['t_max']:g} -> {d['t_min']:g}, entropy bound {d['entropy_bound']:g}, stopping once "
+            f"stable for {d['stability_threshold']} step(s) with mean entropy below {d['confidence_threshold']:g}) "
+            f"unless sent")

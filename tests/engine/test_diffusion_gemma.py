@@ -194,3 +194,16 @@ def test_the_batchs_stacked_encoder_kv_is_reused_until_a_choice_joins_leaves_or_
         reused, rebuilt = reused + same, rebuilt + (not same)
     assert reused >= 10 and rebuilt == 2  # 3 canvases of 8 at 6 steps each: encodes at the 7th and 13th steps
     assert [outputs["r0"], outputs["r1"]] == [_reference(replica.model, c) for c in cases]
+
+
+def test_the_start_up_line_describes_the_uniform_canvas_not_masks(tmp_path):
+    """``default decoding:`` on a DiffusionGemma model names its canvas, steps and sampler settings (it said "one
+    token per step, block 16 and remasking low_confidence", which a request sending remasking gets a 400 for)."""
+    from diffusion_gemma_tiny import save_replica
+    from unmask.engine.engine import Engine
+    from unmask.engine.model import load_model
+
+    save_replica(tmp_path, canvas_length=8)
+    line = Engine(load_model(str(tmp_path), device="cpu")).describe_defaults()
+    assert line.startswith("uniform canvases of 8 tokens refined for at most 48 steps each"), line
+    assert "remasking" not in line and "block" not in line
