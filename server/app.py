@@ -35,7 +35,7 @@ from . import responses as R
 from .accounting import finished_work
 from .config import ServerConfig
 from .disconnect import collect
-from .errors import APIError, from_exception, install_handlers
+from .errors import APIError, check_model, from_exception, install_handlers
 from .body_limits import STRUCTURE_LIMITS, BodyLimitsMiddleware
 from .guard import GuardMiddleware, cache_salt, needs_key
 from .send_buffer import bounded, stream_response
@@ -189,8 +189,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     @app.get("/v1/models/{model_id:path}", response_model=R.ModelCard, responses=_ERRORS)
     async def get_model(model_id: str):
         """One model by id (404 for an unknown id)."""
-        if model_id != model_name:
-            raise _unknown_model(model_id)
+        check_model(model_id, model_name)
         return model_card()
 
     @app.post("/v1/completions", response_model=R.CompletionResponse, responses={
@@ -198,7 +197,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     async def completions(body: P.CompletionRequest, request: Request):
         """OpenAI completions (``prompt``: string, strings, token ids, or lists of token ids)."""
         arrival = time.time()
-        _check_model(body.model, model_name)
+        check_model(body.model, model_name)
         prompts = await completion_ids(state, body.prompts())  # checked, then tokenized off the event loop
         return await _serve(state, "completion", body, prompts, arrival, request,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
@@ -208,7 +207,7 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         """OpenAI chat completions (messages rendered with the model's chat template or ``--chat-template``)."""
         arrival = time.time()
-        _check_model(body.model, model_name)
+        check_model(body.model, model_name)
         ids = await chat_ids(state, [m.as_template_dict() for m in body.messages],
                              body.template_tools())  # templated off the loop
         return await _serve(state, "chat", body, [ids], arrival, request, logprobs=body.logprobs,
@@ -261,15 +260,6 @@ def build_app(engine: AsyncEngine, model_name: str, config: ServerConfig | None 
     app.include_router(tokenize_router, responses=_ERRORS)
     mount_visualizer(app)
     return app
-
-
-def _unknown_model(name: str) -> APIError:
-    return APIError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
-
-
-def _check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise _unknown_model(requested)
 
 
 def _rename_param(err: APIError, old: str, new: str) -> None:

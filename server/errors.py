@@ -70,6 +70,18 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def check_model(requested: str | None, served: str) -> None:
+    """The 404 of a request naming another model than the ``served`` one (None: not named, fine); the message names
+    the served id, as a client configured with another name needs it.
+
+    Raises:
+        APIError: 404 ``model_not_found``, param ``model``.
+    """
+    if requested is not None and requested != served:
+        raise APIError(404, f"the model `{requested}` does not exist; this server serves `{served}` (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
 def shutdown_error() -> APIError:
     """The 503 of a request cut short because the server is shutting down (retry elsewhere)."""
     return APIError(503, "the server is shutting down; retry on another instance or later", code="server_shutdown",

@@ -30,7 +30,7 @@ from .sse import dumps
 from .accounting import failure_reason
 from .prompt_input import chat_ids
 from .disconnect import collect
-from .errors import APIError, from_exception, validation_error
+from .errors import APIError, check_model, from_exception, validation_error
 from .guard import cache_salt
 from .send_buffer import bounded, stream_response
 from .sse import until_shutdown
@@ -249,8 +249,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     """OpenAI Responses API: text (and tool calls) out of ``instructions`` + ``input`` items."""
     state = request.app.state.unmask
     arrival = time.time()
-    if body.model != state.model_name:
-        raise APIError(404, f"the model `{body.model}` does not exist", param="model", code="model_not_found")
+    check_model(body.model, state.model_name)
     try:
         chat = P.ChatCompletionRequest.model_validate(body.chat_body())
     except ValidationError as exc:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 from unmask.engine import encode_text
 from unmask.engine.limits import MAX_MESSAGES, MAX_NAME_CHARS
 
-from .errors import APIError
+from .errors import APIError, check_model
 from .messages import ChatMessage
 from .prompt_input import chat_ids, check_chars
 from .tool_protocol import MAX_TOOLS, RequestBody, Text, Tool, check_tool_messages, integral_fields
@@ -96,8 +96,7 @@ def _state(request: Request):
 
 
 def _model(state, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
+    check_model(name, state.model_name)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)

@@ -120,6 +120,13 @@ def test_models_health_metrics_routes(http, server):
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     r = http.get("/v1/models/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # every route's 404 names the served id (a client configured with another name needs it: new-user pass)
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": "Hi"}), ("/v1/responses", {"input": "Hi"}),
+                       ("/tokenize", {"prompt": "Hi"})):
+        r = http.post(path, json={"model": "nope", **body})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", (path, r.text)
+        assert f"this server serves `{MODEL}`" in r.json()["error"]["message"], (path, r.text)
     h = health(http)
     assert h["status"] == "ok" and h["running"] == 0
     r = httpx.get(f"{server['url']}/metrics", follow_redirects=False)  # no auth, no redirect
