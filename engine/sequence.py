@@ -138,9 +138,10 @@ class Sequence(Request):
                 commit_pos = (c, a)
             elif self.step_in_block == 0:  # prefix / dual refresh: full forward, cache around the block
                 lo, hi, replace = 0, L, True
-                commit_pos = torch.arange(0, a, device=self.device)
+                commit_pos = (0, a)  # positions 0..a-1 (a range: the chunk metadata is shared, chunk_metadata)
                 if mode == "dual":
-                    commit_pos = torch.cat([commit_pos, torch.arange(e, L, device=self.device)])
+                    commit_pos = torch.cat([torch.arange(0, a, device=self.device),
+                                            torch.arange(e, L, device=self.device)])
             else:
                 lo = a
                 hi = L if mode == "prefix" else e
