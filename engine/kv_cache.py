@@ -501,16 +501,7 @@ class BatchKV:
                 continue
             T = lane.pool.block_tokens
             lane._own(n // T, -(-(n + q) // T))
-            at = 0  # the position of the run's first slot
-            for slab, s, e in lane._runs_to(n + q):
-                lo, hi = max(n, at), at + e - s
-                if hi > lo:
-                    got = per_slab.get(id(slab))
-                    if got is None:
-                        got = per_slab[id(slab)] = (lane.pool, slab, [], [])
-                    got[2].append(np.arange(s + lo - at, s + hi - at))
-                    got[3].append(np.arange(b * Q + lo - n, b * Q + hi - n))
-                at = hi
+            _add_slots(per_slab, lane, n, n + q, np.arange(b * Q, b * Q + q))
             plan.rows.add(b)
             plan.lanes.append(lane)
             self._scratch[b] = (n, plan.layers)
@@ -601,16 +592,7 @@ class BatchKV:
             T = lane.pool.block_tokens
             lane._own(n // T, -(-(n + m) // T))
             src = idx.numpy() + row * Q
-            at = 0  # the position of the run's first slot
-            for slab, s, e in lane._runs_to(n + m):
-                lo, hi = max(n, at), at + e - s
-                if hi > lo:
-                    got = per_slab.get(id(slab))
-                    if got is None:
-                        got = per_slab[id(slab)] = (lane.pool, slab, [], [])
-                    got[2].append(np.arange(s + lo - at, s + hi - at))
-                    got[3].append(src[lo - n:hi - n])
-                at = hi
+            _add_slots(per_slab, lane, n, n + m, src)
         dev = first.device
         slabs = []
         for pool, slab, dst, src in per_slab.values():
@@ -648,3 +630,18 @@ class BatchKV:
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Offset of the new chunk's queries in the key axis: the cached length C."""
         return self.cached_len
+
+
+def _add_slots(per_slab: dict, lane, n: int, end: int, sources: np.ndarray) -> None:
+    """Add the lane's pool slots of positions ``[n, end)`` to ``per_slab`` (per slab id: ``(pool, slab, slot index
+    arrays, source row arrays)``), ``sources[i]`` being the source row of position ``n + i``."""
+    at = 0  # the position of the run's first slot
+    for slab, s, e in lane._runs_to(end):
+        lo, hi = max(n, at), at + e - s
+        if hi > lo:
+            got = per_slab.get(id(slab))
+            if got is None:
+                got = per_slab[id(slab)] = (lane.pool, slab, [], [])
+            got[2].append(np.arange(s + lo - at, s + hi - at))
+            got[3].append(sources[lo - n:hi - n])
+        at = hi
