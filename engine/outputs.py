@@ -11,7 +11,7 @@ Token counting (docs/design.md#decisions): ``token_ids`` runs up to and includin
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,8 @@ def filled(cls, **values):
     filled at once: the object ``cls(**values)`` makes (equal, same repr, pickled the same) without the frozen
     ``__init__``'s ``object.__setattr__`` per field (one :class:`StepEvent` per choice per step, issue 42)."""
     defaults = _DEFAULTS.get(cls)
-    if defaults is None:
-        defaults = _DEFAULTS[cls] = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+    if defaults is None:  # every field, in the class's order (dataclasses.MISSING where it has none): ``update`` keeps
+        defaults = _DEFAULTS[cls] = {f.name: f.default for f in fields(cls)}  # that order, as ``__init__`` sets it
     obj = object.__new__(cls)
     d = obj.__dict__
     d.update(defaults)

@@ -1,0 +1,193 @@
+"""Break-it tests of issue 42's per-request host work (docs/design.md#decoding, "Per-request host work"): the block
+and chunk metadata shared by every sequence of one canvas shape stay unchanged whatever decodes through them; a
+request decodes the same alone, in a mixed batch, with the prefix cache on and off; the masked-position memo and the
+stop-scan skip follow token editing and stop rules across blocks; the admission checks."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import decoding_paths as dp  # noqa: E402
+import tiny  # noqa: E402
+
+from unmask.engine import LLM, Constraint, SamplingParams  # noqa: E402
+from unmask.engine import sequence as seq_mod  # noqa: E402
+from unmask.engine.limits import ParamError  # noqa: E402
+from unmask.engine.text_ids import check_token_ids  # noqa: E402
+
+MIXED = [dict(temperature=0, block_size=4, multi_block=0.5),
+         dict(temperature=0, block_size=4, speculative=True),
+         dict(temperature=0, block_size=4, constraint=True, max_tokens=24),
+         dict(temperature=0.6, seed=4, block_size=8, sub_block_size=4, cfg_scale=0.7),
+         dict(temperature=0, block_size=4, threshold=0.2, stop=["a"], min_tokens=3),
+         dict(temperature=0, block_size=4, max_tokens=6)]
+
+
+def _snapshot(obj):
+    return [t.clone() for t in obj if isinstance(t, torch.Tensor)]
+
+
+@pytest.fixture
+def shared_watch(monkeypatch):
+    """Every block/chunk metadata object handed out while the test runs, with a copy taken when it was built."""
+    seq_mod.block_metadata.cache_clear()
+    seq_mod.chunk_metadata.cache_clear()
+    seen = {}
+    for name in ("block_metadata", "chunk_metadata"):
+        orig = getattr(seq_mod, name)
+
+        def wrapped(*a, _orig=orig):
+            out = _orig(*a)
+            seen.setdefault(id(out), (out, _snapshot(out)))
+            return out
+
+        wrapped.cache_clear = orig.cache_clear
+        monkeypatch.setattr(seq_mod, name, wrapped)
+    yield seen
+    seq_mod.block_metadata.cache_clear()
+    seq_mod.chunk_metadata.cache_clear()
+
+
+def _run(model, reqs, prefix: bool, arrive_every: int = 1, prompt: int = 0) -> dict:
+    llm = LLM(model, max_batch_size=8, enable_prefix_caching=prefix)
+    engine = llm._engine(8)
+    pending = []
+    for i, kw in enumerate(reqs):
+        kw = dict(kw)
+        if kw.pop("constraint", None):
+            kw["constraint"] = Constraint("json_schema", dp.SCHEMA)
+        flat = dict({"speculative": False, "max_tokens": 10, "ignore_eos": "constraint" not in kw}, **kw)
+        ids = model.tokenizer(dp.PROMPTS[(prompt + i) % len(dp.PROMPTS)]).input_ids
+        pending.append((i * arrive_every, ids, SamplingParams.from_flat(**flat), f"r{i}"))
+    out, step = {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, ids, params, rid = pending.pop(0)
+            engine.add_request(ids, params, rid)
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend((r.position, r.token_id) for r in ev.revealed)
+            if ev.finished:
+                out[ev.request_id].append(ev.finish_reason)
+        step += 1
+    return out
+
+
+def _assert_unchanged(seen):
+    assert seen
+    for obj, snap in seen.values():
+        for now, then in zip([t for t in obj if isinstance(t, torch.Tensor)], snap):
+            assert torch.equal(now, then), getattr(obj, "key", None)
+
+
+@pytest.mark.parametrize("attention", ["prefix_causal", "bidirectional"])
+def test_mixed_batch_leaves_shared_metadata_alone_and_equals_each_request_alone(shared_watch, attention):
+    model = tiny.loaded(attention=attention, block_size=4, initializer_range=0.5,
+                        **({} if attention == "prefix_causal" else dict(logit_shift=False)))
+    reqs = MIXED if attention == "prefix_causal" else [
+        dict(temperature=0, block_size=4, cache="dual"), dict(temperature=0, block_size=4, cache="prefix"),
+        dict(temperature=0, block_size=4, cache="prefix", threshold=0.3), dict(temperature=0, block_size=4),
+        dict(temperature=0, block_size=4, cache="dual", max_tokens=7)]
+    batched = _run(model, reqs, prefix=attention == "prefix_causal")
+    _assert_unchanged(shared_watch)
+    for i, kw in enumerate(reqs):
+        alone = _run(model, [kw], prefix=False, prompt=i)
+        assert alone["r0"] == batched[f"r{i}"], kw
+    _assert_unchanged(shared_watch)
+
+
+def test_check_token_ids_edge_values():
+    check_token_ids("x", [0, 9], 10)
+    check_token_ids("x", [np.int64(3), np.int32(9)], 10)
+    check_token_ids("x", [], 10)
+    for bad in ([True], [0, False], [-1], [10], [np.int64(10)], [3.0], ["1"], [0] * 100_000 + [-5]):
+        with pytest.raises(ParamError):
+            check_token_ids("x", bad, 10)
+
+
+def test_token_editing_alone_equals_in_a_batch_and_the_masked_memo_follows_the_edits(shared_watch):
+    """LLaDA2's editing threshold rewrites revealed tokens (the window's bytes change without a reveal of a mask):
+    each editing request alone = beside a plain and a refinement one; the window's masked positions after every
+    step = a scan of the canvas."""
+    from llada2_tiny import loaded_llada2
+
+    model = loaded_llada2(seed=0)
+    reqs = [dict(temperature=1.0, seed=7, threshold=0.6, editing_threshold=0.4, max_tokens=14),
+            dict(temperature=0, threshold=0.6, max_tokens=9),
+            dict(temperature=0, threshold=0.5, editing_threshold=0.3, max_tokens=12, stop=["e"])]
+    batched = _run(model, reqs, prefix=False)
+    _assert_unchanged(shared_watch)
+    for i, kw in enumerate(reqs):
+        assert _run(model, [kw], prefix=False, prompt=i)["r0"] == batched[f"r{i}"], kw
+    llm = LLM(model, max_batch_size=4, enable_prefix_caching=False)
+    engine = llm._engine(4)
+    (req,) = engine.add_request(model.tokenizer(dp.PROMPTS[0]).input_ids, SamplingParams.from_flat(**reqs[0]), "e")
+    while engine.has_unfinished():
+        engine.step()
+        if req.finished or req.win_idx >= len(req.windows):
+            break
+        _, s, e = req.windows[req.win_idx]
+        want = np.flatnonzero(req.canvas[s:e].numpy() == model.dllm.mask_token_id) + s
+        assert req._window_masked().tolist() == want.tolist()
+
+
+def _stop_reference(model, ids, stop, min_tokens, eos_ids, max_tokens):
+    """The stop rules over the whole unstopped output at once (no streaming, no skipped scans)."""
+    from unmask.engine.stopping import StopChecker
+
+    done = StopChecker(model.tokenizer, stop, min_tokens, eos_ids, max_tokens).update(list(ids), True)
+    return (done[0], list(done[1]), done[2]) if done else None
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "left_to_right", "random"])
+def test_stop_rules_across_blocks_equal_the_rules_over_the_whole_output(remasking):
+    """Stop strings spanning a block boundary, under min_tokens, a stop id at a block's last position, max_tokens
+    ending mid-block: the engine's finish (reason, ids, text) = the stop rules applied once to the output decoded
+    without them (the stop-scan skip must never miss or delay a finish)."""
+    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    llm = LLM(model, max_batch_size=8, enable_prefix_caching=False)
+    base = dict(temperature=0, block_size=4, speculative=False, remasking=remasking, seed=1, ignore_eos=True)
+    full = llm.generate([dp.PROMPTS[0]], SamplingParams.from_flat(max_tokens=16, **base))[0].outputs[0].token_ids
+    tok = model.tokenizer
+    cases = []
+    for b in (4, 8, 12):  # a stop string made of the text of the tokens on both sides of a block boundary
+        text = tok.decode(full[b - 1:b + 1])
+        if "\ufffd" not in text and text:
+            cases.append(dict(stop=[text]))
+            cases.append(dict(stop=[text], min_tokens=b + 1))
+    cases += [dict(stop_token_ids=[full[3]]), dict(stop_token_ids=[full[7]]), dict(max_tokens=6),
+              dict(max_tokens=9, stop=[tok.decode(full[7:9])] if "\ufffd" not in tok.decode(full[7:9]) else [])]
+    assert len(cases) >= 5
+    for case in cases:
+        kw = dict(base, **dict(dict(max_tokens=16), **case))
+        out = llm.generate([dp.PROMPTS[0]], SamplingParams.from_flat(**kw))[0].outputs[0]
+        got = (out.finish_reason, list(out.token_ids), out.text)
+        eos = set(case.get("stop_token_ids", []))
+        want = _stop_reference(model, full[:kw["max_tokens"]], case.get("stop", []), case.get("min_tokens", 0), eos,
+                               kw["max_tokens"])
+        assert got == want, case
+
+
+def test_filled_events_pickle_to_the_constructors_bytes():
+    """``filled`` promises the object ``cls(**values)`` makes, pickled the same: its ``__dict__`` filled the
+    defaults first, so a StepEvent pickled (Ray, multiprocessing) to other bytes, its fields in another order
+    (``vars``/``__dict__`` iteration)."""
+    import pickle
+
+    from unmask.engine.outputs import CompletionOutput, Revealed, StepEvent, filled, revealed_token
+
+    out = CompletionOutput(index=0, text="a", token_ids=[1], finish_reason="stop", logprobs=None, steps=2, nfe=2)
+    for kw in (dict(request_id="r", block=0, step=1, nfe=1, revealed=[revealed_token(0, 5, 0.5, -0.7)],
+                    canvas=[5, None], text="a"),
+               dict(request_id="r", block=2, step=9, nfe=4, revealed=[], canvas=[1], text="a", finished=True,
+                    finish_reason="stop", output=out, cached_tokens=3, index=1)):
+        made, want = filled(StepEvent, **kw), StepEvent(**kw)
+        assert made == want and repr(made) == repr(want)
+        assert list(vars(made)) == list(vars(want))
+        assert pickle.dumps(made) == pickle.dumps(want)
+    assert pickle.dumps(revealed_token(1, 2, 0.5, -1.0, ((2, -1.0),))) == pickle.dumps(
+        Revealed(1, 2, 0.5, -1.0, ((2, -1.0),)))
