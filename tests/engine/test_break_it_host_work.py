@@ -191,3 +191,81 @@ def test_filled_events_pickle_to_the_constructors_bytes():
         assert pickle.dumps(made) == pickle.dumps(want)
     assert pickle.dumps(revealed_token(1, 2, 0.5, -1.0, ((2, -1.0),))) == pickle.dumps(
         Revealed(1, 2, 0.5, -1.0, ((2, -1.0),)))
+
+
+def _run_kw(model, reqs, prompts, arrive, **options) -> dict:
+    """Tokens per request (position, id), request i arriving at step ``arrive[i]`` with ``prompts[i]``."""
+    llm = LLM(model, max_batch_size=8, **options)
+    engine = llm._engine(8)
+    pending = sorted(((arrive[i], i) for i in range(len(reqs))))
+    out, step = {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            flat = dict({"speculative": False, "max_tokens": 10, "ignore_eos": True, "temperature": 0}, **reqs[i])
+            engine.add_request(model.tokenizer(prompts[i]).input_ids, SamplingParams.from_flat(**flat), f"r{i}")
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend((r.position, r.token_id) for r in ev.revealed)
+            out["cached"] = out.get("cached", 0) + ev.cached_tokens * ev.finished
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("block_tokens", [3, 16])
+def test_fragmented_pool_shared_prefix_blocks_and_chunked_prefill_equal_each_request_alone(monkeypatch,
+                                                                                           block_tokens):
+    """KV blocks of 3/5 tokens (no canvas a whole number of them), requests sharing prompt prefixes through the
+    prefix cache (blocks shared, copied on write), chunked prefill, lanes of different lengths finishing at
+    different steps (their blocks freed and taken again by later joiners): each request's tokens = alone without
+    the prefix cache on the default pool."""
+    from unmask.engine import kv_pool, prefix_cache
+
+    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    base = "Hello world the quick brown fox jumps over the lazy dog " * 2
+    prompts = [base, base + " again", base[:20], base + " again and again", base, base[:33]]
+    reqs = [dict(max_tokens=3), dict(max_tokens=11, block_size=8, sub_block_size=4), dict(max_tokens=6),
+            dict(max_tokens=9, speculative=True), dict(max_tokens=5, cfg_scale=0.5), dict(max_tokens=7,
+                                                                                          threshold=0.3)]
+    want = {f"r{i}": _run_kw(model, [kw], [prompts[i]], [0], enable_prefix_caching=False)["r0"]
+            for i, kw in enumerate(reqs)}
+    monkeypatch.setattr(kv_pool.KVPool.__init__, "__defaults__", (block_tokens, None))
+    monkeypatch.setattr(prefix_cache, "BLOCK_TOKENS", block_tokens)  # the store's sharing unit follows the pool's
+    got = _run_kw(model, reqs, prompts, [0, 0, 3, 5, 8, 10], enable_prefix_caching=True, prefill_chunk=7)
+    assert got.pop("cached") > 0  # prompts read shared blocks
+    assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_lowbit_weights_prompt_tiles_and_prefix_cache_equal_each_request_alone(shared_watch, fmt):
+    """Under --weights int8/int4 (row-invariant forwards, prompt tiles): a mixed batch with the prefix cache and
+    chunked prefill = each request alone without them, and the shared metadata untouched."""
+    from unmask.engine import lowbit
+    from unmask.engine.packed_weights import pack_model
+
+    if lowbit.lowbit_unavailable(fmt, torch.device("cpu"), torch.float32) is not None:
+        pytest.skip(f"no {fmt} CPU kernel in this torch/CPU")
+    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    pack_model(model, fmt)
+    base = "Hello world the quick brown fox jumps over the lazy dog " * 2
+    prompts = [base, base + " again", base[:30], base + "!"]
+    reqs = [dict(max_tokens=4), dict(max_tokens=9, multi_block=0.5), dict(max_tokens=6, threshold=0.3),
+            dict(max_tokens=7, speculative=True)]
+    want = {f"r{i}": _run_kw(model, [kw], [prompts[i]], [0], enable_prefix_caching=False)["r0"]
+            for i, kw in enumerate(reqs)}
+    got = _run_kw(model, reqs, prompts, [0, 0, 4, 6], enable_prefix_caching=True, prefill_chunk=9)
+    assert got.pop("cached") > 0
+    assert got == want
+    _assert_unchanged(shared_watch)
+
+
+def test_infilling_alone_equals_in_a_batch(shared_watch):
+    """A bidirectional canvas with a suffix (the window's masked positions stop before it) next to one without,
+    under the prefix, dual and no cache: alone = batched."""
+    model = tiny.loaded(attention="bidirectional", logit_shift=False, block_size=4, initializer_range=0.5)
+    reqs = [dict(suffix=" the end", max_tokens=7, cache="dual"), dict(max_tokens=7, cache="dual"),
+            dict(suffix=" x y", max_tokens=9, cache="prefix", threshold=0.3), dict(suffix="!", max_tokens=5)]
+    prompts = [dp.PROMPTS[i % 3] for i in range(len(reqs))]
+    batched = _run_kw(model, reqs, prompts, [0, 0, 1, 2])
+    for i, kw in enumerate(reqs):
+        assert _run_kw(model, [kw], [prompts[i]], [0])["r0"] == batched[f"r{i}"], kw
+    _assert_unchanged(shared_watch)
