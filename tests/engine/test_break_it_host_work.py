@@ -269,3 +269,50 @@ def test_infilling_alone_equals_in_a_batch(shared_watch):
     for i, kw in enumerate(reqs):
         assert _run_kw(model, [kw], [prompts[i]], [0])["r0"] == batched[f"r{i}"], kw
     _assert_unchanged(shared_watch)
+
+
+def test_a_memory_reading_answers_only_requests_needing_half_of_it_within_a_second(monkeypatch):
+    """Memory dropping between two admissions: a reading under FREE_MEMORY_REUSE_S old answers a request needing at
+    most half of it; a larger one, or any after the reading aged, reads again and is refused when it no longer
+    fits."""
+    import types
+
+    import psutil
+
+    from unmask.engine import scheduler as sched
+
+    model = tiny.loaded(attention="prefix_causal", block_size=4)
+    s = LLM(model, max_batch_size=2, enable_prefix_caching=False)._engine(2).scheduler
+    avail, now, reads = [100 << 20], [1000.0], []
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: reads.append(1) or types.SimpleNamespace(available=avail[0]))
+    monkeypatch.setattr(sched.time, "monotonic", lambda: now[0])
+    need = [0]
+    monkeypatch.setattr(s, "estimate_bytes", lambda reqs: (need[0], 0))
+    s._free_memory = None
+    need[0] = 40 << 20
+    s.check_memory([])  # first reading: 100 MiB
+    avail[0] = 45 << 20  # memory drops
+    s.check_memory([])  # 40 <= 100 / 2, 0 s later: the reading answers
+    assert len(reads) == 1
+    need[0] = 51 << 20
+    with pytest.raises(ParamError, match="max_tokens"):
+        s.check_memory([])  # more than half: read again (45 MiB) and refused
+    assert len(reads) == 2
+    need[0] = 20 << 20
+    now[0] += sched.FREE_MEMORY_REUSE_S
+    avail[0] = 10 << 20
+    with pytest.raises(ParamError, match="max_tokens"):
+        s.check_memory([])  # the reading aged: read again
+    assert len(reads) == 3
+
+
+def test_speculative_branches_near_the_canvas_end_and_eos_alone_equal_batched():
+    """Speculative drafts whose branches reach past the canvas (max_tokens 1..7 on 4-token blocks), with EOS on
+    and off, beside plain requests ending mid-block: each alone = batched."""
+    model = tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    reqs = [dict(speculative=True, max_tokens=m, ignore_eos=m % 2 == 0) for m in range(1, 8)]
+    reqs += [dict(max_tokens=5, ignore_eos=False), dict(max_tokens=3, threshold=0.2)]
+    prompts = [dp.PROMPTS[i % 3] for i in range(len(reqs))]
+    batched = _run_kw(model, reqs, prompts, [i // 3 for i in range(len(reqs))])
+    for i, kw in enumerate(reqs):
+        assert _run_kw(model, [kw], [prompts[i]], [0])["r0"] == batched[f"r{i}"], kw
