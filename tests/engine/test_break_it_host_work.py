@@ -316,3 +316,19 @@ def test_speculative_branches_near_the_canvas_end_and_eos_alone_equal_batched():
     batched = _run_kw(model, reqs, prompts, [i // 3 for i in range(len(reqs))])
     for i, kw in enumerate(reqs):
         assert _run_kw(model, [kw], [prompts[i]], [0])["r0"] == batched[f"r{i}"], kw
+
+
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_block_causal_multi_block_and_cfg_alone_equal_batched(shared_watch, cache):
+    """Multi-block (several active blocks: their own metadata, edited in place) beside CFG (an unconditional lane of
+    the same canvas shape as its conditional one) and plain requests on a block-causal model with absolute blocks:
+    alone = batched, and the shared metadata unchanged."""
+    model = tiny.loaded(attention="block_causal", block_alignment="absolute", fixed_block_size=True, block_size=4,
+                        initializer_range=0.5)
+    reqs = [dict(multi_block=0.5, max_tokens=12, cache=cache), dict(cfg_scale=0.8, max_tokens=8, cache=cache),
+            dict(max_tokens=8, cache=cache), dict(multi_block=0.25, threshold=0.3, max_tokens=11, cache=cache)]
+    prompts = [dp.PROMPTS[0]] * 3 + [dp.PROMPTS[1]]
+    batched = _run_kw(model, reqs, prompts, [0, 0, 1, 2])
+    for i, kw in enumerate(reqs):
+        assert _run_kw(model, [kw], [prompts[i]], [0])["r0"] == batched[f"r{i}"], kw
+    _assert_unchanged(shared_watch)
