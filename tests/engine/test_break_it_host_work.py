@@ -332,3 +332,20 @@ def test_block_causal_multi_block_and_cfg_alone_equal_batched(shared_watch, cach
     for i, kw in enumerate(reqs):
         assert _run_kw(model, [kw], [prompts[i]], [0])["r0"] == batched[f"r{i}"], kw
     _assert_unchanged(shared_watch)
+
+
+def test_token_editing_with_the_prefix_cache_equals_alone_without_it():
+    """LLaDA2 token editing (revealed tokens rewritten, the window's bytes changing without a mask revealed) on
+    prompts sharing prefix-cache blocks: each request's tokens = alone without the prefix cache."""
+    from llada2_tiny import loaded_llada2
+
+    model = loaded_llada2(seed=0)
+    base = "Hello world the quick brown fox jumps over the lazy dog " * 2
+    prompts = [base, base + " again", base + "!"]
+    reqs = [dict(threshold=0.6, editing_threshold=0.4, max_tokens=10), dict(threshold=0.6, max_tokens=9),
+            dict(threshold=0.5, editing_threshold=0.3, max_tokens=12)]
+    want = {f"r{i}": _run_kw(model, [kw], [prompts[i]], [0], enable_prefix_caching=False)["r0"]
+            for i, kw in enumerate(reqs)}
+    got = _run_kw(model, reqs, prompts, [0, 4, 6], enable_prefix_caching=True)
+    assert got.pop("cached") > 0
+    assert got == want
