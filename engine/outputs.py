@@ -148,7 +148,7 @@ def filled(cls, **values):
 
 
 def revealed_token(position: int, token_id: int, confidence: float, logprob: float,
-             top: tuple[tuple[int, float], ...] = ()) -> Revealed:
+                   top: tuple[tuple[int, float], ...] = ()) -> Revealed:
     """``Revealed(position, token_id, confidence, logprob, top)``, built as :func:`filled` builds it (one per
     revealed token)."""
     obj = object.__new__(Revealed)

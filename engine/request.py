@@ -369,18 +369,19 @@ class Request:
 
     # ------------------------------------------------------------------ finish
     def _check_finished(self) -> None:
-        """Apply the stop rules (``unmask.engine.stopping``) to the newly revealed left-to-right prefix (nothing to
-        do when the position after it is still masked and a block is left: the prefix did not grow)."""
+        """Apply the stop rules (``unmask.engine.stopping``) to the newly revealed left-to-right prefix (none when the
+        position after it is still masked: ``StopChecker.update`` then returns at once unless a check is due)."""
         if self.finished:
             return
         stopper = self.stopper
         lo, hi = self.prompt_len + len(stopper.prefix), self.stop_scan_end()
         at_end = self.block_idx >= len(self.blocks)
         canvas, mask = self.host_canvas(), self.dllm.mask_token_id
-        if stopper.checked and not at_end and lo < hi and canvas[lo] == mask:
-            return  # StopChecker.update would skip it: no new ids, already checked, not at the end
-        rest = canvas[lo:hi].tolist()
-        new = rest[: rest.index(mask)] if mask in rest else rest  # the revealed run before the first mask
+        if lo < hi and canvas[lo] == mask:
+            new = []  # the prefix did not grow (most steps): no scan of the rest
+        else:
+            rest = canvas[lo:hi].tolist()
+            new = rest[: rest.index(mask)] if mask in rest else rest  # the revealed run before the first mask
         shown = stopper.stream_text
         done = stopper.update(new, at_end)
         if done is not None:
