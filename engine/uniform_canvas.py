@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from .outputs import Revealed, StepEvent
+from .outputs import StepEvent, revealed_token
 from .request import Request
 
 __all__ = ["UniformCanvasSequence", "step_uniform"]
@@ -191,7 +191,7 @@ class UniformCanvasSequence(Request):
         if stop or not self.cur_step:
             self._end_canvas()
             before = None  # the whole canvas, final now
-        revealed = [Revealed(rel + i, t, conf[i], logconf[i], ())
+        revealed = [revealed_token(rel + i, t, conf[i], logconf[i])
                     for i, t in enumerate(ids[: max(0, self.max_tokens - rel)]) if before is None or t != before[i]]
         return self.event(block, step, revealed)
 
@@ -341,7 +341,11 @@ def step_uniform(model, seqs: list[UniformCanvasSequence], store=None) -> list[S
     bounds = torch.tensor([seq.options.entropy_bound for seq in seqs], dtype=entropy.dtype, device=entropy.device)
     accept = entropy_bound_mask(entropy, bounds[:, None])
     confidence = probs.gather(-1, argmax[..., None])[..., 0]
-    shown = zip(argmax.tolist(), confidence.tolist(), torch.log(confidence).tolist())
+    # the shown argmax, probability and log-probability of every row in one device-to-host copy (float64 holds the
+    # ids and the float32 values exactly)
+    host = torch.stack([argmax.to(torch.float64), confidence.to(torch.float64),
+                        torch.log(confidence).to(torch.float64)]).cpu().tolist()  # [3, B, C]
+    shown = zip([[int(t) for t in row] for row in host[0]], host[1], host[2])
     events = []
     for i, (seq, row_shown) in enumerate(zip(seqs, shown)):
         seq.nfe += 1
