@@ -369,6 +369,7 @@ class BatchKV:
         self._written: dict[int, set[int]] = {}  # layer -> rows whose chunk went into their lane's scratch positions
         self._plan: _ScratchPlan | None = None  # lane mode: the forward's scratch writes (:meth:`_scratch_plan`)
         self._masks: dict[int, torch.Tensor] = {}
+        self.lane_groups = None  # engine/lane_attention.py's grouping of the rows, made at the forward's first layer
 
     def key_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pos, grp, valid)`` of the cached part, each ``[B, C]`` (C = longest lane cache) on the keys' device,

@@ -7,8 +7,11 @@ Q, D]`` tensor, so every lane's cached keys were copied into a padded tensor on 
 :class:`~unmask.engine.kv_cache.BatchKV` instead writes each lane's new keys after its cached ones in the lane's own
 blocks of the paged KV pool (``engine/kv_pool.py``) and returns only the new keys; this function then attends per
 lane over views of those blocks: its ``n_b`` cached keys and its ``Q_b`` chunk rows, one SDPA call when they are one
-run of storage, the runs read in place and merged otherwise (:func:`lane_attend`). Bytes moved per step: the new
-rows' keys. The fused fp16 decoder calls :func:`attend_lanes` the same way.
+run of storage, the runs read in place and merged otherwise (:func:`lane_attend`). Lanes alike (same cached length,
+chunk rows and mask state) whose runs are evenly spaced in one slab of the pool attend in one SDPA call over a strided
+view of that slab (:func:`_groups`), bit for bit each lane's own call where the kernel allows it
+(:func:`_batch_invariant_sdpa`). Bytes moved per step: the new rows' keys. The fused fp16 decoder calls
+:func:`attend_lanes` the same way.
 
 Per lane: grouped-query attention without repeating K/V (``enable_gqa``); no mask at all when every row of the
 lane sees every key (:attr:`BatchKV.sees_all`, decided on the host: a decoding step of the exact cache whose rows are
@@ -24,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from .transfer import to_device
 
 __all__ = ["NAME", "attend_lanes", "lane_attend", "lanes", "register", "use_lanes"]
 
@@ -63,22 +68,180 @@ def attend_lanes(cache, layer: int, query: torch.Tensor, key: torch.Tensor, valu
     """Every lane's attention in one layer: ``query`` ``[B, Hq, Q, D]``, ``key``/``value`` the chunk's ``[B, Hkv, Q,
     D]`` (written after each lane's cached keys by ``cache.update``), ``attention_mask`` the forward's ``[B, 1, Q, C +
     Q]`` bool or None (nothing masked). Returns ``[B, Q, Hq, D]`` (padded rows 0). Used by transformers' attention
-    modules (:func:`lane_attention`) and the fused fp16 decoder (``engine/fused_decoder.py``)."""
+    modules (:func:`lane_attention`) and the fused fp16 decoder (``engine/fused_decoder.py``).
+
+    Lanes of one :class:`_Group` (same cached length, chunk rows and mask state, keys evenly spaced in one storage:
+    :func:`_groups`) take one SDPA call over a strided view of their blocks; the others one call each
+    (:func:`lane_attend`)."""
     B, Hq, Q, D = query.shape
     C = cache.cached_len
     if C == 0:  # no lane has cached keys (a canvas without cache, a batch of first prefills): one call for all
         return _uncached(cache, query, key, value, attention_mask, scaling)
+    plan = getattr(cache, "lane_groups", None)
+    if plan is None:
+        plan = cache.lane_groups = _groups(cache, layer, query, key, value)
+    singles = plan.singles
+    outs = []
+    for group in plan.groups:
+        o = _attend_group(cache, group, layer, query, key, value, attention_mask, scaling)
+        if o is None:  # this layer's storage is not laid out as planned: the group's lanes one by one
+            singles = [*singles, *group.rows]
+        elif len(plan.groups) == 1 and not singles and group.q == Q and group.rows == tuple(range(B)):
+            return o  # every row, in order, no padding
+        else:
+            outs.append((group, o))
     out = query.new_zeros(B, Q, Hq, D)
-    for b in range(B):
-        q_b = cache.rows[b]  # the lane's real chunk rows (the rest is padding)
-        if q_b == 0:
-            continue
+    for group, o in outs:
+        out[group.index, :group.q] = o
+    for b in singles:
+        q_b = cache.rows[b]
         segments, n_b = cache.lane_segments(b, layer, key, value)
         mask = None
         if not cache.sees_all[b] and attention_mask is not None:
             mask = cache.lane_mask(b, attention_mask, n_b, q_b, C)
         out[b, :q_b] = lane_attend(query[b, :, :q_b], segments, mask, scaling)
     return out
+
+
+class _Group:
+    """Batch rows attended in one SDPA call (:func:`_groups`): each row's keys/values are one ``[Hkv, n + q, D]``
+    view, the views of row ``rows[i]`` at storage offsets ``k_at + i * k_step`` / ``v_at + i * v_step`` with the
+    strides ``k_strides`` / ``v_strides`` (``pooled``: views of the KV pool's blocks, the same slots in every
+    layer; else ``n == 0`` and the views are the chunk's own rows). ``index`` selects ``rows`` of a batch tensor (a
+    slice when they are evenly spaced, else a LongTensor); ``masks`` caches the group's mask per forward mask."""
+
+    __slots__ = ("rows", "index", "n", "q", "sees_all", "pooled", "k_at", "v_at", "k_step", "v_step", "k_strides",
+                 "v_strides", "masks")
+
+    def __init__(self, rows: list[int], members: list[tuple], n: int, q: int, sees_all: bool, device: torch.device):
+        self.rows = tuple(rows)
+        self.index = _row_index(rows, device)
+        self.n, self.q, self.sees_all, self.pooled = n, q, sees_all, n > 0
+        (self.k_at, self.v_at, _, k0, v0), second = members[0], members[1]
+        self.k_step, self.v_step = second[0] - self.k_at, second[1] - self.v_at
+        self.k_strides, self.v_strides = k0.stride(), v0.stride()
+        self.masks: tuple | None = None  # (the forward's mask, the group's [g, 1, q, n + q] slice of it)
+
+
+class _LaneGroups:
+    """One forward's rows (:func:`_groups`): ``groups`` (:class:`_Group`) and ``singles`` (rows attended alone)."""
+
+    __slots__ = ("groups", "singles")
+
+    def __init__(self, groups: list[_Group], singles: list[int]):
+        self.groups, self.singles = groups, singles
+
+
+def _batch_invariant_sdpa(query: torch.Tensor) -> bool:
+    """Whether one SDPA call over several lanes gives each lane the bits of its own call. On a CPU: the fused flash
+    kernel (float32, float64, bfloat16) computes each (batch row, head, query block) alone with the same blocking;
+    float16 may switch to packed (oneDNN) GEMMs by the whole call's size, and the math path (flash disabled) runs
+    batched matmuls: those keep one call per lane. Elsewhere the contracts are within a tolerance, not exact
+    (docs/design.md#exactness-contracts-by-device-and-dtype), and one call is allowed."""
+    if query.device.type != "cpu":
+        return True
+    return query.dtype in (torch.float32, torch.float64, torch.bfloat16) and torch.backends.cuda.flash_sdp_enabled()
+
+
+def _groups(cache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _LaneGroups:
+    """Once per forward (the rows' block layout is the same in every layer): rows whose keys/values are one view each
+    (a lane in one run of the pool, its chunk written after its cached keys; or a lane with nothing cached: the
+    chunk's rows), bucketed by cached length, chunk rows, mask state and storage, then cut into runs whose views
+    are evenly spaced in that storage (:func:`_even_runs`); a run of two or more rows is a :class:`_Group`. The rest
+    (a lane in several runs, a chunk not written into its blocks, a dtype whose SDPA is not batch invariant) are
+    ``singles``."""
+    singles: list[int] = []
+    buckets: dict[tuple, list[tuple]] = {}
+    batchable = _batch_invariant_sdpa(query)
+    for b, q_b in enumerate(cache.rows):
+        if q_b == 0:
+            continue
+        segments, n_b = cache.lane_segments(b, layer, key, value) if batchable else ((), 0)
+        if len(segments) != 1:
+            singles.append(b)
+            continue
+        k, v = segments[0]
+        at = _storage_at(k), _storage_at(v)
+        if None in at:
+            singles.append(b)
+            continue
+        sig = (n_b, q_b, bool(cache.sees_all[b]), at, k.stride(), v.stride())
+        buckets.setdefault(sig, []).append((k.storage_offset(), v.storage_offset(), b, k, v))
+    groups = []
+    for (n_b, q_b, sees_all, *_), members in buckets.items():
+        members.sort(key=lambda m: m[0])
+        for run in _even_runs(members) if n_b else [members]:  # a chunk's rows need not be evenly spaced: indexed
+            if len(run) == 1:
+                singles.append(run[0][2])
+            else:
+                groups.append(_Group([m[2] for m in run], run, n_b, q_b, sees_all, query.device))
+    return _LaneGroups(groups, sorted(singles))
+
+
+def _storage_at(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (None where a tensor subclass has no real one: the tests' fake CUDA)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _even_runs(members: list[tuple]) -> list[list[tuple]]:
+    """``(key offset, value offset, ...)`` tuples sorted by key offset, cut into runs in which both offsets advance
+    by one constant step each (greedy: a run takes the next member while its steps match the run's first)."""
+    runs: list[list[tuple]] = []
+    for m in members:
+        run = runs[-1] if runs else None
+        if run is not None and (len(run) == 1 and m[0] > run[0][0] and m[1] > run[0][1] or len(run) > 1 and (
+                m[0] - run[-1][0] == run[1][0] - run[0][0] and m[1] - run[-1][1] == run[1][1] - run[0][1])):
+            run.append(m)
+        else:
+            runs.append([m])
+    return runs
+
+
+def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """``rows`` of a batch tensor: a slice when evenly spaced and increasing (a view), else a LongTensor."""
+    step = rows[1] - rows[0]
+    if step > 0 and all(b - a == step for a, b in zip(rows, rows[1:])):
+        return slice(rows[0], rows[-1] + 1, step)
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
+def _attend_group(cache, group: _Group, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor | None:
+    """One SDPA call for ``group``'s rows: ``[g, q, Hq, D]``, row ``i`` bit for bit the call of its own lane
+    (:func:`_batch_invariant_sdpa`). The keys/values are one strided view of the pool's storage, read in place (no
+    copy of a cache), or the chunk's rows. None when this layer's first view is not where the plan says (a layer
+    whose storage has other strides: the caller attends the rows one by one)."""
+    q, n, Hq = group.q, group.n, query.shape[1]
+    L = n + q
+    if group.pooled:
+        segments, _ = cache.lane_segments(group.rows[0], layer, key, value)
+        if len(segments) != 1:
+            return None
+        k0, v0 = segments[0]
+        if (k0.storage_offset(), v0.storage_offset(), k0.stride(), v0.stride()) != (
+                group.k_at, group.v_at, group.k_strides, group.v_strides):
+            return None
+        g = len(group.rows)
+        # the block tables are the same in every layer, and a slab's tensors of one layer have one shape: lane i's
+        # view lies at the planned offset of this layer's tensor, as the first one's does
+        k = k0.as_strided((g, k0.shape[0], L, k0.shape[2]), (group.k_step, *group.k_strides), group.k_at)
+        v = v0.as_strided((g, v0.shape[0], L, v0.shape[2]), (group.v_step, *group.v_strides), group.v_at)
+    else:  # nothing cached: the chunk's own rows
+        k, v = key[group.index, :, :q], value[group.index, :, :q]
+    mask = None
+    if not group.sees_all and attention_mask is not None:
+        memo = group.masks
+        if memo is None or memo[0] is not attention_mask:
+            rows = attention_mask[group.index, :, :q]
+            C = cache.cached_len
+            memo = group.masks = (attention_mask, torch.cat([rows[..., :n], rows[..., C:C + q]], -1))
+        mask = memo[1]
+    o = F.scaled_dot_product_attention(query[group.index, :, :q], k, v, attn_mask=mask, scale=scaling,
+                                       enable_gqa=k.shape[1] != Hq)
+    return o.transpose(1, 2)
 
 
 def _uncached(cache, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
