@@ -7,10 +7,38 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 def decode(tokenizer, ids: list[int]) -> str:
-    """Text of ``ids`` with special tokens (EOS, mask) skipped and no clean-up of spaces."""
+    """Text of ``ids`` with special tokens (EOS, mask) skipped and no clean-up of spaces.
+
+    A list of ids on a Hugging Face fast tokenizer that overrides neither ``decode`` nor ``_decode`` goes straight
+    to its ``backend_tokenizer`` (the ``tokenizers`` library), which is what ``decode`` calls there once it has
+    converted the ids and found no clean-up to do: the same text without transformers' per-call conversion (the
+    stop rules decode a choice's growing prefix every step it grows, issue 42)."""
     if not ids:
         return ""
+    if type(ids) is list and _decodes_by_backend(tokenizer):
+        return tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _decodes_by_backend(tokenizer) -> bool:
+    """Whether ``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`` of a list of
+    ids is ``tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)``: a fast tokenizer whose class and
+    instance keep transformers' own ``decode`` and ``_decode``."""
+    attrs = getattr(tokenizer, "__dict__", None)
+    return (attrs is not None and _plain_fast_class(type(tokenizer)) and "decode" not in attrs
+            and "_decode" not in attrs)
+
+
+@lru_cache(maxsize=None)
+def _plain_fast_class(cls: type) -> bool:
+    """``cls`` is a transformers fast tokenizer class with transformers' own ``decode`` and ``_decode``."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    return (issubclass(cls, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode)
 
 
 def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str | None]:

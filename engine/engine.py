@@ -24,7 +24,7 @@ from .params import SamplingParams
 from .plan import DecodingPlan, EngineDefaults, engine_defaults, resolve
 from .prefix_cache import PrefixCache, model_fingerprint
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import MemoryReading, Scheduler
 from .multi_block import MultiBlockSequence
 from .refinement import RefinementSequence
 from .sequence import Sequence
@@ -97,6 +97,8 @@ class Engine:
             ``denoiser``), ``block_size`` and ``max_model_len`` (the plan's inputs, :func:`model_defaults`).
         denoiser: share an existing denoiser (its forward counter).
         prefix_cache: share an existing store (``LLM`` keeps one across its calls); implies reuse.
+        memory_reading: share the available memory's last reading (``LLM`` keeps one across its calls:
+            :meth:`Scheduler.check_memory`).
 
     Raises:
         ValueError: an option out of range or one the model does not allow (names it); ``compile`` on packed
@@ -105,7 +107,7 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, denoiser: Denoiser | None = None,
-                 prefix_cache: PrefixCache | None = None, **options):
+                 prefix_cache: PrefixCache | None = None, memory_reading: MemoryReading | None = None, **options):
         config = self.config = with_options(EngineConfig, config, options).validate()
         self.model = model
         model_defaults(model, config)  # validates default_drafts, block_size, max_model_len against the model
@@ -124,7 +126,8 @@ class Engine:
         self.scheduler = Scheduler(self.denoiser, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    max_cached_tokens=config.max_cached_tokens, prefix_cache=prefix_cache,
                                    max_step_rows=config.max_step_rows,
-                                   gpu_memory_utilization=config.gpu_memory_utilization)
+                                   gpu_memory_utilization=config.gpu_memory_utilization,
+                                   memory_reading=memory_reading)
         self.scheduler.kv_bytes_per_token, self.scheduler.logit_row_bytes = memory_sizes(model)
 
     @property

@@ -16,6 +16,7 @@ from .prefix_cache import PrefixCache
 from .config import OWN_FORWARD_FAMILIES
 from .encoder_prefix import EncoderPrefixStore
 from .request import Request
+from .scheduler import MemoryReading
 from .text_ids import encode_text
 
 _ids = itertools.count()
@@ -92,13 +93,15 @@ class LLM:
                              and self.model.dllm.attention != "bidirectional" else None)
         if config.enable_prefix_caching and self.model.dllm.family in OWN_FORWARD_FAMILIES:  # the encoder's KV
             self.denoiser.encoder_store = EncoderPrefixStore()
+        self.memory_reading = MemoryReading()  # one reading of the available memory across calls (admission)
         self._engine(1)  # validates the plan's inputs against the model
 
     def _engine(self, max_batch_size: int) -> Engine:
         """A fresh engine loop over this model (one per call: calls never share a batch), sharing the denoiser."""
         return Engine(self.model, self.config, denoiser=self.denoiser, prefix_cache=self.prefix_cache,
                       max_batch_size=max_batch_size, max_queue=UNBOUNDED_QUEUE, enable_prefix_caching=False,
-                      max_step_rows=None)  # one caller's offline batch: no other client to be fair to
+                      max_step_rows=None,  # one caller's offline batch: no other client to be fair to
+                      memory_reading=self.memory_reading)
 
     @property
     def tokenizer(self):

@@ -124,14 +124,17 @@ def check_request_ids(prompt_ids: list[int], params, dllm: DllmConfig, vocab_siz
         raise ParamError("prompt", "must contain at least one token")
     if vocab_size is not None:
         check_token_ids("prompt", prompt_ids, vocab_size)
-        check_no_mask("prompt", list(prompt_ids), dllm.mask_token_id)
+        check_no_mask("prompt", prompt_ids if type(prompt_ids) is list else list(prompt_ids), dllm.mask_token_id)
         check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
-        check_token_ids("constraints", list(params.constraints.values()), vocab_size)
+        if params.constraints:
+            check_token_ids("constraints", list(params.constraints.values()), vocab_size)
         if isinstance(params.suffix, list):
             check_token_ids("suffix", params.suffix, vocab_size)
             check_no_mask("suffix", list(params.suffix), dllm.mask_token_id)
-        check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
-    check_sampleable("logit_bias", sorted(params.logit_bias or ()), dllm, "a bias on it has no effect", key=True)
+        if params.logit_bias:
+            check_token_ids("logit_bias", list(params.logit_bias), vocab_size)
+    if params.logit_bias:
+        check_sampleable("logit_bias", sorted(params.logit_bias), dllm, "a bias on it has no effect", key=True)
     check_sampleable("stop_token_ids", params.stop_token_ids, dllm, "it can never stop a choice")
 
 
@@ -188,10 +191,8 @@ class Request:
         self.max_tokens, self.suffix_len, self.gen_len, self.length = (params.max_tokens, lay.suffix_len,
                                                                        lay.gen_len, lay.length)
         self.blocks, self.windows, self.window_steps = list(lay.blocks), list(lay.windows), list(lay.window_steps)
-        canvas = torch.full((lay.length,), mask_id, dtype=torch.long)
-        canvas[:P] = torch.tensor(prompt_ids, dtype=torch.long)
-        if suffix:
-            canvas[P + self.gen_len:] = torch.tensor(suffix, dtype=torch.long)
+        # one tensor from one list (prompt | masks | suffix): a request's host tensors cost a few allocations each
+        canvas = torch.tensor(self.prompt_ids + [mask_id] * self.gen_len + suffix, dtype=torch.long)
         for pos, tok in params.constraints.items():
             canvas[P + int(pos)] = int(tok)
         self.canvas = canvas.to(self.device)

@@ -51,6 +51,28 @@ _DEFAULTS = EngineConfig()  # the engine options' one set of defaults
 FREE_MEMORY_REUSE_S = 1.0
 
 
+def least_served(waiting: Iterable[Request], held: collections.Counter) -> Request:
+    """The first waiting sequence whose group holds the fewest running sequences (``held``: group -> count), as
+    ``min(waiting, key=...)`` picks it; the scan stops at the first group holding none (no count is lower)."""
+    best, fewest = None, 0
+    for seq in waiting:
+        n = held[seq.group]
+        if best is None or n < fewest:
+            best, fewest = seq, n
+            if not n:
+                break
+    return best
+
+
+class MemoryReading:
+    """The last reading of the machine's available memory, ``(time.monotonic(), bytes)`` (None before the first),
+    kept for :meth:`Scheduler.check_memory`'s reuse rule. The engines of one caller share one (``LLM`` builds an
+    engine per call: a call right after another reuses its reading under the same rule as a burst of admissions)."""
+
+    def __init__(self) -> None:
+        self.value: tuple[float, int] | None = None
+
+
 class QueueFull(RuntimeError):
     """The waiting queue holds ``max_queue`` sequences (HTTP 429)."""
 
@@ -70,12 +92,15 @@ class Scheduler:
             canvas length, an upper bound on its cache); ``None`` = unlimited. A sequence longer than the whole
             budget is refused with :class:`CacheFull`.
         prefix_cache: the store of reusable prefixes (``None``: no reuse); bounded here by the free budget.
+        memory_reading: the available memory last read, shared with other engines of the same caller (default: this
+            scheduler's own).
     """
 
     def __init__(self, denoiser: Denoiser, max_batch_size: int = _DEFAULTS.max_batch_size,
                  max_queue: int = _DEFAULTS.max_queue, max_cached_tokens: int | None = None, prefix_cache: PrefixCache | None = None,
                  max_step_rows: int | None = _DEFAULTS.max_step_rows,
-                 gpu_memory_utilization: float = _DEFAULTS.gpu_memory_utilization):
+                 gpu_memory_utilization: float = _DEFAULTS.gpu_memory_utilization,
+                 memory_reading: MemoryReading | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
         self.denoiser = denoiser
@@ -101,7 +126,7 @@ class Scheduler:
         self.logit_row_bytes: int | None = None
         self._last_step: dict[Request, int] = {}  # the step each running sequence last ran in
         self._steps = 0
-        self._free_memory: tuple[float, int] | None = None  # (time.monotonic(), bytes available) last read
+        self.memory_reading = memory_reading or MemoryReading()  # the available memory last read (check_memory)
 
     @staticmethod
     def need(seq: Request) -> int:
@@ -170,17 +195,18 @@ class Scheduler:
         """Raise :class:`ParamError` (``max_tokens``) when the estimate (:meth:`estimate_bytes`) exceeds the
         memory the machine has available now: the request could only fail or swap midway. The available memory is
         read again unless the estimate is at most half of a reading less than ``FREE_MEMORY_REUSE_S`` old (a burst
-        of admissions, e.g. ``generate`` with many prompts, reads it once)."""
+        of admissions, e.g. ``generate`` with many prompts, reads it once; the reading is :attr:`memory_reading`,
+        which ``LLM``'s engines share, so back-to-back calls read it once too)."""
         kv, logits = self.estimate_bytes(reqs)
         if not kv + logits:
             return
-        seen, now = self._free_memory, time.monotonic()
+        seen, now = self.memory_reading.value, time.monotonic()
         if seen is not None and now - seen[0] < FREE_MEMORY_REUSE_S and 2 * (kv + logits) <= seen[1]:
             return  # at most half of what was available a moment ago: no new reading (a burst of admissions)
         import psutil
 
         free = psutil.virtual_memory().available
-        self._free_memory = (now, free)
+        self.memory_reading.value = (now, free)
         if kv + logits > free:
             raise ParamError("max_tokens", f"this request needs ~{(kv + logits) >> 20} MiB (KV cache {kv >> 20} MiB "
                                            f"for {sum(self.need(s) for s in reqs)} tokens, logits {logits >> 20} "
@@ -356,13 +382,22 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Fill the free slots fairly, then let starved requests take a slot from the largest holder (see the
-        module docstring)."""
+        module docstring). The fill keeps its counts (sequences per group, reserved tokens) up to date as it joins
+        instead of recounting the batch per slot (issue 42: a batch of B filled in O(B), not O(B^2))."""
+        held: collections.Counter | None = None
+        reserved: int | None = None
         while self.waiting and len(self.running) < self.max_batch_size:
-            held = self._counts(self.running)
-            seq = min(self.waiting, key=lambda s: held[s.group])  # first of the least served request
-            if not self._fits(seq, self.reserved_tokens()):
+            if held is None:
+                held = self._counts(self.running)
+            seq = least_served(self.waiting, held)
+            if reserved is None and self.running and self.max_cached_tokens is not None:
+                reserved = self.reserved_tokens()  # read by _fits only then
+            if not self._fits(seq, reserved or 0):
                 return
+            if reserved is not None and seq not in self.paused:  # a paused sequence's reservation already counts
+                reserved += self.need(seq)
             self._join(seq)
+            held[seq.group] += 1
         while self.waiting:
             held = self._counts(self.running)
             starved = next((s for s in self.waiting if held[s.group] == 0), None)

@@ -105,6 +105,8 @@ def check_sampleable(name: str, ids, dllm: DllmConfig, effect: str, key: bool = 
     suppressed ids: :func:`never_generated_reason`): an option on such a token (a ``logit_bias`` key, a
     ``stop_token_ids`` entry) would be accepted and have no effect (docs/design.md#admission-and-limits). ``effect``:
     what the option would fail to do, for the message; ``key``: name the id as a quoted key (``logit_bias``)."""
+    if not ids:
+        return  # the usual case (no logit_bias, no stop_token_ids): nothing to look up
     never = set(dllm.never_generate_ids)
     bad = next((t for t in ids if t in never), None)
     if bad is not None:

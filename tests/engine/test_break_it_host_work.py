@@ -288,7 +288,7 @@ def test_a_memory_reading_answers_only_requests_needing_half_of_it_within_a_seco
     monkeypatch.setattr(sched.time, "monotonic", lambda: now[0])
     need = [0]
     monkeypatch.setattr(s, "estimate_bytes", lambda reqs: (need[0], 0))
-    s._free_memory = None
+    s.memory_reading.value = None
     need[0] = 40 << 20
     s.check_memory([])  # first reading: 100 MiB
     avail[0] = 45 << 20  # memory drops
