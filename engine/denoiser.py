@@ -20,6 +20,7 @@ from .kv_cache import BatchKV, CarryPool
 from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from .model import LoadedModel
 from .outputs import StepEvent
+from .plain_batch import forward_width, table_ready, table_step
 from .prefill_cost import PrefillBudget, attention_crossover_keys, forward_overhead_rows
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
@@ -47,6 +48,10 @@ class Denoiser:
             ``cuda_graphs`` on a model that is not on a CUDA device (names ``cuda_graphs``).
     """
 
+    #: plain cache-less sequences step as one table (engine/plain_batch.py); False: every sequence takes the general
+    #: path (tests comparing the two, and recordings of the general path's consume)
+    table_steps = True
+
     def __init__(self, model: LoadedModel, compile: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  cuda_graphs: bool = False):
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
@@ -64,6 +69,11 @@ class Denoiser:
         self.compiled = bool(compile)
         check_cuda_graphs(cuda_graphs, self.device)
         self.step_graphs = StepGraphs(self.device, capture=True) if cuda_graphs else None
+        if cuda_graphs:
+            self.table_steps = False  # the static step captures the general path's reveal pass
+        self.table_memo: dict = {}  # their forward geometries (plain_batch._cached_geometry)
+        self.table = None  # their canvases and log-probabilities (plain_batch.PlainTable)
+        self.vocab_size = model.vocab_size
         if compile:
             model.enable_compile()
 
@@ -94,6 +104,14 @@ class Denoiser:
             if self.step_graphs is not None:
                 self.step_graphs.note_eager("uniform canvas", len(seqs))
             return step_uniform(self.model, seqs, self.encoder_store)
+        if self.table_steps and all(table_ready(seq, self.vocab_size) for seq in seqs):
+            # every sequence a plain cache-less one: the table step (a mixed step keeps one forward for all)
+            groups = plan_forwards([forward_width(seq) for seq in seqs], [1] * len(seqs), self.forward_overhead_rows)
+            return table_step(self, seqs, groups)
+        return self._step_general(seqs)
+
+    def _step_general(self, seqs: list[DecodingStrategy]) -> list[StepEvent]:
+        """:meth:`step` through each sequence's lane inputs (what is not a table step)."""
         # decoding sequences (nothing pending) skip the chunked-prefill bookkeeping
         budget = self.budget
         pending = [seq.pending_prompt_rows() if budget.chunk else 0 for seq in seqs]

@@ -53,12 +53,15 @@ def recording() -> Iterator[None]:
     for cls, consume in saved.items():
         cls.consume = wrap(consume)
     denoiser.consume_batch = recorded_batch
+    table_steps = denoiser.Denoiser.table_steps
+    denoiser.Denoiser.table_steps = False  # the table step (engine/plain_batch.py) = this path: tests/engine/test_plain_table.py
     try:
         yield
     finally:
         for cls, consume in saved.items():
             cls.consume = consume
         denoiser.consume_batch = batched
+        denoiser.Denoiser.table_steps = table_steps
 
 
 def _block(model, size: int) -> int | None:

@@ -1,0 +1,293 @@
+"""Plain denoising of many sequences as one table (docs/design.md#decoding, "The plain table step"; issue 42).
+
+The common request - plain block-wise unmasking without a KV cache (``cache="none"``, the default on bidirectional
+models), one lane, no grammar, no per-row sampling extras - needs nothing per sequence between its reveals but a
+few counters. :func:`table_step` runs one denoising step of many such sequences over ``[B, ...]`` tables instead of
+per-sequence objects: the canvases stacked once, the masked window positions found by one NumPy pass, the forward's
+inputs and mask built once per batch geometry (kept while the rows' blocks stay), one LM-head gather, the draws,
+scores and reveal rule over every row at once (the sampler's and the reveal rule's own functions), one
+device-to-host copy, the canvas and log-probability writes as array writes. What stays per sequence is what the
+host must know: its counters, the stop rules when its revealed prefix grew, and its :class:`StepEvent`.
+
+The tokens, log-probabilities, events and their order equal the general path's
+(``Sequence.lane_inputs`` -> ``Denoiser._forward`` -> ``batch_step.reveal_batch``; tested) on every device and dtype,
+since every value goes through the same operations on the same rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .noise import GUMBEL, row_keys_of
+from .outputs import StepEvent, revealed_token
+from .reveal_rule import choose_rows, reveal_count
+from .sampler import forbid, gumbel_argmax, log_normalizer, sampling_temperature
+from .sequence import Sequence, chunk_metadata
+from .transfer import to_device
+
+__all__ = ["PlainTable", "TableGeometry", "forward_width", "table_ready", "table_step"]
+
+_MEMO_SIZE = 2  # batch geometries kept (a block's steps reuse one; each holds a [B, 1, Q, Q] mask)
+
+
+def table_ready(seq, vocab_size: int) -> bool:
+    """Whether ``seq`` may step through :func:`table_step`: a plain :class:`~unmask.engine.sequence.Sequence`
+    (not a subclass) without a grammar, KV cache, CFG lane, cached keys, ``top_logprobs``, ``min_tokens``,
+    ``logit_bias``, penalties, top-k/top-p filters or a remasking order other than ``low_confidence``."""
+    if type(seq) is not Sequence or seq.cache_mode != "none" or len(seq.lanes) != 1 or seq.grammar is not None \
+            or seq.lanes[0].cache.length:
+        return False
+    ok = getattr(seq, "_table_params_ok", None)
+    if ok is None:
+        p = seq.params
+        k = p.top_k or 0
+        ok = seq._table_params_ok = (not p.top_logprobs and not p.min_tokens and seq.logit_bias is None
+                                     and p.presence_penalty == 0 and p.frequency_penalty == 0
+                                     and p.repetition_penalty == 1.0 and not (0 < k < vocab_size) and p.top_p >= 1.0
+                                     and (p.remasking or "low_confidence") == "low_confidence")
+    return ok
+
+
+def forward_width(seq: Sequence) -> int:
+    """The rows a cache-less step forwards, ``[0, width)``: the whole canvas on a bidirectional model, up to the
+    active block's end otherwise (``Sequence.lane_inputs``, cache ``none``)."""
+    return seq.length if seq.dllm.attention == "bidirectional" else seq.blocks[seq.block_idx][1]
+
+
+class TableGeometry:
+    """One batch geometry's forward inputs other than the tokens, built once and kept while the rows' blocks stay:
+    ``[B, Q]`` positions, groups, group starts, committed, valid, prompt rows (or None) on the device, the forward's
+    mask, ``[B]`` row widths and whether each row is one attention group (lane mode)."""
+
+    __slots__ = ("pos", "grp", "start", "committed", "valid", "valid_host", "prompt", "mask", "widths", "one_group")
+
+
+def _geometry(denoiser, keys: tuple, lanes: list, prompt_lens: list[int]) -> TableGeometry:
+    """:class:`TableGeometry` of rows whose ``keys`` are ``(block metadata key, width)`` (the metadata of
+    ``unmask.engine.sequence.chunk_metadata``), padded as ``Denoiser._inputs_on_device`` pads them."""
+    from .denoiser import forward_mask
+    from .kv_cache import BatchKV
+
+    pad = torch.nn.utils.rnn.pad_sequence
+    metas = [chunk_metadata(key, 0, hi, None) for key, hi in keys]
+    widths = [hi for _, hi in keys]
+    B, Q = len(keys), max(widths)
+    model = denoiser.model
+    longs = torch.stack([pad([m[0] for m in metas], batch_first=True),
+                         pad([m[1] for m in metas], batch_first=True, padding_value=-2),
+                         pad([m[2] for m in metas], batch_first=True)])
+    committed = pad([m[3] for m in metas], batch_first=True)
+    valid = torch.arange(Q) < torch.tensor(widths)[:, None]
+    prompt = torch.zeros(B, Q, dtype=torch.bool)
+    if model.tiles_prompt_rows:  # no cached keys: every committed prompt row is forwarded (Denoiser._inputs_on_device)
+        prompt = committed & (longs[0] < torch.tensor(prompt_lens)[:, None])
+    on = to_device(torch.cat([longs, torch.stack([committed, valid, prompt]).long()]), denoiser.device)
+    g = TableGeometry()
+    g.pos, g.grp, g.start = on[0], on[1], on[2]
+    g.committed, g.valid, g.valid_host = on[3].bool(), on[4].bool(), valid.numpy()
+    g.prompt = on[5].bool() if bool(prompt.any()) else None
+    g.widths = widths
+    g.one_group = [bool(m[5]) for m in metas]
+    kv = BatchKV(lanes, denoiser.device)
+    if model.lane_attention:
+        kv.lane_mode, kv.rows, kv.sees_all = True, widths, g.one_group
+    g.mask = forward_mask(kv, g.pos, g.grp, g.start, g.committed, g.valid)
+    return g
+
+
+def _cached_geometry(denoiser, keys: tuple, lanes: list, prompt_lens: list[int]) -> TableGeometry:
+    """:func:`_geometry`, kept in ``denoiser.table_memo`` (the last :data:`_MEMO_SIZE` geometries)."""
+    memo = denoiser.table_memo
+    key = (keys, tuple(prompt_lens))
+    g = memo.pop(key, None)
+    if g is None:
+        g = _geometry(denoiser, keys, lanes, prompt_lens)
+        while len(memo) >= _MEMO_SIZE:
+            memo.pop(next(iter(memo)))
+    memo[key] = g
+    return g
+
+
+class PlainTable:
+    """The canvases and log-probabilities of the sequences stepping as one table: ``canvas`` ``[B, L]`` int64 and
+    ``logprobs`` ``[B, G]`` float32 host tensors (``L``, ``G``: the longest canvas and generation region), whose row
+    ``b`` each sequence's ``canvas`` / ``logprobs`` are views of from then on (so every reader and writer of a
+    sequence's state sees the table). A new member list gets new tables: a sequence that left keeps its views of the
+    old ones, which nothing writes again."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.members = list(seqs)  # held: an id() of a finished sequence may be reused by a new one
+        B = len(seqs)
+        L, G = max(seq.length for seq in seqs), max(seq.gen_len for seq in seqs)
+        self.canvas = torch.zeros(B, L, dtype=torch.long)
+        self.logprobs = torch.zeros(B, G, dtype=torch.float32)
+        for b, seq in enumerate(seqs):
+            self.canvas[b, :seq.length] = seq.canvas
+            self.logprobs[b, :seq.gen_len] = seq.logprobs
+            seq.canvas, seq.logprobs = self.canvas[b, :seq.length], self.logprobs[b, :seq.gen_len]
+        self.views = [seq.canvas for seq in seqs]
+        self.host, self.host_lp = self.canvas.numpy(), self.logprobs.numpy()
+        self.prompt_lens = np.array([seq.prompt_len for seq in seqs], dtype=np.int64)
+
+
+    def holds(self, seqs: list[Sequence]) -> bool:
+        """Whether the members are ``seqs``, in this order, and each one's canvas is still its row's view."""
+        return len(seqs) == len(self.members) and all(
+            a is b and a.canvas is v for a, b, v in zip(seqs, self.members, self.views))
+
+
+def table_of(denoiser, seqs: list[Sequence]) -> PlainTable:
+    """``denoiser.table`` when it :meth:`~PlainTable.holds` ``seqs``, else a new :class:`PlainTable` of them."""
+    table = denoiser.table
+    if table is None or not table.holds(seqs):
+        table = denoiser.table = PlainTable(seqs)
+    return table
+
+
+def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[StepEvent]:
+    """One denoising step of ``seqs`` (each :func:`table_ready`, none finished), one forward per group of
+    indices (``unmask.engine.denoiser.plan_forwards``); returns their :class:`StepEvent` s in order."""
+    table = table_of(denoiser, seqs)
+    n = len(seqs)
+    geom = np.empty((n, 3), dtype=np.int64)  # per row: window start, window end, forward width
+    keys = []
+    for b, seq in enumerate(seqs):
+        a, e = seq.blocks[seq.block_idx]
+        _, s, we = seq.windows[seq.win_idx]
+        hi = forward_width(seq)
+        geom[b] = (s, we, hi)
+        keys.append(((seq.length, seq.dllm.attention, a, e, seq.block_size, seq.origin), hi))
+        seq.nfe += 1
+    mask_id = seqs[0].dllm.mask_token_id
+    cols = np.arange(table.host.shape[1])
+    masked = (table.host == mask_id) & (cols >= geom[:, :1]) & (cols < geom[:, 1:2])
+    rows, at = np.nonzero(masked)  # each row's masked window positions, ascending
+    counts = np.bincount(rows, minlength=n)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    logits = []
+    for group in groups:
+        logits.append(_forward(denoiser, table, [seqs[b] for b in group], group, [keys[b] for b in group], rows, at,
+                               counts, starts))
+    order = [b for group in groups for b in group]
+    if order != list(range(n)):  # the groups' logits back in row order
+        perm = np.concatenate([np.arange(starts[b], starts[b] + counts[b]) for b in order])
+        inverse = np.empty_like(perm)
+        inverse[perm] = np.arange(len(perm))
+        logits = [torch.cat(logits)[to_device(torch.from_numpy(inverse), denoiser.device)]]
+    segments, packed = _decide(denoiser, seqs, logits[0] if len(logits) == 1 else torch.cat(logits), rows, at,
+                               counts)
+    return _apply(table, seqs, packed, rows, at, counts, segments)
+
+
+def _forward(denoiser, table: PlainTable, seqs: list[Sequence], group: list[int], keys: list, rows: np.ndarray,
+             at: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+    """The forward of the table rows ``group`` (``seqs``: theirs; ``keys``: their geometry keys) and the logits of
+    their masked window positions, row after row (``[n, V]``)."""
+    from .kv_cache import BatchKV
+
+    dev = denoiser.device
+    lanes = [seq.lanes[0].cache for seq in seqs]
+    geo = _cached_geometry(denoiser, tuple(keys), lanes, table.prompt_lens[group].tolist())
+    Q = max(geo.widths)
+    idx = np.asarray(group)
+    tokens = torch.from_numpy(np.where(geo.valid_host, table.host[idx, :Q], 0))  # [b, Q]: padded with 0
+    kv = BatchKV(lanes, dev)
+    if denoiser.model.lane_attention:
+        kv.lane_mode, kv.rows, kv.sees_all = True, geo.widths, geo.one_group
+    extra = {"prompt_rows": geo.prompt} if geo.prompt is not None else {}
+    hidden = denoiser.model.hidden_states(to_device(tokens, dev), geo.pos, geo.mask, cache=kv, **extra)
+    denoiser.forwards += 1
+    if len(group) == len(counts):  # every row: the masked positions as they are
+        r, c = rows, at
+    else:
+        sel = np.concatenate([np.arange(starts[b], starts[b] + counts[b]) for b in group])
+        r, c = np.searchsorted(idx, rows[sel]), at[sel]
+    shift = 1 if seqs[0].dllm.logit_shift else 0
+    gather = to_device(torch.from_numpy(np.stack([r, c - shift])), dev)
+    return denoiser.model.logits(hidden[gather[0], gather[1]])
+
+
+def _decide(denoiser, seqs: list[Sequence], logits: torch.Tensor, rows: np.ndarray, at: np.ndarray,
+            counts: np.ndarray) -> tuple[list, np.ndarray]:
+    """Candidates and the reveal rule over every row (``batch_step.reveal_batch``'s operations: forbidden ids at
+    -inf, argmax or Gumbel-max per row, probability = the candidate's softmax at temperature 1, score = the
+    probability, per sequence its quota or threshold) and their one device-to-host copy: ``(per sequence its
+    segment (quota, threshold), [N, 4] float64 host (token, probability, log-probability, chosen))``."""
+    dev = logits.device
+    n = len(seqs)
+    logits = forbid(logits.float(), denoiser.forbidden)
+    tokens = torch.argmax(logits, dim=-1)
+    temps = [sampling_temperature(seq.params) for seq in seqs]
+    if any(temps):
+        t_row = np.asarray(temps, dtype=np.float64)[rows]
+        sampled = np.flatnonzero(t_row)
+        seeds = np.asarray([seq.plan.seed for seq in seqs], dtype=np.int64)[rows[sampled]]
+        steps = np.asarray([seq.step for seq in seqs], dtype=np.int64)[rows[sampled]]
+        draw_keys = row_keys_of(torch.from_numpy(seeds), torch.from_numpy(steps), GUMBEL,
+                                torch.from_numpy(at[sampled]))
+        both = to_device(torch.from_numpy(np.stack([sampled.astype(np.float64), t_row[sampled]])), dev)
+        r = both[0].long()
+        tokens[r] = gumbel_argmax(logits[r].to(torch.float64) / both[1][:, None], draw_keys)
+    lse = log_normalizer(logits)
+    logp = logits.gather(-1, tokens[:, None])[:, 0].to(torch.float64) - lse
+    probability = logp.exp()
+    segments = []
+    for seq, c in zip(seqs, counts.tolist()):
+        if seq.threshold is not None:
+            segments.append((None, seq.threshold))
+        else:
+            segments.append((reveal_count(c, seq.window_steps[seq.win_idx] - seq.step_in_window), None))
+    W = int(counts.max())
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    col = np.arange(W)[None, :]
+    N = int(counts.sum())
+    table = np.where(col < counts[:, None], starts[:, None] + col, N)
+    quota = [1 if t is not None else max(1, min(int(q or 1), c)) for (q, t), c in zip(segments, counts.tolist())]
+    both = to_device(torch.from_numpy(np.concatenate([table, np.asarray(quota, dtype=np.int64)[:, None]], 1)), dev)
+    tau = None
+    if any(t is not None for _, t in segments):
+        tau = to_device(torch.tensor([[2.0 if t is None else float(t)] for _, t in segments], dtype=torch.float64),
+                        dev)
+    chosen = choose_rows(probability, probability, both[:, :W], both[:, W:], tau)
+    packed = torch.stack([tokens.to(torch.float64), probability, logp.float().to(torch.float64),
+                          chosen.to(torch.float64)], 1).cpu().numpy()  # the step's one device-to-host copy
+    return segments, packed
+
+
+def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np.ndarray, at: np.ndarray,
+           counts: np.ndarray, segments: list) -> list[StepEvent]:
+    """Write the chosen rows into the table (every sequence's canvas and log-probabilities at once), then per
+    sequence, in the reveal order of ``HostRows.picked`` (a quota window's by descending score, ties to the lower
+    row; a threshold window's ascending), its revealed tokens, counters and stop rules (``Sequence.reveal``);
+    returns the events."""
+    chosen = packed[:, 3] > 0.5
+    prob = packed[:, 1]
+    quota_row = np.array([q is not None for q, _ in segments], dtype=bool)[rows]
+    # reveal order: by row, then (quota windows) descending score, then position; a stable sort keeps ties ascending
+    order = np.lexsort((np.where(quota_row, -prob, 0.0), rows))
+    order = order[chosen[order]]
+    r, pos = rows[order], at[order]
+    toks = packed[order, 0].astype(np.int64)
+    rel = pos - table.prompt_lens[r]
+    table.host[r, pos] = toks
+    table.host_lp[r, rel] = packed[order, 2]  # float64 -> float32, rounded as a float32 tensor write rounds it
+    picked = np.bincount(r, minlength=len(seqs)).tolist()
+    rel_l, tok_l, prob_l, lp_l = rel.tolist(), toks.tolist(), packed[order, 1].tolist(), packed[order, 2].tolist()
+    events = []
+    lo = 0
+    for seq, c, k in zip(seqs, counts.tolist(), picked):
+        hi = lo + k
+        limit = seq.max_tokens
+        revealed = [revealed_token(p, t, pr, lp) for p, t, pr, lp in
+                    zip(rel_l[lo:hi], tok_l[lo:hi], prob_l[lo:hi], lp_l[lo:hi]) if p < limit]
+        block, step = seq.block_idx, seq.step
+        seq.step += 1
+        seq.step_in_block += 1
+        seq.step_in_window += 1
+        if k < c:
+            seq._check_finished()
+        else:
+            seq._skip_empty_blocks()
+        events.append(seq.event(block, step, revealed))
+        lo = hi
+    return events
