@@ -12,6 +12,7 @@ without building it. Errors: :class:`~unmask.engine.limits.ParamError` naming ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .limits import ParamError
 
@@ -54,6 +55,31 @@ class CanvasLayout:
 def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: int, window_size: int,
                  absolute: bool, max_context: int, steps: int | None = None,
                  fixed_positions: frozenset[int] = frozenset()) -> CanvasLayout:
+    """The layout of a request (:func:`layout_of`), computed once per distinct set of arguments: a layout is
+    immutable and the same for every request of one shape (``generate`` with many prompts of one length, the
+    KV-budget fit's bisection); arguments that cannot be hashed are laid out afresh. Raises as :func:`layout_of`
+    (errors are not kept: every call raises its own)."""
+    args = (prompt_len, max_tokens, suffix_len, block_size, window_size, absolute, max_context, steps,
+            fixed_positions)
+    try:
+        return _cached_layout(*args)
+    except TypeError:
+        if all(_hashable(a) for a in args):
+            raise  # the layout itself refused the arguments
+        return layout_of(*args)
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def layout_of(prompt_len: int, max_tokens: int, suffix_len: int, block_size: int, window_size: int,
+              absolute: bool, max_context: int, steps: int | None = None,
+              fixed_positions: frozenset[int] = frozenset()) -> CanvasLayout:
     """The layout of a request.
 
     Args:
@@ -106,3 +132,7 @@ def build_layout(prompt_len: int, max_tokens: int, suffix_len: int, block_size: 
     return CanvasLayout(prompt_len=P, gen_len=gen_len, suffix_len=suffix_len, length=P + gen_len + suffix_len,
                         max_tokens=max_tokens, origin=origin, block_size=bs, window_size=window_size,
                         blocks=blocks, windows=tuple(windows), window_steps=tuple(window_steps))
+
+
+#: :func:`build_layout`'s memo (argument types kept apart: a NumPy length lays out with its own type)
+_cached_layout = lru_cache(maxsize=4096, typed=True)(layout_of)

@@ -68,7 +68,8 @@ class LLM:
             ``compile``, ``default_drafts``, ``enable_prefix_caching`` (one prefix store across calls, so that a
             chat's next turn reuses the last one's KV, docs/design.md#prefix-reuse), ``prefill_chunk``,
             ``block_size``, ``max_model_len``, ...). ``**options``: single fields of it, replacing ``config``'s
-            (``LLM(dir, adapter=..., max_batch_size=8)``). Each call runs its own engine with an unbounded queue.
+            (``LLM(dir, adapter=..., max_batch_size=8)``). Each call runs its own engine (no other call's; one
+            that a finished call left idle is taken again) with an unbounded queue.
 
     Raises:
         ValueError: an option out of range or one the model does not allow (names it). TypeError: an unknown
@@ -94,6 +95,7 @@ class LLM:
         if config.enable_prefix_caching and self.model.dllm.family in OWN_FORWARD_FAMILIES:  # the encoder's KV
             self.denoiser.encoder_store = EncoderPrefixStore()
         self.memory_reading = MemoryReading()  # one reading of the available memory across calls (admission)
+        self._idle: dict[int, Engine] = {}  # max_batch_size -> the engine of a call that ended with nothing left
         self._engine(1)  # validates the plan's inputs against the model
 
     def _engine(self, max_batch_size: int) -> Engine:
@@ -102,6 +104,17 @@ class LLM:
                       max_batch_size=max_batch_size, max_queue=UNBOUNDED_QUEUE, enable_prefix_caching=False,
                       max_step_rows=None,  # one caller's offline batch: no other client to be fair to
                       memory_reading=self.memory_reading)
+
+    def _call_engine(self, max_batch_size: int) -> Engine:
+        """The engine of one ``generate_iter`` call: the last call's when that call ended with no choice waiting or
+        running (an engine is never held by two calls: it is taken here and put back only by a call that ran to
+        its end), else a fresh one (:meth:`_engine`). An idle engine is a fresh one's equal: its batch, queue and
+        paused set are empty; what engines share (denoiser, KV pool, prefix store, memory reading) is shared by
+        fresh ones too (issue 42: building an engine per call cost as much as a batch-1 call's other host work)."""
+        engine = self._idle.pop(max_batch_size, None)
+        if engine is None or engine.has_unfinished():
+            engine = self._engine(max_batch_size)
+        return engine
 
     @property
     def tokenizer(self):
@@ -165,7 +178,7 @@ class LLM:
             ParamError: a request's parameters are invalid for this model (names the field); the requests that
                 finished before it have been yielded.
         """
-        engine = self._engine(self.max_batch_size)
+        engine = self._call_engine(self.max_batch_size)
         ahead = self.max_batch_size if lookahead is None else max(1, lookahead)
         pending: dict[str, tuple[int, RequestOutput, list, float]] = {}
         source = enumerate(requests)
@@ -183,6 +196,7 @@ class LLM:
                 pending[rid] = (i, RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids), [None] * n,
                                 time.time())
             if not engine.has_unfinished():
+                self._idle[engine.scheduler.max_batch_size] = engine  # the next call may take it
                 return
             for ev in engine.step():
                 if not ev.finished:

@@ -153,3 +153,27 @@ def test_an_llms_calls_share_one_reading_of_the_available_memory(model, monkeypa
     assert len(reads) == 2  # aged: read again
     Engine(model).add_request([5, 6], p, "other")
     assert len(reads) == 3  # another engine: its own reading
+
+
+def test_a_call_takes_the_engine_a_finished_call_left_idle_and_never_one_in_use(model):
+    """``generate`` after ``generate`` runs on the first call's idle engine (no engine built per call) and decodes
+    what a fresh engine decodes; a call still running, or abandoned midway, keeps its engine to itself."""
+    from unmask.engine import LLM
+
+    llm = LLM(model, max_batch_size=2)
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [5, 8], [9, 9, 4]]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    idle = llm._idle[2]
+    assert not idle.has_unfinished()
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    assert again == first and llm._idle[2] is idle
+    fresh = LLM(model, max_batch_size=2)._engine(2)
+    assert fresh is not idle
+    running = llm.generate_iter(((q, p) for q in prompts))
+    next(running)  # holds the idle engine now, with choices left
+    assert 2 not in llm._idle
+    other = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]  # a fresh engine beside it
+    assert other == first and llm._idle[2] is not idle
+    running.close()  # abandoned midway: its engine, holding choices, is never handed out again
+    assert all(not e.has_unfinished() for e in llm._idle.values())
