@@ -446,6 +446,20 @@ class BatchKV:
             out.append((kb, vb))
         return out
 
+    def lane_run(self, b: int, layer_idx: int) -> tuple | None:
+        """Lane mode: ``(pool, slab, first slot)`` when batch row ``b``'s keys in layer ``layer_idx`` - its ``n_b``
+        cached keys and ``rows[b]`` chunk rows, written after them - are slots ``[first, first + n_b + rows[b])`` of
+        one slab of the pool (what :meth:`lane_segments` returns as one view), else None (nothing cached, the chunk
+        not written there, several runs). The same in every layer of a forward (one :class:`_ScratchPlan`)."""
+        lane = self.lanes[b]
+        n = lane.length
+        if not n or b not in self._written.get(layer_idx, ()):
+            return None
+        runs = lane._runs_to(n + self.rows[b])
+        if len(runs) != 1:
+            return None
+        return lane.pool, runs[0][0], runs[0][1]
+
     def lane_segments(self, b: int, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         """Lane mode: batch row ``b``'s keys and values as ``[H, m_i, D]`` pieces in key order (its ``n_b`` cached

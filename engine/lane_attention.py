@@ -70,16 +70,16 @@ def attend_lanes(cache, layer: int, query: torch.Tensor, key: torch.Tensor, valu
     Q]`` bool or None (nothing masked). Returns ``[B, Q, Hq, D]`` (padded rows 0). Used by transformers' attention
     modules (:func:`lane_attention`) and the fused fp16 decoder (``engine/fused_decoder.py``).
 
-    Lanes of one :class:`_Group` (same cached length, chunk rows and mask state, keys evenly spaced in one storage:
-    :func:`_groups`) take one SDPA call over a strided view of their blocks; the others one call each
-    (:func:`lane_attend`)."""
+    Lanes of one :class:`_Group` (same cached length, chunk rows and mask state, runs evenly spaced in one slab of
+    the pool, or nothing cached: :func:`_groups`, planned at the forward's first layer) take one SDPA call over a
+    strided view of the slab; the others one call each (:func:`lane_attend`)."""
     B, Hq, Q, D = query.shape
     C = cache.cached_len
     if C == 0:  # no lane has cached keys (a canvas without cache, a batch of first prefills): one call for all
         return _uncached(cache, query, key, value, attention_mask, scaling)
     plan = getattr(cache, "lane_groups", None)
     if plan is None:
-        plan = cache.lane_groups = _groups(cache, layer, query, key, value)
+        plan = cache.lane_groups = _groups(cache, layer, query)
     singles = plan.singles
     outs = []
     for group in plan.groups:
@@ -104,22 +104,19 @@ def attend_lanes(cache, layer: int, query: torch.Tensor, key: torch.Tensor, valu
 
 
 class _Group:
-    """Batch rows attended in one SDPA call (:func:`_groups`): each row's keys/values are one ``[Hkv, n + q, D]``
-    view, the views of row ``rows[i]`` at storage offsets ``k_at + i * k_step`` / ``v_at + i * v_step`` with the
-    strides ``k_strides`` / ``v_strides`` (``pooled``: views of the KV pool's blocks, the same slots in every
-    layer; else ``n == 0`` and the views are the chunk's own rows). ``index`` selects ``rows`` of a batch tensor (a
-    slice when they are evenly spaced, else a LongTensor); ``masks`` caches the group's mask per forward mask."""
+    """Batch rows attended in one SDPA call (:func:`_groups`), alike: ``n`` cached keys, ``q`` chunk rows, one mask
+    state. ``slab`` set: row ``rows[i]``'s keys are slots ``[first + i * step, ... + n + q)`` of that slab of ``pool``
+    (in every layer); else ``n == 0`` and its keys are the chunk's own rows. ``index`` selects ``rows`` of a batch
+    tensor (a slice when they are evenly spaced, else a LongTensor); ``masks`` caches the group's mask."""
 
-    __slots__ = ("rows", "index", "n", "q", "sees_all", "pooled", "k_at", "v_at", "k_step", "v_step", "k_strides",
-                 "v_strides", "masks")
+    __slots__ = ("rows", "index", "n", "q", "sees_all", "pool", "slab", "first", "step", "masks")
 
-    def __init__(self, rows: list[int], members: list[tuple], n: int, q: int, sees_all: bool, device: torch.device):
+    def __init__(self, rows: list[int], n: int, q: int, sees_all: bool, device: torch.device, pool=None, slab=None,
+                 slots: list[int] | None = None):
         self.rows = tuple(rows)
         self.index = _row_index(rows, device)
-        self.n, self.q, self.sees_all, self.pooled = n, q, sees_all, n > 0
-        (self.k_at, self.v_at, _, k0, v0), second = members[0], members[1]
-        self.k_step, self.v_step = second[0] - self.k_at, second[1] - self.v_at
-        self.k_strides, self.v_strides = k0.stride(), v0.stride()
+        self.n, self.q, self.sees_all, self.pool, self.slab = n, q, sees_all, pool, slab
+        self.first, self.step = (slots[0], slots[1] - slots[0]) if slots else (0, 0)
         self.masks: tuple | None = None  # (the forward's mask, the group's [g, 1, q, n + q] slice of it)
 
 
@@ -143,57 +140,55 @@ def _batch_invariant_sdpa(query: torch.Tensor) -> bool:
     return query.dtype in (torch.float32, torch.float64, torch.bfloat16) and torch.backends.cuda.flash_sdp_enabled()
 
 
-def _groups(cache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _LaneGroups:
-    """Once per forward (the rows' block layout is the same in every layer): rows whose keys/values are one view each
-    (a lane in one run of the pool, its chunk written after its cached keys; or a lane with nothing cached: the
-    chunk's rows), bucketed by cached length, chunk rows, mask state and storage, then cut into runs whose views
-    are evenly spaced in that storage (:func:`_even_runs`); a run of two or more rows is a :class:`_Group`. The rest
-    (a lane in several runs, a chunk not written into its blocks, a dtype whose SDPA is not batch invariant) are
-    ``singles``."""
+def _groups(cache, layer: int, query: torch.Tensor) -> _LaneGroups:
+    """Once per forward (the block tables and the rows written are the same in every layer): rows whose keys are one
+    run of one slab of the pool (``cache.lane_run``: cached keys then the chunk written after them), bucketed by
+    cached length, chunk rows, mask state and slab, then cut into runs evenly spaced in the slab
+    (:func:`_even_runs`), and rows with nothing cached (their keys: the chunk's rows), bucketed by chunk rows and mask
+    state; a run or bucket of two or more rows is a :class:`_Group`. The rest (a lane in several runs, a chunk not
+    written into its blocks, a dtype whose SDPA is not batch invariant) are ``singles``."""
     singles: list[int] = []
-    buckets: dict[tuple, list[tuple]] = {}
-    batchable = _batch_invariant_sdpa(query)
+    pooled: dict[tuple, list[tuple]] = {}
+    chunks: dict[tuple, list[int]] = {}
+    batchable = len(cache.rows) > 1 and _batch_invariant_sdpa(query)
     for b, q_b in enumerate(cache.rows):
-        if q_b == 0:
+        if not q_b:
             continue
-        segments, n_b = cache.lane_segments(b, layer, key, value) if batchable else ((), 0)
-        if len(segments) != 1:
+        if not batchable:
             singles.append(b)
-            continue
-        k, v = segments[0]
-        at = _storage_at(k), _storage_at(v)
-        if None in at:
+        elif not cache.lanes[b].length:
+            chunks.setdefault((q_b, bool(cache.sees_all[b])), []).append(b)
+        elif (run := cache.lane_run(b, layer)) is None:
             singles.append(b)
-            continue
-        sig = (n_b, q_b, bool(cache.sees_all[b]), at, k.stride(), v.stride())
-        buckets.setdefault(sig, []).append((k.storage_offset(), v.storage_offset(), b, k, v))
+        else:
+            pool, slab, first = run
+            key = (cache.lanes[b].length, q_b, bool(cache.sees_all[b]), id(slab))
+            pooled.setdefault(key, []).append((first, b, pool, slab))
     groups = []
-    for (n_b, q_b, sees_all, *_), members in buckets.items():
+    for (n_b, q_b, sees_all, _), members in pooled.items():
         members.sort(key=lambda m: m[0])
-        for run in _even_runs(members) if n_b else [members]:  # a chunk's rows need not be evenly spaced: indexed
+        for run in _even_runs(members):
             if len(run) == 1:
-                singles.append(run[0][2])
+                singles.append(run[0][1])
             else:
-                groups.append(_Group([m[2] for m in run], run, n_b, q_b, sees_all, query.device))
+                groups.append(_Group([m[1] for m in run], n_b, q_b, sees_all, query.device, run[0][2], run[0][3],
+                                     [m[0] for m in run]))
+    for (q_b, sees_all), rows in chunks.items():
+        if len(rows) == 1:
+            singles.append(rows[0])
+        else:
+            groups.append(_Group(rows, 0, q_b, sees_all, query.device))
     return _LaneGroups(groups, sorted(singles))
 
 
-def _storage_at(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s storage (None where a tensor subclass has no real one: the tests' fake CUDA)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
-
-
 def _even_runs(members: list[tuple]) -> list[list[tuple]]:
-    """``(key offset, value offset, ...)`` tuples sorted by key offset, cut into runs in which both offsets advance
-    by one constant step each (greedy: a run takes the next member while its steps match the run's first)."""
+    """``(first slot, ...)`` tuples sorted by slot, cut into runs whose slots advance by one constant step (greedy:
+    a run takes the next member while its step matches the run's first)."""
     runs: list[list[tuple]] = []
     for m in members:
         run = runs[-1] if runs else None
-        if run is not None and (len(run) == 1 and m[0] > run[0][0] and m[1] > run[0][1] or len(run) > 1 and (
-                m[0] - run[-1][0] == run[1][0] - run[0][0] and m[1] - run[-1][1] == run[1][1] - run[0][1])):
+        if run is not None and (len(run) == 1 and m[0] > run[0][0]
+                                or len(run) > 1 and m[0] - run[-1][0] == run[1][0] - run[0][0]):
             run.append(m)
         else:
             runs.append([m])
@@ -211,24 +206,23 @@ def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 def _attend_group(cache, group: _Group, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor | None:
     """One SDPA call for ``group``'s rows: ``[g, q, Hq, D]``, row ``i`` bit for bit the call of its own lane
-    (:func:`_batch_invariant_sdpa`). The keys/values are one strided view of the pool's storage, read in place (no
-    copy of a cache), or the chunk's rows. None when this layer's first view is not where the plan says (a layer
-    whose storage has other strides: the caller attends the rows one by one)."""
+    (:func:`_batch_invariant_sdpa`). A pooled group's keys/values are one strided view of its slab's tensors of
+    this layer, lane ``i`` exactly the view :meth:`BatchKV.lane_segments` gives it (no copy of a cache); a chunk
+    group's the chunk's rows. None when this layer's first row is not where the plan says (the caller then attends
+    the rows one by one)."""
     q, n, Hq = group.q, group.n, query.shape[1]
-    L = n + q
-    if group.pooled:
-        segments, _ = cache.lane_segments(group.rows[0], layer, key, value)
-        if len(segments) != 1:
+    if group.slab is not None:
+        run = cache.lane_run(group.rows[0], layer)
+        if run is None or run[1] is not group.slab or run[2] != group.first:
             return None
-        k0, v0 = segments[0]
-        if (k0.storage_offset(), v0.storage_offset(), k0.stride(), v0.stride()) != (
-                group.k_at, group.v_at, group.k_strides, group.v_strides):
-            return None
-        g = len(group.rows)
-        # the block tables are the same in every layer, and a slab's tensors of one layer have one shape: lane i's
-        # view lies at the planned offset of this layer's tensor, as the first one's does
-        k = k0.as_strided((g, k0.shape[0], L, k0.shape[2]), (group.k_step, *group.k_strides), group.k_at)
-        v = v0.as_strided((g, v0.shape[0], L, v0.shape[2]), (group.v_step, *group.v_strides), group.v_at)
+        ks, vs = group.pool.storage(group.slab, layer)  # [Hkv, slots, D]
+
+        def lanes_view(t: torch.Tensor) -> torch.Tensor:
+            h, at, d = t.stride()
+            return t.as_strided((len(group.rows), t.shape[0], n + q, t.shape[2]), (group.step * at, h, at, d),
+                                t.storage_offset() + group.first * at)
+
+        k, v = lanes_view(ks), lanes_view(vs)
     else:  # nothing cached: the chunk's own rows
         k, v = key[group.index, :, :q], value[group.index, :, :q]
     mask = None
