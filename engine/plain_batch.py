@@ -273,9 +273,16 @@ def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np
     table.host_lp[r, rel] = packed[order, 2]  # float64 -> float32, rounded as a float32 tensor write rounds it
     picked = np.bincount(r, minlength=len(seqs)).tolist()
     rel_l, tok_l, prob_l, lp_l = rel.tolist(), toks.tolist(), packed[order, 1].tolist(), packed[order, 2].tolist()
+    views = _canvas_views(table, seqs)
+    # the stop rules can change something only where the position after the revealed prefix was revealed (or they
+    # never ran): Request.stop_watch
+    watch = [(seq.stop_watch(), seq.stop_scan_end(), seq.stopper.checked) for seq in seqs]
+    at = np.array([w if w < end else 0 for w, end, _ in watch], dtype=np.int64)
+    due = ((table.host[np.arange(len(seqs)), at] != seqs[0].dllm.mask_token_id)
+           | np.array([not (checked and w < end) for w, end, checked in watch])).tolist()
     events = []
     lo = 0
-    for seq, c, k in zip(seqs, counts.tolist(), picked):
+    for seq, c, k, view, check in zip(seqs, counts.tolist(), picked, views, due):
         hi = lo + k
         limit = seq.max_tokens
         revealed = [revealed_token(p, t, pr, lp) for p, t, pr, lp in
@@ -284,10 +291,21 @@ def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np
         seq.step += 1
         seq.step_in_block += 1
         seq.step_in_window += 1
-        if k < c:
-            seq._check_finished()
-        else:
+        if k == c:
             seq._skip_empty_blocks()
-        events.append(seq.event(block, step, revealed))
+        elif check:
+            seq._check_finished()
+        events.append(seq.event(block, step, revealed, view))
         lo = hi
     return events
+
+
+def _canvas_views(table: PlainTable, seqs: list[Sequence]) -> list[list[int | None]]:
+    """Every sequence's ``Sequence.canvas_view`` (its first ``max_tokens`` generated positions, ``None`` where
+    masked) from the table at once."""
+    limits = [seq.max_tokens for seq in seqs]
+    cols = table.prompt_lens[:, None] + np.arange(max(limits))[None, :]
+    region = table.host[np.arange(len(seqs))[:, None], np.minimum(cols, table.host.shape[1] - 1)]
+    shown = region.astype(object)
+    shown[region == seqs[0].dllm.mask_token_id] = None
+    return [row[:m] for row, m in zip(shown.tolist(), limits)]

@@ -375,7 +375,7 @@ class Request:
         if self.finished:
             return
         stopper = self.stopper
-        lo, hi = self.prompt_len + len(stopper.prefix), self.stop_scan_end()
+        lo, hi = self.stop_watch(), self.stop_scan_end()
         at_end = self.block_idx >= len(self.blocks)
         canvas, mask = self.host_canvas(), self.dllm.mask_token_id
         if lo < hi and canvas[lo] == mask:
@@ -389,6 +389,11 @@ class Request:
             self._finish(*done)
         elif len(stopper.stream_text) > len(shown) and self.first_token_time is None:
             self.first_token_time = time.time()
+
+    def stop_watch(self) -> int:
+        """The canvas position after the revealed prefix: while it is masked (and the last block is not done), a
+        :meth:`_check_finished` after the stop rules' first run changes nothing (``StopChecker.update``)."""
+        return self.prompt_len + len(self.stopper.prefix)
 
     def stop_scan_end(self) -> int:
         """The canvas position where the stop rules' scan of the revealed prefix ends: ``max_tokens`` generated
@@ -453,10 +458,13 @@ class Request:
         return [[(i, lp) for i, lp in zip(ids, lps) if i >= 0 and lp > float("-inf")]
                 for ids, lps in zip(self.top_ids[:n].tolist(), self.top_lps[:n].tolist())]
 
-    def event(self, block: int, step: int, revealed: list[Revealed]) -> StepEvent:
-        """The :class:`StepEvent` of the state now (``output`` set once finished)."""
+    def event(self, block: int, step: int, revealed: list[Revealed], canvas: list[int | None] | None = None
+              ) -> StepEvent:
+        """The :class:`StepEvent` of the state now (``output`` set once finished; ``canvas``: :meth:`canvas_view`
+        when the caller has it)."""
         return filled(StepEvent, request_id=self.request_id, index=self.index, block=block, step=step, nfe=self.nfe,
-                      revealed=revealed, canvas=self.canvas_view(), text=self.stream_text, finished=self.finished,
+                      revealed=revealed, canvas=self.canvas_view() if canvas is None else canvas, text=self.stream_text,
+                      finished=self.finished,
                       finish_reason=self.finish_reason, num_tokens=self.num_output_tokens,
                       drafts_proposed=self.proposed_drafts, drafts_accepted=self.accepted_drafts,
                       output=self.completion() if self.finished else None, cached_tokens=self.cached_tokens)
