@@ -25,17 +25,20 @@ from .sampler import forbid, gumbel_argmax, log_normalizer, sampling_temperature
 from .sequence import Sequence, chunk_metadata
 from .transfer import to_device
 
-__all__ = ["PlainTable", "TableGeometry", "forward_width", "table_ready", "table_step"]
+__all__ = ["PlainTable", "TableGeometry", "forward_rows", "table_ready", "table_step"]
 
 _MEMO_SIZE = 2  # batch geometries kept (a block's steps reuse one; each holds a [B, 1, Q, Q] mask)
 
 
 def table_ready(seq, vocab_size: int) -> bool:
     """Whether ``seq`` may step through :func:`table_step`: a plain :class:`~unmask.engine.sequence.Sequence`
-    (not a subclass) without a grammar, KV cache, CFG lane, cached keys, ``top_logprobs``, ``min_tokens``,
+    (not a subclass) with one lane and no grammar, without a KV cache (and no cached keys) or with Fast-dLLM's
+    ``prefix`` cache on a model without the logit shift, and without ``top_logprobs``, ``min_tokens``,
     ``logit_bias``, penalties, top-k/top-p filters or a remasking order other than ``low_confidence``."""
-    if type(seq) is not Sequence or seq.cache_mode != "none" or len(seq.lanes) != 1 or seq.grammar is not None \
-            or seq.lanes[0].cache.length:
+    if type(seq) is not Sequence or len(seq.lanes) != 1 or seq.grammar is not None:
+        return False
+    mode = seq.cache_mode
+    if not (mode == "none" and not seq.lanes[0].cache.length or mode == "prefix" and not seq.dllm.logit_shift):
         return False
     ok = getattr(seq, "_table_params_ok", None)
     if ok is None:
@@ -48,29 +51,41 @@ def table_ready(seq, vocab_size: int) -> bool:
     return ok
 
 
-def forward_width(seq: Sequence) -> int:
-    """The rows a cache-less step forwards, ``[0, width)``: the whole canvas on a bidirectional model, up to the
-    active block's end otherwise (``Sequence.lane_inputs``, cache ``none``)."""
-    return seq.length if seq.dllm.attention == "bidirectional" else seq.blocks[seq.block_idx][1]
+def forward_rows(seq: Sequence) -> tuple[int, int, tuple[int, int] | None, bool]:
+    """What a table step of ``seq`` forwards (``Sequence.lane_inputs`` for its cache mode): canvas rows
+    ``[lo, hi)``, the positions committed to its cache after it (``(c, a)`` = ``c..a-1``, or None) and whether the
+    lane's cache is refilled (replaced) by it. Cache ``none``: ``[0, L)`` on a bidirectional model, ``[0, e)``
+    otherwise; ``prefix``: a block's first step the whole canvas, committing ``[0, a)``; later steps ``[a, L)``."""
+    a, e = seq.blocks[seq.block_idx]
+    if seq.cache_mode == "none":
+        return 0, seq.length if seq.dllm.attention == "bidirectional" else e, None, False
+    if seq.step_in_block == 0:
+        return 0, seq.length, (0, a), True
+    return a, seq.length, None, False
 
 
 class TableGeometry:
     """One batch geometry's forward inputs other than the tokens, built once and kept while the rows' blocks stay:
-    ``[B, Q]`` positions, groups, group starts, committed, valid, prompt rows (or None) on the device, the forward's
-    mask, ``[B]`` row widths and whether each row is one attention group (lane mode)."""
+    ``[B, Q]`` positions, groups, group starts, committed, valid, prompt rows (or None) on the device; ``valid_host``
+    and ``cols`` (each row's canvas columns, ``[B, Q]`` host) to slice the tokens from the table; the forward's mask
+    when no row attends to cached keys (else None: built per step from the lanes); ``[B]`` first rows, widths, whether
+    each row is one attention group, and its commit (``(chunk indices, positions, groups)`` or None)."""
 
-    __slots__ = ("pos", "grp", "start", "committed", "valid", "valid_host", "prompt", "mask", "widths", "one_group")
+    __slots__ = ("pos", "grp", "start", "committed", "valid", "valid_host", "cols", "prompt", "mask", "los", "widths",
+                 "one_group", "metas", "commits")
 
 
 def _geometry(denoiser, keys: tuple, lanes: list, prompt_lens: list[int]) -> TableGeometry:
-    """:class:`TableGeometry` of rows whose ``keys`` are ``(block metadata key, width)`` (the metadata of
-    ``unmask.engine.sequence.chunk_metadata``), padded as ``Denoiser._inputs_on_device`` pads them."""
+    """:class:`TableGeometry` of rows whose ``keys`` are ``(block metadata key, lo, hi, commit, replace, prompt
+    forwarded)`` (the metadata of ``unmask.engine.sequence.chunk_metadata``), padded as
+    ``Denoiser._inputs_on_device`` pads them."""
     from .denoiser import forward_mask
     from .kv_cache import BatchKV
 
     pad = torch.nn.utils.rnn.pad_sequence
-    metas = [chunk_metadata(key, 0, hi, None) for key, hi in keys]
-    widths = [hi for _, hi in keys]
+    metas = [chunk_metadata(key, lo, hi, commit) for key, lo, hi, commit, _, _ in keys]
+    los = [k[1] for k in keys]
+    widths = [hi - lo for _, lo, hi, _, _, _ in keys]
     B, Q = len(keys), max(widths)
     model = denoiser.model
     longs = torch.stack([pad([m[0] for m in metas], batch_first=True),
@@ -79,19 +94,24 @@ def _geometry(denoiser, keys: tuple, lanes: list, prompt_lens: list[int]) -> Tab
     committed = pad([m[3] for m in metas], batch_first=True)
     valid = torch.arange(Q) < torch.tensor(widths)[:, None]
     prompt = torch.zeros(B, Q, dtype=torch.bool)
-    if model.tiles_prompt_rows:  # no cached keys: every committed prompt row is forwarded (Denoiser._inputs_on_device)
-        prompt = committed & (longs[0] < torch.tensor(prompt_lens)[:, None])
+    if model.tiles_prompt_rows:  # the committed prompt rows forwarded without their cached keys (_inputs_on_device)
+        forwarded = torch.tensor([k[5] for k in keys])[:, None]
+        prompt = committed & (longs[0] < torch.tensor(prompt_lens)[:, None]) & forwarded
     on = to_device(torch.cat([longs, torch.stack([committed, valid, prompt]).long()]), denoiser.device)
     g = TableGeometry()
     g.pos, g.grp, g.start = on[0], on[1], on[2]
     g.committed, g.valid, g.valid_host = on[3].bool(), on[4].bool(), valid.numpy()
+    g.cols = np.asarray(los)[:, None] + np.arange(Q)[None, :]
     g.prompt = on[5].bool() if bool(prompt.any()) else None
-    g.widths = widths
+    g.los, g.widths, g.metas = los, widths, metas
     g.one_group = [bool(m[5]) for m in metas]
-    kv = BatchKV(lanes, denoiser.device)
-    if model.lane_attention:
-        kv.lane_mode, kv.rows, kv.sees_all = True, widths, g.one_group
-    g.mask = forward_mask(kv, g.pos, g.grp, g.start, g.committed, g.valid)
+    g.commits = [(m[4], m[0][m[4]], m[1][m[4]]) if m[4].numel() else None for m in metas]
+    g.mask = None
+    if all(lo == 0 for lo in los):  # no row attends to cached keys: the mask is a function of the geometry
+        kv = BatchKV(lanes, denoiser.device)  # the refilled lanes were reset: no cached keys
+        if model.lane_attention:
+            kv.lane_mode, kv.rows, kv.sees_all = True, widths, g.one_group
+        g.mask = forward_mask(kv, g.pos, g.grp, g.start, g.committed, g.valid)
     return g
 
 
@@ -149,25 +169,28 @@ def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[
     indices (``unmask.engine.denoiser.plan_forwards``); returns their :class:`StepEvent` s in order."""
     table = table_of(denoiser, seqs)
     n = len(seqs)
-    geom = np.empty((n, 3), dtype=np.int64)  # per row: window start, window end, forward width
+    windows = np.empty((n, 2), dtype=np.int64)  # per row: the window [start, end)
     keys = []
     for b, seq in enumerate(seqs):
         a, e = seq.blocks[seq.block_idx]
         _, s, we = seq.windows[seq.win_idx]
-        hi = forward_width(seq)
-        geom[b] = (s, we, hi)
-        keys.append(((seq.length, seq.dllm.attention, a, e, seq.block_size, seq.origin), hi))
+        windows[b] = (s, we)
+        lo, hi, commit, replace = forward_rows(seq)
+        keys.append(((seq.length, seq.dllm.attention, a, e, seq.block_size, seq.origin), lo, hi, commit, replace,
+                     replace or seq.lanes[0].cache.length < seq.prompt_len))
         seq.nfe += 1
     mask_id = seqs[0].dllm.mask_token_id
     cols = np.arange(table.host.shape[1])
-    masked = (table.host == mask_id) & (cols >= geom[:, :1]) & (cols < geom[:, 1:2])
+    masked = (table.host == mask_id) & (cols >= windows[:, :1]) & (cols < windows[:, 1:])
     rows, at = np.nonzero(masked)  # each row's masked window positions, ascending
     counts = np.bincount(rows, minlength=n)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    logits = []
+    logits, commits = [], []
     for group in groups:
-        logits.append(_forward(denoiser, table, [seqs[b] for b in group], group, [keys[b] for b in group], rows, at,
-                               counts, starts))
+        out, todo = _forward(denoiser, table, [seqs[b] for b in group], group, [keys[b] for b in group], rows, at,
+                             counts, starts)
+        logits.append(out)
+        commits.append(todo)
     order = [b for group in groups for b in group]
     if order != list(range(n)):  # the groups' logits back in row order
         perm = np.concatenate([np.arange(starts[b], starts[b] + counts[b]) for b in order])
@@ -176,26 +199,39 @@ def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[
         logits = [torch.cat(logits)[to_device(torch.from_numpy(inverse), denoiser.device)]]
     segments, packed = _decide(denoiser, seqs, logits[0] if len(logits) == 1 else torch.cat(logits), rows, at,
                                counts)
+    for kv, todo in commits:  # one batched copy per forward (BatchKV.commit_all), as the general path commits
+        if todo:
+            kv.commit_all(todo)
     return _apply(table, seqs, packed, rows, at, counts, segments)
 
 
 def _forward(denoiser, table: PlainTable, seqs: list[Sequence], group: list[int], keys: list, rows: np.ndarray,
-             at: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> torch.Tensor:
-    """The forward of the table rows ``group`` (``seqs``: theirs; ``keys``: their geometry keys) and the logits of
-    their masked window positions, row after row (``[n, V]``)."""
+             at: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, tuple]:
+    """The forward of the table rows ``group`` (``seqs``: theirs; ``keys``: their geometry keys): the logits of
+    their masked window positions, row after row (``[n, V]``), and ``(BatchKV, commits)`` for
+    ``BatchKV.commit_all``."""
+    from .denoiser import forward_mask, sees_every_key
     from .kv_cache import BatchKV
 
     dev = denoiser.device
     lanes = [seq.lanes[0].cache for seq in seqs]
+    for lane, key in zip(lanes, keys):
+        if key[4]:
+            lane.reset()  # refilled by this forward: keep the buffers
     geo = _cached_geometry(denoiser, tuple(keys), lanes, table.prompt_lens[group].tolist())
-    Q = max(geo.widths)
     idx = np.asarray(group)
-    tokens = torch.from_numpy(np.where(geo.valid_host, table.host[idx, :Q], 0))  # [b, Q]: padded with 0
+    host = table.host
+    tokens = np.where(geo.valid_host, host[idx[:, None], np.minimum(geo.cols, host.shape[1] - 1)], 0)  # 0-padded
     kv = BatchKV(lanes, dev)
+    mask = geo.mask
     if denoiser.model.lane_attention:
-        kv.lane_mode, kv.rows, kv.sees_all = True, geo.widths, geo.one_group
+        kv.lane_mode, kv.rows = True, geo.widths
+        kv.sees_all = geo.one_group if mask is not None else [
+            sees_every_key(_Rows(m[1], m[2], m[5]), lane) for m, lane in zip(geo.metas, lanes)]
+    if mask is None:
+        mask = forward_mask(kv, geo.pos, geo.grp, geo.start, geo.committed, geo.valid)
     extra = {"prompt_rows": geo.prompt} if geo.prompt is not None else {}
-    hidden = denoiser.model.hidden_states(to_device(tokens, dev), geo.pos, geo.mask, cache=kv, **extra)
+    hidden = denoiser.model.hidden_states(to_device(torch.from_numpy(tokens), dev), geo.pos, mask, cache=kv, **extra)
     denoiser.forwards += 1
     if len(group) == len(counts):  # every row: the masked positions as they are
         r, c = rows, at
@@ -203,8 +239,19 @@ def _forward(denoiser, table: PlainTable, seqs: list[Sequence], group: list[int]
         sel = np.concatenate([np.arange(starts[b], starts[b] + counts[b]) for b in group])
         r, c = np.searchsorted(idx, rows[sel]), at[sel]
     shift = 1 if seqs[0].dllm.logit_shift else 0
-    gather = to_device(torch.from_numpy(np.stack([r, c - shift])), dev)
-    return denoiser.model.logits(hidden[gather[0], gather[1]])
+    gather = to_device(torch.from_numpy(np.stack([r, c - shift - np.asarray(geo.los)[r]])), dev)
+    todo = [(b, *commit[:1], lane, *commit[1:]) for b, (commit, lane) in enumerate(zip(geo.commits, lanes))
+            if commit is not None]
+    return denoiser.model.logits(hidden[gather[0], gather[1]]), (kv, todo)
+
+
+class _Rows:
+    """What ``denoiser.sees_every_key`` reads of a lane's chunk: its groups, starts and whether it is one group."""
+
+    __slots__ = ("grp", "start", "one_group")
+
+    def __init__(self, grp: torch.Tensor, start: torch.Tensor, one_group: bool):
+        self.grp, self.start, self.one_group = grp, start, one_group
 
 
 def _decide(denoiser, seqs: list[Sequence], logits: torch.Tensor, rows: np.ndarray, at: np.ndarray,

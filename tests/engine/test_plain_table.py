@@ -37,7 +37,18 @@ OTHERS = [
 ]
 
 
-def _run(llm: LLM, requests: list[dict], table: bool, join_every: int = 0, abort_at: int | None = None) -> list:
+def _count_table_steps(monkeypatch) -> list[int]:
+    """From now on, the size of every table step (``unmask.engine.plain_batch.table_step``) the denoiser runs."""
+    from unmask.engine import plain_batch
+
+    calls, real = [], plain_batch.table_step
+    monkeypatch.setattr("unmask.engine.denoiser.table_step",
+                        lambda d, seqs, groups: calls.append(len(seqs)) or real(d, seqs, groups))
+    return calls
+
+
+def _run(llm: LLM, requests: list[dict], table: bool, join_every: int = 0, abort_at: int | None = None,
+         cache: str = "none") -> list:
     """Every request's events as comparable tuples (every field but wall times), decoded together by a fresh engine
     over ``llm``'s model with the table step on or off; request i joins at step ``i * join_every``; request 0 is
     aborted at step ``abort_at``."""
@@ -51,7 +62,7 @@ def _run(llm: LLM, requests: list[dict], table: bool, join_every: int = 0, abort
             i, kw = pending.pop(0)
             kw = dict(kw)
             prompt = dp.PROMPTS[kw.pop("prompt", i) % len(dp.PROMPTS)]
-            flat = dict({"speculative": False, "cache": "none", "ignore_eos": True, "max_tokens": 10}, **kw)
+            flat = dict({"speculative": False, "cache": cache, "ignore_eos": True, "max_tokens": 10}, **kw)
             for r in engine.add_request(tok(prompt).input_ids, SamplingParams.from_flat(**flat), f"r{i}"):
                 ids[r.request_id] = i
         out = engine.abort("r0") if step == abort_at else []
@@ -65,32 +76,78 @@ def _run(llm: LLM, requests: list[dict], table: bool, join_every: int = 0, abort
     return events
 
 
-@pytest.fixture(scope="module", params=["prefix_causal", "bidirectional"])
-def llm(request):
-    kw = dict(logit_shift=False) if request.param == "bidirectional" else {}
-    return LLM(tiny.loaded(attention=request.param, block_size=4, initializer_range=0.5, **kw), max_batch_size=16)
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return dp.write_checkpoints(tmp_path_factory.mktemp("paths"))
+
+
+#: the models the table step is checked on: in memory (transformers' SDPA over padded caches), loaded from disk
+#: (attention per lane over the KV pool), int8 (row-invariant attention, prompt rows in tiles) and block-causal
+#: with absolute block alignment (the prompt's tail in the first block)
+MODELS = ["causal", "bidirectional", "bidirectional-lanes", "bidirectional-int8", "block_causal-int8"]
+
+
+def _model(name: str, checkpoints):
+    from unmask.engine.model import load_model
+
+    if name == "causal":
+        return tiny.loaded(attention="prefix_causal", block_size=4, initializer_range=0.5)
+    if name == "bidirectional":
+        return tiny.loaded(attention="bidirectional", logit_shift=False, block_size=4, initializer_range=0.5)
+    kind, _, weights = name.partition("-")
+    return load_model(checkpoints[kind], weights="native" if weights == "lanes" else weights)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def llm(request, checkpoints):
+    return LLM(_model(request.param, checkpoints), max_batch_size=16)
+
+
+def _ready_one(llm, kw: dict) -> dict:
+    """``kw`` in the model's block size when it decodes with its own only."""
+    if not llm.model.dllm.fixed_block_size:
+        return kw
+    return {k: v for k, v in kw.items() if k not in ("block_size", "sub_block_size")}
+
+
+def _ready(llm) -> list[dict]:
+    """:data:`READY` in the model's block size (:func:`_ready_one`)."""
+    return [_ready_one(llm, kw) for kw in READY]
 
 
 @pytest.mark.parametrize("join_every, abort_at", [(0, None), (2, 5)])
-def test_table_steps_equal_the_general_path(llm, join_every, abort_at):
+def test_table_steps_equal_the_general_path(llm, join_every, abort_at, monkeypatch):
     """Table-ready requests (greedy, sampled, quota, threshold, windows, stop strings, EOS, logprobs, prompts of
     other lengths), joining every ``join_every`` steps (other blocks, other widths: forwards split by width) and one
     aborted mid-way: every event equals the general path's, bit for bit (the same forwards)."""
-    assert _run(llm, READY, True, join_every, abort_at) == _run(llm, READY, False, join_every, abort_at)
+    reqs = _ready(llm)
+    general = _run(llm, reqs, False, join_every, abort_at)
+    calls = _count_table_steps(monkeypatch)
+    assert _run(llm, reqs, True, join_every, abort_at) == general
+    assert max(calls) >= 2  # the requests stepped together as tables
+
+
+@pytest.mark.parametrize("name", ["bidirectional", "bidirectional-lanes", "bidirectional-int8"])
+@pytest.mark.parametrize("join_every, abort_at", [(0, None), (3, 4)])
+def test_prefix_cache_table_steps_equal_the_general_path(name, join_every, abort_at, checkpoints, monkeypatch):
+    """Fast-dLLM's prefix cache on a bidirectional model (a block's first step refills the lane's cache and commits
+    the prefix, later steps forward ``[a, L)`` over it): table steps = the general path's events, with requests at
+    other blocks (refills beside cached steps) and an abort; every step is a table step."""
+    llm = LLM(_model(name, checkpoints))
+    general = _run(llm, READY, False, join_every, abort_at, cache="prefix")
+    calls = _count_table_steps(monkeypatch)
+    assert _run(llm, READY, True, join_every, abort_at, cache="prefix") == general
+    assert calls
 
 
 def test_a_step_with_any_other_request_takes_the_general_path(llm, monkeypatch):
     """One forward per step for a mixed batch: a step with a request of another kind steps every sequence through
     the general path (the same events with the table step on or off), and the table step runs only in the steps
     after the others finished."""
-    from unmask.engine import plain_batch
-
-    calls = []
-    real = plain_batch.table_step
-    monkeypatch.setattr("unmask.engine.denoiser.table_step", lambda d, seqs, g: calls.append(len(seqs)) or real(d, seqs, g))
-    reqs = READY + [dict(kw, max_tokens=4) for kw in OTHERS]
+    calls = _count_table_steps(monkeypatch)
+    reqs = _ready(llm) + [dict(kw, max_tokens=4) for kw in OTHERS]
     assert _run(llm, reqs, True) == _run(llm, reqs, False)
-    assert calls and max(calls) <= len(READY)
+    assert calls and max(calls) <= len(reqs) - len(OTHERS)
 
 
 def test_a_finished_request_keeps_its_canvas_when_the_table_is_rebuilt(llm):
@@ -111,20 +168,17 @@ def test_which_requests_step_as_a_table(llm):
     vocab = llm.model.vocab_size
 
     def ready(**kw):
-        flat = dict({"speculative": False, "cache": "none", "max_tokens": 8, "block_size": 4}, **kw)
+        flat = _ready_one(llm, dict({"speculative": False, "cache": "none", "max_tokens": 8, "block_size": 4}, **kw))
         return table_ready(engine.add_request(ids, SamplingParams.from_flat(**flat), f"q{len(kw)}{kw}")[0], vocab)
 
     assert ready() and ready(temperature=0.8, seed=1) and ready(threshold=0.5) and ready(logprobs=True)
     assert ready(top_k=vocab)  # a top-k of the whole vocabulary filters nothing
     for kw in (dict(top_k=5), dict(top_p=0.9), dict(min_tokens=2), dict(logit_bias={5: 1.0}),
                dict(presence_penalty=0.5), dict(repetition_penalty=1.1), dict(remasking="random"),
-               dict(logprobs=True, top_logprobs=1), dict(cfg_scale=1.0), dict(cache="prefix")):
+               dict(logprobs=True, top_logprobs=1), dict(cfg_scale=1.0)):
         assert not ready(**kw), kw
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return dp.write_checkpoints(tmp_path_factory.mktemp("paths"))
+    # Fast-dLLM's prefix cache: on a bidirectional model without the logit shift (a causal model's is exact)
+    assert ready(cache="prefix") == (llm.model.dllm.attention == "bidirectional")
 
 
 @pytest.mark.parametrize("name", ["quota", "threshold"])
@@ -136,11 +190,7 @@ def test_a_table_step_reads_the_host_once_under_fake_cuda(name, checkpoints, mon
 
     from unmask.engine.model import LoadedModel, load_model
 
-    from unmask.engine import plain_batch
-
-    calls = []
-    real = plain_batch.table_step
-    monkeypatch.setattr("unmask.engine.denoiser.table_step", lambda d, seqs, g: calls.append(len(seqs)) or real(d, seqs, g))
+    calls = _count_table_steps(monkeypatch)
     path = next(p for p in dp.PATHS if p.name == name)
     with fake_cuda(monkeypatch):
         llm = LLM(load_model(checkpoints[path.checkpoint], device="cuda", dtype="float32"), max_batch_size=8)
@@ -170,8 +220,8 @@ def test_one_request_after_another_each_gets_its_own_table(llm):
     for table in (True, False) * 6:
         denoiser.table_steps = table
         engine = llm._engine(1)
-        engine.add_request(ids, SamplingParams.from_flat(speculative=False, cache="none", max_tokens=6, block_size=3,
-                                                         temperature=0, ignore_eos=True), "one")
+        engine.add_request(ids, SamplingParams.from_flat(**_ready_one(llm, dict(
+            speculative=False, cache="none", max_tokens=6, block_size=3, temperature=0, ignore_eos=True))), "one")
         for _ in range(50):
             done = [ev for ev in engine.step() if ev.finished]
             if done:
@@ -190,7 +240,8 @@ def test_a_table_holds_only_its_members_in_order_with_their_views(llm):
 
     engine = LLM(llm.model)._engine(4)
     ids = llm.tokenizer(dp.PROMPTS[0]).input_ids
-    p = SamplingParams.from_flat(speculative=False, cache="none", max_tokens=4, block_size=4, temperature=0)
+    p = SamplingParams.from_flat(**_ready_one(llm, dict(speculative=False, cache="none", max_tokens=4, block_size=4,
+                                                        temperature=0)))
     a, b, c = (engine.add_request(ids, p, f"m{i}")[0] for i in range(3))
     before = a.canvas.clone()
     table = PlainTable([a, b])
