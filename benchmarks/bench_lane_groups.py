@@ -3,9 +3,9 @@ process: the tiny bidirectional model of ``benchmarks/bench_vs_reference.py`` wi
 engine's lane mode), its prompts, settings and token check, and in each repeat three timed runs in turn: the engine
 with lanes grouped (one SDPA call per group of alike lanes over a strided view of the KV pool), the engine with every
 lane attended alone (``_batch_invariant_sdpa`` patched to False: the path before grouping), and the frozen reference
-loop. Both engine runs must give the reference's tokens. Medians; ratios within the same run. First, one layer's
-attention at the tiny model's and 8B-like shapes three ways (:func:`kernels`): per lane, a strided view of the slab,
-the lanes' keys stacked into one tensor (a gather).
+loop (each side first in turn). Both engine runs must give the reference's tokens. Medians; ratios within the same
+run. First, one layer's attention at the tiny model's and 8B-like shapes three ways (:func:`kernels`): per lane, a
+strided view of the slab, the lanes' keys stacked into one tensor (a gather).
 
     .venv/bin/python benchmarks/bench_lane_groups.py [--repeats 7] [--batch 1 8 32]
 
@@ -52,9 +52,10 @@ def measure(llm, model, prompts, cfg: ReferenceConfig, repeats: int, label: str)
             if out.outputs[0].token_ids != ref[lane]:
                 raise AssertionError(f"{label} (grouped={grouped}): lane {lane}: tokens differ from the reference")
     times: dict[str, list[float]] = {"grouped": [], "per_lane": [], "reference": []}
-    for _ in range(repeats):
-        for name, run in (("grouped", lambda: engine(True)), ("per_lane", lambda: engine(False)),
-                          ("reference", lambda: reference_generate(model, prompts, cfg))):
+    sides = [("grouped", lambda: engine(True)), ("per_lane", lambda: engine(False)),
+             ("reference", lambda: reference_generate(model, prompts, cfg))]
+    for i in range(repeats):
+        for name, run in sides[i % 3:] + sides[:i % 3]:  # each side first in turn (no order bias)
             t0 = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     md = (f"Lane attention grouped vs one call per lane, {MODEL} (`benchmarks/bench_vs_reference.py`'s model, prompts "
           f"and settings: P {setting.prompt_len}, {setting.max_tokens} tokens, block {setting.block_size}), Fast-dLLM "
           f"prefix cache, native float32, greedy, ignore_eos; same tokens on all three sides (checked); medians of "
-          f"{args.repeats} rounds, each timing grouped, per lane and the reference in turn.\n\n"
+          f"{args.repeats} rounds, each timing grouped, per lane and the reference (each first in turn).\n\n"
           + bc.markdown_table(header, table))
     kheader = ["dtype", "lanes", "heads q/kv x dim", "cached / rows", "masked", "per lane us", "strided view us",
                "stacked copy us", "stacked copy bytes", "bit equal"]
