@@ -143,19 +143,23 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
-                     fit_max_tokens: bool = False) -> list[Request]:
+                     fit_max_tokens: bool = False, plan: DecodingPlan | None = None) -> list[Request]:
         """Build (and check) the choices of one request without queueing them (any thread may call this).
 
         ``fit_max_tokens``: ``params.max_tokens`` is a default rather than the client's value: lower it to the
         largest that fits the model's context (docs/design.md#decisions: "lowered to the remaining context when
-        unset") and the KV budget (:meth:`Scheduler.fit_max_tokens`).
+        unset") and the KV budget (:meth:`Scheduler.fit_max_tokens`). ``plan``: ``params`` already resolved on this
+        engine (:func:`plan_request`; a plan does not depend on the prompt), e.g. ``LLM.generate``'s prompts
+        sharing one ``SamplingParams`` (:meth:`~unmask.engine.plan.DecodingPlan.with_new_seed` where it sets no
+        seed).
 
         Raises:
             ParamError: invalid or unsatisfiable parameters (names the field).
         """
         prompt_ids = list(prompt_ids)
         defaults = self.defaults
-        plan = plan_request(self.model, params, defaults)  # once: max_tokens changes no other choice
+        if plan is None:
+            plan = plan_request(self.model, params, defaults)  # once: max_tokens changes no other choice
         if fit_max_tokens:
             m = self.scheduler.fit_max_tokens(len(prompt_ids), params.max_tokens,
                                               self._need(prompt_ids, plan, defaults.max_context), defaults.max_context,
@@ -191,15 +195,17 @@ class Engine:
         return self.defaults.describe(verifier, "the mask-row adapter" if m.adapter else "the model's mask rows")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, n: int = 1,
-                    fit_max_tokens: bool = False, group: str | None = None) -> list[Request]:
+                    fit_max_tokens: bool = False, group: str | None = None, plan: DecodingPlan | None = None
+                    ) -> list[Request]:
         """Build, check and queue one request (``n`` choices); returns its choices (engine-side state). ``group``:
         the unit of fair admission (default ``request_id``; the server passes one id for all prompts of a request).
+        ``plan``: as :meth:`make_request`.
 
         Raises:
             ParamError: as :meth:`make_request`, or the request alone exceeds the KV budget.
             QueueFull: the waiting queue is full.
         """
-        reqs = self.make_request(prompt_ids, params, request_id, n, fit_max_tokens)
+        reqs = self.make_request(prompt_ids, params, request_id, n, fit_max_tokens, plan)
         for r in reqs:  # several prompts of one client request share their fair share (scheduler docstring)
             r.group = group or request_id
         self.scheduler.check_admission(reqs, len(self.scheduler.waiting))

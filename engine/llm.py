@@ -12,6 +12,7 @@ from .options import EngineConfig, with_options
 from .outputs import CompletionOutput, RequestOutput, StepEvent
 from .limits import ParamError
 from .params import SamplingParams
+from .plan import DecodingPlan
 from .prefix_cache import PrefixCache
 from .config import OWN_FORWARD_FAMILIES
 from .encoder_prefix import EncoderPrefixStore
@@ -157,11 +158,12 @@ class LLM:
         prompts = list(prompts)
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         # lookahead = every prompt: all requests are built (and checked) before the first step runs
-        for i, out in self.generate_iter(((p, params) for p in prompts), n=n, lookahead=len(prompts)):
+        for i, out in self.generate_iter(((p, params) for p in prompts), n=n, lookahead=len(prompts),
+                                         _one_params=True):
             outputs[i] = out
         return outputs
 
-    def generate_iter(self, requests, n: int = 1, lookahead: int | None = None
+    def generate_iter(self, requests, n: int = 1, lookahead: int | None = None, *, _one_params: bool = False
                       ) -> Iterator[tuple[int, RequestOutput]]:
         """Continuous batching over a stream of requests: yields ``(index, RequestOutput)`` as each request
         finishes (completion order, not input order), reading ``requests`` lazily.
@@ -177,12 +179,17 @@ class LLM:
         Raises:
             ParamError: a request's parameters are invalid for this model (names the field); the requests that
                 finished before it have been yielded.
+
+        ``_one_params`` (``generate``'s): every request carries the same ``SamplingParams``, which nothing changes
+        meanwhile, so it is resolved once (a plan does not depend on the prompt; each request still draws its own
+        seed when the parameters set none: ``DecodingPlan.with_new_seed``).
         """
         engine = self._call_engine(self.max_batch_size)
         ahead = self.max_batch_size if lookahead is None else max(1, lookahead)
         pending: dict[str, tuple[int, RequestOutput, list, float]] = {}
         source = enumerate(requests)
         exhausted = False
+        resolved: tuple[SamplingParams, DecodingPlan] | None = None  # _one_params: (params, its plan)
         while True:
             while not exhausted and engine.num_unfinished < self.max_batch_size + ahead * n:
                 nxt = next(source, None)
@@ -190,9 +197,15 @@ class LLM:
                     exhausted = True
                     break
                 i, (prompt, params) = nxt
+                params = params or SamplingParams()
                 rid = f"gen-{next(_ids)}"
                 ids = self.encode(prompt)
-                engine.add_request(ids, params or SamplingParams(), rid, n)
+                plan = None
+                if resolved is not None and resolved[0] is params:
+                    plan = resolved[1] if params.seed is not None else resolved[1].with_new_seed()
+                reqs = engine.add_request(ids, params, rid, n, plan=plan)
+                if _one_params and resolved is None:
+                    resolved = (params, reqs[0].plan)  # choice 0's plan: the request's (seed + 0)
                 pending[rid] = (i, RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids), [None] * n,
                                 time.time())
             if not engine.has_unfinished():

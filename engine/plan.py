@@ -28,6 +28,7 @@ option (:func:`engine_defaults`).
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -169,6 +170,16 @@ class DecodingPlan:
     max_post_steps: int = 0
     uniform: UniformCanvasOptions | None = None
 
+    def with_new_seed(self) -> "DecodingPlan":
+        """The plan :func:`resolve` gives another request with the same (unchanged) parameters when their ``seed``
+        is unset: this one with a new random seed (:func:`random_seed`) in ``seed`` and ``params.seed``. ``params``
+        is copied, not validated again: it differs from this plan's validated parameters in the seed alone, drawn
+        in range (``LLM.generate``'s prompts share one ``SamplingParams``, resolved once)."""
+        seed = random_seed()
+        params = copy.copy(self.params)
+        params.seed = seed
+        return replace(self, seed=seed, params=params)
+
     def for_choice(self, index: int) -> "DecodingPlan":
         """The plan of choice ``index`` of an ``n > 1`` request: seed ``(seed + index) mod 2**63``."""
         seed = (self.seed + index) % (MAX_SEED + 1)
@@ -259,9 +270,14 @@ def resolve_params(params: SamplingParams, default_sampling: dict | None = None,
     remasking = params.remasking
     if remasking is None:  # the checkpoint's order applies to plain diffusion only: speculative steps reveal in order
         remasking = "low_confidence" if speculative else defaults.get("remasking", "low_confidence")
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+    seed = params.seed if params.seed is not None else random_seed()
     return replace(params, temperature=temperature, threshold=threshold, seed=seed, speculative=speculative,
                    remasking=remasking)
+
+
+def random_seed() -> int:
+    """The seed of a request that sets none: 56 random bits (``os.urandom``), within ``[0, MAX_SEED]``."""
+    return int.from_bytes(os.urandom(7), "little")
 
 
 def drafts_by_default(default_drafts: str, device_type: str) -> bool:
@@ -390,7 +406,7 @@ def uniform_canvas_plan(params: SamplingParams, dllm: DllmConfig, d: EngineDefau
     if params.block_size not in (None, d.block_size):
         raise ParamError("block_size", f"this {dllm.family} model refines canvases of {d.block_size} tokens only "
                                        f"(canvas_length), got {params.block_size}")
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+    seed = params.seed if params.seed is not None else random_seed()
     p = replace(params, seed=seed, block_size=d.block_size, speculative=False)
     return DecodingPlan(params=p, speculative=False, block_size=d.block_size, draft_block=None,
                         window_size=d.block_size, temperature=opts.t_max, sampling=True, threshold=None, seed=seed,

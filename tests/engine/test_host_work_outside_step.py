@@ -3,6 +3,7 @@ stop rules' decode through a fast tokenizer's backend gives the tokenizer's text
 its counts as it joins admits exactly what recounting the batch per slot admitted."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -177,3 +178,72 @@ def test_a_call_takes_the_engine_a_finished_call_left_idle_and_never_one_in_use(
     assert other == first and llm._idle[2] is not idle
     running.close()  # abandoned midway: its engine, holding choices, is never handed out again
     assert all(not e.has_unfinished() for e in llm._idle.values())
+
+
+def _plans(monkeypatch, llm):
+    """Every plan the engines of ``llm`` build, in order."""
+    seen = []
+    add = Engine.add_request
+
+    def recording(self, *args, **kwargs):
+        reqs = add(self, *args, **kwargs)
+        seen.extend(r.plan for r in reqs)
+        return reqs
+
+    monkeypatch.setattr(Engine, "add_request", recording)
+    return seen
+
+
+def _unseeded(plan):
+    return dataclasses.replace(plan, seed=0, params=dataclasses.replace(plan.params, seed=0))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0), dict(temperature=0.7), dict(temperature=0.7, seed=11),
+                                dict(temperature=0.7, seed=11, n=2), dict(temperature=0.7, n=3)])
+def test_generate_resolves_its_shared_parameters_once_and_each_prompt_gets_what_resolving_gives(model, monkeypatch,
+                                                                                              kw):
+    """``generate``'s prompts share one ``SamplingParams``: it is resolved once; every request's plan equals the one
+    ``plan_request`` gives it (the seed apart), a seed the request set is every prompt's, and a request that sets none
+    draws its own per prompt."""
+    import unmask.engine.engine as eng_mod
+    from unmask.engine import LLM
+    from unmask.engine.engine import plan_request
+
+    kw = dict(kw)
+    n = kw.pop("n", 1)
+    llm = LLM(model, max_batch_size=4)
+    p = SamplingParams(max_tokens=6, **kw)
+    resolved = []
+    monkeypatch.setattr(eng_mod, "plan_request", lambda *a: resolved.append(1) or plan_request(*a))
+    plans = _plans(monkeypatch, llm)
+    outs = llm.generate([[5, 6, 7], [5, 8], [9, 4, 4], [7]], p, n=n)
+    assert len(resolved) == 1 and len(plans) == 4 * n
+    fresh = plan_request(model, p, llm._idle[4].defaults)
+    assert all(_unseeded(q) == _unseeded(fresh.for_choice(i % n)) for i, q in enumerate(plans))
+    assert all(q.seed == q.params.seed for q in plans)
+    assert [q.seed - plans[k - k % n].seed for k, q in enumerate(plans)] == [k % n for k in range(4 * n)]
+    firsts = [q.seed for q in plans[::n]]
+    if p.seed is not None:
+        assert set(firsts) == {p.seed}
+        alone = [[c.token_ids for c in llm.generate([q], p, n=n)[0].outputs] for q in ([5, 6, 7], [5, 8], [9, 4, 4],
+                                                                                       [7])]
+        assert alone == [[c.token_ids for c in o.outputs] for o in outs]
+    else:
+        assert len(set(firsts)) == 4
+
+
+def test_generate_iter_resolves_each_request_its_parameters_may_change_between_them(model):
+    """``generate_iter`` reads a caller's iterable, which may change a ``SamplingParams`` between two requests: each
+    request is resolved as it comes."""
+    from unmask.engine import LLM
+
+    llm = LLM(model, max_batch_size=2)
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def requests():
+        yield [5, 6, 7], p
+        p.max_tokens = 3
+        yield [5, 6, 7], p
+
+    outs = dict(llm.generate_iter(requests()))
+    assert [len(outs[i].outputs[0].token_ids) for i in (0, 1)] == [6, 3]
