@@ -12,7 +12,10 @@ once on each side and requires the same tokens (else the run stops with an error
 ``--repeats`` timed runs alternate engine / reference; tokens/s = B x max_tokens / median seconds, and the ratio
 engine / reference (>= 1.0: the engine is at least as fast).
 
-    .venv/bin/python benchmarks/bench_vs_reference.py [--models tiny-causal,tiny-bidirectional,smollm2]
+    .venv/bin/python benchmarks/bench_vs_reference.py [--models tiny-causal,tiny-bidirectional,smollm2] [--general]
+
+``--general`` also times the engine with its plain table step off (every sequence through the general path), in
+the same alternation, and reports its ratio beside the table step's.
 
 Writes ``benchmarks/results/bench_vs_reference.{json,md,png}``.
 """
@@ -98,9 +101,13 @@ def load(name: str, tmp: Path):
     raise SystemExit(f"bench_vs_reference: error: --models: unknown model {name!r}")
 
 
-def measure(llm, model, prompts: torch.Tensor, cfg: ReferenceConfig, repeats: int, label: str) -> dict:
-    """Same tokens once, then ``repeats`` alternating timed runs; medians and tokens/s."""
+def measure(llm, model, prompts: torch.Tensor, cfg: ReferenceConfig, repeats: int, label: str,
+            general: bool = False) -> dict:
+    """Same tokens once, then ``repeats`` alternating timed runs; medians and tokens/s. ``general``: also time the
+    engine with its plain table step off (``Denoiser.table_steps``: every sequence through the general path), in
+    the same alternation."""
     from unmask.engine import SamplingParams
+    from unmask.engine.denoiser import Denoiser
 
     params = SamplingParams.from_flat(temperature=0, speculative=False, block_size=cfg.block_size, steps=cfg.steps,
                                       threshold=cfg.threshold, cache=cfg.cache, ignore_eos=True,
@@ -112,7 +119,7 @@ def measure(llm, model, prompts: torch.Tensor, cfg: ReferenceConfig, repeats: in
     for lane, (e, r) in enumerate(zip(engine_tokens, ref_tokens)):
         if e != r:
             raise AssertionError(f"{label}: lane {lane}: engine tokens {e} != reference tokens {r}")
-    t_engine, t_ref = [], []
+    t_engine, t_ref, t_general = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         llm.generate(ids, params)
@@ -120,12 +127,26 @@ def measure(llm, model, prompts: torch.Tensor, cfg: ReferenceConfig, repeats: in
         t0 = time.perf_counter()
         reference_generate(model, prompts, cfg)
         t_ref.append(time.perf_counter() - t0)
+        if general:
+            Denoiser.table_steps = False
+            try:
+                t0 = time.perf_counter()
+                outs_general = llm.generate(ids, params)
+                t_general.append(time.perf_counter() - t0)
+            finally:
+                Denoiser.table_steps = True
+            if [o.outputs[0].token_ids for o in outs_general] != engine_tokens:
+                raise AssertionError(f"{label}: the general path's tokens differ from the table step's")
     tokens = prompts.shape[0] * cfg.max_tokens
     e_s, r_s = bc.median(t_engine), bc.median(t_ref)
-    return {"engine_seconds": t_engine, "reference_seconds": t_ref, "engine_median_s": e_s,
-            "reference_median_s": r_s, "tokens": tokens, "engine_tok_s": tokens / e_s,
-            "reference_tok_s": tokens / r_s, "ratio": r_s / e_s, "same_tokens": True,
-            "engine_nfe": sum(o.outputs[0].nfe for o in outs)}
+    out = {"engine_seconds": t_engine, "reference_seconds": t_ref, "engine_median_s": e_s,
+           "reference_median_s": r_s, "tokens": tokens, "engine_tok_s": tokens / e_s,
+           "reference_tok_s": tokens / r_s, "ratio": r_s / e_s, "same_tokens": True,
+           "engine_nfe": sum(o.outputs[0].nfe for o in outs)}
+    if general:
+        g_s = bc.median(t_general)
+        out.update(general_seconds=t_general, general_median_s=g_s, general_ratio=r_s / g_s)
+    return out
 
 
 def plot(rows: list[dict]):
@@ -159,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15, help="timed runs per side (tiny models: short runs, bursty load)")
     ap.add_argument("--real-repeats", type=int, default=3, help="timed runs per side (SmolLM2)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--general", action="store_true",
+                    help="also time the engine with the plain table step off (the general path), paired")
     ap.add_argument("--engine-label", default=None,
                     help="what engine is measured (recorded; e.g. the commit of a checkout put first on PYTHONPATH)")
     args = ap.parse_args(argv)
@@ -179,24 +202,30 @@ def main(argv=None) -> int:
                 cfg = ReferenceConfig(setting.max_tokens, setting.block_size, steps, threshold, cache)
                 for b in args.batch:
                     label = f"{name} {mode} cache {cache} batch {b}"
-                    r = measure(llm, model, make_prompts(model, b, setting.prompt_len), cfg, repeats, label)
+                    r = measure(llm, model, make_prompts(model, b, setting.prompt_len), cfg, repeats, label,
+                                args.general)
                     r.update(model=name, mode=mode, cache=cache, batch=b, prompt_len=setting.prompt_len,
                              max_tokens=setting.max_tokens, block_size=setting.block_size, steps=steps,
                              threshold=threshold, repeats=repeats)
                     rows.append(r)
                     print(f"{label:48s} engine {r['engine_tok_s']:8.1f} tok/s  reference "
-                          f"{r['reference_tok_s']:8.1f} tok/s  ratio {r['ratio']:.2f}", flush=True)
+                          f"{r['reference_tok_s']:8.1f} tok/s  ratio {r['ratio']:.2f}"
+                          + (f"  general path {r['general_ratio']:.2f}" if args.general else ""), flush=True)
     header = ["model", "mode", "cache", "batch", "P / max_tokens / block / steps / threshold", "engine tok/s",
               "reference tok/s", "engine / reference", "engine NFE (all lanes)", "same tokens"]
     table = [[r["model"], r["mode"], r["cache"], r["batch"], f"{r['prompt_len']} / {r['max_tokens']} / {r['block_size']} / "
               f"{r['steps']} / {r['threshold']}", r["engine_tok_s"], r["reference_tok_s"], r["ratio"],
               r["engine_nfe"], "yes"] for r in rows]
+    if args.general:  # the general path's ratio beside it (the table step off, same alternation)
+        header.insert(8, "general path / reference")
+        for row, r in zip(table, rows):
+            row.insert(8, r["general_ratio"])
     md = ("Engine (`LLM.generate`) vs the frozen reference loop (`benchmarks/reference_loop.py`), same "
           "model (native float32), prompts, cache policy and tokens (checked), greedy, ignore_eos; medians of the timed runs "
           "(tiny: {} per side, SmolLM2: {}).\n\n".format(args.repeats, args.real_repeats)
           + bc.markdown_table(header, table))
     md += f"\nEngine measured: {args.engine_label or env['engine']['path']}.\n"
-    data = {"settings": {"models": args.models, "batch": args.batch, "repeats": args.repeats,
+    data = {"settings": {"models": args.models, "batch": args.batch, "repeats": args.repeats, "general": args.general,
                          "real_repeats": args.real_repeats, "weights": "native float32"},
             "environment": env, "rows": rows}
     return bc.report("bench_vs_reference", data, md, plot(rows))
