@@ -20,7 +20,7 @@ from .kv_cache import BatchKV, CarryPool
 from .limits import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from .model import LoadedModel
 from .outputs import StepEvent
-from .plain_batch import forward_rows, table_ready, table_step
+from .plain_batch import all_table_ready, forward_rows, table_step
 from .prefill_cost import PrefillBudget, attention_crossover_keys, forward_overhead_rows
 from .request import DecodingStrategy, LaneInput
 from .row_attention import PROMPT_TILE
@@ -104,7 +104,7 @@ class Denoiser:
             if self.step_graphs is not None:
                 self.step_graphs.note_eager("uniform canvas", len(seqs))
             return step_uniform(self.model, seqs, self.encoder_store)
-        if self.table_steps and all(table_ready(seq, self.vocab_size) for seq in seqs):
+        if self.table_steps and all_table_ready(self, seqs, self.vocab_size):
             # every sequence a plain cache-less one: the table step (a mixed step keeps one forward for all)
             widths = [hi - lo for lo, hi, _, _ in map(forward_rows, seqs)]
             groups = plan_forwards(widths, [1] * len(seqs), self.forward_overhead_rows)

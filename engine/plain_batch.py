@@ -25,7 +25,7 @@ from .sampler import forbid, gumbel_argmax, log_normalizer, sampling_temperature
 from .sequence import Sequence, chunk_metadata
 from .transfer import to_device
 
-__all__ = ["PlainTable", "TableGeometry", "forward_rows", "table_ready", "table_step"]
+__all__ = ["PlainTable", "TableGeometry", "all_table_ready", "forward_rows", "table_ready", "table_step"]
 
 _MEMO_SIZE = 2  # batch geometries kept (a block's steps reuse one; each holds a [B, 1, Q, Q] mask)
 
@@ -48,7 +48,15 @@ def table_ready(seq, vocab_size: int) -> bool:
                                      and p.presence_penalty == 0 and p.frequency_penalty == 0
                                      and p.repetition_penalty == 1.0 and not (0 < k < vocab_size) and p.top_p >= 1.0
                                      and (p.remasking or "low_confidence") == "low_confidence")
+        seq._table_temperature = sampling_temperature(p)  # the plan's, fixed for the request
     return ok
+
+
+def all_table_ready(denoiser, seqs: list, vocab_size: int) -> bool:
+    """:func:`table_ready` of every sequence; at once when the denoiser's table :meth:`~PlainTable.holds` them
+    (its members were ready when it was built, and nothing a table step does changes that)."""
+    table = denoiser.table
+    return (table is not None and table.holds(seqs)) or all(table_ready(seq, vocab_size) for seq in seqs)
 
 
 def forward_rows(seq: Sequence) -> tuple[int, int, tuple[int, int] | None, bool]:
@@ -264,7 +272,7 @@ def _decide(denoiser, seqs: list[Sequence], logits: torch.Tensor, rows: np.ndarr
     n = len(seqs)
     logits = forbid(logits.float(), denoiser.forbidden)
     tokens = torch.argmax(logits, dim=-1)
-    temps = [sampling_temperature(seq.params) for seq in seqs]
+    temps = [seq._table_temperature for seq in seqs]
     if any(temps):
         t_row = np.asarray(temps, dtype=np.float64)[rows]
         sampled = np.flatnonzero(t_row)
