@@ -140,9 +140,8 @@ def main(argv=None) -> int:
              + ([r["outside_ratio_base_over_work"]] if args.base else []) for r in rows]
     md = ("Host time outside `Denoiser.step` per `LLM.generate` (tiny-causal, quota: greedy, ignore_eos, 32 tokens, "
           f"block 8, 16 steps, no cache); medians of {args.rounds} x {args.repeats} timed calls per side, the sides "
-          "in alternating processes.\n\n" + bc.markdown_table(header, table)
-          + "\n`" + " ".join(["benchmarks/bench_outside_step.py", *(argv if argv is not None else sys.argv[1:])])
-          + "`\n")
+          "in alternating processes (one intra-op thread each).\n\n" + bc.markdown_table(header, table))
+    bc.set_threads(1)  # as the workers ran (the environment record reads this process's setting)
     data = {"settings": vars(args), "environment": bc.environment(1), "rows": rows}
     return bc.report("bench_outside_step", data, md)
 
