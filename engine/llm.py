@@ -204,6 +204,8 @@ class LLM:
                 if resolved is not None and resolved[0] is params:
                     plan = resolved[1] if params.seed is not None else resolved[1].with_new_seed()
                 reqs = engine.add_request(ids, params, rid, n, plan=plan)
+                for r in reqs:
+                    r.final_only = True  # only the finished events are read (below)
                 if _one_params and resolved is None:
                     resolved = (params, reqs[0].plan)  # choice 0's plan: the request's (seed + 0)
                 pending[rid] = (i, RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids), [None] * n,

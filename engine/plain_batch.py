@@ -174,7 +174,8 @@ def table_of(denoiser, seqs: list[Sequence]) -> PlainTable:
 
 def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[StepEvent]:
     """One denoising step of ``seqs`` (each :func:`table_ready`, none finished), one forward per group of
-    indices (``unmask.engine.denoiser.plan_forwards``); returns their :class:`StepEvent` s in order."""
+    indices (``unmask.engine.denoiser.plan_forwards``); returns their :class:`StepEvent` s in order (none for a
+    ``final_only`` sequence's unfinished step)."""
     table = table_of(denoiser, seqs)
     n = len(seqs)
     windows = np.empty((n, 2), dtype=np.int64)  # per row: the window [start, end)
@@ -328,7 +329,7 @@ def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np
     table.host_lp[r, rel] = packed[order, 2]  # float64 -> float32, rounded as a float32 tensor write rounds it
     picked = np.bincount(r, minlength=len(seqs)).tolist()
     rel_l, tok_l, prob_l, lp_l = rel.tolist(), toks.tolist(), packed[order, 1].tolist(), packed[order, 2].tolist()
-    views = _canvas_views(table, seqs)
+    views = [None] * len(seqs) if all(seq.final_only for seq in seqs) else _canvas_views(table, seqs)
     # the stop rules can change something only where the position after the revealed prefix was revealed (or they
     # never ran): Request.stop_watch
     watch = [(seq.stop_watch(), seq.stop_scan_end(), seq.stopper.checked) for seq in seqs]
@@ -339,9 +340,6 @@ def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np
     lo = 0
     for seq, c, k, view, check in zip(seqs, counts.tolist(), picked, views, due):
         hi = lo + k
-        limit = seq.max_tokens
-        revealed = [revealed_token(p, t, pr, lp) for p, t, pr, lp in
-                    zip(rel_l[lo:hi], tok_l[lo:hi], prob_l[lo:hi], lp_l[lo:hi]) if p < limit]
         block, step = seq.block_idx, seq.step
         seq.step += 1
         seq.step_in_block += 1
@@ -350,7 +348,11 @@ def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np
             seq._skip_empty_blocks()
         elif check:
             seq._check_finished()
-        events.append(seq.event(block, step, revealed, view))
+        if not seq.final_only or seq.finished:  # a final-only choice's unfinished steps emit nothing
+            limit = seq.max_tokens
+            revealed = [revealed_token(p, t, pr, lp) for p, t, pr, lp in
+                        zip(rel_l[lo:hi], tok_l[lo:hi], prob_l[lo:hi], lp_l[lo:hi]) if p < limit]
+            events.append(seq.event(block, step, revealed, view))
         lo = hi
     return events
 

@@ -163,6 +163,9 @@ class Request:
     #: the prefix cache's salt (docs/design.md#prefix-reuse): requests share stored KV only with requests of the
     #: same salt (the server's tenant plus the request's ``cache_salt``); None: the unsalted store
     cache_salt: str | None = None
+    #: the consumer reads only the choice's final event (``LLM.generate``, as vLLM's ``FINAL_ONLY`` outputs): a plain
+    #: step that does not finish it emits no :class:`StepEvent` (set before its first step)
+    final_only = False
 
     def __init__(self, request_id: str, prompt_ids: list[int], plan: DecodingPlan,
                  dllm: DllmConfig, tokenizer, max_context: int, device: torch.device | str = "cpu",

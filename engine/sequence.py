@@ -269,7 +269,8 @@ class Sequence(Request):
     def reveal(self, masked: torch.Tensor, rows: HostRows, segments: list | None = None) -> StepEvent:
         """Write the chosen rows of ``rows`` (the step's candidates for ``masked``, on the host; in the order of
         :meth:`~unmask.engine.reveals.HostRows.picked` for the step's ``segments``, ascending without), advance
-        the block/step counters, check EOS/stop/length; returns the step's :class:`StepEvent`."""
+        the block/step counters, check EOS/stop/length; returns the step's :class:`StepEvent` (None for a
+        :attr:`~unmask.engine.request.Request.final_only` choice that did not finish)."""
         picked = rows.picked(segments) if segments else [i for i, c in enumerate(rows.chosen) if c]
         memo = self._masked_memo
         at = (memo[2] if memo is not None and memo[1] is masked else masked).tolist()
@@ -283,4 +284,6 @@ class Sequence(Request):
             self._check_finished()
         else:
             self._skip_empty_blocks()
+        if self.final_only and not self.finished:
+            return None  # nobody reads it (Request.final_only)
         return self.event(block, step, revealed)

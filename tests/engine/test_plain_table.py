@@ -249,3 +249,47 @@ def test_a_table_holds_only_its_members_in_order_with_their_views(llm):
     assert table.holds([a, b]) and not table.holds([b, a]) and not table.holds([a]) and not table.holds([a, c])
     a.canvas = a.canvas.clone()
     assert not table.holds([a, b])
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_a_final_only_choice_emits_only_its_final_event(llm, table):
+    """``Request.final_only`` (``LLM.generate``'s choices): plain steps that do not finish a choice emit no event,
+    through the table step and the general path (a top-k request beside), and the final events (outputs, tokens,
+    log-probabilities, text) equal those of choices that emit every step."""
+    reqs = [_ready_one(llm, kw) for kw in (READY[0], READY[1], READY[3], OTHERS[0])]
+
+    def run(final_only: bool):
+        engine = LLM(llm.model)._engine(8)
+        engine.denoiser.table_steps = table
+        tok = llm.tokenizer
+        for i, kw in enumerate(reqs):
+            flat = dict({"speculative": False, "cache": "none", "ignore_eos": True, "max_tokens": 10}, **kw)
+            for r in engine.add_request(tok(dp.PROMPTS[i % len(dp.PROMPTS)]).input_ids,
+                                        SamplingParams.from_flat(**flat), f"f{i}"):
+                r.final_only = final_only
+        events = []
+        while engine.has_unfinished():
+            events += engine.step()
+        return events
+
+    every, final = run(False), run(True)
+    assert all(ev.finished for ev in final) and len(final) == len(reqs) < len(every)
+    done = {ev.request_id: ev.output for ev in every if ev.finished}
+    for ev in final:
+        o, e = ev.output, done[ev.request_id]
+        assert (o.token_ids, o.logprobs, o.text, o.steps, o.nfe) == (e.token_ids, e.logprobs, e.text, e.steps, e.nfe)
+
+
+def test_generate_reads_final_events_only(llm, monkeypatch):
+    """``LLM.generate`` marks its choices ``final_only`` and returns what ``LLM.stream`` (every event) ends with."""
+    from unmask.engine.engine import Engine
+
+    made, add = [], Engine.add_request
+    monkeypatch.setattr(Engine, "add_request", lambda self, *a, **k: made.extend(add(self, *a, **k)) or made[-1:])
+    p = SamplingParams.from_flat(**_ready_one(llm, dict(speculative=False, cache="none", max_tokens=8,
+                                                        block_size=4, temperature=0, ignore_eos=True)))
+    out = llm.generate([dp.PROMPTS[0]], p)[0].outputs[0]
+    assert made and all(r.final_only for r in made)
+    monkeypatch.undo()
+    last = list(llm.stream(dp.PROMPTS[0], p))[-1].output
+    assert (out.token_ids, out.text, out.steps) == (last.token_ids, last.text, last.steps)
