@@ -141,27 +141,30 @@ class PlainTable:
     ``logprobs`` ``[B, G]`` float32 host tensors (``L``, ``G``: the longest canvas and generation region), whose row
     ``b`` each sequence's ``canvas`` / ``logprobs`` are views of from then on (so every reader and writer of a
     sequence's state sees the table). A new member list gets new tables: a sequence that left keeps its views of the
-    old ones, which nothing writes again."""
+    old ones, which nothing writes again. The tables are normal tensors, made outside inference mode (the step runs
+    in it): a caller may still write a sequence's canvas in place between steps, as before its first table step."""
 
     def __init__(self, seqs: list[Sequence]):
         self.members = list(seqs)  # held: an id() of a finished sequence may be reused by a new one
         B = len(seqs)
         L, G = max(seq.length for seq in seqs), max(seq.gen_len for seq in seqs)
-        self.canvas = torch.zeros(B, L, dtype=torch.long)
-        self.logprobs = torch.zeros(B, G, dtype=torch.float32)
-        for b, seq in enumerate(seqs):
-            self.canvas[b, :seq.length] = seq.canvas
-            self.logprobs[b, :seq.gen_len] = seq.logprobs
-            seq.canvas, seq.logprobs = self.canvas[b, :seq.length], self.logprobs[b, :seq.gen_len]
-        self.views = [seq.canvas for seq in seqs]
+        with torch.inference_mode(False):  # an inference tensor refuses in-place writes outside inference mode
+            self.canvas = torch.zeros(B, L, dtype=torch.long)
+            self.logprobs = torch.zeros(B, G, dtype=torch.float32)
+            for b, seq in enumerate(seqs):
+                self.canvas[b, :seq.length] = seq.canvas
+                self.logprobs[b, :seq.gen_len] = seq.logprobs
+                seq.canvas, seq.logprobs = self.canvas[b, :seq.length], self.logprobs[b, :seq.gen_len]
+        self.views = [(seq.canvas, seq.logprobs) for seq in seqs]
         self.host, self.host_lp = self.canvas.numpy(), self.logprobs.numpy()
         self.prompt_lens = np.array([seq.prompt_len for seq in seqs], dtype=np.int64)
 
 
     def holds(self, seqs: list[Sequence]) -> bool:
-        """Whether the members are ``seqs``, in this order, and each one's canvas is still its row's view."""
+        """Whether the members are ``seqs``, in this order, and each one's canvas and log-probabilities are still
+        its row's views."""
         return len(seqs) == len(self.members) and all(
-            a is b and a.canvas is v for a, b, v in zip(seqs, self.members, self.views))
+            a is b and a.canvas is v and a.logprobs is lp for a, b, (v, lp) in zip(seqs, self.members, self.views))
 
 
 def table_of(denoiser, seqs: list[Sequence]) -> PlainTable:
