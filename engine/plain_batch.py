@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import lane_masks
+from .kv_cache import BatchKV
 from .noise import GUMBEL, row_keys_of
 from .outputs import StepEvent, revealed_token
 from .reveal_rule import choose_rows, reveal_count
@@ -87,9 +89,6 @@ def _geometry(denoiser, keys: tuple, lanes: list, prompt_lens: list[int]) -> Tab
     """:class:`TableGeometry` of rows whose ``keys`` are ``(block metadata key, lo, hi, commit, replace, prompt
     forwarded)`` (the metadata of ``unmask.engine.sequence.chunk_metadata``), padded as
     ``Denoiser._inputs_on_device`` pads them."""
-    from .denoiser import forward_mask
-    from .kv_cache import BatchKV
-
     pad = torch.nn.utils.rnn.pad_sequence
     metas = [chunk_metadata(key, lo, hi, commit) for key, lo, hi, commit, _, _ in keys]
     los = [k[1] for k in keys]
@@ -119,7 +118,7 @@ def _geometry(denoiser, keys: tuple, lanes: list, prompt_lens: list[int]) -> Tab
         kv = BatchKV(lanes, denoiser.device)  # the refilled lanes were reset: no cached keys
         if model.lane_attention:
             kv.lane_mode, kv.rows, kv.sees_all = True, widths, g.one_group
-        g.mask = forward_mask(kv, g.pos, g.grp, g.start, g.committed, g.valid)
+        g.mask = lane_masks.forward_mask(kv, g.pos, g.grp, g.start, g.committed, g.valid)
     return g
 
 
@@ -222,9 +221,6 @@ def _forward(denoiser, table: PlainTable, seqs: list[Sequence], group: list[int]
     """The forward of the table rows ``group`` (``seqs``: theirs; ``keys``: their geometry keys): the logits of
     their masked window positions, row after row (``[n, V]``), and ``(BatchKV, commits)`` for
     ``BatchKV.commit_all``."""
-    from .denoiser import forward_mask, sees_every_key
-    from .kv_cache import BatchKV
-
     dev = denoiser.device
     lanes = [seq.lanes[0].cache for seq in seqs]
     for lane, key in zip(lanes, keys):
@@ -239,9 +235,9 @@ def _forward(denoiser, table: PlainTable, seqs: list[Sequence], group: list[int]
     if denoiser.model.lane_attention:
         kv.lane_mode, kv.rows = True, geo.widths
         kv.sees_all = geo.one_group if mask is not None else [
-            sees_every_key(_Rows(m[1], m[2], m[5]), lane) for m, lane in zip(geo.metas, lanes)]
+            lane_masks.sees_every_key(_Rows(m[1], m[2], m[5]), lane) for m, lane in zip(geo.metas, lanes)]
     if mask is None:
-        mask = forward_mask(kv, geo.pos, geo.grp, geo.start, geo.committed, geo.valid)
+        mask = lane_masks.forward_mask(kv, geo.pos, geo.grp, geo.start, geo.committed, geo.valid)
     extra = {"prompt_rows": geo.prompt} if geo.prompt is not None else {}
     hidden = denoiser.model.hidden_states(to_device(torch.from_numpy(tokens), dev), geo.pos, mask, cache=kv, **extra)
     denoiser.forwards += 1
@@ -258,7 +254,7 @@ def _forward(denoiser, table: PlainTable, seqs: list[Sequence], group: list[int]
 
 
 class _Rows:
-    """What ``denoiser.sees_every_key`` reads of a lane's chunk: its groups, starts and whether it is one group."""
+    """What ``lane_masks.sees_every_key`` reads of a lane's chunk: its groups, starts and whether it is one group."""
 
     __slots__ = ("grp", "start", "one_group")
 

@@ -1,4 +1,4 @@
-"""``denoiser.forward_mask``: the all-true mask it makes without the keys' metadata (every row real and seeing every
+"""``lane_masks.forward_mask``: the all-true mask it makes without the keys' metadata (every row real and seeing every
 key of its lane) is the mask ``build_attention_mask`` gives, on every forward of the cache modes and attentions."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import tiny
 from unmask.engine import LLM, SamplingParams
-from unmask.engine import denoiser
+from unmask.engine import lane_masks
 from unmask.engine.attention import build_attention_mask
 from unmask.engine.lane_attention import use_lanes
 
@@ -16,7 +16,7 @@ from unmask.engine.lane_attention import use_lanes
                                              ("bidirectional", "dual"), ("prefix_causal", "auto")])
 def test_the_shortcut_mask_is_the_built_mask(monkeypatch, attention, cache):
     seen = {"forwards": 0, "all_true": 0}
-    original = denoiser.forward_mask
+    original = lane_masks.forward_mask
 
     def checked(kv, pos, grp, start, committed, valid):
         mask = original(kv, pos, grp, start, committed, valid)
@@ -30,7 +30,7 @@ def test_the_shortcut_mask_is_the_built_mask(monkeypatch, attention, cache):
         seen["all_true"] += bool(built.all())
         return mask
 
-    monkeypatch.setattr(denoiser, "forward_mask", checked)
+    monkeypatch.setattr(lane_masks, "forward_mask", checked)
     model = tiny.loaded(attention=attention, logit_shift=attention != "bidirectional", block_size=4)
     use_lanes(model)  # as load_model does: the lanes' attention (the shortcut is taken in lane mode only)
     llm = LLM(model, max_batch_size=8)
