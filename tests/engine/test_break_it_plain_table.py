@@ -9,6 +9,7 @@ import gc
 import pickle
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,12 +45,16 @@ def _count_table_steps(monkeypatch) -> list[int]:
 
 
 def _run(model, reqs: list[dict], table: bool, actions: dict | None = None, cache: str = "none",
-         max_batch: int = 16) -> tuple[dict, dict]:
+         max_batch: int = 16, **engine_options) -> tuple[dict, dict]:
     """Decode ``reqs`` (each: ``SamplingParams.from_flat`` keywords plus ``prompt``, ``n`` and ``join``, the step it
-    joins at) on a fresh engine with the table step on or off; ``actions[step](engine, seqs)`` runs before that
-    step (its events, e.g. an abort's, are recorded). Returns every choice's events as comparable tuples (every
-    field but wall times) and every choice's final canvas, log-probabilities and output."""
-    engine = LLM(model)._engine(max_batch)
+    joins at) on a fresh engine with the table step on or off (``engine_options``: an ``Engine`` of its own with
+    them, else ``LLM._engine``'s); ``actions[step](engine, seqs)`` runs before that step (its events, e.g. an
+    abort's, are recorded). Returns every choice's events as comparable tuples (every field but wall times) and
+    every choice's final canvas, log-probabilities and output."""
+    from unmask.engine.engine import Engine
+
+    engine = (Engine(model, max_batch_size=max_batch, **engine_options) if engine_options
+              else LLM(model)._engine(max_batch))
     engine.denoiser.table_steps = table
     tok = model.tokenizer
     pending = sorted(enumerate(reqs), key=lambda x: x[1].get("join", 0))
@@ -148,3 +153,196 @@ def test_writes_to_a_sequence_between_steps(models, model, name, monkeypatch):
             for i, m in enumerate((6, 9, 12))] + [dict(prompt=PROMPTS[3], join=3, max_tokens=5, temperature=0)]
     calls = _same(models[model], reqs, monkeypatch, actions={2: WRITES[name]})
     assert max(calls) >= 3
+
+
+# ------------------------------------------------------------------ batches of every kind the table step serves
+
+def _mixed(model_name: str) -> list[dict]:
+    """One batch of table-ready requests of every kind: canvases of other lengths (padded rows), two choices,
+    infilling and fixed positions (a whole block fixed: skipped), sub-block windows, fewer steps than blocks,
+    ``max_tokens`` of 1 and not a multiple of the block, EOS mid-block, stop strings and stop ids, logprobs,
+    temperatures below the argmax cutoff and at the top of the range, thresholds 0 and 1, late joins."""
+    bidirectional = model_name == "bidirectional"
+    reqs = [
+        dict(prompt=PROMPTS[0], max_tokens=7, temperature=0, block_size=4),
+        dict(prompt=PROMPTS[4], n=2, temperature=0.8, seed=3, max_tokens=6, block_size=2, logprobs=True),
+        dict(prompt=PROMPTS[3], block_size=8, sub_block_size=3, max_tokens=11, temperature=0, steps=5),
+        dict(prompt=PROMPTS[2], block_size=2, max_tokens=10, steps=2, temperature=0.6, seed=8),
+        dict(prompt=PROMPTS[1], ignore_eos=False, max_tokens=24, temperature=1.5, seed=1, block_size=4),
+        dict(prompt=PROMPTS[2], stop=["e"], max_tokens=16, temperature=1.0, seed=0, block_size=4, join=1),
+        dict(prompt=PROMPTS[0], stop_token_ids=list(range(100, 300)), max_tokens=16, temperature=1.0, seed=9,
+             block_size=4, join=2),
+        dict(prompt=PROMPTS[1], temperature=1e-9, seed=4, max_tokens=5, block_size=4, logprobs=True),
+        dict(prompt=PROMPTS[3], temperature=2.0, seed=4, max_tokens=6, block_size=4, join=3),
+        dict(prompt=PROMPTS[4], threshold=0.0, temperature=0, max_tokens=9, block_size=4, join=3),
+        dict(prompt=PROMPTS[0], threshold=1.0, temperature=0.7, seed=2, max_tokens=9, block_size=4, join=5),
+        dict(prompt=PROMPTS[2], max_tokens=1, temperature=0, block_size=4, join=6),
+    ]
+    if bidirectional:
+        reqs += [dict(prompt=PROMPTS[1], suffix=" fox jumps", max_tokens=8, temperature=0, block_size=4, join=2),
+                 dict(prompt=PROMPTS[3], constraints={0: 5, 4: 8, 5: 9, 6: 10, 7: 11}, max_tokens=10,
+                      temperature=0.5, seed=1, block_size=4, logprobs=True)]
+    return reqs
+
+
+@pytest.mark.parametrize("model", ["bidirectional", "causal"])
+def test_a_batch_of_every_table_ready_kind(models, model, monkeypatch):
+    """Every table-ready kind in one batch of up to 16 rows, joining at different steps: the same events, outputs
+    and final canvases as the general path; the batch stepped as tables, and the stop rules fired (an EOS mid-block,
+    a stop string or id, the length)."""
+    calls = _same(models[model], _mixed(model), monkeypatch)
+    assert max(calls) >= 10
+    outs = [evs[-1][-1] for evs in _run(models[model], _mixed(model), True)[0].values()]
+    assert {o[2] for o in outs} == {"stop", "length"} and any(o[8] for o in outs)  # ended_by_eos
+
+
+@pytest.fixture(scope="module")
+def absolute(tmp_path_factory):
+    """A bidirectional checkpoint with absolute block alignment (a block may start inside the prompt), written to
+    disk: loaded natively (attention per lane over the KV pool) and as int4 (row-invariant, prompt rows in tiles)."""
+    from unmask.engine.checkpoint import write_checkpoint
+    from unmask.engine.model import load_model
+
+    m = tiny.loaded(attention="bidirectional", logit_shift=False, block_size=4, initializer_range=0.5,
+                    block_alignment="absolute")
+    path = write_checkpoint(tmp_path_factory.mktemp("absolute") / "bi", m.model, m.tokenizer, m.dllm)
+    return {w: load_model(path, weights=w) for w in ("native", "int4")}
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+@pytest.mark.parametrize("weights", ["native", "int4"])
+def test_absolute_alignment_low_bit_and_the_prefix_cache(absolute, weights, cache, monkeypatch):
+    """Blocks starting inside the prompt (absolute alignment: Fast-dLLM's prefix cache commits part of the prompt,
+    later steps forward the prompt's tail again), on lane attention and on int4 weights with prompt tiles, requests
+    at different blocks (refills beside cached steps) and one aborted: the general path's events."""
+    model = absolute[weights]
+    assert model.tiles_prompt_rows == (weights == "int4") and model.lane_attention == (weights == "native")
+    reqs = [dict(prompt=PROMPTS[0], max_tokens=9, temperature=0, block_size=4, logprobs=True),
+            dict(prompt=PROMPTS[2], max_tokens=7, temperature=0.7, seed=1, join=2, block_size=4, logprobs=True),
+            dict(prompt=PROMPTS[4], max_tokens=11, threshold=0.5, temperature=0, join=3, block_size=4),
+            dict(prompt=PROMPTS[3], max_tokens=5, temperature=0, join=5, block_size=2, suffix=" the"),
+            dict(prompt=PROMPTS[1], max_tokens=8, block_size=8, sub_block_size=2, temperature=0, join=1)]
+    calls = _same(model, reqs, monkeypatch, cache=cache, actions={4: lambda e, s: e.abort("r1")})
+    assert max(calls) >= 4
+
+
+def test_an_abort_then_new_requests(models, monkeypatch):
+    """A request aborted between two table steps, then new requests joining (the table rebuilt without it, then
+    with them): its partial output and log-probabilities, and its canvas, stay as they were at the abort; the
+    others' events equal the general path's."""
+    reqs = [dict(prompt=PROMPTS[0], max_tokens=12, temperature=0, block_size=4, logprobs=True),
+            dict(prompt=PROMPTS[1], max_tokens=8, temperature=0.9, seed=5, block_size=4, logprobs=True),
+            dict(prompt=PROMPTS[2], max_tokens=6, temperature=0, block_size=2, join=4),
+            dict(prompt=PROMPTS[4], max_tokens=6, temperature=0, block_size=4, join=4, logprobs=True)]
+    snapshot = {}
+
+    def abort(engine, seqs):
+        out = engine.abort("r0")
+        seq = seqs[("r0", 0)]
+        snapshot["r0"] = (seq.canvas.tolist(), seq.logprobs.tolist())
+        return out
+
+    _same(models["bidirectional"], reqs, monkeypatch, actions={3: abort})
+    events, final = _run(models["bidirectional"], reqs, True, actions={3: abort})
+    aborted = events[("r0", 0)][-1][-1]
+    assert aborted[2] == "abort" and aborted[1] and len(aborted[3]) == len(aborted[1])  # a partial output, logprobs
+    assert final[("r0", 0)][:2] == snapshot["r0"]  # nothing wrote its canvas or log-probabilities afterwards
+    assert aborted[3] == snapshot["r0"][1][:len(aborted[1])]
+
+
+def test_steps_of_part_of_the_batch_and_preemption(models, monkeypatch):
+    """A step cost limit (``max_step_rows``: each step runs only some of the running sequences, so the table's
+    members change every step) and preemption (a request of another group pauses a sequence, which resumes later
+    with its canvas): the general path's events."""
+    reqs = [dict(prompt=PROMPTS[0], n=3, max_tokens=8, temperature=0.5, seed=2, block_size=4, logprobs=True),
+            dict(prompt=PROMPTS[1], max_tokens=6, temperature=0, block_size=4, join=2),
+            dict(prompt=PROMPTS[4], max_tokens=5, temperature=0, block_size=2, join=3)]
+    engines = []
+    keep = {0: lambda engine, seqs: engines.append(engine)}
+    for batch, rows in ((5, 18), (3, None)):  # 3 x 6 + 6 + 4 row-equivalents > 18: parts of the batch step
+        calls = _same(models["bidirectional"], reqs, monkeypatch, actions=keep, max_batch=batch, max_step_rows=rows)
+        assert calls and max(calls) == 3
+    assert [e.scheduler.preemptions for e in engines] == [0, 0, 2, 2]
+
+
+# ------------------------------------------------------------------ memory
+
+def test_the_geometry_memo_and_the_table_stay_bounded(models, monkeypatch):
+    """Steps over many batch geometries (every step a new member list, other canvas lengths, blocks and widths):
+    the denoiser keeps at most ``_MEMO_SIZE`` geometries (each holds a ``[B, 1, Q, Q]`` mask) and one table of
+    the current members; a finished sequence is garbage-collected once the table moved on to other members."""
+    import weakref
+
+    from unmask.engine import plain_batch
+
+    model = models["bidirectional"]
+    engine = LLM(model)._engine(8)
+    denoiser = engine.denoiser
+    calls = _count_table_steps(monkeypatch)
+    tok, refs = model.tokenizer, []
+    for k in range(24):
+        prompt = PROMPTS[k % len(PROMPTS)] + " x" * (k % 7)
+        params = SamplingParams(max_tokens=2 + k % 5, temperature=0, block_size=1 + k % 4, speculative=False,
+                                cache="none", ignore_eos=True)
+        refs += [weakref.ref(r) for r in engine.add_request(tok(prompt).input_ids, params, f"m{k}")]
+        engine.step()
+        assert len(denoiser.table_memo) <= plain_batch._MEMO_SIZE and len(denoiser.table.members) <= 8
+    while engine.has_unfinished():
+        engine.step()
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        live = sum(isinstance(o, plain_batch.TableGeometry) for o in gc.get_objects())
+    assert len(calls) > 24 and len(set(calls)) >= 4 and live <= plain_batch._MEMO_SIZE
+    engine.add_request(tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=2, temperature=0, block_size=2,
+                                                                 speculative=False, cache="none"), "last")
+    while engine.has_unfinished():
+        engine.step()
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0  # only the last request's sequence is still held (by the table)
+
+
+# ------------------------------------------------------------------ the APIs
+
+def _strip(out) -> tuple:
+    """A ``RequestOutput`` without its wall times and request id."""
+    return (out.prompt, out.prompt_token_ids,
+            [dataclasses.replace(o, first_token_time=None, finish_time=None) for o in out.outputs])
+
+
+def _stream_events(events) -> list:
+    return [(ev.request_id, ev.block, ev.step, pickle.dumps(ev.revealed), ev.canvas, ev.text, ev.finished,
+             None if ev.output is None else dataclasses.replace(ev.output, first_token_time=None, finish_time=None))
+            for ev in events]
+
+
+def test_generate_generate_iter_and_stream(models, monkeypatch):
+    """``LLM.generate`` (final-only choices, n=2, one shared ``SamplingParams``), ``generate_iter`` (each request
+    its own parameters, completion order), ``stream`` and two streams advanced in turn over one ``LLM`` (one
+    denoiser: the table rebuilt at every step) give the same outputs and events with the table step on or off."""
+    model = models["bidirectional"]
+    shared = SamplingParams(max_tokens=7, temperature=0.8, seed=11, block_size=4, speculative=False, logprobs=True,
+                            ignore_eos=False)
+    own = [(PROMPTS[i], SamplingParams(max_tokens=3 + i, temperature=0.3 * i, seed=i, block_size=1 + i % 4,
+                                       threshold=0.5 if i % 2 else None, speculative=False, stop=["e"] if i else []))
+           for i in range(5)]
+
+    def run():
+        llm = LLM(model, max_batch_size=4)
+        gen = [_strip(o) for o in llm.generate(list(PROMPTS), shared, n=2)]
+        it = [(i, _strip(o)) for i, o in llm.generate_iter(own)]
+        one = _stream_events(llm.stream(PROMPTS[1], shared, request_id="s"))
+        a = llm.stream(PROMPTS[0], own[2][1], request_id="a")
+        b = llm.stream(PROMPTS[4], own[3][1], request_id="b")
+        both = []
+        for x, y in zip(a, b):  # in turn (the shorter one ends the loop; the rest of the other after)
+            both += [x, y]
+        both += list(a) + list(b)
+        return gen, it, one, _stream_events(both)
+
+    monkeypatch.setattr(Denoiser, "table_steps", False)
+    general = run()
+    calls = _count_table_steps(monkeypatch)
+    monkeypatch.setattr(Denoiser, "table_steps", True)
+    assert run() == general
+    assert max(calls) >= 4
