@@ -213,7 +213,10 @@ def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[
     for kv, todo in commits:  # one batched copy per forward (BatchKV.commit_all), as the general path commits
         if todo:
             kv.commit_all(todo)
-    return _apply(table, seqs, packed, rows, at, counts, segments)
+    events = _apply(table, seqs, packed, rows, at, counts, segments)
+    if any(seq.finished for seq in seqs):
+        denoiser.table = None  # the next step's members differ: hold no finished sequence until then
+    return events
 
 
 def _forward(denoiser, table: PlainTable, seqs: list[Sequence], group: list[int], keys: list, rows: np.ndarray,

@@ -130,9 +130,22 @@ def clear_abc_caches() -> None:
                     sub._abc_caches_clear()
 
 
+def clear_shape_caches() -> None:
+    """Empty the engine's caches keyed by canvas shape (a block's attention metadata and its chunks' slices, the
+    layouts: LRU caches of at most 512, 4,096 and 4,096 entries, so bounded by design; which shapes a round reaches
+    depends on when its disconnecting clients go away)."""
+    from unmask.engine import layout, sequence
+
+    sequence.block_metadata.cache_clear()
+    sequence.chunk_metadata.cache_clear()
+    layout._cached_layout.cache_clear()
+
+
 def measure() -> tuple[int, int, dict]:
-    """``(live objects, traced bytes, {type name: count})`` with the ABC caches emptied and garbage collected."""
+    """``(live objects, traced bytes, {type name: count})`` with the ABC caches and the shape caches emptied and
+    garbage collected."""
     clear_abc_caches()
+    clear_shape_caches()
     gc.collect()
     gc.collect()
     objects = gc.get_objects()
