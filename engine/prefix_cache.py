@@ -258,20 +258,25 @@ class PrefixCache:
         self.hits += m
         return m
 
-    @torch.inference_mode()
     def register(self, seq) -> int:
         """Store the complete chunks of ``seq``'s committed KV that became complete since the last call, while
         :attr:`limit` leaves room (evicting least recently used chunks of other chains first). A chunk whose parent
         is not stored is skipped (it could never be matched), and a chunk evicted later is not stored again from
-        this sequence (no churn between sequences competing for a small store). Returns the chunks added."""
+        this sequence (no churn between sequences competing for a small store). Returns the chunks added. (Called
+        for every sequence after every step: what has nothing to store returns before any tensor work.)"""
         root = self._root(seq)
         if root is None:
             return 0
-        chain = seq.prefix_chain
         C = self.chunk_tokens_of(seq)
-        n_chunks = self._storable(seq) // C
-        if len(chain) >= n_chunks:
+        if len(seq.prefix_chain) >= self._storable(seq) // C:
             return 0
+        with torch.inference_mode():
+            return self._register(seq, root, C)
+
+    def _register(self, seq, root, C: int) -> int:
+        """:meth:`register` past its early returns (``root``: the chain's root; ``C``: tokens per chunk)."""
+        chain = seq.prefix_chain
+        n_chunks = self._storable(seq) // C
         lane = seq.lanes[0].cache
         protect = set(chain)
         added = 0
