@@ -369,6 +369,17 @@ class Scheduler:
         for lane in seq.lanes:  # the whole canvas now (after the shared prefix): a running sequence never waits
             lane.cache.reserve(seq.length)
 
+    def _grow_pool_for_burst(self) -> None:
+        """An unbounded KV pool grows by one slab for the choices that may join now (the first free slots' worth of
+        the waiting ones), so that choices admitted together hold evenly spaced runs of one slab (one attention call
+        per layer for alike lanes, ``engine/lane_attention.py``) instead of one slab each as the pool doubles. A
+        bounded pool has its room in one slab already."""
+        slots = self.max_batch_size - len(self.running)
+        if self.kv_pool.capacity_blocks is not None or slots < 2 or len(self.waiting) < 2:
+            return
+        first = [s for _, s in zip(range(slots), self.waiting) if s not in self.paused]
+        self.kv_pool.ensure_free(sum(self.need_blocks(s) for s in first))
+
     def _bound_prefix_cache(self) -> None:
         """Bound the prefix store by what the budget leaves after the unfinished running and paused sequences'
         reservations (evicting at once); without a budget by the store's own ``max_tokens``."""
@@ -386,6 +397,7 @@ class Scheduler:
         instead of recounting the batch per slot (issue 42: a batch of B filled in O(B), not O(B^2))."""
         held: collections.Counter | None = None
         reserved: int | None = None
+        self._grow_pool_for_burst()
         while self.waiting and len(self.running) < self.max_batch_size:
             if held is None:
                 held = self._counts(self.running)
