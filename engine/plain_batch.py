@@ -189,7 +189,6 @@ def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[
         lo, hi, commit, replace = forward_rows(seq)
         keys.append(((seq.length, seq.dllm.attention, a, e, seq.block_size, seq.origin), lo, hi, commit, replace,
                      replace or seq.lanes[0].cache.length < seq.prompt_len))
-        seq.nfe += 1
     mask_id = seqs[0].dllm.mask_token_id
     cols = np.arange(table.host.shape[1])
     masked = (table.host == mask_id) & (cols >= windows[:, :1]) & (cols < windows[:, 1:])
@@ -202,6 +201,8 @@ def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[
                              counts, starts)
         logits.append(out)
         commits.append(todo)
+        for b in group:  # counted once its forward ran, as the general path counts (a failed forward counts none)
+            seqs[b].nfe += 1
     order = [b for group in groups for b in group]
     if order != list(range(n)):  # the groups' logits back in row order
         perm = np.concatenate([np.arange(starts[b], starts[b] + counts[b]) for b in order])

@@ -270,7 +270,7 @@ def test_steps_of_part_of_the_batch_and_preemption(models, monkeypatch):
 def test_the_geometry_memo_and_the_table_stay_bounded(models, monkeypatch):
     """Steps over many batch geometries (every step a new member list, other canvas lengths, blocks and widths):
     the denoiser keeps at most ``_MEMO_SIZE`` geometries (each holds a ``[B, 1, Q, Q]`` mask) and one table of
-    the current members; a finished sequence is garbage-collected once the table moved on to other members."""
+    the current members; a finished sequence is garbage-collected once the table moved on (or was dropped)."""
     import weakref
 
     from unmask.engine import plain_batch
@@ -286,7 +286,8 @@ def test_the_geometry_memo_and_the_table_stay_bounded(models, monkeypatch):
                                 cache="none", ignore_eos=True)
         refs += [weakref.ref(r) for r in engine.add_request(tok(prompt).input_ids, params, f"m{k}")]
         engine.step()
-        assert len(denoiser.table_memo) <= plain_batch._MEMO_SIZE and len(denoiser.table.members) <= 8
+        assert len(denoiser.table_memo) <= plain_batch._MEMO_SIZE
+        assert denoiser.table is None or len(denoiser.table.members) <= 8
     while engine.has_unfinished():
         engine.step()
     gc.collect()
@@ -299,7 +300,7 @@ def test_the_geometry_memo_and_the_table_stay_bounded(models, monkeypatch):
     while engine.has_unfinished():
         engine.step()
     gc.collect()
-    assert sum(r() is not None for r in refs) == 0  # only the last request's sequence is still held (by the table)
+    assert sum(r() is not None for r in refs) == 0  # the last request's sequence at most is still held
 
 
 # ------------------------------------------------------------------ the APIs
@@ -346,3 +347,89 @@ def test_generate_generate_iter_and_stream(models, monkeypatch):
     monkeypatch.setattr(Denoiser, "table_steps", True)
     assert run() == general
     assert max(calls) >= 4
+
+
+# ------------------------------------------------------------------ the server's streams
+
+_ID = re.compile(rb'"id":"(chatcmpl|cmpl|resp)-[0-9a-f]+"')
+_CREATED = re.compile(rb'"created(_at)?":\d+')
+
+
+def test_sse_bytes_of_a_bidirectional_model(models, monkeypatch):
+    """The server's SSE streams of a bidirectional model (cache-less by default: the table step), completions and
+    chat, with every denoising step streamed (canvas views), logprobs, two choices, stop strings, infilling and a
+    threshold, one request after another through one engine: the same bytes (id and created normalized) with the
+    table step on or off. (The golden streams of tests/server/test_sse_golden.py serve prefix-causal models only.)"""
+    from fastapi.testclient import TestClient
+
+    from unmask.engine import EngineConfig
+    from unmask.engine.async_engine import AsyncEngine
+    from unmask.server.app import build_app
+    from unmask.server.config import ServerConfig
+
+    denoising = {"include_denoising": True, "include_usage": True}
+    bodies = [
+        ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "block_size": 4,
+                             "stream_options": denoising, "logprobs": 1, "ignore_eos": True}),
+        ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 9, "temperature": 0.9, "seed": 3, "n": 2,
+                             "block_size": 2, "stream_options": denoising, "stop": ["e"]}),
+        ("/v1/completions", {"prompt": PROMPTS[2], "suffix": " fox jumps", "max_tokens": 6, "temperature": 0,
+                             "block_size": 4, "stream_options": denoising, "ignore_eos": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[4]}], "max_tokens": 8,
+                                  "temperature": 0.5, "seed": 1, "threshold": 0.6, "logprobs": True,
+                                  "stream_options": denoising}),
+    ]
+
+    def serve() -> list[bytes]:
+        app = build_app(AsyncEngine(models["bidirectional"], EngineConfig()), "m", ServerConfig())
+        out = []
+        with TestClient(app) as client:
+            for route, body in bodies:  # one after another: batches side by side would depend on arrival times
+                with client.stream("POST", route, json={"model": "m", "stream": True, **body}) as r:
+                    assert r.status_code == 200, r.read()
+                    out.append(_CREATED.sub(rb'"created\1":0', _ID.sub(rb'"id":"\1-<id>"', r.read())))
+        return out
+
+    monkeypatch.setattr(Denoiser, "table_steps", False)
+    general = serve()
+    calls = _count_table_steps(monkeypatch)
+    monkeypatch.setattr(Denoiser, "table_steps", True)
+    assert serve() == general
+    assert calls and all(b'"denoising"' in g or b'"canvas"' in g for g in general)
+
+
+def test_a_failed_forward_counts_no_forward(models, monkeypatch):
+    """A forward that raises (an out-of-memory error, injected) in the middle of a run whose caller catches it and
+    steps on: the failed step counted no NFE and revealed nothing, as on the general path (the table step counted
+    every sequence's NFE before its forward: every later event and the output reported one forward too many)."""
+    from unmask.engine.model import LoadedModel
+
+    model, real, calls = models["bidirectional"], LoadedModel.hidden_states, [0]
+
+    def flaky(self, *args, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("out of memory (injected)")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(LoadedModel, "hidden_states", flaky)
+
+    def run(table: bool) -> list:
+        calls[0] = 0
+        engine = LLM(model)._engine(4)
+        engine.denoiser.table_steps = table
+        for i, kw in enumerate((dict(max_tokens=6, block_size=4), dict(max_tokens=8, block_size=2))):
+            engine.add_request(model.tokenizer(PROMPTS[i]).input_ids, SamplingParams(
+                temperature=0, cache="none", speculative=False, ignore_eos=True, **kw), f"r{i}")
+        out = []
+        while engine.has_unfinished():
+            try:
+                out += [(e.request_id, e.step, e.nfe, e.canvas, e.finished, e.output and e.output.nfe)
+                        for e in engine.step()]
+            except RuntimeError as exc:
+                out.append(str(exc))
+        return out
+
+    general = run(False)
+    assert "out of memory (injected)" in general
+    assert run(True) == general
