@@ -161,7 +161,8 @@ def _mixed(model_name: str) -> list[dict]:
     """One batch of table-ready requests of every kind: canvases of other lengths (padded rows), two choices,
     infilling and fixed positions (a whole block fixed: skipped), sub-block windows, fewer steps than blocks,
     ``max_tokens`` of 1 and not a multiple of the block, EOS mid-block, stop strings and stop ids, logprobs,
-    temperatures below the argmax cutoff and at the top of the range, thresholds 0 and 1, late joins."""
+    temperatures below the argmax cutoff and at the top of the range, thresholds 0 and 1, the largest seed (its
+    second choice's wraps to 0), late joins (beyond 16 rows: waiting for a slot)."""
     bidirectional = model_name == "bidirectional"
     reqs = [
         dict(prompt=PROMPTS[0], max_tokens=7, temperature=0, block_size=4),
@@ -177,6 +178,7 @@ def _mixed(model_name: str) -> list[dict]:
         dict(prompt=PROMPTS[4], threshold=0.0, temperature=0, max_tokens=9, block_size=4, join=3),
         dict(prompt=PROMPTS[0], threshold=1.0, temperature=0.7, seed=2, max_tokens=9, block_size=4, join=5),
         dict(prompt=PROMPTS[2], max_tokens=1, temperature=0, block_size=4, join=6),
+        dict(prompt=PROMPTS[1], n=2, seed=2**63 - 1, temperature=1.0, max_tokens=5, block_size=4, join=1),
     ]
     if bidirectional:
         reqs += [dict(prompt=PROMPTS[1], suffix=" fox jumps", max_tokens=8, temperature=0, block_size=4, join=2),
@@ -185,15 +187,35 @@ def _mixed(model_name: str) -> list[dict]:
     return reqs
 
 
-@pytest.mark.parametrize("model", ["bidirectional", "causal"])
-def test_a_batch_of_every_table_ready_kind(models, model, monkeypatch):
-    """Every table-ready kind in one batch of up to 16 rows, joining at different steps: the same events, outputs
-    and final canvases as the general path; the batch stepped as tables, and the stop rules fired (an EOS mid-block,
-    a stop string or id, the length)."""
-    calls = _same(models[model], _mixed(model), monkeypatch)
+@pytest.mark.parametrize("overhead", [None, 6])
+@pytest.mark.parametrize("model, cache", [("bidirectional", "none"), ("bidirectional", "prefix"), ("causal", "none")])
+def test_a_batch_of_every_table_ready_kind(models, model, cache, overhead, monkeypatch):
+    """Every table-ready kind in one batch of up to 16 rows, joining at different steps, cache-less or under
+    Fast-dLLM's prefix cache, in one forward or (a forward's overhead of 6 rows, as a large model's cost model
+    splits a batch; the tiny models' never do) in several forwards by width, whose logits the table step puts back
+    in row order: the same events, outputs and final canvases as the general path; the batch stepped as tables,
+    and the stop rules fired (an EOS mid-block, a stop string or id, the length)."""
+    groups = []
+
+    def forwards(engine, seqs):
+        if overhead is not None:
+            engine.denoiser.forward_overhead_rows = overhead
+        real = engine.denoiser.step
+        engine.denoiser.step = lambda s: groups.append(plan_sizes(engine.denoiser, s)) or real(s)
+
+    def plan_sizes(denoiser, seqs):
+        from unmask.engine.denoiser import plan_forwards
+        from unmask.engine.plain_batch import forward_rows
+
+        widths = [hi - lo for lo, hi, _, _ in map(forward_rows, seqs)]
+        return len(plan_forwards(widths, [1] * len(seqs), denoiser.forward_overhead_rows))
+
+    calls = _same(models[model], _mixed(model), monkeypatch, cache=cache, actions={0: forwards})
     assert max(calls) >= 10
-    outs = [evs[-1][-1] for evs in _run(models[model], _mixed(model), True)[0].values()]
-    assert {o[2] for o in outs} == {"stop", "length"} and any(o[8] for o in outs)  # ended_by_eos
+    assert (max(groups) >= 3) == (overhead is not None)  # the steps of several forwards, or of one
+    if overhead is None:
+        outs = [evs[-1][-1] for evs in _run(models[model], _mixed(model), True, cache=cache)[0].values()]
+        assert {o[2] for o in outs} == {"stop", "length"} and any(o[8] for o in outs)  # ended_by_eos
 
 
 @pytest.fixture(scope="module")
@@ -206,17 +228,22 @@ def absolute(tmp_path_factory):
     m = tiny.loaded(attention="bidirectional", logit_shift=False, block_size=4, initializer_range=0.5,
                     block_alignment="absolute")
     path = write_checkpoint(tmp_path_factory.mktemp("absolute") / "bi", m.model, m.tokenizer, m.dllm)
-    return {w: load_model(path, weights=w) for w in ("native", "int4")}
+    return {(w, d): load_model(path, weights=w, dtype=d) for w, d in LOADS}
+
+
+#: (weights, dtype) of the loads: lane attention in float32 and bfloat16, fbgemm fp16 weights, int4 with prompt tiles
+LOADS = [("native", "float32"), ("native", "bfloat16"), ("auto", "float32"), ("int4", "float32")]
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix"])
-@pytest.mark.parametrize("weights", ["native", "int4"])
-def test_absolute_alignment_low_bit_and_the_prefix_cache(absolute, weights, cache, monkeypatch):
+@pytest.mark.parametrize("weights, dtype", LOADS)
+def test_absolute_alignment_low_bit_and_the_prefix_cache(absolute, weights, dtype, cache, monkeypatch):
     """Blocks starting inside the prompt (absolute alignment: Fast-dLLM's prefix cache commits part of the prompt,
-    later steps forward the prompt's tail again), on lane attention and on int4 weights with prompt tiles, requests
-    at different blocks (refills beside cached steps) and one aborted: the general path's events."""
-    model = absolute[weights]
-    assert model.tiles_prompt_rows == (weights == "int4") and model.lane_attention == (weights == "native")
+    later steps forward the prompt's tail again), on lane attention (float32, bfloat16), packed fp16 and int4
+    weights with prompt tiles, requests at different blocks (refills beside cached steps) and one aborted: the
+    general path's events."""
+    model = absolute[(weights, dtype)]
+    assert model.tiles_prompt_rows == (weights == "int4") and model.lane_attention == (weights != "int4")
     reqs = [dict(prompt=PROMPTS[0], max_tokens=9, temperature=0, block_size=4, logprobs=True),
             dict(prompt=PROMPTS[2], max_tokens=7, temperature=0.7, seed=1, join=2, block_size=4, logprobs=True),
             dict(prompt=PROMPTS[4], max_tokens=11, threshold=0.5, temperature=0, join=3, block_size=4),
@@ -433,3 +460,35 @@ def test_a_failed_forward_counts_no_forward(models, monkeypatch):
     general = run(False)
     assert "out of memory (injected)" in general
     assert run(True) == general
+
+
+def test_the_show_steps_and_chat_canvas_views(models, monkeypatch, capsys):
+    """``unmask generate --show-steps`` (piped: one line per step) and ``unmask chat``'s canvas (rich, coloured by
+    reveal step, block marks) drawn from ``LLM.stream``'s events of an infilling and a sub-block request: the same
+    lines and the same styled text with the table step on or off."""
+    from unmask.cli.generate import _StepView
+    from unmask.clients.chat import render_canvas
+
+    model = models["bidirectional"]
+    cases = [SamplingParams(max_tokens=9, temperature=0.6, seed=3, block_size=4, speculative=False, suffix=" fox",
+                            ignore_eos=False),
+             SamplingParams(max_tokens=10, temperature=0, block_size=8, sub_block_size=3, speculative=False,
+                            ignore_eos=True)]
+
+    def draw() -> tuple[str, list]:
+        llm, frames = LLM(model), []
+        for params in cases:
+            view = _StepView(lambda t: llm.tokenizer.decode([t]), params.block_size)
+            for ev in llm.stream(PROMPTS[1], params):
+                view.update(ev)
+                text = render_canvas(view.canvas)
+                frames.append((text.plain, [(s.start, s.end, str(s.style)) for s in text.spans]))
+            view.close()
+        return capsys.readouterr().err, frames
+
+    monkeypatch.setattr(Denoiser, "table_steps", False)
+    general = draw()
+    calls = _count_table_steps(monkeypatch)
+    monkeypatch.setattr(Denoiser, "table_steps", True)
+    assert draw() == general
+    assert calls and general[0].count("[block ") == len(general[1]) >= 6
