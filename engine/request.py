@@ -272,7 +272,11 @@ class Request:
 
     def _skip_empty_blocks(self) -> None:
         """Advance past windows without masks; entering a new block resets its step counter."""
-        while self.win_idx < len(self.windows) and self._window_masked().numel() == 0:
+        canvas, mask = self.host_canvas(), self.dllm.mask_token_id
+        while self.win_idx < len(self.windows):
+            _, s, e = self.windows[self.win_idx]
+            if (canvas[s:e] == mask).any():  # the window still has masks (no positions list needed)
+                break
             self.win_idx += 1
             self.step_in_window = 0
             block = self.windows[self.win_idx][0] if self.win_idx < len(self.windows) else len(self.blocks)
