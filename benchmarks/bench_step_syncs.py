@@ -43,7 +43,9 @@ from sync_counter import SyncCounter  # noqa: E402
 
 # the paths of issue 42's table (tests/decoding_paths.py names)
 PATHS = {"plain": "quota", "threshold": "threshold", "multi-block": "multi-block", "cfg": "cfg",
-         "speculative": "speculative-greedy", "reference": None}
+         "speculative": "speculative-greedy",
+         # the plain table step (engine/plain_batch.py): a bidirectional model's cache-less default, Fast-dLLM's prefix
+         "table": "bidirectional-cache-none", "table-prefix": "bidirectional-cache-prefix", "reference": None}
 STEP_HOOK = "unmask.engine.denoiser:Denoiser.step"  # one batch step of the engine
 REFERENCE = "reference"  # benchmarks/reference_loop.py on the plain path's settings: what a vectorized step costs
 
