@@ -228,7 +228,7 @@ def absolute(tmp_path_factory):
     m = tiny.loaded(attention="bidirectional", logit_shift=False, block_size=4, initializer_range=0.5,
                     block_alignment="absolute")
     path = write_checkpoint(tmp_path_factory.mktemp("absolute") / "bi", m.model, m.tokenizer, m.dllm)
-    return {(w, d): load_model(path, weights=w, dtype=d) for w, d in LOADS}
+    return {(w, d): load_model(path, weights=w, dtype=d) for w, d in LOADS} | {"path": path}
 
 
 #: (weights, dtype) of the loads: lane attention in float32 and bfloat16, fbgemm fp16 weights, int4 with prompt tiles
@@ -492,3 +492,49 @@ def test_the_show_steps_and_chat_canvas_views(models, monkeypatch, capsys):
     monkeypatch.setattr(Denoiser, "table_steps", True)
     assert draw() == general
     assert calls and general[0].count("[block ") == len(general[1]) >= 6
+
+
+@pytest.mark.parametrize("model", ["bidirectional", "causal"])
+def test_general_steps_between_table_steps_write_the_held_table(models, model, monkeypatch):
+    """Table steps, then general steps while requests of other kinds (top-k, margin remasking) run beside the same
+    sequences (their reveals written through the views into the held table), then table steps again over the
+    same table: the general path's events and outputs."""
+    from unmask.engine import plain_batch
+
+    reqs = [dict(prompt=PROMPTS[i], max_tokens=16, temperature=0.5 * (i % 2), seed=i, block_size=4, logprobs=True)
+            for i in range(3)]
+    reqs += [dict(prompt=PROMPTS[3], max_tokens=4, top_k=5, temperature=0.9, seed=1, block_size=4, join=2),
+             dict(prompt=PROMPTS[4], max_tokens=4, remasking="margin", temperature=0, block_size=2, join=3)]
+    general = _run(models[model], reqs, False)
+    steps, real = [], plain_batch.table_step
+
+    def spy(denoiser, seqs, groups):
+        steps.append((seqs[0].step, denoiser.table is not None and denoiser.table.holds(seqs)))
+        return real(denoiser, seqs, groups)
+
+    monkeypatch.setattr("unmask.engine.denoiser.table_step", spy)
+    assert _run(models[model], reqs, True) == general
+    # a table step after a gap of general steps found its table still holding the same sequences
+    assert any(held and step - prev > 1 for (prev, _), (step, held) in zip(steps, steps[1:])), steps
+
+
+def test_under_fake_cuda_in_bfloat16(absolute, monkeypatch):
+    """On a (fake) CUDA device in bfloat16 (tensors tagged ``cuda``: an op mixing devices as CUDA refuses raises),
+    under Fast-dLLM's prefix cache with blocks starting inside the prompt and the steps split into several forwards:
+    the general path's events."""
+    from device_tags import fake_cuda
+
+    from unmask.engine.model import load_model
+
+    reqs = [dict(prompt=PROMPTS[0], max_tokens=6, temperature=0.8, seed=4, block_size=4, logprobs=True),
+            dict(prompt=PROMPTS[4], max_tokens=5, threshold=0.4, temperature=0, block_size=2, join=1),
+            dict(prompt=PROMPTS[3], max_tokens=4, temperature=0, block_size=4, join=2, suffix=" the")]
+
+    def split(engine, seqs):
+        engine.denoiser.forward_overhead_rows = 6
+
+    with fake_cuda(monkeypatch):
+        model = load_model(absolute["path"], device="cuda", dtype="bfloat16", weights="native")
+        assert model.device.type == "cuda"
+        calls = _same(model, reqs, monkeypatch, cache="prefix", actions={0: split})
+    assert max(calls) == 3
