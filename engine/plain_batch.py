@@ -2,8 +2,8 @@
 
 The common request - plain block-wise unmasking without a KV cache (``cache="none"``, the default on bidirectional
 models) or with Fast-dLLM's ``prefix`` cache, one lane, no grammar, no per-row sampling extras - needs nothing per
-sequence between its reveals but a few counters. :func:`table_step` runs one denoising step of many such sequences over ``[B, ...]`` tables instead of
-per-sequence objects: the canvases stacked once, the masked window positions found by one NumPy pass, the forward's
+sequence between its reveals but a few counters. :func:`table_step` runs one denoising step of many such sequences
+over ``[B, ...]`` tables instead of per-sequence objects: the canvases stacked once, the masked window positions found by one NumPy pass, the forward's
 inputs and mask built once per batch geometry (kept while the rows' blocks stay), one LM-head gather, the draws,
 scores and reveal rule over every row at once (the sampler's and the reveal rule's own functions), one
 device-to-host copy, the canvas and log-probability writes as array writes. What stays per sequence is what the
