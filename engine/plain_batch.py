@@ -139,8 +139,8 @@ class PlainTable:
     """The canvases and log-probabilities of the sequences stepping as one table: ``canvas`` ``[B, L]`` int64 and
     ``logprobs`` ``[B, G]`` float32 host tensors (``L``, ``G``: the longest canvas and generation region), whose row
     ``b`` each sequence's ``canvas`` / ``logprobs`` are views of from then on (so every reader and writer of a
-    sequence's state sees the table). A new member list gets new tables: a sequence that left keeps its views of the
-    old ones, which nothing writes again. The tables are normal tensors, made outside inference mode (the step runs
+    sequence's state sees the table). A new member list gets new tables; a sequence that left gets copies of its own
+    rows (:meth:`release`: it keeps no old table alive, and nothing writes an old table again). The tables are normal tensors, made outside inference mode (the step runs
     in it): a caller may still write a sequence's canvas in place between steps, as before its first table step."""
 
     def __init__(self, seqs: list[Sequence]):
@@ -159,6 +159,19 @@ class PlainTable:
         self.prompt_lens = np.array([seq.prompt_len for seq in seqs], dtype=np.int64)
 
 
+    def release(self, keep: list[Sequence] = ()) -> None:
+        """Give each member not in ``keep`` whose canvas and log-probabilities are still its row's views copies of
+        its own: a sequence that left (finished, aborted, paused) and that a caller still holds (a server's stream
+        holds its choices until they are read) keeps its own rows alive, not the whole ``[B, L]`` tables."""
+        kept = {id(seq) for seq in keep}
+        with torch.inference_mode(False):  # normal tensors, as the table's
+            for seq, (view, lp) in zip(self.members, self.views):
+                if id(seq) not in kept:
+                    if seq.canvas is view:
+                        seq.canvas = view.clone()
+                    if seq.logprobs is lp:
+                        seq.logprobs = lp.clone()
+
     def holds(self, seqs: list[Sequence]) -> bool:
         """Whether the members are ``seqs``, in this order, and each one's canvas and log-probabilities are still
         its row's views."""
@@ -170,6 +183,8 @@ def table_of(denoiser, seqs: list[Sequence]) -> PlainTable:
     """``denoiser.table`` when it :meth:`~PlainTable.holds` ``seqs``, else a new :class:`PlainTable` of them."""
     table = denoiser.table
     if table is None or not table.holds(seqs):
+        if table is not None:
+            table.release(seqs)  # those that left: their own rows
         table = denoiser.table = PlainTable(seqs)
     return table
 
@@ -216,6 +231,7 @@ def table_step(denoiser, seqs: list[Sequence], groups: list[list[int]]) -> list[
             kv.commit_all(todo)
     events = _apply(table, seqs, packed, rows, at, counts, segments)
     if any(seq.finished for seq in seqs):
+        table.release()  # every member its own rows (the next step copies the others into a new table)
         denoiser.table = None  # the next step's members differ: hold no finished sequence until then
     return events
 

@@ -538,3 +538,32 @@ def test_under_fake_cuda_in_bfloat16(absolute, monkeypatch):
         assert model.device.type == "cuda"
         calls = _same(model, reqs, monkeypatch, cache="prefix", actions={0: split})
     assert max(calls) == 3
+
+
+def test_a_sequence_that_left_the_table_holds_only_its_own_rows(models):
+    """A sequence that left the table (finished, aborted, or paused for a starved request) and that a caller still
+    holds (a server's stream holds its choices until the client has read them) keeps only its own canvas and
+    log-probabilities alive, not the whole ``[B, L]`` tables of the batch it left (B times its own memory each)."""
+    model = models["bidirectional"]
+    engine = LLM(model)._engine(4)
+    tok, held = model.tokenizer, []
+
+    def add(i: int, max_tokens: int, n: int = 1, group: str | None = None):
+        held.extend(engine.add_request(tok(PROMPTS[i]).input_ids, SamplingParams(
+            max_tokens=max_tokens, temperature=0, block_size=2, speculative=False, cache="none", ignore_eos=True),
+            f"h{len(held)}", n=n, group=group))
+
+    add(0, 6)
+    add(4, 16, n=3)
+    for step in range(60):
+        if step == 2:
+            add(1, 6)  # another group: starved, it pauses one of the n=3 request's choices
+        if step == 5:
+            engine.abort("h1")  # ... and the n=3 request is aborted a few steps later
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert engine.scheduler.preemptions and all(s.finished for s in held)
+    for s in held:
+        assert s.canvas.untyped_storage().nbytes() == s.length * 8, s.request_id
+        assert s.logprobs.untyped_storage().nbytes() == s.gen_len * 4, s.request_id
