@@ -154,6 +154,7 @@ class PlainTable:
                 self.canvas[b, :seq.length] = seq.canvas
                 self.logprobs[b, :seq.gen_len] = seq.logprobs
                 seq.canvas, seq.logprobs = self.canvas[b, :seq.length], self.logprobs[b, :seq.gen_len]
+                seq.host_canvas()  # its NumPy views memo now of the new rows (it held the old table's views)
         self.views = [(seq.canvas, seq.logprobs) for seq in seqs]
         self.host, self.host_lp = self.canvas.numpy(), self.logprobs.numpy()
         self.prompt_lens = np.array([seq.prompt_len for seq in seqs], dtype=np.int64)
@@ -171,6 +172,7 @@ class PlainTable:
                         seq.canvas = view.clone()
                     if seq.logprobs is lp:
                         seq.logprobs = lp.clone()
+                    seq.host_canvas()  # its NumPy views memo now of its own tensors (it held the old views)
 
     def holds(self, seqs: list[Sequence]) -> bool:
         """Whether the members are ``seqs``, in this order, and each one's canvas and log-probabilities are still

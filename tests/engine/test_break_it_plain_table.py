@@ -540,13 +540,23 @@ def test_under_fake_cuda_in_bfloat16(absolute, monkeypatch):
     assert max(calls) == 3
 
 
-def test_a_sequence_that_left_the_table_holds_only_its_own_rows(models):
+def test_a_sequence_that_left_the_table_holds_only_its_own_rows(models, monkeypatch):
     """A sequence that left the table (finished, aborted, or paused for a starved request) and that a caller still
     holds (a server's stream holds its choices until the client has read them) keeps only its own canvas and
     log-probabilities alive, not the whole ``[B, L]`` tables of the batch it left (B times its own memory each)."""
+    import weakref
+
+    from unmask.engine import plain_batch
+
     model = models["bidirectional"]
     engine = LLM(model)._engine(4)
-    tok, held = model.tokenizer, []
+    tok, held, tables, real = model.tokenizer, [], [], plain_batch.PlainTable.__init__
+
+    def tracked(self, seqs):
+        real(self, seqs)
+        tables.extend((weakref.ref(self.canvas), weakref.ref(self.logprobs)))
+
+    monkeypatch.setattr(plain_batch.PlainTable, "__init__", tracked)
 
     def add(i: int, max_tokens: int, n: int = 1, group: str | None = None):
         held.extend(engine.add_request(tok(PROMPTS[i]).input_ids, SamplingParams(
@@ -567,3 +577,31 @@ def test_a_sequence_that_left_the_table_holds_only_its_own_rows(models):
     for s in held:
         assert s.canvas.untyped_storage().nbytes() == s.length * 8, s.request_id
         assert s.logprobs.untyped_storage().nbytes() == s.gen_len * 4, s.request_id
+    gc.collect()
+    assert len(tables) > 4 and not [t for t in tables if t() is not None]  # no table kept alive by anything
+
+
+def test_no_old_table_stays_alive_while_requests_join(models, monkeypatch):
+    """A request joining at every step (a new table each step, its members mostly not at their stop-rule position,
+    so their steps never read their canvas through ``Request.host_canvas``): after each step only the current table
+    is alive (each member's memo of its NumPy views kept the views of the table it was in before: up to one old
+    ``[B, L]`` table per member alive)."""
+    import weakref
+
+    from unmask.engine import plain_batch
+
+    model = models["bidirectional"]
+    engine = LLM(model)._engine(16)
+    tables, real = [], plain_batch.PlainTable.__init__
+
+    def tracked(self, seqs):
+        real(self, seqs)
+        tables.append((weakref.ref(self.canvas), weakref.ref(self.logprobs)))
+
+    monkeypatch.setattr(plain_batch.PlainTable, "__init__", tracked)
+    params = SamplingParams(max_tokens=16, temperature=0, block_size=8, speculative=False, cache="none",
+                            ignore_eos=True)
+    for k in range(10):
+        engine.add_request(model.tokenizer(PROMPTS[k % len(PROMPTS)]).input_ids, params, f"j{k}")
+        engine.step()
+        assert len(tables) == k + 1 and sum(c() is not None or lp() is not None for c, lp in tables) == 1, k
