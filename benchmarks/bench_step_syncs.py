@@ -76,7 +76,9 @@ def count(checkpoint: Path, path: dp.DecodingPath, batch: int, max_tokens: int,
             llm = LLM(load_model(checkpoint, device="cuda", dtype="float32"), max_batch_size=max(16, batch))
             params = SamplingParams.from_flat(**dict(path.params, max_tokens=max_tokens, ignore_eos=True))
             prompts = [dp.PROMPTS[i % len(dp.PROMPTS)] for i in range(batch)]
-            llm.generate(prompts[:1], params)  # warm-up: first-call work (tokenizer caches, lazy imports)
+            # warm-up: first-call work (tokenizer caches, lazy imports) and every prompt's shape once (the canvas-shape
+            # caches: a batch of 1 would otherwise run warm and a batch of 8 meet two shapes it never saw)
+            llm.generate(list(dict.fromkeys(prompts)), params)
             with SyncCounter("cuda") as c, c.forward_methods(LoadedModel, ("hidden_states", "logits")), \
                     c.step_method(step_cls, step_name):
                 outs = llm.generate(prompts, params)
