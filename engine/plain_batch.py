@@ -343,6 +343,8 @@ def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np
     # reveal order: by row, then (quota windows) descending score, then position; a stable sort keeps ties ascending
     order = np.lexsort((np.where(quota_row, -prob, 0.0), rows))
     order = order[chosen[order]]
+    if np.isnan(prob[order]).any():  # a NaN score (a broken forward): the general path's own sort, not lexsort's
+        order = _picked_order(chosen, prob, rows, [q is not None for q, _ in segments])
     r, pos = rows[order], at[order]
     toks = packed[order, 0].astype(np.int64)
     rel = pos - table.prompt_lens[r]
@@ -376,6 +378,19 @@ def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np
             events.append(seq.event(block, step, revealed, view))
         lo = hi
     return events
+
+
+def _picked_order(chosen: np.ndarray, prob: np.ndarray, rows: np.ndarray, quota: list[bool]) -> np.ndarray:
+    """The chosen rows' reveal order as ``HostRows.picked`` sorts them (Python's ``sorted`` by descending score in
+    a quota window, in which a NaN compares equal to every score; ascending in a threshold window), sequence by
+    sequence: ``[k]`` int64 indices into the step's rows."""
+    flat = np.flatnonzero(chosen)  # by sequence, then position
+    score = prob.tolist()
+    out: list[int] = []
+    for b, by_score in enumerate(quota):
+        mine = flat[rows[flat] == b].tolist()
+        out += sorted(mine, key=lambda i: -score[i]) if by_score else mine
+    return np.asarray(out, dtype=np.int64)
 
 
 def _canvas_views(table: PlainTable, seqs: list[Sequence]) -> list[list[int | None]]:
