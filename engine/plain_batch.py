@@ -3,10 +3,10 @@
 The common request - plain block-wise unmasking without a KV cache (``cache="none"``, the default on bidirectional
 models) or with Fast-dLLM's ``prefix`` cache, one lane, no grammar, no per-row sampling extras - needs nothing per
 sequence between its reveals but a few counters. :func:`table_step` runs one denoising step of many such sequences
-over ``[B, ...]`` tables instead of per-sequence objects: the canvases stacked once, the masked window positions found by one NumPy pass, the forward's
-inputs and mask built once per batch geometry (kept while the rows' blocks stay), one LM-head gather, the draws,
-scores and reveal rule over every row at once (the sampler's and the reveal rule's own functions), one
-device-to-host copy, the canvas and log-probability writes as array writes. What stays per sequence is what the
+over ``[B, ...]`` tables instead of per-sequence objects: the canvases stacked once, the masked window positions
+found by one NumPy pass, the forward's inputs and mask built once per batch geometry (kept while the rows' blocks
+stay), one LM-head gather, the draws, scores and reveal rule over every row at once (the sampler's and the reveal
+rule's own functions), one device-to-host copy, the canvas and log-probability writes as array writes. What stays per sequence is what the
 host must know: its counters, the stop rules when its revealed prefix grew, and its :class:`StepEvent`.
 
 The tokens, log-probabilities, events and their order equal the general path's
@@ -140,8 +140,9 @@ class PlainTable:
     ``logprobs`` ``[B, G]`` float32 host tensors (``L``, ``G``: the longest canvas and generation region), whose row
     ``b`` each sequence's ``canvas`` / ``logprobs`` are views of from then on (so every reader and writer of a
     sequence's state sees the table). A new member list gets new tables; a sequence that left gets copies of its own
-    rows (:meth:`release`: it keeps no old table alive, and nothing writes an old table again). The tables are normal tensors, made outside inference mode (the step runs
-    in it): a caller may still write a sequence's canvas in place between steps, as before its first table step."""
+    rows (:meth:`release`: it keeps no old table alive, and nothing writes an old table again). The tables are normal
+    tensors, made outside inference mode (the step runs in it): a caller may still write a sequence's canvas in place
+    between steps, as before its first table step."""
 
     def __init__(self, seqs: list[Sequence]):
         self.members = list(seqs)  # held: an id() of a finished sequence may be reused by a new one
@@ -158,7 +159,6 @@ class PlainTable:
         self.views = [(seq.canvas, seq.logprobs) for seq in seqs]
         self.host, self.host_lp = self.canvas.numpy(), self.logprobs.numpy()
         self.prompt_lens = np.array([seq.prompt_len for seq in seqs], dtype=np.int64)
-
 
     def release(self, keep: list[Sequence] = ()) -> None:
         """Give each member not in ``keep`` whose canvas and log-probabilities are still its row's views copies of
