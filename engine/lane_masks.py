@@ -17,9 +17,10 @@ __all__ = ["forward_mask", "sees_every_key"]
 
 
 def sees_every_key(inp, lane: LaneCache) -> bool:
-    """Whether every chunk row of ``inp`` (a ``LaneInput``, or what it holds of ``grp``, ``start``, ``one_group``) may attend to every cached key of ``lane`` and every chunk key (the
-    attention rule of ``unmask.engine.attention`` on host metadata): the rows form one group, and each cached key is
-    in that group or committed before the group starts. Then the lane's attention needs no mask."""
+    """Whether every chunk row of ``inp`` (a ``LaneInput``, or anything with its ``grp``, ``start`` and
+    ``one_group``) may attend to every cached key of ``lane`` and every chunk key (the attention rule of
+    ``unmask.engine.attention`` on host metadata): the rows form one group, and each cached key is in that group or
+    committed before the group starts. Then the lane's attention needs no mask."""
     grp = inp.grp
     one = inp.one_group if inp.one_group is not None else bool(grp.numel()) and bool((grp == grp[0]).all())
     if not one:

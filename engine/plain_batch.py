@@ -6,8 +6,9 @@ sequence between its reveals but a few counters. :func:`table_step` runs one den
 over ``[B, ...]`` tables instead of per-sequence objects: the canvases stacked once, the masked window positions
 found by one NumPy pass, the forward's inputs and mask built once per batch geometry (kept while the rows' blocks
 stay), one LM-head gather, the draws, scores and reveal rule over every row at once (the sampler's and the reveal
-rule's own functions), one device-to-host copy, the canvas and log-probability writes as array writes. What stays per sequence is what the
-host must know: its counters, the stop rules when its revealed prefix grew, and its :class:`StepEvent`.
+rule's own functions), one device-to-host copy, the canvas and log-probability writes as array writes. What stays
+per sequence is what the host must know: its counters, the stop rules when its revealed prefix grew, and its
+:class:`StepEvent`.
 
 The tokens, log-probabilities, events and their order equal the general path's
 (``Sequence.lane_inputs`` -> ``Denoiser._forward`` -> ``batch_step.reveal_batch``; tested) on every device and dtype,
