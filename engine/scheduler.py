@@ -395,9 +395,15 @@ class Scheduler:
         """Fill the free slots fairly, then let starved requests take a slot from the largest holder (see the
         module docstring). The fill keeps its counts (sequences per group, reserved tokens) up to date as it joins
         instead of recounting the batch per slot (issue 42: a batch of B filled in O(B), not O(B^2))."""
+        self._grow_pool_for_burst()
+        if self._fill():
+            self._share_with_starved()
+
+    def _fill(self) -> bool:
+        """Join the least-served waiting choices while slots are free (:meth:`_admit`'s first part); False when it
+        stopped at a choice the budget cannot take."""
         held: collections.Counter | None = None
         reserved: int | None = None
-        self._grow_pool_for_burst()
         while self.waiting and len(self.running) < self.max_batch_size:
             if held is None:
                 held = self._counts(self.running)
@@ -405,11 +411,16 @@ class Scheduler:
             if reserved is None and self.running and self.max_cached_tokens is not None:
                 reserved = self.reserved_tokens()  # read by _fits only then
             if not self._fits(seq, reserved or 0):
-                return
+                return False
             if reserved is not None and seq not in self.paused:  # a paused sequence's reservation already counts
                 reserved += self.need(seq)
             self._join(seq)
             held[seq.group] += 1
+        return True
+
+    def _share_with_starved(self) -> None:
+        """A waiting request with no running choice takes a slot from the largest holder above its fair share
+        (:meth:`_admit`'s second part; the holder's choice paused, resumed later)."""
         while self.waiting:
             held = self._counts(self.running)
             starved = next((s for s in self.waiting if held[s.group] == 0), None)

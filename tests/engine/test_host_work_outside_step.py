@@ -71,23 +71,7 @@ def _recounting_admit(self: Scheduler) -> None:
         if not self._fits(seq, self.reserved_tokens()):
             return
         self._join(seq)
-    while self.waiting:
-        held = self._counts(self.running)
-        starved = next((s for s in self.waiting if held[s.group] == 0), None)
-        if starved is None or not held:
-            return
-        share = max(1, self.max_batch_size // len(held | self._counts(self.waiting)))
-        holder, count = held.most_common(1)[0]
-        if count <= share or not self._fits(starved, self.reserved_tokens()):
-            return
-        victim = next((s for s in reversed(self.running) if s.group == holder and not s.finished), None)
-        if victim is None:
-            return
-        self.running.remove(victim)
-        self.waiting.appendleft(victim)
-        self.paused.add(victim)
-        self.preemptions += 1
-        self._join(starved)
+    self._share_with_starved()  # the second part, unchanged
 
 
 def _scenario(model, seed: int) -> list:
