@@ -23,8 +23,8 @@ from . import lane_masks
 from .kv_cache import BatchKV
 from .noise import GUMBEL, row_keys_of
 from .outputs import StepEvent, revealed_token
-from .reveal_rule import choose_rows, reveal_count
-from .sampler import forbid, gumbel_argmax, log_normalizer, sampling_temperature
+from .reveal_rule import reveal_count, select_segments
+from .sampler import Candidates, forbid, gumbel_argmax, log_normalizer, sampling_temperature
 from .sequence import Sequence, chunk_metadata
 from .transfer import to_device
 
@@ -292,7 +292,6 @@ def _decide(denoiser, seqs: list[Sequence], logits: torch.Tensor, rows: np.ndarr
     probability, per sequence its quota or threshold) and their one device-to-host copy: ``(per sequence its
     segment (quota, threshold), [N, 4] float64 host (token, probability, log-probability, chosen))``."""
     dev = logits.device
-    n = len(seqs)
     logits = forbid(logits.float(), denoiser.forbidden)
     tokens = torch.argmax(logits, dim=-1)
     temps = [seq._table_temperature for seq in seqs]
@@ -309,27 +308,16 @@ def _decide(denoiser, seqs: list[Sequence], logits: torch.Tensor, rows: np.ndarr
     lse = log_normalizer(logits)
     logp = logits.gather(-1, tokens[:, None])[:, 0].to(torch.float64) - lse
     probability = logp.exp()
-    segments = []
+    flat, lo = [], 0  # per sequence its window's rows and rule, as Sequence.reveal_segments gives it
     for seq, c in zip(seqs, counts.tolist()):
-        if seq.threshold is not None:
-            segments.append((None, seq.threshold))
-        else:
-            segments.append((reveal_count(c, seq.window_steps[seq.win_idx] - seq.step_in_window), None))
-    W = int(counts.max())
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    col = np.arange(W)[None, :]
-    N = int(counts.sum())
-    table = np.where(col < counts[:, None], starts[:, None] + col, N)
-    quota = [1 if t is not None else max(1, min(int(q or 1), c)) for (q, t), c in zip(segments, counts.tolist())]
-    both = to_device(torch.from_numpy(np.concatenate([table, np.asarray(quota, dtype=np.int64)[:, None]], 1)), dev)
-    tau = None
-    if any(t is not None for _, t in segments):
-        tau = to_device(torch.tensor([[2.0 if t is None else float(t)] for _, t in segments], dtype=torch.float64),
-                        dev)
-    chosen = choose_rows(probability, probability, both[:, :W], both[:, W:], tau)
+        quota = None if seq.threshold is not None else reveal_count(
+            c, seq.window_steps[seq.win_idx] - seq.step_in_window)
+        flat.append((lo, lo + c, quota, seq.threshold))
+        lo += c
+    chosen = select_segments(Candidates(tokens, probability, probability, logp.float()), flat)
     packed = torch.stack([tokens.to(torch.float64), probability, logp.float().to(torch.float64),
                           chosen.to(torch.float64)], 1).cpu().numpy()  # the step's one device-to-host copy
-    return segments, packed
+    return [(q, t) for _, _, q, t in flat], packed
 
 
 def _apply(table: PlainTable, seqs: list[Sequence], packed: np.ndarray, rows: np.ndarray, at: np.ndarray,

@@ -268,15 +268,16 @@ class PrefixCache:
         if root is None:
             return 0
         C = self.chunk_tokens_of(seq)
-        if len(seq.prefix_chain) >= self._storable(seq) // C:
+        n_chunks = self._storable(seq) // C
+        if len(seq.prefix_chain) >= n_chunks:
             return 0
         with torch.inference_mode():
-            return self._register(seq, root, C)
+            return self._register(seq, root, C, n_chunks)
 
-    def _register(self, seq, root, C: int) -> int:
-        """:meth:`register` past its early returns (``root``: the chain's root; ``C``: tokens per chunk)."""
+    def _register(self, seq, root, C: int, n_chunks: int) -> int:
+        """:meth:`register` past its early returns (``root``: the chain's root; ``C``: tokens per chunk;
+        ``n_chunks``: the complete chunks storable now)."""
         chain = seq.prefix_chain
-        n_chunks = self._storable(seq) // C
         lane = seq.lanes[0].cache
         protect = set(chain)
         added = 0
